@@ -1,0 +1,146 @@
+"""The run format, defined once in code.
+
+`docs/FORMAT.md` describes the same thing in prose; `tests/test_schema.py`
+keeps the two in step (every table there must list exactly these columns with
+these Arrow types). Writers (the recorder) and readers (the analyzer) both
+import this module, so a column cannot be renamed on one side only.
+
+Evolution rule: readers ignore columns they do not know; a minor version adds
+columns or manifest keys; a new major version changes the meaning of existing
+ones and makes older readers refuse the run with an upgrade message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+FORMAT_NAME = "amp-postmortem-run"
+SCHEMA_VERSION = "1.0"
+SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
+
+BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"
+BUNDLE_SCHEMA_VERSION = "1.0"
+
+# float16 limits the statistics are measured against (IEEE binary16).
+FP16_MAX = 65504.0
+FP16_MIN_NORMAL = 6.103515625e-05  # 2**-14
+FP16_MIN_SUBNORMAL = 5.960464477539063e-08  # 2**-24
+
+# Names of the pseudo-tensors that are not module outputs.
+INPUT_NAME = "<input>"
+LOSS_NAME = "<loss>"
+
+KINDS = ("input", "activation", "grad_output", "grad_input", "param_grad", "param", "loss")
+PHASES = ("forward", "backward")
+
+# Key-value metadata stamped into every Parquet shard's footer, so a shard
+# copied out of its run directory still says what it is.
+META_FORMAT = b"amp_postmortem.format"
+META_SCHEMA_VERSION = b"amp_postmortem.schema_version"
+META_RUN_ID = b"amp_postmortem.run_id"
+META_RANK = b"amp_postmortem.rank"
+META_WORLD_SIZE = b"amp_postmortem.world_size"
+META_TABLE = b"amp_postmortem.table"
+META_FIRST_STEP = b"amp_postmortem.first_step"
+META_LAST_STEP = b"amp_postmortem.last_step"
+META_NONFINITE_ROWS = b"amp_postmortem.nonfinite_rows"
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType
+    unit: str
+    description: str
+    nullable: bool = True
+
+
+STEP_COLUMNS: tuple[Column, ...] = (
+    Column("step", pa.int64(), "step", "Optimizer step index: counts `rec.step()` calls from 0, or the caller's own step number.", False),
+    Column("rank", pa.int32(), "-", "Rank of the process that recorded the row (0 without torch.distributed).", False),
+    Column("wall_time", pa.float64(), "s", "Unix time when `rec.step()` was called."),
+    Column("loss", pa.float64(), "-", "The loss passed to `rec.step()` (unscaled, as computed); NaN/Inf kept as is."),
+    Column("loss_scale", pa.float64(), "-", "Loss scale after `scaler.update()`, i.e. the scale the next step uses. Null without an enabled scaler."),
+    Column("loss_scale_before", pa.float64(), "-", "Loss scale in force during this step's backward (before `update()`). Null without an enabled scaler."),
+    Column("growth_tracker", pa.int64(), "steps", "GradScaler growth tracker after `update()`: clean steps since the last growth or backoff."),
+    Column("skipped", pa.bool_(), "-", "True when the scaler found Inf/NaN gradients and the optimizer did not step.", False),
+    Column("lr", pa.list_(pa.float64()), "-", "Learning rate of each optimizer parameter group, in group order. Null without an optimizer."),
+    Column("grad_norm", pa.float64(), "-", "Global L2 norm of the unscaled parameter gradients recorded this step (Inf/NaN when any gradient is non-finite)."),
+    Column("nonfinite_param_grads", pa.int32(), "params", "Number of parameters whose gradient holds a NaN or Inf."),
+    Column("micro_batches", pa.int32(), "-", "Forward passes of the model (in grad mode) aggregated into this step."),
+    Column("tier", pa.string(), "-", "`cheap` or `full`: which statistics the tensor rows of this step carry."),
+    Column("tensor_rows", pa.int32(), "rows", "Number of rows this step wrote to the tensors table."),
+)
+
+TENSOR_COLUMNS: tuple[Column, ...] = (
+    Column("step", pa.int64(), "step", "Optimizer step index (joins the steps table).", False),
+    Column("rank", pa.int32(), "-", "Rank of the process that recorded the row.", False),
+    Column("name", pa.string(), "-", "Qualified module name as in `named_modules()` (`\"\"` is the model itself), parameter name as in `named_parameters()`, or `<input>` / `<loss>`.", False),
+    Column("kind", pa.string(), "-", "One of `input`, `activation`, `grad_output`, `grad_input`, `param_grad`, `param`, `loss`.", False),
+    Column("phase", pa.string(), "-", "`forward` or `backward`.", False),
+    Column("order", pa.int32(), "-", "Position in the phase's execution order within the step (hook firing order, from 0; first micro-batch).", False),
+    Column("call", pa.int32(), "-", "Which call of the module within a micro-batch (0 for the first) when a module runs several times per step.", False),
+    Column("dtype", pa.string(), "-", "torch dtype of the tensor, e.g. `float16`."),
+    Column("numel", pa.int64(), "values", "Number of values summarised (summed over micro-batches and over the tensors of a tuple/dict output)."),
+    Column("absmax", pa.float64(), "-", "Largest finite absolute value. Gradients of `grad_output`/`grad_input` rows are the scaled values that travelled; `param_grad` rows are unscaled."),
+    Column("nan_count", pa.int64(), "values", "Number of NaN values.", False),
+    Column("inf_count", pa.int64(), "values", "Number of +Inf or -Inf values.", False),
+    Column("input_nonfinite", pa.int64(), "values", "`activation` rows: NaN/Inf values among the module's tensor inputs (positional and keyword); `grad_input` rows: NaN/Inf values in the gradient the module received at its outputs. Null otherwise."),
+    Column("min", pa.float64(), "-", "Full tier: smallest finite value (null in the cheap tier)."),
+    Column("max", pa.float64(), "-", "Full tier: largest finite value."),
+    Column("mean", pa.float64(), "-", "Full tier: mean of the finite values."),
+    Column("rms", pa.float64(), "-", "Full tier: root mean square of the finite values."),
+    Column("zero_share", pa.float64(), "fraction", "Full tier: share of values that are exactly zero."),
+    Column("below_normal_share", pa.float64(), "fraction", "Full tier: share of non-zero finite values with |x| < 6.1035e-5 (float16 subnormal or flushed)."),
+    Column("below_subnormal_share", pa.float64(), "fraction", "Full tier: share of non-zero finite values with |x| < 5.96e-8 (round to zero in float16)."),
+    Column("near_overflow_share", pa.float64(), "fraction", "Full tier: share of finite values with |x| >= the recorder's near-overflow threshold (default 65504: would be Inf in float16)."),
+)
+
+# Statistic columns filled from the device-side statistic vector, in order.
+CHEAP_STATS = ("absmax", "nan_count", "inf_count", "input_nonfinite")
+FULL_STATS = CHEAP_STATS + (
+    "min", "max", "mean", "rms", "zero_share",
+    "below_normal_share", "below_subnormal_share", "near_overflow_share",
+)
+
+BUNDLE_TENSOR_COLUMNS: tuple[Column, ...] = (
+    Column("name", pa.string(), "-", "Parameter/buffer name, or the path of an input inside the call's arguments (see FORMAT.md).", False),
+    Column("role", pa.string(), "-", "One of `param`, `buffer`, `input`, `grad_output`, `rng`.", False),
+    Column("micro_batch", pa.int32(), "-", "Micro-batch index for `input` and `grad_output` rows, -1 otherwise.", False),
+    Column("dtype", pa.string(), "-", "torch dtype, e.g. `bfloat16`.", False),
+    Column("shape", pa.list_(pa.int64()), "-", "Tensor shape.", False),
+    Column("requires_grad", pa.bool_(), "-", "Whether the tensor required grad when captured.", False),
+    Column("data", pa.large_binary(), "bytes", "Raw little-endian bytes of the contiguous tensor (bit-exact, also for float16/bfloat16).", False),
+)
+
+
+def arrow_schema(columns: tuple[Column, ...], metadata: dict | None = None) -> pa.Schema:
+    return pa.schema(
+        [pa.field(c.name, c.type, nullable=c.nullable) for c in columns],
+        metadata=metadata,
+    )
+
+
+STEP_SCHEMA = arrow_schema(STEP_COLUMNS)
+TENSOR_SCHEMA = arrow_schema(TENSOR_COLUMNS)
+BUNDLE_TENSOR_SCHEMA = arrow_schema(BUNDLE_TENSOR_COLUMNS)
+
+TABLES = {"steps": STEP_COLUMNS, "tensors": TENSOR_COLUMNS, "bundle tensors": BUNDLE_TENSOR_COLUMNS}
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    major, _, minor = str(version).partition(".")
+    return int(major), int(minor or 0)
+
+
+# Paths inside a run directory.
+MANIFEST_FILE = "manifest.json"
+RANK_DIR = "rank={rank}"
+STEPS_DIR = "steps"
+TENSORS_DIR = "tensors"
+SHARD_FILE = "part-{index:06d}.parquet"
+BUNDLES_DIR = "bundles"
+BUNDLE_DIR = "step={step}/rank={rank}"
+BUNDLE_MANIFEST_FILE = "bundle.json"
+BUNDLE_TENSORS_FILE = "tensors.parquet"
