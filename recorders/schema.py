@@ -92,9 +92,9 @@ TENSOR_COLUMNS: tuple[Column, ...] = (
     Column("mean", pa.float64(), "-", "Full tier: mean of the finite values."),
     Column("rms", pa.float64(), "-", "Full tier: root mean square of the finite values."),
     Column("zero_share", pa.float64(), "fraction", "Full tier: share of values that are exactly zero."),
-    Column("below_normal_share", pa.float64(), "fraction", "Full tier: share of non-zero finite values with |x| < 6.1035e-5 (float16 subnormal or flushed)."),
-    Column("below_subnormal_share", pa.float64(), "fraction", "Full tier: share of non-zero finite values with |x| < 5.96e-8 (round to zero in float16)."),
-    Column("near_overflow_share", pa.float64(), "fraction", "Full tier: share of finite values with |x| >= the recorder's near-overflow threshold (default 65504: would be Inf in float16)."),
+    Column("below_normal_share", pa.float64(), "fraction", "Full tier: share of non-zero finite values with abs(x) < 6.1035e-5 (float16 subnormal or flushed)."),
+    Column("below_subnormal_share", pa.float64(), "fraction", "Full tier: share of non-zero finite values with abs(x) < 5.96e-8 (round to zero in float16)."),
+    Column("near_overflow_share", pa.float64(), "fraction", "Full tier: share of finite values with abs(x) >= the recorder's near-overflow threshold (default 65504: would be Inf in float16)."),
 )
 
 # Statistic columns filled from the device-side statistic vector, in order.

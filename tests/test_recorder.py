@@ -1,0 +1,298 @@
+"""The recorder: what it writes, and that it never changes or stops the training."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from recorders import AmpRecorder, schema
+from tiny_models import FancyOutputs, PlantedNet, TinyNet, batches, train
+
+
+def read(run, table, rank=0):
+    return ds.dataset(run / f"rank={rank}" / table, format="parquet").to_table().to_pandas()
+
+
+def recorder(run, **kw):
+    return lambda model, opt, sc: AmpRecorder(run, model, optimizer=opt, scaler=sc, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_recording_does_not_change_one_bit_of_training(tmp_path, dtype):
+    data = batches(8)
+    torch.manual_seed(0)
+    plain = train(TinyNet(), data, dtype=dtype, scaler=dtype == torch.float16)
+    torch.manual_seed(0)
+    recorded = train(TinyNet(), data, dtype=dtype, scaler=dtype == torch.float16,
+                     recorder_factory=recorder(tmp_path / "run", full_every=2))
+    assert plain[0] == recorded[0]
+    assert plain[1] == recorded[1]
+    assert all(torch.equal(a, b) for a, b in zip(plain[2], recorded[2]))
+    assert len(read(tmp_path / "run", "steps")) == 8
+
+
+def test_every_column_round_trips_with_the_documented_types(tmp_path):
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    losses, scales, _, _ = train(TinyNet(), batches(4), recorder_factory=recorder(run, full_every=2))
+    steps_file = next((run / "rank=0" / "steps").glob("*.parquet"))
+    tensors_file = next((run / "rank=0" / "tensors").glob("*.parquet"))
+    assert pq.read_schema(steps_file).remove_metadata() == schema.STEP_SCHEMA
+    assert pq.read_schema(tensors_file).remove_metadata() == schema.TENSOR_SCHEMA
+    meta = pq.read_schema(tensors_file).metadata
+    assert meta[schema.META_SCHEMA_VERSION] == schema.SCHEMA_VERSION.encode()
+    assert meta[schema.META_RANK] == b"0" and meta[schema.META_WORLD_SIZE] == b"1"
+
+    steps = read(run, "steps")
+    assert steps["step"].tolist() == [0, 1, 2, 3]
+    assert steps["loss"].tolist() == pytest.approx(losses, rel=1e-6)
+    assert steps["loss_scale"].tolist() == scales
+    assert steps["loss_scale_before"].tolist() == [65536.0] + scales[:-1]
+    assert steps["tier"].tolist() == ["full", "cheap", "full", "cheap"]
+    assert steps["lr"].iloc[0].tolist() == [0.05]
+    assert (steps["micro_batches"] == 1).all()
+
+    t = read(run, "tensors")
+    assert set(t["kind"]) == {"input", "activation", "grad_output", "grad_input", "param_grad", "param", "loss"}
+    s0 = t[t.step == 0]
+    assert s0[s0.kind == "param"]["name"].tolist()[:2] == ["embed.weight", "embed.bias"]
+    assert s0["min"].notna().all() and t[t.step == 1]["min"].isna().all()
+    # forward hooks fire as modules finish: children before parents
+    fwd = s0[(s0.kind == "activation")].sort_values("order")["name"].tolist()
+    assert fwd.index("blocks.0.attn.qkv") < fwd.index("blocks.0.attn.out") < fwd.index("blocks.0.attn") < fwd.index("blocks.0")
+    assert fwd[-1] == ""
+    # param grads are unscaled; grad_output rows are scaled by 65536
+    head_grad = s0[(s0.name == "head") & (s0.kind == "grad_output")]["absmax"].item()
+    assert head_grad > 100
+    assert s0[s0.kind == "param_grad"]["absmax"].max() < 10
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "closed"
+    assert manifest["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "float16", "cache_enabled": True}
+    assert manifest["scaler"]["init_scale"] == 65536.0
+    assert [m["name"] for m in manifest["modules"]][:3] == ["", "embed", "blocks"]
+    assert manifest["steps_recorded"] == 4
+
+
+def test_skipped_flag_is_exact_against_a_scaler_forced_to_overflow(tmp_path):
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 21, growth_interval=3)
+    stepped = []
+    opt.register_step_post_hook(lambda *a: stepped.__setitem__(-1, True))
+    with AmpRecorder(run, model, optimizer=opt, scaler=sc) as rec:
+        for i, (x, y) in enumerate(batches(16)):
+            stepped.append(False)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((model(x).float() - y) ** 2).mean() * (1e4 if i == 13 else 1.0)
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+            rec.step(loss)
+    steps = read(run, "steps")
+    truth = [not s for s in stepped]
+    assert truth[0] is True  # 2**21 overflows on the very first step
+    assert any(truth) and not all(truth)
+    assert steps["skipped"].tolist() == truth
+
+
+def test_planted_overflow_shows_a_nonfinite_activation_at_its_step_and_order(tmp_path):
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+
+    def arm(step, model):
+        model.boom.armed = step >= 3
+
+    train(PlantedNet(), batches(5), recorder_factory=recorder(run), on_step=arm)
+    t = read(run, "tensors")
+    bad = t[(t.nan_count + t.inf_count > 0) & (t.phase == "forward")]
+    assert bad["step"].min() == 3
+    first = bad[bad.step == 3].sort_values("order").iloc[0]
+    assert first["name"] == "boom" and first["kind"] == "activation"
+    assert first["input_nonfinite"] == 0
+    mid = bad[(bad.step == 3) & (bad.name == "mid")].iloc[0]
+    assert mid["input_nonfinite"] > 0  # mid only propagates it
+    steps = read(run, "steps")
+    assert steps["skipped"].tolist()[3:] == [True, True]
+    assert math.isnan(steps["loss"].iloc[3]) or math.isinf(steps["loss"].iloc[3])
+
+
+def test_gradient_accumulation_aggregates_micro_batches_into_one_step(tmp_path):
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    train(TinyNet(), batches(6), accumulate=3, recorder_factory=recorder(run, full_every=1))
+    steps = read(run, "steps")
+    assert steps["step"].tolist() == [0, 1]
+    assert steps["micro_batches"].tolist() == [3, 3]
+    t = read(run, "tensors")
+    emb = t[(t.step == 0) & (t.name == "embed") & (t.kind == "activation")]
+    assert len(emb) == 1 and emb["numel"].item() == 3 * 4 * 5 * 16
+    assert len(t[(t.step == 0) & (t.kind == "param_grad") & (t.name == "embed.weight")]) == 1
+
+
+def test_outputs_of_any_structure_repeated_calls_frozen_params_and_eval_passes(tmp_path):
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    model = FancyOutputs()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    sc = torch.amp.GradScaler("cpu")
+    with AmpRecorder(run, model, optimizer=opt, scaler=sc) as rec:
+        for x, y in batches(3, d_out=4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+                loss = ((out.logits.float() - y) ** 2).mean() + out.aux.float().mean()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+            with torch.no_grad():
+                model(x)  # an eval pass between steps is not a micro-batch
+            rec.step(loss)
+    t = read(run, "tensors")
+    steps = read(run, "steps")
+    assert steps["micro_batches"].tolist() == [1, 1, 1]
+    shared = t[(t.step == 0) & (t.name == "shared") & (t.kind == "activation")]
+    assert sorted(shared["call"]) == [0, 1]
+    assert set(t[t.kind == "activation"]["name"]) == {"", "shared", "frozen", "split", "split.a", "split.b"}
+    assert "frozen.weight" not in set(t[t.kind == "param_grad"]["name"])
+    root = t[(t.step == 0) & (t.name == "") & (t.kind == "activation")]
+    assert root["numel"].item() == 2 * 4 * 5 * 4  # logits + aux of the dataclass
+
+
+def test_a_hook_that_raises_turns_recording_off_and_training_goes_on(tmp_path, monkeypatch):
+    import recorders.recorder as rr
+    data = batches(6)
+    torch.manual_seed(0)
+    plain = train(TinyNet(), data)
+    calls = {"n": 0}
+    real = rr.tensor_stats
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 100:
+            raise RuntimeError("boom inside a hook")
+        return real(*a, **k)
+
+    monkeypatch.setattr(rr, "tensor_stats", flaky)
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="recording disabled"):
+        recorded = train(TinyNet(), data, recorder_factory=recorder(tmp_path / "run"))
+    assert recorded[0] == plain[0]
+    rec = recorded[3]
+    assert not rec.enabled and rec._hooks == []
+
+
+def test_a_full_disk_turns_recording_off_and_training_goes_on(tmp_path, monkeypatch):
+    import recorders.writer as rw
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rw, "atomic_write_table", full)
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="No space left"):
+        losses, *_ = train(TinyNet(), batches(4), recorder_factory=recorder(tmp_path / "run", steps_per_shard=2))
+    assert len(losses) == 4
+
+
+def test_close_is_idempotent_and_removes_every_hook(tmp_path):
+    model = TinyNet()
+    n_hooks = lambda: sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    before = n_hooks()
+    rec = AmpRecorder(tmp_path / "run", model)
+    assert n_hooks() > before
+    rec.close()
+    rec.close()
+    assert n_hooks() == before
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_include_and_exclude_patterns_choose_the_watched_modules(tmp_path):
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    train(TinyNet(), batches(2), recorder_factory=recorder(run, include=["blocks.*"], exclude=["*.mlp*"]))
+    names = set(read(run, "tensors").query("kind == 'activation'")["name"])
+    assert "" in names and "blocks.0.attn" in names
+    assert not any("mlp" in n for n in names) and "embed" not in names
+
+
+SIGKILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path.insert(0, {tests!r})
+    from recorders import AmpRecorder
+    from tiny_models import TinyNet, batches
+    torch.manual_seed(0)
+    model = TinyNet(); opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cpu")
+    rec = AmpRecorder({run!r}, model, optimizer=opt, scaler=sc, steps_per_shard=5)
+    for i, (x, y) in enumerate(batches(100)):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ((model(x).float() - y) ** 2).mean()
+        sc.scale(loss).backward(); sc.step(opt); sc.update(); opt.zero_grad()
+        rec.step(loss)
+        if i == 23:
+            rec.flush()  # make sure shards 0..3 are on disk, then die hard
+            os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_sigkill_leaves_every_completed_shard_readable(tmp_path):
+    run = tmp_path / "run"
+    script = SIGKILL_SCRIPT.format(tests=os.path.dirname(__file__), run=str(run))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    steps = read(run, "steps")
+    assert steps["step"].tolist() == list(range(24))
+    assert len(read(run, "tensors")) > 0
+    assert json.loads((run / "manifest.json").read_text())["status"] == "open"
+    assert not list(run.rglob("*.parquet.tmp")) or all(p.name.startswith(".") for p in run.rglob("*.tmp"))
+
+
+def _ddp_worker(rank, world, run, port):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = DDP(TinyNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cpu")
+    with AmpRecorder(run, model, optimizer=opt, scaler=sc, run_id="ddp-test") as rec:
+        for x, y in batches(3, seed=rank):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((model(x).float() - y) ** 2).mean()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+            rec.step(loss)
+    dist.destroy_process_group()
+
+
+def test_ddp_with_two_ranks_writes_one_partition_per_rank(tmp_path):
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    mp.spawn(_ddp_worker, args=(2, str(run), port), nprocs=2, join=True)
+    for rank in (0, 1):
+        steps = read(run, "steps", rank)
+        assert steps["rank"].unique().tolist() == [rank]
+        assert len(steps) == 3
+        manifest = json.loads((run / f"rank={rank}" / "manifest.json").read_text())
+        assert manifest["world_size"] == 2 and manifest["run_id"] == "ddp-test"
+        names = set(read(run, "tensors", rank)["name"])
+        assert "module.blocks.0.attn" in names
