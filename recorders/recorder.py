@@ -79,6 +79,19 @@ class _StepState:
         self.device = None
 
 
+class _TensorInfo:
+    """dtype and numel of a tensor, without keeping the tensor alive."""
+
+    __slots__ = ("dtype", "_numel")
+
+    def __init__(self, t):
+        self.dtype = t.dtype
+        self._numel = t.numel()
+
+    def numel(self):
+        return self._numel
+
+
 class _PendingStep:
     __slots__ = ("step", "wall_time", "tier", "micro_batches", "lr", "meta", "width",
                  "packed", "event", "host_scalars", "dev_scalar_keys", "stepped", "has_scaler")
@@ -521,11 +534,14 @@ class AmpRecorder:
             if scale is not None:
                 sq = sq / scale.to(torch.float64) ** 2
             slot = st.param_grads.get(pname)
+            # Keep the statistics, not the gradient: `zero_grad()` must be
+            # able to free it before `rec.step()`.
+            shape = _TensorInfo(g)
             if slot is None:
-                st.param_grads[pname] = [st.bwd_order, s, sq, g]
+                st.param_grads[pname] = [st.bwd_order, s, sq, shape]
                 st.bwd_order += 1
             else:  # gradient accumulation: the last accumulated value wins
-                slot[1], slot[2], slot[3] = s, sq, g
+                slot[1], slot[2], slot[3] = s, sq, shape
         return hook
 
     def _on_opt_pre(self, optimizer, args, kwargs):
