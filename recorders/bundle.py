@@ -1,43 +1,420 @@
-"""Replay bundles: saving the failing step (placeholder interface).
+"""Replay bundles: hold what the failing step needs, and save it when told.
 
-The recorder calls these methods at fixed points of the step; this default
-implementation saves nothing. See docs/FORMAT.md for the bundle layout.
+What happens around step N (training thread unless said otherwise):
+
+- first forward of N (`on_micro_batch_start`, micro-batch 0): a new capture
+  holds references to the inputs, the RNG states, the version counters of
+  parameters and buffers and (when small) a device-side copy of the buffers;
+  every further micro-batch adds its inputs and RNG states;
+- backward: references to the gradients reaching the model's outputs (the
+  scaled values that travelled);
+- optimizer pre-step: a device-side copy of the parameters, taken into
+  preallocated buffers, when there is no GradScaler (or N was asked for up
+  front), so the bundle holds the weights the forward used; held steps still
+  undecided whose weights are still those of their forward (skipped steps)
+  get a copy before the update overwrites them;
+- `rec.step()`: the capture joins the held ones (at most `hold_steps`);
+- writer thread, one step late: `on_step_summary(N)` evaluates the triggers
+  (`bundle_triggers`) on N's copied statistics and records a decision;
+- next training-thread hook: a "no" releases the capture; a "yes" queues
+  device-side copies of whatever is still live and hands the bundle to the
+  writer thread, which copies it to the host and writes it (`bundle_writer`).
+
+Nothing on the training path reads a device value: decisions use host-side
+statistics, version counters and what the scaler already synchronised.
 """
 from __future__ import annotations
+
+import functools
+import queue
+import threading
+import time
+import warnings
+from collections import OrderedDict
+
+import torch
+
+from . import schema
+from .bundle_state import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now
+from .bundle_triggers import TRIGGERS, BundleTriggers
+from .bundle_writer import bundle_meta, bundle_records, plain_json, precision_flags, write_bundle
+from .stats import iter_tensors
+from .tensor_codec import clone_tree, encode_tree
 
 
 class BundleCapture:
     """Decides when to save a replay bundle and writes it.
 
-    Call sites (all guarded by the recorder: an exception here disables
-    recording, never the training):
-    - training thread: `on_micro_batch_start`, `on_model_output_grad`,
-      `on_optimizer_pre_step`, `on_step_end`, `request`;
-    - writer thread: `on_step_summary` (statistics of a finished step).
+    Options (keyword arguments of `AmpRecorder`):
+    - `bundles=True`: master switch (False: nothing is held or saved);
+    - `bundle_triggers=TRIGGERS`: the automatic triggers in force;
+    - `bundle_steps=()`: steps to save in any case;
+    - `max_bundles=3`, `max_bundle_bytes=64 GiB`: caps per rank and run;
+    - `min_loss_scale=1.0`: threshold of the `scale_low` trigger (None: off);
+    - `settle_steps=10`: consecutive optimizer steps that end the calibration
+      of a fresh GradScaler (skips before that never trigger);
+    - `snapshot_params="auto"`: copy the weights in the optimizer pre-step
+      hook every step (auto: when no GradScaler is enabled); up to two
+      copies exist while the writer decides;
+    - `snapshot_buffers_bytes=64 MiB`: copy the buffers at each step's first
+      forward when they total at most this;
+    - `hold_steps=2`: finished steps held while the writer decides;
+    - `clone_inputs=False`: copy the inputs instead of holding references.
     """
 
-    def __init__(self, recorder, **config):
+    def __init__(self, recorder, *, bundles: bool = True, bundle_triggers=TRIGGERS,
+                 bundle_steps=(), max_bundles: int = 3, max_bundle_bytes: int = 64 << 30,
+                 min_loss_scale: float | None = 1.0, settle_steps: int = 10,
+                 snapshot_params="auto", snapshot_buffers_bytes: int = 64 << 20,
+                 hold_steps: int = 2, clone_inputs: bool = False):
+        if snapshot_params not in ("auto", True, False):
+            raise ValueError(f"snapshot_params={snapshot_params!r} (valid: 'auto', True, False)")
+        has_scaler = recorder._scaler_enabled()
         self.recorder = recorder
-        self.config = config
+        self.enabled = bool(bundles)
+        self.triggers = BundleTriggers(bundle_triggers, has_scaler=has_scaler, max_bundles=max_bundles,
+                                       min_loss_scale=min_loss_scale, settle_steps=settle_steps)
+        self.steps = frozenset(int(s) for s in bundle_steps)
+        self.max_bundle_bytes = int(max_bundle_bytes)
+        self.hold_steps = max(1, int(hold_steps))
+        self.clone_inputs = bool(clone_inputs)
+        opt = recorder.optimizer
+        if snapshot_params == "auto":
+            snapshot_params = not has_scaler and opt is not None and hasattr(opt, "register_step_pre_hook")
+        self.config = {
+            "bundles": self.enabled, "bundle_triggers": list(self.triggers.triggers),
+            "bundle_steps": sorted(self.steps), "max_bundles": self.triggers.max_bundles,
+            "max_bundle_bytes": self.max_bundle_bytes, "min_loss_scale": min_loss_scale,
+            "settle_steps": self.triggers.settle_steps, "snapshot_params": bool(snapshot_params),
+            "snapshot_buffers_bytes": int(snapshot_buffers_bytes), "hold_steps": self.hold_steps,
+            "clone_inputs": self.clone_inputs,
+        }
         self.saved: list[dict] = []
+        self.missed: list[dict] = []
+        self.inventory = inv = ModelInventory(recorder.model)
+        self._param_pool = SnapshotPool(inv.params, 2) if snapshot_params and inv.params else None
+        self._buffer_pool = None
+        if inv.buffers and inv.buffer_bytes() <= snapshot_buffers_bytes:
+            self._buffer_pool = SnapshotPool(inv.buffers, self.hold_steps + 2)
 
+        # training thread
+        self._current: StepCapture | None = None
+        self._held: OrderedDict[int, StepCapture] = OrderedDict()
+        self._evicted: set[int] = set()
+        self._opt_steps = 0
+        self._request_pending = False
+        self._unposted: list = []
+        self._closing = False
+        self._closed = False
+        # shared, under the lock
+        self._lock = threading.Lock()
+        self._decisions: dict[int, dict | None] = {}
+        self._explicit: dict[int, list[str]] = {}
+        self._no_loss: set[int] = set()
+        # writer thread
+        self._bytes_saved = 0
+        self._warned = False
+        tracker = getattr(recorder.scaler, "_growth_tracker", None) if has_scaler else None
+        # A fresh scaler creates its tracker lazily (at 0); a CUDA one is
+        # not read here (that would synchronise).
+        self._tracker = 0 if tracker is None else (int(tracker.item()) if tracker.device.type == "cpu" else None)
+
+    # ------------------------------------------------------ training thread
     def on_micro_batch_start(self, step: int, micro_batch: int, args, kwargs) -> None:
-        pass
+        if not self.enabled:
+            return
+        if micro_batch == 0 or self._current is None:
+            self._service()
+            if self._current is not None:
+                self._release(self._current)  # a step that never reached rec.step()
+            self._current = self._new_capture(step)
+        if self.clone_inputs:
+            args, kwargs = clone_tree(args), clone_tree(kwargs)
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()  # host-side generator state: no sync
+        versions = [(t, t._version) for t in iter_tensors((args, kwargs))]
+        self._current.micro_batches.append(MicroBatch(args, kwargs, versions, rng))
+
+    def _new_capture(self, step: int) -> StepCapture:
+        cap = StepCapture(step)
+        cap.param_versions = self.inventory.param_versions()
+        cap.buffer_versions = self.inventory.buffer_versions()
+        cap.opt_steps = self._opt_steps
+        cap.buffers = self._buffer_pool.take() if self._buffer_pool is not None else None
+        cap.autocast = dict(self.recorder._autocast or {})
+        cap.precision = precision_flags()
+        cap.training = bool(self.recorder.model.training)
+        if self._request_pending:
+            cap.explicit.append("request")
+            self._request_pending = False
+        return cap
+
+    def on_model_outputs(self, micro_batch: int, count: int) -> None:
+        cap = self._current
+        if self.enabled and cap is not None and micro_batch < len(cap.micro_batches):
+            cap.micro_batches[micro_batch].outputs = count
 
     def on_model_output_grad(self, micro_batch: int, index: int, grad) -> None:
-        pass
+        cap = self._current
+        if self.enabled and cap is not None and micro_batch < len(cap.micro_batches):
+            cap.micro_batches[micro_batch].grads[index] = grad
 
     def on_optimizer_pre_step(self) -> None:
-        pass
+        if not self.enabled:
+            return
+        self._service()
+        # The weights are about to change: held, undecided steps whose
+        # weights are still those of their forward (skipped steps) get a copy.
+        for cap in self._held.values():
+            if cap.params is None and self._unchanged(cap):
+                self._secure(cap, clone_now(self.inventory.params), "copy_before_next_update")
+        cap = self._current
+        if cap is not None and cap.params is None:
+            snap = self._param_pool.take() if self._param_pool is not None else None
+            if snap is not None:
+                self._secure(cap, snap, "pre_step_snapshot", pooled=True)
+            elif cap.explicit or cap.step in self.steps:
+                self._secure(cap, clone_now(self.inventory.params), "pre_step_snapshot")
+            opt = self.recorder.optimizer
+            if opt is not None:  # as this step used them: a scheduler may change them later
+                cap.optimizer_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        self._opt_steps += 1
+
+    def _secure(self, cap, params, source, pooled=False) -> None:
+        cap.params, cap.params_source, cap.params_pooled = params, source, pooled
+        cap.params_exact = self._unchanged(cap)
+
+    def _unchanged(self, cap) -> bool:
+        """No optimizer step and no in-place write on any parameter since the
+        capture's forward (version counters live on the host)."""
+        return cap.opt_steps == self._opt_steps and cap.param_versions == self.inventory.param_versions()
 
     def on_step_end(self, step: int, *, loss, stepped: bool | None) -> None:
-        pass
-
-    def on_step_summary(self, summary: dict) -> None:
-        pass
+        if not self.enabled:
+            return
+        cap, self._current = self._current, None
+        if cap is not None:
+            explicit = cap.explicit
+        else:  # save_bundle() in a step without a recorded forward
+            explicit = ["request"] if self._request_pending else []
+            self._request_pending = False
+        if step in self.steps and "step_list" not in explicit:
+            explicit.append("step_list")
+        with self._lock:
+            if explicit:
+                self._explicit[step] = list(explicit)
+            if loss is None:  # the summary then says NaN: not a non-finite loss
+                self._no_loss.add(step)
+        if cap is not None:
+            cap.step, cap.stepped = step, stepped
+            old = self._held.pop(step, None)
+            if old is not None:
+                self._release(old)
+            self._held[step] = cap
+            while len(self._held) > self.hold_steps:
+                old_step, old = self._held.popitem(last=False)
+                self._evicted.add(old_step)  # the writer fell behind: too late for it
+                self._release(old)
+            if len(self._evicted) > 4096:
+                self._evicted.clear()
+        self._service()
 
     def request(self) -> None:
-        pass
+        """`rec.save_bundle()`: save the step the next `rec.step()` closes."""
+        if not self.enabled:
+            return
+        if self._current is None:
+            self._request_pending = True
+        elif "request" not in self._current.explicit:
+            self._current.explicit.append("request")
+
+    def _release(self, cap) -> None:
+        if cap.params_pooled and cap.params is not None:
+            self._param_pool.give(cap.params)
+        if cap.buffers is not None:
+            self._buffer_pool.give(cap.buffers)
+        cap.params = cap.buffers = None
+        cap.micro_batches = []
+
+    def _service(self) -> None:
+        """Apply the writer thread's decisions."""
+        with self._lock:
+            decisions, self._decisions = self._decisions, {}
+        for step, order in decisions.items():
+            cap = self._held.pop(step, None)
+            if order is None:
+                if cap is not None:
+                    self._release(cap)
+            elif cap is None:
+                why = ("the writer decided after the step was released (raise hold_steps)"
+                       if step in self._evicted else "the step was not captured (not recorded, or no forward)")
+                self._post(functools.partial(self._miss, step, order["reasons"], why, refund=True))
+            else:
+                self._post(functools.partial(self._write, self._finalize(cap, order)))
+        if self._unposted:
+            jobs, self._unposted = self._unposted, []
+            for job in jobs:
+                self._post(job)
+
+    def _finalize(self, cap, order) -> PendingBundle:
+        """Queue device-side copies of what is still live; the rest are
+        references nobody writes to any more."""
+        inv = self.inventory
+        p = PendingBundle()
+        p.step, p.order, p.capture = cap.step, order, cap
+        if cap.params is None:
+            exact = self._unchanged(cap)
+            cap.params, cap.params_exact = clone_now(inv.params), exact
+            cap.params_source = "copy_after_forward" if exact else "copy_after_update"
+        elif cap.params_pooled:
+            self._param_pool.forget(cap.params)
+        p.params = cap.params
+        if cap.buffers is not None:
+            self._buffer_pool.forget(cap.buffers)
+            p.buffers, bsource, bexact = cap.buffers, "forward_snapshot", True
+        else:
+            bexact = cap.buffer_versions == inv.buffer_versions()
+            p.buffers = clone_now(inv.buffers)
+            bsource = "copy_after_forward" if bexact else "copy_after_change"
+        cap.params = cap.buffers = None
+        p.inputs, p.specs = [], []
+        for mb in cap.micro_batches:
+            names: dict[int, str] = {}
+            tensors: list = []
+
+            def name_tensor(path, t, names=names, tensors=tensors):
+                # One row per tensor object; a repeated one is referenced twice.
+                if id(t) not in names:
+                    names[id(t)] = path if path not in names.values() else f"{path}#{len(tensors)}"
+                    tensors.append((names[id(t)], t))
+                return names[id(t)]
+
+            p.specs.append({"args": encode_tree(tuple(mb.args), name_tensor, "args"),
+                            "kwargs": encode_tree(dict(mb.kwargs or {}), name_tensor, "kwargs")})
+            p.inputs.append(tensors)
+        opt = self.recorder.optimizer
+        optimizer = None
+        if opt is not None:
+            hyper = cap.optimizer_groups or [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            groups = [dict(h, params=[inv.name_by_id.get(id(t), "?") for t in g["params"]])
+                      for h, g in zip(hyper, opt.param_groups)]
+            optimizer = {"class": f"{type(opt).__module__}.{type(opt).__qualname__}",
+                         "defaults": plain_json({k: v for k, v in opt.defaults.items() if k != "params"}),
+                         "param_groups": plain_json(groups)}
+        p.info = {"inputs_exact": all(t._version == v for mb in cap.micro_batches for t, v in mb.input_versions),
+                  "buffers_source": bsource, "buffers_exact": bexact, "optimizer": optimizer}
+        p.event = None
+        cuda = [t.device for t in p.params + p.buffers if t.device.type == "cuda"]
+        if cuda:
+            # The copies are queued on the training stream: the writer thread
+            # waits on this event, the training thread never does.
+            p.event = torch.cuda.Event()
+            p.event.record(torch.cuda.current_stream(cuda[0]))
+        return p
+
+    def _post(self, job) -> None:
+        """Hand a job to the writer thread (run inline once close() has it)."""
+        rec = self.recorder
+        if self._closing:
+            job()
+        elif rec._thread.is_alive():
+            try:
+                rec._queue.put_nowait(job)
+            except queue.Full:  # never wait on the training path: retry at the next hook
+                self._unposted.append(job)
+
+    # --------------------------------------------------------- writer thread
+    def on_step_summary(self, summary: dict) -> None:
+        if not self.enabled:
+            return
+        step = summary["step"]
+        with self._lock:
+            explicit = self._explicit.pop(step, [])
+            if step in self._no_loss:
+                self._no_loss.discard(step)
+                summary = dict(summary, loss=None)
+        reasons, allowed = self.triggers.decide(summary, explicit)
+        tracker_before, self._tracker = self._tracker, summary.get("growth_tracker", self._tracker)
+        order = None
+        if reasons and not allowed:
+            self._miss(step, reasons, f"max_bundles={self.triggers.max_bundles} reached")
+        elif reasons:
+            order = {"reasons": reasons, "growth_tracker": tracker_before,
+                     "growth_tracker_after": summary.get("growth_tracker"),
+                     "summary": {k: summary.get(k) for k in ("loss", "loss_scale", "loss_scale_before", "skipped")}}
+        with self._lock:
+            self._decisions[step] = order
+
+    def _miss(self, step, reasons, why, refund=False) -> None:
+        if refund:
+            self.triggers.refund()
+        self.missed.append({"step": step, "rank": self.recorder.rank, "reasons": list(reasons), "why": why})
+        self.recorder._manifest["bundles_missed"] = list(self.missed)
+        self.recorder._write_manifest()
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"amp-postmortem: replay bundle of step {step} not saved: {why}", RuntimeWarning)
+
+    def _write(self, p: PendingBundle) -> None:
+        rec = self.recorder
+        try:
+            if p.event is not None:
+                p.event.synchronize()
+            records = list(bundle_records(self.inventory, p))
+            size = sum(t.numel() * t.element_size() for _, _, _, t, _ in records)
+            if self._bytes_saved + size > self.max_bundle_bytes:
+                self._miss(p.step, p.order["reasons"], f"max_bundle_bytes={self.max_bundle_bytes} would be "
+                           f"exceeded ({self._bytes_saved} saved, {size} more)", refund=True)
+                return
+            m = rec._manifest
+            run = {"run_id": rec.run_id, "rank": rec.rank, "world_size": rec.world_size,
+                   "package_version": m.get("package_version"), "device_type": m.get("device_type"),
+                   "device_name": m.get("device_name"), "scaler": m.get("scaler"),
+                   "has_scaler": rec._scaler_enabled(), "recorder": self.config}
+            rel = f"{schema.BUNDLES_DIR}/{schema.BUNDLE_DIR.format(step=p.step, rank=rec.rank)}"
+            files = write_bundle(rec.run_dir / rel, records, bundle_meta(self.inventory, p, run))
+            written = sum(f["bytes"] for f in files.values())
+            self._bytes_saved += size  # raw bytes, as the cap is stated
+            self.saved.append({"step": p.step, "rank": rec.rank, "path": rel, "reason": p.order["reasons"][0],
+                               "reasons": p.order["reasons"], "bytes": written, "created_at": time.time(),
+                               "params_exact": p.capture.params_exact})
+            rec._write_manifest()
+        except Exception as exc:  # noqa: BLE001 - a failed bundle never stops the recording
+            self._miss(p.step, p.order["reasons"], f"{type(exc).__name__}: {exc}", refund=True)
+        finally:
+            p.params = p.buffers = p.inputs = p.capture = None
+
+    # ------------------------------------------------------------ lifecycle
+    def flush(self) -> None:
+        """After the recorder's flush: write the bundles decided so far."""
+        if not self.enabled:
+            return
+        rec = self.recorder
+        try:
+            self._service()
+            if rec._thread.is_alive():
+                done = threading.Event()
+                rec._queue.put(done.set)
+                while not done.wait(0.2):
+                    if rec._failure is not None or not rec._thread.is_alive():
+                        break
+        except Exception as exc:  # noqa: BLE001 - flush() must not stop the training
+            rec._fail(exc)
 
     def close(self) -> None:
-        pass
+        """Called by the recorder after its writer thread has finished:
+        write what was decided (inline), then drop every reference."""
+        if not self.enabled or self._closed:
+            return
+        self._closed = True
+        rec = self.recorder
+        if rec._failure is None and not rec._thread.is_alive():
+            self._closing = True
+            self._service()
+        for cap in list(self._held.values()) + ([self._current] if self._current else []):
+            self._release(cap)
+        self._held.clear()
+        self._current = None
+        self._unposted = []
+        self._param_pool = self._buffer_pool = None

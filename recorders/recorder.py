@@ -75,6 +75,7 @@ class _StepState:
         self.contexts: list[_CallContext] = []
         self.nonfinite_cache: dict[int, tuple] = {}
         self.stepped = False
+        self.param_values: list[tuple] = []
         self.inv_scale_for = None
         self.device = None
 
@@ -129,7 +130,8 @@ class AmpRecorder:
             world_size = dist_world if world_size is None else world_size
         self.rank = int(rank)
         self.world_size = int(world_size)
-        self.run_id = run_id or os.environ.get("AMP_POSTMORTEM_RUN_ID") or uuid.uuid4().hex
+        self.run_id = (run_id or os.environ.get("AMP_POSTMORTEM_RUN_ID")
+                       or _existing_run_id(self.run_dir, rank) or uuid.uuid4().hex)
         self.rank_dir = self.run_dir / schema.RANK_DIR.format(rank=self.rank)
 
         self._enabled = True
@@ -372,11 +374,10 @@ class AmpRecorder:
             self._note_autocast()
         tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
         if st.micro_batches == 1 and st.full:
-            for pname, p in self._params:
-                if p.numel():
-                    self._add_row(st, pname, "param", "forward", st.fwd_order, 0, p,
-                                  self._stats(st, p))
-                    st.fwd_order += 1
+            # Values as this forward sees them; their rows are placed after
+            # the loss at step end so module orders match cheap-tier steps.
+            st.param_values = [(pname, _TensorInfo(p), self._stats(st, p))
+                               for pname, p in self._params if p.numel()]
         if tensors:
             for t in tensors:
                 s = self._stats(st, t)
@@ -437,6 +438,8 @@ class AmpRecorder:
             grad_outs = [t for t in outs if t.requires_grad]
             for idx, t in enumerate(grad_outs):
                 t.register_hook(self._guard(self._make_grad_output_hook(ctx, idx)))
+            if ctx.is_root:
+                self.bundles.on_model_outputs(ctx.micro_batch, len(grad_outs))
             if keys and grad_outs:
                 self._hook_grad_inputs(ctx, keys, grad_outs)
             st.contexts.append(ctx)
@@ -578,6 +581,10 @@ class AmpRecorder:
         if st.record and loss_t is not None and loss_t.numel():
             s = self._stats(st, loss_t.float())
             self._add_row(st, schema.LOSS_NAME, "loss", "forward", st.fwd_order, 0, loss_t, s)
+            st.fwd_order += 1
+        for pname, info, s in st.param_values:
+            self._add_row(st, pname, "param", "forward", st.fwd_order, 0, info, s)
+            st.fwd_order += 1
 
         p = _PendingStep()
         p.step = step_id
@@ -636,7 +643,7 @@ class AmpRecorder:
                 p.packed = packed.to("cpu", non_blocking=True)
         else:
             p.packed = None
-        self.bundles.on_step_end(step_id, loss=loss_t, stepped=p.stepped)
+        self.bundles.on_step_end(step_id, loss=loss_t if loss_t is not None else loss, stepped=p.stepped)
         self._submit(p)
 
         self._step_counter = step_id + 1
@@ -675,6 +682,8 @@ class AmpRecorder:
         done = threading.Event()
         self._queue.put(("flush", done))
         done.wait()
+        if self._enabled:
+            self.bundles.flush()
 
     def close(self) -> None:
         """Flush, write the final manifest and remove every hook. Idempotent."""
@@ -809,8 +818,22 @@ class AmpRecorder:
         self.bundles.on_step_summary({
             "step": p.step, "skipped": bool(skipped), "loss": loss,
             "loss_scale": after, "loss_scale_before": before,
+            "growth_tracker": step_row["growth_tracker"],
             "nonfinite_rows": nonfinite_rows, "columns": cols,
         })
+
+
+def _existing_run_id(run_dir: Path, rank: int) -> str | None:
+    """A job resumed into its old run directory continues that run: same
+    run_id, shard numbering continued, so readers see one run."""
+    import json
+    for path in (run_dir / schema.RANK_DIR.format(rank=rank) / schema.MANIFEST_FILE,
+                 run_dir / schema.MANIFEST_FILE):
+        try:
+            return json.loads(path.read_text())["run_id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 def _dist_rank_world() -> tuple[int, int]:

@@ -105,14 +105,20 @@ FULL_STATS = CHEAP_STATS + (
 )
 
 BUNDLE_TENSOR_COLUMNS: tuple[Column, ...] = (
-    Column("name", pa.string(), "-", "Parameter/buffer name, or the path of an input inside the call's arguments (see FORMAT.md).", False),
+    Column("name", pa.string(), "-", "Parameter/buffer name as in `state_dict()`, `args.0` / `kwargs.mask` style path of a model input, `output.<i>` for a gradient, `cpu` / `cuda:<i>` for an RNG state.", False),
     Column("role", pa.string(), "-", "One of `param`, `buffer`, `input`, `grad_output`, `rng`.", False),
-    Column("micro_batch", pa.int32(), "-", "Micro-batch index for `input` and `grad_output` rows, -1 otherwise.", False),
+    Column("micro_batch", pa.int32(), "-", "Micro-batch index for `input`, `grad_output` and `rng` rows, -1 otherwise.", False),
     Column("dtype", pa.string(), "-", "torch dtype, e.g. `bfloat16`.", False),
     Column("shape", pa.list_(pa.int64()), "-", "Tensor shape.", False),
     Column("requires_grad", pa.bool_(), "-", "Whether the tensor required grad when captured.", False),
+    Column("offset", pa.int64(), "bytes", "Position of this row's `data` within the tensor's raw bytes: a tensor larger than 64 MiB is split over several rows, in offset order.", False),
     Column("data", pa.large_binary(), "bytes", "Raw little-endian bytes of the contiguous tensor (bit-exact, also for float16/bfloat16).", False),
 )
+
+BUNDLE_ROLES = ("param", "buffer", "input", "grad_output", "rng")
+# A Parquet byte-array value holds at most 2 GiB; smaller chunks also bound
+# the writer's and the reader's memory.
+BUNDLE_CHUNK_BYTES = 64 << 20
 
 
 def arrow_schema(columns: tuple[Column, ...], metadata: dict | None = None) -> pa.Schema:

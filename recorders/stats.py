@@ -5,11 +5,23 @@ Everything here enqueues device work and returns a device tensor: no
 calls these never waits for the GPU. The caller stacks the vectors of a
 step and copies them out once.
 
+The one exception is host memory: a CPU tensor's ops have finished when
+they return, so reading a value back waits for nothing. On the CPU,
+`tensor_stats` first takes one `aminmax` pass; when every value is finite
+(almost always) the NaN/Inf counts are zero and the finite maximum is
+known without the counting passes, and the full tier skips the threshold
+counts that the extremes prove to be zero. A tensor with a NaN or Inf goes
+through the general path, which computes the same statistics by their
+definitions. A tensor seen twice (a container module's output is its last
+child's; one gradient reaches both) is summarised once (see `_Memo`).
+
 Layout of the vector follows `schema.CHEAP_STATS` / `schema.FULL_STATS`.
 """
 from __future__ import annotations
 
 import math
+import weakref
+from collections import OrderedDict
 
 import torch
 
@@ -17,6 +29,7 @@ from . import schema
 
 CHEAP_WIDTH = len(schema.CHEAP_STATS)
 FULL_WIDTH = len(schema.FULL_STATS)
+_INPUT_NONFINITE = schema.CHEAP_STATS.index("input_nonfinite")
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -45,7 +58,13 @@ def iter_tensors(obj, _depth: int = 0):
 
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     """Count of NaN/Inf values as a 0-d float64 device tensor."""
-    return (~torch.isfinite(t.detach())).sum().to(torch.float64)
+    d = t.detach()
+    if d.device.type == "cpu" and d.dtype in _FLOATING and d.numel():
+        # Host memory: one reduction decides the usual all-finite case.
+        mn, mx = torch.aminmax(d)
+        if math.isfinite(float(mn)) and math.isfinite(float(mx)):
+            return torch.zeros((), dtype=torch.float64)
+    return (~torch.isfinite(d)).sum().to(torch.float64)
 
 
 def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
@@ -60,6 +79,23 @@ def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
     the unscaled values, by comparing against thresholds times the scale.
     """
     d = t.detach()
+    scale_used = scale if unscale else None
+    key = _memo.key(t, full, scale_used, near_overflow)
+    cached = _memo.get(t, scale_used, key)
+    if cached is not None:
+        return _with_input(cached, input_nonfinite, d.device)
+    if _on_host(d, input_nonfinite, scale_used):
+        values = _host_stats(d, full, scale_used, near_overflow)
+        if values is not None:
+            _memo.put(t, scale_used, key, values)
+            return _with_input(values, input_nonfinite, d.device)
+    vec = _device_stats(d, full, input_nonfinite, scale_used, near_overflow)
+    _memo.put(t, scale_used, key, vec)
+    return vec
+
+
+def _device_stats(d, full, input_nonfinite, scale, near_overflow):
+    """The statistics by their definitions, as device work only."""
     a = d.abs()
     nan = torch.isnan(d).sum()
     inf = torch.isinf(d).sum()
@@ -68,7 +104,7 @@ def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
     finite_abs = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
     absmax = finite_abs.amax().to(torch.float64)
     inv = None
-    if unscale and scale is not None:
+    if scale is not None:
         inv = scale.to(torch.float64).reciprocal()
         absmax = absmax * inv
     if input_nonfinite is None:
@@ -77,7 +113,7 @@ def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
         inp = input_nonfinite.to(device=d.device, dtype=torch.float64)
     parts = [absmax, nan.to(torch.float64), inf.to(torch.float64), inp]
     if full:
-        parts.extend(_full_stats(d, finite_abs, inv, scale if unscale else None, near_overflow))
+        parts.extend(_full_stats(d, finite_abs, inv, scale, near_overflow))
     return torch.stack(parts)
 
 
@@ -114,3 +150,133 @@ def _full_stats(d, finite_abs, inv, scale, near_overflow):
     if inv is not None:
         mn, mx, mean, rms = mn * inv, mx * inv, mean * inv, rms * inv
     return [mn, mx, mean, rms, zero, below_normal, below_sub, near]
+
+
+# ------------------------------------------------------------ host fast path
+def _on_host(d, input_nonfinite, scale) -> bool:
+    return (d.device.type == "cpu"
+            and (input_nonfinite is None or input_nonfinite.device.type == "cpu")
+            and (scale is None or scale.device.type == "cpu"))
+
+
+def _work_float(value, work) -> float:
+    """`value` (a float or a 0-d tensor) rounded to the working dtype, as
+    the general path's comparisons see it."""
+    return float(torch.as_tensor(value).to(work))
+
+
+def _host_stats(d, full, scale, near_overflow):
+    """Statistics of a CPU tensor with only finite values, or None when it
+    holds a NaN or an Inf. Same definitions and the same floating-point
+    operations as `_device_stats`; passes whose result the extremes decide
+    (every |x| above a threshold, or none) are skipped."""
+    if d.dtype not in _FLOATING or d.numel() == 0:
+        return None
+    mn_t, mx_t = torch.aminmax(d)
+    mn, mx = float(mn_t), float(mx_t)
+    if not (math.isfinite(mn) and math.isfinite(mx)):
+        return None
+    absmax = max(abs(mn), abs(mx))
+    inv = None
+    if scale is not None:
+        inv = 1.0 / float(scale.to(torch.float64))
+        absmax = absmax * inv
+    if not full:
+        return [absmax, 0.0, 0.0, math.nan]
+    work = torch.float64 if d.dtype == torch.float64 else torch.float32
+    x = d.to(work)
+    n = d.numel()
+    mean = float(x.sum(dtype=torch.float64)) / n
+    if work == torch.float64:
+        rms = math.sqrt(float((x ** 2).sum()) / n)
+    else:
+        norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+        rms = math.sqrt(norm * norm / n)
+    normal = schema.FP16_MIN_NORMAL
+    sub = schema.FP16_MIN_SUBNORMAL
+    over = near_overflow
+    if scale is not None:
+        s = scale.to(work)
+        normal, sub, over = normal * s, sub * s, over * s
+    a = x.abs()
+    absmin = float(a.amin())
+    absmax_w = max(abs(mn), abs(mx))  # exact in the working dtype
+    zeros = 0 if absmin > 0 else int(torch.count_nonzero(a == 0))
+
+    def below(threshold):
+        # Non-zero values with |x| < threshold: every |x| >= threshold
+        # (the smallest included) means none.
+        if absmin >= _work_float(threshold, work):
+            return 0
+        return int(torch.count_nonzero(a < threshold)) - zeros
+
+    below_normal = below(normal)
+    below_sub = below(sub)
+    near = 0 if absmax_w < _work_float(over, work) else int(torch.count_nonzero(a >= over))
+    if inv is not None:
+        mn, mx, mean, rms = mn * inv, mx * inv, mean * inv, rms * inv
+    return [absmax, 0.0, 0.0, math.nan, mn, mx, mean, rms,
+            zeros / n, below_normal / n, below_sub / n, near / n]
+
+
+def _with_input(stats, input_nonfinite, device):
+    """The statistics vector with this call's `input_nonfinite` filled in
+    (it describes the caller's inputs, not the tensor)."""
+    if isinstance(stats, list):
+        values = list(stats)
+        values[_INPUT_NONFINITE] = math.nan if input_nonfinite is None else float(input_nonfinite)
+        return torch.tensor(values, dtype=torch.float64)
+    vec = stats.clone()
+    if input_nonfinite is None:
+        vec[_INPUT_NONFINITE] = math.nan
+    else:
+        vec[_INPUT_NONFINITE] = input_nonfinite.to(device=device, dtype=torch.float64)
+    return vec
+
+
+class _Memo:
+    """The last few tensors summarised, so that the same tensor reaching
+    several hooks (a container's output is its last child's output; the
+    same gradient reaches both) is summarised once.
+
+    An entry holds weak references: a hit needs the very same live tensor
+    object (an `id` alone could be reused once it is freed) at the same
+    `_version` (an in-place change misses), with the same options and the
+    same live scale tensor at the same version. Bounded, so it holds no
+    memory beyond a few small vectors."""
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self.entries: OrderedDict = OrderedDict()
+
+    @staticmethod
+    def key(t, full, scale, near_overflow):
+        try:
+            scale_key = None if scale is None else (id(scale), scale._version)
+            return (id(t), t._version, bool(full), scale_key, float(near_overflow))
+        except RuntimeError:  # inference tensors have no version counter
+            return None
+
+    def get(self, t, scale, key):
+        hit = self.entries.get(key) if key is not None else None
+        if hit is None:
+            return None
+        ref, scale_ref, stats = hit
+        if ref() is not t or (scale_ref is not None and scale_ref() is not scale):
+            del self.entries[key]
+            return None
+        return stats
+
+    def put(self, t, scale, key, stats):
+        if key is None:
+            return
+        try:
+            refs = (weakref.ref(t), None if scale is None else weakref.ref(scale))
+        except TypeError:
+            return
+        self.entries[key] = (*refs, stats)
+        if len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+_memo = _Memo()

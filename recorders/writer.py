@@ -85,7 +85,9 @@ class ShardWriter:
     """
 
     def __init__(self, rank_dir: Path, *, run_id: str, rank: int, world_size: int,
-                 steps_per_shard: int, row_group_rows: int = 1 << 20):
+                 steps_per_shard: int, row_group_rows: int = 1 << 16):
+        # ~64k rows per row group: small enough that step and non-finite
+        # filters can skip most of a shard by its column statistics.
         self.rank_dir = Path(rank_dir)
         self.run_id = run_id
         self.rank = rank

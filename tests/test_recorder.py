@@ -296,3 +296,20 @@ def test_ddp_with_two_ranks_writes_one_partition_per_rank(tmp_path):
         assert manifest["world_size"] == 2 and manifest["run_id"] == "ddp-test"
         names = set(read(run, "tensors", rank)["name"])
         assert "module.blocks.0.attn" in names
+
+
+def test_a_job_resumed_into_its_run_directory_continues_the_same_run(tmp_path):
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    train(TinyNet(), batches(3), recorder_factory=recorder(run))
+    first_id = json.loads((run / "manifest.json").read_text())["run_id"]
+    model = TinyNet()
+    with AmpRecorder(run, model) as rec:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(batches(1)[0][0]).float().mean()
+        loss.backward()
+        rec.step(loss, step=3)
+    assert json.loads((run / "manifest.json").read_text())["run_id"] == first_id
+    steps = read(run, "steps")
+    assert steps["step"].tolist() == [0, 1, 2, 3]
+    assert sorted(p.name for p in (run / "rank=0" / "steps").glob("*.parquet")) == ["part-000000.parquet", "part-000001.parquet"]

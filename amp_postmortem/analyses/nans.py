@@ -1,0 +1,302 @@
+"""First-NaN ranking: which layer made the first non-finite value, and which
+only passed it on.
+
+Reads only rows that hold a NaN/Inf (shards whose footer counts none are
+never opened) and keeps a bounded summary per layer, so a NaN storm over a
+long run costs a scan, not memory.
+
+Origins, per phase, in the first step where that phase has a non-finite row
+(the lowest rank holding one):
+- forward: a non-finite model input makes the origin `<input>`; otherwise the
+  first `activation` row in forward order that is non-finite while the
+  module's inputs were finite (`input_nonfinite` 0 or null: no float inputs).
+  Forward hooks fire at the end of a module's forward, so a child comes before
+  its parent and the innermost module that made the value wins; its parents
+  and later layers saw it as input or contain it, and are `propagated`. When
+  every activation is finite and the loss is not, the loss function made it:
+  `<loss>`.
+- backward: `<loss>` when the gradient is already non-finite where it enters
+  the model (the root module's `grad_output`); otherwise the first module, in
+  backward order, whose `grad_input` (or one of its own parameters'
+  `param_grad`) is non-finite while its `grad_output` was finite.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from recorders import schema
+
+from ..loader import Run
+
+LAYER_KINDS = ("input", "activation", "loss", "grad_output", "grad_input", "param_grad")
+_COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "call", "nan_count", "inf_count",
+            "input_nonfinite"]
+LAYER_COLUMNS = ["name", "kind", "phase", "first_step", "order", "rank", "origin", "nan_count",
+                 "inf_count", "module", "last_step", "nonfinite_steps"]
+
+
+@dataclass(frozen=True)
+class Origin:
+    name: str        # module qualified name, or "<input>" / "<loss>"
+    phase: str       # "forward" / "backward"
+    kind: str        # kind of the row that shows it: activation, grad_input, param_grad, input, loss
+    step: int
+    rank: int
+    order: int | None
+    tensor: str      # name of that row (a parameter name for param_grad)
+    certain: bool = True  # False: no row met the rule, the first non-finite row is named
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "phase": self.phase, "kind": self.kind, "step": self.step,
+                "rank": self.rank, "order": self.order, "tensor": self.tensor, "certain": self.certain}
+
+
+@dataclass
+class NanReport:
+    origin: Origin | None                  # the earlier of the two phase origins
+    origins: dict                          # {"forward": Origin | None, "backward": Origin | None}
+    layers: pd.DataFrame                   # LAYER_COLUMNS, in first-appearance order
+    first_nonfinite_step: int | None
+    nonfinite_loss_steps: list[int] = field(default_factory=list)
+    skipped_steps: int = 0
+    shards_scanned: int = 0
+    shards_total: int = 0
+
+    def to_dict(self) -> dict:
+        layers = [{k: _plain(v) for k, v in row.items()} for row in self.layers.to_dict("records")]
+        return {
+            "origin": self.origin.to_dict() if self.origin else None,
+            "origins": {p: (o.to_dict() if o else None) for p, o in self.origins.items()},
+            "layers": layers,
+            "first_nonfinite_step": self.first_nonfinite_step,
+            "nonfinite_loss_steps": len(self.nonfinite_loss_steps),
+            "first_nonfinite_loss_step": self.nonfinite_loss_steps[0] if self.nonfinite_loss_steps else None,
+            "skipped_steps": self.skipped_steps,
+            "shards_scanned": self.shards_scanned,
+            "shards_total": self.shards_total,
+        }
+
+    def table(self) -> pd.DataFrame:
+        t = self.layers.copy()
+        t.insert(0, "role", np.where(t["origin"], "ORIGIN", "propagated"))
+        return t.drop(columns=["origin"])
+
+    def lines(self) -> list[str]:
+        if self.first_nonfinite_step is None:
+            return ["No NaN/Inf in any recorded tensor."]
+        out = []
+        for phase in ("forward", "backward"):
+            o = self.origins.get(phase)
+            if o is None:
+                out.append(f"{phase} origin: none (every {phase} tensor finite)")
+                continue
+            where = _display(o.name) + (f" ({o.tensor})" if o.tensor not in (o.name, "") else "")
+            guess = "" if o.certain else " [no row met the rule: first non-finite row shown]"
+            out.append(f"{phase} origin: {where}, {o.kind}, step {o.step}, rank {o.rank}{guess}")
+        if self.nonfinite_loss_steps:
+            out.append(f"non-finite loss in {len(self.nonfinite_loss_steps)} step(s), "
+                       f"first at step {self.nonfinite_loss_steps[0]}")
+        return out
+
+
+def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = None) -> NanReport:
+    """Rank layers by first non-finite appearance and name the origins."""
+    acc = _Accumulator()
+    run.scanned_files.clear()
+    for batch in run.iter_tensor_batches(_COLUMNS, nonfinite_only=True, kinds=LAYER_KINDS,
+                                         step_range=(from_step, to_step),
+                                         label="scanning for NaN/Inf"):
+        if batch.num_rows:
+            acc.add(batch.to_pandas())
+
+    origins = {"forward": None, "backward": None}
+    for phase in ("forward", "backward"):
+        rows = acc.first_rows.get(phase)
+        if rows is not None:
+            origins[phase] = forward_origin(rows) if phase == "forward" else backward_origin(rows)
+    candidates = [o for o in origins.values() if o is not None]
+    origin = min(candidates, key=lambda o: (o.step, o.phase == "backward")) if candidates else None
+
+    layers = acc.layers()
+    layers["origin"] = False
+    for o in candidates:
+        key = _origin_row(o, origins)
+        if key is not None:
+            hit = (layers["name"] == key[0]) & (layers["kind"] == key[1]) & (layers["first_step"] == o.step)
+            layers.loc[hit, "origin"] = True
+
+    steps = _range(run.steps, from_step, to_step)
+    bad_loss = steps.loc[steps["loss_nonfinite"], "step"]
+    return NanReport(
+        origin=origin, origins=origins, layers=layers[LAYER_COLUMNS],
+        first_nonfinite_step=int(layers["first_step"].min()) if len(layers) else None,
+        nonfinite_loss_steps=sorted({int(s) for s in bad_loss}),
+        skipped_steps=int(steps.drop_duplicates("step")["skipped"].sum()) if len(steps) else 0,
+        shards_scanned=len(run.scanned_files), shards_total=len(run.tensor_shards),
+    )
+
+
+def forward_origin(rows: pd.DataFrame) -> Origin | None:
+    """Forward origin among one step's non-finite rows (one rank)."""
+    rows = rows[rows["phase"] == "forward"].sort_values("order", kind="stable")
+    if rows.empty:
+        return None
+    step, rank = int(rows["step"].iloc[0]), int(rows["rank"].iloc[0])
+    inputs = rows[rows["kind"] == "input"]
+    if len(inputs):
+        r = inputs.iloc[0]
+        return Origin(schema.INPUT_NAME, "forward", "input", step, rank, int(r["order"]), schema.INPUT_NAME)
+    acts = rows[rows["kind"] == "activation"]
+    made_here = acts[acts["input_nonfinite"].isna() | (acts["input_nonfinite"] == 0)]
+    if len(made_here):
+        r = made_here.iloc[0]
+        return Origin(r["name"], "forward", "activation", step, rank, int(r["order"]), r["name"])
+    if acts.empty and (rows["kind"] == "loss").any():
+        r = rows[rows["kind"] == "loss"].iloc[0]
+        return Origin(schema.LOSS_NAME, "forward", "loss", step, rank, int(r["order"]), schema.LOSS_NAME)
+    r = rows.iloc[0]
+    return Origin(r["name"], "forward", r["kind"], step, rank, int(r["order"]), r["name"], certain=False)
+
+
+def backward_origin(rows: pd.DataFrame) -> Origin | None:
+    """Backward origin among one step's non-finite rows (one rank). A row
+    absent from `rows` was finite (or not recorded)."""
+    rows = rows[rows["phase"] == "backward"].sort_values("order", kind="stable")
+    if rows.empty:
+        return None
+    step, rank = int(rows["step"].iloc[0]), int(rows["rank"].iloc[0])
+    gout = rows[rows["kind"] == "grad_output"]
+    root = gout[gout["name"] == ""]
+    if len(root):
+        r = root.iloc[0]
+        return Origin(schema.LOSS_NAME, "backward", "loss", step, rank, int(r["order"]), "")
+    bad_out = set(zip(gout["name"], gout["call"]))
+    bad_out_modules = set(gout["name"])
+    for r in rows.itertuples(index=False):
+        if r.kind == "grad_input":
+            received_bad = (r.input_nonfinite > 0) if not pd.isna(r.input_nonfinite) \
+                else (r.name, r.call) in bad_out
+            if not received_bad:
+                return Origin(r.name, "backward", "grad_input", step, rank, int(r.order), r.name)
+        elif r.kind == "param_grad":
+            owner = r.name.rpartition(".")[0]
+            if owner not in bad_out_modules:
+                return Origin(owner, "backward", "param_grad", step, rank, int(r.order), r.name)
+    r = rows.iloc[0]
+    return Origin(r["name"], "backward", r["kind"], step, rank, int(r["order"]), r["name"], certain=False)
+
+
+def backward_origins(run: Run, steps) -> dict[int, Origin]:
+    """Backward origin of each of `steps` (lowest rank with a non-finite
+    backward row), from the non-finite rows only."""
+    steps = sorted({int(s) for s in steps})
+    if not steps:
+        return {}
+    df = run.scan_tensors(_COLUMNS, nonfinite_only=True, steps=steps,
+                          kinds=("grad_output", "grad_input", "param_grad"),
+                          label="reading skipped steps")
+    out = {}
+    for step, g in df.groupby("step", sort=True):
+        rank = int(g["rank"].min())
+        o = backward_origin(g[g["rank"] == rank])
+        if o is not None:
+            out[int(step)] = o
+    return out
+
+
+# ------------------------------------------------------------------ helpers
+class _Accumulator:
+    """First appearance per (name, kind) and the rows of the first step of
+    each phase, merged batch by batch (bounded memory)."""
+
+    def __init__(self):
+        self._layers: pd.DataFrame | None = None
+        self._last_seen: dict[tuple, int] = {}  # (name, kind, rank) -> last step counted
+        self._counts: dict[tuple, int] = {}     # (name, kind) -> non-finite (step, rank) pairs
+        self.first_rows: dict[str, pd.DataFrame] = {}
+
+    def add(self, df: pd.DataFrame) -> None:
+        df = df.assign(_ph=(df["phase"] == "backward").astype(np.int8))
+        df = df.sort_values(["step", "_ph", "order", "rank"], kind="stable")
+        for phase, g in df.groupby("phase"):
+            step = int(g["step"].min())
+            g = g[g["step"] == step]
+            rank = int(g["rank"].min())
+            g = g[g["rank"] == rank]
+            cur = self.first_rows.get(phase)
+            if cur is None or (step, rank) < (int(cur["step"].iloc[0]), int(cur["rank"].iloc[0])):
+                self.first_rows[phase] = g
+            elif (step, rank) == (int(cur["step"].iloc[0]), int(cur["rank"].iloc[0])):
+                self.first_rows[phase] = pd.concat([cur, g])  # a step split over two batches
+
+        firsts = df.groupby(["name", "kind"], sort=False).head(1)
+        firsts = firsts.assign(first_step=firsts["step"], last_step=firsts["step"])
+        lasts = df.groupby(["name", "kind"], sort=False)["step"].max()
+        firsts = firsts.set_index(["name", "kind"])
+        firsts["last_step"] = lasts
+        firsts = firsts.reset_index()
+        if self._layers is None:
+            self._layers = firsts
+        else:
+            both = pd.concat([self._layers, firsts], ignore_index=True)
+            last = both.groupby(["name", "kind"])["last_step"].max()
+            both = both.sort_values(["first_step", "_ph", "order", "rank"], kind="stable")
+            both = both.groupby(["name", "kind"], sort=False).head(1).set_index(["name", "kind"])
+            both["last_step"] = last
+            self._layers = both.reset_index()
+
+        for (name, kind, rank), steps in df.groupby(["name", "kind", "rank"], sort=False)["step"]:
+            uniq = np.unique(steps.to_numpy())
+            n = len(uniq)
+            if self._last_seen.get((name, kind, rank)) == uniq[0]:
+                n -= 1
+            self._last_seen[(name, kind, rank)] = int(uniq[-1])
+            self._counts[(name, kind)] = self._counts.get((name, kind), 0) + n
+
+    def layers(self) -> pd.DataFrame:
+        if self._layers is None:
+            return pd.DataFrame({c: pd.Series(dtype=t) for c, t in (
+                ("name", str), ("kind", str), ("phase", str), ("first_step", "int64"), ("order", "int64"),
+                ("rank", "int64"), ("origin", bool), ("nan_count", "int64"), ("inf_count", "int64"),
+                ("module", str), ("last_step", "int64"), ("nonfinite_steps", "int64"), ("_ph", "int8"))})
+        t = self._layers.sort_values(["first_step", "_ph", "order", "rank"], kind="stable").reset_index(drop=True)
+        t["module"] = [n.rpartition(".")[0] if k == "param_grad" else n for n, k in zip(t["name"], t["kind"])]
+        t["nonfinite_steps"] = [self._counts.get((n, k), 0) for n, k in zip(t["name"], t["kind"])]
+        for c in ("first_step", "order", "rank", "nan_count", "inf_count", "last_step", "nonfinite_steps"):
+            t[c] = t[c].astype("int64")
+        return t
+
+
+def _origin_row(o: Origin, origins: dict) -> tuple[str, str] | None:
+    """(name, kind) of the layer entry that shows origin `o`, if any."""
+    if o.phase == "backward" and o.name == schema.LOSS_NAME:
+        fwd = origins.get("forward")
+        if fwd is not None and fwd.step == o.step:
+            return None  # the loss was already non-finite: backward only carries it
+        return ("", "grad_output")
+    return (o.tensor, o.kind)
+
+
+def _range(steps: pd.DataFrame, lo, hi) -> pd.DataFrame:
+    if lo is not None:
+        steps = steps[steps["step"] >= lo]
+    if hi is not None:
+        steps = steps[steps["step"] <= hi]
+    return steps
+
+
+def _display(name: str) -> str:
+    return "(model)" if name == "" else name
+
+
+def _plain(v):
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating,)):
+        return float(v)
+    if isinstance(v, np.bool_):
+        return bool(v)
+    return v

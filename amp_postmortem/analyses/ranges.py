@@ -1,0 +1,193 @@
+"""Per-layer float16 range: headroom to overflow, its trend, and underflow.
+
+For each layer (module name and row kind: `input`, `activation`,
+`grad_output`, `grad_input`) over the last `window` recorded steps:
+
+- `headroom_bits` = log2(65504 / absmax) at the latest recorded step (ranks
+  and repeated calls merged by their maximum). Gradient rows hold the
+  *scaled* values that really travel in float16, so their headroom is the
+  real one. 0 when the latest row already holds Inf/NaN; null when the
+  latest absmax is 0 (nothing to overflow).
+- `headroom_trend_per_kstep`: Theil-Sen slope of the headroom over step
+  (finite, non-zero rows of the window), in bits per 1000 steps.
+- `overflow_forecast_step`: where that trend reaches zero headroom, when the
+  fall is significant (the upper end of its `1 - ALPHA` confidence interval
+  is below zero).
+- `underflow_share`: median over the window's full-tier rows of the share
+  of non-zero values below the float16 normal limit (6.1e-5): float16
+  subnormals that lose precision (and, for float32 tensors, values that
+  flush towards zero when cast). `zero_share` is reported beside it: exact
+  zeros include underflowed values but also structural ones (a ReLU's
+  gradient), which the statistics cannot tell apart.
+
+Flags (float16 rows only; a bfloat16 or float32 tensor has no 65504 limit):
+- `overflow_risk`: an `input`/`activation` row with less than
+  `OVERFLOW_RISK_BITS` of headroom, or a significant fall forecast to reach
+  zero within `FORECAST_HORIZON` steps. Gradient rows are not flagged: a
+  dynamic loss scaler keeps them close to the limit on purpose and backs off
+  when they overflow.
+- `underflow`: a `grad_output` row with `underflow_share` >= `UNDERFLOW_SHARE`.
+- `nonfinite`: the latest row holds Inf/NaN.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from recorders import schema
+
+from ..loader import Run
+
+KINDS = ("input", "activation", "grad_output", "grad_input")
+WINDOW = 1000                 # default: the last 1000 recorded steps
+OVERFLOW_RISK_BITS = 2.0      # < 2 bits: absmax above 16376, a factor 4 from Inf
+FORECAST_HORIZON = 1000       # steps after the latest one
+UNDERFLOW_SHARE = 0.05        # 5% of a gradient's values in the subnormal range
+ALPHA = 0.01
+MIN_TREND_POINTS = 5
+MAX_THEILSEN_POINTS = 200     # Theil-Sen is O(n^2) per layer: subsample evenly above this
+
+_COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "dtype", "absmax", "nan_count",
+            "inf_count", "zero_share", "below_normal_share"]
+LAYER_COLUMNS = ["name", "kind", "dtype", "step", "absmax", "headroom_bits", "headroom_trend_per_kstep",
+                 "overflow_forecast_step", "underflow_share", "zero_share", "flags"]
+
+
+@dataclass
+class RangesReport:
+    layers: pd.DataFrame      # LAYER_COLUMNS, in execution order (forward, then backward)
+    first_step: int | None    # the window analysed
+    last_step: int | None
+    full_tier_steps: int = 0  # steps of the window with full-tier statistics
+
+    def to_dict(self) -> dict:
+        rows = []
+        for r in self.layers.to_dict("records"):
+            rows.append({k: _plain(v) for k, v in r.items()})
+        return {"layers": rows, "first_step": self.first_step, "last_step": self.last_step,
+                "full_tier_steps": self.full_tier_steps,
+                "thresholds": {"overflow_risk_bits": OVERFLOW_RISK_BITS, "forecast_horizon": FORECAST_HORIZON,
+                               "underflow_share": UNDERFLOW_SHARE}}
+
+    def table(self) -> pd.DataFrame:
+        t = self.layers.copy()
+        t["flags"] = [",".join(f) for f in t["flags"]]
+        return t
+
+    def flagged(self, flag: str) -> pd.DataFrame:
+        return self.layers[[flag in f for f in self.layers["flags"]]]
+
+    def lines(self) -> list[str]:
+        if self.first_step is None:
+            return ["No tensor rows recorded."]
+        out = [f"steps {self.first_step}-{self.last_step} ({self.full_tier_steps} with full-tier statistics)"]
+        for flag in ("nonfinite", "overflow_risk", "underflow"):
+            hit = self.flagged(flag)
+            if len(hit):
+                names = ", ".join(sorted({_display(n) for n in hit["name"]}))
+                out.append(f"{flag}: {len(hit)} row(s): {names}")
+        if self.full_tier_steps == 0:
+            out.append("no full-tier step in the window: underflow shares unknown")
+        return out
+
+
+def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
+    """Headroom, trend, forecast and underflow per layer over the last `window` steps (None: all)."""
+    last = run.last_step
+    if last is None:
+        return RangesReport(layers=_empty(), first_step=None, last_step=None)
+    lo = None if not window else max(run.first_step, last - int(window) + 1)
+    df = run.scan_tensors(_COLUMNS, kinds=KINDS, step_range=(lo, None), label="reading ranges")
+    if df.empty:
+        return RangesReport(layers=_empty(), first_step=lo, last_step=last)
+
+    df["bad"] = (df["nan_count"] + df["inf_count"]) > 0
+    # One value per layer and step: ranks and repeated calls merged.
+    per_step = df.groupby(["name", "kind", "step"], sort=False).agg(
+        absmax=("absmax", "max"), bad=("bad", "any"), dtype=("dtype", "first"),
+        phase=("phase", "first"), order=("order", "min"),
+        zero_share=("zero_share", "mean"), below_normal_share=("below_normal_share", "mean"),
+    ).reset_index().sort_values("step", kind="stable")
+    full_steps = df.loc[df["below_normal_share"].notna(), "step"].nunique()
+
+    rows = []
+    for (name, kind), g in per_step.groupby(["name", "kind"], sort=False):
+        latest = g.iloc[-1]
+        step = int(latest["step"])
+        absmax = float(latest["absmax"]) if pd.notna(latest["absmax"]) else None
+        if latest["bad"]:
+            headroom = 0.0
+        elif absmax is None or absmax <= 0:
+            headroom = None
+        else:
+            headroom = math.log2(schema.FP16_MAX / absmax)
+
+        ok = g[~g["bad"] & (g["absmax"] > 0)]
+        trend = forecast = None
+        if ok["step"].nunique() >= MIN_TREND_POINTS:
+            x = ok["step"].to_numpy(float)
+            h = np.log2(schema.FP16_MAX / ok["absmax"].to_numpy(float))
+            slope, lo_s, hi_s = _theil_sen(x, h)
+            trend = slope * 1000
+            if hi_s < 0 and headroom is not None and headroom > 0:
+                forecast = int(step + math.ceil(headroom / -slope))
+
+        full = g[g["below_normal_share"].notna() & ~g["bad"]]
+        underflow = float(full["below_normal_share"].median()) if len(full) else None
+        zeros = float(full["zero_share"].median()) if len(full) else None
+
+        flags = []
+        fp16 = latest["dtype"] == "float16"
+        if latest["bad"]:
+            flags.append("nonfinite")
+        if fp16 and kind in ("input", "activation") and not latest["bad"]:
+            near = headroom is not None and headroom < OVERFLOW_RISK_BITS
+            soon = forecast is not None and forecast - step <= FORECAST_HORIZON
+            if near or soon:
+                flags.append("overflow_risk")
+        if fp16 and kind == "grad_output" and underflow is not None and underflow >= UNDERFLOW_SHARE:
+            flags.append("underflow")
+        rows.append({"name": name, "kind": kind, "dtype": latest["dtype"], "step": step, "absmax": absmax,
+                     "headroom_bits": headroom, "headroom_trend_per_kstep": trend,
+                     "overflow_forecast_step": forecast, "underflow_share": underflow, "zero_share": zeros,
+                     "flags": flags, "_phase": 0 if latest["phase"] == "forward" else 1,
+                     "_order": int(latest["order"])})
+    layers = pd.DataFrame(rows).sort_values(["_phase", "_order"], kind="stable")
+    layers = layers[LAYER_COLUMNS].reset_index(drop=True)
+    for col in ("step", "overflow_forecast_step"):
+        layers[col] = layers[col].astype("Int64")  # integers with missing values
+    return RangesReport(layers=layers, first_step=int(per_step["step"].min()), last_step=last,
+                        full_tier_steps=int(full_steps))
+
+
+def _theil_sen(x, y):
+    if len(x) > MAX_THEILSEN_POINTS:
+        idx = np.linspace(0, len(x) - 1, MAX_THEILSEN_POINTS).round().astype(int)
+        x, y = x[idx], y[idx]
+    res = stats.theilslopes(y, x, alpha=1 - ALPHA)
+    return float(res[0]), float(res[2]), float(res[3])
+
+
+def _empty() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=object) for c in LAYER_COLUMNS})
+
+
+def _display(name: str) -> str:
+    return "(model)" if name == "" else name
+
+
+def _plain(v):
+    if v is pd.NA:
+        return None
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        return v if math.isfinite(v) else None
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return v

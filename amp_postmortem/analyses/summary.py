@@ -1,0 +1,209 @@
+"""The one screen a user reads first: run facts and findings by severity.
+
+Findings (kind, severity):
+- `nonfinite` (critical): a forward pass turned non-finite (the loss
+  becomes NaN/Inf from there), or non-finite gradients reached a step the
+  optimizer applied. Non-finite gradients in steps the scaler skipped are how
+  a loss scaler calibrates; they are covered by the scale findings.
+- `scale_collapse` (critical): the loss scale is collapsing (`scale`).
+- `stuck_low_scale` (error): the scale is pinned low, or never grows
+  (`stuck_low`, `growth_blocked`).
+- `grad_underflow` (warning): gradients sit in the float16 subnormal range
+  (`ranges`, `underflow` flag).
+- `overflow_risk` (warning): activations close to or heading for 65504.
+- `healthy` (info): none of the above.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from ..loader import Run
+from .nans import find_nans
+from .ranges import WINDOW, layer_ranges
+from .scale import scale_dynamics
+
+FINDING_KINDS = ("nonfinite", "scale_collapse", "stuck_low_scale", "grad_underflow", "overflow_risk", "healthy")
+SEVERITIES = ("critical", "error", "warning", "info")
+
+
+@dataclass
+class Finding:
+    kind: str
+    severity: str
+    step: int | None
+    layer: str | None
+    message: str
+    next_command: str
+    evidence: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "severity": self.severity, "step": self.step, "layer": self.layer,
+                "message": self.message, "next_command": self.next_command, "evidence": self.evidence}
+
+
+@dataclass
+class Summary:
+    run: dict
+    findings: list[Finding]
+    show_table = False  # the readable view lists the findings in `lines()`
+
+    def kinds(self) -> set[str]:
+        return {f.kind for f in self.findings}
+
+    def to_dict(self) -> dict:
+        return {"run": self.run, "findings": [f.to_dict() for f in self.findings]}
+
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame([{"severity": f.severity, "kind": f.kind, "step": f.step,
+                              "layer": _display(f.layer), "message": f.message,
+                              "next": f.next_command} for f in self.findings],
+                            columns=["severity", "kind", "step", "layer", "message", "next"])
+
+    def lines(self) -> list[str]:
+        r = self.run
+        ac = r.get("autocast") or {}
+        sc = r.get("scaler")
+        scaler = ("none" if not sc else
+                  f"init {sc.get('init_scale'):g}, growth x{sc.get('growth_factor'):g} every "
+                  f"{sc.get('growth_interval')} clean steps, backoff x{sc.get('backoff_factor'):g}")
+        steps = (f"{r['steps']} steps ({r['first_step']}-{r['last_step']})" if r["steps"] else "no steps")
+        return [
+            f"run {r['run_id']}  ({r['path']})",
+            f"{steps}, ranks {r['ranks']} of world_size {r['world_size']}, recorder {r['status']}",
+            f"{r['model_class']} on {r['device_type']} ({r['device_name']}), autocast "
+            f"{ac.get('dtype') if ac.get('enabled') else 'off'}; scaler: {scaler}",
+            f"skipped steps {r['skipped_steps']}, non-finite loss steps {r['nonfinite_loss_steps']}",
+            "",
+            "findings (most severe first):",
+        ] + [line for f in self.findings for line in (
+            f"  {f.severity.upper():<8}  {f.kind}  step {'-' if f.step is None else f.step}  "
+            f"layer {_display(f.layer)}",
+            f"            {f.message}",
+            f"            next: {f.next_command}")]
+
+
+def summarize(run: Run, *, window: int | None = None) -> Summary:
+    """Run facts and the findings of `nans`, `scale` and `ranges`, most severe first."""
+    nans = find_nans(run)
+    scale = scale_dynamics(run)
+    ranges = layer_ranges(run, window=WINDOW if window is None else window)
+    target = shlex.quote(str(run.path))
+    findings: list[Finding] = []
+
+    fwd = nans.origins.get("forward")
+    bwd = nans.origins.get("backward")
+    skipped = set(run.steps.loc[run.steps["skipped"], "step"].astype(int))
+    applied_bad = _applied_nonfinite_steps(run)
+    if fwd is not None:
+        findings.append(Finding(
+            "nonfinite", "critical", fwd.step, fwd.name,
+            f"the forward pass turned non-finite at step {fwd.step}: first made by "
+            f"{_display(fwd.name)} ({fwd.kind}, rank {fwd.rank})"
+            + (f"; the loss was NaN/Inf in {len(nans.nonfinite_loss_steps)} step(s)"
+               if nans.nonfinite_loss_steps else ""),
+            f"amp-postmortem nans {target}",
+            {"origin": fwd.to_dict(), "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
+             "propagated_layers": int((~nans.layers["origin"]).sum())}))
+    elif applied_bad:
+        first = applied_bad[0]
+        where = bwd if bwd is not None and bwd.step == first else None
+        findings.append(Finding(
+            "nonfinite", "critical", first, where.name if where else None,
+            f"non-finite gradients were applied by the optimizer in {len(applied_bad)} step(s), first at "
+            f"step {first}" + (f" (born in {_display(where.name)}, {where.kind})" if where else ""),
+            f"amp-postmortem nans {target}",
+            {"applied_steps": len(applied_bad), "origin": where.to_dict() if where else None}))
+
+    if scale.status == "collapse":
+        drivers = ", ".join(_display(d) for d in scale.drivers[:3]) or "unknown"
+        proj = (f"; at this rate it reaches the underflow level {scale.underflow_scale:.3g} at step "
+                f"{scale.projected_underflow_step}" if scale.projected_underflow_step is not None else "")
+        findings.append(Finding(
+            "scale_collapse", "critical", scale.onset_step, scale.drivers[0] if scale.drivers else None,
+            f"the loss scale collapses from step {scale.onset_step}: {scale.halvings_per_kstep:.3g} halvings "
+            f"per 1000 steps, now {scale.final_scale:.3g}; skip rate {_pct(scale.skip_rate_before_onset)} "
+            f"before, {_pct(scale.skip_rate_after_onset)} after; overflows born in {drivers}{proj}",
+            f"amp-postmortem scale {target}",
+            {k: scale.to_dict()[k] for k in ("onset_step", "halvings_per_kstep", "final_scale",
+                                             "skip_rate_before_onset", "skip_rate_after_onset",
+                                             "projected_underflow_step", "drivers")}))
+    elif scale.status in ("stuck_low", "growth_blocked"):
+        findings.append(Finding(
+            "stuck_low_scale", "error", scale.last_step, scale.drivers[0] if scale.drivers else None,
+            f"loss scale {scale.status.replace('_', ' ')}: {scale.reason}",
+            f"amp-postmortem scale {target}",
+            {"status": scale.status, "final_scale": scale.final_scale, "skip_rate": scale.skip_rate,
+             "longest_skip_streak": scale.longest_skip_streak}))
+
+    under = ranges.flagged("underflow")
+    if len(under):
+        worst = under.sort_values("underflow_share", ascending=False).iloc[0]
+        findings.append(Finding(
+            "grad_underflow", "warning", int(worst["step"]), worst["name"],
+            f"{len(under)} gradient(s) underflow in float16 at the recorded scale: "
+            f"{_display(worst['name'])} has {worst['underflow_share']:.0%} of its values below the normal "
+            f"limit 6.1e-5 (scale {scale.final_scale if scale.final_scale is not None else 'none'})",
+            f"amp-postmortem ranges {target}",
+            {"layers": [str(n) for n in under["name"]], "underflow_share": float(worst["underflow_share"])}))
+
+    risk = ranges.flagged("overflow_risk")
+    if len(risk):
+        worst = risk.sort_values("headroom_bits", na_position="last").iloc[0]
+        forecast = worst["overflow_forecast_step"]
+        findings.append(Finding(
+            "overflow_risk", "warning",
+            int(forecast) if pd.notna(forecast) else int(worst["step"]), worst["name"],
+            f"{len(risk)} activation(s) near float16 overflow: {_display(worst['name'])} has "
+            f"{worst['headroom_bits']:.3g} bit(s) of headroom at step {int(worst['step'])}"
+            + (f", forecast to overflow at step {int(forecast)}" if pd.notna(forecast) else ""),
+            f"amp-postmortem ranges {target}",
+            {"layers": [str(n) for n in risk["name"]], "headroom_bits": float(worst["headroom_bits"])}))
+
+    if not findings:
+        findings.append(Finding(
+            "healthy", "info", run.last_step, None,
+            f"no non-finite forward, loss scale {scale.status} ({scale.reason}), no layer near float16 "
+            f"overflow or underflow",
+            f"amp-postmortem ranges {target}", {"scale_status": scale.status}))
+
+    # Most severe first; among equals the cause before its consequences
+    # (a NaN forward before the backoffs it triggers), then by step.
+    severity = {s: i for i, s in enumerate(SEVERITIES)}
+    kind = {k: i for i, k in enumerate(FINDING_KINDS)}
+    findings.sort(key=lambda f: (severity[f.severity], kind[f.kind],
+                                 f.step if f.step is not None else 1 << 62))
+    return Summary(run=_facts(run, nans, scale, skipped), findings=findings)
+
+
+def _applied_nonfinite_steps(run: Run) -> list[int]:
+    """Steps whose non-finite parameter gradients were not skipped (no scaler, or it missed them)."""
+    s = run.steps
+    bad = s[(s["nonfinite_param_grads"].fillna(0) > 0) & ~s["skipped"]]
+    return sorted({int(v) for v in bad["step"]})
+
+
+def _facts(run: Run, nans, scale, skipped) -> dict:
+    m = run.manifest
+    return {
+        "path": str(run.path), "run_id": run.run_id, "status": m.get("status"),
+        "steps": int(run.steps["step"].nunique()), "first_step": run.first_step, "last_step": run.last_step,
+        "ranks": run.ranks, "world_size": run.world_size,
+        "device_type": m.get("device_type"), "device_name": m.get("device_name"),
+        "model_class": m.get("model_class"), "autocast": run.autocast, "dtype": run.autocast.get("dtype"),
+        "scaler": run.scaler, "scale_status": scale.status, "final_scale": scale.final_scale,
+        "skipped_steps": len(skipped), "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
+        "warnings": list(run.warnings),
+    }
+
+
+def _display(name) -> str:
+    if name is None:
+        return "-"
+    return "(model)" if name == "" else str(name)
+
+
+def _pct(v) -> str:
+    return "n/a" if v is None else f"{v:.0%}"

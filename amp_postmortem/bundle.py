@@ -1,0 +1,264 @@
+"""Replay bundles, as the analyzer sees them (the contract between the bundle
+loader and the replay). `load_bundle(path)` validates and reads one bundle
+written by `recorders.bundle`; nothing here unpickles anything: tensors are
+rebuilt from raw bytes, metadata from JSON, and no class named in a bundle
+is ever imported.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from recorders import schema
+from recorders.bundle_writer import file_sha256, json_checksum
+from recorders.tensor_codec import decode_tree, parse_dtype, tensor_from_bytes
+
+from .errors import BundleError
+
+
+@dataclass
+class Bundle:
+    path: str
+    step: int
+    rank: int
+    params: dict            # name -> torch.Tensor, as used by the step's forward
+    buffers: dict           # name -> torch.Tensor
+    inputs: list            # per micro-batch: (args: tuple, kwargs: dict), nested containers rebuilt
+    grad_outputs: list      # per micro-batch: list of Tensor|None, d(loss)/d(output_i) UNSCALED,
+                            # one per floating model output requiring grad, in iter_tensors order
+    loss: float | None      # loss value of the step (mean over micro-batches as recorded)
+    loss_scale: float | None  # loss scale in force during the step's backward (None without scaler)
+    autocast: dict          # {"enabled": bool, "device_type": "cuda"|"cpu"|None, "dtype": "float16"|...}
+    precision_flags: dict   # {"allow_tf32_matmul", "allow_tf32_cudnn", "fp16_reduced_precision_reduction",
+                            #  "bf16_reduced_precision_reduction", "deterministic_algorithms", ...}
+    scaler: dict | None     # {"scale", "growth_tracker", "growth_factor", "backoff_factor", "growth_interval", ...}
+    rng: dict               # {"cpu": uint8 Tensor, "cuda": [uint8 Tensor, ...]}
+    model_class: str        # "package.module.ClassName"
+    optimizer: dict | None  # {"class": ..., "defaults": {...}, "param_groups": [...]}
+    env: dict               # {"torch_version", "device_type", "device_name", "package_version", ...}
+    reason: str             # which trigger saved it: "nonfinite_loss", "nonfinite_tensor", "skipped", "scale_low", "request", "step_list"
+    meta: dict = field(default_factory=dict)  # the whole bundle.json
+    # Additions (defaults keep older constructors working):
+    grad_outputs_raw: list = field(default_factory=list)  # as they travelled: SCALED by loss_scale
+                                                          # when a scaler was enabled, in their own dtype
+    micro_batch_rng: list = field(default_factory=list)   # per micro-batch: {"cpu": ..., "cuda": [...]}
+    extra_buffers: dict = field(default_factory=dict)     # non-persistent buffers (not in state_dict())
+    reasons: list = field(default_factory=list)           # every reason that fired at this step
+
+    @property
+    def micro_batches(self) -> int:
+        return len(self.inputs)
+
+    @property
+    def exact(self) -> bool:
+        """True when weights, buffers and inputs are known to be those the
+        step's forward used (see FORMAT.md, "Replay bundles")."""
+        m = self.meta
+        return bool(m["params"]["exact"] and m["buffers"]["exact"] and m["inputs_exact"])
+
+    def state_dict(self) -> dict:
+        """Parameters and buffers by qualified name, for `load_state_dict(strict=True)`."""
+        return {**self.params, **self.buffers}
+
+
+_BUNDLE_PART = re.compile(r"^step=(-?\d+)$")
+_RANK_PART = re.compile(r"^rank=(\d+)$")
+
+
+def list_bundles(run_dir) -> list[tuple[int, int, Path]]:
+    """(step, rank, path) of every complete bundle under `run_dir/bundles`."""
+    root = Path(run_dir) / schema.BUNDLES_DIR
+    found = []
+    if root.is_dir():
+        for sdir in root.iterdir():
+            m = _BUNDLE_PART.match(sdir.name)
+            if not m or not sdir.is_dir():
+                continue  # hidden temporary directories included
+            for rdir in sdir.iterdir():
+                r = _RANK_PART.match(rdir.name)
+                if r and rdir.is_dir():
+                    found.append((int(m.group(1)), int(r.group(1)), rdir))
+    return sorted(found)
+
+
+def find_bundle(run_dir, step: int, rank: int | None = None) -> Path:
+    """The bundle directory of `step` (and `rank`; default: the lowest rank
+    that saved one) in a run directory."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise BundleError(f"run directory not found: {run_dir}")
+    found = list_bundles(run_dir)
+    if not found:
+        raise BundleError(f"no replay bundles in {run_dir} (nothing under {schema.BUNDLES_DIR}/)")
+    at_step = [(r, p) for s, r, p in found if s == int(step)]
+    if not at_step:
+        steps = ", ".join(str(s) for s in sorted({s for s, _, _ in found}))
+        raise BundleError(f"no bundle for step {step} in {run_dir} (bundles exist for steps: {steps})")
+    if rank is None:
+        return at_step[0][1]
+    for r, p in at_step:
+        if r == int(rank):
+            return p
+    ranks = ", ".join(str(r) for r, _ in at_step)
+    raise BundleError(f"no bundle for step {step} rank {rank} in {run_dir} (ranks with one: {ranks})")
+
+
+def load_bundle(path, step: int | None = None, rank: int | None = None) -> Bundle:
+    """Validate and read a bundle: `path` is the bundle directory (or its
+    bundle.json), or a run directory together with `step` (and `rank`).
+    Raises BundleError for a missing, truncated, tampered or newer bundle."""
+    path = Path(path)
+    if step is not None:
+        path = find_bundle(path, step, rank)
+    if path.name == schema.BUNDLE_MANIFEST_FILE and path.is_file():
+        path = path.parent
+    if not path.exists():
+        raise BundleError(f"bundle not found: {path}")
+    meta_path = path / schema.BUNDLE_MANIFEST_FILE
+    if not meta_path.is_file():
+        if (path / schema.BUNDLES_DIR).is_dir() or (path / schema.MANIFEST_FILE).is_file():
+            raise BundleError(f"{path} is a run directory: pass step= (and rank=) or a bundle directory")
+        raise BundleError(f"not a replay bundle: {meta_path} is missing")
+    meta = _read_meta(meta_path)
+    _check_files(path, meta)
+    tensors = _read_tensors(path / schema.BUNDLE_TENSORS_FILE)
+    try:
+        return _assemble(path, meta, tensors)
+    except BundleError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise BundleError(f"malformed bundle {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _read_meta(meta_path: Path) -> dict:
+    try:
+        meta = json.loads(meta_path.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        raise BundleError(f"{meta_path} is truncated or not JSON") from None
+    if not isinstance(meta, dict) or meta.get("format") != schema.BUNDLE_FORMAT_NAME:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise BundleError(f"{meta_path}: format {fmt!r} is not {schema.BUNDLE_FORMAT_NAME!r}")
+    version = str(meta.get("version"))
+    try:
+        major, _ = schema.parse_version(version)
+    except ValueError:
+        raise BundleError(f"{meta_path}: bad bundle version {version!r}") from None
+    ours, _ = schema.parse_version(schema.BUNDLE_SCHEMA_VERSION)
+    if major > ours:
+        raise BundleError(f"{meta_path}: bundle format {version} is newer than this amp-postmortem "
+                          f"reads ({schema.BUNDLE_SCHEMA_VERSION}); upgrade amp-postmortem")
+    if meta.get("checksum") != json_checksum(meta):
+        raise BundleError(f"{meta_path} fails its checksum (edited or damaged)")
+    return meta
+
+
+def _check_files(path: Path, meta: dict) -> None:
+    files = meta.get("files")
+    if not isinstance(files, dict) or schema.BUNDLE_TENSORS_FILE not in files:
+        raise BundleError(f"{path}: bundle.json lists no {schema.BUNDLE_TENSORS_FILE}")
+    for name, info in files.items():
+        f = path / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise BundleError(f"{path}: bundle.json names a file outside the bundle: {name!r}")
+        if not f.is_file():
+            raise BundleError(f"{path}: {name} is missing")
+        size = f.stat().st_size
+        if size < info["bytes"]:
+            raise BundleError(f"{path}: {name} is truncated ({size} of {info['bytes']} bytes)")
+        if size != info["bytes"] or file_sha256(f) != info["sha256"]:
+            raise BundleError(f"{path}: {name} fails its sha256 check (tampered with or damaged)")
+
+
+def _read_tensors(file: Path) -> dict:
+    """{(role, name, micro_batch): tensor} from tensors.parquet."""
+    try:
+        pf = pq.ParquetFile(file)
+        got = pf.schema_arrow
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
+        raise BundleError(f"{file} is not readable Parquet: {exc}") from None
+    for c in schema.BUNDLE_TENSOR_COLUMNS:
+        if c.name not in got.names or got.field(c.name).type != c.type:
+            raise BundleError(f"{file}: column {c.name!r} missing or not {c.type}")
+    table = pf.read(columns=[c.name for c in schema.BUNDLE_TENSOR_COLUMNS])
+    cols = {n: table.column(n).to_pylist() for n in table.column_names if n != "data"}
+    data_col = table.column("data")
+    chunks: dict[tuple, list] = {}
+    for i, key in enumerate(zip(cols["role"], cols["name"], cols["micro_batch"])):
+        chunks.setdefault(key, []).append(i)
+    out = {}
+    for key, rows in chunks.items():
+        role, name, _ = key
+        if role not in schema.BUNDLE_ROLES:
+            continue  # a newer minor version's role: ignored
+        rows.sort(key=lambda i: cols["offset"][i])
+        parts, pos = [], 0
+        for i in rows:
+            if cols["offset"][i] != pos:
+                raise BundleError(f"{file}: tensor {role} {name!r} has a gap or overlap at byte {pos}")
+            part = data_col[i].as_py()
+            parts.append(part)
+            pos += len(part)
+        first = rows[0]
+        try:
+            t = tensor_from_bytes(parts[0] if len(parts) == 1 else b"".join(parts),
+                                  cols["dtype"][first], cols["shape"][first])
+        except ValueError as exc:
+            raise BundleError(f"{file}: tensor {role} {name!r}: {exc}") from None
+        if role == "input" and cols["requires_grad"][first] and t.is_floating_point():
+            t.requires_grad_(True)
+        out[key] = t
+    return out
+
+
+def _assemble(path: Path, meta: dict, tensors: dict) -> Bundle:
+    def get(role, name, mb=-1):
+        try:
+            return tensors[(role, name, mb)]
+        except KeyError:
+            raise BundleError(f"{path}: bundle.json refers to a missing {role} tensor {name!r}"
+                              + (f" of micro-batch {mb}" if mb >= 0 else "")) from None
+
+    params = {n: get("param", n) for n in meta["params"]["names"]}
+    for alias, target in meta["params"].get("aliases", {}).items():
+        params[alias] = params[target]
+    non_persistent = set(meta["buffers"].get("non_persistent", []))
+    buffers, extra = {}, {}
+    for n in meta["buffers"]["names"]:
+        (extra if n in non_persistent else buffers)[n] = get("buffer", n)
+    scale = meta.get("loss_scale")
+    scaled = bool(meta.get("grad_outputs_scaled")) and scale not in (None, 0)
+    inputs, grads, raw, rngs = [], [], [], []
+    for k, mb in enumerate(meta["micro_batches"]):
+        lookup = (lambda name, k=k: get("input", name, k))
+        args = decode_tree(mb["args"], lookup)
+        kwargs = decode_tree(mb["kwargs"], lookup)
+        inputs.append((tuple(args), dict(kwargs)))
+        g_raw = [None if n is None else get("grad_output", n, k) for n in mb["grad_outputs"]]
+        raw.append(g_raw)
+        # float64 holds every float16/bfloat16/float32 value exactly, and a
+        # power-of-two scale divides out exactly.
+        grads.append([None if g is None else (g.double() / scale if scaled else g.double()) for g in g_raw])
+        rngs.append({"cpu": get("rng", mb["rng"]["cpu"], k),
+                     "cuda": [get("rng", n, k) for n in mb["rng"].get("cuda", [])]})
+    return Bundle(
+        path=str(path), step=int(meta["step"]), rank=int(meta["rank"]),
+        params=params, buffers=buffers, inputs=inputs, grad_outputs=grads,
+        loss=meta.get("loss"), loss_scale=scale,
+        autocast=meta.get("autocast") or {"enabled": False, "device_type": None, "dtype": None},
+        precision_flags=meta.get("precision_flags") or {}, scaler=meta.get("scaler"),
+        rng=rngs[0] if rngs else {"cpu": None, "cuda": []},
+        model_class=meta["model_class"], optimizer=meta.get("optimizer"), env=meta.get("env") or {},
+        reason=meta["reason"], meta=meta, grad_outputs_raw=raw, micro_batch_rng=rngs,
+        extra_buffers=extra, reasons=list(meta.get("reasons") or [meta["reason"]]),
+    )
+
+
+def autocast_dtype(bundle: Bundle) -> torch.dtype | None:
+    """The recorded autocast dtype as a torch dtype (None when off)."""
+    name = (bundle.autocast or {}).get("dtype")
+    return parse_dtype(name) if name else None

@@ -1,0 +1,425 @@
+"""The one place that reads a run directory.
+
+`load_run(path)` validates the manifests (format, schema version, run id),
+discovers the ranks, reads every shard's footer (never its data) and loads
+the small steps table. The large tensors table stays on disk as a
+`pyarrow.dataset`; analyses read it through `Run.scan_tensors`, which prunes
+shards by the step range and non-finite row count stamped in their footers
+and row groups by their Parquet statistics, and projects columns.
+
+Damage becomes warnings (`Run.warnings`) or named errors, never a silently
+wrong answer: an unreadable shard is skipped and named, missing ranks and a
+recorder that was never closed are reported, files of different recordings
+in one directory are refused.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.fs  # noqa: F401  (pa.fs)
+import pyarrow.parquet as pq
+
+from recorders import schema
+
+from .errors import (CorruptRunError, MixedRunsError, RankNotFoundError, RunNotFoundError,
+                     UnsupportedVersionError)
+
+_RANK_DIR = re.compile(r"^rank=(\d+)$")
+_FORMAT = ds.ParquetFileFormat()
+_LOCAL_FS = pa.fs.LocalFileSystem()
+NONFINITE_FILTER = (pc.field("nan_count") > 0) | (pc.field("inf_count") > 0)
+
+# A progress callback: (label, rows done, rows total). Set by the CLI.
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One Parquet file of a rank, as its footer describes it."""
+    path: Path
+    rank: int
+    table: str                 # "steps" or "tensors"
+    num_rows: int
+    first_step: int | None
+    last_step: int | None
+    nonfinite_rows: int | None  # None when the footer does not say
+
+    def may_hold(self, steps: set[int] | None) -> bool:
+        if steps is None or self.first_step is None or self.last_step is None:
+            return True
+        return any(self.first_step <= s <= self.last_step for s in steps)
+
+
+@dataclass
+class Run:
+    """A recorded run, validated. `steps` is in memory (one row per step and
+    rank, sorted by step then rank; the columns of `schema.STEP_COLUMNS` plus
+    `loss_nonfinite`: the loss was NaN/Inf, not merely missing); tensor rows
+    are read on demand with `scan_tensors`."""
+    path: Path
+    manifest: dict
+    rank_manifests: dict[int, dict]
+    ranks: list[int]
+    steps: pd.DataFrame
+    tensor_shards: list[Shard]
+    warnings: list[str] = field(default_factory=list)
+    progress: Progress | None = None
+    scanned_files: list[Path] = field(default_factory=list)  # every tensor shard read, in order
+
+    # ------------------------------------------------------------ run facts
+    @property
+    def run_id(self) -> str:
+        return self.manifest.get("run_id", "")
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest.get("world_size") or 1)
+
+    @property
+    def autocast(self) -> dict:
+        return self.manifest.get("autocast") or {"enabled": False, "device_type": None, "dtype": None}
+
+    @property
+    def scaler(self) -> dict | None:
+        """Scaler configuration, or None when the job ran without an enabled scaler."""
+        s = self.manifest.get("scaler")
+        return s if s and s.get("enabled", True) else None
+
+    @property
+    def first_step(self) -> int | None:
+        return int(self.steps["step"].min()) if len(self.steps) else None
+
+    @property
+    def last_step(self) -> int | None:
+        return int(self.steps["step"].max()) if len(self.steps) else None
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+    # ---------------------------------------------------------- tensor rows
+    @property
+    def tensors(self) -> ds.Dataset:
+        """All readable tensor shards as one dataset (for DuckDB-style use)."""
+        return ds.dataset([str(s.path) for s in self.tensor_shards], format="parquet",
+                          schema=schema.TENSOR_SCHEMA)
+
+    def select_shards(self, *, steps: Iterable[int] | None = None,
+                      nonfinite_only: bool = False) -> list[Shard]:
+        wanted = None if steps is None else {int(s) for s in steps}
+        out = []
+        for s in self.tensor_shards:
+            if nonfinite_only and s.nonfinite_rows == 0:
+                continue  # the footer says no row here holds a NaN/Inf
+            if not s.may_hold(wanted):
+                continue
+            out.append(s)
+        return out
+
+    def iter_tensor_batches(self, columns: list[str] | None = None, *,
+                            steps: Iterable[int] | None = None, kinds: Iterable[str] | None = None,
+                            nonfinite_only: bool = False, step_range: tuple | None = None,
+                            label: str = "reading tensors") -> Iterator[pa.RecordBatch]:
+        """Record batches of the tensors table, shard by shard in step order
+        per rank. Shards whose footer rules them out are never opened; within
+        a shard, Parquet row-group statistics prune with the same filter.
+        `step_range` = (first, last), both inclusive, either may be None."""
+        steps = None if steps is None else sorted({int(s) for s in steps})
+        lo, hi = step_range or (None, None)
+        shards = [s for s in self.select_shards(steps=steps, nonfinite_only=nonfinite_only)
+                  if not ((lo is not None and s.last_step is not None and s.last_step < lo)
+                          or (hi is not None and s.first_step is not None and s.first_step > hi))]
+        expr = None
+        if nonfinite_only:
+            expr = NONFINITE_FILTER
+        if steps is not None:
+            e = pc.field("step").isin(pa.array(steps, pa.int64()))
+            expr = e if expr is None else expr & e
+        if lo is not None:
+            expr = (pc.field("step") >= lo) if expr is None else expr & (pc.field("step") >= lo)
+        if hi is not None:
+            expr = (pc.field("step") <= hi) if expr is None else expr & (pc.field("step") <= hi)
+        if kinds is not None:
+            e = pc.field("kind").isin(pa.array(list(kinds), pa.string()))
+            expr = e if expr is None else expr & e
+        total = sum(s.num_rows for s in shards)
+        done = 0
+        self._report(label, 0, total)
+        for shard in shards:
+            try:
+                frag = _FORMAT.make_fragment(str(shard.path), filesystem=_LOCAL_FS)
+                if expr is not None:
+                    frag = frag.subset(filter=expr, schema=schema.TENSOR_SCHEMA)
+                    if frag.num_row_groups == 0:  # statistics rule every row group out
+                        done += shard.num_rows
+                        continue
+                self.scanned_files.append(shard.path)
+                scanner = frag.scanner(schema=schema.TENSOR_SCHEMA, columns=columns, filter=expr)
+                batches = list(scanner.to_batches())
+            except (OSError, pa.ArrowException) as exc:
+                self.warn(f"skipped unreadable shard {self._rel(shard.path)} ({_short(exc)})")
+                continue
+            done += shard.num_rows
+            self._report(label, done, total)
+            yield from batches
+
+    def scan_tensors(self, columns: list[str] | None = None, **options) -> pd.DataFrame:
+        """`iter_tensor_batches` gathered into one DataFrame (the same options)."""
+        cols = columns or [c.name for c in schema.TENSOR_COLUMNS]
+        batches = list(self.iter_tensor_batches(cols, **options))
+        if not batches:
+            return schema.TENSOR_SCHEMA.empty_table().select(cols).to_pandas()
+        return pa.Table.from_batches(batches).to_pandas()
+
+    def _report(self, label: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(label, done, total)
+
+    def _rel(self, p: Path) -> str:
+        try:
+            return str(Path(p).relative_to(self.path))
+        except ValueError:
+            return str(p)
+
+
+# ---------------------------------------------------------------- loading
+def load_run(path, rank: int | None = None) -> Run:
+    """Validate and open the run directory `path` (all ranks, or only `rank`)."""
+    root = Path(path)
+    if not root.exists():
+        raise RunNotFoundError(f"run directory not found: {root}")
+    if not root.is_dir():
+        raise RunNotFoundError(f"{root} is not a directory; pass the run directory (the one holding manifest.json)")
+    m = _RANK_DIR.match(root.name)
+    if m and (root.parent / schema.MANIFEST_FILE).is_file():
+        raise RunNotFoundError(f"{root} is one rank of a run: pass the run directory {root.parent} "
+                               f"(with --rank {m.group(1)} for this rank only)")
+    warnings: list[str] = []
+
+    rank_dirs = _rank_dirs(root)
+    top = root / schema.MANIFEST_FILE
+    if top.is_file():
+        manifest = _read_manifest(top)
+    elif rank_dirs and (rank_dirs[min(rank_dirs)] / schema.MANIFEST_FILE).is_file():
+        r0 = min(rank_dirs)
+        manifest = _read_manifest(rank_dirs[r0] / schema.MANIFEST_FILE)
+        warnings.append(f"{top} is missing; using the manifest of rank {r0}")
+    else:
+        raise RunNotFoundError(f"{root} is not an amp-postmortem run: no {schema.MANIFEST_FILE}")
+    run_id = manifest.get("run_id")
+
+    rank_manifests: dict[int, dict] = {}
+    for r, d in sorted(rank_dirs.items()):
+        mpath = d / schema.MANIFEST_FILE
+        if not mpath.is_file():
+            warnings.append(f"{mpath.relative_to(root)} is missing; reading rank {r} from its shards only")
+            continue
+        m = _read_manifest(mpath)
+        if m.get("run_id") != run_id:
+            raise MixedRunsError(
+                f"mixed runs in {root}: rank {r} has run_id {m.get('run_id')!r}, the run manifest "
+                f"has {run_id!r}; keep one recording per directory")
+        rank_manifests[r] = m
+    if not rank_dirs:
+        raise CorruptRunError(f"{root} has a manifest but no rank=<r> directories: nothing was recorded")
+
+    present = sorted(rank_dirs)
+    world_size = int(manifest.get("world_size") or 1)
+    if rank is not None:
+        if int(rank) not in rank_dirs:
+            raise RankNotFoundError(f"rank {rank} is not in {root} (ranks on disk: {_join(present)})")
+        selected = [int(rank)]
+    else:
+        selected = present
+        missing = [r for r in range(world_size) if r not in rank_dirs]
+        if missing:
+            warnings.append(f"rank(s) {_join(missing)} of world_size {world_size} are missing; "
+                            f"the analysis covers rank(s) {_join(present)} only")
+
+    open_ranks = [r for r in selected if rank_manifests.get(r, {}).get("status", "closed") == "open"]
+    if open_ranks:
+        warnings.append(f"the recorder of rank(s) {_join(open_ranks)} was not closed (status 'open'): "
+                        f"the job may have been killed; the analysis covers the steps on disk")
+    for r in selected:
+        m = rank_manifests.get(r, {})
+        if m.get("dropped_steps"):
+            warnings.append(f"rank {r}: the recorder dropped {m['dropped_steps']} step(s) "
+                            f"because its queue was full; those steps are absent")
+        if m.get("disabled_reason"):
+            warnings.append(f"rank {r}: recording was switched off during the job "
+                            f"({m['disabled_reason']}); later steps are absent")
+
+    step_shards: list[Shard] = []
+    tensor_shards: list[Shard] = []
+    for r in selected:
+        for table, out in ((schema.STEPS_DIR, step_shards), (schema.TENSORS_DIR, tensor_shards)):
+            for f in _shard_files(rank_dirs[r] / table):
+                shard = _read_footer(root, f, r, table, run_id, warnings)
+                if shard is not None:
+                    out.append(shard)
+    _check_pairs(root, step_shards, tensor_shards, warnings)
+
+    steps = _read_steps(root, step_shards, warnings)
+    run = Run(path=root, manifest=manifest, rank_manifests=rank_manifests, ranks=selected,
+              steps=steps, tensor_shards=tensor_shards)
+    for w in warnings:
+        run.warn(w)
+    if steps.empty:
+        run.warn("no steps on disk: the recorder wrote no completed shard yet")
+    return run
+
+
+def _rank_dirs(root: Path) -> dict[int, Path]:
+    out = {}
+    for d in root.iterdir():
+        m = _RANK_DIR.match(d.name)
+        if m and d.is_dir():
+            out[int(m.group(1))] = d
+    return out
+
+
+def _shard_files(d: Path) -> list[Path]:
+    if not d.is_dir():
+        return []
+    # Temporary files start with "." and never end in ".parquet": invisible.
+    return sorted(p for p in d.glob("part-*.parquet") if not p.name.startswith("."))
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptRunError(f"{path} is not a readable manifest ({_short(exc)})") from None
+    if not isinstance(m, dict):
+        raise CorruptRunError(f"{path} is not a run manifest (a JSON object was expected)")
+    fmt = m.get("format")
+    if fmt != schema.FORMAT_NAME:
+        raise CorruptRunError(f"{path} has format {fmt!r}, expected {schema.FORMAT_NAME!r}: not an amp-postmortem run")
+    _check_version(m.get("schema_version"), str(path))
+    return m
+
+
+def _check_version(version, where: str) -> None:
+    try:
+        major, _minor = schema.parse_version(version)
+    except (TypeError, ValueError):
+        raise CorruptRunError(f"{where} has an unreadable schema_version {version!r}") from None
+    if major > schema.SCHEMA_MAJOR:
+        raise UnsupportedVersionError(
+            f"{where} uses run format version {version}, this amp-postmortem {_package_version()} reads "
+            f"{schema.SCHEMA_MAJOR}.x; upgrade amp-postmortem (pip install -U amp-postmortem)")
+    # A newer minor version only adds columns and keys: readable as is.
+
+
+def _read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings) -> Shard | None:
+    rel = path.relative_to(root)
+    try:
+        md = pq.read_metadata(path)
+    except (OSError, pa.ArrowException) as exc:
+        warnings.append(f"skipped unreadable shard {rel} ({_short(exc)}); "
+                        f"a job killed while writing it leaves such a file")
+        return None
+    kv = md.metadata or {}
+
+    def get(key):
+        v = kv.get(key)
+        return v.decode() if v is not None else None
+
+    fmt = get(schema.META_FORMAT)
+    if fmt is not None and fmt != schema.FORMAT_NAME:
+        warnings.append(f"skipped {rel}: format {fmt!r} is not {schema.FORMAT_NAME!r}")
+        return None
+    version = get(schema.META_SCHEMA_VERSION)
+    if version is not None:
+        _check_version(version, str(rel))
+    shard_run = get(schema.META_RUN_ID)
+    if shard_run is not None and run_id is not None and shard_run != run_id:
+        raise MixedRunsError(
+            f"mixed runs in {root}: {rel} belongs to run {shard_run!r}, the manifest to {run_id!r}; "
+            f"a resumed job must reuse the run id (AMP_POSTMORTEM_RUN_ID) or write to a new directory")
+    return Shard(path=path, rank=rank, table=table, num_rows=md.num_rows,
+                 first_step=_int(get(schema.META_FIRST_STEP)), last_step=_int(get(schema.META_LAST_STEP)),
+                 nonfinite_rows=_int(get(schema.META_NONFINITE_ROWS)))
+
+
+def _check_pairs(root, step_shards, tensor_shards, warnings) -> None:
+    """A shard pair covers one step range; say when one half is missing."""
+    steps_names = {(s.rank, s.path.name) for s in step_shards}
+    tensor_names = {(s.rank, s.path.name) for s in tensor_shards}
+    for s in step_shards:
+        if (s.rank, s.path.name) not in tensor_names and s.num_rows:
+            warnings.append(f"rank {s.rank}: steps {s.first_step}-{s.last_step} have no tensor rows "
+                            f"(tensors/{s.path.name} is missing or unreadable)")
+    for s in tensor_shards:
+        if (s.rank, s.path.name) not in steps_names and s.num_rows:
+            warnings.append(f"rank {s.rank}: tensor rows of steps {s.first_step}-{s.last_step} have no step "
+                            f"rows (steps/{s.path.name} is missing or unreadable)")
+
+
+_STEP_COLUMNS = [c.name for c in schema.STEP_COLUMNS]
+
+
+def _read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
+    def read(paths):
+        d = ds.dataset([str(p) for p in paths], format="parquet", schema=schema.STEP_SCHEMA)
+        return d.to_table(columns=_STEP_COLUMNS)
+
+    tables = []
+    try:
+        if shards:
+            tables.append(read([s.path for s in shards]))
+    except (OSError, pa.ArrowException):
+        # Find the damaged file(s) one by one; keep the rest.
+        tables = []
+        for s in shards:
+            try:
+                tables.append(read([s.path]))
+            except (OSError, pa.ArrowException) as exc:
+                warnings.append(f"skipped unreadable shard {s.path.relative_to(root)} ({_short(exc)})")
+    if not tables:
+        return schema.STEP_SCHEMA.empty_table().append_column(
+            "loss_nonfinite", pa.array([], pa.bool_())).to_pandas()
+    table = pa.concat_tables(tables)
+    loss = table.column("loss")
+    # pandas turns NaN and null into the same NaN: tell them apart here (a
+    # NaN loss is a finding, a null one means no loss was passed).
+    nonfinite = pc.fill_null(pc.invert(pc.is_finite(loss)), False)
+    df = table.append_column("loss_nonfinite", nonfinite).to_pandas()
+    df = df.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
+    dup = df.duplicated(["step", "rank"])
+    if dup.any():
+        warnings.append(f"{int(dup.sum())} step row(s) recorded twice (a resumed job?); keeping the last")
+        df = df.drop_duplicates(["step", "rank"], keep="last").reset_index(drop=True)
+    return df
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("amp-postmortem")
+    except Exception:  # noqa: BLE001 - running from a source tree
+        return "(unknown version)"
+
+
+def _int(v):
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None
+
+
+def _join(values) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,228 @@
+"""What one replayed run of a step leaves behind, and the hooks that collect it.
+
+`CallRecorder` puts a forward pre-hook and a forward hook on every module
+(each once, even when registered under two names) and a tensor hook on each
+floating output, so that every module call yields a `ModuleCall`: its
+outputs, the gradients that reached them, and on request its inputs and the
+RNG state before it (what a local replay of the module needs). Every handle
+is removed on exit.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from recorders.stats import iter_tensors
+
+_FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def is_floating(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in _FLOATING
+
+
+def map_tensors(obj, fn, _depth: int = 0):
+    """Rebuild `obj` with every tensor replaced by `fn(tensor)`, visiting
+    tensors in `iter_tensors` order (lists, tuples, dicts, dataclasses)."""
+    if _depth > 8:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(v, fn, _depth + 1) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn, _depth + 1) for v in obj)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps OrderedDict / ModelOutput types
+        for k, v in obj.items():
+            out[k] = map_tensors(v, fn, _depth + 1)
+        return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn, _depth + 1)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+@dataclass
+class ModuleCall:
+    """One call of one module during a run."""
+    name: str
+    call: int                       # which call of the module in its micro-batch
+    micro_batch: int
+    forward_order: int              # completion order of the forward (post-order)
+    input_dtypes: list = field(default_factory=list)      # floating inputs, iter_tensors order
+    outputs: list = field(default_factory=list)           # floating outputs (detached copies)
+    output_requires_grad: list = field(default_factory=list)
+    grad_outputs: list = field(default_factory=list)      # per output: gradient as it travelled, or None
+    backward_order: int | None = None                      # when its first output-gradient arrived
+    inputs: tuple | None = None     # (args, kwargs) detached copies, when the run keeps inputs
+    input_requires_grad: list = field(default_factory=list)
+    rng_state: torch.Tensor | None = None  # CPU RNG state before the call (kept with inputs)
+    cuda_rng_state: torch.Tensor | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.micro_batch, self.name, self.call)
+
+
+@dataclass
+class StepCapture:
+    """What one run of the step produced."""
+    config: object                  # the RunConfig it ran under
+    calls: dict = field(default_factory=dict)       # (micro_batch, name, call) -> ModuleCall, forward order
+    outputs: list = field(default_factory=list)     # per micro-batch: floating model outputs
+    losses: list = field(default_factory=list)      # per micro-batch loss (float) when known
+    param_grads: dict = field(default_factory=dict)  # name -> gradient divided by the loss scale (float64)
+    error: str | None = None                          # the run raised (reduced precisions only)
+    anomaly: dict | None = None
+
+    @property
+    def loss_scale(self) -> float:
+        return self.config.backward_scale
+
+    @property
+    def loss(self) -> float | None:
+        vals = [v for v in self.losses if v is not None]
+        return sum(vals) / len(vals) if vals and len(vals) == len(self.losses) else None
+
+    @property
+    def finite(self) -> bool:
+        """No NaN/Inf in the outputs, the captured gradients or the parameter gradients."""
+        if self.error is not None:
+            return False
+        tensors = [t for mb in self.outputs for t in mb] + list(self.param_grads.values())
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+    @property
+    def nonfinite_param_grads(self) -> list:
+        return [n for n, g in self.param_grads.items() if not bool(torch.isfinite(g).all())]
+
+
+class CallRecorder:
+    """Forward hooks on every module: a `ModuleCall` per call, with tensor
+    hooks on its outputs for the gradients that reach them. Every handle is
+    removed on exit."""
+
+    def __init__(self, model: torch.nn.Module, *, keep_inputs: bool):
+        self.model = model
+        self.keep_inputs = keep_inputs
+        self.calls: dict = {}
+        self.micro_batch = 0
+        self._handles = []
+        self._stacks: dict = {}
+        self._counts: dict = {}
+        self._forward = 0
+        self._backward = 0
+
+    def __enter__(self):
+        seen = set()
+        for name, module in self.model.named_modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        return False
+
+    def _pre(self, name):
+        def hook(module, args, kwargs):
+            key = (self.micro_batch, name)
+            call = self._counts.get(key, 0)
+            self._counts[key] = call + 1
+            floats = [t for t in iter_tensors((args, kwargs)) if is_floating(t)]
+            rec = ModuleCall(name=name, call=call, micro_batch=self.micro_batch, forward_order=-1,
+                             input_dtypes=[t.dtype for t in floats],
+                             input_requires_grad=[bool(t.requires_grad) for t in floats])
+            if self.keep_inputs:
+                snap = lambda t: t.detach().clone()  # noqa: E731
+                rec.inputs = (map_tensors(tuple(args), snap), map_tensors(dict(kwargs), snap))
+                rec.rng_state = torch.get_rng_state()
+                if floats and floats[0].is_cuda:
+                    rec.cuda_rng_state = (floats[0].device, torch.cuda.get_rng_state(floats[0].device))
+            self._stacks.setdefault(key, []).append(rec)
+        return hook
+
+    def _post(self, name):
+        def hook(module, args, kwargs, output):
+            stack = self._stacks.get((self.micro_batch, name))
+            if not stack:
+                return
+            rec = stack.pop()
+            rec.forward_order = self._forward
+            self._forward += 1
+            outs = [t for t in iter_tensors(output) if is_floating(t)]
+            rec.outputs = [t.detach().clone() for t in outs]
+            rec.output_requires_grad = [bool(t.requires_grad) for t in outs]
+            rec.grad_outputs = [None] * len(outs)
+            for i, t in enumerate(outs):
+                if t.requires_grad:
+                    t.register_hook(self._grad_hook(rec, i))
+            self.calls[rec.key] = rec
+        return hook
+
+    def _grad_hook(self, rec: ModuleCall, index: int):
+        def hook(grad):
+            if rec.backward_order is None:
+                rec.backward_order = self._backward
+                self._backward += 1
+            rec.grad_outputs[index] = grad.detach().clone()
+        return hook
+
+
+class AnomalyCatcher:
+    """`torch.autograd.detect_anomaly` around a run; turns the error it
+    raises and the forward traceback it warns about into a small report."""
+
+    def __enter__(self):
+        self._warnings = warnings.catch_warnings(record=True)
+        self.caught = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        self._mode = torch.autograd.detect_anomaly(check_nan=True)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self._warnings.__exit__(*exc)
+        return False
+
+    @staticmethod
+    def is_anomaly(exc: BaseException) -> bool:
+        return isinstance(exc, RuntimeError) and "returned nan values" in str(exc)
+
+    def report(self, exc: BaseException) -> dict:
+        message = str(exc)
+        op = None
+        if message.startswith("Function '"):
+            op = message.split("'")[1]
+        trace = None
+        for w in self.caught:
+            text = str(w.message)
+            if "Traceback of forward call" in text:
+                trace = text.split("Traceback of forward call that caused the error:", 1)[-1]
+                trace = _model_frames(trace.split("(Triggered internally", 1)[0].rstrip())
+                if op is None and text.startswith("Error detected in "):
+                    op = text[len("Error detected in "):].split(".", 1)[0]
+        return {"raised": True, "op": op, "message": message.splitlines()[0] if message else "",
+                "traceback": trace}
+
+
+def _model_frames(trace: str) -> str:
+    """The forward traceback from the model's own call on: the frames of the
+    replay machinery above it say nothing about the model."""
+    lines = trace.splitlines()
+    cut = max((i for i, line in enumerate(lines) if "amp_postmortem/replay/engine.py" in line
+               or "amp_postmortem\\replay\\engine.py" in line), default=-1)
+    if cut >= 0:
+        lines = lines[cut + 2:]  # the frame line and its source line
+    return "\n".join(lines).strip("\n")

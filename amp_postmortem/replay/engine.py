@@ -1,0 +1,483 @@
+"""Run one saved training step under a chosen precision and capture it.
+
+A `ReplaySession` holds a bundle and the user's model with the bundle's
+weights loaded; `session.run(config)` re-runs the step's forward and backward
+and returns a `StepCapture`: every module call's floating outputs and the
+gradients that reached them, the model outputs and the parameter gradients.
+
+Precision semantics (`RunConfig.precision`):
+- `fp64`: model, buffers and floating inputs in float64, autocast off. The
+  reference every other run is compared with.
+- `fp32`: float32, autocast off, TF32 off.
+- `fp16` / `bf16`: float32 master weights under an autocast policy (the
+  recorded device's by default), native autocast when replaying on that
+  device type, emulated otherwise (see `policy.py`). The backward starts from
+  the bundle's gradients of the loss w.r.t. the outputs times the loss scale,
+  because the scaled gradient is what travelled in training; captured
+  gradients stay scaled and `StepCapture.loss_scale` says by how much.
+
+What-if replays change a `RunConfig`, not the engine: `fp32_modules` runs
+the named modules in float32 (inputs cast up, autocast and its emulation off
+inside them), `loss_scale` replays the backward at another scale, `batch`
+replays a slice of the batch (indices along dimension 0).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from recorders.stats import iter_tensors
+
+from ..errors import ModelSpecError, PostmortemError
+from .capture import AnomalyCatcher, CallRecorder, ModuleCall, StepCapture, is_floating, map_tensors
+from .model_spec import load_weights
+
+PRECISIONS = ("fp64", "fp32", "fp16", "bf16")
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PRECISION_OF_DTYPE = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+POLICY_MODES = ("recorded", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One way of running the step. `policy` is an `AutocastPolicy` (fp16 and
+    bf16 only); `loss_scale` multiplies the backward of reduced-precision
+    runs (fp64/fp32 always start from the unscaled gradient)."""
+    precision: str
+    device: str = "cpu"
+    policy: object = None
+    loss_scale: float = 1.0
+    fp32_modules: tuple = ()
+    batch: object = None          # slice, list of indices or None (whole batch)
+    precision_flags: dict | None = None  # recorded flags applied to fp16/bf16 runs
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+    @property
+    def reduced(self) -> bool:
+        return self.precision in ("fp16", "bf16")
+
+    @property
+    def backward_scale(self) -> float:
+        return float(self.loss_scale) if self.reduced else 1.0
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return torch.float64 if self.precision == "fp64" else torch.float32
+
+    def replace(self, **changes) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------- contexts
+@contextmanager
+def float32_region(*device_types: str):
+    """Run a block in float32 whatever autocast surrounds it: native autocast
+    off for the given device types (the run's and the policy's: the emulated
+    policy honours its device's flag, as on the device) and every
+    TorchFunctionMode suspended until the block ends."""
+    modes = []
+    while torch._C._len_torch_function_stack() > 0:
+        modes.append(torch._C._pop_torch_function_stack())
+    saved = [(d, torch.is_autocast_enabled(d)) for d in dict.fromkeys(device_types)]
+    try:
+        for d, _ in saved:
+            torch.set_autocast_enabled(d, False)
+        yield
+    finally:
+        for d, enabled in saved:
+            torch.set_autocast_enabled(d, enabled)
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+@contextmanager
+def numerics_flags(config: RunConfig):
+    """Set the backend flags a precision needs and restore them afterwards:
+    fp64/fp32 run with TF32 off; fp16/bf16 take the recorded flags."""
+    saved = {
+        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "fp16_rr": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        "bf16_rr": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        "f32_precision": torch.get_float32_matmul_precision(),
+    }
+    flags = config.precision_flags or {}
+    try:
+        if config.reduced:
+            # float32_matmul_precision and allow_tf32 are one switch seen twice: the string wins.
+            if flags.get("float32_matmul_precision") in ("highest", "high", "medium"):
+                torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+            elif flags.get("allow_tf32_matmul") is not None:
+                torch.backends.cuda.matmul.allow_tf32 = bool(flags["allow_tf32_matmul"])
+            for key, setter in (("allow_tf32_cudnn", _set_cudnn_tf32),
+                                ("fp16_reduced_precision_reduction", _set_fp16_rr),
+                                ("bf16_reduced_precision_reduction", _set_bf16_rr)):
+                if flags.get(key) is not None:
+                    setter(bool(flags[key]))
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            torch.set_float32_matmul_precision("highest")
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved["f32_precision"])
+        torch.backends.cuda.matmul.allow_tf32 = saved["matmul_tf32"]
+        torch.backends.cudnn.allow_tf32 = saved["cudnn_tf32"]
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = saved["fp16_rr"]
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = saved["bf16_rr"]
+
+
+def _set_cudnn_tf32(value: bool) -> None:
+    torch.backends.cudnn.allow_tf32 = value
+
+
+def _set_fp16_rr(value: bool) -> None:
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = value
+
+
+def _set_bf16_rr(value: bool) -> None:
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = value
+
+
+@contextmanager
+def preserved_rng(device: torch.device):
+    """Whatever a replay does to the global RNG is undone when it ends."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def set_rng(cpu_state, cuda_states, device: torch.device) -> None:
+    if cpu_state is not None:
+        torch.set_rng_state(cpu_state.detach().to("cpu", torch.uint8))
+    if device.type == "cuda" and cuda_states:
+        if isinstance(cuda_states, torch.Tensor):
+            cuda_states = [cuda_states]
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([s.detach().to("cpu", torch.uint8) for s in cuda_states])
+
+
+def autocast_for(config: RunConfig):
+    """The autocast context of a run: none for fp64/fp32; for fp16/bf16 the
+    config's policy, or the run device's own when it names none."""
+    device_type = torch.device(config.device).type
+    if not config.reduced:
+        return torch.autocast(device_type=device_type, enabled=False)
+    from .policy import autocast_context, get_policy
+    return autocast_context(config.policy or get_policy(device_type, config.dtype), device_type)
+
+
+def _widen(t):
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+@contextmanager
+def fp32_modules_kept(model: torch.nn.Module, names, device_types):
+    """Run the named submodules in float32 (floating inputs cast up)."""
+    patched = []
+    try:
+        for name in names:
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                raise ModelSpecError(f"fp32 module {name!r} is not a submodule of the model") from None
+            original = module.forward
+
+            def forward(*args, __f=original, **kwargs):
+                with float32_region(*device_types):
+                    return __f(*map_tensors(args, _widen), **map_tensors(kwargs, _widen))
+            patched.append((module, module.__dict__.get("forward")))
+            module.forward = forward
+        yield
+    finally:
+        for module, own in reversed(patched):
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own  # the model had patched its own forward
+
+
+# ---------------------------------------------------------------- session
+class ReplaySession:
+    """A bundle and the user's model, ready to be run under any `RunConfig`.
+
+    The model is never changed: one deep copy per weight dtype holds the
+    bundle's weights, reloaded before every run so that buffers updated by a
+    run (BatchNorm statistics) never leak into the next.
+    """
+
+    def __init__(self, bundle, model: torch.nn.Module, *, device: str = "cpu"):
+        self.bundle = bundle
+        self.device = torch.device(device)
+        base = copy.deepcopy(model)
+        load_weights(base, {**bundle.state_dict(), **(getattr(bundle, "extra_buffers", None) or {})})
+        self._state = {k: v.detach().clone() for k, v in base.state_dict().items()}
+        self._base = base
+        self._models: dict = {}
+        self.training = bool(bundle.meta.get("training", True)) if isinstance(bundle.meta, dict) else True
+        # Where every backward starts: d(loss)/d(outputs), unscaled, per micro-batch.
+        self.grad_outputs = list(bundle.grad_outputs)
+
+    @property
+    def grad_outputs_nonfinite(self) -> int:
+        """NaN/Inf values in the output gradients the backward starts from."""
+        return sum(int((~torch.isfinite(g)).sum()) for mb in self.grad_outputs for g in mb if g is not None)
+
+    def derive_grad_outputs(self, loss_fn) -> None:
+        """Start every backward from d loss_fn(output)/d(outputs) of the float64
+        run instead of the saved gradient (for a step whose saved gradient is
+        already NaN, or a what-if with another loss)."""
+        config = RunConfig("fp64", device=str(self.device))
+        model = self.model(torch.float64)
+        grads = []
+        with preserved_rng(self.device), numerics_flags(config):
+            for mb, (args, kwargs, _) in enumerate(self.micro_batches(config, with_grads=False)):
+                self._restore_rng(mb)
+                with torch.enable_grad():
+                    output = model(*args, **kwargs)
+                    outs = [t for t in iter_tensors(output) if is_floating(t) and t.requires_grad]
+                    loss = loss_fn(output, mb)
+                    got = torch.autograd.grad(loss, outs, allow_unused=True)
+                grads.append([None if g is None else g.detach() for g in got])
+        self.grad_outputs = grads
+
+    def model(self, dtype: torch.dtype) -> torch.nn.Module:
+        m = self._models.get(dtype)
+        if m is None:
+            m = copy.deepcopy(self._base).to(device=self.device, dtype=dtype)
+            self._models[dtype] = m
+        else:
+            m.load_state_dict(self._state, strict=True)
+        for p in m.parameters():
+            p.grad = None
+        m.train(self.training)
+        return m
+
+    def _restore_rng(self, mb: int) -> None:
+        """The RNG state saved before micro-batch `mb`'s forward (before the
+        first one only, when the bundle has no per-micro-batch states), so
+        that dropout draws the masks it drew in training."""
+        per_mb = getattr(self.bundle, "micro_batch_rng", None) or []
+        if mb < len(per_mb) and per_mb[mb]:
+            set_rng(per_mb[mb].get("cpu"), per_mb[mb].get("cuda"), self.device)
+        elif mb == 0:
+            rng = self.bundle.rng or {}
+            set_rng(rng.get("cpu"), rng.get("cuda"), self.device)
+
+    # ---------------------------------------------------------- inputs
+    def micro_batches(self, config: RunConfig, with_grads: bool = True):
+        """Per micro-batch: (args, kwargs, grad_outputs) on the run's device,
+        floating tensors in the run's input dtype, sliced to `config.batch`."""
+        out = []
+        for mb, (args, kwargs) in enumerate(self.bundle.inputs):
+            grads = self.grad_outputs[mb] if with_grads and mb < len(self.grad_outputs) else []
+            size = _batch_size((args, kwargs))
+            cast = lambda t: self._input(t, config, size)  # noqa: E731
+            args, kwargs = map_tensors(tuple(args), cast), map_tensors(dict(kwargs), cast)
+            grads = [None if g is None else _slice(g.detach().to(self.device, torch.float64), config.batch, size)
+                     for g in grads]
+            out.append((args, kwargs, grads))
+        return out
+
+    def _input(self, t: torch.Tensor, config: RunConfig, size):
+        wants_grad = bool(t.requires_grad)
+        t = _slice(t.detach().to(self.device), config.batch, size)
+        if is_floating(t):
+            if config.precision in ("fp64", "fp32"):
+                t = t.to(config.dtype)
+            elif t.dtype == torch.float64 or t.dtype not in (torch.float32, config.dtype):
+                # Reduced runs keep float32 inputs and those already in their
+                # own dtype as recorded; other widths start from float32.
+                t = t.float()
+        t = t.clone()
+        if wants_grad and is_floating(t):
+            t.requires_grad_(True)
+        return t
+
+    # ---------------------------------------------------------- running
+    def run(self, config: RunConfig, *, capture: bool = True, keep_inputs: bool = False,
+            anomaly: bool = False, loss_fn=None) -> StepCapture:
+        """Run the step's forward and backward under `config`."""
+        result = StepCapture(config=config)
+        model = self.model(config.weight_dtype)
+        recorder = CallRecorder(model, keep_inputs=keep_inputs) if capture else None
+        with ExitStack() as stack:
+            stack.enter_context(preserved_rng(self.device))
+            stack.enter_context(numerics_flags(config))
+            stack.enter_context(fp32_modules_kept(model, config.fp32_modules, _device_types(config)))
+            if recorder is not None:
+                stack.enter_context(recorder)
+            caught = stack.enter_context(AnomalyCatcher()) if anomaly else None
+            try:
+                for mb, (args, kwargs, grads) in enumerate(self.micro_batches(config)):
+                    self._restore_rng(mb)
+                    if recorder is not None:
+                        recorder.micro_batch = mb
+                    with torch.enable_grad():
+                        with autocast_for(config):
+                            output = model(*args, **kwargs)
+                        outs = [t for t in iter_tensors(output) if is_floating(t)]
+                        result.outputs.append([t.detach().clone() for t in outs])
+                        result.losses.append(_loss_value(output, outs, mb, loss_fn))
+                        _backward(outs, grads, config)
+            except Exception as exc:  # noqa: BLE001 - the user's model may raise anything
+                if caught is not None and caught.is_anomaly(exc):
+                    result.anomaly = caught.report(exc)
+                    result.error = f"{type(exc).__name__}: {result.anomaly['message']}"
+                elif isinstance(exc, PostmortemError):
+                    raise
+                elif config.precision == "fp64":
+                    raise ModelSpecError(f"the model failed to run the step in float64: "
+                                         f"{type(exc).__name__}: {exc}") from exc
+                else:
+                    result.error = f"{type(exc).__name__}: {exc}"
+            if anomaly and result.anomaly is None:
+                result.anomaly = {"raised": False, "op": None, "message": None, "traceback": None}
+        if recorder is not None:
+            result.calls = recorder.calls
+        scale = config.backward_scale
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                result.param_grads[name] = p.grad.detach().to(torch.float64) / scale
+                p.grad = None
+        return result
+
+    def rerun_call(self, config: RunConfig, ref_call: ModuleCall, input_dtypes, *,
+                   grads=None, reference: bool = False):
+        """Feed one module the inputs kept from another run (normally the
+        float64 reference), rounded to `input_dtypes`, under `config`.
+
+        With `reference`, the rounded inputs are widened back to float64 and
+        the float64 copy of the module runs them (pass a fp64 `config`): the
+        exact result on the same rounded inputs. `grads` (one per floating
+        output, or None) starts a backward; each is cast to its output's
+        dtype first. Returns (outputs, input_grads): the floating outputs and
+        {"input:i" | "param:name": gradient as computed, or None} for the
+        floating inputs that required grad and the module's parameters.
+        Weights are not reloaded: a module run alone changes none.
+        """
+        dtype = torch.float64 if reference else config.weight_dtype
+        model = self._models.get(dtype)
+        if model is None:
+            model = self.model(dtype)
+        module = model.get_submodule(ref_call.name)
+        args, kwargs = ref_call.inputs
+        dtypes = iter(list(input_dtypes))
+        flags = iter(list(ref_call.input_requires_grad))
+        leaves = []
+
+        def feed(t):
+            if not is_floating(t):
+                return t
+            rounded = t.detach().to(next(dtypes, None) or config.dtype)
+            if reference:
+                rounded = rounded.to(torch.float64)
+            leaf = rounded.requires_grad_(bool(next(flags, False) and grads is not None))
+            leaves.append(leaf)
+            # A non-leaf copy, so an in-place op of the module on its input is allowed.
+            return leaf.clone() if leaf.requires_grad else leaf
+        args, kwargs = map_tensors(args, feed), map_tensors(kwargs, feed)
+        with ExitStack() as stack:
+            stack.enter_context(preserved_rng(self.device))
+            stack.enter_context(numerics_flags(config))
+            stack.enter_context(fp32_modules_kept(module, _within(config.fp32_modules, ref_call.name),
+                                                  _device_types(config)))
+            set_rng(ref_call.rng_state, None, self.device)
+            if ref_call.cuda_rng_state is not None:
+                torch.cuda.set_rng_state(ref_call.cuda_rng_state[1], ref_call.cuda_rng_state[0])
+            with torch.enable_grad():
+                with autocast_for(config):
+                    output = module(*args, **kwargs)
+                outs = [t for t in iter_tensors(output) if is_floating(t)]
+                got = None
+                if grads is not None:
+                    got = _local_grads(module, leaves, outs, grads)
+        return [t.detach() for t in outs], got
+
+
+def _local_grads(module, leaves, outs, grads) -> dict:
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    targets = {f"input:{i}": t for i, t in enumerate(leaves) if t.requires_grad}
+    targets.update({f"param:{n}": p for n, p in module.named_parameters() if p.requires_grad})
+    if not pairs or not targets:
+        return {}
+    got = torch.autograd.grad([o for o, _ in pairs], list(targets.values()),
+                              [g.to(o.dtype) for o, g in pairs], allow_unused=True)
+    return {k: None if g is None else g.detach() for k, g in zip(targets, got)}
+
+
+def _device_types(config: RunConfig) -> tuple:
+    policy_device = getattr(config.policy, "device_type", None)
+    return tuple(d for d in (torch.device(config.device).type, policy_device) if d)
+
+
+def _within(names, prefix: str):
+    """fp32 module names at or below `prefix`, relative to it ("" when
+    `prefix` itself lies inside one)."""
+    out = []
+    for n in names:
+        if prefix == "":
+            out.append(n)
+        elif n == prefix or n == "" or prefix.startswith(n + "."):
+            out.append("")  # the module itself runs inside a float32 module
+        elif n.startswith(prefix + "."):
+            out.append(n[len(prefix) + 1:])
+    return tuple(dict.fromkeys(out))
+
+
+def _batch_size(obj):
+    for t in iter_tensors(obj):
+        if t.dim() > 0:
+            return t.shape[0]
+    return None
+
+
+def _slice(t: torch.Tensor, batch, size):
+    if batch is None or size is None or t.dim() == 0 or t.shape[0] != size:
+        return t
+    if isinstance(batch, slice):
+        return t[batch]
+    index = torch.as_tensor(list(batch) if not isinstance(batch, torch.Tensor) else batch,
+                            dtype=torch.long, device=t.device)
+    return t.index_select(0, index)
+
+
+def _loss_value(output, outs, mb, loss_fn):
+    if loss_fn is not None:
+        with torch.no_grad():
+            value = loss_fn(output, mb)
+        return float(value.detach().double()) if isinstance(value, torch.Tensor) else float(value)
+    if len(outs) == 1 and outs[0].dim() == 0:
+        return float(outs[0].detach().double())
+    return None
+
+
+def _backward(outs, grads, config: RunConfig):
+    """Start the backward from the bundle's output gradients (times the scale
+    for reduced precision), cast to each output's dtype as autograd would."""
+    wanting = [t for t in outs if t.requires_grad]
+    if len(grads) != len(wanting):
+        raise ModelSpecError(f"the bundle holds {len(grads)} output gradients but the model returned "
+                             f"{len(wanting)} floating outputs requiring grad; is this the model the run trained?")
+    pairs = []
+    for t, g in zip(wanting, grads):
+        if g is None:
+            continue
+        if tuple(g.shape) != tuple(t.shape):
+            raise ModelSpecError(f"the bundle's output gradient has shape {tuple(g.shape)} but the "
+                                 f"model's output has shape {tuple(t.shape)}; is this the model the run trained?")
+        pairs.append((t, (g * config.backward_scale).to(t.dtype)))
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])

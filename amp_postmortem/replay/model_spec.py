@@ -1,0 +1,185 @@
+"""Build the user's model for a replay and load a bundle's weights into it.
+
+`--model SPEC` names a factory: `package.module:factory` (imported) or
+`path/to/file.py:factory` (loaded from the file); the factory is called with
+no arguments and must return an `nn.Module`. Without a spec, the recorded
+class path is tried with a no-argument constructor. Weights load strictly: a
+key the model lacks or a model key the bundle lacks is an error that lists
+them, never a silent partial load.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelSpecError
+
+_SPEC_FORMS = "package.module:factory or path/to/file.py:factory"
+_LISTED = 8  # keys named in an error message before "and N more"
+
+
+def resolve_factory(spec: str):
+    """The callable named by `spec`."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ModelSpecError(f"model spec {spec!r} is not of the form {_SPEC_FORMS}")
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise ModelSpecError(f"model spec {spec!r} is not of the form {_SPEC_FORMS}")
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        module = _load_file(where, spec)
+    else:
+        module = _import(where, spec)
+    return _getattr_path(module, attr, spec)
+
+
+def _load_file(path: str, spec: str):
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ModelSpecError(f"model spec {spec!r}: file {path!r} does not exist")
+    name = f"_amp_postmortem_model_{abs(hash(str(file.resolve())))}"
+    loader_spec = importlib.util.spec_from_file_location(name, file)
+    if loader_spec is None or loader_spec.loader is None:
+        raise ModelSpecError(f"model spec {spec!r}: {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(loader_spec)
+    # Let the file import its neighbours, as it would when run as a script.
+    parent = str(file.resolve().parent)
+    added = parent not in sys.path
+    if added:
+        sys.path.insert(0, parent)
+    try:
+        sys.modules[name] = module
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's code may raise anything
+        sys.modules.pop(name, None)
+        raise ModelSpecError(f"model spec {spec!r}: loading {path!r} failed: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if added:
+            sys.path.remove(parent)
+    return module
+
+
+def _import(module_name: str, spec: str):
+    try:
+        return importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelSpecError(f"model spec {spec!r}: cannot import {module_name!r}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+
+def _getattr_path(obj, dotted: str, spec: str):
+    for part in dotted.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ModelSpecError(f"model spec {spec!r}: {part!r} not found in "
+                                 f"{getattr(obj, '__name__', obj)!r}") from None
+    if not callable(obj):
+        raise ModelSpecError(f"model spec {spec!r}: {dotted!r} is not callable")
+    return obj
+
+
+def _recorded_class(class_path: str):
+    """Import `package.module.Class` (or a nested `Outer.Inner`) by trying the
+    longest importable module prefix."""
+    parts = class_path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:cut]))
+        except Exception:  # noqa: BLE001 - try a shorter prefix
+            continue
+        obj = module
+        try:
+            for p in parts[cut:]:
+                obj = getattr(obj, p)
+        except AttributeError:
+            continue
+        return obj
+    return None
+
+
+def build_model(spec: str | None, model_class: str | None = None) -> torch.nn.Module:
+    """Call the factory named by `spec` (or the recorded class with no
+    arguments when `spec` is None) and check that it returns a module."""
+    if spec is not None:
+        factory = resolve_factory(spec)
+        what = f"model spec {spec!r}"
+    else:
+        hint = f"pass --model {_SPEC_FORMS} (a function that returns the model)"
+        if not model_class:
+            raise ModelSpecError(f"the bundle records no model class; {hint}")
+        factory = _recorded_class(model_class)
+        if factory is None:
+            raise ModelSpecError(f"cannot import the recorded model class {model_class!r}; {hint}")
+        what = f"recorded model class {model_class!r}"
+    try:
+        model = factory()
+    except Exception as exc:  # noqa: BLE001
+        extra = "" if spec is not None else f"; {hint}"
+        raise ModelSpecError(f"{what} could not be built with no arguments: "
+                             f"{type(exc).__name__}: {exc}{extra}") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise ModelSpecError(f"{what} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _listed(keys) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:_LISTED])
+    return shown + (f" and {len(keys) - _LISTED} more" if len(keys) > _LISTED else "")
+
+
+def load_weights(model: torch.nn.Module, state: dict) -> None:
+    """Load `state` (name -> tensor) into `model` strictly.
+
+    Tied weights may be saved under one of their names only: a model key
+    missing from `state` is accepted when it aliases a saved key. Buffers the
+    model does not persist (`persistent=False`) are set too when saved.
+    """
+    own = model.state_dict(keep_vars=True)
+    nonpersistent = {n: b for n, b in model.named_buffers() if n not in own}
+    aliases: dict = {}
+    for name, t in own.items():
+        aliases.setdefault(_storage_key(t), []).append(name)
+    missing = []
+    full = {}
+    for name, t in own.items():
+        if name in state:
+            full[name] = state[name]
+            continue
+        twin = next((a for a in aliases[_storage_key(t)] if a in state), None)
+        if twin is None:
+            missing.append(name)
+        else:
+            full[name] = state[twin]
+    unexpected = [k for k in state if k not in own and k not in nonpersistent]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing from the bundle: {_listed(missing)}")
+        if unexpected:
+            parts.append(f"not in the model: {_listed(unexpected)}")
+        raise ModelSpecError(f"the bundle's weights do not fit {type(model).__name__} ("
+                             + "; ".join(parts) + "); build the model the run trained")
+    bad = [f"{k} {tuple(state_t.shape)} vs {tuple(own[k].shape)}"
+           for k, state_t in full.items() if tuple(state_t.shape) != tuple(own[k].shape)]
+    if bad:
+        raise ModelSpecError(f"the bundle's weights do not fit {type(model).__name__}: shape "
+                             f"mismatch for {_listed(bad)}; build the model with the run's configuration")
+    model.load_state_dict(full, strict=True)
+    with torch.no_grad():
+        for name, t in state.items():
+            if name in nonpersistent:
+                nonpersistent[name].copy_(t)
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+    except Exception:  # noqa: BLE001 - meta or exotic tensors: no aliasing info
+        return id(t)

@@ -1,0 +1,257 @@
+"""Which module kept in float32 saves the step (the playbook's step 4).
+
+`find_fix(source, step, model=...)`:
+
+1. Replay the step in its recorded reduced precision (the recorded device's
+   autocast policy, the recorded loss scale) and in float64, and rank the
+   modules by their own (local) error, as `replay` does. The model itself
+   (the root, "") is never a candidate: keeping all of it in float32 is not
+   mixed precision.
+2. Candidates, worst local error first (ties: the innermost module first),
+   at most `max_candidates`; modules whose own arithmetic is `ok` come only
+   after the broken and degraded ones.
+3. One trial per candidate: the step replayed with that module excluded from
+   autocast (its floating inputs cast to float32, native autocast and the
+   policy emulation off inside it: `RunConfig.fp32_modules`, which is what
+   `recorders.fp32.keep_fp32` does in training). Each trial reports whether
+   the forward and the backward are finite, the loss, output and gradient
+   error against float64.
+4. A trial "saves" the step when it is finite and its parameter gradients
+   are within `GRAD_REL_ERR_OK` (25%) of float64. When no single module
+   saves it, a greedy search adds, round by round, the candidate that helps
+   most (fewest NaN/Inf values, then lowest gradient error) until the set
+   saves the step or `max_set` modules are in it; a found set is then pruned
+   of members it does not need.
+5. The patch: one `keep_fp32(model.<name>)` line per module of the set.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from . import GRAD_REL_ERR_OK, fmt_num, plain, prepare, report_progress
+
+MAX_CANDIDATES = 12
+MAX_SET = 4
+_STATUS_RANK = {"broken": 0, "degraded": 1, "ok": 2}
+TRIAL_COLUMNS = ["modules", "local_rel_err", "forward_finite", "backward_finite", "loss_scale",
+                 "nonfinite_values", "loss_rel_err", "output_rel_err", "grad_rel_err", "saved"]
+
+
+@dataclass
+class FixReport:
+    step: int
+    rank: int
+    precision: str
+    policy: dict
+    loss_scale: float
+    baseline: dict                  # the recorded precision, nothing kept in float32
+    candidates: list                # [{"name", "phase", "status", "local_rel_err"}], trial order
+    trials: list                    # [{"modules": [...], **trial_metrics, "round"}]
+    fix: list | None                # smallest saving set found, or None
+    search: str                     # "not_needed", "single", "greedy", "none"
+    patch: str | None
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return plain({"step": self.step, "rank": self.rank, "precision": self.precision, "policy": self.policy,
+                      "loss_scale": self.loss_scale, "baseline": self.baseline, "candidates": self.candidates,
+                      "trials": self.trials, "fix": self.fix, "search": self.search, "patch": self.patch,
+                      "notes": self.notes, "thresholds": {"grad_rel_err_ok": GRAD_REL_ERR_OK}})
+
+    def table(self) -> pd.DataFrame:
+        local = {c["name"]: c["local_rel_err"] for c in self.candidates}
+        rows = [{"modules": ",".join(_display(m) for m in t["modules"]),
+                 "local_rel_err": local.get(t["modules"][0]) if len(t["modules"]) == 1 else None,
+                 **{k: t[k] for k in TRIAL_COLUMNS[2:]}} for t in self.trials]
+        return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
+
+    def lines(self) -> list[str]:
+        b = self.baseline
+        out = [f"step {self.step}, rank {self.rank}: {self.precision} replay, policy "
+               f"{self.policy.get('device_type')}{' (emulated)' if self.policy.get('emulated') else ''}, "
+               f"loss scale {self.loss_scale:g}",
+               f"as recorded: {_verdict(b)} (grad error vs float64 {fmt_num(b['grad_rel_err'])})"]
+        out += [f"note: {n}" for n in self.notes]
+        if self.search == "not_needed":
+            where = ("" if not b.get("backoffs") else
+                     f" once the scaler backs off to {b['loss_scale']:g} (`scale-window` says more)")
+            out.append(f"the step is already finite in the replay{where}: nothing to keep in float32")
+        elif self.fix:
+            how = "one module" if len(self.fix) == 1 else f"{len(self.fix)} modules (greedy search)"
+            out.append(f"fix: keep {', '.join(_display(m) for m in self.fix)} in float32 ({how}); "
+                       "apply after building the model:")
+            out += ["    " + line for line in self.patch.splitlines()]
+        else:
+            out.append(f"no set of up to {MAX_SET} modules kept in float32 saves the step "
+                       "(see `recommend` for bf16 and the loss scale)")
+        return out
+
+
+def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", policy: str = "recorded",
+             precision: str | None = None, loss_fn=None, max_candidates: int = MAX_CANDIDATES,
+             max_set: int = MAX_SET, progress=None, prepared=None) -> FixReport:
+    """Search the modules whose float32 execution saves the step."""
+    from ..replay import attribution
+
+    p = prepared or prepare(source, step, rank=rank, model=model, device=device, policy=policy,
+                            precision=precision, loss_fn=loss_fn, keep_inputs=True)
+    if not any(c.inputs is not None for c in p.reference.calls.values()):
+        from ..replay import RunConfig
+        p.reference = p.session.run(RunConfig("fp64", device=p.config.device), keep_inputs=True)
+    baseline = {"modules": [], **p.trial()}
+    notes = list(p.notes)
+    report = FixReport(step=p.step, rank=p.rank, precision=p.precision, policy=p.policy_dict(),
+                       loss_scale=p.loss_scale, baseline=baseline, candidates=[], trials=[], fix=None,
+                       search="not_needed", patch=None, notes=notes)
+    if baseline["saved"]:
+        return report
+    if any(n.startswith("the float64 reference") for n in notes):
+        report.search = "none"  # no precision setting repairs what float64 cannot compute
+        return report
+    comparisons = attribution.compare_run(p.session, p.reference, p.run(capture=True), local=True)
+    report.candidates = candidates = rank_candidates(comparisons, max_candidates)
+    names = [c["name"] for c in candidates]
+    total = len(names)
+    cache: dict[tuple, dict] = {}
+
+    def trial(modules: tuple, rnd: int) -> dict:
+        key = tuple(sorted(modules))
+        if key not in cache:
+            cache[key] = {"modules": list(modules), "round": rnd, **p.trial(fp32_modules=tuple(modules))}
+            report.trials.append(cache[key])
+            report_progress(progress, "keeping modules in float32", len(report.trials), total)
+        return cache[key]
+
+    singles = [trial((n,), 1) for n in names]
+    saving = [t for t in singles if t["saved"]]
+    if saving:
+        best = min(saving, key=_badness)
+        report.fix, report.search = list(best["modules"]), "single"
+    elif names:
+        chosen = _greedy(names, singles, trial, max_set)
+        if chosen:
+            report.fix, report.search = chosen, "greedy"
+        else:
+            report.search = "none"
+    else:
+        report.search = "none"
+        notes.append("no module could be replayed alone: no candidate to keep in float32")
+    if report.fix:
+        net = p.session.model(p.config.weight_dtype)
+        position = {name: i for i, (name, _) in enumerate(net.named_modules())}
+        report.fix = sorted(report.fix, key=lambda n: position.get(n, len(position)))  # model order
+        report.patch = patch_lines(net, report.fix)
+    return report
+
+
+def rank_candidates(comparisons, limit: int = MAX_CANDIDATES) -> list:
+    """Modules (root excluded) by local error, worst first; broken before
+    degraded before ok; among equals the innermost and earliest first."""
+    best: dict[str, dict] = {}
+    for c in comparisons:
+        if c.name == "" or not c.local_done or c.local.empty:
+            continue
+        status = c.status[0]
+        err = c.local.rel_l2
+        row = best.get(c.name)
+        key = (_STATUS_RANK.get(status, 3), -err)
+        if row is None or key < row["_key"]:
+            best[c.name] = {"name": c.name, "phase": c.phase, "status": status, "local_rel_err": err,
+                            "ratio_to_rounding": c.local.ratio_to_rounding, "_key": key, "_order": c.order}
+    rows = list(best.values())
+    depth = {r["name"]: _descendants(r["name"], best) for r in rows}
+    rows.sort(key=lambda r: (*r["_key"], depth[r["name"]], r["phase"] != "forward", r["_order"]))
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows[:limit]]
+
+
+def _descendants(name: str, names) -> int:
+    return sum(1 for n in names if n != name and n.startswith(name + "."))
+
+
+def _greedy(names, singles, trial, max_set) -> list | None:
+    current: tuple = ()
+    results = {(t["modules"][0],): t for t in singles}
+    best_now = None
+    for rnd in range(1, max_set + 1):
+        if rnd > 1:
+            results = {}
+            for n in names:
+                if n in current or any(_inside(n, c) or _inside(c, n) for c in current):
+                    continue
+                results[current + (n,)] = trial(current + (n,), rnd)
+        if not results:
+            return None
+        chosen, t = min(results.items(), key=lambda kv: _badness(kv[1]))
+        if best_now is not None and _badness(t) >= _badness(best_now):
+            return None  # no candidate helps any more
+        current, best_now = chosen, t
+        if t["saved"]:
+            return _prune(list(current), trial)
+    return None
+
+
+def _prune(members: list, trial) -> list:
+    """Drop members the set does not need (each removal re-checked)."""
+    for m in list(members):
+        if len(members) == 1:
+            break
+        rest = [x for x in members if x != m]
+        if trial(tuple(rest), 0)["saved"]:
+            members = rest
+    return members
+
+
+def _badness(t: dict) -> tuple:
+    return (not t["saved"], t["nonfinite_values"], _finite_or_inf(t["grad_rel_err"]), len(t["modules"]))
+
+
+def _finite_or_inf(v):
+    return float("inf") if v is None or v != v else v
+
+
+def _inside(name: str, parent: str) -> bool:
+    return parent == "" or name.startswith(parent + ".")
+
+
+# ------------------------------------------------------------------- patch
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def module_expression(model, name: str, root: str = "model") -> str:
+    """Python that reaches submodule `name` from `root`: attributes, `[i]`
+    for ModuleList/Sequential, `["k"]` for ModuleDict, `get_submodule`
+    when a part is not an identifier."""
+    import torch.nn as nn
+    expr, module = root, model
+    for part in name.split("."):
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and part.isdigit():
+            expr += f"[{part}]"
+        elif isinstance(module, nn.ModuleDict):
+            expr += f"[{part!r}]"
+        elif _IDENT.match(part):
+            expr += f".{part}"
+        else:
+            return f"{root}.get_submodule({name!r})"
+        module = module.get_submodule(part)
+    return expr
+
+
+def patch_lines(model, names) -> str:
+    """The patch a user applies: import the helper, one line per module."""
+    lines = ["from recorders.fp32 import keep_fp32"]
+    lines += [f"keep_fp32({module_expression(model, n)})" for n in names]
+    return "\n".join(lines)
+
+
+def _display(name: str) -> str:
+    return "(model)" if name == "" else name
+
+
+def _verdict(t: dict) -> str:
+    if t["finite"]:
+        return "finite" + (f" at loss scale {t['loss_scale']:g}" if t.get("backoffs") else "")
+    where = [w for w, ok in (("forward", t["forward_finite"]), ("backward", t["backward_finite"])) if not ok]
+    return f"NON-FINITE in the {' and '.join(where)} ({t['nonfinite_values']} NaN/Inf values)"

@@ -1,0 +1,283 @@
+"""Recorder overhead on the CPU: step time with and without AmpRecorder.
+
+A GPT-style model (4 layers, d_model 256, sequence 128, batch 16) is trained
+in float32, bfloat16 autocast and float16 autocast with
+`GradScaler("cpu")`. Each variant is its own identical copy of the model,
+optimizer and scaler, so the baseline carries no hooks at all:
+
+- `baseline`: no recorder;
+- `default`:  AmpRecorder with its default configuration (cheap tier every
+  step, full tier every 100 steps);
+- `full`:     AmpRecorder(full_every=1): the full tier on every step;
+- `paused`:   a recorder attached but every step inside `rec.paused()`,
+  i.e. what hooks that do nothing cost.
+
+Every round runs one step of each variant on the same batch, in a shuffled
+order (A B C D, interleaved), so that drifts of the machine hit every
+variant alike. Reported: median step time over the measured rounds after
+warm-up, its ratio to the baseline, the writer thread's CPU time per step
+(work done off the training thread; on a 2-core machine it competes with
+torch's intra-op threads, so `ratio_charged` adds it to the step as an upper
+bound), the recorder's own buffers, and peak RSS of each variant trained
+alone in a child process.
+
+    python benchmarks/recorder_overhead.py                # full size, ~25 min on 2 cores
+    python benchmarks/recorder_overhead.py --dtypes fp32,bf16 --steps 30
+    python benchmarks/recorder_overhead.py --smoke        # seconds; CI keeps it working
+
+Prints one JSON document on stdout (figures) and a table on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+DTYPES = ("fp32", "bf16", "fp16")
+VARIANTS = ("baseline", "default", "full", "paused")
+
+FULL_SIZE = dict(vocab=2048, d_model=256, n_layers=4, n_heads=4, seq=128, batch=16)
+SMOKE_SIZE = dict(vocab=64, d_model=32, n_layers=1, n_heads=2, seq=16, batch=2)
+
+
+def _torch_dtype(name):
+    import torch
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+class Job:
+    """One variant: its own model, optimizer, scaler and (maybe) recorder."""
+
+    def __init__(self, variant: str, model, dtype: str, run_dir: Path | None, size: dict):
+        import torch
+        self.variant = variant
+        self.model = model
+        self.dtype = _torch_dtype(dtype)
+        self.size = size
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.scaler = torch.amp.GradScaler("cpu") if dtype == "fp16" else None
+        self.rec = None
+        if variant != "baseline":
+            from recorders import AmpRecorder
+            kw = {"full_every": 1} if variant == "full" else {}
+            self.rec = AmpRecorder(run_dir / variant, model, optimizer=self.opt,
+                                   scaler=self.scaler, **kw)
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.tiers: list[str] = []
+        self.raw_rows: list[int] = []
+        self.max_queue = 0
+
+    def step(self, batch) -> float:
+        """One optimizer step; returns its wall time in seconds."""
+        import torch
+        import torch.nn.functional as F
+        rec, vocab = self.rec, self.size["vocab"]
+        paused = rec.paused() if self.variant == "paused" else None
+        if rec is not None and self.variant != "paused":
+            self.tiers.append("full" if rec._state.full else "cheap")
+        t0 = time.perf_counter()
+        if paused is not None:
+            paused.__enter__()
+        with torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype != torch.float32):
+            logits = self.model(batch[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if rec is not None and self.variant != "paused":
+            self.raw_rows.append(len(rec._state.stats))
+            rec.step(loss)
+        if paused is not None:
+            paused.__exit__(None, None, None)
+        dt = time.perf_counter() - t0
+        if rec is not None:
+            self.max_queue = max(self.max_queue, rec._queue.qsize())
+        self.losses.append(loss.item())
+        return dt
+
+
+def _batches(n: int, size: dict, seed: int = 0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, size["vocab"], (size["batch"], size["seq"] + 1), generator=g)
+            for _ in range(n)]
+
+
+def _buffers(rec, steps_done: int) -> dict:
+    """What the recorder holds in memory: the queue to the writer thread
+    (bounded by max_queue), and the writer's rows not yet in a shard
+    (bounded by steps_per_shard)."""
+    w = rec._writer
+    batch_bytes = 0
+    for batch in w._tensor_batches:
+        for v in batch.values():
+            batch_bytes += v.nbytes if hasattr(v, "nbytes") else 8 * len(v)
+    pending = max(1, w.pending_steps)
+    per_step = batch_bytes / pending
+    return {
+        "queue_max": rec._queue.maxsize,
+        "writer_steps_per_shard": w.steps_per_shard,
+        "writer_pending_steps": w.pending_steps,
+        "writer_pending_tensor_rows": w._tensor_rows,
+        "writer_buffer_bytes_per_step": round(per_step),
+        "writer_buffer_bound_mib": round(per_step * w.steps_per_shard / 2**20, 2),
+        "steps_done": steps_done,
+    }
+
+
+def measure_dtype(dtype: str, variants, steps: int, warmup: int, size: dict, seed: int) -> dict:
+    import torch
+    torch.manual_seed(seed)
+    template = common.gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+    batches = _batches(warmup + steps, size, seed)
+    order_rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="amp-pm-overhead-") as tmp:
+        jobs = {v: Job(v, copy.deepcopy(template), dtype, Path(tmp), size) for v in variants}
+        cpu0 = {}
+        for i, batch in enumerate(batches):
+            if i == warmup:
+                cpu0 = {v: common.thread_cpu_s(j.rec._thread.native_id)
+                        for v, j in jobs.items() if j.rec is not None}
+            names = list(jobs)
+            order_rng.shuffle(names)
+            for v in names:
+                jobs[v].times.append(jobs[v].step(batch))
+        cpu1 = {v: common.thread_cpu_s(j.rec._thread.native_id)
+                for v, j in jobs.items() if j.rec is not None}
+        out = {"dtype": dtype, "steps": steps, "warmup": warmup, "variants": {}}
+        base = common.median(jobs["baseline"].times[warmup:]) if "baseline" in jobs else None
+        ref_losses = jobs["baseline"].losses if "baseline" in jobs else None
+        for v, j in jobs.items():
+            t = j.times[warmup:]
+            s = common.summarize(t)
+            row = {"median_s": s["median"], "p10_s": s["p10"], "p90_s": s["p90"], "mean_s": s["mean"]}
+            if base:
+                row["ratio"] = s["median"] / base
+            if j.rec is not None:
+                w0, w1 = cpu0.get(v), cpu1.get(v)
+                if w0 is not None and w1 is not None:
+                    row["writer_cpu_s_per_step"] = (w1 - w0) / steps
+                    if base:
+                        row["ratio_charged"] = (s["median"] + row["writer_cpu_s_per_step"]) / base
+                if v != "paused":
+                    tiers = j.tiers[warmup:]
+                    row["tiers"] = {k: tiers.count(k) for k in ("cheap", "full") if k in tiers}
+                    row["raw_rows_per_step"] = max(j.raw_rows) if j.raw_rows else 0
+                    row["max_queue_depth_seen"] = j.max_queue
+                    row["buffers"] = _buffers(j.rec, len(j.times))
+            if ref_losses is not None:
+                row["losses_identical_to_baseline"] = j.losses == ref_losses
+            out["variants"][v] = row
+        for j in jobs.values():
+            if j.rec is not None:
+                j.rec.close()
+                if not j.rec.enabled:
+                    raise RuntimeError(f"recorder of {j.variant} disabled itself: {j.rec._failure!r}")
+    if base and "default" in out["variants"] and "full" in out["variants"]:
+        # The default configuration runs the full tier one step in 100
+        # (full_every=100): its long-run cost mixes both tiers.
+        d, f = out["variants"]["default"]["median_s"], out["variants"]["full"]["median_s"]
+        out["default_amortised_ratio"] = (0.99 * d + 0.01 * f) / base
+    return out
+
+
+def memory_child(dtype: str, variant: str, steps: int, size: dict, seed: int) -> dict:
+    """Train one variant alone and report this process's peak RSS."""
+    import torch
+    torch.manual_seed(seed)
+    model = common.gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+    with tempfile.TemporaryDirectory(prefix="amp-pm-mem-") as tmp:
+        job = Job(variant, model, dtype, Path(tmp), size)
+        for batch in _batches(steps, size, seed):
+            job.step(batch)
+        peak = common.peak_rss_mib()
+        if job.rec is not None:
+            job.rec.close()
+    return {"dtype": dtype, "variant": variant, "steps": steps, "peak_rss_mib": round(peak, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=20, help="measured rounds after warm-up")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--memory-steps", type=int, default=4,
+                    help="steps of each child process measuring peak RSS (0: skip)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CI)")
+    ap.add_argument("--json", dest="json_path", default=None, help="also write the JSON here")
+    ap.add_argument("--memory-child", nargs=2, metavar=("DTYPE", "VARIANT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    size = dict(SMOKE_SIZE if args.smoke else FULL_SIZE)
+    if args.smoke:
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+        args.memory_steps = min(args.memory_steps, 1)
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    if args.memory_child:
+        dtype, variant = args.memory_child
+        common.write_json(memory_child(dtype, variant, args.memory_steps, size, args.seed), None)
+        return 0
+
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    variants = [v for v in args.variants.split(",") if v]
+    if "baseline" not in variants:
+        variants.insert(0, "baseline")
+    result = {"benchmark": "recorder_overhead", "machine": common.machine_info(),
+              "torch_threads": torch.get_num_threads(), "size": size,
+              "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+              "targets": {"default_ratio_max": 1.05, "full_ratio_max": 1.5},
+              "dtypes": {}}
+    table = []
+    for dtype in dtypes:
+        t0 = time.perf_counter()
+        r = measure_dtype(dtype, variants, args.steps, args.warmup, size, args.seed)
+        r["wall_s"] = round(time.perf_counter() - t0, 1)
+        if args.memory_steps > 0 and not (args.smoke and dtype != dtypes[0]):
+            mem_variants = [v for v in variants if v != "paused"]
+            if args.smoke:
+                mem_variants = mem_variants[:2]
+            r["peak_rss_mib"] = {}
+            for v in mem_variants:
+                child = [str(Path(__file__).resolve()), "--memory-child", dtype, v,
+                         "--memory-steps", str(args.memory_steps), "--seed", str(args.seed)]
+                if args.smoke:
+                    child.append("--smoke")
+                if args.threads:
+                    child += ["--threads", str(args.threads)]
+                r["peak_rss_mib"][v] = common.run_child(child)["peak_rss_mib"]
+        result["dtypes"][dtype] = r
+        for v, row in r["variants"].items():
+            table.append({"dtype": dtype, "variant": v, "median_ms": 1e3 * row["median_s"],
+                          "p90_ms": 1e3 * row["p90_s"], "ratio": row.get("ratio"),
+                          "writer_ms": 1e3 * row["writer_cpu_s_per_step"] if "writer_cpu_s_per_step" in row else None,
+                          "charged": row.get("ratio_charged"),
+                          "tiers": row.get("tiers"),
+                          "peak_rss_mib": r.get("peak_rss_mib", {}).get(v),
+                          "same_bits": row.get("losses_identical_to_baseline")})
+    common.print_table(table, ["dtype", "variant", "median_ms", "p90_ms", "ratio", "writer_ms",
+                               "charged", "tiers", "peak_rss_mib", "same_bits"])
+    common.write_json(result, args.json_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

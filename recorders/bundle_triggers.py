@@ -1,0 +1,92 @@
+"""When to save a replay bundle: a pure function of each step's host-side
+summary (the recorder's writer thread calls it once per step, in order).
+
+Each automatic trigger fires once, at the first step where its condition
+holds, whether or not the cap then lets the bundle be saved:
+
+- `nonfinite_loss`: the loss passed to `rec.step()` is NaN or Inf;
+- `nonfinite_tensor`: a recorded tensor holds a NaN or Inf. With an enabled
+  GradScaler only forward values count (inputs, activations, parameters,
+  loss): scaled gradients that overflow are the scaler's business and show
+  up as `skipped`;
+- `skipped`: the step was skipped after the loss scale settled, i.e. after
+  `settle_steps` consecutive steps that ran the optimizer. The skips of a
+  fresh GradScaler calibrating down from its initial scale come before that
+  and neither fire nor use up the cap;
+- `scale_low`: the scale after `update()` fell below `min_loss_scale`.
+
+Explicit reasons (`request`, `step_list`) are passed in and always count.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+TRIGGERS = ("nonfinite_loss", "nonfinite_tensor", "skipped", "scale_low")
+# The first reason in this order names a bundle saved for several reasons.
+REASON_ORDER = TRIGGERS + ("request", "step_list")
+
+
+class BundleTriggers:
+    def __init__(self, triggers=TRIGGERS, *, has_scaler: bool, max_bundles: int = 3,
+                 min_loss_scale: float | None = 1.0, settle_steps: int = 10):
+        triggers = (triggers,) if isinstance(triggers, str) else tuple(triggers or ())
+        unknown = [t for t in triggers if t not in TRIGGERS]
+        if unknown:
+            raise ValueError(f"unknown bundle trigger {unknown[0]!r} (valid: {', '.join(TRIGGERS)})")
+        self.triggers = triggers
+        self.has_scaler = has_scaler
+        self.max_bundles = int(max_bundles)
+        self.min_loss_scale = min_loss_scale
+        self.settle_steps = int(settle_steps)
+        self.settled = not has_scaler or self.settle_steps <= 0
+        self.latched: set[str] = set()
+        self.orders = 0
+        self._clean_steps = 0
+
+    def conditions(self, summary: dict) -> list[str]:
+        """Which trigger conditions hold at this step (state: settling)."""
+        reasons = []
+        loss = summary.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            reasons.append("nonfinite_loss")
+        cols = summary.get("columns")
+        if cols is not None and len(cols["name"]):
+            bad = (np.asarray(cols["nan_count"]) > 0) | (np.asarray(cols["inf_count"]) > 0)
+            if self.has_scaler:
+                bad &= np.asarray(cols["phase"], dtype=object) == "forward"
+            if bad.any():
+                reasons.append("nonfinite_tensor")
+        if summary.get("skipped"):
+            if self.settled:
+                reasons.append("skipped")
+            self._clean_steps = 0
+        else:
+            self._clean_steps += 1
+            if self._clean_steps >= self.settle_steps:
+                self.settled = True
+        scale = summary.get("loss_scale")
+        if (self.min_loss_scale is not None and scale is not None and not math.isnan(scale)
+                and scale < self.min_loss_scale):
+            reasons.append("scale_low")
+        return reasons
+
+    def decide(self, summary: dict, explicit=()) -> tuple[list[str], bool]:
+        """(reasons to save this step for, in REASON_ORDER; whether the cap
+        allows it). A positive answer counts against `max_bundles`."""
+        conditions = self.conditions(summary)
+        fired = [r for r in conditions if r in self.triggers and r not in self.latched]
+        self.latched.update(conditions)
+        fired += [r for r in explicit if r not in fired]
+        fired.sort(key=REASON_ORDER.index)
+        if not fired:
+            return [], False
+        if self.orders >= self.max_bundles:
+            return fired, False
+        self.orders += 1
+        return fired, True
+
+    def refund(self) -> None:
+        """A decided bundle was not written (size cap, error): free its slot."""
+        self.orders = max(0, self.orders - 1)

@@ -1,0 +1,212 @@
+"""Shared fixtures: runs recorded once per session by the real recorder on
+tiny CPU models (float16 CPU autocast, `torch.amp.GradScaler("cpu")`), each
+named after the fault planted in it."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+# ------------------------------------------------------------ analyzer runs
+# Planted-fault constants the tests pin against.
+OVERFLOW_STEP = 7          # Boom multiplies by 1e6 at this step only
+INPUT_NAN_STEP = 3         # the batch of this step holds a NaN
+COLLAPSE_ONSET = 40        # GradAmp's gradient gain starts growing here
+COLLAPSE_STEPS = 80
+TINY_SCALE = 2.0 ** -10    # fixed loss scale of the underflow run
+
+
+def _models():
+    import torch
+    import torch.nn as nn
+
+    class Boom(nn.Module):
+        """Multiplies its input by `gain` (1 unless a test plants more)."""
+
+        def __init__(self):
+            super().__init__()
+            self.gain = 1.0
+
+        def forward(self, x):
+            return x * self.gain
+
+    class _AmpGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, gain):
+            ctx.gain = gain
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.gain, None
+
+    class GradAmp(nn.Module):
+        """Identity forward; multiplies the gradient passing back by `gain`."""
+
+        def __init__(self):
+            super().__init__()
+            self.gain = 1.0
+
+        def forward(self, x):
+            return _AmpGrad.apply(x, self.gain)
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc = nn.Linear(d, d)
+            self.boom = Boom()
+            self.act = nn.ReLU()
+
+        def forward(self, x):
+            return self.act(self.boom(self.fc(x)))
+
+    class Net(nn.Module):
+        def __init__(self, d_in=4, d=8):
+            super().__init__()
+            self.inp = nn.Linear(d_in, d)
+            self.block = Block(d)
+            self.amp = GradAmp()
+            self.head = nn.Linear(d, 1)
+
+        def forward(self, x):
+            return self.head(self.amp(self.block(self.inp(x))))
+
+    return Net
+
+
+def record_run(path, *, steps, plant=None, scaler_kwargs=None, lr=0.01, fixed_batch=False,
+               close=True, seed=0, **recorder_kwargs):
+    """Train `Net` for `steps` steps under the real recorder. `plant(step,
+    model, x)` may change the model or the batch before each step."""
+    import torch
+    from recorders import AmpRecorder
+
+    torch.manual_seed(seed)
+    model = _models()()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", **(scaler_kwargs or {}))
+    rec = AmpRecorder(path, model, optimizer=opt, scaler=scaler, **recorder_kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    x0, y0 = torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)
+    for step in range(steps):
+        x, y = (x0.clone(), y0) if fixed_batch else (torch.randn(16, 4, generator=gen),
+                                                     torch.randn(16, 1, generator=gen))
+        if plant is not None:
+            plant(step, model, x)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ((model(x).float() - y) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        rec.step(loss)
+    if close:
+        rec.close()
+    else:
+        rec.flush()  # leaves the manifest "open", as a killed job would
+        rec._remove_hooks()
+    return Path(path)
+
+
+def _overflow(step, model, x):
+    model.block.boom.gain = 1e6 if step == OVERFLOW_STEP else 1.0
+
+
+def _input_nan(step, model, x):
+    if step == INPUT_NAN_STEP:
+        x[0, 0] = float("nan")
+
+
+def _collapse(step, model, x):
+    # From the onset on, the gradient through `amp` doubles every 2 steps,
+    # so the scaler must halve about every 2 steps to keep it finite.
+    model.amp.gain = 2.0 ** ((step - COLLAPSE_ONSET + 1) / 2) if step >= COLLAPSE_ONSET else 1.0
+
+
+@pytest.fixture(scope="session")
+def overflow_run(tmp_path_factory):
+    """Boom (block.boom) overflows float16 in the forward pass of step 7."""
+    return record_run(tmp_path_factory.mktemp("runs") / "overflow_in_block_boom", steps=12,
+                      plant=_overflow, scaler_kwargs={"init_scale": 2.0 ** 8, "growth_interval": 10 ** 6},
+                      steps_per_shard=5, full_every=5)
+
+
+@pytest.fixture(scope="session")
+def input_nan_run(tmp_path_factory):
+    """The batch of step 3 holds a NaN."""
+    return record_run(tmp_path_factory.mktemp("runs") / "nan_in_input", steps=6, plant=_input_nan,
+                      scaler_kwargs={"init_scale": 2.0 ** 8})
+
+
+@pytest.fixture(scope="session")
+def collapse_run(tmp_path_factory):
+    """Default GradScaler (calibrates down from 65536, growth probes every
+    10 clean steps); from step 40 the gradient through `amp` grows
+    exponentially and the scale collapses."""
+    return record_run(tmp_path_factory.mktemp("runs") / "scale_collapse_from_40", steps=COLLAPSE_STEPS,
+                      plant=_collapse, scaler_kwargs={"growth_interval": 10}, lr=0.0, fixed_batch=True,
+                      steps_per_shard=20, full_every=10)
+
+
+@pytest.fixture(scope="session")
+def healthy_run(tmp_path_factory):
+    """A plain, healthy fp16 run with the default GradScaler."""
+    return record_run(tmp_path_factory.mktemp("runs") / "healthy", steps=40,
+                      scaler_kwargs={"growth_interval": 10}, steps_per_shard=16, full_every=4)
+
+
+@pytest.fixture(scope="session")
+def underflow_run(tmp_path_factory):
+    """A fixed tiny loss scale (2**-10, never grows): gradients underflow."""
+    return record_run(tmp_path_factory.mktemp("runs") / "grad_underflow_tiny_scale", steps=12,
+                      scaler_kwargs={"init_scale": TINY_SCALE, "growth_interval": 10 ** 9}, full_every=1)
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory):
+    """Two ranks (rank 1 has a different seed) written into one run directory."""
+    path = tmp_path_factory.mktemp("runs") / "two_ranks"
+    for rank in (0, 1):
+        record_run(path, steps=6, seed=rank, rank=rank, world_size=2, run_id="two-rank-run",
+                   scaler_kwargs={"init_scale": 2.0 ** 8})
+    return path
+
+
+@pytest.fixture(scope="session")
+def open_run(tmp_path_factory):
+    """The recorder was never closed (the job was killed after a flush)."""
+    return record_run(tmp_path_factory.mktemp("runs") / "never_closed", steps=4, close=False)
+
+
+@pytest.fixture
+def copy_run(tmp_path):
+    """copy_run(src) -> a private copy of a session run that a test may damage."""
+    def copy(src, name=None):
+        dst = tmp_path / (name or Path(src).name)
+        shutil.copytree(src, dst)
+        return dst
+    return copy
+
+
+@pytest.fixture
+def edit_manifest():
+    """edit_manifest(path, **changes): overwrite keys of a manifest.json."""
+    def edit(path: Path, **changes) -> None:
+        m = json.loads(Path(path).read_text())
+        m.update(changes)
+        Path(path).write_text(json.dumps(m))
+    return edit
+
+
+def _rising(step, model, x):
+    # block.boom's output doubles every 2 steps: headroom falls 0.5 bit/step.
+    model.block.boom.gain = 2.0 ** (step / 2)
+
+
+@pytest.fixture(scope="session")
+def rising_run(tmp_path_factory):
+    """block.boom's activation grows steadily towards float16 overflow."""
+    return record_run(tmp_path_factory.mktemp("runs") / "activation_heading_for_overflow", steps=20,
+                      plant=_rising, scaler_kwargs={"init_scale": 2.0 ** 4}, lr=0.0, fixed_batch=True)

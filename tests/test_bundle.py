@@ -1,0 +1,378 @@
+"""Replay bundles: when they are saved, what they hold, and that a replay of
+their contents reproduces the step, bit for bit, on the same machine."""
+import json
+import math
+import pickle
+import shutil
+
+import pyarrow.dataset as ds
+import pytest
+import torch
+import torch.nn as nn
+
+from amp_postmortem.bundle import autocast_dtype, find_bundle, list_bundles, load_bundle
+from amp_postmortem.errors import BundleError
+from recorders import AmpRecorder, schema
+from recorders.bundle_triggers import BundleTriggers
+from recorders.bundle_writer import json_checksum, write_tensors
+from recorders.tensor_codec import host_array, tensor_from_bytes
+from tiny_models import PlantedNet, batches
+
+
+class Counter(nn.Module):
+    """A buffer every forward changes (like BatchNorm's running stats)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+class LossNet(nn.Module):
+    """A planted overflow, dropout (RNG), a changing buffer, nested keyword
+    inputs and the loss computed inside, so a replay can recompute it."""
+
+    def __init__(self):
+        super().__init__()
+        self.counter = Counter()
+        self.drop = nn.Dropout(0.25)
+        self.body = PlantedNet()
+
+    def forward(self, x, *, target, opts):
+        out = self.body(self.drop(self.counter(x)))
+        return (((out.float() - target) ** 2) * opts["weights"][0]).mean() * opts["gain"]
+
+
+def train(run, steps, *, dtype=torch.float16, scaler=True, accumulate=1, arm=(), nan_at=(),
+          gain=1.0, gains=None, request=(), lr=0.05, **options):
+    """Plain AMP loop on the CPU; returns what a test compares against:
+    per step the state_dict before the step and the gradients that
+    optimizer.step() received (scaled, before unscaling)."""
+    torch.manual_seed(0)
+    model = LossNet()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    sc = torch.amp.GradScaler("cpu") if scaler else None
+    rec = AmpRecorder(run, model, optimizer=opt, scaler=sc, **options)
+    data = batches(steps * accumulate)
+    weights = torch.linspace(0.5, 1.5, 4)
+    seen = []
+    for step in range(steps):
+        model.body.boom.armed = step in arm or step in nan_at
+        model.body.boom.gain = math.nan if step in nan_at else 1e6
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        g = (gains or {}).get(step, gain)
+        for k in range(accumulate):
+            x, y = data[step * accumulate + k]
+            with torch.autocast("cpu", dtype=dtype):
+                loss = model(x, target=y, opts={"weights": (weights, "w"), "gain": g / accumulate})
+            (sc.scale(loss) if sc else loss).backward()
+            if step in request and k == 0:
+                rec.save_bundle()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if sc:
+            sc.step(opt)
+            sc.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        rec.step(loss)
+        seen.append({"before": before, "grads": grads})
+    rec.close()
+    return seen, rec
+
+
+def manifest(run):
+    return json.loads((run / "manifest.json").read_text())
+
+
+def replay(bundle, micro_batch=0, *, boom=None):
+    """Forward of one micro-batch in a fresh model under the recorded
+    autocast policy; `boom`: the planted module's gain when armed."""
+    model = LossNet()
+    model.load_state_dict(bundle.state_dict(), strict=True)
+    model.body.boom.armed = boom is not None
+    model.body.boom.gain = boom
+    torch.set_rng_state(bundle.micro_batch_rng[micro_batch]["cpu"])
+    args, kwargs = bundle.inputs[micro_batch]
+    ac = bundle.autocast
+    with torch.autocast(ac["device_type"], dtype=autocast_dtype(bundle), enabled=ac["enabled"]):
+        return model(*args, **kwargs)
+
+
+def test_planted_overflow_saves_one_bundle_at_the_first_nonfinite_step_and_it_reproduces(tmp_path):
+    run = tmp_path / "run"
+    seen, _ = train(run, 8, arm={5})
+    assert [(s, r) for s, r, _ in list_bundles(run)] == [(5, 0)]
+    entry, = manifest(run)["bundles"]
+    assert entry["step"] == 5 and entry["path"] == "bundles/step=5/rank=0"
+    assert entry["reasons"] == ["nonfinite_loss", "nonfinite_tensor"]  # skipped: scale not settled yet
+
+    b = load_bundle(run, step=5)
+    assert (b.step, b.rank, b.reason, b.micro_batches) == (5, 0, "nonfinite_loss", 1)
+    assert math.isnan(b.loss) and b.loss_scale == 65536.0 and b.exact
+    assert b.autocast == {"enabled": True, "device_type": "cpu", "dtype": "float16", "cache_enabled": True}
+    assert b.scaler["scale"] == 65536.0 and b.scaler["scale_after"] == 32768.0
+    assert b.scaler["growth_tracker"] == 5 and b.scaler["growth_tracker_after"] == 0
+    for name, value in seen[5]["before"].items():  # the weights the forward used
+        assert torch.equal(b.state_dict()[name], value), name
+    assert b.model_class == "test_bundle.LossNet" and b.optimizer["class"] == "torch.optim.sgd.SGD"
+    assert not torch.isfinite(replay(b, boom=1e6))
+
+
+def test_finite_bundles_of_every_micro_batch_replay_the_loss_bit_for_bit(tmp_path):
+    run = tmp_path / "run"
+    seen, _ = train(run, 5, accumulate=2, bundle_steps=[1], request={3})
+    assert [s for s, _, _ in list_bundles(run)] == [1, 3]
+    for step, reason in ((1, "step_list"), (3, "request")):
+        b = load_bundle(find_bundle(run, step))
+        assert b.reason == reason and b.micro_batches == 2 and b.exact
+        assert b.meta["params"]["source"] == "pre_step_snapshot"
+        assert int(b.buffers["counter.calls"]) == 2 * step  # as at the step's first forward
+        args, kwargs = b.inputs[1]
+        assert isinstance(args, tuple) and args[0].shape == (4, 5, 8)
+        assert kwargs["opts"]["weights"][1] == "w" and isinstance(kwargs["opts"]["weights"], tuple)
+        assert kwargs["opts"]["gain"] == 0.5
+        for k in range(2):
+            raw, = b.grad_outputs_raw[k]
+            assert raw.dtype == torch.float32 and raw.item() == 65536.0 * 1.0  # d(scaled loss)/d(loss)
+            assert b.grad_outputs[k][0].dtype == torch.float64 and b.grad_outputs[k][0].item() == 1.0
+        losses = [replay(b, k).item() for k in range(2)]
+        assert losses[1] == b.loss  # the last micro-batch's loss, as passed to rec.step()
+        assert losses[0] != losses[1]
+
+
+def test_backward_replay_reproduces_the_training_gradients_bit_for_bit(tmp_path):
+    run = tmp_path / "run"
+    seen, _ = train(run, 3, accumulate=2, bundle_steps=[2])
+    b = load_bundle(run, step=2)
+    model = LossNet()
+    model.load_state_dict(b.state_dict(), strict=True)
+    for k in range(2):
+        torch.set_rng_state(b.micro_batch_rng[k]["cpu"])
+        args, kwargs = b.inputs[k]
+        with torch.autocast("cpu", dtype=autocast_dtype(b)):
+            loss = model(*args, **kwargs)
+        torch.autograd.backward([loss], [b.grad_outputs_raw[k][0]])
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, seen[2]["grads"][name]), name
+
+
+def test_calibration_skips_of_a_fresh_scaler_do_not_trigger_and_the_cap_holds(tmp_path):
+    run = tmp_path / "run"
+    # gain 100: the fresh scaler's 65536 overflows the float16 gradients, so
+    # the first steps are skipped while it calibrates down.
+    with pytest.warns(RuntimeWarning, match="bundle of step 12 not saved: max_bundles=1 reached"):
+        train(run, 14, gain=100.0, lr=5e-4, gains={10: 1e5}, nan_at={12}, settle_steps=3, max_bundles=1)
+    steps = ds.dataset(run / "rank=0" / "steps", format="parquet").to_table().to_pandas()
+    skipped = steps.loc[steps["skipped"], "step"].tolist()
+    assert skipped == [0, 1, 2, 3, 4, 10, 12]  # 0-4: calibrating down from 65536
+    assert [s for s, _, _ in list_bundles(run)] == [10]
+    m = manifest(run)
+    assert m["bundles"][0]["reasons"] == ["skipped"]
+    missed, = m["bundles_missed"]
+    assert missed["step"] == 12 and missed["reasons"] == ["nonfinite_loss", "nonfinite_tensor"]
+    assert "max_bundles=1" in missed["why"]
+    b = load_bundle(run, step=10)
+    assert b.exact and b.meta["params"]["source"] in ("copy_after_forward", "copy_before_next_update")
+
+
+def test_the_byte_cap_holds(tmp_path):
+    run = tmp_path / "run"
+    with pytest.warns(RuntimeWarning, match="max_bundle_bytes"):
+        train(run, 4, bundle_steps=[1, 2, 3], max_bundle_bytes=15_000)  # one bundle is ~10 kB
+    assert [s for s, _, _ in list_bundles(run)] == [1]
+    assert [m["step"] for m in manifest(run)["bundles_missed"]] == [2, 3]
+
+
+def test_bf16_without_a_scaler_saves_the_weights_before_the_update(tmp_path):
+    run = tmp_path / "run"
+    seen, rec = train(run, 6, dtype=torch.bfloat16, scaler=False, nan_at={3})
+    assert not torch.isfinite(rec.model.body.head.weight).all()  # the update spread the NaN
+    assert [s for s, _, _ in list_bundles(run)] == [3]
+    b = load_bundle(run, step=3)
+    assert b.reasons == ["nonfinite_loss", "nonfinite_tensor"]
+    assert b.meta["params"] == {**b.meta["params"], "source": "pre_step_snapshot", "exact": True}
+    assert b.loss_scale is None and b.scaler is None and b.autocast["dtype"] == "bfloat16"
+    for name, value in seen[3]["before"].items():
+        assert torch.equal(b.state_dict()[name], value), name
+    assert all(torch.isfinite(p).all() for p in b.params.values())
+    assert math.isnan(replay(b, boom=math.nan).item())
+
+
+@pytest.fixture(scope="module")
+def saved_bundle(tmp_path_factory):
+    run = tmp_path_factory.mktemp("bundle") / "run"
+    train(run, 2, bundle_steps=[1])
+    return find_bundle(run, 1)
+
+
+def copy(bundle, tmp_path):
+    dst = tmp_path / "b"
+    shutil.copytree(bundle, dst)
+    return dst
+
+
+def test_a_tampered_file_is_refused(saved_bundle, tmp_path):
+    b = copy(saved_bundle, tmp_path)
+    f = b / schema.BUNDLE_TENSORS_FILE
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="tensors.parquet fails its sha256 check"):
+        load_bundle(b)
+
+
+def test_a_truncated_file_is_refused(saved_bundle, tmp_path):
+    b = copy(saved_bundle, tmp_path)
+    f = b / schema.BUNDLE_TENSORS_FILE
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(BundleError, match=r"tensors.parquet is truncated \(\d+ of \d+ bytes\)"):
+        load_bundle(b)
+    (b / "bundle.json").write_text((b / "bundle.json").read_text()[:200])
+    with pytest.raises(BundleError, match="bundle.json is truncated or not JSON"):
+        load_bundle(b)
+
+
+def test_edited_missing_and_newer_bundles_are_refused(saved_bundle, tmp_path):
+    b = copy(saved_bundle, tmp_path)
+    meta = json.loads((b / "bundle.json").read_text())
+    (b / "bundle.json").write_text(json.dumps(dict(meta, loss=0.0)))
+    with pytest.raises(BundleError, match="fails its checksum"):
+        load_bundle(b)
+    newer = dict(meta, version="2.0")
+    newer["checksum"] = json_checksum(newer)
+    (b / "bundle.json").write_text(json.dumps(newer))
+    with pytest.raises(BundleError, match="newer than this amp-postmortem reads.*upgrade"):
+        load_bundle(b)
+    (b / "bundle.json").unlink()
+    with pytest.raises(BundleError, match="not a replay bundle: .*bundle.json is missing"):
+        load_bundle(b)
+    with pytest.raises(BundleError, match="bundle not found"):
+        load_bundle(tmp_path / "nowhere")
+    run = saved_bundle.parent.parent.parent
+    with pytest.raises(BundleError, match=r"no bundle for step 7 .*\(bundles exist for steps: 1\)"):
+        find_bundle(run, 7)
+    with pytest.raises(BundleError, match="is a run directory"):
+        load_bundle(run)
+
+
+def test_no_pickle_is_used_to_write_or_read_bundles(tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("pickle used")
+
+    for name in ("dump", "dumps", "load", "loads", "Pickler", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "save", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    run = tmp_path / "run"
+    train(run, 3, bundle_steps=[1])
+    assert "bundles_missed" not in manifest(run)  # a failed write would be listed there
+    b = load_bundle(run, step=1)
+    assert b.exact and manifest(run)["bundles"][0]["step"] == 1
+
+
+def test_save_bundle_then_flush_puts_the_bundle_on_disk_before_close(tmp_path):
+    model = PlantedNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with AmpRecorder(tmp_path / "run", model, optimizer=opt) as rec:
+        for step, (x, y) in enumerate(batches(3)):
+            if step == 1:
+                rec.save_bundle()  # before the forward: this step
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+        rec.flush()
+        assert [s for s, _, _ in list_bundles(tmp_path / "run")] == [1]
+        assert manifest(tmp_path / "run")["bundles"][0]["reason"] == "request"
+    b = load_bundle(tmp_path / "run", step=1, rank=0)
+    assert b.loss is None and b.autocast["enabled"] is False and b.meta["params"]["exact"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                   torch.int64, torch.uint8, torch.bool])
+def test_tensors_round_trip_bit_exactly(dtype, tmp_path, monkeypatch):
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)  # every 16-bit pattern
+    if dtype in (torch.float16, torch.bfloat16):
+        t = bits.view(dtype).reshape(256, 256)  # NaN payloads, -0, subnormals, Inf
+    elif dtype == torch.bool:
+        t = torch.arange(10) % 3 == 0
+    else:
+        t = (torch.randn(7, 3, dtype=torch.float64) * 1e3).to(dtype)
+    back = tensor_from_bytes(host_array(t).tobytes(), str(dtype).replace("torch.", ""), t.shape)
+    assert back.dtype == t.dtype and back.shape == t.shape
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    assert torch.equal(back.view(view), t.view(view))
+    # split over several Parquet rows
+    monkeypatch.setattr(schema, "BUNDLE_CHUNK_BYTES", 1000)
+    write_tensors(tmp_path / "t.parquet", [("t", "param", -1, t, False)], {})
+    from amp_postmortem.bundle import _read_tensors
+    got = _read_tensors(tmp_path / "t.parquet")[("param", "t", -1)]
+    assert torch.equal(got.view(view), t.view(view))
+
+
+def summary(step, *, loss=1.0, skipped=False, scale=65536.0, forward_nan=0, backward_nan=0):
+    cols = {"name": ["a", "b"], "phase": ["forward", "backward"],
+            "nan_count": [forward_nan, backward_nan], "inf_count": [0, 0]}
+    return {"step": step, "loss": loss, "skipped": skipped, "loss_scale": scale, "columns": cols}
+
+
+def test_triggers_fire_once_settle_and_respect_the_count_cap():
+    t = BundleTriggers(has_scaler=True, settle_steps=2, max_bundles=3, min_loss_scale=1.0)
+    assert t.decide(summary(0, skipped=True, backward_nan=5)) == ([], False)   # calibrating
+    assert t.decide(summary(1)) == ([], False)
+    assert t.decide(summary(2, skipped=True)) == ([], False)                  # run of clean steps restarts
+    assert t.decide(summary(3)) == ([], False) and t.decide(summary(4)) == ([], False)
+    assert t.decide(summary(5, skipped=True)) == (["skipped"], True)
+    assert t.decide(summary(6, skipped=True)) == ([], False)                  # latched
+    assert t.decide(summary(7, loss=math.inf, forward_nan=1)) == (["nonfinite_loss", "nonfinite_tensor"], True)
+    assert t.decide(summary(8, scale=0.5), ["request"]) == (["scale_low", "request"], True)
+    assert t.decide(summary(9), ["step_list"]) == (["step_list"], False)      # cap of 3 reached
+    no_scaler = BundleTriggers(has_scaler=False, settle_steps=2)
+    assert no_scaler.decide(summary(0, backward_nan=1, scale=None)) == (["nonfinite_tensor"], True)
+    with pytest.raises(ValueError, match="unknown bundle trigger 'nan'"):
+        BundleTriggers(["nan"], has_scaler=True)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4)
+        self.head.weight = self.embed.weight
+        self.register_buffer("mask", torch.tensor([1.0, 0.0, 1.0, 1.0]), persistent=False)
+
+    def forward(self, x):
+        return self.head(self.embed(x)) * self.mask
+
+
+def test_tied_weights_and_non_persistent_buffers_load_strictly(tmp_path):
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with AmpRecorder(tmp_path / "run", model, optimizer=opt, bundle_steps=[0]) as rec:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        rec.step()
+    b = load_bundle(tmp_path / "run", step=0)
+    assert b.meta["params"]["aliases"] == {"head.weight": "embed.weight"}
+    assert b.params["head.weight"] is b.params["embed.weight"]
+    assert set(b.extra_buffers) == {"mask"} and not b.buffers
+    fresh = Tied()
+    fresh.load_state_dict(b.state_dict(), strict=True)
+
+
+def test_a_step_asked_for_but_not_recorded_is_listed_as_missed(tmp_path):
+    model = PlantedNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="step 1 not saved: the step was not captured"):
+        with AmpRecorder(tmp_path / "run", model, optimizer=opt, cheap_every=2, bundle_steps=[1, 2]) as rec:
+            for x, y in batches(3):
+                ((model(x) - y) ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                rec.step()
+    assert [s for s, _, _ in list_bundles(tmp_path / "run")] == [2]
+    assert [m["step"] for m in manifest(tmp_path / "run")["bundles_missed"]] == [1]

@@ -1,0 +1,161 @@
+"""The command line: formats, exit codes, bad inputs, no torch."""
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from amp_postmortem.cli import main
+from amp_postmortem.output import StderrProgress, render_table
+from recorders import schema
+
+COMMANDS = ["nans", "scale", "ranges", "summary"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_every_command_is_documented_with_an_example():
+    for name, cmd in main.commands.items():
+        result = invoke(name, "--help")
+        assert result.exit_code == 0
+        assert f"amp-postmortem {name} " in result.output, name
+        assert "--json" in result.output and "--rank" in result.output
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_table_and_json(command, overflow_run):
+    table = invoke(command, overflow_run)
+    assert table.exit_code == 0, table.output
+    assert table.stdout.strip() and "Traceback" not in table.output
+    result = invoke(command, overflow_run, "--json")
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert doc["warnings"] == []
+
+
+def test_nans_outputs(overflow_run):
+    table = invoke("nans", overflow_run).stdout
+    assert "forward origin: block.boom, activation, step 7" in table
+    assert "ORIGIN      block.boom" in table and "(model)" in table
+    doc = json.loads(invoke("nans", overflow_run, "--json").stdout)
+    assert doc["origin"]["name"] == "block.boom" and doc["origins"]["backward"]["name"] == "<loss>"
+    assert any(layer["name"] == "" for layer in doc["layers"])  # the root keeps its real name in JSON
+    csv = invoke("nans", overflow_run, "--csv").stdout.splitlines()
+    assert csv[0] == "role,name,kind,phase,first_step,order,rank,nan_count,inf_count,module,last_step,nonfinite_steps"
+    assert csv[1].startswith("ORIGIN,block.boom,activation,forward,7,")
+
+
+def test_ranges_and_summary_csv(underflow_run):
+    rows = invoke("ranges", underflow_run, "--csv").stdout.splitlines()
+    assert rows[0].startswith("name,kind,dtype,step,absmax,headroom_bits,headroom_trend_per_kstep,")
+    assert any(r.startswith("inp,grad_output,") and r.endswith(",underflow") for r in rows)
+    rows = invoke("summary", underflow_run, "--csv").stdout.splitlines()
+    assert rows[0] == "severity,kind,step,layer,message,next"
+    assert rows[1].startswith("error,stuck_low_scale,")
+
+
+def test_scale_has_no_csv(collapse_run):
+    result = invoke("scale", collapse_run, "--csv")
+    assert result.exit_code == 2 and "No such option" in result.output
+    doc = json.loads(invoke("scale", collapse_run, "--json").stdout)
+    assert doc["status"] == "collapse" and doc["onset_step"] == 41
+
+
+def test_fail_on(overflow_run, healthy_run):
+    assert invoke("summary", overflow_run, "--fail-on", "nonfinite").exit_code == 1
+    assert invoke("summary", overflow_run, "--fail-on", "scale_collapse,grad_underflow").exit_code == 0
+    assert invoke("summary", healthy_run, "--fail-on", "nonfinite,scale_collapse").exit_code == 0
+    result = invoke("summary", healthy_run, "--fail-on", "nonfinite,bogus")
+    assert result.exit_code == 2 and "unknown finding kind(s) bogus" in result.output
+
+
+def _one_error_line(result):
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    return lines[0]
+
+
+def test_missing_directory(tmp_path):
+    line = _one_error_line(invoke("summary", tmp_path / "missing"))
+    assert "run directory not found" in line
+
+
+def test_not_a_run(tmp_path):
+    assert "not an amp-postmortem run" in _one_error_line(invoke("nans", tmp_path))
+
+
+def test_newer_major_version(copy_run, overflow_run, edit_manifest):
+    run = copy_run(overflow_run)
+    edit_manifest(run / "manifest.json", schema_version=f"{schema.SCHEMA_MAJOR + 1}.0")
+    assert "upgrade amp-postmortem" in _one_error_line(invoke("scale", run))
+
+
+def test_unknown_rank(two_rank_run):
+    assert "rank 7 is not in" in _one_error_line(invoke("nans", two_rank_run, "--rank", "7"))
+    assert invoke("nans", two_rank_run, "--rank", "-1").exit_code == 2
+
+
+def test_rank_option(two_rank_run):
+    doc = json.loads(invoke("summary", two_rank_run, "--rank", "1", "--json").stdout)
+    assert doc["run"]["ranks"] == [1]
+
+
+def test_torn_shard_warns_on_stderr_and_keeps_stdout_clean(copy_run, overflow_run):
+    run = copy_run(overflow_run)
+    torn = run / "rank=0" / "tensors" / "part-000001.parquet"
+    torn.write_bytes(torn.read_bytes()[:64])
+    result = invoke("nans", run, "--json")
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert any("part-000001.parquet" in w for w in doc["warnings"])
+    assert "Warning: skipped unreadable shard rank=0/tensors/part-000001.parquet" in result.stderr
+
+
+def test_open_run_warns(open_run):
+    result = invoke("summary", open_run)
+    assert result.exit_code == 0 and "Warning: the recorder of rank(s) 0 was not closed" in result.stderr
+
+
+def test_unknown_command_is_a_usage_error():
+    assert invoke("nope").exit_code == 2
+
+
+def test_commands_do_not_import_torch(overflow_run):
+    code = (
+        "import sys\n"
+        "from amp_postmortem.cli import main\n"
+        f"for cmd in {COMMANDS!r}:\n"
+        "    try:\n"
+        f"        main([cmd, {str(overflow_run)!r}, '--json'])\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, (cmd, e.code)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_progress_bar_only_after_the_delay():
+    quiet = io.StringIO()
+    p = StderrProgress(delay=60, file=quiet)
+    p("scan", 0, 10), p("scan", 5, 10), p("scan", 10, 10)
+    assert quiet.getvalue() == ""
+    shown = io.StringIO()
+    p = StderrProgress(delay=0, file=shown)
+    p("scan", 0, 10), p("scan", 5, 10), p("scan", 10, 10)
+    assert "scan" in shown.getvalue()
+
+
+def test_render_table_names_the_root_model():
+    import pandas as pd
+    text = render_table(pd.DataFrame({"name": ["", "fc"], "absmax": [1.23456, None]}))
+    assert text.splitlines()[1].startswith("(model)") and text.splitlines()[2].rstrip().endswith("-")

@@ -1,0 +1,106 @@
+"""`fix`: which module kept in float32 saves the step. Planted faults in
+runs recorded by the real recorder (`whatif_runs`): `scores` overflows
+float16 (q·kᵀ); `first` and `second` both do (no single module suffices);
+`RootCancel` fails inside the model's own forward (nothing to keep)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from click.testing import CliRunner
+
+import whatif_runs as W
+from amp_postmortem.cli import main
+from amp_postmortem.whatif.fix import find_fix, module_expression
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def scores_fix():
+    return find_fix(W.attn_overflow_run(), 0, model=W.AttnNet)
+
+
+def test_fix_names_the_planted_module(scores_fix):
+    r = scores_fix
+    assert r.baseline["forward_finite"] is False and r.baseline["saved"] is False
+    assert r.candidates[0]["name"] == "scores" and r.candidates[0]["status"] == "broken"
+    assert "" not in [c["name"] for c in r.candidates]
+    assert r.fix == ["scores"] and r.search == "single"
+    trial = next(t for t in r.trials if t["modules"] == ["scores"])
+    assert trial["finite"] and trial["saved"] and trial["grad_rel_err"] < 0.01
+    # The backward at the recorded scale 256 overflows (k is large): the
+    # trial is judged where a scaler backing off would land.
+    assert trial["loss_scale"] < W.RECORDED_SCALE and trial["backoffs"] >= 1
+    assert all(not t["saved"] for t in r.trials if t["modules"] != ["scores"])
+    assert r.patch == "from recorders.fp32 import keep_fp32\nkeep_fp32(model.scores)"
+
+
+def test_the_printed_patch_fixes_the_real_training_forward(scores_fix):
+    model = W.attn_overflow_model()
+    x, _ = W.batch(0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert not torch.isfinite(model(x)).all()
+    exec(scores_fix.patch, {"model": model})
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    assert torch.isfinite(out).all()
+
+
+def test_emulated_cuda_policy_is_switched_off_inside_the_kept_module():
+    from amp_postmortem.whatif import prepare
+    r = find_fix(W.attn_overflow_run(), 0, model=W.AttnNet, policy="cuda")
+    assert r.policy == {"device_type": "cuda", "emulated": True}
+    assert r.fix == ["scores"]
+    p = prepare(W.attn_overflow_run(), 0, model=W.AttnNet, policy="cuda")
+    run = p.run(capture=True, fp32_modules=("scores",))
+    assert run.calls[(0, "scores", 0)].outputs[0].dtype == torch.float32
+    assert run.calls[(0, "q", 0)].outputs[0].dtype == torch.float16  # the emulation resumes after it
+
+
+def test_greedy_search_when_no_single_module_suffices():
+    r = find_fix(W.two_spikes_run(), 0, model=W.TwoSpikes)
+    singles = [t for t in r.trials if len(t["modules"]) == 1]
+    assert singles and not any(t["saved"] for t in singles)
+    assert r.search == "greedy" and sorted(r.fix) == ["first", "second"]
+    assert r.patch.splitlines()[1:] == ["keep_fp32(model.first)", "keep_fp32(model.second)"]
+
+
+def test_a_fault_in_the_models_own_forward_has_no_module_fix():
+    r = find_fix(W.root_cancel_run(), 0, model=W.RootCancel)
+    assert r.fix is None and r.search == "none" and r.patch is None
+    assert any("no set of up to" in line for line in r.lines())
+
+
+def test_healthy_step_needs_no_fix():
+    r = find_fix(W.healthy_run(), W.HEALTHY_BUNDLE_STEP, model=W.AttnNet)
+    assert r.search == "not_needed" and r.fix is None and r.trials == []
+
+
+def test_module_expression_follows_containers():
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))])
+    model.heads = nn.ModuleDict({"cls": nn.Linear(2, 2)})
+    assert module_expression(model, "layers.0.1") == "model.layers[0][1]"
+    assert module_expression(model, "heads.cls") == "model.heads['cls']"
+
+
+def test_cli_fix_json_and_table():
+    spec = f"{W.__file__}:AttnNet"
+    res = CliRunner().invoke(main, ["fix", str(W.attn_overflow_run()), "--step", "0", "--model", spec, "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["fix"] == ["scores"] and doc["search"] == "single"
+    assert {"step", "rank", "baseline", "candidates", "trials", "patch"} <= set(doc)
+    res = CliRunner().invoke(main, ["fix", str(W.attn_overflow_run()), "--step", "0", "--model", spec])
+    assert res.exit_code == 0 and "keep_fp32(model.scores)" in res.output
+    res = CliRunner().invoke(main, ["fix", str(W.attn_overflow_run()), "--step", "5", "--model", spec])
+    assert res.exit_code == 2 and res.output.startswith("Error: no bundle for step 5")

@@ -1,0 +1,75 @@
+"""Per-layer float16 headroom, trend, forecast and underflow."""
+import math
+
+import pandas as pd
+import pytest
+
+from amp_postmortem.analyses.ranges import layer_ranges
+from amp_postmortem.loader import load_run
+from recorders import schema
+
+
+def _row(rep, name, kind):
+    t = rep.layers
+    rows = t[(t["name"] == name) & (t["kind"] == kind)]
+    assert len(rows) == 1, (name, kind)
+    return rows.iloc[0]
+
+
+def test_activation_heading_for_overflow_is_flagged_with_a_forecast(rising_run):
+    rep = layer_ranges(load_run(rising_run))
+    boom = _row(rep, "block.boom", "activation")
+    assert boom["step"] == 19
+    assert boom["headroom_bits"] == pytest.approx(math.log2(schema.FP16_MAX / boom["absmax"]))
+    assert boom["headroom_bits"] == pytest.approx(5.9535, abs=1e-3)
+    # the gain doubles every 2 steps: half a bit of headroom lost per step
+    assert boom["headroom_trend_per_kstep"] == pytest.approx(-500.0)
+    assert boom["overflow_forecast_step"] == 31
+    assert boom["flags"] == ["overflow_risk"]
+    fc = _row(rep, "block.fc", "activation")  # before the gain: steady
+    assert fc["flags"] == [] and fc["headroom_trend_per_kstep"] == 0.0 and pd.isna(fc["overflow_forecast_step"])
+
+
+def test_gradients_are_not_flagged_for_overflow_risk(rising_run):
+    rep = layer_ranges(load_run(rising_run))
+    grads = rep.layers[rep.layers["kind"].isin(["grad_output", "grad_input"])]
+    assert not any("overflow_risk" in f for f in grads["flags"])
+
+
+def test_tiny_scale_underflow(underflow_run):
+    rep = layer_ranges(load_run(underflow_run))
+    flagged = rep.flagged("underflow")
+    assert set(flagged["kind"]) == {"grad_output"}
+    assert set(flagged["name"]) == {"", "head", "amp", "block.act", "block", "block.boom", "block.fc", "inp"}
+    assert _row(rep, "inp", "grad_output")["underflow_share"] == pytest.approx(0.98046875)
+    assert _row(rep, "head", "grad_output")["underflow_share"] == pytest.approx(0.375)
+    assert not rep.flagged("overflow_risk").size
+    assert rep.full_tier_steps == 12
+
+
+def test_healthy_run_has_no_flags(healthy_run):
+    rep = layer_ranges(load_run(healthy_run))
+    assert all(f == [] for f in rep.layers["flags"])
+    assert set(rep.layers["kind"]) == {"input", "activation", "grad_output", "grad_input"}
+
+
+def test_latest_overflow_has_zero_headroom(collapse_run):
+    rep = layer_ranges(load_run(collapse_run))
+    amp_in = _row(rep, "amp", "grad_input")  # step 79 was not skipped; step 78 was
+    assert amp_in["step"] == 79
+    rep = layer_ranges(load_run(collapse_run), window=None)
+    assert rep.first_step == 0
+
+
+def test_window(healthy_run):
+    rep = layer_ranges(load_run(healthy_run), window=5)
+    assert (rep.first_step, rep.last_step) == (35, 39)
+
+
+def test_json_contract(rising_run):
+    d = layer_ranges(load_run(rising_run)).to_dict()
+    row = d["layers"][0]
+    assert {"name", "kind", "headroom_bits", "headroom_trend_per_kstep", "overflow_forecast_step",
+            "underflow_share", "flags"} <= set(row)
+    boom = next(r for r in d["layers"] if r["name"] == "block.boom" and r["kind"] == "activation")
+    assert boom["overflow_forecast_step"] == 31 and isinstance(boom["overflow_forecast_step"], int)

@@ -1,0 +1,135 @@
+"""Golden expectations for the sample runs.
+
+The generator is run on its short schedule into a temporary folder and each
+run must still show its fault in the recorded data; the committed runs must
+still make the analyzer say what their README says.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_runs"
+
+
+def _tables(run: Path):
+    return (pd.read_parquet(run / "rank=0" / "steps").sort_values("step").reset_index(drop=True),
+            pd.read_parquet(run / "rank=0" / "tensors"))
+
+
+def _nonfinite(tensors: pd.DataFrame) -> pd.DataFrame:
+    return tensors[(tensors.nan_count > 0) | (tensors.inf_count > 0)]
+
+
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sample_runs")
+    subprocess.run([sys.executable, str(SAMPLES / "generate.py"), "--out", str(out), "--short"],
+                   check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return out
+
+
+def test_short_healthy_has_nothing_non_finite(short_runs):
+    steps, tensors = _tables(short_runs / "healthy")
+    assert len(steps) == 40
+    assert steps.loss.notna().all() and _nonfinite(tensors).empty
+
+
+def test_short_attention_overflow_is_born_in_blocks_1_attn_at_step_79(short_runs):
+    steps, tensors = _tables(short_runs / "attention_overflow")
+    assert steps.loss.isna().idxmax() == 79 and steps.loss[:79].notna().all()
+    forward = _nonfinite(tensors[(tensors.phase == "forward") & (tensors.step == 79)]).sort_values("order")
+    assert forward.name.tolist()[:2] == ["blocks.1.attn.out_proj", "blocks.1.attn"]
+    assert forward.input_nonfinite.tolist()[:2] == [16, 0]  # out_proj propagates, attn makes it
+    assert (short_runs / "attention_overflow" / "bundles" / "step=79" / "rank=0" / "bundle.json").exists()
+
+
+def test_short_fp32_baseline_stays_finite_with_the_same_start(short_runs):
+    base, _ = _tables(short_runs / "fp32_baseline")
+    amp, _ = _tables(short_runs / "attention_overflow")
+    assert base.loss.notna().all()
+    assert base.loss[0] == pytest.approx(amp.loss[0], abs=1e-2)
+
+
+def test_short_grad_underflow_flushes_gradients_to_zero(short_runs):
+    steps, tensors = _tables(short_runs / "grad_underflow")
+    assert (steps.loss_scale == 2.0 ** -14).all() and not steps.skipped.any()
+    # The float16 gradients inside the blocks; the float32 residual stream
+    # between them keeps subnormal-sized values that float16 could not.
+    grads = tensors[(tensors.kind == "grad_output") & tensors.name.str.startswith("blocks.")
+                    & (tensors.dtype == "float16")]
+    assert grads.zero_share.mean() > 0.97
+
+
+def test_short_scale_collapse_keeps_halving(short_runs):
+    steps, _ = _tables(short_runs / "scale_collapse")
+    assert steps.skipped.sum() >= 5
+    assert steps.loss_scale.iloc[-1] <= steps.loss_scale.max() / 2 ** 5
+
+
+def test_short_fp16_layernorm_is_silent_and_bundled(short_runs):
+    steps, tensors = _tables(short_runs / "fp16_layernorm")
+    assert steps.loss.notna().all() and _nonfinite(tensors).empty
+    bundle = short_runs / "fp16_layernorm" / "bundles" / "step=19" / "rank=0" / "bundle.json"
+    assert json.loads(bundle.read_text())["reason"] == "request"
+
+
+def test_short_bad_batch_nan_comes_in_with_the_input(short_runs):
+    steps, tensors = _tables(short_runs / "bad_batch")
+    assert steps.loss.isna().tolist().index(True) == 20 and steps.loss.isna().sum() == 1
+    first = _nonfinite(tensors[tensors.phase == "forward"]).sort_values(["step", "order"]).iloc[0]
+    assert (first.step, first["name"], first.nan_count) == (20, "<input>", 3)
+
+
+# --------------------------------------------------- committed runs, analyzer
+def _cli(*args):
+    from amp_postmortem.cli import main
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+@pytest.mark.parametrize("run, name, step", [
+    ("attention_overflow", "blocks.1.attn", 79),
+    ("bad_batch", "<input>", 60),
+])
+def test_committed_forward_origin(run, name, step):
+    origin = _cli("nans", str(SAMPLES / run))["origins"]["forward"]
+    assert (origin["name"], origin["step"]) == (name, step)
+
+
+@pytest.mark.parametrize("run", ["healthy", "fp32_baseline", "scale_collapse", "grad_underflow", "fp16_layernorm"])
+def test_committed_runs_without_forward_nan(run):
+    assert _cli("nans", str(SAMPLES / run))["origins"]["forward"] is None
+
+
+@pytest.mark.parametrize("run, status", [
+    ("healthy", "healthy"),
+    ("scale_collapse", "collapse"),
+    ("grad_underflow", "stuck_low"),
+    ("fp32_baseline", "no_scaler"),
+])
+def test_committed_scale_status(run, status):
+    assert _cli("scale", str(SAMPLES / run))["status"] == status
+
+
+def test_committed_scale_collapse_onset_and_driver():
+    result = _cli("scale", str(SAMPLES / "scale_collapse"))
+    assert 35 <= result["onset_step"] <= 50
+    assert "aux_head" in result["drivers"]
+
+
+def test_committed_summaries_lead_with_the_fault():
+    kinds = {run: [f["kind"] for f in _cli("summary", str(SAMPLES / run))["findings"]]
+             for run in ("attention_overflow", "bad_batch", "scale_collapse", "grad_underflow")}
+    assert kinds["attention_overflow"][0] == "nonfinite"
+    assert kinds["bad_batch"][0] == "nonfinite"
+    assert kinds["scale_collapse"][0] == "scale_collapse"
+    assert kinds["grad_underflow"][0] == "stuck_low_scale"

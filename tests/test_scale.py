@@ -1,0 +1,148 @@
+"""Loss-scale dynamics on recorded runs and on synthetic series."""
+import numpy as np
+import pandas as pd
+import pytest
+
+from amp_postmortem.analyses.scale import scale_dynamics, two_segment_breakpoint
+from amp_postmortem.loader import Run, load_run
+
+from conftest import COLLAPSE_ONSET, TINY_SCALE, record_run
+
+
+def test_collapse_with_known_onset(collapse_run):
+    rep = scale_dynamics(load_run(collapse_run))
+    assert rep.status == "collapse"
+    assert abs(rep.onset_step - COLLAPSE_ONSET) <= 3
+    assert rep.onset_step == 41
+    # the gradient through `amp` doubles every 2 steps: one halving per 2 steps
+    assert rep.halvings_per_kstep == pytest.approx(500.0)
+    assert rep.drivers[0] == "amp" and rep.driver_steps["amp"] == 18
+    assert rep.final_scale == 0.5
+    assert (rep.skipped_steps, rep.longest_skip_streak, rep.growths, rep.backoffs) == (21, 1, 4, 21)
+    # before the onset only growth probes skip (2 of 41 steps), after it every other step
+    assert rep.skip_rate_before_onset == pytest.approx(2 / 41)
+    assert rep.skip_rate_after_onset == pytest.approx(19 / 39)
+    assert rep.projected_underflow_step == 99
+    assert rep.underflow_scale < rep.final_scale
+
+
+def test_json_contract(collapse_run):
+    d = scale_dynamics(load_run(collapse_run)).to_dict()
+    assert {"status", "onset_step", "halvings_per_kstep", "skipped_steps", "skip_rate",
+            "longest_skip_streak", "final_scale", "drivers"} <= set(d)
+    assert d["drivers"] == ["amp", "<loss>"]
+
+
+def test_healthy_run(healthy_run):
+    rep = scale_dynamics(load_run(healthy_run))
+    assert rep.status == "healthy" and rep.onset_step is None
+    assert rep.final_scale == 65536.0
+
+
+def test_tiny_fixed_scale_is_stuck_low(underflow_run):
+    rep = scale_dynamics(load_run(underflow_run))
+    assert rep.status == "stuck_low"
+    assert rep.final_scale == TINY_SCALE and rep.skipped_steps == 0
+
+
+def test_one_forward_overflow_is_not_a_scale_problem(overflow_run):
+    rep = scale_dynamics(load_run(overflow_run))
+    assert rep.status == "healthy"
+    assert rep.drivers == ["block.boom"]  # the skipped step's overflow was made in the forward
+
+
+@pytest.fixture(scope="module")
+def no_scaler_run(tmp_path_factory):
+    return record_run(tmp_path_factory.mktemp("runs") / "no_scaler", steps=3,
+                      scaler_kwargs={"enabled": False})
+
+
+def test_no_scaler(no_scaler_run):
+    rep = scale_dynamics(load_run(no_scaler_run))
+    assert rep.status == "no_scaler" and rep.final_scale is None and rep.drivers == []
+
+
+def _run(scales_before, scales_after, skipped, **scaler):
+    n = len(scales_before)
+    steps = pd.DataFrame({"step": np.arange(n), "rank": 0, "loss_scale_before": scales_before,
+                          "loss_scale": scales_after, "skipped": skipped, "tensor_rows": 0,
+                          "nonfinite_param_grads": 0, "loss_nonfinite": False})
+    config = {"enabled": True, "init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+              "growth_interval": 2000, **scaler}
+    return Run(path=".", manifest={"scaler": config}, rank_manifests={}, ranks=[0], steps=steps,
+               tensor_shards=[])
+
+
+def _simulate(overflows, init=65536.0, interval=2000):
+    """GradScaler's rule: back off on overflow, grow after `interval` clean steps."""
+    scale, tracker, before, after = init, 0, [], []
+    for bad in overflows:
+        before.append(scale)
+        if bad:
+            scale, tracker = scale / 2, 0
+        else:
+            tracker += 1
+            if tracker == interval:
+                scale, tracker = scale * 2, 0
+        after.append(scale)
+    return before, after, list(overflows)
+
+
+def test_calibration_of_a_fresh_scaler_is_not_a_collapse():
+    rep = scale_dynamics(_run(*_simulate([True] * 6 + [False] * 60)))
+    assert rep.status == "healthy" and rep.calibration_steps == 6 and rep.skipped_steps == 6
+
+
+def test_growth_blocked():
+    before = [1024.0] * 50
+    rep = scale_dynamics(_run(before, before, [False] * 50, init_scale=1024.0, growth_interval=10))
+    assert rep.status == "growth_blocked"
+
+
+def test_frequent_real_overflows_pin_the_scale():
+    # two growths, then a probe skip and a real overflow, over and over: no
+    # trend, but one step in six lost to an overflow that is not a probe
+    flags = [False, False, False, False, True, True] * 12
+    rep = scale_dynamics(_run(*_simulate(flags, init=1024.0, interval=2), init_scale=1024.0,
+                              growth_interval=2))
+    assert rep.status == "stuck_low" and "not growth probes" in rep.reason
+
+
+def test_growth_probes_alone_are_healthy():
+    flags = [False, False, True] * 20  # every skip follows a growth (growth_interval 2)
+    rep = scale_dynamics(_run(*_simulate(flags, init=1024.0, interval=2), init_scale=1024.0,
+                              growth_interval=2))
+    assert rep.status == "healthy"
+
+
+def test_steady_halving_series_is_a_collapse_with_the_right_onset():
+    flags = [False] * 100 + [i % 4 == 0 for i in range(100)]
+    rep = scale_dynamics(_run(*_simulate(flags, init=2.0 ** 15), init_scale=2.0 ** 15))
+    assert rep.status == "collapse"
+    assert abs(rep.onset_step - 100) <= 3
+    assert rep.halvings_per_kstep == pytest.approx(250.0)
+    assert rep.skip_rate_before_onset == 0.0
+
+
+def test_collapse_at_the_end_of_a_long_sawtooth():
+    # growth and backoff every 100 steps for 1000 steps, then 10 backoffs in a row
+    before, after = [], []
+    scale = 2.0 ** 16
+    for step in range(1010):
+        before.append(scale)
+        if step >= 1000 or step % 200 == 199:
+            scale /= 2
+        elif step % 200 == 99:
+            scale *= 2
+        after.append(scale)
+    skipped = [a < b for a, b in zip(after, before)]
+    rep = scale_dynamics(_run(before, after, skipped, init_scale=2.0 ** 16, growth_interval=100))
+    assert rep.status == "collapse" and 998 <= rep.onset_step <= 1001
+    assert rep.longest_skip_streak == 11 and rep.longest_skip_streak_start == 999  # 999 is a sawtooth backoff
+
+
+def test_two_segment_breakpoint():
+    x = np.arange(60, dtype=float)
+    y = np.where(x < 30, 10.0, 10.0 - 0.5 * (x - 30))
+    assert two_segment_breakpoint(x, y) in (30, 31)
+    assert two_segment_breakpoint(x[:4], y[:4]) is None

@@ -1,0 +1,135 @@
+"""`scale-window`: the loss scales at which a step's float16 gradients
+neither overflow nor underflow, replayed and estimated from the recorded
+statistics. The replayed window is checked against a direct, plain-torch
+training step at scales inside and just outside it."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import whatif_runs as W
+from amp_postmortem.bundle import load_bundle
+from amp_postmortem.cli import main
+from amp_postmortem.loader import load_run
+from amp_postmortem.whatif.scale_window import (MAX_UNDERFLOW, estimate_scale_window, replay_scale_window,
+                                                scaler_settings)
+from recorders.schema import FP16_MIN_NORMAL
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def replayed():
+    return replay_scale_window(W.healthy_run(), W.HEALTHY_BUNDLE_STEP, model=W.AttnNet)
+
+
+def direct_step(scale: float) -> tuple[bool, float]:
+    """A plain training step at `scale` (CPU float16 autocast, the bundle's
+    weights, inputs and loss gradient): (overflowed, share of the non-zero
+    float64 module-output gradients that are zero or subnormal in float16)."""
+    b = load_bundle(W.healthy_run(), step=W.HEALTHY_BUNDLE_STEP)
+    (x,), _ = b.inputs[0]
+    g_out = b.grad_outputs[0][0]
+
+    def run(dtype, autocast):
+        model = W.AttnNet().to(dtype)
+        model.load_state_dict({k: v.to(dtype) for k, v in b.state_dict().items()})
+        grads = {}
+        def keep(name):
+            def hook(module, args, out):
+                out.register_hook(lambda g: grads.__setitem__(name, g.detach().clone()))
+            return hook
+        for name, m in model.named_modules():
+            m.register_forward_hook(keep(name))
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            out = model(x.to(dtype))
+        out.backward((g_out * (scale if autocast else 1.0)).to(out.dtype))
+        return grads, [p.grad for p in model.parameters()]
+
+    fp16, params = run(torch.float32, True)
+    ref, _ = run(torch.float64, False)
+    overflow = any(not torch.isfinite(g).all() for g in list(fp16.values()) + params)
+    nz = small = 0
+    for name, g in fp16.items():
+        if g.dtype == torch.float16:
+            mask = ref[name] != 0
+            nz += int(mask.sum())
+            small += int((mask & (g.abs() < FP16_MIN_NORMAL)).sum())
+    return overflow, small / nz
+
+
+def test_window_holds_the_scales_that_work_and_excludes_those_that_fail(replayed):
+    w = replayed.window
+    assert w is not None and w["width_bits"] >= 4
+    for k in (w["min_k"], w["max_k"], 8):
+        overflow, underflow = direct_step(2.0 ** k)
+        assert not overflow and underflow <= MAX_UNDERFLOW, k
+    overflow, _ = direct_step(2.0 ** (w["max_k"] + 1))
+    assert overflow
+    overflow, underflow = direct_step(2.0 ** (w["min_k"] - 1))
+    assert not overflow and underflow > MAX_UNDERFLOW
+    rows = {r["k"]: r for r in replayed.rows}
+    assert rows[w["max_k"] + 1]["overflow"] and not rows[w["min_k"] - 1]["usable"]
+    assert rows[8]["recorded"] and replayed.recorded_position == "inside"
+
+
+def test_replayed_underflow_share_matches_the_direct_check(replayed):
+    for k in (-4, 2, 6):
+        _, underflow = direct_step(2.0 ** k)
+        assert next(r for r in replayed.rows if r["k"] == k)["underflow_share"] == pytest.approx(underflow, abs=0.02)
+
+
+def test_settings_stay_inside_the_window(replayed):
+    w, s = replayed.window, replayed.settings
+    assert w["min_scale"] <= s["init_scale"] <= w["max_scale"]
+    assert s["init_scale"] == 2.0 ** (w["max_k"] - 1) and s["backoff_factor"] == 0.5
+    assert s["growth_interval"] == 2000
+    assert replayed.code.startswith('torch.amp.GradScaler("cpu", init_scale=2.0**')
+    narrow, _ = scaler_settings({"min_k": 3, "max_k": 4})
+    assert narrow["init_scale"] == 8.0 and narrow["growth_interval"] == 500
+    assert scaler_settings(None) == (None, None)
+
+
+def test_estimate_from_recorded_statistics_alone(replayed):
+    est = estimate_scale_window(load_run(W.healthy_run()), W.HEALTHY_BUNDLE_STEP)
+    w, r = est.window, replayed.window
+    assert est.method == "estimate" and est.recorded_scale == W.RECORDED_SCALE
+    assert est.recorded_position == "inside"
+    # The overflow edge from output-gradient absmax is an upper bound; the
+    # underflow edge from the fitted distribution lands within 2 bits.
+    assert w["max_k"] >= r["max_k"] and abs(w["min_k"] - r["min_k"]) <= 2
+    layer = next(x for x in est.rows if x["name"] == "q")
+    assert layer["below_normal_share"] > 0 and layer["overflow_k"] == math.floor(
+        math.log2(65504 / layer["absmax_unscaled"]))
+
+
+def test_a_nonfinite_forward_has_no_window_until_the_module_is_kept_in_fp32():
+    bad = replay_scale_window(W.attn_overflow_run(), 0, model=W.AttnNet, scales=(-2, 4))
+    assert bad.window is None and not any(r["forward_finite"] for r in bad.rows)
+    assert "forward pass is non-finite at every scale" in bad.notes[0]
+    kept = replay_scale_window(W.attn_overflow_run(), 0, model=W.AttnNet, scales=(-2, 4), fp32_modules=("scores",))
+    assert kept.window is not None and kept.recorded_position == "above"
+
+
+def test_cli_scale_window():
+    run = str(W.healthy_run())
+    res = CliRunner().invoke(main, ["scale-window", run, "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["replay"] is None and doc["estimate"]["window"]["max_k"] >= 16
+    res = CliRunner().invoke(main, ["scale-window", run, "--step", str(W.HEALTHY_BUNDLE_STEP), "--model",
+                                    f"{W.__file__}:AttnNet", "--scales", "0:20"])
+    assert res.exit_code == 0, res.output
+    assert "window: 2^5 .. 2^16" in res.output and "GradScaler(" in res.output
+    res = CliRunner().invoke(main, ["scale-window", run, "--scales", "9:1"])
+    assert res.exit_code == 2

@@ -1,0 +1,58 @@
+"""Summary findings by severity, on runs with planted faults."""
+from amp_postmortem.analyses.summary import FINDING_KINDS, summarize
+from amp_postmortem.loader import load_run
+
+from conftest import INPUT_NAN_STEP, OVERFLOW_STEP
+
+
+def _kinds(s):
+    return [f.kind for f in s.findings]
+
+
+def test_forward_overflow(overflow_run):
+    s = summarize(load_run(overflow_run))
+    assert _kinds(s) == ["nonfinite"]
+    f = s.findings[0]
+    assert (f.severity, f.step, f.layer) == ("critical", OVERFLOW_STEP, "block.boom")
+    assert f.next_command == f"amp-postmortem nans {overflow_run}"
+
+
+def test_nan_input(input_nan_run):
+    f = summarize(load_run(input_nan_run)).findings[0]
+    assert (f.kind, f.step, f.layer) == ("nonfinite", INPUT_NAN_STEP, "<input>")
+
+
+def test_collapse(collapse_run):
+    s = summarize(load_run(collapse_run))
+    # skipped-step overflows are the scaler's business: no `nonfinite` finding
+    assert _kinds(s)[0] == "scale_collapse" and "nonfinite" not in _kinds(s)
+    f = s.findings[0]
+    assert (f.severity, f.step, f.layer) == ("critical", 41, "amp")
+    assert "scale" in f.next_command
+
+
+def test_healthy_run_has_only_the_healthy_finding(healthy_run):
+    s = summarize(load_run(healthy_run))
+    assert _kinds(s) == ["healthy"] and s.findings[0].severity == "info"
+
+
+def test_underflow_at_a_tiny_scale(underflow_run):
+    s = summarize(load_run(underflow_run))
+    assert _kinds(s) == ["stuck_low_scale", "grad_underflow"]
+    assert [f.severity for f in s.findings] == ["error", "warning"]
+    assert "ranges" in s.findings[1].next_command
+
+
+def test_overflow_risk(rising_run):
+    s = summarize(load_run(rising_run))
+    assert _kinds(s) == ["overflow_risk"]
+    assert (s.findings[0].layer, s.findings[0].step) == ("block.boom", 31)
+
+
+def test_json_contract(overflow_run):
+    d = summarize(load_run(overflow_run)).to_dict()
+    assert {"steps", "ranks", "dtype", "device_type", "scaler", "run_id"} <= set(d["run"])
+    assert d["run"]["steps"] == 12 and d["run"]["dtype"] == "float16"
+    for f in d["findings"]:
+        assert {"kind", "severity", "step", "layer", "message"} <= set(f)
+        assert f["kind"] in FINDING_KINDS
