@@ -98,6 +98,7 @@ class BundleCapture:
             self._buffer_pool = SnapshotPool(inv.buffers, self.hold_steps + 2)
 
         # training thread
+        self._host_memory = all(t.device.type == "cpu" for t in inv.params)
         self._current: StepCapture | None = None
         self._held: OrderedDict[int, StepCapture] = OrderedDict()
         self._evicted: set[int] = set()
@@ -212,8 +213,15 @@ class BundleCapture:
             if old is not None:
                 self._release(old)
             self._held[step] = cap
-            while len(self._held) > self.hold_steps:
-                old_step, old = self._held.popitem(last=False)
+            # The writer decides one step late, later when it lags (on a CPU
+            # job it shares the cores with the training): hold undecided
+            # steps a little longer there, where they live in host memory.
+            limit = self.hold_steps + (8 if self._host_memory else 0)
+            # Steps asked for explicitly (save_bundle(), bundle_steps) are
+            # never given up: they are few by construction.
+            evictable = [s for s, c in self._held.items() if not c.explicit and s not in self.steps]
+            for old_step in evictable[:max(0, len(self._held) - limit)]:
+                old = self._held.pop(old_step)
                 self._evicted.add(old_step)  # the writer fell behind: too late for it
                 self._release(old)
             if len(self._evicted) > 4096:

@@ -12,7 +12,11 @@ holds, whether or not the cap then lets the bundle be saved:
 - `skipped`: the step was skipped after the loss scale settled, i.e. after
   `settle_steps` consecutive steps that ran the optimizer. The skips of a
   fresh GradScaler calibrating down from its initial scale come before that
-  and neither fire nor use up the cap;
+  and neither fire nor use up the cap. Nor does a *probe* skip: the first
+  step at a scale the scaler has just grown to overflowing is how a healthy
+  GradScaler oscillates (grow every `growth_interval` clean steps, back off
+  when that was too much); only a skip at a scale that had already worked
+  says the gradients themselves changed;
 - `scale_low`: the scale after `update()` fell below `min_loss_scale`.
 
 Explicit reasons (`request`, `step_list`) are passed in and always count.
@@ -44,6 +48,7 @@ class BundleTriggers:
         self.latched: set[str] = set()
         self.orders = 0
         self._clean_steps = 0
+        self._prev_scale_before = None
 
     def conditions(self, summary: dict) -> list[str]:
         """Which trigger conditions hold at this step (state: settling)."""
@@ -58,8 +63,12 @@ class BundleTriggers:
                 bad &= np.asarray(cols["phase"], dtype=object) == "forward"
             if bad.any():
                 reasons.append("nonfinite_tensor")
+        before = summary.get("loss_scale_before")
+        probe = (before is not None and self._prev_scale_before is not None
+                 and not math.isnan(before) and before > self._prev_scale_before)
+        self._prev_scale_before = before
         if summary.get("skipped"):
-            if self.settled:
+            if self.settled and not probe:
                 reasons.append("skipped")
             self._clean_steps = 0
         else:

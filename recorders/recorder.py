@@ -609,8 +609,10 @@ class AmpRecorder:
 
         if loss_t is not None and loss_t.numel() == 1:
             put("loss", loss_t)
+        elif isinstance(loss, (int, float)):
+            put("loss", loss)
         else:
-            put("loss", loss if isinstance(loss, (int, float)) else None)
+            host["loss"] = None  # no loss given: null, never a fake NaN loss
         if p.has_scaler:
             put("loss_scale_before", self._scale_before)
             scale = getattr(self.scaler, "_scale", None)
