@@ -34,6 +34,11 @@ class _Group(click.Group):
             raise
         except PostmortemError as exc:
             raise CliError(str(exc)) from None
+        except BrokenPipeError:
+            # `amp-postmortem nans RUN | head`: the reader left early; not an
+            # error. Point stdout at /dev/null so the final flush is quiet.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            raise click.exceptions.Exit(0) from None
         except (OSError, ValueError) as exc:
             if os.environ.get("AMP_POSTMORTEM_DEBUG"):
                 raise

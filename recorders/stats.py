@@ -211,7 +211,10 @@ def _host_stats(d, full, scale, near_overflow):
         return int(torch.count_nonzero(a < threshold)) - zeros
 
     below_normal = below(normal)
-    below_sub = below(sub)
+    # Below the subnormal limit implies below the normal one: none of the
+    # latter, none of the former.
+    below_sub = 0 if below_normal == 0 and _work_float(sub, work) <= _work_float(normal, work) \
+        else below(sub)
     near = 0 if absmax_w < _work_float(over, work) else int(torch.count_nonzero(a >= over))
     if inv is not None:
         mn, mx, mean, rms = mn * inv, mx * inv, mean * inv, rms * inv

@@ -62,6 +62,7 @@ class NanReport:
     first_nonfinite_step: int | None
     nonfinite_loss_steps: list[int] = field(default_factory=list)
     skipped_steps: int = 0
+    backward_scaler_handled: bool = False  # the backward origin's step was skipped with a finite forward
     shards_scanned: int = 0
     shards_total: int = 0
 
@@ -75,6 +76,7 @@ class NanReport:
             "nonfinite_loss_steps": len(self.nonfinite_loss_steps),
             "first_nonfinite_loss_step": self.nonfinite_loss_steps[0] if self.nonfinite_loss_steps else None,
             "skipped_steps": self.skipped_steps,
+            "backward_scaler_handled": self.backward_scaler_handled,
             "shards_scanned": self.shards_scanned,
             "shards_total": self.shards_total,
         }
@@ -95,7 +97,9 @@ class NanReport:
                 continue
             where = _display(o.name) + (f" ({o.tensor})" if o.tensor not in (o.name, "") else "")
             guess = "" if o.certain else " [no row met the rule: first non-finite row shown]"
-            out.append(f"{phase} origin: {where}, {o.kind}, step {o.step}, rank {o.rank}{guess}")
+            absorbed = (" (a step the loss scaler skipped: calibration, normal in small numbers)"
+                        if phase == "backward" and self.backward_scaler_handled else "")
+            out.append(f"{phase} origin: {where}, {o.kind}, step {o.step}, rank {o.rank}{guess}{absorbed}")
         if self.nonfinite_loss_steps:
             out.append(f"non-finite loss in {len(self.nonfinite_loss_steps)} step(s), "
                        f"first at step {self.nonfinite_loss_steps[0]}")
@@ -118,7 +122,14 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
         if rows is not None:
             origins[phase] = forward_origin(rows) if phase == "forward" else backward_origin(rows)
     candidates = [o for o in origins.values() if o is not None]
-    origin = min(candidates, key=lambda o: (o.step, o.phase == "backward")) if candidates else None
+    steps = _range(run.steps, from_step, to_step)
+    handled = _scaler_handled(origins["backward"], origins["forward"], steps)
+    # The headline origin is the first of the two, except that a backward
+    # overflow the loss scaler absorbed (a skipped step whose forward and loss
+    # were finite: how a dynamic scaler calibrates) does not outrank a forward
+    # origin, which is what turns the loss into NaN.
+    headline = [o for o in candidates if not (handled and o.phase == "backward" and origins["forward"])]
+    origin = min(headline, key=lambda o: (o.step, o.phase == "backward")) if headline else None
 
     layers = acc.layers()
     layers["origin"] = False
@@ -128,10 +139,9 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
             hit = (layers["name"] == key[0]) & (layers["kind"] == key[1]) & (layers["first_step"] == o.step)
             layers.loc[hit, "origin"] = True
 
-    steps = _range(run.steps, from_step, to_step)
     bad_loss = steps.loc[steps["loss_nonfinite"], "step"]
     return NanReport(
-        origin=origin, origins=origins, layers=layers[LAYER_COLUMNS],
+        origin=origin, origins=origins, layers=layers[LAYER_COLUMNS], backward_scaler_handled=handled,
         first_nonfinite_step=int(layers["first_step"].min()) if len(layers) else None,
         nonfinite_loss_steps=sorted({int(s) for s in bad_loss}),
         skipped_steps=int(steps.drop_duplicates("step")["skipped"].sum()) if len(steps) else 0,
@@ -268,6 +278,15 @@ class _Accumulator:
         for c in ("first_step", "order", "rank", "nan_count", "inf_count", "last_step", "nonfinite_steps"):
             t[c] = t[c].astype("int64")
         return t
+
+
+def _scaler_handled(backward: Origin | None, forward: Origin | None, steps: pd.DataFrame) -> bool:
+    """Whether the backward origin's step is one the loss scaler absorbed:
+    skipped, with a finite loss and no forward origin in that step."""
+    if backward is None or steps.empty or (forward is not None and forward.step == backward.step):
+        return False
+    row = steps[(steps["step"] == backward.step) & (steps["rank"] == backward.rank)]
+    return bool(len(row)) and bool(row["skipped"].iloc[0]) and not bool(row["loss_nonfinite"].iloc[0])
 
 
 def _origin_row(o: Origin, origins: dict) -> tuple[str, str] | None:

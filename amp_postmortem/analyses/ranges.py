@@ -14,16 +14,21 @@ For each layer (module name and row kind: `input`, `activation`,
   fall is significant (the upper end of its `1 - ALPHA` confidence interval
   is below zero).
 - `underflow_share`: median over the window's full-tier rows of the share
-  of non-zero values below the float16 normal limit (6.1e-5): float16
-  subnormals that lose precision (and, for float32 tensors, values that
-  flush towards zero when cast). `zero_share` is reported beside it: exact
-  zeros include underflowed values but also structural ones (a ReLU's
-  gradient), which the statistics cannot tell apart.
+  of values in the float16 subnormal range (non-zero, below 6.1e-5: they
+  lose precision) plus, when the zeros look flushed, the exact zeros.
+  Exact zeros are also structural (the gradient behind a ReLU is zero
+  wherever its input was negative), so they count only when the typical
+  non-zero value (RMS over the non-zero values) lies within
+  `FLUSH_MARGIN_BITS` of the normal limit: there the zeros are values the
+  float16 range flushed, not a mask. `zero_share` is reported beside it.
 
 Flags (float16 rows only; a bfloat16 or float32 tensor has no 65504 limit):
 - `overflow_risk`: an `input`/`activation` row with less than
   `OVERFLOW_RISK_BITS` of headroom, or a significant fall forecast to reach
-  zero within `FORECAST_HORIZON` steps. Gradient rows are not flagged: a
+  zero within `FORECAST_IMMINENT` steps, or within `FORECAST_HORIZON` steps
+  while less than `FORECAST_RISK_BITS` remain (early in training
+  activations grow before they settle: a slow trend far from the limit is
+  no alarm yet). Gradient rows are not flagged: a
   dynamic loss scaler keeps them close to the limit on purpose and backs off
   when they overflow.
 - `underflow`: a `grad_output` row with `underflow_share` >= `UNDERFLOW_SHARE`.
@@ -46,13 +51,16 @@ KINDS = ("input", "activation", "grad_output", "grad_input")
 WINDOW = 1000                 # default: the last 1000 recorded steps
 OVERFLOW_RISK_BITS = 2.0      # < 2 bits: absmax above 16376, a factor 4 from Inf
 FORECAST_HORIZON = 1000       # steps after the latest one
-UNDERFLOW_SHARE = 0.05        # 5% of a gradient's values in the subnormal range
+FORECAST_RISK_BITS = 6.0      # a forecast alarms within a factor 64 of the limit...
+FORECAST_IMMINENT = 100       # ...or, whatever the headroom, when it is this few steps away
+UNDERFLOW_SHARE = 0.25        # a quarter of a gradient's values subnormal or flushed
+FLUSH_MARGIN_BITS = 6.0       # zeros count as flushed when non-zero values sit this close to 6.1e-5
 ALPHA = 0.01
 MIN_TREND_POINTS = 5
 MAX_THEILSEN_POINTS = 200     # Theil-Sen is O(n^2) per layer: subsample evenly above this
 
 _COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "dtype", "absmax", "nan_count",
-            "inf_count", "zero_share", "below_normal_share"]
+            "inf_count", "zero_share", "below_normal_share", "rms"]
 LAYER_COLUMNS = ["name", "kind", "dtype", "step", "absmax", "headroom_bits", "headroom_trend_per_kstep",
                  "overflow_forecast_step", "underflow_share", "zero_share", "flags"]
 
@@ -71,7 +79,9 @@ class RangesReport:
         return {"layers": rows, "first_step": self.first_step, "last_step": self.last_step,
                 "full_tier_steps": self.full_tier_steps,
                 "thresholds": {"overflow_risk_bits": OVERFLOW_RISK_BITS, "forecast_horizon": FORECAST_HORIZON,
-                               "underflow_share": UNDERFLOW_SHARE}}
+                               "forecast_risk_bits": FORECAST_RISK_BITS, "forecast_imminent": FORECAST_IMMINENT,
+                               "underflow_share": UNDERFLOW_SHARE,
+                               "flush_margin_bits": FLUSH_MARGIN_BITS}}
 
     def table(self) -> pd.DataFrame:
         t = self.layers.copy()
@@ -111,6 +121,7 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         absmax=("absmax", "max"), bad=("bad", "any"), dtype=("dtype", "first"),
         phase=("phase", "first"), order=("order", "min"),
         zero_share=("zero_share", "mean"), below_normal_share=("below_normal_share", "mean"),
+        rms=("rms", "max"),
     ).reset_index().sort_values("step", kind="stable")
     full_steps = df.loc[df["below_normal_share"].notna(), "step"].nunique()
 
@@ -137,8 +148,10 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
                 forecast = int(step + math.ceil(headroom / -slope))
 
         full = g[g["below_normal_share"].notna() & ~g["bad"]]
-        underflow = float(full["below_normal_share"].median()) if len(full) else None
-        zeros = float(full["zero_share"].median()) if len(full) else None
+        underflow = zeros = None
+        if len(full):
+            zeros = float(full["zero_share"].median())
+            underflow = float((full["below_normal_share"] + _flushed_zeros(full)).median())
 
         flags = []
         fp16 = latest["dtype"] == "float16"
@@ -146,7 +159,9 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
             flags.append("nonfinite")
         if fp16 and kind in ("input", "activation") and not latest["bad"]:
             near = headroom is not None and headroom < OVERFLOW_RISK_BITS
-            soon = forecast is not None and forecast - step <= FORECAST_HORIZON
+            soon = forecast is not None and (
+                forecast - step <= FORECAST_IMMINENT
+                or (forecast - step <= FORECAST_HORIZON and headroom < FORECAST_RISK_BITS))
             if near or soon:
                 flags.append("overflow_risk")
         if fp16 and kind == "grad_output" and underflow is not None and underflow >= UNDERFLOW_SHARE:
@@ -162,6 +177,16 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         layers[col] = layers[col].astype("Int64")  # integers with missing values
     return RangesReport(layers=layers, first_step=int(per_step["step"].min()), last_step=last,
                         full_tier_steps=int(full_steps))
+
+
+def _flushed_zeros(full: pd.DataFrame) -> pd.Series:
+    """Per row: the zero share when those zeros look flushed by the float16
+    range (the non-zero values are tiny), else 0 (a structural mask)."""
+    nonzero = (1.0 - full["zero_share"]).clip(lower=0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rms_nonzero = full["rms"] / np.sqrt(nonzero)
+    tiny = rms_nonzero.isna() | (rms_nonzero < schema.FP16_MIN_NORMAL * 2 ** FLUSH_MARGIN_BITS) | (nonzero == 0)
+    return full["zero_share"].where(tiny, 0.0)
 
 
 def _theil_sen(x, y):
