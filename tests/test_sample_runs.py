@@ -133,3 +133,19 @@ def test_committed_summaries_lead_with_the_fault():
     assert kinds["bad_batch"][0] == "nonfinite"
     assert kinds["scale_collapse"][0] == "scale_collapse"
     assert kinds["grad_underflow"][0] == "stuck_low_scale"
+
+
+def test_committed_healthy_summary_reports_only_healthy():
+    findings = _cli("summary", str(SAMPLES / "healthy"))["findings"]
+    assert [f["kind"] for f in findings] == ["healthy"]
+
+
+def test_committed_grad_underflow_is_diagnosed_as_underflow():
+    kinds = [f["kind"] for f in _cli("summary", str(SAMPLES / "grad_underflow"))["findings"]]
+    assert "grad_underflow" in kinds
+
+
+def test_committed_attention_overflow_headline_origin_is_the_forward_one():
+    result = _cli("nans", str(SAMPLES / "attention_overflow"))
+    assert (result["origin"]["name"], result["origin"]["phase"]) == ("blocks.1.attn", "forward")
+    assert result["backward_scaler_handled"] is True
