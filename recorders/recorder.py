@@ -20,77 +20,18 @@ import threading
 import time
 import uuid
 import warnings
-import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import schema
-from .aggregate import merge_rows
 from .bundle import BundleCapture
-from .stats import CHEAP_WIDTH, FULL_WIDTH, iter_tensors, is_float_tensor, nonfinite_count, tensor_stats
-from .writer import ShardWriter, atomic_write_json
-
-try:
-    from importlib.metadata import version as _dist_version
-    PACKAGE_VERSION = _dist_version("amp-postmortem")
-except Exception:  # not installed (running from a source tree)
-    PACKAGE_VERSION = "0+unknown"
-
-_SCALAR_KEYS = ("loss", "loss_scale_before", "loss_scale", "growth_tracker", "grad_sqsum")
-
-
-class _CallContext:
-    """One forward call of a watched module, kept alive by its backward hooks."""
-
-    __slots__ = ("name", "call", "input_nonfinite", "grad_out_nonfinite", "pending",
-                 "is_root", "micro_batch", "step_id")
-
-    def __init__(self, name, call, input_nonfinite, is_root, micro_batch, step_id):
-        self.name = name
-        self.call = call
-        self.input_nonfinite = input_nonfinite
-        self.grad_out_nonfinite = None
-        self.pending = {}  # input index -> [expected, arrived, parts, dtype]
-        self.is_root = is_root
-        self.micro_batch = micro_batch
-        self.step_id = step_id
-
-
-class _StepState:
-    def __init__(self, step_id: int, record: bool, full: bool):
-        self.step_id = step_id
-        self.record = record
-        self.full = full
-        self.micro_batches = 0
-        self.meta: list[tuple] = []
-        self.stats: list[torch.Tensor] = []
-        self.fwd_order = 0
-        self.bwd_order = 0
-        self.calls: dict[str, int] = {}
-        self.stacks: dict[str, list[_CallContext]] = {}
-        self.param_grads: dict[str, list] = {}  # name -> [order, stats, sqnorm, dtype, numel]
-        self.contexts: list[_CallContext] = []
-        self.nonfinite_cache: dict[int, tuple] = {}
-        self.stepped = False
-        self.param_values: list[tuple] = []
-        self.inv_scale_for = None
-        self.device = None
-
-
-class _TensorInfo:
-    """dtype and numel of a tensor, without keeping the tensor alive."""
-
-    __slots__ = ("dtype", "_numel")
-
-    def __init__(self, t):
-        self.dtype = t.dtype
-        self._numel = t.numel()
-
-    def numel(self):
-        return self._numel
+from .hooks import RecorderHooks, _StepState
+from .manifest import ManifestMixin, _dist_rank_world, _existing_run_id, _json_float
+from .stats import CHEAP_WIDTH, FULL_WIDTH
+from .step_rows import StepRowsMixin
+from .writer import ShardWriter
 
 
 class _PendingStep:
@@ -98,7 +39,7 @@ class _PendingStep:
                  "packed", "event", "host_scalars", "dev_scalar_keys", "stepped", "has_scaler")
 
 
-class AmpRecorder:
+class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
     """Record per-step scalars and per-layer statistics of a training job.
 
     >>> rec = AmpRecorder("runs/exp1", model, optimizer=opt, scaler=scaler)
@@ -157,16 +98,21 @@ class AmpRecorder:
                 self._watched.append(name)
         self._params = [(n, p) for n, p in model.named_parameters()]
 
-        self.bundles = BundleCapture(self, **bundle_options)
+        self.bundles = BundleCapture(self, **bundle_options)  # a bad option raises here
         self._manifest = self._initial_manifest()
-        self._writer = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
-                                   world_size=self.world_size, steps_per_shard=steps_per_shard)
-        self._write_manifest()
-
         self._scale_before = self._initial_scale()
         self._state = self._new_state()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._writer_loop, name="amp-postmortem-writer", daemon=True)
+        self._writer = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
+                                   world_size=self.world_size, steps_per_shard=steps_per_shard)
+        try:
+            self._write_manifest()
+        except OSError as exc:
+            # An unwritable run directory must not stop the job it watches:
+            # no hooks, no thread, one warning; step() and close() are no-ops.
+            self._fail(exc)
+            return
         self._thread.start()
         self._register_hooks()
 
@@ -187,91 +133,6 @@ class AmpRecorder:
         if isinstance(scale, torch.Tensor):
             return scale.detach().clone()
         return float(getattr(self.scaler, "_init_scale", math.nan))
-
-    def _scaler_config(self):
-        if self.scaler is None:
-            return None
-        s = self.scaler
-        return {
-            "class": f"{type(s).__module__}.{type(s).__qualname__}",
-            "enabled": self._scaler_enabled(),
-            "init_scale": _json_float(getattr(s, "_init_scale", None)),
-            "growth_factor": _json_float(getattr(s, "_growth_factor", None)),
-            "backoff_factor": _json_float(getattr(s, "_backoff_factor", None)),
-            "growth_interval": getattr(s, "_growth_interval", None),
-        }
-
-    def _initial_manifest(self) -> dict:
-        modules = [{"name": n, "type": f"{type(m).__module__}.{type(m).__qualname__}",
-                    "watched": n in set(self._watched)} for m, n in self._module_names.items()]
-        device = next((p.device for _, p in self._params), torch.device("cpu"))
-        opt = None
-        if self.optimizer is not None:
-            opt = {"class": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
-                   "defaults": _jsonable(getattr(self.optimizer, "defaults", {}))}
-        return {
-            "format": schema.FORMAT_NAME,
-            "schema_version": schema.SCHEMA_VERSION,
-            "run_id": self.run_id,
-            "created_at": time.time(),
-            "package_version": PACKAGE_VERSION,
-            "torch_version": torch.__version__,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "device_type": device.type,
-            "device_name": _device_name(device),
-            "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
-            "autocast": None,
-            "scaler": self._scaler_config(),
-            "optimizer": opt,
-            "recorder": {
-                "include": list(self.include), "exclude": list(self.exclude),
-                "cheap_every": self.cheap_every, "full_every": self.full_every,
-                "full_after_event": self.full_after_event,
-                "steps_per_shard": self._writer_steps_per_shard() if hasattr(self, "_writer") else None,
-                "near_overflow": self.near_overflow,
-                "bundles": _jsonable(self.bundles.config),
-            },
-            "modules": modules,
-            "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                        "requires_grad": bool(p.requires_grad)} for n, p in self._params],
-            "bundles": [],
-            "status": "open",
-            "steps_recorded": 0,
-            "first_step": None,
-            "last_step": None,
-            "dropped_steps": 0,
-            "disabled_reason": None,
-        }
-
-    def _writer_steps_per_shard(self):
-        return self._writer.steps_per_shard
-
-    def _write_manifest(self) -> None:
-        self._manifest["recorder"]["steps_per_shard"] = self._writer.steps_per_shard
-        self._manifest["bundles"] = list(self.bundles.saved)
-        atomic_write_json(self.rank_dir / schema.MANIFEST_FILE, self._manifest)
-        if self.rank == 0:
-            atomic_write_json(self.run_dir / schema.MANIFEST_FILE, self._manifest)
-
-    def _register_hooks(self) -> None:
-        by_name = dict(self.model.named_modules())
-        self._hooks.append(self.model.register_forward_pre_hook(
-            self._guard(self._on_root_pre), with_kwargs=True, prepend=True))
-        for name in self._watched:
-            m = by_name[name]
-            self._hooks.append(m.register_forward_pre_hook(self._guard(self._make_pre(name)), with_kwargs=True))
-            self._hooks.append(m.register_forward_hook(self._guard(self._make_post(name)), with_kwargs=True))
-        for pname, p in self._params:
-            if p.requires_grad and self._param_watched(pname):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._guard(self._make_param_hook(pname))))
-        if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
-            self._hooks.append(self.optimizer.register_step_pre_hook(self._guard(self._on_opt_pre)))
-            self._hooks.append(self.optimizer.register_step_post_hook(self._guard(self._on_opt_post)))
-
-    def _param_watched(self, pname: str) -> bool:
-        owner = pname.rpartition(".")[0]
-        return owner in set(self._watched) or self._matches(pname)
 
     # ------------------------------------------------------------ guard/fail
     def _guard(self, fn):
@@ -321,238 +182,6 @@ class AmpRecorder:
     def _new_state(self) -> _StepState:
         record, full = self._tier(self._next_step_id)
         return _StepState(self._next_step_id, record, full)
-
-    def _active(self) -> _StepState | None:
-        st = self._state
-        if self._paused or not st.record or not torch.is_grad_enabled():
-            return None
-        return st
-
-    def _add_row(self, st, name, kind, phase, order, call, t, stats):
-        st.meta.append((name, kind, phase, order, call, str(t.dtype).replace("torch.", ""), t.numel()))
-        st.stats.append(stats)
-        if st.device is None:
-            st.device = stats.device
-
-    def _stats(self, st, t, **kw):
-        return tensor_stats(t, full=st.full, near_overflow=self.near_overflow, **kw)
-
-    def _input_nonfinite(self, st, tensors):
-        total = None
-        for t in tensors:
-            cached = st.nonfinite_cache.get(id(t))
-            if cached is not None and cached[0]() is t:
-                c = cached[1]
-            else:
-                c = nonfinite_count(t)
-            total = c if total is None else total + c
-        return total
-
-    def _remember_nonfinite(self, st, t, stats):
-        try:
-            st.nonfinite_cache[id(t)] = (weakref.ref(t), stats[1] + stats[2])
-        except TypeError:
-            pass
-
-    def _scale_tensor(self):
-        if not self._scaler_enabled():
-            return None
-        s = getattr(self.scaler, "_scale", None)
-        return s if isinstance(s, torch.Tensor) else None
-
-    # ---------------------------------------------------------------- hooks
-    def _on_root_pre(self, module, args, kwargs):
-        st = self._active()
-        if st is None:
-            return
-        st.micro_batches += 1
-        st.fwd_order = 0
-        st.bwd_order = 0
-        st.calls = {}
-        st.nonfinite_cache = {}
-        if self._autocast is None:
-            self._note_autocast()
-        tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
-        if st.micro_batches == 1 and st.full:
-            # Values as this forward sees them; their rows are placed after
-            # the loss at step end so module orders match cheap-tier steps.
-            st.param_values = [(pname, _TensorInfo(p), self._stats(st, p))
-                               for pname, p in self._params if p.numel()]
-        if tensors:
-            for t in tensors:
-                s = self._stats(st, t)
-                self._add_row(st, schema.INPUT_NAME, "input", "forward", st.fwd_order, 0, t, s)
-                self._remember_nonfinite(st, t, s)
-            st.fwd_order += 1
-        self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs)
-
-    def _note_autocast(self):
-        info = {"enabled": False, "device_type": None, "dtype": None}
-        for dev in ("cuda", "cpu", "xpu", "mps"):
-            try:
-                if torch.is_autocast_enabled(dev):
-                    info = {"enabled": True, "device_type": dev,
-                            "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
-                    break
-            except (RuntimeError, TypeError, AttributeError):
-                continue
-        info["cache_enabled"] = torch.is_autocast_cache_enabled()
-        self._autocast = info
-        self._submit(lambda: self._manifest.__setitem__("autocast", info))
-
-    def _make_pre(self, name):
-        def pre(module, args, kwargs):
-            st = self._active()
-            if st is None:
-                return
-            call = st.calls.get(name, 0)
-            st.calls[name] = call + 1
-            tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
-            inp = self._input_nonfinite(st, tensors) if tensors else None
-            ctx = _CallContext(name, call, inp, name == "", st.micro_batches - 1, st.step_id)
-            # Inputs whose gradient this module's backward produces: the
-            # autograd edges (grad_fn, output_nr) that point at them.
-            keys = {}
-            for i, t in enumerate(tensors):
-                if t.requires_grad and t.grad_fn is not None:
-                    keys.setdefault((t.grad_fn, t.output_nr), i)
-            st.stacks.setdefault(name, []).append((ctx, keys))
-        return pre
-
-    def _make_post(self, name):
-        def post(module, args, kwargs, output):
-            st = self._active()
-            if st is None:
-                return
-            stack = st.stacks.get(name)
-            if not stack:
-                return
-            ctx, keys = stack.pop()
-            outs = [t for t in iter_tensors(output) if is_float_tensor(t)]
-            order = st.fwd_order
-            st.fwd_order += 1
-            for t in outs:
-                s = self._stats(st, t, input_nonfinite=ctx.input_nonfinite)
-                self._add_row(st, name, "activation", "forward", order, ctx.call, t, s)
-                self._remember_nonfinite(st, t, s)
-            grad_outs = [t for t in outs if t.requires_grad]
-            for idx, t in enumerate(grad_outs):
-                t.register_hook(self._guard(self._make_grad_output_hook(ctx, idx)))
-            if ctx.is_root:
-                self.bundles.on_model_outputs(ctx.micro_batch, len(grad_outs))
-            if keys and grad_outs:
-                self._hook_grad_inputs(ctx, keys, grad_outs)
-            st.contexts.append(ctx)
-        return post
-
-    def _hook_grad_inputs(self, ctx, keys, outs):
-        """Hook the autograd nodes inside the module that hand gradients to
-        its inputs. `register_full_backward_hook` would insert identity nodes
-        and change the order gradient contributions are summed in, hence the
-        training's bits; node hooks observe without reshaping the graph."""
-        boundary = max(g._sequence_nr() for g, _ in keys)
-        edges: dict = {}
-        seen = set()
-        todo = [t.grad_fn for t in outs if t.grad_fn is not None]
-        while todo:
-            node = todo.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            for slot, (nxt, nr) in enumerate(node.next_functions):
-                if nxt is None:
-                    continue
-                key = (nxt, nr)
-                if key in keys:
-                    edges.setdefault(node, []).append((slot, keys[key]))
-                    continue
-                if type(nxt).__name__ == "AccumulateGrad" or nxt in seen:
-                    continue
-                # Nodes created before the module's inputs belong to the
-                # model around it, not to this module.
-                if nxt._sequence_nr() <= boundary:
-                    continue
-                todo.append(nxt)
-        for node, slots in edges.items():
-            for _, input_idx in slots:
-                acc = ctx.pending.setdefault(input_idx, [0, 0, [], None])
-                acc[0] += 1
-            node.register_hook(self._guard(self._make_node_hook(ctx, slots)))
-
-    def _make_grad_output_hook(self, ctx, idx):
-        def hook(grad):
-            st = self._state
-            if st.step_id != ctx.step_id or grad is None or not st.record:
-                return
-            s = self._stats(st, grad)
-            self._add_row(st, ctx.name, "grad_output", "backward", st.bwd_order, ctx.call, grad, s)
-            st.bwd_order += 1
-            nf = s[1] + s[2]
-            ctx.grad_out_nonfinite = nf if ctx.grad_out_nonfinite is None else ctx.grad_out_nonfinite + nf
-            if ctx.is_root:
-                self.bundles.on_model_output_grad(ctx.micro_batch, idx, grad)
-        return hook
-
-    def _make_node_hook(self, ctx, slots):
-        def hook(grad_inputs, grad_outputs):
-            st = self._state
-            if st.step_id != ctx.step_id:
-                return
-            for slot, input_idx in slots:
-                acc = ctx.pending.get(input_idx)
-                if acc is None:
-                    continue
-                acc[1] += 1
-                g = grad_inputs[slot] if slot < len(grad_inputs) else None
-                if g is not None:
-                    acc[2].append(g)
-                if acc[1] >= acc[0]:
-                    self._finish_grad_input(st, ctx, input_idx)
-        return hook
-
-    def _finish_grad_input(self, st, ctx, input_idx):
-        acc = ctx.pending.pop(input_idx, None)
-        if not acc or not acc[2]:
-            return
-        parts = acc[2]
-        # Sum in the gradient's own dtype, in arrival order, as autograd's
-        # input buffer does: an fp16 overflow can be born in this sum.
-        total = parts[0]
-        for p in parts[1:]:
-            total = total + p
-        s = self._stats(st, total, input_nonfinite=ctx.grad_out_nonfinite)
-        self._add_row(st, ctx.name, "grad_input", "backward", st.bwd_order, ctx.call, total, s)
-        st.bwd_order += 1
-
-    def _make_param_hook(self, pname):
-        def hook(p):
-            # Backward runs with grad mode off: check the step, not grad mode.
-            st = self._state
-            if self._paused or not st.record or p.grad is None:
-                return
-            g = p.grad
-            scale = self._scale_tensor()
-            s = self._stats(st, g, scale=scale, unscale=scale is not None)
-            sq = torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2
-            if scale is not None:
-                sq = sq / scale.to(torch.float64) ** 2
-            slot = st.param_grads.get(pname)
-            # Keep the statistics, not the gradient: `zero_grad()` must be
-            # able to free it before `rec.step()`.
-            shape = _TensorInfo(g)
-            if slot is None:
-                st.param_grads[pname] = [st.bwd_order, s, sq, shape]
-                st.bwd_order += 1
-            else:  # gradient accumulation: the last accumulated value wins
-                slot[1], slot[2], slot[3] = s, sq, shape
-        return hook
-
-    def _on_opt_pre(self, optimizer, args, kwargs):
-        self._state.stepped = True
-        self.bundles.on_optimizer_pre_step()
-
-    def _on_opt_post(self, optimizer, args, kwargs):
-        pass
 
     # --------------------------------------------------------------- public
     def step(self, loss=None, step: int | None = None) -> None:
@@ -754,127 +383,3 @@ class AmpRecorder:
         if self._failure is not None:
             self._manifest["disabled_reason"] = f"{type(self._failure).__name__}: {self._failure}"
         self._write_manifest()
-
-    def _write_step(self, p: _PendingStep) -> None:
-        if p.event is not None:
-            p.event.synchronize()
-        values = p.packed.numpy() if p.packed is not None else np.empty(0)
-        n = len(p.meta)
-        rows = values[: n * p.width].reshape(n, p.width) if n else np.empty((0, p.width))
-        scalars = dict(p.host_scalars)
-        for i, k in enumerate(p.dev_scalar_keys):
-            scalars[k] = float(values[n * p.width + i])
-        cols = merge_rows(p.meta, rows) if n else None
-
-        skipped = False
-        before, after = scalars.get("loss_scale_before"), scalars.get("loss_scale")
-        if p.has_scaler:
-            backoff = (self._manifest.get("scaler") or {}).get("backoff_factor") or 0.5
-            if before is not None and after is not None and backoff < 1 and not math.isnan(before):
-                # GradScaler backs off exactly when it found Inf/NaN, i.e.
-                # when it skipped optimizer.step(); it never shrinks otherwise.
-                skipped = after < before
-            elif p.stepped is not None:
-                skipped = not p.stepped
-        elif p.stepped is not None:
-            skipped = not p.stepped and p.micro_batches > 0
-
-        nonfinite_params = 0
-        nonfinite_rows = 0
-        if cols is not None:
-            g = len(cols["name"])
-            cols["step"] = np.full(g, p.step, dtype=np.int64)
-            cols["rank"] = np.full(g, self.rank, dtype=np.int32)
-            bad = (cols["nan_count"] > 0) | (cols["inf_count"] > 0)
-            nonfinite_rows = int(bad.sum())
-            kinds = np.array(cols["kind"], dtype=object)
-            nonfinite_params = int((bad & (kinds == "param_grad")).sum())
-        sq = scalars.get("grad_sqsum")
-        step_row = {
-            "step": p.step,
-            "rank": self.rank,
-            "wall_time": p.wall_time,
-            "loss": scalars.get("loss"),
-            "loss_scale": after if p.has_scaler else None,
-            "loss_scale_before": before if p.has_scaler else None,
-            "growth_tracker": int(scalars["growth_tracker"]) if p.has_scaler and not math.isnan(scalars.get("growth_tracker", math.nan)) else None,
-            "skipped": bool(skipped),
-            "lr": p.lr,
-            "grad_norm": math.sqrt(sq) if sq is not None and not (sq < 0) else None,
-            "nonfinite_param_grads": nonfinite_params if cols is not None else None,
-            "micro_batches": p.micro_batches,
-            "tier": p.tier,
-            "tensor_rows": len(cols["name"]) if cols is not None else 0,
-        }
-        self._writer.add_step(step_row, cols)
-        m = self._manifest
-        m["steps_recorded"] += 1
-        m["first_step"] = p.step if m["first_step"] is None else min(m["first_step"], p.step)
-        m["last_step"] = p.step if m["last_step"] is None else max(m["last_step"], p.step)
-        loss = scalars.get("loss")
-        event = skipped or nonfinite_rows > 0 or (loss is not None and not math.isfinite(loss))
-        if event and self.full_after_event > 0:
-            # Read by the training thread as a plain int: detail for the
-            # next steps without any synchronisation.
-            self._full_until = max(self._full_until, p.step + self.full_after_event)
-        self.bundles.on_step_summary({
-            "step": p.step, "skipped": bool(skipped), "loss": loss,
-            "loss_scale": after, "loss_scale_before": before,
-            "growth_tracker": step_row["growth_tracker"],
-            "nonfinite_rows": nonfinite_rows, "columns": cols,
-        })
-
-
-def _existing_run_id(run_dir: Path, rank: int) -> str | None:
-    """A job resumed into its old run directory continues that run: same
-    run_id, shard numbering continued, so readers see one run."""
-    import json
-    for path in (run_dir / schema.RANK_DIR.format(rank=rank) / schema.MANIFEST_FILE,
-                 run_dir / schema.MANIFEST_FILE):
-        try:
-            return json.loads(path.read_text())["run_id"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return None
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except Exception:
-        pass
-    return 0, 1
-
-
-def _device_name(device: torch.device) -> str:
-    try:
-        if device.type == "cuda":
-            return torch.cuda.get_device_name(device)
-    except Exception:
-        pass
-    import platform
-    return platform.processor() or platform.machine() or device.type
-
-
-def _json_float(v):
-    if isinstance(v, torch.Tensor):
-        return float(v.item()) if v.numel() == 1 and v.device.type == "cpu" else None
-    if isinstance(v, (int, float)):
-        return float(v)
-    return None
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (str, bool)) or obj is None:
-        return obj
-    if isinstance(obj, (int, float)):
-        return obj
-    if isinstance(obj, torch.Tensor) and obj.numel() == 1 and obj.device.type == "cpu":
-        return obj.item()
-    return repr(obj)

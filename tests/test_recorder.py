@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -170,7 +169,7 @@ def test_outputs_of_any_structure_repeated_calls_frozen_params_and_eval_passes(t
 
 
 def test_a_hook_that_raises_turns_recording_off_and_training_goes_on(tmp_path, monkeypatch):
-    import recorders.recorder as rr
+    import recorders.hooks as rr
     data = batches(6)
     torch.manual_seed(0)
     plain = train(TinyNet(), data)
@@ -313,3 +312,12 @@ def test_a_job_resumed_into_its_run_directory_continues_the_same_run(tmp_path):
     steps = read(run, "steps")
     assert steps["step"].tolist() == [0, 1, 2, 3]
     assert sorted(p.name for p in (run / "rank=0" / "steps").glob("*.parquet")) == ["part-000000.parquet", "part-000001.parquet"]
+
+
+def test_an_unwritable_run_directory_warns_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the run directory should be")
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="recording disabled"):
+        losses, _, _, rec = train(TinyNet(), batches(3), recorder_factory=recorder(blocker / "run"))
+    assert len(losses) == 3 and not rec.enabled

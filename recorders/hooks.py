@@ -1,0 +1,322 @@
+"""The recorder's hooks: what runs on the training path.
+
+Every hook only enqueues device work (a statistics vector per tensor, see
+`stats.py`) and appends host-side metadata; nothing here reads a device
+value. `AmpRecorder` mixes this in and owns the lifecycle, the step and the
+writer thread.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import schema
+from .stats import iter_tensors, is_float_tensor, nonfinite_count, tensor_stats
+
+
+class _CallContext:
+    """One forward call of a watched module, kept alive by its backward hooks."""
+
+    __slots__ = ("name", "call", "input_nonfinite", "grad_out_nonfinite", "pending",
+                 "is_root", "micro_batch", "step_id")
+
+    def __init__(self, name, call, input_nonfinite, is_root, micro_batch, step_id):
+        self.name = name
+        self.call = call
+        self.input_nonfinite = input_nonfinite
+        self.grad_out_nonfinite = None
+        self.pending = {}  # input index -> [expected, arrived, parts, dtype]
+        self.is_root = is_root
+        self.micro_batch = micro_batch
+        self.step_id = step_id
+
+
+class _StepState:
+    def __init__(self, step_id: int, record: bool, full: bool):
+        self.step_id = step_id
+        self.record = record
+        self.full = full
+        self.micro_batches = 0
+        self.meta: list[tuple] = []
+        self.stats: list[torch.Tensor] = []
+        self.fwd_order = 0
+        self.bwd_order = 0
+        self.calls: dict[str, int] = {}
+        self.stacks: dict[str, list[_CallContext]] = {}
+        self.param_grads: dict[str, list] = {}  # name -> [order, stats, sqnorm, dtype, numel]
+        self.contexts: list[_CallContext] = []
+        self.nonfinite_cache: dict[int, tuple] = {}
+        self.stepped = False
+        self.param_values: list[tuple] = []
+        self.inv_scale_for = None
+        self.device = None
+
+
+class _TensorInfo:
+    """dtype and numel of a tensor, without keeping the tensor alive."""
+
+    __slots__ = ("dtype", "_numel")
+
+    def __init__(self, t):
+        self.dtype = t.dtype
+        self._numel = t.numel()
+
+    def numel(self):
+        return self._numel
+
+
+class RecorderHooks:
+    """Hook registration and the hooks themselves (mixed into AmpRecorder)."""
+
+    def _register_hooks(self) -> None:
+        by_name = dict(self.model.named_modules())
+        self._hooks.append(self.model.register_forward_pre_hook(
+            self._guard(self._on_root_pre), with_kwargs=True, prepend=True))
+        for name in self._watched:
+            m = by_name[name]
+            self._hooks.append(m.register_forward_pre_hook(self._guard(self._make_pre(name)), with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(self._guard(self._make_post(name)), with_kwargs=True))
+        for pname, p in self._params:
+            if p.requires_grad and self._param_watched(pname):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._guard(self._make_param_hook(pname))))
+        if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
+            self._hooks.append(self.optimizer.register_step_pre_hook(self._guard(self._on_opt_pre)))
+            self._hooks.append(self.optimizer.register_step_post_hook(self._guard(self._on_opt_post)))
+
+    def _param_watched(self, pname: str) -> bool:
+        owner = pname.rpartition(".")[0]
+        return owner in set(self._watched) or self._matches(pname)
+
+    # ---------------------------------------------------------------- state
+    def _active(self) -> _StepState | None:
+        st = self._state
+        if self._paused or not st.record or not torch.is_grad_enabled():
+            return None
+        return st
+
+    def _add_row(self, st, name, kind, phase, order, call, t, stats):
+        st.meta.append((name, kind, phase, order, call, str(t.dtype).replace("torch.", ""), t.numel()))
+        st.stats.append(stats)
+        if st.device is None:
+            st.device = stats.device
+
+    def _stats(self, st, t, **kw):
+        return tensor_stats(t, full=st.full, near_overflow=self.near_overflow, **kw)
+
+    def _input_nonfinite(self, st, tensors):
+        total = None
+        for t in tensors:
+            cached = st.nonfinite_cache.get(id(t))
+            if cached is not None and cached[0]() is t:
+                c = cached[1]
+            else:
+                c = nonfinite_count(t)
+            total = c if total is None else total + c
+        return total
+
+    def _remember_nonfinite(self, st, t, stats):
+        try:
+            st.nonfinite_cache[id(t)] = (weakref.ref(t), stats[1] + stats[2])
+        except TypeError:
+            pass
+
+    def _scale_tensor(self):
+        if not self._scaler_enabled():
+            return None
+        s = getattr(self.scaler, "_scale", None)
+        return s if isinstance(s, torch.Tensor) else None
+
+    # ---------------------------------------------------------------- hooks
+    def _on_root_pre(self, module, args, kwargs):
+        st = self._active()
+        if st is None:
+            return
+        st.micro_batches += 1
+        st.fwd_order = 0
+        st.bwd_order = 0
+        st.calls = {}
+        st.nonfinite_cache = {}
+        if self._autocast is None:
+            self._note_autocast()
+        tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
+        if st.micro_batches == 1 and st.full:
+            # Values as this forward sees them; their rows are placed after
+            # the loss at step end so module orders match cheap-tier steps.
+            st.param_values = [(pname, _TensorInfo(p), self._stats(st, p))
+                               for pname, p in self._params if p.numel()]
+        if tensors:
+            for t in tensors:
+                s = self._stats(st, t)
+                self._add_row(st, schema.INPUT_NAME, "input", "forward", st.fwd_order, 0, t, s)
+                self._remember_nonfinite(st, t, s)
+            st.fwd_order += 1
+        self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs)
+
+    def _note_autocast(self):
+        info = {"enabled": False, "device_type": None, "dtype": None}
+        for dev in ("cuda", "cpu", "xpu", "mps"):
+            try:
+                if torch.is_autocast_enabled(dev):
+                    info = {"enabled": True, "device_type": dev,
+                            "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
+                    break
+            except (RuntimeError, TypeError, AttributeError):
+                continue
+        info["cache_enabled"] = torch.is_autocast_cache_enabled()
+        self._autocast = info
+        self._submit(lambda: self._manifest.__setitem__("autocast", info))
+
+    def _make_pre(self, name):
+        def pre(module, args, kwargs):
+            st = self._active()
+            if st is None:
+                return
+            call = st.calls.get(name, 0)
+            st.calls[name] = call + 1
+            tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
+            inp = self._input_nonfinite(st, tensors) if tensors else None
+            ctx = _CallContext(name, call, inp, name == "", st.micro_batches - 1, st.step_id)
+            # Inputs whose gradient this module's backward produces: the
+            # autograd edges (grad_fn, output_nr) that point at them.
+            keys = {}
+            for i, t in enumerate(tensors):
+                if t.requires_grad and t.grad_fn is not None:
+                    keys.setdefault((t.grad_fn, t.output_nr), i)
+            st.stacks.setdefault(name, []).append((ctx, keys))
+        return pre
+
+    def _make_post(self, name):
+        def post(module, args, kwargs, output):
+            st = self._active()
+            if st is None:
+                return
+            stack = st.stacks.get(name)
+            if not stack:
+                return
+            ctx, keys = stack.pop()
+            outs = [t for t in iter_tensors(output) if is_float_tensor(t)]
+            order = st.fwd_order
+            st.fwd_order += 1
+            for t in outs:
+                s = self._stats(st, t, input_nonfinite=ctx.input_nonfinite)
+                self._add_row(st, name, "activation", "forward", order, ctx.call, t, s)
+                self._remember_nonfinite(st, t, s)
+            grad_outs = [t for t in outs if t.requires_grad]
+            for idx, t in enumerate(grad_outs):
+                t.register_hook(self._guard(self._make_grad_output_hook(ctx, idx)))
+            if ctx.is_root:
+                self.bundles.on_model_outputs(ctx.micro_batch, len(grad_outs))
+            if keys and grad_outs:
+                self._hook_grad_inputs(ctx, keys, grad_outs)
+            st.contexts.append(ctx)
+        return post
+
+    def _hook_grad_inputs(self, ctx, keys, outs):
+        """Hook the autograd nodes inside the module that hand gradients to
+        its inputs. `register_full_backward_hook` would insert identity nodes
+        and change the order gradient contributions are summed in, hence the
+        training's bits; node hooks observe without reshaping the graph."""
+        boundary = max(g._sequence_nr() for g, _ in keys)
+        edges: dict = {}
+        seen = set()
+        todo = [t.grad_fn for t in outs if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            for slot, (nxt, nr) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                key = (nxt, nr)
+                if key in keys:
+                    edges.setdefault(node, []).append((slot, keys[key]))
+                    continue
+                if type(nxt).__name__ == "AccumulateGrad" or nxt in seen:
+                    continue
+                # Nodes created before the module's inputs belong to the
+                # model around it, not to this module.
+                if nxt._sequence_nr() <= boundary:
+                    continue
+                todo.append(nxt)
+        for node, slots in edges.items():
+            for _, input_idx in slots:
+                acc = ctx.pending.setdefault(input_idx, [0, 0, [], None])
+                acc[0] += 1
+            node.register_hook(self._guard(self._make_node_hook(ctx, slots)))
+
+    def _make_grad_output_hook(self, ctx, idx):
+        def hook(grad):
+            st = self._state
+            if st.step_id != ctx.step_id or grad is None or not st.record:
+                return
+            s = self._stats(st, grad)
+            self._add_row(st, ctx.name, "grad_output", "backward", st.bwd_order, ctx.call, grad, s)
+            st.bwd_order += 1
+            nf = s[1] + s[2]
+            ctx.grad_out_nonfinite = nf if ctx.grad_out_nonfinite is None else ctx.grad_out_nonfinite + nf
+            if ctx.is_root:
+                self.bundles.on_model_output_grad(ctx.micro_batch, idx, grad)
+        return hook
+
+    def _make_node_hook(self, ctx, slots):
+        def hook(grad_inputs, grad_outputs):
+            st = self._state
+            if st.step_id != ctx.step_id:
+                return
+            for slot, input_idx in slots:
+                acc = ctx.pending.get(input_idx)
+                if acc is None:
+                    continue
+                acc[1] += 1
+                g = grad_inputs[slot] if slot < len(grad_inputs) else None
+                if g is not None:
+                    acc[2].append(g)
+                if acc[1] >= acc[0]:
+                    self._finish_grad_input(st, ctx, input_idx)
+        return hook
+
+    def _finish_grad_input(self, st, ctx, input_idx):
+        acc = ctx.pending.pop(input_idx, None)
+        if not acc or not acc[2]:
+            return
+        parts = acc[2]
+        # Sum in the gradient's own dtype, in arrival order, as autograd's
+        # input buffer does: an fp16 overflow can be born in this sum.
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        s = self._stats(st, total, input_nonfinite=ctx.grad_out_nonfinite)
+        self._add_row(st, ctx.name, "grad_input", "backward", st.bwd_order, ctx.call, total, s)
+        st.bwd_order += 1
+
+    def _make_param_hook(self, pname):
+        def hook(p):
+            # Backward runs with grad mode off: check the step, not grad mode.
+            st = self._state
+            if self._paused or not st.record or p.grad is None:
+                return
+            g = p.grad
+            scale = self._scale_tensor()
+            s = self._stats(st, g, scale=scale, unscale=scale is not None)
+            sq = torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2
+            if scale is not None:
+                sq = sq / scale.to(torch.float64) ** 2
+            slot = st.param_grads.get(pname)
+            # Keep the statistics, not the gradient: `zero_grad()` must be
+            # able to free it before `rec.step()`.
+            shape = _TensorInfo(g)
+            if slot is None:
+                st.param_grads[pname] = [st.bwd_order, s, sq, shape]
+                st.bwd_order += 1
+            else:  # gradient accumulation: the last accumulated value wins
+                slot[1], slot[2], slot[3] = s, sq, shape
+        return hook
+
+    def _on_opt_pre(self, optimizer, args, kwargs):
+        self._state.stepped = True
+        self.bundles.on_optimizer_pre_step()
+
+    def _on_opt_post(self, optimizer, args, kwargs):
+        pass
