@@ -187,11 +187,11 @@ def _host_stats(d, full, scale, near_overflow):
     x = d.to(work)
     n = d.numel()
     mean = float(x.sum(dtype=torch.float64)) / n
+    # torch's sqrt, not math.sqrt: the two can differ in the last bit.
     if work == torch.float64:
-        rms = math.sqrt(float((x ** 2).sum()) / n)
+        rms = float(torch.sqrt((x ** 2).sum() / n))
     else:
-        norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
-        rms = math.sqrt(norm * norm / n)
+        rms = float(torch.sqrt(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2 / n))
     normal = schema.FP16_MIN_NORMAL
     sub = schema.FP16_MIN_SUBNORMAL
     over = near_overflow

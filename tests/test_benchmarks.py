@@ -1,0 +1,71 @@
+"""The benchmarks, at a tiny size: they keep working. Not timed tests: the
+figures live in benchmarks/RESULTS.md, measured on a stated machine."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import analyzer_scale  # noqa: E402
+import recorder_overhead  # noqa: E402
+import recorder_overhead_cuda  # noqa: E402
+
+
+def test_recorder_overhead_smoke_reports_every_dtype_and_variant(tmp_path):
+    out = tmp_path / "overhead.json"
+    assert recorder_overhead.main(["--smoke", "--memory-steps", "0", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["dtypes"]) == {"fp32", "bf16", "fp16"}
+    for r in doc["dtypes"].values():
+        assert set(r["variants"]) == {"baseline", "default", "full", "paused"}
+        for v in r["variants"].values():
+            assert v["ratio"] > 0
+            assert v["losses_identical_to_baseline"] is True  # recording changes no bit
+        assert r["variants"]["full"]["tiers"] == {"full": 2}
+        assert r["variants"]["default"]["buffers"]["queue_max"] > 0
+
+
+def test_recorder_overhead_memory_child_reports_peak_rss():
+    r = recorder_overhead.memory_child("fp32", "default", 1, recorder_overhead.SMOKE_SIZE, 0)
+    assert r["peak_rss_mib"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
+def test_cuda_benchmark_exits_cleanly_without_cuda(capsys):
+    assert recorder_overhead_cuda.main(["--smoke"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["skipped"] == "CUDA not available"
+    assert "CUDA is not available" in captured.err
+
+
+def test_analyzer_scale_smoke_finds_the_planted_nan_and_reads_few_shards(tmp_path):
+    out = tmp_path / "scale.json"
+    assert analyzer_scale.main(["--smoke", "--run-dir", str(tmp_path / "run"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    run = doc["run"]
+    assert run["tensor_rows"] == 400 * 41 and run["shards"] == 4
+    assert doc["cli"]["nans"]["origin"]["name"] == run["nan_layer"]
+    assert doc["cli"]["nans"]["origin"]["step"] == run["nan_at"]
+    # Only the last shard holds non-finite rows: the footers rule out the rest.
+    assert doc["functions"]["nans_shards_opened"] == run["shards_with_nonfinite"] == 1
+    assert doc["naive_pandas"]["rows"] == run["tensor_rows"]
+
+
+def test_synthetic_scale_series_collapses_late_and_probes_when_it_grows():
+    before, after, tracker, skipped = analyzer_scale.scale_series(10_000, 9_000, 2_000)
+    assert skipped[:9_000].sum() == 4  # a probe overflow after each growth
+    assert skipped[2_000] and after[1_999] == 2.0 ** 17 and after[2_000] == 2.0 ** 16
+    assert list(skipped[9_000:].nonzero()[0] + 9_000) == [9_000, 9_600]
+    assert after[-1] == 2.0 ** 14
+
+
+def test_replay_timing_smoke_reports_a_multiple_of_a_training_step(tmp_path):
+    import replay_timing
+    out = tmp_path / "replay.json"
+    assert replay_timing.main(["--smoke", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["train_step_s"] > 0 and doc["replay_x_train_step"] > 0

@@ -1,0 +1,353 @@
+"""README.md stays true: its set-up commands are the ones CI runs, its worked
+post-mortem prints what the README shows, its recorder snippets run, and its
+command reference covers every command and option.
+
+The console examples are the README's fenced ```console blocks: a line
+`$ amp-postmortem ...` is a command, the lines after it its expected stdout.
+In the expected output a line `...` stands for any number of lines left out.
+Info-string flags after `console`: `no-test` (shown, not re-run) and `approx`
+(replay numbers: floating-point rounding differs between CPUs, so numbers
+agree within `APPROX_REL`, and values below `APPROX_TINY`, which are rounding
+noise of float32, all agree). `docs/PLAYBOOK.md` uses the same blocks
+(`tests/test_docs.py` imports the helpers below).
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import importlib.util
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+# The two commands a new user runs (README "Start here"); `.ci/run` runs the
+# second one's parts, and other tools copy them from the README verbatim.
+INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[dev]'"
+SETUP_COMMANDS = (
+    f"{INSTALL} && amp-postmortem summary sample_runs/attention_overflow",
+    f"{INSTALL} && python -m pytest",
+)
+
+APPROX_REL = 0.05
+APPROX_TINY = 1e-5
+GAP = "..."
+
+
+# ------------------------------------------------------------------ parsing
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    flags: frozenset
+    line: int            # 1-based line of the opening fence
+    lines: tuple
+
+
+def fenced_blocks(path: Path) -> list[Block]:
+    blocks, current = [], None
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if current is None:
+            if line.startswith("```"):
+                info = line[3:].split()
+                current = (info[0] if info else "", frozenset(info[1:]), number, [])
+        elif line.startswith("```"):
+            blocks.append(Block(current[0], current[1], current[2], tuple(current[3])))
+            current = None
+        else:
+            current[3].append(line)
+    assert current is None, f"{path.name}: unclosed fence at line {current[2]}"
+    return blocks
+
+
+def section(path: Path, heading: str) -> str:
+    """The text from the heading line to the next heading of the same or a
+    higher level."""
+    text = path.read_text()
+    level = len(heading) - len(heading.lstrip("#"))
+    start = text.index(heading + "\n")
+    end = re.compile(rf"^#{{1,{level}}} ", re.M).search(text, start + len(heading))
+    return text[start:end.start() if end else len(text)]
+
+
+@dataclass(frozen=True)
+class ConsoleExample:
+    where: str           # "README.md:123"
+    argv: tuple          # the arguments after `amp-postmortem`
+    expected: tuple      # expected stdout lines, `...` for a gap
+    flags: frozenset
+
+    @property
+    def id(self) -> str:
+        return " ".join(self.argv[:2])
+
+
+def console_examples(path: Path) -> list[ConsoleExample]:
+    examples = []
+    for block in fenced_blocks(path):
+        if block.lang != "console":
+            continue
+        command, expected = None, []
+        for offset, line in enumerate(block.lines + ("$ ",), 1):
+            if line.startswith("$ "):
+                if command is not None:
+                    examples.append(ConsoleExample(f"{path.name}:{block.line}", command,
+                                                   tuple(expected), block.flags))
+                if line == "$ ":
+                    break
+                words = shlex.split(line[2:])
+                assert words[0] == "amp-postmortem", f"{path.name}:{block.line + offset}: {line}"
+                command, expected = tuple(words[1:]), []
+            else:
+                assert command is not None, f"{path.name}:{block.line}: output before a command"
+                expected.append(line)
+    return examples
+
+
+# ------------------------------------------------------------------ running
+def _runner():
+    from click.testing import CliRunner
+    try:
+        return CliRunner(mix_stderr=False)  # click < 8.2 mixes stderr into stdout
+    except TypeError:
+        return CliRunner()
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Tiny models on a busy 2-core machine run several times faster on one
+    thread (measured: OpenMP workers spin while they wait for a core); the
+    replays print the same numbers on 1, 2 and 4 threads."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def run_cli(argv: tuple) -> tuple[int, str]:
+    """Run `amp-postmortem ARGV` in-process from the repository root; the
+    exit code and stdout (progress bars and warnings go to stderr). Cached:
+    README and PLAYBOOK share commands, and replays take seconds."""
+    from amp_postmortem.cli import main
+
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        with one_torch_thread():
+            result = _runner().invoke(main, list(argv), catch_exceptions=False)
+    finally:
+        os.chdir(cwd)
+    return result.exit_code, result.stdout.replace(f"{REPO}{os.sep}", "")
+
+
+# ----------------------------------------------------------------- matching
+_PUNCT = ",;:()[]"
+
+
+def _number(token: str):
+    try:
+        return float(token.strip(_PUNCT))
+    except ValueError:
+        return None
+
+
+def _affixes(token: str) -> tuple[str, str]:
+    core = token.strip(_PUNCT)
+    start = token.index(core) if core else 0
+    return token[:start], token[start + len(core):]
+
+
+def _same_token(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    x, y = _number(a), _number(b)
+    if x is None or y is None or _affixes(a) != _affixes(b):
+        return False
+    if x == y:  # inf, -inf
+        return True
+    if abs(x) < APPROX_TINY and abs(y) < APPROX_TINY:
+        return True
+    return abs(x - y) <= APPROX_REL * max(abs(x), abs(y))
+
+
+def _same_line(expected: str, actual: str, approx: bool) -> bool:
+    if expected == actual:
+        return True
+    if not approx:
+        return False
+    e, a = expected.split(), actual.split()
+    return len(e) == len(a) and all(_same_token(x, y) for x, y in zip(e, a))
+
+
+def _matches_at(segment, actual, pos, approx) -> bool:
+    return pos + len(segment) <= len(actual) and all(
+        _same_line(e, a, approx) for e, a in zip(segment, actual[pos:pos + len(segment)]))
+
+
+def output_mismatch(expected: tuple, stdout: str, approx: bool = False) -> str | None:
+    """None when `stdout` is what `expected` shows, else a diff to read.
+
+    `expected` is cut at its `...` lines into segments; each must appear as
+    consecutive lines, in order; the first at the very start unless the
+    expected output opens with `...`, the last at the very end unless it
+    closes with one."""
+    actual = [line.rstrip() for line in stdout.rstrip("\n").split("\n")]
+    segments, current = [], []
+    for line in expected:
+        if line.strip() == GAP:
+            segments.append(current)
+            current = []
+        else:
+            current.append(line.rstrip())
+    segments.append(current)
+    pos = 0
+    for i, segment in enumerate(segments):
+        if not segment:
+            continue
+        last = i == len(segments) - 1
+        if i == 0:
+            candidates = [0]
+        elif last:
+            candidates = [len(actual) - len(segment)]
+        else:
+            candidates = range(pos, len(actual) - len(segment) + 1)
+        found = next((p for p in candidates if p >= pos and _matches_at(segment, actual, p, approx)), None)
+        if found is None or (i == 0 and last and len(actual) != len(segment)):
+            diff = difflib.unified_diff(list(segment), actual, "shown", "printed", lineterm="", n=1)
+            return "segment %d of the expected output not found:\n%s" % (i + 1, "\n".join(diff))
+        pos = found + len(segment)
+    return None
+
+
+def check_example(example: ConsoleExample) -> None:
+    code, stdout = run_cli(example.argv)
+    assert code == 0, f"{example.where}: exit code {code}\n{stdout}"
+    assert "Traceback" not in stdout
+    problem = output_mismatch(example.expected, stdout, approx="approx" in example.flags)
+    assert problem is None, f"{example.where}: amp-postmortem {' '.join(example.argv)}\n{problem}"
+
+
+# -------------------------------------------------------------------- tests
+def test_matcher_handles_gaps_and_approximate_numbers():
+    out = "a 1\nb 2\nc 3\nd 4\n"
+    assert output_mismatch(("a 1", "...", "d 4"), out) is None
+    assert output_mismatch(("...", "b 2", "c 3", "..."), out) is None
+    assert output_mismatch(("a 1", "b 2"), out) is not None          # stops early
+    assert output_mismatch(("...", "c 3"), out) is not None           # not at the end
+    assert output_mismatch(("a 1", "...", "b 3", "..."), out) is not None
+    assert output_mismatch(("x 1.000e-07 0.2503 inf",), "x 1.3e-07 0.25 inf", approx=True) is None
+    assert output_mismatch(("x 0.2503",), "x 0.30", approx=True) is not None
+    assert output_mismatch(("x 0.2503",), "x 0.25", approx=False) is not None
+
+
+def test_setup_commands_are_in_readme_verbatim():
+    start_here = section(README, "## Start here")
+    commands = [line for block in fenced_blocks(README) if block.lang == "bash"
+                for line in block.lines if line in start_here]
+    assert commands[:2] == list(SETUP_COMMANDS)
+
+
+def test_ci_runs_what_the_readme_says():
+    """Every install line of `.ci/run` is a part of both set-up commands, and
+    its test line is the second command's last part."""
+    ci = (REPO / ".ci" / "run").read_text().split("\n")
+    install_at = ci.index("# --- install (as in README.md)")
+    test_at = ci.index("# --- test (as in README.md)")
+    install = [l for l in ci[install_at + 1:test_at] if l.strip() and not l.startswith("#")]
+    test = [l for l in ci[test_at + 1:] if l.strip() and not l.startswith("#")]
+    assert install and test
+    for command in SETUP_COMMANDS:
+        parts = [p.strip() for p in command.split("&&")]
+        assert all(line in parts for line in install), (install, parts)
+    assert SETUP_COMMANDS[1].split("&&")[-1].strip() == test[-1]
+    readme = README.read_text()
+    assert all(line in readme for line in install + test)
+
+
+EXAMPLES = console_examples(README)
+
+
+def test_readme_has_a_worked_post_mortem():
+    commands = {e.argv[0] for e in EXAMPLES}
+    assert {"summary", "nans", "scale", "replay", "fix"} <= commands
+    assert all(e.argv[1].startswith("sample_runs/") for e in EXAMPLES)
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if "no-test" not in e.flags], ids=lambda e: e.id)
+def test_readme_example_prints_what_the_readme_shows(example):
+    check_example(example)
+
+
+def test_every_command_and_option_is_in_the_reference():
+    from amp_postmortem.cli import main
+
+    reference = section(README, "## Command reference")
+    for name, command in main.commands.items():
+        heading = f"### `amp-postmortem {name} "
+        assert heading in reference, f"README reference lacks {name}"
+        text = reference[reference.index(heading):]
+        nxt = text.find("\n### ", 1)
+        text = text if nxt < 0 else text[:nxt]
+        options = [o for p in command.params for o in p.opts if o.startswith("--") and o != "--help"]
+        missing = [o for o in options if f"`{o}" not in text]
+        assert not missing, f"README reference of {name} lacks {missing}"
+
+
+def _load_sample_models():
+    spec = importlib.util.spec_from_file_location("sample_models", REPO / "sample_runs" / "models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recorder_snippets_run(tmp_path, monkeypatch):
+    """The snippets of "Attach the recorder", in order, on the tiny GPT of the
+    sample runs on the CPU, then the runs they wrote are read back."""
+    import torch
+    import torch.nn.functional as F
+
+    from amp_postmortem.bundle import list_bundles
+    from amp_postmortem.loader import load_run
+
+    text = section(README, "## Attach the recorder to your training loop")
+    snippets = [b for b in fenced_blocks(README) if b.lang == "python" and "\n".join(b.lines) in text]
+    assert len(snippets) >= 5
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    models = _load_sample_models()
+    model = models.tiny_gpt()
+    gen = torch.Generator().manual_seed(0)
+    loader = [(x, x.roll(1, dims=1)) for x in
+              (torch.randint(0, models.VOCAB, (4, models.BLOCK), generator=gen) for _ in range(8))]
+    namespace = {
+        "model": model,
+        "opt": torch.optim.Adam(model.parameters(), lr=1e-3),
+        "loader": loader,
+        "loss_fn": lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)),
+    }
+    with one_torch_thread():
+        for block in snippets:
+            code = "\n".join(block.lines).replace('"cuda"', '"cpu"')
+            exec(compile(code, f"README.md:{block.line}", "exec"), namespace)
+
+    exp1 = load_run("runs/exp1")
+    assert len(exp1.steps) == 8 and exp1.steps["loss_scale"].notna().all()
+    accum = load_run("runs/accum")
+    assert len(accum.steps) == 2 and (accum.steps["micro_batches"] == 4).all()
+    bf16 = load_run("runs/bf16")
+    assert len(bf16.steps) == 8 and bf16.steps["loss_scale"].isna().all()
+    saved = {step for step, _, _ in list_bundles("runs/bundles")}
+    assert {1, 2} <= saved
+    from recorders.fp32 import is_kept_fp32
+    assert is_kept_fp32(model.blocks[1].attn)

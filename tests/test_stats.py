@@ -1,0 +1,68 @@
+"""Device-side statistics: the CPU fast path and the memo give exactly what
+the general path computes by the definitions."""
+import math
+
+import pytest
+import torch
+
+from recorders import stats
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3000, generator=g)
+    tiny = x * 1e-6
+    tiny[::7] = 0
+    tiny[::11] *= 1e-3
+    zeros = x.clone()
+    zeros[::3] = 0
+    zeros[5] = -0.0
+    yield "normal", x
+    yield "tiny", tiny
+    yield "zeros", zeros
+    yield "big", x * 3e4
+    yield "scalar", torch.tensor(3.5)
+    yield "noncontiguous", torch.randn(64, 33, generator=g)[:, ::2]
+    yield "constant", torch.full((50,), -2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("scale,unscale", [(None, False), (1024.0, True), (3.0, True), (1024.0, False)])
+@pytest.mark.parametrize("near_overflow", [65504.0, 100.0])
+def test_cpu_fast_path_equals_the_definitions_bit_for_bit(dtype, full, scale, unscale, near_overflow):
+    for label, x in _cases():
+        x = x.to(dtype)
+        s = None if scale is None else torch.tensor(scale)
+        inp = torch.tensor(2.0, dtype=torch.float64)
+        fast = stats.tensor_stats(x, full=full, input_nonfinite=inp, scale=s, unscale=unscale,
+                                  near_overflow=near_overflow)
+        ref = stats._device_stats(x.detach(), full, inp, s if unscale else None, near_overflow)
+        assert torch.equal(fast.nan_to_num(nan=-7.0), ref.nan_to_num(nan=-7.0)), label
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_nonfinite_values_take_the_general_path(dtype):
+    x = torch.randn(100).to(dtype)
+    x[3], x[9], x[11] = math.inf, math.nan, -math.inf
+    v = stats.tensor_stats(x, full=True)
+    assert v[1] == 1 and v[2] == 2  # NaN count, Inf count
+    assert v[0] == x[torch.isfinite(x)].abs().max().double()
+    assert stats.nonfinite_count(x) == 3
+    assert stats.nonfinite_count(torch.ones(4, dtype=dtype)) == 0
+
+
+def test_the_same_tensor_is_summarised_once_but_in_place_changes_are_seen(monkeypatch):
+    x = torch.randn(1000)
+    calls = []
+    real = stats._host_stats
+    monkeypatch.setattr(stats, "_host_stats", lambda *a: calls.append(1) or real(*a))
+    a = stats.tensor_stats(x, full=False, input_nonfinite=torch.tensor(1.0, dtype=torch.float64))
+    b = stats.tensor_stats(x, full=False)
+    assert len(calls) == 1
+    assert torch.equal(a[:3], b[:3]) and a[3] == 1 and math.isnan(b[3])  # the caller's input count
+    x.mul_(2)
+    c = stats.tensor_stats(x, full=False)
+    assert len(calls) == 2 and c[0] == 2 * a[0]
+    stats.tensor_stats(x, full=True)
+    assert len(calls) == 3  # another tier is another entry
