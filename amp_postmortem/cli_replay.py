@@ -40,7 +40,8 @@ def _precisions(ctx, param, value):
               show_default=True,
               help="Autocast policy of the fp16/bf16 runs: the recording device's, CUDA's or the CPU's.")
 @click.option("--anomaly", is_flag=True,
-              help="Re-run the failing precision under torch.autograd.detect_anomaly and report the op.")
+              help="Re-run the failing precision under torch.autograd.detect_anomaly and say what it found: "
+                   "the op, the first backward op holding NaN/Inf, or why anomaly mode raised nothing.")
 @output_options(csv=True)
 def replay_command(run_dir, rank, step, model_spec, device, precisions, policy, anomaly):
     """Replay a saved step in fp64/fp32/fp16/bf16 and name the culprit: the

@@ -129,14 +129,18 @@ def bisect(run_dir, rank, step, model_spec, device, policy, max_replays):
               help="Compare this rank only (default: ranks averaged).")
 @click.option("--threshold", type=click.FloatRange(min=0, min_open=True), default=0.1, show_default=True,
               help="Relative difference (to RUN_A) at which two curves have parted.")
-@click.option("--persist", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Consecutive steps over the threshold needed to call it parted.")
+@click.option("--persist", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Consecutive steps over the threshold needed to call it parted (a value "
+                   "NaN/Inf in one run only parts at once).")
 @output_options(csv=True)
 def compare(run_a, run_b, rank, threshold, persist):
     """Where two runs of the same model and data part (e.g. an fp32
     baseline RUN_A and its AMP twin RUN_B): the first step where the loss
-    curves differ by more than --threshold, and the layers whose gradient
-    norms and activation ranges part first, ranked.
+    curves differ by more than --threshold for --persist steps in a row,
+    and the layers whose gradient norms and activation ranges part first,
+    ranked. Values that are rounding noise (below 1e-4 of the largest of
+    their kind in that step, or 1e-3 of the layer's own median) are not
+    compared.
 
     \b
         amp-postmortem compare runs/fp32 runs/amp
@@ -151,7 +155,9 @@ def compare(run_a, run_b, rank, threshold, persist):
 @click.option("--model", "model_spec", metavar="SPEC", default=None,
               help="Model factory: confirm the recommendations with what-if replays of a bundle.")
 @click.option("--step", type=int, default=None,
-              help="Bundle step to replay (default: the first non-finite or skipped one).")
+              help="Bundle step to replay (default: by the reason it was saved for: the earliest "
+                   "nonfinite_loss/nonfinite_tensor bundle, else scale_low, else skipped, else an "
+                   "explicit request).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--policy", type=click.Choice(["recorded", "cuda", "cpu"]), default="recorded", show_default=True)
 @output_options(csv=True)
@@ -159,8 +165,11 @@ def recommend(run_dir, rank, model_spec, step, device, policy):
     """What to change, each with its evidence: modules to keep in float32,
     GradScaler settings, whether bfloat16 avoids the problem, and when mixed
     precision should not be used. With --model the recommendations come
-    from replays of the run's bundle (fix, scale window, bf16, bisect);
-    without, from the recorded statistics.
+    from replays of one of the run's bundles (fix, scale window, bf16,
+    bisect): the one --step names, else the earliest saved for a non-finite
+    loss or tensor, else for a scale below its floor (scale_low), else for a
+    skipped step, else on request. Without --model, from the recorded
+    statistics.
 
     \b
         amp-postmortem recommend runs/exp1

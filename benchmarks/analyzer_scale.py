@@ -238,7 +238,9 @@ def generate(run_dir: Path, *, steps: int, rows: int, steps_per_shard: int, full
 
 # ------------------------------------------------------------- measuring
 def run_measured(cmd: list[str], timeout: float | None = None) -> dict:
-    """Run a child; its wall time, exit code, peak RSS (wait4) and output."""
+    """Run a child; its wall time, exit code, peak RSS and output. Peak RSS:
+    the VMHWM_KIB line the child writes to stderr, else wait4's ru_maxrss
+    (an upper bound: it includes this process's peak from before the exec)."""
     t0 = time.perf_counter()
     out = tempfile.TemporaryFile()
     err = tempfile.TemporaryFile()
@@ -247,9 +249,13 @@ def run_measured(cmd: list[str], timeout: float | None = None) -> dict:
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
     out.seek(0), err.seek(0)
-    return {"wall_s": round(wall, 3), "rc": proc.returncode,
-            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
-            "stdout": out.read().decode(errors="replace"), "stderr": err.read().decode(errors="replace")}
+    stderr = err.read().decode(errors="replace")
+    peak = usage.ru_maxrss / 1024
+    for line in stderr.splitlines():
+        if line.startswith("VMHWM_KIB "):
+            peak = int(line.split()[1]) / 1024
+    return {"wall_s": round(wall, 3), "rc": proc.returncode, "peak_rss_mib": round(peak, 1),
+            "stdout": out.read().decode(errors="replace"), "stderr": stderr}
 
 
 def run_cli_in_process(command: str, run_dir: Path) -> dict:
@@ -264,11 +270,21 @@ def run_cli_in_process(command: str, run_dir: Path) -> dict:
             "stderr": r.stderr if r.exit_code else ""}
 
 
+# The CLI's entry point, with its own peak RSS (VmHWM) written to stderr at
+# exit: wait4's ru_maxrss would also count this (forking) process's peak.
+_CLI = ("import atexit, sys\n"
+        "def _hwm():\n"
+        "    for line in open('/proc/self/status'):\n"
+        "        if line.startswith('VmHWM:'):\n"
+        "            sys.stderr.write('\\nVMHWM_KIB ' + line.split()[1] + '\\n')\n"
+        "atexit.register(_hwm)\n"
+        "sys.argv[0] = 'amp-postmortem'\n"
+        "from amp_postmortem.cli import main\n"
+        "main()\n")
+
+
 def cli(command: str) -> list[str]:
-    exe = Path(sys.executable).with_name("amp-postmortem")
-    if exe.exists():
-        return [str(exe), command]
-    return [sys.executable, "-c", "from amp_postmortem.cli import main; main()", command]
+    return [sys.executable, "-c", _CLI, command]
 
 
 def functions_child(run_dir: str) -> dict:

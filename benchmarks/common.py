@@ -51,13 +51,16 @@ def _cpu_model() -> str:
 
 # ----------------------------------------------------------------- memory
 def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far (Linux: ru_maxrss KiB)."""
+    """Peak resident set size of this process so far: VmHWM, which belongs to
+    this program (Linux's ru_maxrss also keeps the peak of the process that
+    forked it from before the exec, so a child of a big parent reads big)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def children_peak_rss_mib() -> float:
-    """Largest peak RSS among the waited-for child processes."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
 
 
 def thread_cpu_s(native_id: int) -> float | None:

@@ -74,6 +74,7 @@ class Job:
         self.tiers: list[str] = []
         self.raw_rows: list[int] = []
         self.max_queue = 0
+        self.buffer_bytes_per_step = 0
 
     def step(self, batch) -> float:
         """One optimizer step; returns its wall time in seconds."""
@@ -105,6 +106,9 @@ class Job:
         dt = time.perf_counter() - t0
         if rec is not None:
             self.max_queue = max(self.max_queue, rec._queue.qsize())
+            per_step = _writer_bytes_per_step(rec)
+            if per_step:
+                self.buffer_bytes_per_step = max(self.buffer_bytes_per_step, per_step)
         self.losses.append(loss.item())
         return dt
 
@@ -116,25 +120,34 @@ def _batches(n: int, size: dict, seed: int = 0):
             for _ in range(n)]
 
 
-def _buffers(rec, steps_done: int) -> dict:
-    """What the recorder holds in memory: the queue to the writer thread
-    (bounded by max_queue), and the writer's rows not yet in a shard
-    (bounded by steps_per_shard)."""
+def _writer_bytes_per_step(rec) -> float:
+    """Bytes of rows the writer holds per buffered step (0 when it holds
+    none: it has just written a shard). Read from the training thread while
+    the writer may append: a sample, not an exact count."""
     w = rec._writer
-    batch_bytes = 0
-    for batch in w._tensor_batches:
-        for v in batch.values():
-            batch_bytes += v.nbytes if hasattr(v, "nbytes") else 8 * len(v)
-    pending = max(1, w.pending_steps)
-    per_step = batch_bytes / pending
+    batches = list(w._tensor_batches)
+    steps = w.pending_steps
+    if not batches or not steps:
+        return 0
+    total = 0
+    for batch in batches:
+        for v in list(batch.values()):
+            total += v.nbytes if hasattr(v, "nbytes") else 8 * len(v)
+    return total / max(steps, len(batches))
+
+
+def _buffers(job) -> dict:
+    """What the recorder holds in memory: the queue to the writer thread
+    (bounded by max_queue steps) and the writer's rows not yet in a shard
+    (bounded by steps_per_shard steps; also written every flush_interval_s)."""
+    rec = job.rec
+    w = rec._writer
+    per_step = job.buffer_bytes_per_step
     return {
-        "queue_max": rec._queue.maxsize,
+        "queue_max_steps": rec._queue.maxsize,
         "writer_steps_per_shard": w.steps_per_shard,
-        "writer_pending_steps": w.pending_steps,
-        "writer_pending_tensor_rows": w._tensor_rows,
         "writer_buffer_bytes_per_step": round(per_step),
         "writer_buffer_bound_mib": round(per_step * w.steps_per_shard / 2**20, 2),
-        "steps_done": steps_done,
     }
 
 
@@ -177,7 +190,7 @@ def measure_dtype(dtype: str, variants, steps: int, warmup: int, size: dict, see
                     row["tiers"] = {k: tiers.count(k) for k in ("cheap", "full") if k in tiers}
                     row["raw_rows_per_step"] = max(j.raw_rows) if j.raw_rows else 0
                     row["max_queue_depth_seen"] = j.max_queue
-                    row["buffers"] = _buffers(j.rec, len(j.times))
+                    row["buffers"] = _buffers(j)
             if ref_losses is not None:
                 row["losses_identical_to_baseline"] = j.losses == ref_losses
             out["variants"][v] = row

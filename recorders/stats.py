@@ -19,6 +19,7 @@ Layout of the vector follows `schema.CHEAP_STATS` / `schema.FULL_STATS`.
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections import OrderedDict
@@ -162,7 +163,14 @@ def _on_host(d, input_nonfinite, scale) -> bool:
 def _work_float(value, work) -> float:
     """`value` (a float or a 0-d tensor) rounded to the working dtype, as
     the general path's comparisons see it."""
-    return float(torch.as_tensor(value).to(work))
+    if isinstance(value, float):
+        return _work_float_cached(value, work)
+    return float(value.to(work))
+
+
+@functools.lru_cache(maxsize=64)
+def _work_float_cached(value: float, work) -> float:
+    return float(torch.tensor(value, dtype=torch.float64).to(work))
 
 
 def _host_stats(d, full, scale, near_overflow):

@@ -26,7 +26,8 @@ def test_recorder_overhead_smoke_reports_every_dtype_and_variant(tmp_path):
             assert v["ratio"] > 0
             assert v["losses_identical_to_baseline"] is True  # recording changes no bit
         assert r["variants"]["full"]["tiers"] == {"full": 2}
-        assert r["variants"]["default"]["buffers"]["queue_max"] > 0
+        assert r["variants"]["default"]["buffers"]["queue_max_steps"] > 0
+        assert r["variants"]["default"]["buffers"]["writer_buffer_bytes_per_step"] > 0
 
 
 def test_recorder_overhead_memory_child_reports_peak_rss():

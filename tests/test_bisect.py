@@ -62,3 +62,79 @@ def test_cli_bisect():
                                     "--model", f"{W.__file__}:AttnNet", "--csv"])
     assert res.exit_code == 0 and res.output.splitlines()[0].startswith("index,forward_finite")
     assert [line.split(",")[0] for line in res.output.splitlines()[1:]] == ["3", "11"]
+
+
+class TokenNet(torch.nn.Module):
+    """Token ids in; the embedding row of token 7 is huge, so float16
+    overflows in `proj` for the samples that hold a 7 and only those."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, W.D)
+        self.proj = torch.nn.Linear(W.D, W.D)
+        self.head = torch.nn.Linear(W.D, 1)
+
+    def forward(self, idx):
+        return self.head(torch.relu(self.proj(self.emb(idx))))
+
+
+TOKEN_SAMPLES = (5, 12)   # the samples of step 0 that hold token 7
+
+
+def token_batch(step):
+    g = torch.Generator().manual_seed(step)
+    idx = torch.randint(0, 7, (W.BATCH, W.SEQ), generator=g)
+    idx[list(TOKEN_SAMPLES), 1] = 7
+    return idx, torch.randn(W.BATCH, W.SEQ, 1, generator=g)
+
+
+@pytest.fixture(scope="module")
+def token_run(tmp_path_factory):
+    torch.manual_seed(0)
+    model = TokenNet()
+    with torch.no_grad():
+        model.emb.weight[7].mul_(3e3)
+    return W.record(tmp_path_factory.mktemp("bisect") / "token_7_overflows", model, steps=1,
+                    batch_fn=token_batch, bundle_steps=[0])
+
+
+def test_a_few_failing_samples_with_ordinary_inputs_are_a_model_problem(token_run):
+    """Token ids cannot be NaN/Inf or out of range: samples that fail alone
+    trigger a model (precision) problem, not a data problem."""
+    r = bisect_samples(token_run, 0, model=TokenNet)
+    assert r.bad_samples == list(TOKEN_SAMPLES) and r.kind == "model"
+    assert r.suspicious_samples == []
+    for s in r.samples:
+        # Integer inputs: nothing meaningless (a 0 absmax) is reported.
+        assert s["input_absmax"] is None and s["input_nonfinite"] is None and s["suspicious"] is None
+        assert s["fp64_finite"] is True and s["not_saved_by"] == "NaN/Inf"
+    assert "5, 12" in r.message and "a model (or precision) problem that these samples trigger" in r.message
+    assert "data problem" in r.message and "not a data problem" in r.message
+    assert r.to_dict()["suspicious_samples"] == []
+
+
+def test_suspicious_float_inputs_are_reported_per_sample():
+    r = bisect_samples(W.bad_samples_run(), W.BAD_STEP, model=W.AttnNet)
+    assert r.suspicious_samples == list(W.BAD_SAMPLES)
+    for s in r.samples:
+        assert s["input_absmax"] > 10 * s["passing_absmax"] and "more than 10x" in s["suspicious"]
+
+
+def test_bisect_fix_and_recommend_share_one_criterion(monkeypatch, token_run):
+    """fix, bisect (and recommend, through Prepared.trial) judge a trial by
+    `whatif.judge` alone."""
+    import amp_postmortem.whatif as whatif
+    from amp_postmortem.whatif.fix import find_fix
+    calls = []
+    real = whatif.judge
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out["saved"])
+        return out
+    monkeypatch.setattr(whatif, "judge", spy)
+    r = bisect_samples(token_run, 0, model=TokenNet)
+    assert len(calls) == r.replays
+    calls.clear()
+    f = find_fix(token_run, 0, model=TokenNet)
+    assert len(calls) == 1 + len(f.trials) and calls[0] is f.baseline["saved"]

@@ -104,3 +104,61 @@ def test_cli_fix_json_and_table():
     assert res.exit_code == 0 and "keep_fp32(model.scores)" in res.output
     res = CliRunner().invoke(main, ["fix", str(W.attn_overflow_run()), "--step", "5", "--model", spec])
     assert res.exit_code == 2 and res.output.startswith("Error: no bundle for step 5")
+
+
+class HalfNorm(nn.Module):
+    """A hand-written LayerNorm whose statistics stay in the input's dtype:
+    under float16 autocast (x - mean)**2 overflows for rows with
+    |x - mean| > 256, the variance is Inf and the row silently becomes 0.
+    Finite everywhere, wrong."""
+
+    def forward(self, x):
+        centred = x - x.mean(-1, keepdim=True)
+        return centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + 1e-5)
+
+
+class NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(W.D_IN, W.D)
+        self.norm = HalfNorm()
+        self.head = nn.Linear(W.D, 1)
+
+    def forward(self, x):
+        return self.head(self.norm(self.proj(x)))
+
+
+@pytest.fixture(scope="module")
+def finite_but_broken_run(tmp_path_factory):
+    """NormNet with `proj` scaled so that some rows of step 0 overflow the
+    float16 variance in `norm`; bundle of step 0 asked for."""
+    torch.manual_seed(0)
+    model = NormNet()
+    with torch.no_grad():
+        model.proj.weight.mul_(300.0)
+    return W.record(tmp_path_factory.mktemp("fix") / "finite_but_broken", model, steps=1, bundle_steps=[0])
+
+
+def test_a_finite_step_with_a_broken_module_is_not_saved_and_the_module_is_named(finite_but_broken_run):
+    r = find_fix(finite_but_broken_run, 0, model=NormNet)
+    b = r.baseline
+    # Finite as recorded, yet not saved: the replay's own statuses judge it.
+    assert b["finite"] is True and b["saved"] is False and b["why"]
+    assert r.search == "single" and r.fix == ["norm"]
+    kept = next(t for t in r.trials if t["modules"] == ["norm"])
+    assert kept["saved"] and kept["culprit"] is None and kept["params_off"] == {}
+    assert kept["grad_rel_err"] < b["grad_rel_err"] / 10
+    assert r.candidates[0]["name"] == "norm" and r.candidates[0]["status"] == "broken"
+    assert "finite but NOT saved" in r.lines()[1]
+    assert r.patch.splitlines()[1] == "keep_fp32(model.norm)"
+
+
+def test_fix_judges_by_the_same_rule_as_the_replay(finite_but_broken_run):
+    """The baseline's verdict is the replay's: a culprit there means not saved here."""
+    from amp_postmortem.replay import replay
+    from amp_postmortem.whatif import prepare
+    rep = replay(finite_but_broken_run, 0, model=NormNet, precisions="fp64,fp16")
+    t = prepare(finite_but_broken_run, 0, model=NormNet).trial()
+    assert rep.culprit is not None and rep.culprit["name"] == "norm"
+    assert t["finite"] and not t["saved"]
+    assert (t["culprit"] or {}).get("name") == "norm" or t["params_off"]

@@ -75,3 +75,94 @@ def test_cli_recommend_and_every_whatif_command_is_documented():
     for name in ("fix", "scale-window", "bisect", "compare", "recommend"):
         help_text = CliRunner().invoke(main, [name, "--help"]).output
         assert "amp-postmortem " + name in help_text and "--json" in help_text
+
+
+# ------------------------------------------------ which bundle, which steps
+def _three_bundles_batch(step):
+    """Step 1: targets so large that the scaled loss gradient overflows
+    float16 (a skipped step, finite loss); step 2: samples 3 and 11 of the
+    batch overflow the forward (NaN loss)."""
+    x, y = W.batch(step, bad_step=2)
+    return x, (y + 1e5 if step == 1 else y)
+
+
+@pytest.fixture(scope="module")
+def three_bundles_run(tmp_path_factory):
+    """Bundles at step 0 (`step_list`), 1 (`skipped`) and 2 (`nonfinite_loss`)."""
+    torch.manual_seed(0)
+    return W.record(tmp_path_factory.mktemp("bundles") / "step_list_skipped_nonfinite", W.AttnNet(), steps=3,
+                    batch_fn=_three_bundles_batch, bundle_steps=(0,), settle_steps=0)
+
+
+def test_the_default_bundle_is_the_earliest_nonfinite_one_not_the_first(three_bundles_run):
+    from amp_postmortem.analyses.recommend import pick_bundle
+    run = load_run(three_bundles_run)
+    reasons = {b["step"]: b["reasons"] for b in run.manifest["bundles"]}
+    assert reasons[0] == ["step_list"] and reasons[1] == ["skipped"] and "nonfinite_loss" in reasons[2]
+    assert pick_bundle(run)[:2] == (2, 0)
+    r = recommend(run, model=W.AttnNet)
+    assert r.replayed and r.step == 2
+    assert any("replayed the bundle of step 2 (saved for nonfinite_loss" in n for n in r.notes)
+    help_text = CliRunner().invoke(main, ["recommend", "--help"]).output
+    assert "nonfinite_loss/nonfinite_tensor" in help_text
+
+
+def test_bf16_verdict_does_not_rest_on_gradients_measured_from_a_substitute():
+    from amp_postmortem.analyses.recommend import bf16_verdict
+    off = {"finite": True, "saved": False, "params_off": {"w": 3.0}, "culprit": None,
+           "why": "1 parameter gradient(s) more than 0.5 off float64 (worst w: 3)"}
+    assert bf16_verdict(off, "substitute_mean")[:2] == (True, False)   # finite; gradients unconfirmed
+    assert bf16_verdict(off, "saved")[:2] == (False, True)             # a real gradient: decisive
+    assert bf16_verdict(off, "loss_fn")[:2] == (False, True)
+    backward = {**off, "params_off": {}, "culprit": {"name": "q", "phase": "backward"}}
+    assert bf16_verdict(backward, "substitute_mean")[:2] == (True, False)
+    forward = {**off, "params_off": {}, "culprit": {"name": "q", "phase": "forward"}}
+    assert bf16_verdict(forward, "substitute_mean")[:2] == (False, True)
+    nonfinite = {**off, "finite": False}
+    assert bf16_verdict(nonfinite, "substitute_mean")[:2] == (False, True)
+    assert bf16_verdict({**off, "saved": True}, "substitute_mean") == (True, True, None)
+
+
+def test_replayed_bf16_from_a_substituted_output_gradient_says_so():
+    # step 0 of this run has a NaN loss: its saved output gradient is NaN
+    r = recommend(load_run(W.attn_overflow_run()), model=W.AttnNet)
+    bf16 = r.get("use_bf16")
+    assert bf16.data["avoids"] is True and bf16.data["trial"]["finite"]
+    assert "substitute output gradient" in bf16.evidence[0]
+
+
+def _forward_overflow_every_other_step_from_20(step, model, x):
+    model.block.boom.gain = 1e6 if step >= 20 and step % 2 == 0 else 1.0
+
+
+@pytest.fixture(scope="module")
+def forward_storm_run(tmp_path_factory):
+    """block.boom overflows the forward every other step from step 20: each
+    NaN step is skipped and halves the scale, which collapses from there."""
+    from conftest import record_run
+    return record_run(tmp_path_factory.mktemp("storm") / "forward_overflow_storm_from_20", steps=50,
+                      plant=_forward_overflow_every_other_step_from_20,
+                      scaler_kwargs={"init_scale": 2.0 ** 16, "growth_interval": 10}, full_every=1)
+
+
+def test_scaler_settings_come_from_before_the_first_nonfinite_forward(forward_storm_run):
+    r = recommend(load_run(forward_storm_run))
+    assert r.kinds() == ["keep_fp32", "scaler_settings"]
+    assert r.get("keep_fp32").data["modules"] == ["block.boom"]
+    sc = r.get("scaler_settings")
+    assert sc.data["step"] == 19  # the last clean step before the forward overflow at step 20
+    assert sc.action.startswith("once the forward overflow is fixed")
+    assert any("consequence, fix the forward first" in e for e in sc.evidence)
+    assert sc.data["window"]["max_k"] >= 16  # the window of healthy training, not of the NaN storm
+
+
+def test_a_drifting_gradient_range_is_not_fixed_by_scaler_settings(collapse_run):
+    from amp_postmortem.analyses.recommend import window_drift
+    run = load_run(collapse_run)
+    drift = window_drift(run)
+    assert drift["moves"] and drift["direction"] == "down" and drift["shift_bits"] <= -10
+    r = recommend(run)
+    assert r.kinds() == ["gradient_drift"]  # no GradScaler settings offered as the fix
+    rec = r.get("gradient_drift")
+    assert rec.action.startswith("no fixed GradScaler setting fixes this") and "amp" in rec.action
+    assert rec.data["drivers"][0] == "amp"

@@ -413,7 +413,7 @@ def test_replay_of_a_recorded_nonfinite_step_reproduces_it(tmp_path):
     run, bundle, factory = _record_with_bundle(tmp_path / "overflow", gain_in_replay=1e6)
     result = replay(bundle, model=factory, precisions="fp64,fp16", run_dir=run)
     assert result.reproduced is True
-    assert result.fidelity["basis"] == "recorded statistics"
+    assert result.fidelity["basis"] == "recorded statistics (forward only)"  # substitute start
     assert result.fidelity["recorded_nonfinite_modules"][0] == "block.boom (activation)"
     assert result.culprit["name"] == "block.boom" and result.culprit["phase"] == "forward"
 
@@ -521,7 +521,7 @@ def test_cli_replays_a_saved_bundle_and_names_the_culprit(saved_run):
     spec = f"{saved_run / 'planted_model.py'}:planted"
     result = cli(saved_run / "run", "--step", 3, "--model", spec, "--precisions", "fp16,bf16")
     assert result.exit_code == 0, result.output
-    assert "fidelity: reproduced (recorded statistics)" in result.output
+    assert "fidelity: reproduced (recorded statistics (forward only))" in result.output
     assert "culprit: boom, forward, fp16:" in result.output
     doc = json.loads(cli(saved_run / "run", "--step", 3, "--model", spec, "--json").stdout)
     assert doc["reproduced"] is True and doc["culprit"]["name"] == "boom"
@@ -553,3 +553,88 @@ def test_cli_errors_are_one_line(saved_run, args, message):
     result = cli(saved_run / "run", *args)
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+
+
+# ------------------------------------------------- backward start, anomaly
+def test_nonfinite_saved_gradient_starts_every_backward_from_one_documented_substitute():
+    """replay, fix and bisect start the backward by one rule (the engine's):
+    a NaN/Inf saved output gradient is replaced by the gradient of the mean
+    output there, for every precision, and the result says so."""
+    from amp_postmortem.whatif import prepare
+    bundle = planted_bundle()  # square_loss of a fp16 NaN output: NaN saved gradient
+    assert not all(bool(torch.isfinite(g).all()) for mb in bundle.grad_outputs for g in mb)
+    session = ReplaySession(bundle, PlantedNet())
+    assert session.backward_start == "substitute_mean" and session.grad_outputs_nonfinite == 0
+    saved, start = bundle.grad_outputs[0][0], session.grad_outputs[0][0]
+    bad = ~torch.isfinite(saved)
+    assert torch.equal(start[~bad], saved[~bad]) and bool((start[bad] == 1.0 / saved.numel()).all())
+    result = replay(bundle, model=PlantedNet, precisions="fp64,fp32,fp16")
+    assert result.backward_start == "substitute_mean" == result.to_dict()["backward_start"]
+    assert any("backward_start: substitute_mean" in n and "not from the step's true gradient" in n
+               for n in result.notes)
+    # From a finite start, float32's backward is plain float32 rounding: no artefacts.
+    assert all(m["status"]["fp32"] == "ok" for m in result.modules if m["phase"] == "backward")
+    assert "(backward from the substitute_mean start)" in "\n".join(result.lines())
+    p = prepare(bundle, model=PlantedNet)
+    assert p.backward_start == "substitute_mean"
+    assert torch.equal(p.session.grad_outputs[0][0], start)
+    # A real loss_fn replaces the substitute, and says so.
+    with_loss = replay(bundle, model=PlantedNet, precisions="fp64,fp16", local=False,
+                       loss_fn=lambda out, mb: square_loss(out))
+    assert with_loss.backward_start == "loss_fn"
+
+
+def test_finite_saved_gradient_is_used_as_saved():
+    torch.manual_seed(0)
+    bundle = make_bundle(DropMLP(), (torch.randn(8, 32),), ce_loss)
+    result = replay(bundle, model=DropMLP, precisions="fp64,fp16", local=False)
+    assert result.backward_start == "saved"
+    assert not any("substitute" in n for n in result.notes)
+
+
+def test_loss_line_says_when_the_model_returns_no_loss():
+    result = replay(planted_bundle(), model=PlantedNet, precisions="fp64,fp16", local=False)
+    assert result.loss["fp64"] is None
+    line = next(x for x in result.lines() if x.startswith("loss:"))
+    assert line.startswith("loss: recorded nan; the model returns outputs, not a loss")
+    assert "fp64 -" not in line
+
+
+def test_anomaly_after_a_nonfinite_forward_points_at_the_forward_culprit():
+    import os
+    result = replay(planted_bundle(), model=PlantedNet, precisions="fp64,fp16", anomaly=True)
+    a = result.anomaly
+    assert a["precision"] == "fp16" and a["forward_nonfinite"] is True
+    assert a["forward_origin"] == "block.blowup" == result.culprit["name"]
+    assert "anomaly mode checks the backward only" in a["explanation"]
+    assert "made in block.blowup" in a["explanation"]
+    # Tracebacks hold the model's frames, relative to the current directory.
+    assert "tests/test_replay.py" in a["traceback"] and os.getcwd() not in a["traceback"]
+    assert "torch/nn/modules" not in a["traceback"]
+
+
+class BackwardBlowup(nn.Module):
+    """Finite forward; the weight gradient of `fc` sums 64 positive
+    products of ~1e5 in float16 at loss scale 2**10: an Inf, never a NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_anomaly_on_a_backward_overflow_says_why_it_raised_nothing():
+    torch.manual_seed(0)
+    bundle = make_bundle(BackwardBlowup(), (torch.rand(64, 4) * 100 + 50,), lambda o: o.float().sum(),
+                         loss_scale=2.0 ** 10)
+    result = replay(bundle, model=BackwardBlowup, precisions="fp64,fp16", anomaly=True)
+    a = result.anomaly
+    assert a["precision"] == "fp16" and a["raised"] is False and a["forward_nonfinite"] is False
+    assert a["first_nonfinite_op"]["values"] == "Inf"
+    assert a["first_nonfinite_op"]["op"].endswith("Backward0")
+    assert a["first_nonfinite_op"]["module"] == "fc"
+    assert "anomaly mode raised nothing" in a["explanation"] and "loss scale 1024" in a["explanation"]
+    line = next(x for x in result.lines() if x.startswith("anomaly (fp16):"))
+    assert "None" not in line

@@ -6,7 +6,7 @@ import pytest
 from amp_postmortem.analyses.scale import scale_dynamics, two_segment_breakpoint
 from amp_postmortem.loader import Run, load_run
 
-from conftest import COLLAPSE_ONSET, TINY_SCALE, record_run
+from conftest import COLLAPSE_ONSET, COLLAPSE_STEPS, TINY_SCALE, _collapse, record_run
 
 
 def test_collapse_with_known_onset(collapse_run):
@@ -146,3 +146,42 @@ def test_two_segment_breakpoint():
     y = np.where(x < 30, 10.0, 10.0 - 0.5 * (x - 30))
     assert two_segment_breakpoint(x, y) in (30, 31)
     assert two_segment_breakpoint(x[:4], y[:4]) is None
+
+
+@pytest.fixture(scope="module")
+def collapse_past_underflow_run(tmp_path_factory):
+    """The collapse of `collapse_run`, recorded for 40 steps longer: the
+    scale falls below the level at which the gradients underflow before the
+    run ends."""
+    return record_run(tmp_path_factory.mktemp("runs") / "scale_collapse_past_underflow",
+                      steps=COLLAPSE_STEPS + 40, plant=_collapse, scaler_kwargs={"growth_interval": 10},
+                      lr=0.0, fixed_batch=True, steps_per_shard=20, full_every=10)
+
+
+def test_a_crossed_underflow_level_is_reported_where_it_was_crossed(collapse_past_underflow_run):
+    run = load_run(collapse_past_underflow_run)
+    rep = scale_dynamics(run)
+    assert rep.status == "collapse" and rep.final_scale < rep.underflow_scale
+    # already below: the step since which it is, not a "projection" at the last step
+    assert rep.projected_underflow_step is None
+    assert rep.underflow_reached_step == 100
+    scale_after = run.steps.set_index("step")["loss_scale"]
+    assert scale_after[rep.underflow_reached_step] < rep.underflow_scale <= scale_after[rep.underflow_reached_step - 1]
+    assert (scale_after.loc[rep.underflow_reached_step:] < rep.underflow_scale).all()
+    assert "already below the gradient underflow level" in rep.reason
+    assert f"since step {rep.underflow_reached_step}" in rep.reason
+    d = rep.to_dict()
+    assert d["underflow_reached_step"] == 100 and d["projected_underflow_step"] is None
+
+
+def test_summary_words_a_crossed_underflow_level_as_already_below(collapse_past_underflow_run):
+    from amp_postmortem.analyses.summary import summarize
+    f = next(f for f in summarize(load_run(collapse_past_underflow_run)).findings if f.kind == "scale_collapse")
+    assert "already below the gradient underflow level" in f.message and "reaches" not in f.message
+    assert f.evidence["underflow_reached_step"] == 100 and f.evidence["projected_underflow_step"] is None
+
+
+def test_a_future_crossing_is_projected(collapse_run):
+    rep = scale_dynamics(load_run(collapse_run))
+    assert rep.underflow_reached_step is None and rep.projected_underflow_step == 99
+    assert "at this rate it reaches the gradient underflow level" in rep.reason

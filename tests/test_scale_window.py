@@ -133,3 +133,11 @@ def test_cli_scale_window():
     assert "window: 2^5 .. 2^16" in res.output and "GradScaler(" in res.output
     res = CliRunner().invoke(main, ["scale-window", run, "--scales", "9:1"])
     assert res.exit_code == 2
+
+
+def test_estimate_before_a_step_uses_the_last_clean_step_before_it():
+    run = load_run(W.healthy_run())
+    assert estimate_scale_window(run).step == 3
+    est = estimate_scale_window(run, before=2)
+    assert est.step == 1 and est.window is not None
+    assert est.window == estimate_scale_window(run, 1).window

@@ -2,21 +2,32 @@
 
 From the recorded run alone (`summary`'s findings and the loss-scale window
 estimated from the recorded statistics):
-- `scaler_settings`: GradScaler settings inside the estimated window, when
-  the scale collapses, sits low, or gradients underflow;
+- `check_data`: the forward origin is the model's input (`<input>`);
 - `keep_fp32` (a candidate): the module named as the forward origin of a
-  non-finite step, to be confirmed by `fix` (a replay).
+  non-finite step, to be confirmed by `fix` (a replay);
+- `gradient_drift`: the scale collapses, sits low or gradients underflow,
+  and the window estimated at steps spread over the run moves
+  (`window_drift`): no fixed GradScaler setting fixes it; the layers whose
+  overflows drive the backoffs (`scale`'s drivers) are what grows;
+- `scaler_settings`: otherwise, for those findings, GradScaler settings
+  inside the window estimated at the last clean step before the first
+  non-finite forward (after it the statistics describe the failure); a
+  collapse driven by that forward overflow is said to be its consequence.
 
-With a model (and a replay bundle in the run), the what-if replays of the
-bundle's step (the first non-finite one, or `step`) decide instead:
+With a model (and a replay bundle in the run), the what-if replays of one
+bundle's step decide instead (`step`, else `pick_bundle`: the earliest saved
+for a non-finite loss or tensor, else for `scale_low`, `skipped`, a request):
 - `check_data`: the float64 replay is non-finite too, or a few samples of
   the batch fail alone (`bisect`): no precision setting is the fix;
 - `keep_fp32`: the smallest set of modules whose float32 execution makes the
   step finite (`fix`), with the patch;
-- `use_bf16`: whether a bfloat16 replay of the step (no loss scale) is
-  finite and within the gradient tolerance of float64;
-- `scaler_settings`: the replayed loss-scale window (with the `keep_fp32`
-  modules applied) and GradScaler settings inside it;
+- `use_bf16`: whether a bfloat16 replay of the step (no loss scale) saves it,
+  judged like every trial (`whatif.judge`), except that a judgement resting
+  on gradients measured from a substitute output gradient is not decisive
+  (`bf16_verdict`);
+- `gradient_drift` / `scaler_settings`: the replayed loss-scale window (with
+  the `keep_fp32` modules applied) and GradScaler settings inside it, unless
+  the recorded window moves;
 - `avoid_mixed_precision`: no tried configuration (as recorded, any loss
   scale, modules kept in float32, bfloat16) keeps the step finite.
 - `no_change`: nothing to recommend (a healthy run).
@@ -29,8 +40,15 @@ import pandas as pd
 
 from ..loader import Run
 
-ORDER = ("check_data", "keep_fp32", "use_bf16", "scaler_settings", "avoid_mixed_precision", "no_change")
+ORDER = ("check_data", "keep_fp32", "gradient_drift", "use_bf16", "scaler_settings", "avoid_mixed_precision",
+         "no_change")
 _SCALE_FINDINGS = {"scale_collapse", "stuck_low_scale", "grad_underflow"}
+# Which bundle to replay by default, by the reason it was saved for (lower
+# first): the step that went non-finite says most, explicit requests least.
+BUNDLE_PRIORITY = {"nonfinite_loss": 0, "nonfinite_tensor": 0, "scale_low": 1, "skipped": 2,
+                   "request": 3, "step_list": 3}
+DRIFT_BITS = 4        # the window "moves" when its overflow edge shifts by more than this
+DRIFT_SAMPLES = 12    # steps at which the window is estimated for that
 
 
 @dataclass
@@ -93,9 +111,10 @@ def recommend(run: Run, *, model=None, step: int | None = None, rank: int | None
     summary = summarize(run)
     notes: list[str] = []
     if model is not None:
-        bundle_step = _bundle_step(run, step, rank, notes)
-        if bundle_step is not None:
-            recs = _replayed(run, bundle_step, rank, model, device, policy, progress, notes, summary)
+        picked = _bundle_step(run, step, rank, notes)
+        if picked is not None:
+            bundle_step, bundle_rank = picked
+            recs = _replayed(run, bundle_step, bundle_rank, model, device, policy, progress, notes, summary)
             return Recommendations(run=str(run.path), step=bundle_step, replayed=True,
                                    recommendations=_sorted(recs), notes=notes)
     elif run.manifest.get("bundles"):
@@ -112,51 +131,180 @@ def _sorted(recs):
 def _recorded(run: Run, summary) -> list:
     recs = []
     kinds = summary.kinds()
-    for f in summary.findings:
-        if f.kind == "nonfinite" and f.layer and not f.layer.startswith("<") and f.layer != "":
-            recs.append(Recommendation(
-                "keep_fp32", f"candidate: keep {f.layer} in float32; confirm with "
-                             f"`amp-postmortem fix {run.path} --step {f.step} --model SPEC`",
-                [f"step {f.step}: {f.message}"], "recorded",
-                code=f"from recorders.fp32 import keep_fp32\nkeep_fp32(model.get_submodule({f.layer!r}))",
-                data={"modules": [f.layer], "step": f.step}))
-            break
+    fwd = _forward_finding(summary)
+    if fwd is not None and fwd.layer == "<input>":
+        recs.append(Recommendation(
+            "check_data", f"check the data of step {fwd.step}: the non-finite values came in with the batch",
+            [f"step {fwd.step}: {fwd.message}"], "recorded", data={"step": fwd.step}))
+    elif fwd is not None and fwd.layer and not fwd.layer.startswith("<"):
+        recs.append(Recommendation(
+            "keep_fp32", f"candidate: keep {fwd.layer} in float32; confirm with "
+                         f"`amp-postmortem fix {run.path} --step {fwd.step} --model SPEC`",
+            [f"step {fwd.step}: {fwd.message}"], "recorded",
+            code=f"from recorders.fp32 import keep_fp32\nkeep_fp32(model.get_submodule({fwd.layer!r}))",
+            data={"modules": [fwd.layer], "step": fwd.step}))
     if kinds & _SCALE_FINDINGS:
         from ..whatif.scale_window import estimate_scale_window
-        est = estimate_scale_window(run)
+        before = fwd.step if fwd is not None else None
         cited = [f"{f.kind}: {f.message}" for f in summary.findings if f.kind in _SCALE_FINDINGS]
-        if est.window:
-            w = est.window
+        cited += _consequence(summary, fwd)
+        drift = window_drift(run, before)
+        if drift["moves"]:
+            recs.append(_drift_recommendation(drift, summary, cited, "recorded"))
+            return recs
+        est = estimate_scale_window(run, before=before)
+        w = est.window
+        first = "once the forward overflow is fixed (keep_fp32 above), " if fwd is not None else ""
+        if w:
+            where = (f"step {est.step}, the last clean step before the forward overflow at step {before}"
+                     if before is not None else f"step {est.step}")
             recs.append(Recommendation(
-                "scaler_settings", f"use GradScaler settings inside the estimated window 2^{w['min_k']}..2^{w['max_k']}",
-                cited + [f"step {est.step}: gradient statistics at scale {est.recorded_scale:g} put the "
-                         f"window at 2^{w['min_k']}..2^{w['max_k']} (recorded scale {est.recorded_position})"],
-                "recorded", code=est.code, data={"window": w, "settings": est.settings}))
+                "scaler_settings", f"{first}use GradScaler settings inside the estimated window "
+                                   f"2^{w['min_k']}..2^{w['max_k']}",
+                cited + [f"{where}: gradient statistics at scale {est.recorded_scale:g} put the window at "
+                         f"2^{w['min_k']}..2^{w['max_k']} (recorded scale {est.recorded_position})"],
+                "recorded", code=est.code, data={"window": w, "settings": est.settings, "step": est.step,
+                                                 "drift": drift}))
         else:
-            recs.append(Recommendation("scaler_settings", "no loss scale fits the recorded gradients; "
-                                       "see `scale-window` with --model", cited + est.notes[:1], "recorded"))
+            recs.append(Recommendation("scaler_settings", f"{first}no loss scale fits the recorded gradients; "
+                                       "see `scale-window` with --model", cited + est.notes[:1], "recorded",
+                                       data={"drift": drift}))
     if not recs and kinds <= {"healthy", "overflow_risk"}:
         recs.append(Recommendation("no_change", "nothing to change: the run is healthy",
                                    [f.message for f in summary.findings][:3], "recorded"))
     return recs
 
 
+def _forward_finding(summary):
+    """The `nonfinite` finding of a forward origin, if any."""
+    for f in summary.findings:
+        origin = f.evidence.get("origin") if f.kind == "nonfinite" else None
+        if origin and origin.get("phase") == "forward":
+            return f
+    return None
+
+
+def _consequence(summary, fwd) -> list:
+    """A sentence when the scale collapse is the forward overflow's doing:
+    the layer whose overflows drive most backoffs (`scale`'s first driver)
+    is the forward origin, or the collapse starts after it."""
+    collapse = next((f for f in summary.findings if f.kind == "scale_collapse"), None)
+    if fwd is None or collapse is None:
+        return []
+    if collapse.layer != fwd.layer and (collapse.step is None or collapse.step < fwd.step):
+        return []
+    return [f"the collapse (from step {collapse.step}) is driven by the forward overflow of {fwd.layer} "
+            f"(first at step {fwd.step}): the non-finite steps the scaler skips make its backoffs; it is a "
+            "consequence, fix the forward first"]
+
+
+def window_drift(run: Run, before: int | None = None, samples: int = DRIFT_SAMPLES) -> dict:
+    """Does the estimated loss-scale window move over the run?
+
+    The window is estimated (`estimate_scale_window`) at up to `samples`
+    clean steps with gradient rows, evenly spread over the run (before step
+    `before` when given). Its overflow edge is the robust one (from the
+    largest gradient of each layer); the window moves when the median of
+    that edge over the last third of those steps differs from the median
+    over the first third by more than `DRIFT_BITS`: downwards when the
+    gradients grow, upwards when they shrink. No fixed GradScaler setting
+    then keeps the run inside it for long.
+    Returns {"moves", "shift_bits", "direction", "windows": [{"step",
+    "min_k", "max_k"}, ...]}."""
+    import numpy as np
+
+    from ..whatif.scale_window import estimate_scale_window
+    s = run.steps
+    if before is not None:
+        s = s[s["step"] < int(before)]
+    clean = s[~s["skipped"].astype(bool) & (s["tensor_rows"].fillna(0) > 0)]
+    picked = sorted({int(v) for v in clean["step"]})
+    if len(picked) > samples:
+        picked = [picked[i] for i in np.linspace(0, len(picked) - 1, samples).round().astype(int)]
+    windows = []
+    for step in picked:
+        w = estimate_scale_window(run, step).window
+        if w is not None:
+            windows.append({"step": step, "min_k": w["min_k"], "max_k": w["max_k"]})
+    out = {"moves": False, "shift_bits": None, "direction": None, "windows": windows}
+    if len(windows) < 3:
+        return out
+    third = max(1, len(windows) // 3)
+    early = float(np.median([w["max_k"] for w in windows[:third]]))
+    late = float(np.median([w["max_k"] for w in windows[-third:]]))
+    out["shift_bits"] = late - early
+    out["direction"] = "down" if late < early else ("up" if late > early else None)
+    out["moves"] = abs(late - early) > DRIFT_BITS
+    return out
+
+
+def _drift_recommendation(drift, summary, cited, source, extra=()) -> Recommendation:
+    scale = next((f for f in summary.findings if f.kind in ("scale_collapse", "stuck_low_scale")), None)
+    drivers = list((scale.evidence.get("drivers") if scale else None) or [])
+    first, last = drift["windows"][0], drift["windows"][-1]
+    moved = (f"the estimated loss-scale window moves {abs(drift['shift_bits']):g} bits "
+             f"{'down' if drift['direction'] == 'down' else 'up'} over the run: 2^{first['min_k']}..2^{first['max_k']} "
+             f"at step {first['step']}, 2^{last['min_k']}..2^{last['max_k']} at step {last['step']}")
+    if drift["direction"] == "down":
+        grows = ", ".join(d or "(model)" for d in drivers[:3]) or "the layers that overflow"
+        action = (f"no fixed GradScaler setting fixes this: the gradients keep growing; fix what grows "
+                  f"({grows}: its gradients overflow at the skipped steps)")
+    else:
+        action = ("no fixed GradScaler setting fixes this: the gradients keep shrinking; find what shrinks "
+                  "(`amp-postmortem ranges` lists the layers that underflow)")
+    return Recommendation("gradient_drift", action, cited + [moved] + list(extra), source,
+                          data={"drift": drift, "drivers": drivers})
+
+
 # ---------------------------------------------------------------- replayed
-def _bundle_step(run: Run, step, rank, notes) -> int | None:
+def pick_bundle(run: Run, rank: int | None = None) -> tuple[int, int, list] | None:
+    """(step, rank, reasons) of the bundle `recommend --model` replays by
+    default: the one saved for the most telling reason (`BUNDLE_PRIORITY`:
+    a non-finite loss or tensor first, then a scale fallen below its floor,
+    then a skipped step, then explicit requests), the earliest among equals.
+    Reasons come from the run and rank manifests (key "bundles"), else from
+    the bundle's own bundle.json."""
     from ..bundle import list_bundles
-    found = [(s, r) for s, r, _ in list_bundles(run.path) if rank is None or r == rank]
-    if step is not None:
-        return int(step)
+    listed = {}
+    for m in [run.manifest, *run.rank_manifests.values()]:
+        for b in m.get("bundles") or []:
+            if isinstance(b, dict) and "step" in b:
+                why = b.get("reasons") or ([b["reason"]] if b.get("reason") else [])
+                listed[(int(b["step"]), int(b.get("rank", 0)))] = list(why)
+    found = []
+    for s, r, path in list_bundles(run.path):
+        if rank is not None and r != rank:
+            continue
+        reasons = listed.get((s, r)) or _bundle_reasons(path)
+        best = min((BUNDLE_PRIORITY.get(x, len(BUNDLE_PRIORITY)) for x in reasons),
+                   default=len(BUNDLE_PRIORITY))
+        found.append((best, s, r, reasons))
     if not found:
+        return None
+    _, s, r, reasons = min(found, key=lambda t: t[:3])
+    return s, r, reasons
+
+
+def _bundle_reasons(path) -> list:
+    import json
+    try:
+        meta = json.loads((path / "bundle.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return list(meta.get("reasons") or ([meta["reason"]] if meta.get("reason") else []))
+
+
+def _bundle_step(run: Run, step, rank, notes) -> tuple[int, int | None] | None:
+    if step is not None:
+        return int(step), rank
+    picked = pick_bundle(run, rank)
+    if picked is None:
         notes.append("the run holds no replay bundle: recommendations from the recorded statistics only")
         return None
-    bad = set()
-    steps = run.steps
-    if len(steps):
-        bad = set(steps.loc[steps["skipped"].astype(bool) | steps["loss_nonfinite"].astype(bool), "step"]) \
-            if "loss_nonfinite" in steps else set(steps.loc[steps["skipped"].astype(bool), "step"])
-    pick = next((s for s, _ in found if s in bad), found[0][0])
-    return int(pick)
+    s, r, reasons = picked
+    notes.append(f"replayed the bundle of step {s} (saved for {', '.join(reasons) or 'an unknown reason'}): "
+                 "the earliest of the most telling reason; pass --step to replay another")
+    return s, (rank if rank is not None else r)
 
 
 def _replayed(run, step, rank, model, device, policy, progress, notes, summary) -> list:
@@ -186,20 +334,25 @@ def _replayed(run, step, rank, model, device, policy, progress, notes, summary) 
             "keep_fp32", f"keep {', '.join(fix.fix)} in float32",
             [f"step {step} in {p.precision} as recorded: {_state(fix.baseline)}",
              f"with {', '.join(fix.fix)} in float32: {_state(t)}, gradient error vs float64 "
-             f"{_pct(t['grad_rel_err'])} ({len(fix.trials)} trials, {fix.search} search)"],
+             f"{_pct(t['grad_rel_err'])} ({len(fix.trials)} trials, {fix.search} search)" + _substitute(p)],
             "replay", code=fix.patch, data={"modules": fix.fix, "trial": t}))
     scale_findings = bool(summary.kinds() & _SCALE_FINDINGS)
     if p.precision == "fp16" and (not baseline["saved"] or scale_findings):
         bf16 = p.trial(backoff=False, precision="bf16", loss_scale=1.0,
                        policy=resolve_policy(policy, p.bundle, "bf16"))
-        avoids = bool(bf16["saved"])
+        avoids, confirmed, why = bf16_verdict(bf16, p.backward_start)
+        if avoids:
+            action = "bfloat16 avoids the problem: autocast with dtype=torch.bfloat16, no GradScaler"
+            if not confirmed:
+                action += " (finite; its gradient accuracy is not confirmed)"
+        else:
+            action = "bfloat16 does not avoid the problem"
         recs.append(Recommendation(
-            "use_bf16", ("bfloat16 avoids the problem: autocast with dtype=torch.bfloat16, no GradScaler"
-                         if avoids else "bfloat16 does not avoid the problem"),
+            "use_bf16", action,
             [f"bfloat16 replay of step {step} (no loss scale): {_state(bf16)}, gradient error vs float64 "
-             f"{_pct(bf16['grad_rel_err'])}"], "replay",
+             f"{_pct(bf16['grad_rel_err'])}" + _substitute(p)] + ([why] if why else []), "replay",
             code=("torch.autocast(device_type, dtype=torch.bfloat16)" if avoids else None),
-            data={"avoids": avoids, "trial": bf16}))
+            data={"avoids": avoids, "gradients_confirmed": confirmed, "trial": bf16}))
     else:
         bf16 = None
     kept = tuple(fix.fix) if fix is not None and fix.fix else ()
@@ -208,7 +361,13 @@ def _replayed(run, step, rank, model, device, policy, progress, notes, summary) 
         sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress)
         window = sw.window
         own = [n for n in sw.notes if n not in p.notes and not n.startswith("replayed with")]
-        if window and (sw.recorded_position != "inside" or scale_findings or kept):
+        drift = window_drift(run, _forward_step(summary)) if scale_findings else {"moves": False}
+        if window and drift["moves"]:
+            recs.append(_drift_recommendation(
+                drift, summary, [f"{f.kind}: {f.message}" for f in summary.findings if f.kind in _SCALE_FINDINGS],
+                "recorded", extra=[f"step {step} replayed: usable 2^{window['min_k']}..2^{window['max_k']} at "
+                                   "this step only"]))
+        elif window and (sw.recorded_position != "inside" or scale_findings or kept):
             recs.append(Recommendation(
                 "scaler_settings", f"keep the loss scale within 2^{window['min_k']}..2^{window['max_k']}",
                 [f"step {step} replayed at 2^{sw.rows[0]['k']}..2^{sw.rows[-1]['k']}"
@@ -218,7 +377,8 @@ def _replayed(run, step, rank, model, device, policy, progress, notes, summary) 
                 "replay", code=sw.code, data={"window": window, "settings": sw.settings}))
     fp16_ok = baseline["saved"] or (fix is not None and bool(fix.fix)) or window is not None
     data_problem = any(r.kind == "check_data" for r in recs)
-    if not ref_bad and not data_problem and not fp16_ok and not (bf16 and bf16["saved"]):
+    bf16_ok = any(r.kind == "use_bf16" and r.data["avoids"] for r in recs)
+    if not ref_bad and not data_problem and not fp16_ok and not bf16_ok:
         recs.append(Recommendation(
             "avoid_mixed_precision",
             "do not use mixed precision for this model as written: train it in float32 (or move the failing "
@@ -234,6 +394,38 @@ def _replayed(run, step, rank, model, device, policy, progress, notes, summary) 
                                    [f"{p.precision} as recorded: {_state(baseline)}{inside}"] +
                                    [f.message for f in summary.findings if f.kind == "healthy"], "replay"))
     return recs
+
+
+def bf16_verdict(trial: dict, backward_start: str = "saved") -> tuple[bool, bool, str | None]:
+    """(avoids, gradients_confirmed, why) of a bfloat16 trial, judged like
+    every other trial (`whatif.judge`: its `saved`), except that a verdict
+    resting on the gradients (parameter gradients off float64, or a module
+    broken in the backward) is not decisive when the backward started from
+    a substitute output gradient (`backward_start` "substitute_mean": the
+    saved one was NaN/Inf): a finite trial then avoids the problem, with its
+    gradient accuracy unconfirmed."""
+    if trial.get("saved"):
+        return True, True, None
+    why = trial.get("why")
+    if not trial["finite"]:
+        return False, True, None  # the trial's state says where
+    culprit = trial.get("culprit") or {}
+    on_gradients = bool(trial.get("params_off")) or culprit.get("phase") == "backward"
+    if on_gradients and backward_start == "substitute_mean":
+        return True, False, (f"not decisive: {why}, measured from a substitute output gradient (the saved one "
+                             "was NaN/Inf); replay with a loss_fn to confirm")
+    return False, True, why
+
+
+def _substitute(p) -> str:
+    if getattr(p, "backward_start", "saved") != "substitute_mean":
+        return ""
+    return " (measured from a substitute output gradient: indicative only)"
+
+
+def _forward_step(summary) -> int | None:
+    f = _forward_finding(summary)
+    return f.step if f is not None else None
 
 
 def _state(t: dict) -> str:

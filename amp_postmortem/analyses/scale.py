@@ -31,10 +31,16 @@ of backoffs. The steps:
    else after calibration), the layer where the overflow was born: the
    forward origin when the step's forward was non-finite, else the backward
    origin (`analyses.nans`).
-6. Projected underflow: the scale at which the smallest per-layer largest
+6. Underflow level: the scale at which the smallest per-layer largest
    gradient (unscaled `grad_output` absmax of the last clean recorded step)
-   would fall below the float16 normal limit; the collapse rate says when
-   the scale gets there.
+   would fall below the float16 normal limit (`underflow_scale`). When the
+   scale already sits below it at the end of the run,
+   `underflow_reached_step` is the step since which it has stayed below
+   (the first step of the final stretch whose scale after the update is
+   below the level) and `projected_underflow_step` is null; otherwise the
+   collapse rate says when the scale gets there
+   (`projected_underflow_step`, a step after the run's end) and
+   `underflow_reached_step` is null.
 """
 from __future__ import annotations
 
@@ -88,7 +94,8 @@ class ScaleReport:
     trend_tau: float | None = None
     trend_p_value: float | None = None
     underflow_scale: float | None = None
-    projected_underflow_step: int | None = None
+    projected_underflow_step: int | None = None   # future crossing; None when already below
+    underflow_reached_step: int | None = None     # already below since this step; None when not yet
     driver_steps: dict = field(default_factory=dict)  # layer -> number of skipped steps it drove
 
     def to_dict(self) -> dict:
@@ -170,13 +177,12 @@ def scale_dynamics(run: Run) -> ScaleReport:
         report.trend_tau, report.trend_p_value = tau, p
         report.skip_rate_before_onset = float(seg_skips[:k].mean()) if k else None
         report.skip_rate_after_onset = float(seg_skips[k:].mean())
+        report.underflow_scale = _underflow_scale(run, series)
+        _place_underflow(report, steps, after, slope)
         report.reason = (f"log2(scale) falls {report.halvings_per_kstep:.3g} halvings per 1000 steps "
                          f"since step {onset} (Kendall tau {tau:.2f}, p={p:.2g}); "
-                         f"{drop:.1f} halvings below the level before; scale now {after[-1]:.3g}")
-        report.underflow_scale = _underflow_scale(run, series)
-        if report.underflow_scale is not None and slope < 0:
-            gap = math.log2(after[-1]) - math.log2(report.underflow_scale)
-            report.projected_underflow_step = int(steps[-1] + max(0.0, math.ceil(gap / -slope)))
+                         f"{drop:.1f} halvings below the level before; scale now {after[-1]:.3g}"
+                         + underflow_phrase(report, "; "))
         driver_from = onset
     else:
         last_half = slice(calib + m // 2, None)
@@ -331,6 +337,35 @@ def _underflow_scale(run: Run, series: pd.DataFrame) -> float | None:
     if len(unscaled) == 0:
         return None
     return float(schema.FP16_MIN_NORMAL / unscaled.min())
+
+
+def _place_underflow(report: ScaleReport, steps, after, slope: float) -> None:
+    """`underflow_reached_step` when the scale already sits below the
+    underflow level, else `projected_underflow_step` at the fitted rate."""
+    level = report.underflow_scale
+    if level is None:
+        return
+    below = after < level
+    if below[-1]:
+        start = len(below) - 1
+        while start > 0 and below[start - 1]:
+            start -= 1
+        report.underflow_reached_step = int(steps[start])
+    elif slope < 0:
+        gap = math.log2(after[-1]) - math.log2(level)
+        report.projected_underflow_step = int(steps[-1] + math.ceil(gap / -slope))
+
+
+def underflow_phrase(report: ScaleReport, lead: str = "") -> str:
+    """Where the scale stands against the gradient underflow level, for
+    sentences (empty when unknown)."""
+    if report.underflow_reached_step is not None:
+        return (f"{lead}already below the gradient underflow level {report.underflow_scale:.3g} since step "
+                f"{report.underflow_reached_step}")
+    if report.projected_underflow_step is not None:
+        return (f"{lead}at this rate it reaches the gradient underflow level {report.underflow_scale:.3g} at "
+                f"step {report.projected_underflow_step}")
+    return ""
 
 
 def _drivers(run: Run, series, skipped, steps, from_step) -> tuple[list[str], dict]:

@@ -23,7 +23,7 @@ import pandas as pd
 from ..loader import Run
 from .nans import find_nans
 from .ranges import WINDOW, layer_ranges
-from .scale import scale_dynamics
+from .scale import scale_dynamics, underflow_phrase
 
 FINDING_KINDS = ("nonfinite", "scale_collapse", "stuck_low_scale", "grad_underflow", "overflow_risk", "healthy")
 SEVERITIES = ("critical", "error", "warning", "info")
@@ -119,8 +119,7 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
 
     if scale.status == "collapse":
         drivers = ", ".join(_display(d) for d in scale.drivers[:3]) or "unknown"
-        proj = (f"; at this rate it reaches the underflow level {scale.underflow_scale:.3g} at step "
-                f"{scale.projected_underflow_step}" if scale.projected_underflow_step is not None else "")
+        proj = underflow_phrase(scale, "; ")
         findings.append(Finding(
             "scale_collapse", "critical", scale.onset_step, scale.drivers[0] if scale.drivers else None,
             f"the loss scale collapses from step {scale.onset_step}: {scale.halvings_per_kstep:.3g} halvings "
@@ -129,7 +128,8 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
             f"amp-postmortem scale {target}",
             {k: scale.to_dict()[k] for k in ("onset_step", "halvings_per_kstep", "final_scale",
                                              "skip_rate_before_onset", "skip_rate_after_onset",
-                                             "projected_underflow_step", "drivers")}))
+                                             "underflow_scale", "projected_underflow_step",
+                                             "underflow_reached_step", "drivers")}))
     elif scale.status in ("stuck_low", "growth_blocked"):
         findings.append(Finding(
             "stuck_low_scale", "error", scale.last_step, scale.drivers[0] if scale.drivers else None,

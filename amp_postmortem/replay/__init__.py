@@ -53,6 +53,7 @@ class ReplayResult:
     notes: list = field(default_factory=list)
     errors: dict = field(default_factory=dict)  # precision -> the error a run raised
     thresholds: dict = field(default_factory=lambda: dict(attribution.THRESHOLDS))
+    backward_start: str = "saved"   # "saved" | "substitute_mean" | "loss_fn" (engine.start_backward)
 
     def to_dict(self) -> dict:
         """Plain data; relative errors are inf where a run is non-finite and
@@ -64,7 +65,7 @@ class ReplayResult:
             "culprits": self.culprits, "first_propagated": self.first_propagated,
             "modules": self.modules, "ranking": self.ranking, "loss": self.loss,
             "param_grads": self.param_grads, "anomaly": self.anomaly, "notes": self.notes,
-            "errors": self.errors, "thresholds": self.thresholds,
+            "errors": self.errors, "thresholds": self.thresholds, "backward_start": self.backward_start,
         }
 
 
@@ -86,13 +87,34 @@ class ReplayResult:
                            f"{first['phase']} ({first['reason']})")
         if self.anomaly:
             a = self.anomaly
-            out.append(f"anomaly ({a.get('precision')}): {a.get('op') or a.get('message')}")
+            out.append(f"anomaly ({a.get('precision') or '-'}): {a.get('explanation') or a.get('message')}")
             if a.get("traceback"):
                 out.extend("  " + line for line in a["traceback"].splitlines())
-        flagged = [f"{n} ({', '.join(g['flagged'])})" for n, g in self.param_grads.items() if g["flagged"]]
-        out.append("parameter gradients > 10% off float64: " + (", ".join(flagged) if flagged else "none"))
-        out.append("loss: " + ", ".join(f"{k} {_fmt(v)}" for k, v in self.loss.items()))
+        out.append(self._param_grad_line())
+        replayed = {k: v for k, v in self.loss.items() if k != "recorded"}
+        if any(v is not None for v in replayed.values()):
+            out.append("loss: " + ", ".join(f"{k} {_fmt(v)}" for k, v in self.loss.items()))
+        else:
+            out.append(f"loss: recorded {_fmt(self.loss.get('recorded'))}; the model returns outputs, not a "
+                       "loss, so no replayed loss (Python API: replay(..., loss_fn=...) computes one)")
         return out
+
+    def _param_grad_line(self) -> str:
+        """Parameters whose gradient is more than 10% off float64, by name;
+        those that are NaN/Inf counted per precision (all of them, after a
+        non-finite forward: the names would say nothing)."""
+        grads = self.param_grads
+        nonfinite = {}
+        for g in grads.values():
+            for prec, count in g["nonfinite"].items():
+                if count:
+                    nonfinite[prec] = nonfinite.get(prec, 0) + 1
+        flagged = [f"{n} ({', '.join(p for p in g['flagged'] if not g['nonfinite'].get(p))})"
+                   for n, g in grads.items() if any(not g["nonfinite"].get(p) for p in g["flagged"])]
+        stand_in = "" if self.backward_start == "saved" else f" (backward from the {self.backward_start} start)"
+        line = f"parameter gradients > 10% off float64{stand_in}: " + (", ".join(flagged) if flagged else "none")
+        line += "".join(f"; NaN/Inf in {prec}: {n} of {len(grads)} parameters" for prec, n in nonfinite.items())
+        return line
 
     def table(self):
         """One row per module and phase: per precision its local status,
@@ -183,7 +205,7 @@ def replay(source, step: int | None = None, *, rank: int | None = None, model=No
 def _replay(bundle, run_dir, precisions, *, model, device, policy, anomaly, local, loss_fn, fp32_modules,
             loss_scale, batch) -> ReplayResult:
     session = ReplaySession(bundle, _model(model, bundle), device=device)
-    notes = _start_gradient(session, loss_fn)
+    notes = session.start_backward(loss_fn)
     primary = recorded_precision(bundle)
     scale = float(loss_scale if loss_scale is not None else (bundle.loss_scale or 1.0))
     # The recorded backend flags mean something on the recording device type only.
@@ -208,7 +230,8 @@ def _replay(bundle, run_dir, precisions, *, model, device, policy, anomaly, loca
     elif primary not in precisions:
         fid = {"reproduced": None, "basis": f"recorded precision {primary} not replayed"}
     else:
-        fid = fidelity.check(runs[primary] if primary != "fp64" else reference, bundle, run_dir)
+        fid = fidelity.check(runs[primary] if primary != "fp64" else reference, bundle, run_dir,
+                             backward=session.backward_start == "saved")
     if fid["reproduced"] is False:
         notes.insert(0, f"the replay did NOT reproduce step {bundle.step} ({fid['basis']}): the diagnosis "
                         "below describes the replay, not necessarily what happened in training")
@@ -227,19 +250,73 @@ def _replay(bundle, run_dir, precisions, *, model, device, policy, anomaly, loca
         loss={"recorded": bundle.loss, "fp64": reference.loss, **{p: r.loss for p, r in runs.items()}},
         param_grads=attribution.param_grad_errors(reference.param_grads,
                                                   {p: r.param_grads for p, r in runs.items()}),
-        anomaly=_anomaly(session, configs, culprit, runs, order) if anomaly else None,
-        notes=notes, errors={p: r.error for p, r in runs.items() if r.error})
+        anomaly=_anomaly(session, configs, culprit, runs, order, comparisons) if anomaly else None,
+        notes=notes, errors={p: r.error for p, r in runs.items() if r.error},
+        backward_start=session.backward_start)
 
 
-def _anomaly(session, configs, culprit, runs, order) -> dict:
-    """detect_anomaly on the failing precision: the culprit's, else the
-    first replayed precision that is not finite."""
+def _anomaly(session, configs, culprit, runs, order, comparisons) -> dict:
+    """detect_anomaly on the failing precision (the culprit's, else the
+    first replayed precision that is not finite), said in words: anomaly
+    mode checks the backward only and flags NaN only, so after a non-finite
+    forward its op is where the NaN reaches the backward, not where it was
+    made, and an Inf made in the backward raises nothing. Also the first
+    backward op whose result holds NaN/Inf (`first_nonfinite_op`)."""
     failing = (culprit or {}).get("precision") or next(
         (p for p in order if p in runs and not runs[p].finite), None)
     if failing is None:
-        return {"precision": None, "raised": False, "op": None, "traceback": None,
-                "message": "no replayed precision is non-finite"}
-    return {"precision": failing, **session.run(configs[failing], capture=False, anomaly=True).anomaly}
+        return {"precision": None, "raised": False, "op": None, "traceback": None, "first_nonfinite_op": None,
+                "forward_nonfinite": False, "forward_origin": None,
+                "message": "no replayed precision is non-finite",
+                "explanation": "no replayed precision is non-finite: nothing for anomaly mode to find"}
+    found = session.run(configs[failing], anomaly=True).anomaly
+    origin = _forward_origin(culprit, runs[failing], comparisons.get(failing, []))
+    first = found.get("first_nonfinite_op")
+    report = {"precision": failing, **found, "forward_nonfinite": origin is not None, "forward_origin": origin}
+    where = (lambda f: f"{f['op']}" + (f" (output of {f['module'] or '(model)'})" if f.get("module") is not None
+                                       else ""))
+    if origin is not None:
+        shown = found.get("op") or (first or {}).get("op")
+        report["explanation"] = (
+            f"the forward was already non-finite ("
+            + (f"made in {origin or '(model)'}, the culprit" if (culprit or {}).get("phase") == "forward"
+               and culprit.get("name") == origin else f"first in the output of {origin or '(model)'}")
+            + "); anomaly mode "
+            "checks the backward only, so the op it reports"
+            + (f", {shown}," if shown else "") + " is where the NaN first reaches the backward, not where "
+            "it was made")
+    elif found.get("raised"):
+        report["explanation"] = (f"{found.get('op')} returned NaN in the backward"
+                                 + (f" (output of {first['module'] or '(model)'})"
+                                    if first and first.get("op") == found.get("op") and first.get("module")
+                                    is not None else ""))
+    elif first is not None:
+        report["explanation"] = (
+            f"no backward op returned NaN, so anomaly mode raised nothing: the backward's non-finite values are "
+            f"{first['values']} (float16 rounding or a gradient sum overflowing at loss scale "
+            f"{configs[failing].backward_scale:g}), which anomaly mode does not flag; the first backward op "
+            f"whose result holds {first['values']}: {where(first)}")
+        report["traceback"] = first.get("traceback")
+    else:
+        report["explanation"] = (f"no backward op returned NaN or Inf in {failing}: the non-finite values "
+                                 "are not made by the backward's ops (the run raised, or the output gradient "
+                                 "times the loss scale does not fit)")
+    return report
+
+
+def _forward_origin(culprit, run, comparisons):
+    """Where the failing precision's forward first turned non-finite (the
+    forward culprit when there is one), or None when its forward is finite."""
+    calls = sorted(run.calls.values(), key=lambda c: c.forward_order)
+    bad = [c for c in calls if any(not bool(torch.isfinite(t).all()) for t in c.outputs)]
+    if not bad and all(bool(torch.isfinite(t).all()) for mb in run.outputs for t in mb):
+        return None
+    if culprit and culprit.get("phase") == "forward":
+        return culprit["name"]
+    first = attribution.first_propagated([c for c in comparisons if c.phase == "forward"], run.config.precision)
+    if first is not None:
+        return first["name"]
+    return bad[0].name if bad else ""
 
 
 def _module_rows(comparisons: dict) -> list:
@@ -260,19 +337,6 @@ def _module_rows(comparisons: dict) -> list:
             row["local"][p] = c.local.to_dict() if c.local_done else None
             row["propagated"][p] = c.propagated.to_dict()
     return sorted(rows.values(), key=lambda r: (r["phase"] != "forward", r["order"]))
-
-
-def _start_gradient(session, loss_fn) -> list:
-    bad = session.grad_outputs_nonfinite
-    if not bad:
-        return []
-    if loss_fn is not None:
-        session.derive_grad_outputs(loss_fn)
-        return [f"the saved output gradient holds {bad} NaN/Inf values; every backward starts from "
-                "the gradient of loss_fn at the float64 run's outputs instead"]
-    return [f"the saved output gradient holds {bad} NaN/Inf values (the step was already non-finite at "
-            "the loss): the backward comparisons start from it as saved and see little; pass loss_fn "
-            "(Python API: replay(..., loss_fn=...)) to start them from the float64 run's outputs"]
 
 
 def _notes(bundle, reference, runs, primary, device, same_device) -> list:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -117,6 +118,9 @@ class CallRecorder:
         self._counts: dict = {}
         self._forward = 0
         self._backward = 0
+        # grad_fn of each module call's outputs -> the innermost module that
+        # returned it (BackwardWatch names the module of a backward op).
+        self.output_nodes: dict = {}
 
     def __enter__(self):
         seen = set()
@@ -132,6 +136,7 @@ class CallRecorder:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.output_nodes = {}
         return False
 
     def _pre(self, name):
@@ -167,6 +172,8 @@ class CallRecorder:
             for i, t in enumerate(outs):
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(rec, i))
+                    if t.grad_fn is not None:
+                        self.output_nodes.setdefault(t.grad_fn, name)
             self.calls[rec.key] = rec
         return hook
 
@@ -217,12 +224,74 @@ class AnomalyCatcher:
                 "traceback": trace}
 
 
+class BackwardWatch:
+    """A hook on every node of the autograd graph below a run's outputs:
+    the first backward op (in execution order) whose result holds a NaN or
+    an Inf. Anomaly mode raises on NaN only; an Inf (a scaled gradient
+    overflowing float16) passes it silently, and this still finds it. The
+    forward traceback is the one anomaly mode stores on the node; the module
+    is the innermost one whose output the node produced, when it is one.
+    Every handle is removed by `close()`."""
+
+    def __init__(self, recorder: CallRecorder | None = None):
+        self.recorder = recorder
+        self.first: dict | None = None
+        self._handles = []
+
+    def watch(self, outputs) -> None:
+        stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            self._handles.append(node.register_hook(self._hook(node)))
+            stack.extend(f for f, _ in node.next_functions)
+
+    def _hook(self, node):
+        def hook(grad_inputs, grad_outputs):
+            if self.first is not None:
+                return
+            bad = [g for g in grad_inputs if isinstance(g, torch.Tensor) and not bool(torch.isfinite(g).all())]
+            if not bad:
+                return
+            nan = any(bool(torch.isnan(g).any()) for g in bad)
+            module = (self.recorder.output_nodes.get(node) if self.recorder is not None else None)
+            trace = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+            self.first = {"op": node.name(), "module": module, "values": "NaN" if nan else "Inf",
+                          "traceback": _model_frames("".join(trace)) if trace else None}
+        return hook
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
 def _model_frames(trace: str) -> str:
-    """The forward traceback from the model's own call on: the frames of the
-    replay machinery above it say nothing about the model."""
+    """The forward traceback from the model's own call on, without torch's
+    own frames (module call plumbing), paths relative to the current
+    directory where they lie under it: the frames of the replay machinery
+    and of torch say nothing about the model."""
     lines = trace.splitlines()
     cut = max((i for i, line in enumerate(lines) if "amp_postmortem/replay/engine.py" in line
                or "amp_postmortem\\replay\\engine.py" in line), default=-1)
     if cut >= 0:
         lines = lines[cut + 2:]  # the frame line and its source line
-    return "\n".join(lines).strip("\n")
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    cwd = os.getcwd() + os.sep
+    out, skip = [], False
+    for line in lines:
+        stripped = line.lstrip()
+        if stripped.startswith('File "'):
+            path = stripped[len('File "'):].split('"', 1)[0]
+            skip = path.startswith(torch_dir)
+            if skip:
+                continue
+            if path.startswith(cwd):
+                line = line.replace(path, path[len(cwd):], 1)
+        elif skip:
+            continue  # the source line (and carets) of a skipped frame
+        out.append(line)
+    return "\n".join(out).strip("\n")

@@ -33,7 +33,7 @@ import torch
 from recorders.stats import iter_tensors
 
 from ..errors import ModelSpecError, PostmortemError
-from .capture import AnomalyCatcher, CallRecorder, ModuleCall, StepCapture, is_floating, map_tensors
+from .capture import AnomalyCatcher, BackwardWatch, CallRecorder, ModuleCall, StepCapture, is_floating, map_tensors
 from .model_spec import load_weights
 
 PRECISIONS = ("fp64", "fp32", "fp16", "bf16")
@@ -229,11 +229,44 @@ class ReplaySession:
         self.training = bool(bundle.meta.get("training", True)) if isinstance(bundle.meta, dict) else True
         # Where every backward starts: d(loss)/d(outputs), unscaled, per micro-batch.
         self.grad_outputs = list(bundle.grad_outputs)
+        self.saved_grad_nonfinite = self.grad_outputs_nonfinite
+        self.backward_start = "saved"
+        if self.saved_grad_nonfinite:
+            self.grad_outputs = substitute_mean(self.grad_outputs)
+            self.backward_start = "substitute_mean"
 
     @property
     def grad_outputs_nonfinite(self) -> int:
         """NaN/Inf values in the output gradients the backward starts from."""
         return sum(int((~torch.isfinite(g)).sum()) for mb in self.grad_outputs for g in mb if g is not None)
+
+    def start_backward(self, loss_fn=None) -> list:
+        """The one rule for where every precision's backward starts (replay,
+        fix, bisect and recommend all call it), and the note that says so.
+
+        - `saved`: the bundle's d(loss)/d(outputs), when it is finite;
+        - `loss_fn`: the saved gradient is non-finite and a `loss_fn` is
+          given: d loss_fn(output)/d(outputs) at the float64 run's outputs;
+        - `substitute_mean`: the saved gradient is non-finite and no loss_fn:
+          its NaN/Inf entries replaced by the gradient of the mean of their
+          output (1/numel), its finite entries kept (`substitute_mean`).
+        Every precision starts from the same gradient (times the loss scale
+        for fp16/bf16), so the comparisons with float64 stay fair; with a
+        substitute they measure each precision's arithmetic on a stand-in,
+        not the step's true gradient, and the note says so."""
+        if not self.saved_grad_nonfinite:
+            return []
+        bad = self.saved_grad_nonfinite
+        if loss_fn is not None:
+            self.derive_grad_outputs(loss_fn)
+            return [f"the saved output gradient holds {bad} NaN/Inf values (the training loss was already "
+                    "non-finite): every precision's backward starts from the gradient of loss_fn at the "
+                    "float64 run's outputs instead (backward_start: loss_fn)"]
+        return [f"the saved output gradient holds {bad} NaN/Inf values (the training loss was already "
+                "non-finite): every precision's backward starts from a substitute, those entries replaced by "
+                "the gradient of the mean of their output (1/numel), the finite ones as saved "
+                "(backward_start: substitute_mean); backward statuses and gradient errors compare each "
+                "precision with float64 from that same stand-in, not from the step's true gradient"]
 
     def derive_grad_outputs(self, loss_fn) -> None:
         """Start every backward from d loss_fn(output)/d(outputs) of the float64
@@ -252,6 +285,7 @@ class ReplaySession:
                     got = torch.autograd.grad(loss, outs, allow_unused=True)
                 grads.append([None if g is None else g.detach() for g in got])
         self.grad_outputs = grads
+        self.backward_start = "loss_fn"
 
     def model(self, dtype: torch.dtype) -> torch.nn.Module:
         m = self._models.get(dtype)
@@ -320,6 +354,9 @@ class ReplaySession:
             if recorder is not None:
                 stack.enter_context(recorder)
             caught = stack.enter_context(AnomalyCatcher()) if anomaly else None
+            watch = BackwardWatch(recorder) if anomaly else None
+            if watch is not None:
+                stack.callback(watch.close)
             try:
                 for mb, (args, kwargs, grads) in enumerate(self.micro_batches(config)):
                     self._restore_rng(mb)
@@ -331,6 +368,8 @@ class ReplaySession:
                         outs = [t for t in iter_tensors(output) if is_floating(t)]
                         result.outputs.append([t.detach().clone() for t in outs])
                         result.losses.append(_loss_value(output, outs, mb, loss_fn))
+                        if watch is not None:
+                            watch.watch(outs)
                         _backward(outs, grads, config)
             except Exception as exc:  # noqa: BLE001 - the user's model may raise anything
                 if caught is not None and caught.is_anomaly(exc):
@@ -345,6 +384,8 @@ class ReplaySession:
                     result.error = f"{type(exc).__name__}: {exc}"
             if anomaly and result.anomaly is None:
                 result.anomaly = {"raised": False, "op": None, "message": None, "traceback": None}
+            if watch is not None:
+                result.anomaly["first_nonfinite_op"] = watch.first
         if recorder is not None:
             result.calls = recorder.calls
         scale = config.backward_scale
@@ -462,6 +503,21 @@ def _loss_value(output, outs, mb, loss_fn):
     if len(outs) == 1 and outs[0].dim() == 0:
         return float(outs[0].detach().double())
     return None
+
+
+def substitute_mean(grad_outputs: list) -> list:
+    """Output gradients with every NaN/Inf entry replaced by the gradient of
+    the mean of its output (1/numel), finite entries as saved: a finite
+    start that still exercises every module at the recorded loss scale."""
+    out = []
+    for mb in grad_outputs:
+        row = []
+        for g in mb:
+            if g is not None and not bool(torch.isfinite(g).all()):
+                g = torch.where(torch.isfinite(g), g, torch.full_like(g, 1.0 / max(g.numel(), 1)))
+            row.append(g)
+        out.append(row)
+    return out
 
 
 def _backward(outs, grads, config: RunConfig):

@@ -11,6 +11,9 @@ bundle's trigger are the only evidence; without any, the answer is None.
 absmax of at least `ABSMAX_AGREE_SHARE` of the modules finite in both agrees
 within `ABSMAX_REL_TOL`; when the model returns the loss, the replayed loss
 must also match the saved one (both non-finite, or within `LOSS_REL_TOL`).
+When the backward started from a substitute (`engine.ReplaySession.start_backward`:
+the saved output gradient was non-finite), the replayed gradients are not
+those of the step: only the forward statistics are compared.
 """
 from __future__ import annotations
 
@@ -71,17 +74,22 @@ def replayed_rows(capture) -> dict:
     return out
 
 
-def check(capture, bundle, run_dir=None) -> dict:
-    """Fidelity report of the recorded precision's replay (see module doc)."""
+def check(capture, bundle, run_dir=None, *, backward: bool = True) -> dict:
+    """Fidelity report of the recorded precision's replay (see module doc).
+    `backward` False: the backward started from a substitute; compare the
+    forward statistics only."""
     report = {"reproduced": None, "basis": None, "precision": capture.config.precision,
               "recorded_nonfinite_modules": [], "replayed_nonfinite_modules": [],
               "absmax_compared": 0, "absmax_agreed": 0, "absmax_mismatches": [],
               "loss_recorded": bundle.loss, "loss_replayed": capture.loss}
     loss_ok = _loss_agrees(bundle.loss, capture.loss)
     rows = recorded_rows(run_dir, bundle.step, bundle.rank) if run_dir is not None else None
+    if rows and not backward:
+        rows = [r for r in rows if r["kind"] == "activation"]
     if rows:
         stats_ok = _compare_rows(rows, replayed_rows(capture), report)
-        report["basis"] = "recorded statistics" + (" and loss" if loss_ok is not None else "")
+        report["basis"] = ("recorded statistics" + ("" if backward else " (forward only)")
+                           + (" and loss" if loss_ok is not None else ""))
         report["reproduced"] = stats_ok and loss_ok is not False
     elif loss_ok is not None:
         report["basis"] = "loss saved in the bundle"

@@ -8,19 +8,23 @@
 Each is a pure function of a bundle and a model factory returning a small
 report (`to_dict()`, `table()`, `lines()`), built on the replay engine's
 what-if hooks (`RunConfig.fp32_modules`, `loss_scale`, `batch`). This module
-holds the plumbing they share: opening a step (`prepare`) and measuring one
-trial against the float64 reference (`trial_metrics`). Nothing here imports
-torch at import time, so `scale-window` without a model stays torch-free.
+holds the plumbing they share: opening a step (`prepare`), measuring one
+trial against the float64 reference (`trial_metrics`) and the one judgement
+of whether a trial saves the step (`judge`, used by fix, bisect and
+recommend through `Prepared.trial`). Nothing here imports torch at import
+time, so `scale-window` without a model stays torch-free.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-# A replay "saves" the step when it is finite end to end and its parameter
-# gradients are within this relative L2 error of float64: the replay's
-# broken threshold for fp16 propagated errors (attribution.PROPAGATED_BROKEN_REL).
-GRAD_REL_ERR_OK = 0.25
+# A replay "saves" the step (`judge`) when it is finite end to end, no
+# parameter gradient (one with a real gradient) is further from float64 than
+# the replay's propagated broken threshold of its precision
+# (attribution.PROPAGATED_BROKEN_REL: 0.25 fp16, 0.5 bf16) and no module's
+# own arithmetic is `broken` (the replay's culprit rule,
+# attribution.find_culprit). The thresholds are the replay's: one yardstick.
 # A trial whose backward overflows is retried at lower scales down to this
 # one: below 1 a loss scale protects nothing (analyses.scale.LOW_SCALE).
 MIN_BACKOFF_SCALE = 1.0
@@ -35,6 +39,7 @@ class Prepared:
     config: object              # replay.RunConfig of that precision, as recorded
     reference: object           # float64 StepCapture (inputs kept when asked)
     notes: list = field(default_factory=list)
+    backward_start: str = "saved"  # engine.ReplaySession.start_backward
 
     @property
     def step(self) -> int:
@@ -52,14 +57,34 @@ class Prepared:
         """Replay the step with `changes` to the recorded config."""
         return self.session.run(self.config.replace(**changes) if changes else self.config, capture=capture)
 
+    def reference_for(self, batch=None, *, keep_inputs: bool = False):
+        """The float64 run of the whole batch (kept) or of a slice of it,
+        with every module's inputs when `keep_inputs` (local comparisons)."""
+        from ..replay import RunConfig
+        if batch is None:
+            if keep_inputs and not any(c.inputs is not None for c in self.reference.calls.values()):
+                self.reference = self.session.run(RunConfig("fp64", device=self.config.device), keep_inputs=True)
+            return self.reference
+        return self.session.run(RunConfig("fp64", device=self.config.device, batch=list(batch)),
+                                keep_inputs=keep_inputs)
+
     def trial(self, *, backoff: bool = True, **changes) -> dict:
-        """`trial_metrics` of one replay. With `backoff`, a trial whose
-        forward is finite but whose backward overflows at the recorded loss
-        scale is judged at the highest lower power-of-two scale (down to
-        `MIN_BACKOFF_SCALE`) where it is finite, as a dynamic scaler would
-        back off to it; `loss_scale` and `backoffs` say where."""
+        """`trial_metrics` of one replay and its `judge`ment (`saved`,
+        `why`, `culprit`). With `backoff`, a trial whose forward is finite
+        but whose backward overflows at the recorded loss scale is judged at
+        the highest lower power-of-two scale (down to `MIN_BACKOFF_SCALE`)
+        where it is finite, as a dynamic scaler would back off to it;
+        `loss_scale` and `backoffs` say where."""
+        # A slice's float64 run keeps its inputs at once: it is not cached.
+        reference = self.reference_for(changes.get("batch"), keep_inputs=changes.get("batch") is not None)
+        t = self._finite_trial(reference, backoff, changes)
+        t.update(judge(self, t, reference, changes))
+        return t
+
+    def _finite_trial(self, reference, backoff: bool, changes: dict) -> dict:
+        changes = dict(changes)
         scale = float(changes.pop("loss_scale", self.loss_scale))
-        first = trial_metrics(self.run(loss_scale=scale, **changes), self.reference)
+        first = trial_metrics(self.run(loss_scale=scale, **changes), reference)
         first.update(loss_scale=scale, backoffs=0)
         if not backoff or first["finite"] or not first["forward_finite"] or scale <= MIN_BACKOFF_SCALE:
             return first
@@ -69,7 +94,7 @@ class Prepared:
         lo, hi, best = 1, top, None
         while lo <= hi:
             mid = (lo + hi) // 2
-            t = trial_metrics(self.run(loss_scale=scale / 2 ** mid, **changes), self.reference)
+            t = trial_metrics(self.run(loss_scale=scale / 2 ** mid, **changes), reference)
             if t["finite"]:
                 best, hi = (mid, t), mid - 1
             else:
@@ -130,9 +155,10 @@ def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", po
 
     `precision` defaults to the recorded one; a step recorded without
     autocast needs it given (`fp16` or `bf16`: "what if I enabled it").
-    When the saved output gradient holds NaN/Inf (the training loss was
-    already non-finite), every backward starts from a surrogate; see
-    `usable_grad_outputs`."""
+    Where every backward starts is the replay's one rule
+    (`ReplaySession.start_backward`): the saved output gradient, or, when it
+    holds NaN/Inf (the training loss was already non-finite), the gradient
+    of `loss_fn` at the float64 outputs, else the `substitute_mean`."""
     import torch
 
     from ..errors import ModelSpecError
@@ -147,11 +173,7 @@ def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", po
         raise ModelSpecError(f"step {bundle.step} ran in {precision} (autocast off): nothing to replay in "
                              "reduced precision; pass precision='fp16' or 'bf16' to ask what it would do")
     session = ReplaySession(bundle, net, device=device)
-    notes = []
-    if loss_fn is not None:
-        session.derive_grad_outputs(loss_fn)
-    else:
-        notes += usable_grad_outputs(session)
+    notes = session.start_backward(loss_fn)
     scale = float(loss_scale if loss_scale is not None else (bundle.loss_scale or 1.0))
     config = RunConfig(precision, device=device, policy=resolve_policy(policy, bundle, precision),
                        loss_scale=scale, precision_flags=dict(bundle.precision_flags or {}))
@@ -160,39 +182,16 @@ def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", po
         notes.append("the float64 reference is itself non-finite: this is not a precision problem "
                      "(check the data: `bisect`)")
     return Prepared(bundle=bundle, session=session, precision=precision, config=config,
-                    reference=reference, notes=notes)
-
-
-def usable_grad_outputs(session) -> list:
-    """Replace the NaN/Inf entries of the saved output gradient.
-
-    A step whose loss was already NaN in training saved a NaN gradient of
-    the loss, and every backward started from it would be NaN whatever the
-    precision. Those entries are replaced by the gradient of the mean of
-    that output (1/numel): the backward then still exercises every module
-    at the recorded loss scale. Finite entries are kept as saved."""
-    import torch
-    bad = 0
-    fixed = []
-    for mb in session.grad_outputs:
-        row = []
-        for g in mb:
-            if g is not None and not bool(torch.isfinite(g).all()):
-                n = int((~torch.isfinite(g)).sum())
-                bad += n
-                g = torch.where(torch.isfinite(g), g, torch.full_like(g, 1.0 / max(g.numel(), 1)))
-            row.append(g)
-        fixed.append(row)
-    if not bad:
-        return []
-    session.grad_outputs = fixed
-    return [f"the saved output gradient holds {bad} NaN/Inf values (the training loss was already "
-            "non-finite); the backward starts from the gradient of the mean output there instead"]
+                    reference=reference, notes=notes, backward_start=session.backward_start)
 
 
 def trial_metrics(run, reference) -> dict:
-    """One replay against float64: finiteness, loss, output and gradient error."""
+    """One replay against float64: finiteness, loss, output and gradient
+    error, and the parameters whose gradient is further from float64 than
+    the precision's broken threshold (`params_off`)."""
     import torch
+
+    from ..replay import attribution
     out_bad = _nonfinite(t for mb in run.outputs for t in mb)
     grad_bad = _nonfinite(run.param_grads.values())
     sq_err = sq_ref = 0.0
@@ -211,6 +210,12 @@ def trial_metrics(run, reference) -> dict:
         if worst is None or rel > worst_err:
             worst, worst_err = name, rel
     grad_rel = math.sqrt(sq_err / sq_ref) if sq_ref > 0 else (0.0 if sq_err == 0 else math.inf)
+    precision = run.config.precision
+    limit = attribution.PROPAGATED_BROKEN_REL.get(precision, 0.25)
+    per_param = attribution.param_grad_errors(reference.param_grads, {precision: run.param_grads})
+    params_off = {n: e["rel_err"][precision] for n, e in per_param.items()
+                  if precision in e["rel_err"] and not e["negligible"] and not e["nonfinite"].get(precision)
+                  and e["rel_err"][precision] > limit}
     o_err = o_ref = 0.0
     for mb_run, mb_ref in zip(run.outputs, reference.outputs):
         for x, r in zip(mb_run, mb_ref):
@@ -237,9 +242,44 @@ def trial_metrics(run, reference) -> dict:
         "grad_rel_err": grad_rel,
         "worst_param": worst,
         "worst_param_rel_err": worst_err if worst is not None else None,
-        "saved": finite and grad_rel <= GRAD_REL_ERR_OK,
+        "params_off": params_off,
         "error": run.error,
     }
+
+
+def judge(prepared, metrics: dict, reference, changes: dict) -> dict:
+    """Whether a trial saves the step: the one criterion of fix, bisect and
+    recommend. Saved when (1) the replay is finite end to end, (2) no
+    parameter gradient is further from float64 than the replay's broken
+    threshold of the precision (`params_off`), and (3) no module's own
+    arithmetic is `broken` under the replay's statuses and thresholds (its
+    culprit rule, `attribution.find_culprit`, on local comparisons against
+    the float64 run of the same batch). The checks run in that order and
+    stop at the first that fails (the local replays are the costly one).
+    Returns {"saved", "why" (None or one sentence), "culprit"}."""
+    from ..replay import attribution
+    if not metrics["finite"]:
+        where = [w for w, ok in (("forward", metrics["forward_finite"]),
+                                 ("backward", metrics["backward_finite"])) if not ok]
+        why = (f"the run raised {metrics['error']}" if metrics.get("error") else
+               f"NaN/Inf in the {' and '.join(where)}")
+        return {"saved": False, "why": why, "culprit": None}
+    if metrics["params_off"]:
+        name, rel = max(metrics["params_off"].items(), key=lambda kv: kv[1])
+        limit = attribution.PROPAGATED_BROKEN_REL.get(changes.get("precision", prepared.precision), 0.25)
+        return {"saved": False, "culprit": None,
+                "why": f"{len(metrics['params_off'])} parameter gradient(s) more than {limit:g} off float64 "
+                       f"(worst {name}: {rel:.3g})"}
+    local_ref = (reference if any(c.inputs is not None for c in reference.calls.values())
+                 else prepared.reference_for(changes.get("batch"), keep_inputs=True))
+    run_changes = {k: v for k, v in changes.items() if k != "loss_scale"}
+    run = prepared.run(capture=True, loss_scale=metrics["loss_scale"], **run_changes)
+    comparisons = attribution.compare_run(prepared.session, local_ref, run, local=True)
+    culprit = attribution.find_culprit(comparisons, run.config.precision)
+    if culprit is not None:
+        return {"saved": False, "culprit": culprit,
+                "why": f"{culprit['name'] or '(model)'} is broken in the {culprit['phase']}: {culprit['reason']}"}
+    return {"saved": True, "why": None, "culprit": None}
 
 
 def _nonfinite(tensors) -> int:

@@ -7,15 +7,25 @@ and output gradient, `RunConfig.batch`) and bisects: a failing slice is cut
 in two and each half replayed, down to single samples. A slice fails when
 its replay holds a NaN/Inf in the forward outputs or the gradients.
 
+A slice fails when its replay does not save the step by the one criterion
+of fix and recommend (`whatif.judge`): a NaN/Inf in the outputs or the
+gradients, a parameter gradient beyond the replay's broken threshold of
+float64, or a module whose own arithmetic is `broken`.
+
 Verdict (`kind`):
-- `not_reproduced`: the whole batch replays finite; nothing to bisect;
-- `model`: every sample fails alone: the model (or its precision) is the
-  problem, not the data;
-- `data`: some samples fail alone (their indices are reported with their
-  inputs' largest magnitude and NaN/Inf count, and whether float64 fails on
-  them too: then the data itself is broken, not merely outside float16);
+- `not_reproduced`: the whole batch replays saved; nothing to bisect;
+- `model`: every sample fails alone, or a few do while their inputs look
+  ordinary: the model (or its precision) is the problem, which those samples
+  trigger (their indices are reported);
+- `data`: some samples fail alone and their inputs are suspicious in
+  themselves: NaN/Inf in a floating input, or a floating input whose
+  largest magnitude is more than `FAR_OUTSIDE` times that of every passing
+  sample. Integer inputs (token ids) cannot be NaN/Inf and have no range to
+  compare: they are never the evidence (their stats are null);
 - `batch`: no half fails alone although the batch does: the samples only
   fail together (batch statistics, a reduction over the batch).
+Whether float64 fails on the failing samples too is reported either way
+(then no precision setting is the fix).
 
 With several micro-batches the same indices are taken from each of them.
 The replay budget (`max_replays`) bounds the search; groups left unsplit are
@@ -23,15 +33,19 @@ listed as `unresolved`.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import pandas as pd
 
 from . import plain, prepare, report_progress
+from .fix import not_saved_by
 
 MAX_REPLAYS = 256
-SAMPLE_COLUMNS = ["index", "forward_finite", "backward_finite", "input_absmax", "input_nonfinite", "fp64_finite"]
+# A failing sample's floating input this many times larger in magnitude than
+# that input in every passing sample is "far outside" their range.
+FAR_OUTSIDE = 10.0
+SAMPLE_COLUMNS = ["index", "forward_finite", "backward_finite", "not_saved_by", "input_absmax", "passing_absmax",
+                  "input_nonfinite", "fp64_finite", "suspicious"]
 
 
 @dataclass
@@ -52,16 +66,22 @@ class BisectReport:
     def to_dict(self) -> dict:
         return plain({"step": self.step, "rank": self.rank, "precision": self.precision,
                       "batch_size": self.batch_size, "micro_batches": self.micro_batches, "kind": self.kind,
-                      "bad_samples": self.bad_samples, "bad_share": self.bad_share, "samples": self.samples,
+                      "bad_samples": self.bad_samples, "bad_share": self.bad_share,
+                      "suspicious_samples": self.suspicious_samples, "samples": self.samples,
                       "unresolved": self.unresolved, "replays": self.replays, "message": self.message,
                       "notes": self.notes})
+
+    @property
+    def suspicious_samples(self) -> list:
+        """Failing samples whose inputs are suspicious in themselves."""
+        return [s["index"] for s in self.samples if s["suspicious"]]
 
     @property
     def bad_share(self) -> float | None:
         return len(self.bad_samples) / self.batch_size if self.batch_size else None
 
     def table(self) -> pd.DataFrame:
-        return pd.DataFrame(self.samples if self.kind == "data" else [], columns=SAMPLE_COLUMNS)
+        return pd.DataFrame(self.samples, columns=SAMPLE_COLUMNS)
 
     def lines(self) -> list[str]:
         out = [f"step {self.step}, rank {self.rank}: {self.precision} replay of a batch of {self.batch_size}"
@@ -74,9 +94,7 @@ class BisectReport:
 def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "cpu", policy: str = "recorded",
                    precision: str | None = None, loss_fn=None, fp32_modules=(), max_replays: int = MAX_REPLAYS,
                    progress=None, prepared=None) -> BisectReport:
-    """Bisect the saved batch to the samples whose replay is non-finite."""
-    import torch
-
+    """Bisect the saved batch to the samples whose replay does not save the step."""
     from ..replay import RunConfig
 
     p = prepared or prepare(source, step, rank=rank, model=model, device=device, policy=policy,
@@ -95,14 +113,14 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
     def fails(indices) -> dict:
         report.replays += 1
         report_progress(progress, "bisecting the batch", min(report.replays, estimate), estimate)
-        run = p.run(batch=list(indices), fp32_modules=tuple(fp32_modules))
-        fwd = run.error is None and all(bool(torch.isfinite(t).all()) for mb in run.outputs for t in mb)
-        bwd = run.error is None and not run.nonfinite_param_grads
-        return {"forward_finite": fwd, "backward_finite": bwd, "fails": not (fwd and bwd)}
+        t = p.trial(backoff=False, batch=list(indices), fp32_modules=tuple(fp32_modules))
+        return {"forward_finite": t["forward_finite"], "backward_finite": t["backward_finite"],
+                "fails": not t["saved"], "not_saved_by": not_saved_by(t)}
 
     whole = fails(range(n)) if n > 1 else None
     if whole is not None and not whole["fails"]:
-        report.message = (f"the whole batch replays finite in {p.precision}: nothing to bisect "
+        report.message = (f"the whole batch replays saved in {p.precision} (finite, gradients within the "
+                          "thresholds of float64, no module broken): nothing to bisect "
                           "(see `replay` for whether the step reproduces)")
         return report
     alone: dict[int, dict] = {}
@@ -132,28 +150,45 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
     search(list(range(n)))
     bad = sorted(i for i, r in alone.items() if r["fails"])
     report.bad_samples = bad
+    stats = input_stats(p.bundle.inputs, n)
     if bad:
+        unsplit = {i for g in report.unresolved for i in g}
+        passing = [i for i in range(n) if i not in alone or not alone[i]["fails"]]
+        passing = [i for i in passing if i not in unsplit]
         ref = p.session.run(RunConfig("fp64", device=p.config.device, batch=bad), capture=False)
         fp64_per = {i: _sample_finite(p, i) for i in bad} if not _all_finite(ref) else {i: True for i in bad}
         for i in bad:
-            absmax, nonfinite = _input_stats(p.bundle.inputs, i, n)
+            absmax, nonfinite, passing_max = _sample_inputs(stats, i, passing)
             report.samples.append({"index": i, "forward_finite": alone[i]["forward_finite"],
-                                   "backward_finite": alone[i]["backward_finite"], "input_absmax": absmax,
-                                   "input_nonfinite": nonfinite, "fp64_finite": fp64_per[i]})
-    report.kind, report.message = _verdict(bad, report.unresolved, n, report.samples)
+                                   "backward_finite": alone[i]["backward_finite"],
+                                   "not_saved_by": alone[i]["not_saved_by"], "input_absmax": absmax,
+                                   "passing_absmax": passing_max, "input_nonfinite": nonfinite,
+                                   "fp64_finite": fp64_per[i], "suspicious": _suspicious(stats, i, passing)})
+    report.kind, report.message = _verdict(bad, report.unresolved, n, report.samples, bool(stats))
     return report
 
 
-def _verdict(bad, unresolved, n, samples) -> tuple[str, str]:
+def _verdict(bad, unresolved, n, samples, floating: bool) -> tuple[str, str]:
+    fp64_bad = [s["index"] for s in samples if not s["fp64_finite"]]
+    fp64 = (f"; samples {_list(fp64_bad)} fail in float64 too (no precision setting is the fix)" if fp64_bad
+            else "; float64 computes them fine")
+    more = f"; {sum(len(u) for u in unresolved)} samples left unsplit" if unresolved else ""
     if len(bad) == n:
         return "model", (f"every one of the {n} samples fails alone: a model (or precision) problem, "
-                         "not a data problem (see `fix`)")
+                         f"not a data problem (see `fix`){fp64}")
     if bad:
-        broken = [s["index"] for s in samples if s["input_nonfinite"] or not s["fp64_finite"]]
-        what = (f"; samples {_list(broken)} fail in float64 too (broken data)" if broken else
-                "; float64 computes them fine: their values leave the float16 range")
-        more = f"; {sum(len(u) for u in unresolved)} samples left unsplit" if unresolved else ""
-        return "data", (f"{len(bad)} of {n} samples fail alone: {_list(bad)} (a data problem){what}{more}")
+        odd = [s for s in samples if s["suspicious"]]
+        head = f"{len(bad)} of {n} samples fail alone: {_list(bad)}"
+        if odd:
+            what = "; ".join(f"sample {s['index']}: {s['suspicious']}" for s in odd[:5])
+            ordinary = [s["index"] for s in samples if not s["suspicious"]]
+            rest = (f"; samples {_list(ordinary)} fail with ordinary inputs (a model problem they trigger)"
+                    if ordinary else "")
+            return "data", f"{head}; their inputs are suspicious ({what}): a data problem{rest}{fp64}{more}"
+        looks = ("their floating inputs are finite and within the range of the passing samples" if floating
+                 else "their inputs are integers (e.g. token ids: never NaN/Inf, no range to compare)")
+        return "model", (f"{head}; {looks}: a model (or precision) problem that these samples trigger, "
+                         f"not a data problem (see `fix`){fp64}{more}")
     if [len(u) for u in unresolved] == [n]:
         return "batch", ("no half of the batch fails alone although the whole batch does: the samples fail "
                          "only together (batch statistics or a reduction over the batch)")
@@ -186,18 +221,44 @@ def _batch_size(inputs):
     return None
 
 
-def _input_stats(inputs, i, n) -> tuple:
-    """Largest finite magnitude and NaN/Inf count of sample i's floating inputs."""
+def input_stats(inputs, n) -> list:
+    """Per floating input tensor with a batch dimension n (in every
+    micro-batch): each sample's largest finite magnitude and NaN/Inf count,
+    as float64 tensors of length n. Integer inputs are left out: token ids
+    can be neither NaN/Inf nor meaningfully large."""
     import torch
 
     from recorders.stats import iter_tensors
-    absmax, bad = 0.0, 0
+    out = []
     for args in inputs:
         for t in iter_tensors(args):
             if t.is_floating_point() and t.dim() > 0 and t.shape[0] == n:
-                row = t[i].detach().double()
-                fin = torch.isfinite(row)
-                bad += int((~fin).sum())
-                if bool(fin.any()):
-                    absmax = max(absmax, float(row[fin].abs().max()))
-    return (absmax if math.isfinite(absmax) else None), bad
+                rows = t.detach().double().reshape(n, -1)
+                fin = torch.isfinite(rows)
+                absmax = rows.abs().masked_fill(~fin, 0).max(dim=1).values if rows.shape[1] else torch.zeros(n)
+                out.append((absmax, (~fin).sum(dim=1)))
+    return out
+
+
+def _sample_inputs(stats, i, passing) -> tuple:
+    """(largest magnitude, NaN/Inf count, largest magnitude over the passing
+    samples) of sample i's floating inputs; None without floating inputs."""
+    if not stats:
+        return None, None, None
+    absmax = max(float(a[i]) for a, _ in stats)
+    nonfinite = sum(int(b[i]) for _, b in stats)
+    passing_max = max((float(a[passing].max()) for a, _ in stats), default=None) if passing else None
+    return absmax, nonfinite, passing_max
+
+
+def _suspicious(stats, i, passing) -> str | None:
+    """Why sample i's inputs are suspicious in themselves, or None."""
+    for j, (absmax, bad) in enumerate(stats):
+        if int(bad[i]):
+            return f"{int(bad[i])} NaN/Inf in floating input {j}"
+        if passing:
+            ceiling = float(absmax[passing].max())
+            if ceiling > 0 and float(absmax[i]) > FAR_OUTSIDE * ceiling:
+                return (f"floating input {j} reaches {float(absmax[i]):.3g}, more than {FAR_OUTSIDE:g}x the "
+                        f"passing samples' {ceiling:.3g}")
+    return None

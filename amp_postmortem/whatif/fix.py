@@ -16,8 +16,12 @@
    `recorders.fp32.keep_fp32` does in training). Each trial reports whether
    the forward and the backward are finite, the loss, output and gradient
    error against float64.
-4. A trial "saves" the step when it is finite and its parameter gradients
-   are within `GRAD_REL_ERR_OK` (25%) of float64. When no single module
+4. A trial "saves" the step by the one criterion of fix, bisect and
+   recommend (`whatif.judge`): finite, no parameter gradient beyond the
+   replay's broken threshold of float64, no module's own arithmetic
+   `broken`. The step as recorded is judged the same way: a finite step
+   with a broken module still gets a search. The first single module
+   that saves it, in candidate order, is the fix. When none
    saves it, a greedy search adds, round by round, the candidate that helps
    most (fewest NaN/Inf values, then lowest gradient error) until the set
    saves the step or `max_set` modules are in it; a found set is then pruned
@@ -31,13 +35,13 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from . import GRAD_REL_ERR_OK, fmt_num, plain, prepare, report_progress
+from . import fmt_num, plain, prepare, report_progress
 
 MAX_CANDIDATES = 12
 MAX_SET = 4
 _STATUS_RANK = {"broken": 0, "degraded": 1, "ok": 2}
 TRIAL_COLUMNS = ["modules", "local_rel_err", "forward_finite", "backward_finite", "loss_scale",
-                 "nonfinite_values", "loss_rel_err", "output_rel_err", "grad_rel_err", "saved"]
+                 "nonfinite_values", "loss_rel_err", "output_rel_err", "grad_rel_err", "saved", "not_saved_by"]
 
 
 @dataclass
@@ -54,18 +58,20 @@ class FixReport:
     search: str                     # "not_needed", "single", "greedy", "none"
     patch: str | None
     notes: list = field(default_factory=list)
+    backward_start: str = "saved"   # engine.ReplaySession.start_backward
 
     def to_dict(self) -> dict:
         return plain({"step": self.step, "rank": self.rank, "precision": self.precision, "policy": self.policy,
                       "loss_scale": self.loss_scale, "baseline": self.baseline, "candidates": self.candidates,
                       "trials": self.trials, "fix": self.fix, "search": self.search, "patch": self.patch,
-                      "notes": self.notes, "thresholds": {"grad_rel_err_ok": GRAD_REL_ERR_OK}})
+                      "notes": self.notes, "backward_start": self.backward_start,
+                      "thresholds": _thresholds()})
 
     def table(self) -> pd.DataFrame:
         local = {c["name"]: c["local_rel_err"] for c in self.candidates}
         rows = [{"modules": ",".join(_display(m) for m in t["modules"]),
                  "local_rel_err": local.get(t["modules"][0]) if len(t["modules"]) == 1 else None,
-                 **{k: t[k] for k in TRIAL_COLUMNS[2:]}} for t in self.trials]
+                 **{k: t[k] for k in TRIAL_COLUMNS[2:-1]}, "not_saved_by": not_saved_by(t)} for t in self.trials]
         return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
 
     def lines(self) -> list[str]:
@@ -73,12 +79,15 @@ class FixReport:
         out = [f"step {self.step}, rank {self.rank}: {self.precision} replay, policy "
                f"{self.policy.get('device_type')}{' (emulated)' if self.policy.get('emulated') else ''}, "
                f"loss scale {self.loss_scale:g}",
-               f"as recorded: {_verdict(b)} (grad error vs float64 {fmt_num(b['grad_rel_err'])})"]
+               f"as recorded: {_verdict(b)} (grad error vs float64 {fmt_num(b['grad_rel_err'])}"
+               + ("" if self.backward_start == "saved" else f", backward from the {self.backward_start} start")
+               + ")"]
         out += [f"note: {n}" for n in self.notes]
         if self.search == "not_needed":
             where = ("" if not b.get("backoffs") else
                      f" once the scaler backs off to {b['loss_scale']:g} (`scale-window` says more)")
-            out.append(f"the step is already finite in the replay{where}: nothing to keep in float32")
+            out.append(f"the step is already saved in the replay{where} (finite, gradients within the "
+                       "thresholds of float64, no module broken): nothing to keep in float32")
         elif self.fix:
             how = "one module" if len(self.fix) == 1 else f"{len(self.fix)} modules (greedy search)"
             out.append(f"fix: keep {', '.join(_display(m) for m in self.fix)} in float32 ({how}); "
@@ -98,20 +107,18 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
 
     p = prepared or prepare(source, step, rank=rank, model=model, device=device, policy=policy,
                             precision=precision, loss_fn=loss_fn, keep_inputs=True)
-    if not any(c.inputs is not None for c in p.reference.calls.values()):
-        from ..replay import RunConfig
-        p.reference = p.session.run(RunConfig("fp64", device=p.config.device), keep_inputs=True)
+    reference = p.reference_for(None, keep_inputs=True)
     baseline = {"modules": [], **p.trial()}
     notes = list(p.notes)
     report = FixReport(step=p.step, rank=p.rank, precision=p.precision, policy=p.policy_dict(),
                        loss_scale=p.loss_scale, baseline=baseline, candidates=[], trials=[], fix=None,
-                       search="not_needed", patch=None, notes=notes)
+                       search="not_needed", patch=None, notes=notes, backward_start=p.backward_start)
     if baseline["saved"]:
         return report
     if any(n.startswith("the float64 reference") for n in notes):
         report.search = "none"  # no precision setting repairs what float64 cannot compute
         return report
-    comparisons = attribution.compare_run(p.session, p.reference, p.run(capture=True), local=True)
+    comparisons = attribution.compare_run(p.session, reference, p.run(capture=True), local=True)
     report.candidates = candidates = rank_candidates(comparisons, max_candidates)
     names = [c["name"] for c in candidates]
     total = len(names)
@@ -128,8 +135,11 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
     singles = [trial((n,), 1) for n in names]
     saving = [t for t in singles if t["saved"]]
     if saving:
-        best = min(saving, key=_badness)
-        report.fix, report.search = list(best["modules"]), "single"
+        # The first saving candidate in candidate order: the module whose own
+        # arithmetic is worst. Another that also saves the step (the one
+        # feeding it, whose float32 output makes it compute in float32) does
+        # so only by side effect and keeps more of the model out of float16.
+        report.fix, report.search = list(saving[0]["modules"]), "single"
     elif names:
         chosen = _greedy(names, singles, trial, max_set)
         if chosen:
@@ -250,8 +260,27 @@ def _display(name: str) -> str:
     return "(model)" if name == "" else name
 
 
+def not_saved_by(t: dict) -> str:
+    """Which check of `whatif.judge` a trial failed, in a few words."""
+    if t["saved"]:
+        return ""
+    if not t["finite"]:
+        return "NaN/Inf"
+    if t.get("params_off"):
+        return f"{len(t['params_off'])} param grads off"
+    c = t.get("culprit") or {}
+    return f"{_display(c.get('name', ''))} broken ({c.get('phase')})"
+
+
+def _thresholds() -> dict:
+    from ..replay import attribution
+    return {"param_grad_broken_rel_err": attribution.PROPAGATED_BROKEN_REL,
+            "local_broken_rel_err": attribution.BROKEN_REL}
+
+
 def _verdict(t: dict) -> str:
     if t["finite"]:
-        return "finite" + (f" at loss scale {t['loss_scale']:g}" if t.get("backoffs") else "")
+        at = f" at loss scale {t['loss_scale']:g}" if t.get("backoffs") else ""
+        return (f"saved{at}" if t["saved"] else f"finite{at} but NOT saved: {t['why']}")
     where = [w for w, ok in (("forward", t["forward_finite"]), ("backward", t["backward_finite"])) if not ok]
     return f"NON-FINITE in the {' and '.join(where)} ({t['nonfinite_values']} NaN/Inf values)"

@@ -208,14 +208,17 @@ def _device_type(p) -> str:
 
 # ---------------------------------------------------------------- estimate
 def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
-                          max_underflow: float = MAX_UNDERFLOW) -> ScaleWindow:
-    """The window estimated from one recorded step's statistics (no replay)."""
+                          max_underflow: float = MAX_UNDERFLOW, before: int | None = None) -> ScaleWindow:
+    """The window estimated from one recorded step's statistics (no replay).
+    Without `step`, from the latest clean full-tier step, before step
+    `before` when given (statistics recorded after a forward overflow
+    describe the failure, not the training a scaler should fit)."""
     from scipy.stats import norm
 
     steps = run.steps
     notes = []
     if step is None:
-        step, why = _estimate_step(run)
+        step, why = _estimate_step(run, before)
         if why:
             notes.append(why)
     if step is None:
@@ -270,10 +273,12 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
                        recorded_scaler=run.scaler)
 
 
-def _estimate_step(run):
+def _estimate_step(run, before: int | None = None):
     """The latest clean (not skipped) step with full-tier gradient rows,
-    else the latest clean step."""
+    else the latest clean step (only steps before `before`, when given)."""
     steps = run.steps
+    if before is not None:
+        steps = steps[steps["step"] < int(before)]
     clean = steps[~steps["skipped"].astype(bool)]
     if clean.empty:
         return (int(steps["step"].max()) if len(steps) else None,
