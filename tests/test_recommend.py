@@ -95,7 +95,7 @@ def three_bundles_run(tmp_path_factory):
 
 
 def test_the_default_bundle_is_the_earliest_nonfinite_one_not_the_first(three_bundles_run):
-    from amp_postmortem.analyses.recommend import pick_bundle
+    from amp_postmortem.analyses.bundle_choice import pick_bundle
     run = load_run(three_bundles_run)
     reasons = {b["step"]: b["reasons"] for b in run.manifest["bundles"]}
     assert reasons[0] == ["step_list"] and reasons[1] == ["skipped"] and "nonfinite_loss" in reasons[2]

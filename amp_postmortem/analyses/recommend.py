@@ -39,14 +39,11 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from ..loader import Run
+from .bundle_choice import pick_bundle
 
 ORDER = ("check_data", "keep_fp32", "gradient_drift", "use_bf16", "scaler_settings", "avoid_mixed_precision",
          "no_change")
 _SCALE_FINDINGS = {"scale_collapse", "stuck_low_scale", "grad_underflow"}
-# Which bundle to replay by default, by the reason it was saved for (lower
-# first): the step that went non-finite says most, explicit requests least.
-BUNDLE_PRIORITY = {"nonfinite_loss": 0, "nonfinite_tensor": 0, "scale_low": 1, "skipped": 2,
-                   "request": 3, "step_list": 3}
 DRIFT_BITS = 4        # the window "moves" when its overflow edge shifts by more than this
 DRIFT_SAMPLES = 12    # steps at which the window is estimated for that
 
@@ -257,43 +254,6 @@ def _drift_recommendation(drift, summary, cited, source, extra=()) -> Recommenda
 
 
 # ---------------------------------------------------------------- replayed
-def pick_bundle(run: Run, rank: int | None = None) -> tuple[int, int, list] | None:
-    """(step, rank, reasons) of the bundle `recommend --model` replays by
-    default: the one saved for the most telling reason (`BUNDLE_PRIORITY`:
-    a non-finite loss or tensor first, then a scale fallen below its floor,
-    then a skipped step, then explicit requests), the earliest among equals.
-    Reasons come from the run and rank manifests (key "bundles"), else from
-    the bundle's own bundle.json."""
-    from ..bundle import list_bundles
-    listed = {}
-    for m in [run.manifest, *run.rank_manifests.values()]:
-        for b in m.get("bundles") or []:
-            if isinstance(b, dict) and "step" in b:
-                why = b.get("reasons") or ([b["reason"]] if b.get("reason") else [])
-                listed[(int(b["step"]), int(b.get("rank", 0)))] = list(why)
-    found = []
-    for s, r, path in list_bundles(run.path):
-        if rank is not None and r != rank:
-            continue
-        reasons = listed.get((s, r)) or _bundle_reasons(path)
-        best = min((BUNDLE_PRIORITY.get(x, len(BUNDLE_PRIORITY)) for x in reasons),
-                   default=len(BUNDLE_PRIORITY))
-        found.append((best, s, r, reasons))
-    if not found:
-        return None
-    _, s, r, reasons = min(found, key=lambda t: t[:3])
-    return s, r, reasons
-
-
-def _bundle_reasons(path) -> list:
-    import json
-    try:
-        meta = json.loads((path / "bundle.json").read_text())
-    except (OSError, ValueError):
-        return []
-    return list(meta.get("reasons") or ([meta["reason"]] if meta.get("reason") else []))
-
-
 def _bundle_step(run: Run, step, rank, notes) -> tuple[int, int | None] | None:
     if step is not None:
         return int(step), rank
