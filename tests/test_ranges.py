@@ -75,3 +75,13 @@ def test_json_contract(rising_run):
             "underflow_share", "flags"} <= set(row)
     boom = next(r for r in d["layers"] if r["name"] == "block.boom" and r["kind"] == "activation")
     assert boom["overflow_forecast_step"] == 31 and isinstance(boom["overflow_forecast_step"], int)
+
+
+def test_zeros_count_as_flushed_only_when_the_surviving_values_are_tiny():
+    from amp_postmortem.analyses.ranges import zeros_look_flushed
+    # a ReLU mask: half the gradient is exactly zero, the rest is ordinary
+    assert not zeros_look_flushed(0.5, 1e-2)
+    # a tiny loss scale: 98% zeros and the survivors are subnormal
+    assert zeros_look_flushed(0.98, 1e-6)
+    assert zeros_look_flushed(1.0, 0.0)
+    assert not zeros_look_flushed(0.0, 0.0)

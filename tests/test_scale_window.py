@@ -141,3 +141,13 @@ def test_estimate_before_a_step_uses_the_last_clean_step_before_it():
     est = estimate_scale_window(run, before=2)
     assert est.step == 1 and est.window is not None
     assert est.window == estimate_scale_window(run, 1).window
+
+
+def test_estimate_from_flushed_gradients_raises_the_scale_above_the_tiny_recorded_one(underflow_run):
+    # At 2**-10 most float16 gradient values are flushed to exact zeros: the
+    # survivors alone would make the tiny scale look sufficient. Counting the
+    # flushed zeros as values below the limit puts the window well above it.
+    est = estimate_scale_window(load_run(underflow_run))
+    assert est.recorded_scale == 2.0 ** -10
+    assert est.window is not None and est.window["min_k"] > -10
+    assert est.recorded_position == "below"

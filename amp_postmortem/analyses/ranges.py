@@ -54,7 +54,7 @@ FORECAST_HORIZON = 1000       # steps after the latest one
 FORECAST_RISK_BITS = 6.0      # a forecast alarms within a factor 64 of the limit...
 FORECAST_IMMINENT = 100       # ...or, whatever the headroom, when it is this few steps away
 UNDERFLOW_SHARE = 0.25        # a quarter of a gradient's values subnormal or flushed
-FLUSH_MARGIN_BITS = 6.0       # zeros count as flushed when non-zero values sit this close to 6.1e-5
+FLUSH_MARGIN_BITS = 2.0       # zeros count as flushed when non-zero values sit this close to 6.1e-5
 ALPHA = 0.01
 MIN_TREND_POINTS = 5
 MAX_THEILSEN_POINTS = 200     # Theil-Sen is O(n^2) per layer: subsample evenly above this
@@ -179,14 +179,27 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
                         full_tier_steps=int(full_steps))
 
 
+def zeros_look_flushed(zero_share, rms) -> bool:
+    """Whether a gradient's exact zeros are values the float16 range flushed
+    (its non-zero values are tiny: RMS over them within FLUSH_MARGIN_BITS of
+    the normal limit) rather than a structural mask such as a ReLU's."""
+    if zero_share is None or not zero_share > 0:
+        return False
+    nonzero = 1.0 - zero_share
+    if nonzero <= 0 or rms is None or not math.isfinite(rms):
+        return True
+    return rms / math.sqrt(nonzero) < schema.FP16_MIN_NORMAL * 2 ** FLUSH_MARGIN_BITS
+
+
 def _flushed_zeros(full: pd.DataFrame) -> pd.Series:
-    """Per row: the zero share when those zeros look flushed by the float16
-    range (the non-zero values are tiny), else 0 (a structural mask)."""
-    nonzero = (1.0 - full["zero_share"]).clip(lower=0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rms_nonzero = full["rms"] / np.sqrt(nonzero)
-    tiny = rms_nonzero.isna() | (rms_nonzero < schema.FP16_MIN_NORMAL * 2 ** FLUSH_MARGIN_BITS) | (nonzero == 0)
-    return full["zero_share"].where(tiny, 0.0)
+    """Per row: the zero share when those zeros look flushed, else 0."""
+    flushed = [zeros_look_flushed(_finite_or_none(z), _finite_or_none(r))
+               for z, r in zip(full["zero_share"], full["rms"])]
+    return full["zero_share"].where(pd.Series(flushed, index=full.index), 0.0)
+
+
+def _finite_or_none(v):
+    return float(v) if v is not None and pd.notna(v) else None
 
 
 def _theil_sen(x, y):

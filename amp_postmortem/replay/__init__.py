@@ -278,7 +278,7 @@ def _anomaly(session, configs, culprit, runs, order, comparisons) -> dict:
     if origin is not None:
         shown = found.get("op") or (first or {}).get("op")
         report["explanation"] = (
-            f"the forward was already non-finite ("
+            "the forward was already non-finite ("
             + (f"made in {origin or '(model)'}, the culprit" if (culprit or {}).get("phase") == "forward"
                and culprit.get("name") == origin else f"first in the output of {origin or '(model)'}")
             + "); anomaly mode "

@@ -45,12 +45,14 @@ import pandas as pd
 
 from recorders import schema
 
+from ..analyses.ranges import zeros_look_flushed
 from . import plain, report_progress
 
 SCALES = (-16, 40)            # k range of the replayed scales 2^k
 MAX_UNDERFLOW = 0.05          # usable: at most 5% of the gradient values flushed/subnormal
 WIDE_WINDOW_BITS = 4
 LOG2_MIN_NORMAL = -14         # log2(FP16_MIN_NORMAL)
+ASSUMED_LOG2_SIGMA = 3.0      # spread (bits) assumed when every value sits below the normal limit
 SCALE_COLUMNS = ["k", "scale", "forward_finite", "overflow", "underflow_share", "param_grad_lost_share",
                  "usable", "recorded"]
 LAYER_COLUMNS = ["name", "numel", "absmax_unscaled", "below_normal_share", "zero_share", "overflow_k",
@@ -257,6 +259,9 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
     for lay in layers:
         lay["underflow_k"] = next((k for k in range(lo_k, hi_k + 1)
                                    if (_estimated_share([lay], k, norm) or 0.0) <= max_underflow), None)
+    if any(lay.get("assumed_spread") for lay in layers):
+        notes.append(f"some gradients lie entirely below the float16 normal limit at the recorded scale: "
+                     f"their spread is assumed ({ASSUMED_LOG2_SIGMA:g} bits), the underflow edge is approximate")
     if not any(lay["log2_sigma"] is not None for lay in layers):
         notes.append("no full-tier statistics at this step: the underflow edge is unknown (overflow edge only)")
     window = _window(usable)
@@ -303,10 +308,28 @@ def _fit_layer(name, r, shift, norm) -> dict:
         return out
     a = math.log2(absmax)
     out["overflow_k"] = int(math.floor(math.log2(schema.FP16_MAX) - (a - shift)))
+    # Share of the fitted values below the float16 normal limit at the
+    # recorded scale. Zeros the float16 range flushed are such values too
+    # (censored, not absent): then the fit covers every value, not only the
+    # survivors, which would otherwise make a tiny scale look sufficient.
+    below_q = None
+    if below is not None:
+        if zero is not None and zeros_look_flushed(zero, rms):
+            nonzero = max(1, numel)
+            below_q = min(1.0, below + zero)
+        else:
+            below_q = below / max(1e-12, 1 - (zero or 0.0))
+    out["nonzero"] = nonzero
     z_top = norm.ppf(1 - 0.5 / nonzero) if nonzero > 1 else 0.5
     mu = sigma = None
-    if below is not None and 0 < below < 1 and z_top > norm.ppf(below):
-        z_low = norm.ppf(below)
+    if below_q is not None and (below_q >= 1 - 0.5 / nonzero or a <= LOG2_MIN_NORMAL):
+        # Everything sits under the limit: only the top is known. Assume a
+        # typical spread of gradient magnitudes below it.
+        sigma = ASSUMED_LOG2_SIGMA
+        mu = a - sigma * z_top
+        out["assumed_spread"] = True
+    elif below_q is not None and 0 < below_q < 1 and z_top > norm.ppf(below_q):
+        z_low = norm.ppf(below_q)
         sigma = (a - LOG2_MIN_NORMAL) / (z_top - z_low)
         mu = LOG2_MIN_NORMAL - sigma * z_low
     elif rms is not None and rms > 0 and below is not None and z_top > 0:
