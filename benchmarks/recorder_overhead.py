@@ -21,7 +21,7 @@ torch's intra-op threads, so `ratio_charged` adds it to the step as an upper
 bound), the recorder's own buffers, and peak RSS of each variant trained
 alone in a child process.
 
-    python benchmarks/recorder_overhead.py                # full size, ~25 min on 2 cores
+    python benchmarks/recorder_overhead.py                # full size, ~30 min on 2 cores
     python benchmarks/recorder_overhead.py --dtypes fp32,bf16 --steps 30
     python benchmarks/recorder_overhead.py --smoke        # seconds; CI keeps it working
 
