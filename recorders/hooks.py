@@ -48,6 +48,7 @@ class _StepState:
         self.contexts: list[_CallContext] = []
         self.nonfinite_cache: dict[int, tuple] = {}
         self.stepped = False
+        self.grad_sqsum = None  # global square sum of the unscaled gradients, on the device
         self.param_values: list[tuple] = []
         self.inv_scale_for = None
         self.device = None
@@ -66,20 +67,33 @@ class _TensorInfo:
         return self._numel
 
 
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
 class RecorderHooks:
     """Hook registration and the hooks themselves (mixed into AmpRecorder)."""
 
     def _register_hooks(self) -> None:
         by_name = dict(self.model.named_modules())
+        self._root_ref = weakref.ref(self.model)
         self._hooks.append(self.model.register_forward_pre_hook(
             self._guard(self._on_root_pre), with_kwargs=True, prepend=True))
         for name in self._watched:
             m = by_name[name]
-            self._hooks.append(m.register_forward_pre_hook(self._guard(self._make_pre(name)), with_kwargs=True))
-            self._hooks.append(m.register_forward_hook(self._guard(self._make_post(name)), with_kwargs=True))
+            self._hooks.append(m.register_forward_pre_hook(self._guard(self._make_pre(name, m)), with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(self._guard(self._make_post(name, m)), with_kwargs=True))
+        self._grad_params = []
         for pname, p in self._params:
             if p.requires_grad and self._param_watched(pname):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._guard(self._make_param_hook(pname))))
+                self._grad_params.append(p)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._guard(self._make_param_hook(pname, p))))
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
             self._hooks.append(self.optimizer.register_step_pre_hook(self._guard(self._on_opt_pre)))
             self._hooks.append(self.optimizer.register_step_post_hook(self._guard(self._on_opt_post)))
@@ -96,7 +110,7 @@ class RecorderHooks:
         return st
 
     def _add_row(self, st, name, kind, phase, order, call, t, stats):
-        st.meta.append((name, kind, phase, order, call, str(t.dtype).replace("torch.", ""), t.numel()))
+        st.meta.append((name, kind, phase, order, call, _dtype_name(t.dtype), t.numel()))
         st.stats.append(stats)
         if st.device is None:
             st.device = stats.device
@@ -130,8 +144,8 @@ class RecorderHooks:
     # ---------------------------------------------------------------- hooks
     def _on_root_pre(self, module, args, kwargs):
         st = self._active()
-        if st is None:
-            return
+        if st is None or module is not self._root_ref():
+            return  # not recording, or a deepcopy of the model carrying our hooks
         st.micro_batches += 1
         st.fwd_order = 0
         st.bwd_order = 0
@@ -167,10 +181,14 @@ class RecorderHooks:
         self._autocast = info
         self._submit(lambda: self._manifest.__setitem__("autocast", info))
 
-    def _make_pre(self, name):
+    def _make_pre(self, name, registered):
+        # `copy.deepcopy(model)` (an EMA copy, say) copies the hooks too: they
+        # must ignore every module but the one they were registered on.
+        ref = weakref.ref(registered)
+
         def pre(module, args, kwargs):
             st = self._active()
-            if st is None:
+            if st is None or module is not ref():
                 return
             call = st.calls.get(name, 0)
             st.calls[name] = call + 1
@@ -186,10 +204,12 @@ class RecorderHooks:
             st.stacks.setdefault(name, []).append((ctx, keys))
         return pre
 
-    def _make_post(self, name):
+    def _make_post(self, name, registered):
+        ref = weakref.ref(registered)
+
         def post(module, args, kwargs, output):
             st = self._active()
-            if st is None:
+            if st is None or module is not ref():
                 return
             stack = st.stacks.get(name)
             if not stack:
@@ -291,18 +311,26 @@ class RecorderHooks:
         self._add_row(st, ctx.name, "grad_input", "backward", st.bwd_order, ctx.call, total, s)
         st.bwd_order += 1
 
-    def _make_param_hook(self, pname):
+    def _make_param_hook(self, pname, registered):
+        ref = weakref.ref(registered)
+        # With an optimizer, the global norm is taken once in its pre-step
+        # hook (gradients already unscaled there); only without one is each
+        # gradient's square sum taken here.
+        own_norm = self.optimizer is None
+
         def hook(p):
             # Backward runs with grad mode off: check the step, not grad mode.
             st = self._state
-            if self._paused or not st.record or p.grad is None:
+            if self._paused or not st.record or p.grad is None or p is not ref():
                 return
             g = p.grad
             scale = self._scale_tensor()
             s = self._stats(st, g, scale=scale, unscale=scale is not None)
-            sq = torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2
-            if scale is not None:
-                sq = sq / scale.to(torch.float64) ** 2
+            sq = None
+            if own_norm:
+                sq = torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2
+                if scale is not None:
+                    sq = sq / scale.to(torch.float64) ** 2
             slot = st.param_grads.get(pname)
             # Keep the statistics, not the gradient: `zero_grad()` must be
             # able to free it before `rec.step()`.
@@ -315,7 +343,15 @@ class RecorderHooks:
         return hook
 
     def _on_opt_pre(self, optimizer, args, kwargs):
-        self._state.stepped = True
+        st = self._state
+        st.stepped = True
+        if st.record:
+            grads = [p.grad for p in self._grad_params if p.grad is not None]
+            if grads:
+                # One fused pass over every gradient, unscaled by now; a
+                # skipped step never gets here (its norm is Inf or unknown).
+                norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads)])
+                st.grad_sqsum = (norms * norms).sum()
         self.bundles.on_optimizer_pre_step()
 
     def _on_opt_post(self, optimizer, args, kwargs):

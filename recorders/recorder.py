@@ -251,7 +251,9 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
             # The scale the next step's backward uses; cloned because
             # GradScaler.update() changes it in place.
             self._scale_before = scale.detach().clone() if isinstance(scale, torch.Tensor) else self._scale_before
-        if st.param_grads:
+        if st.grad_sqsum is not None:
+            put("grad_sqsum", st.grad_sqsum)
+        elif st.param_grads and all(v[2] is not None for v in st.param_grads.values()):
             put("grad_sqsum", torch.stack([v[2] for v in st.param_grads.values()]).sum())
 
         device = st.device or (dev[0].device if dev else torch.device("cpu"))

@@ -56,7 +56,7 @@ class StepRowsMixin:
             "growth_tracker": int(scalars["growth_tracker"]) if p.has_scaler and not math.isnan(scalars.get("growth_tracker", math.nan)) else None,
             "skipped": bool(skipped),
             "lr": p.lr,
-            "grad_norm": math.sqrt(sq) if sq is not None and not (sq < 0) else None,
+            "grad_norm": _grad_norm(sq, nonfinite_params),
             "nonfinite_param_grads": nonfinite_params if cols is not None else None,
             "micro_batches": p.micro_batches,
             "tier": p.tier,
@@ -79,3 +79,11 @@ class StepRowsMixin:
             "growth_tracker": step_row["growth_tracker"],
             "nonfinite_rows": nonfinite_rows, "columns": cols,
         })
+
+
+def _grad_norm(sq, nonfinite_params: int):
+    """sqrt of the recorded square sum; a skipped step, whose optimizer never
+    ran (no norm taken), has an Inf norm when a gradient was non-finite."""
+    if sq is not None and not (sq < 0):
+        return math.sqrt(sq)
+    return math.inf if nonfinite_params else None

@@ -321,3 +321,40 @@ def test_an_unwritable_run_directory_warns_and_training_goes_on(tmp_path):
     with pytest.warns(RuntimeWarning, match="recording disabled"):
         losses, _, _, rec = train(TinyNet(), batches(3), recorder_factory=recorder(blocker / "run"))
     assert len(losses) == 3 and not rec.enabled
+
+
+def test_grad_norm_is_the_global_norm_of_the_unscaled_gradients(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cpu")
+    norms = []
+    opt.register_step_pre_hook(lambda *a: norms.append(
+        torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()))
+    with AmpRecorder(tmp_path / "run", model, optimizer=opt, scaler=sc) as rec:
+        for x, y in batches(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((model(x).float() - y) ** 2).mean()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+            rec.step(loss)
+    assert read(tmp_path / "run", "steps")["grad_norm"].tolist() == pytest.approx(norms, rel=1e-5)
+
+
+def test_a_deepcopy_of_the_model_does_not_record_into_the_run(tmp_path):
+    import copy
+    torch.manual_seed(0)
+    model = TinyNet()
+    with AmpRecorder(tmp_path / "run", model) as rec:
+        ema = copy.deepcopy(model)  # carries copies of the hooks
+        x, y = batches(1)[0]
+        ema(x).sum().backward()      # an EMA/teacher pass: not a micro-batch
+        model(x).sum().backward()
+        rec.step()
+    steps = read(tmp_path / "run", "steps")
+    assert steps["micro_batches"].tolist() == [1]
+    t = read(tmp_path / "run", "tensors")
+    assert len(t[(t.name == "embed") & (t.kind == "activation")]) == 1
+    assert t[t.kind == "param_grad"]["name"].value_counts().max() == 1
