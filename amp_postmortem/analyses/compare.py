@@ -43,6 +43,7 @@ import numpy as np
 import pandas as pd
 
 from ..loader import Run
+from ..plain import plain
 
 THRESHOLD = 0.10
 PERSIST = 3            # consecutive common steps over the threshold that make a parting
@@ -82,11 +83,11 @@ class CompareReport:
         return [{"name": r["name"], "kind": r["kind"]} for _, r in parted[parted["parted_step"] == first].iterrows()]
 
     def to_dict(self) -> dict:
-        rows = [{k: _plain(v) for k, v in r.items()} for r in self.layers.to_dict("records")]
+        rows = [{k: plain(v) for k, v in r.items()} for r in self.layers.to_dict("records")]
         return {"run_a": self.run_a, "run_b": self.run_b, "threshold": self.threshold, "persist": self.persist,
                 "common_steps": self.common_steps, "first_common_step": self.first_common_step,
                 "last_common_step": self.last_common_step, "divergence_step": self.divergence_step,
-                "loss": {k: _plain(v) for k, v in self.loss.items()},
+                "loss": {k: plain(v) for k, v in self.loss.items()},
                 "first_layer": self.first_layers[0] if self.first_layers else None,
                 "layers": rows, "notes": self.notes}
 
@@ -278,15 +279,6 @@ def _facts(run: Run) -> dict:
             "steps": int(run.steps["step"].nunique()) if len(run.steps) else 0}
 
 
-def _plain(v):
-    if v is pd.NA or v is None:
-        return None
-    if isinstance(v, np.integer):
-        return int(v)
-    if isinstance(v, (float, np.floating)):
-        v = float(v)
-        return v if math.isfinite(v) else None
-    return v
 
 
 def _num(v) -> str:

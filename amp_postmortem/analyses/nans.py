@@ -30,6 +30,7 @@ import pandas as pd
 from recorders import schema
 
 from ..loader import Run
+from ..plain import plain
 
 LAYER_KINDS = ("input", "activation", "loss", "grad_output", "grad_input", "param_grad")
 _COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "call", "nan_count", "inf_count",
@@ -67,7 +68,7 @@ class NanReport:
     shards_total: int = 0
 
     def to_dict(self) -> dict:
-        layers = [{k: _plain(v) for k, v in row.items()} for row in self.layers.to_dict("records")]
+        layers = [{k: plain(v) for k, v in row.items()} for row in self.layers.to_dict("records")]
         return {
             "origin": self.origin.to_dict() if self.origin else None,
             "origins": {p: (o.to_dict() if o else None) for p, o in self.origins.items()},
@@ -311,11 +312,3 @@ def _display(name: str) -> str:
     return "(model)" if name == "" else name
 
 
-def _plain(v):
-    if isinstance(v, (np.integer,)):
-        return int(v)
-    if isinstance(v, (np.floating,)):
-        return float(v)
-    if isinstance(v, np.bool_):
-        return bool(v)
-    return v

@@ -46,6 +46,7 @@ from scipy import stats
 from recorders import schema
 
 from ..loader import Run
+from ..plain import plain
 
 KINDS = ("input", "activation", "grad_output", "grad_input")
 WINDOW = 1000                 # default: the last 1000 recorded steps
@@ -75,7 +76,7 @@ class RangesReport:
     def to_dict(self) -> dict:
         rows = []
         for r in self.layers.to_dict("records"):
-            rows.append({k: _plain(v) for k, v in r.items()})
+            rows.append({k: plain(v) for k, v in r.items()})
         return {"layers": rows, "first_step": self.first_step, "last_step": self.last_step,
                 "full_tier_steps": self.full_tier_steps,
                 "thresholds": {"overflow_risk_bits": OVERFLOW_RISK_BITS, "forecast_horizon": FORECAST_HORIZON,
@@ -218,14 +219,3 @@ def _display(name: str) -> str:
     return "(model)" if name == "" else name
 
 
-def _plain(v):
-    if v is pd.NA:
-        return None
-    if isinstance(v, np.integer):
-        return int(v)
-    if isinstance(v, (float, np.floating)):
-        v = float(v)
-        return v if math.isfinite(v) else None
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    return v

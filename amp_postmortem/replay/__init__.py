@@ -26,7 +26,7 @@ from ..errors import BundleError, ModelSpecError
 from . import attribution, fidelity
 from .engine import (DTYPES, POLICY_MODES, PRECISION_OF_DTYPE, PRECISIONS, ReplaySession, RunConfig,
                      StepCapture, preserved_rng)
-from .model_spec import build_model
+from .model_spec import resolve_model
 
 __all__ = ["replay", "ReplayResult", "ReplaySession", "RunConfig", "StepCapture", "PRECISIONS",
            "resolve_policy", "recorded_precision"]
@@ -204,7 +204,7 @@ def replay(source, step: int | None = None, *, rank: int | None = None, model=No
 
 def _replay(bundle, run_dir, precisions, *, model, device, policy, anomaly, local, loss_fn, fp32_modules,
             loss_scale, batch) -> ReplayResult:
-    session = ReplaySession(bundle, _model(model, bundle), device=device)
+    session = ReplaySession(bundle, resolve_model(model, bundle.model_class), device=device)
     notes = session.start_backward(loss_fn)
     primary = recorded_precision(bundle)
     scale = float(loss_scale if loss_scale is not None else (bundle.loss_scale or 1.0))
@@ -374,19 +374,6 @@ def _check_precisions(precisions) -> tuple:
     if bad:
         raise ModelSpecError(f"precision {bad[0]!r} is not one of {', '.join(PRECISIONS)}")
     return tuple(["fp64"] + [p for p in PRECISIONS[1:] if p in precisions])
-
-
-def _model(model, bundle):
-    if isinstance(model, torch.nn.Module):
-        return model
-    if model is None or isinstance(model, str):
-        return build_model(model, bundle.model_class)
-    if callable(model):
-        built = model()
-        if not isinstance(built, torch.nn.Module):
-            raise ModelSpecError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
-        return built
-    raise ModelSpecError(f"model {model!r} is not a spec, a module or a factory")
 
 
 def _locate(source, step, rank, run_dir):

@@ -183,3 +183,19 @@ def _storage_key(t: torch.Tensor):
         return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
     except Exception:  # noqa: BLE001 - meta or exotic tensors: no aliasing info
         return id(t)
+
+
+def resolve_model(model, model_class: str | None) -> torch.nn.Module:
+    """The user's model, however given: an `nn.Module`, a spec string
+    (`pkg.mod:factory` or `file.py:factory`), a no-argument factory, or
+    None (the recorded class, built with no arguments)."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    if model is None or isinstance(model, str):
+        return build_model(model, model_class)
+    if callable(model):
+        built = model()
+        if not isinstance(built, torch.nn.Module):
+            raise ModelSpecError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
+        return built
+    raise ModelSpecError(f"model {model!r} is not a spec, a module or a factory")

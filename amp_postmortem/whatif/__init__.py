@@ -16,6 +16,8 @@ time, so `scale-window` without a model stays torch-free.
 """
 from __future__ import annotations
 
+from ..plain import plain as plain  # re-exported for the what-if modules
+
 import math
 from dataclasses import dataclass, field
 
@@ -129,22 +131,9 @@ def load_step(source, step=None, rank=None):
 
 
 def build(model, bundle):
-    """The user's model: a spec string, an `nn.Module`, a no-argument
-    factory, or None (the recorded class)."""
-    import torch
-
-    from ..errors import ModelSpecError
-    from ..replay.model_spec import build_model
-    if isinstance(model, torch.nn.Module):
-        return model
-    if model is None or isinstance(model, str):
-        return build_model(model, bundle.model_class)
-    if callable(model):
-        built = model()
-        if not isinstance(built, torch.nn.Module):
-            raise ModelSpecError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
-        return built
-    raise ModelSpecError(f"model {model!r} is not a spec, a module or a factory")
+    """The user's model (see `replay.model_spec.resolve_model`)."""
+    from ..replay.model_spec import resolve_model
+    return resolve_model(model, bundle.model_class)
 
 
 def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", policy: str = "recorded",
@@ -298,22 +287,6 @@ def fmt_num(v) -> str:
     if isinstance(v, float) and not math.isfinite(v):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     return f"{v:.3g}"
-
-
-def plain(obj):
-    """Plain JSON-able data: NaN/Inf floats become None."""
-    if isinstance(obj, dict):
-        return {str(k): plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [plain(v) for v in obj]
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):
-        try:
-            return plain(obj.item())
-        except (ValueError, TypeError):
-            return str(obj)
-    return obj
 
 
 def report_progress(progress, label: str, done: int, total: int) -> None:
