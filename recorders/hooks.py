@@ -67,6 +67,13 @@ class _TensorInfo:
         return self._numel
 
 
+def _in_backward() -> bool:
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:  # an older torch without it: record recomputations too
+        return False
+
+
 _DTYPE_NAMES: dict = {}
 
 
@@ -104,8 +111,14 @@ class RecorderHooks:
 
     # ---------------------------------------------------------------- state
     def _active(self) -> _StepState | None:
+        """The step state when a forward hook should record: not paused, a
+        recorded step, grad mode on (eval passes under no_grad are not
+        training), and not inside a backward pass (activation checkpointing
+        re-runs forwards there: a recomputation, not a new forward)."""
         st = self._state
         if self._paused or not st.record or not torch.is_grad_enabled():
+            return None
+        if _in_backward():
             return None
         return st
 

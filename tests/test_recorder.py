@@ -358,3 +358,25 @@ def test_a_deepcopy_of_the_model_does_not_record_into_the_run(tmp_path):
     t = read(tmp_path / "run", "tensors")
     assert len(t[(t.name == "embed") & (t.kind == "activation")]) == 1
     assert t[t.kind == "param_grad"]["name"].value_counts().max() == 1
+
+
+def test_activation_checkpointing_recomputation_is_not_recorded_as_a_new_forward(tmp_path):
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(TinyNet):
+        def forward(self, x):
+            h = self.embed(x)
+            for block in self.blocks:
+                h = checkpoint(block, h, use_reentrant=False)
+            return self.head(h)
+
+    data = batches(3)
+    torch.manual_seed(0)
+    plain = train(Checkpointed(), data)
+    torch.manual_seed(0)
+    recorded = train(Checkpointed(), data, recorder_factory=recorder(tmp_path / "run"))
+    assert plain[0] == recorded[0]
+    t = read(tmp_path / "run", "tensors")
+    attn = t[(t.step == 1) & (t.name == "blocks.0.attn")]
+    assert sorted(attn["kind"]) == ["activation", "grad_input", "grad_output"]
+    assert (attn["call"] == 0).all()
