@@ -210,3 +210,15 @@ def rising_run(tmp_path_factory):
     """block.boom's activation grows steadily towards float16 overflow."""
     return record_run(tmp_path_factory.mktemp("runs") / "activation_heading_for_overflow", steps=20,
                       plant=_rising, scaler_kwargs={"init_scale": 2.0 ** 4}, lr=0.0, fixed_batch=True)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Replays of tiny models on a shared 2-core machine: OpenMP threads only
+    contend (tiny matmuls ran ~1000x slower with two), so these modules run
+    torch on one thread and restore the setting after."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -15,12 +15,7 @@ from amp_postmortem.cli import main
 from amp_postmortem.whatif.bisect import bisect_samples
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_bisection_finds_the_planted_bad_samples():

@@ -14,12 +14,7 @@ from amp_postmortem.cli import main
 from amp_postmortem.loader import load_run
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_replayed_recommendations_for_a_module_overflow():

@@ -23,13 +23,7 @@ from recorders.stats import iter_tensors
 from tiny_models import TinyNet
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: OpenMP threads only contend.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_bundle(model, args, loss_fn, *, device_type="cpu", dtype="float16", autocast=True,

@@ -20,12 +20,7 @@ from amp_postmortem.whatif.scale_window import (MAX_UNDERFLOW, estimate_scale_wi
 from recorders.schema import FP16_MIN_NORMAL
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
