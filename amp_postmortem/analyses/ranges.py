@@ -41,12 +41,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 from recorders import schema
 
 from ..loader import Run
 from ..plain import plain
+from .trend import theil_sen
 
 KINDS = ("input", "activation", "grad_output", "grad_input")
 WINDOW = 1000                 # default: the last 1000 recorded steps
@@ -143,7 +143,7 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         if ok["step"].nunique() >= MIN_TREND_POINTS:
             x = ok["step"].to_numpy(float)
             h = np.log2(schema.FP16_MAX / ok["absmax"].to_numpy(float))
-            slope, lo_s, hi_s = _theil_sen(x, h)
+            slope, lo_s, hi_s = theil_sen(x, h, alpha=ALPHA, max_points=MAX_THEILSEN_POINTS)
             trend = slope * 1000
             if hi_s < 0 and headroom is not None and headroom > 0:
                 forecast = int(step + math.ceil(headroom / -slope))
@@ -203,12 +203,6 @@ def _finite_or_none(v):
     return float(v) if v is not None and pd.notna(v) else None
 
 
-def _theil_sen(x, y):
-    if len(x) > MAX_THEILSEN_POINTS:
-        idx = np.linspace(0, len(x) - 1, MAX_THEILSEN_POINTS).round().astype(int)
-        x, y = x[idx], y[idx]
-    res = stats.theilslopes(y, x, alpha=1 - ALPHA)
-    return float(res[0]), float(res[2]), float(res[3])
 
 
 def _empty() -> pd.DataFrame:

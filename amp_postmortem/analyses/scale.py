@@ -55,6 +55,7 @@ from recorders import schema
 
 from ..loader import Run
 from .nans import backward_origin, forward_origin
+from .trend import theil_sen
 
 ALPHA = 0.01                  # significance level of the trend test
 COLLAPSE_MIN_HALVINGS = 3.0   # net fall below the pre-onset level for a collapse (factor 8)
@@ -155,7 +156,7 @@ def scale_dynamics(run: Run) -> ScaleReport:
 
     # Trend after calibration as a whole (reported when there is no collapse).
     if m >= MIN_TREND_STEPS and np.ptp(yy) > 0:
-        slope, lo, hi = _theil_sen(x, yy)
+        slope, lo, hi = theil_sen(x, yy, alpha=ALPHA, max_points=MAX_THEILSEN_POINTS)
         report.halvings_per_kstep = -slope * 1000 + 0.0  # no "-0.0"
         report.halvings_per_kstep_ci = [-hi * 1000 + 0.0, -lo * 1000 + 0.0]
         tau, p = stats.kendalltau(x, yy)
@@ -292,16 +293,10 @@ def _collapse_at(x, y, grew, shrank, k):
     drop = level - float(y[-1])
     if drop < COLLAPSE_MIN_HALVINGS:
         return None
-    slope, lo, hi = _theil_sen(xs, ys)
+    slope, lo, hi = theil_sen(xs, ys, alpha=ALPHA, max_points=MAX_THEILSEN_POINTS)
     return k, slope, lo, hi, float(tau), float(p), drop
 
 
-def _theil_sen(x, y):
-    if len(x) > MAX_THEILSEN_POINTS:
-        idx = np.linspace(0, len(x) - 1, MAX_THEILSEN_POINTS).round().astype(int)
-        x, y = x[idx], y[idx]
-    res = stats.theilslopes(y, x, alpha=1 - ALPHA)
-    return float(res[0]), float(res[2]), float(res[3])
 
 
 def _real_skips(skipped, grew, shrank) -> tuple[float, int]:

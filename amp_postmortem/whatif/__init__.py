@@ -16,8 +16,6 @@ time, so `scale-window` without a model stays torch-free.
 """
 from __future__ import annotations
 
-from ..plain import plain as plain  # re-exported for the what-if modules
-
 import math
 from dataclasses import dataclass, field
 

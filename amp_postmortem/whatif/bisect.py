@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from . import plain, prepare, report_progress
+from ..plain import plain
+from . import prepare, report_progress
 from .fix import not_saved_by
 
 MAX_REPLAYS = 256

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from . import fmt_num, plain, prepare, report_progress
+from ..plain import plain
+from . import fmt_num, prepare, report_progress
 
 MAX_CANDIDATES = 12
 MAX_SET = 4

@@ -46,7 +46,8 @@ import pandas as pd
 from recorders import schema
 
 from ..analyses.ranges import zeros_look_flushed
-from . import plain, report_progress
+from ..plain import plain
+from . import report_progress
 
 SCALES = (-16, 40)            # k range of the replayed scales 2^k
 MAX_UNDERFLOW = 0.05          # usable: at most 5% of the gradient values flushed/subnormal
