@@ -15,7 +15,8 @@ What happens around step N (training thread unless said otherwise):
   get a copy before the update overwrites them;
 - `rec.step()`: the capture joins the held ones (at most `hold_steps`);
 - writer thread, one step late: `on_step_summary(N)` evaluates the triggers
-  (`bundle_triggers`) on N's copied statistics and records a decision;
+  (`bundle_triggers`) on N's copied statistics and records a decision (the
+  writer-thread methods live in `bundle_decide`);
 - next training-thread hook: a "no" releases the capture; a "yes" queues
   device-side copies of whatever is still live and hands the bundle to the
   writer thread, which copies it to the host and writes it (`bundle_writer`).
@@ -28,21 +29,19 @@ from __future__ import annotations
 import functools
 import queue
 import threading
-import time
-import warnings
 from collections import OrderedDict
 
 import torch
 
-from . import schema
+from .bundle_decide import BundleDecisions
 from .bundle_state import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now
 from .bundle_triggers import TRIGGERS, BundleTriggers
-from .bundle_writer import bundle_meta, bundle_records, plain_json, precision_flags, write_bundle
+from .bundle_writer import plain_json, precision_flags
 from .stats import iter_tensors
 from .tensor_codec import clone_tree, encode_tree
 
 
-class BundleCapture:
+class BundleCapture(BundleDecisions):
     """Decides when to save a replay bundle and writes it.
 
     Options (keyword arguments of `AmpRecorder`):
@@ -331,67 +330,6 @@ class BundleCapture:
                 rec._queue.put_nowait(job)
             except queue.Full:  # never wait on the training path: retry at the next hook
                 self._unposted.append(job)
-
-    # --------------------------------------------------------- writer thread
-    def on_step_summary(self, summary: dict) -> None:
-        if not self.enabled:
-            return
-        step = summary["step"]
-        with self._lock:
-            explicit = self._explicit.pop(step, [])
-            if step in self._no_loss:
-                self._no_loss.discard(step)
-                summary = dict(summary, loss=None)
-        reasons, allowed = self.triggers.decide(summary, explicit)
-        tracker_before, self._tracker = self._tracker, summary.get("growth_tracker", self._tracker)
-        order = None
-        if reasons and not allowed:
-            self._miss(step, reasons, f"max_bundles={self.triggers.max_bundles} reached")
-        elif reasons:
-            order = {"reasons": reasons, "growth_tracker": tracker_before,
-                     "growth_tracker_after": summary.get("growth_tracker"),
-                     "summary": {k: summary.get(k) for k in ("loss", "loss_scale", "loss_scale_before", "skipped")}}
-        with self._lock:
-            self._decisions[step] = order
-
-    def _miss(self, step, reasons, why, refund=False) -> None:
-        if refund:
-            self.triggers.refund()
-        self.missed.append({"step": step, "rank": self.recorder.rank, "reasons": list(reasons), "why": why})
-        self.recorder._manifest["bundles_missed"] = list(self.missed)
-        self.recorder._write_manifest()
-        if not self._warned:
-            self._warned = True
-            warnings.warn(f"amp-postmortem: replay bundle of step {step} not saved: {why}", RuntimeWarning)
-
-    def _write(self, p: PendingBundle) -> None:
-        rec = self.recorder
-        try:
-            if p.event is not None:
-                p.event.synchronize()
-            records = list(bundle_records(self.inventory, p))
-            size = sum(t.numel() * t.element_size() for _, _, _, t, _ in records)
-            if self._bytes_saved + size > self.max_bundle_bytes:
-                self._miss(p.step, p.order["reasons"], f"max_bundle_bytes={self.max_bundle_bytes} would be "
-                           f"exceeded ({self._bytes_saved} saved, {size} more)", refund=True)
-                return
-            m = rec._manifest
-            run = {"run_id": rec.run_id, "rank": rec.rank, "world_size": rec.world_size,
-                   "package_version": m.get("package_version"), "device_type": m.get("device_type"),
-                   "device_name": m.get("device_name"), "scaler": m.get("scaler"),
-                   "has_scaler": rec._scaler_enabled(), "recorder": self.config}
-            rel = f"{schema.BUNDLES_DIR}/{schema.BUNDLE_DIR.format(step=p.step, rank=rec.rank)}"
-            files = write_bundle(rec.run_dir / rel, records, bundle_meta(self.inventory, p, run))
-            written = sum(f["bytes"] for f in files.values())
-            self._bytes_saved += size  # raw bytes, as the cap is stated
-            self.saved.append({"step": p.step, "rank": rec.rank, "path": rel, "reason": p.order["reasons"][0],
-                               "reasons": p.order["reasons"], "bytes": written, "created_at": time.time(),
-                               "params_exact": p.capture.params_exact})
-            rec._write_manifest()
-        except Exception as exc:  # noqa: BLE001 - a failed bundle never stops the recording
-            self._miss(p.step, p.order["reasons"], f"{type(exc).__name__}: {exc}", refund=True)
-        finally:
-            p.params = p.buffers = p.inputs = p.capture = None
 
     # ------------------------------------------------------------ lifecycle
     def flush(self) -> None:

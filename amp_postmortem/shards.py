@@ -1,0 +1,176 @@
+"""The files of a run directory, read one by one: rank directories, shard
+files, their Parquet footers, the steps table.
+
+It owns what the format says about files on disk: which names are shards
+(temporary files are invisible), what a footer stamps into a `Shard` (step
+range, non-finite row count, format, schema version, run id), which shard
+pairs are incomplete, and how the small steps table is read with damaged
+files skipped and named. It is separate from `loader.py`, which decides
+what a run is (manifests, ranks, warnings) and scans tensor rows through
+`Run`, so that each reads in one sitting; nothing here is public API:
+callers import `load_run` and `Run` from `loader`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from recorders import schema
+
+from .errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
+
+_RANK_DIR = re.compile(r"^rank=(\d+)$")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One Parquet file of a rank, as its footer describes it."""
+    path: Path
+    rank: int
+    table: str                 # "steps" or "tensors"
+    num_rows: int
+    first_step: int | None
+    last_step: int | None
+    nonfinite_rows: int | None  # None when the footer does not say
+
+    def may_hold(self, steps: set[int] | None) -> bool:
+        if steps is None or self.first_step is None or self.last_step is None:
+            return True
+        return any(self.first_step <= s <= self.last_step for s in steps)
+
+
+def _rank_dirs(root: Path) -> dict[int, Path]:
+    out = {}
+    for d in root.iterdir():
+        m = _RANK_DIR.match(d.name)
+        if m and d.is_dir():
+            out[int(m.group(1))] = d
+    return out
+
+
+def _shard_files(d: Path) -> list[Path]:
+    if not d.is_dir():
+        return []
+    # Temporary files start with "." and never end in ".parquet": invisible.
+    return sorted(p for p in d.glob("part-*.parquet") if not p.name.startswith("."))
+
+
+def _check_version(version, where: str) -> None:
+    try:
+        major, _minor = schema.parse_version(version)
+    except (TypeError, ValueError):
+        raise CorruptRunError(f"{where} has an unreadable schema_version {version!r}") from None
+    if major > schema.SCHEMA_MAJOR:
+        raise UnsupportedVersionError(
+            f"{where} uses run format version {version}, this amp-postmortem {_package_version()} reads "
+            f"{schema.SCHEMA_MAJOR}.x; upgrade amp-postmortem (pip install -U amp-postmortem)")
+    # A newer minor version only adds columns and keys: readable as is.
+
+
+def _read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings) -> Shard | None:
+    rel = path.relative_to(root)
+    try:
+        md = pq.read_metadata(path)
+    except (OSError, pa.ArrowException) as exc:
+        warnings.append(f"skipped unreadable shard {rel} ({_short(exc)}); "
+                        f"a job killed while writing it leaves such a file")
+        return None
+    kv = md.metadata or {}
+
+    def get(key):
+        v = kv.get(key)
+        return v.decode() if v is not None else None
+
+    fmt = get(schema.META_FORMAT)
+    if fmt is not None and fmt != schema.FORMAT_NAME:
+        warnings.append(f"skipped {rel}: format {fmt!r} is not {schema.FORMAT_NAME!r}")
+        return None
+    version = get(schema.META_SCHEMA_VERSION)
+    if version is not None:
+        _check_version(version, str(rel))
+    shard_run = get(schema.META_RUN_ID)
+    if shard_run is not None and run_id is not None and shard_run != run_id:
+        raise MixedRunsError(
+            f"mixed runs in {root}: {rel} belongs to run {shard_run!r}, the manifest to {run_id!r}; "
+            f"a resumed job must reuse the run id (AMP_POSTMORTEM_RUN_ID) or write to a new directory")
+    return Shard(path=path, rank=rank, table=table, num_rows=md.num_rows,
+                 first_step=_int(get(schema.META_FIRST_STEP)), last_step=_int(get(schema.META_LAST_STEP)),
+                 nonfinite_rows=_int(get(schema.META_NONFINITE_ROWS)))
+
+
+def _check_pairs(root, step_shards, tensor_shards, warnings) -> None:
+    """A shard pair covers one step range; say when one half is missing."""
+    steps_names = {(s.rank, s.path.name) for s in step_shards}
+    tensor_names = {(s.rank, s.path.name) for s in tensor_shards}
+    for s in step_shards:
+        if (s.rank, s.path.name) not in tensor_names and s.num_rows:
+            warnings.append(f"rank {s.rank}: steps {s.first_step}-{s.last_step} have no tensor rows "
+                            f"(tensors/{s.path.name} is missing or unreadable)")
+    for s in tensor_shards:
+        if (s.rank, s.path.name) not in steps_names and s.num_rows:
+            warnings.append(f"rank {s.rank}: tensor rows of steps {s.first_step}-{s.last_step} have no step "
+                            f"rows (steps/{s.path.name} is missing or unreadable)")
+
+
+_STEP_COLUMNS = [c.name for c in schema.STEP_COLUMNS]
+
+
+def _read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
+    def read(paths):
+        d = ds.dataset([str(p) for p in paths], format="parquet", schema=schema.STEP_SCHEMA)
+        return d.to_table(columns=_STEP_COLUMNS)
+
+    tables = []
+    try:
+        if shards:
+            tables.append(read([s.path for s in shards]))
+    except (OSError, pa.ArrowException):
+        # Find the damaged file(s) one by one; keep the rest.
+        tables = []
+        for s in shards:
+            try:
+                tables.append(read([s.path]))
+            except (OSError, pa.ArrowException) as exc:
+                warnings.append(f"skipped unreadable shard {s.path.relative_to(root)} ({_short(exc)})")
+    if not tables:
+        return schema.STEP_SCHEMA.empty_table().append_column(
+            "loss_nonfinite", pa.array([], pa.bool_())).to_pandas()
+    table = pa.concat_tables(tables)
+    loss = table.column("loss")
+    # pandas turns NaN and null into the same NaN: tell them apart here (a
+    # NaN loss is a finding, a null one means no loss was passed).
+    nonfinite = pc.fill_null(pc.invert(pc.is_finite(loss)), False)
+    df = table.append_column("loss_nonfinite", nonfinite).to_pandas()
+    df = df.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
+    dup = df.duplicated(["step", "rank"])
+    if dup.any():
+        warnings.append(f"{int(dup.sum())} step row(s) recorded twice (a resumed job?); keeping the last")
+        df = df.drop_duplicates(["step", "rank"], keep="last").reset_index(drop=True)
+    return df
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("amp-postmortem")
+    except Exception:  # noqa: BLE001 - running from a source tree
+        return "(unknown version)"
+
+
+def _int(v):
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,184 @@
+"""The safe loss-scale window estimated from recorded statistics alone.
+
+`estimate_scale_window` needs neither the model nor a bundle, nor torch: it
+fits, per layer, a log2-normal through the recorded float16 gradient
+statistics of one step and reads the overflow and underflow edges off the
+fit (the method is described in `scale_window.py`'s docstring). It is
+separate from the replayed window because it is a different computation on
+different input (a loaded run, not a saved step), and it is re-exported from
+`scale_window` where callers import it.
+"""
+from __future__ import annotations
+
+import math
+
+from recorders import schema
+
+from ..analyses.ranges import zeros_look_flushed
+from .scale_result import (LAYER_COLUMNS, MAX_UNDERFLOW, SCALES, ScaleWindow, _calibration, _position, _window,
+                           scaler_settings)
+
+LOG2_MIN_NORMAL = -14         # log2(FP16_MIN_NORMAL)
+ASSUMED_LOG2_SIGMA = 3.0      # spread (bits) assumed when every value sits below the normal limit
+
+
+def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
+                          max_underflow: float = MAX_UNDERFLOW, before: int | None = None) -> ScaleWindow:
+    """The window estimated from one recorded step's statistics (no replay).
+    Without `step`, from the latest clean full-tier step, before step
+    `before` when given (statistics recorded after a forward overflow
+    describe the failure, not the training a scaler should fit)."""
+    from scipy.stats import norm
+
+    steps = run.steps
+    notes = []
+    if step is None:
+        step, why = _estimate_step(run, before)
+        if why:
+            notes.append(why)
+    if step is None:
+        return _empty_estimate(None, None, notes or ["no recorded step with gradient statistics"], max_underflow)
+    at = steps[steps["step"] == int(step)]
+    if at.empty:
+        raise ValueError(f"step {step} is not in the run (recorded steps {run.first_step}..{run.last_step})")
+    scale = at["loss_scale_before"].dropna()
+    recorded_scale = float(scale.iloc[0]) if len(scale) else 1.0
+    if not len(scale):
+        notes.append("the run has no enabled loss scaler: the statistics are taken as unscaled")
+    df = run.scan_tensors(["step", "rank", "name", "kind", "dtype", "numel", "absmax", "nan_count", "inf_count",
+                           "rms", "zero_share", "below_normal_share"],
+                          steps=[int(step)], kinds=["grad_output"], label="reading gradient statistics")
+    df = df[df["dtype"] == "float16"]
+    if df.empty:
+        return _empty_estimate(int(step), recorded_scale,
+                               [f"step {step} has no float16 grad_output rows (no float16 gradients recorded)"],
+                               max_underflow)
+    if ((df["nan_count"] + df["inf_count"]) > 0).any():
+        notes.append(f"step {step} holds non-finite gradients: absmax covers the finite values only")
+    shift = math.log2(recorded_scale) if recorded_scale > 0 else 0.0
+    layers = []
+    for (name, _), g in df.groupby(["name", "rank"], sort=False):
+        r = g.iloc[0]
+        layers.append(_fit_layer(name, r, shift, norm))
+    lo_k, hi_k = int(scales[0]), int(scales[1])
+    overflow_k = min((lay["overflow_k"] for lay in layers if lay["overflow_k"] is not None), default=None)
+    usable = []
+    for k in range(lo_k, hi_k + 1):
+        if overflow_k is not None and k > overflow_k:
+            break
+        share = _estimated_share(layers, k, norm)
+        if share is None or share <= max_underflow:
+            usable.append(k)
+    for lay in layers:
+        lay["underflow_k"] = next((k for k in range(lo_k, hi_k + 1)
+                                   if (_estimated_share([lay], k, norm) or 0.0) <= max_underflow), None)
+    if any(lay.get("assumed_spread") for lay in layers):
+        notes.append(f"some gradients lie entirely below the float16 normal limit at the recorded scale: "
+                     f"their spread is assumed ({ASSUMED_LOG2_SIGMA:g} bits), the underflow edge is approximate")
+    if not any(lay["log2_sigma"] is not None for lay in layers):
+        notes.append("no full-tier statistics at this step: the underflow edge is unknown (overflow edge only)")
+    window = _window(usable)
+    if window is None:
+        notes.insert(0, "the estimated overflow edge lies below the estimated underflow edge")
+    settings, code = scaler_settings(window, device_type=(run.autocast or {}).get("device_type")
+                                     or run.manifest.get("device_type") or "cuda")
+    ranks = sorted(df["rank"].unique())
+    return ScaleWindow(method="estimate", step=int(step), rank=int(ranks[0]) if len(ranks) == 1 else None,
+                       recorded_scale=recorded_scale if len(scale) else None, window=window,
+                       recorded_position=_position(window, shift if len(scale) else None), settings=settings,
+                       code=code, rows=[{k: lay[k] for k in LAYER_COLUMNS} for lay in layers],
+                       max_underflow=max_underflow, notes=notes + _calibration(run.scaler, window),
+                       recorded_scaler=run.scaler)
+
+
+def _estimate_step(run, before: int | None = None):
+    """The latest clean (not skipped) step with full-tier gradient rows,
+    else the latest clean step (only steps before `before`, when given)."""
+    steps = run.steps
+    if before is not None:
+        steps = steps[steps["step"] < int(before)]
+    clean = steps[~steps["skipped"].astype(bool)]
+    if clean.empty:
+        return (int(steps["step"].max()) if len(steps) else None,
+                "every recorded step was skipped: estimated from the last one")
+    full = clean[clean["tier"] == "full"]
+    pick = full if len(full) else clean
+    return int(pick["step"].max()), (None if len(full) else "no clean full-tier step: overflow edge only")
+
+
+def _fit_layer(name, r, shift, norm) -> dict:
+    """log2|g| ~ N(mu, sigma) of the non-zero values, in unscaled units."""
+    numel = int(r["numel"] or 0)
+    zero = _num(r["zero_share"])
+    nonzero = max(1, round(numel * (1 - zero))) if zero is not None else max(1, numel)
+    absmax = _num(r["absmax"])
+    below = _num(r["below_normal_share"])
+    rms = _num(r["rms"])
+    out = {"name": name, "numel": numel, "nonzero": nonzero, "below_normal_share": below, "zero_share": zero,
+           "absmax_unscaled": absmax / 2 ** shift if absmax else absmax, "overflow_k": None,
+           "underflow_k": None, "log2_mu": None, "log2_sigma": None}
+    if not absmax or absmax <= 0:
+        return out
+    a = math.log2(absmax)
+    out["overflow_k"] = int(math.floor(math.log2(schema.FP16_MAX) - (a - shift)))
+    # Share of the fitted values below the float16 normal limit at the
+    # recorded scale. Zeros the float16 range flushed are such values too
+    # (censored, not absent): then the fit covers every value, not only the
+    # survivors, which would otherwise make a tiny scale look sufficient.
+    below_q = None
+    if below is not None:
+        if zero is not None and zeros_look_flushed(zero, rms):
+            nonzero = max(1, numel)
+            below_q = min(1.0, below + zero)
+        else:
+            below_q = below / max(1e-12, 1 - (zero or 0.0))
+    out["nonzero"] = nonzero
+    z_top = norm.ppf(1 - 0.5 / nonzero) if nonzero > 1 else 0.5
+    mu = sigma = None
+    if below_q is not None and (below_q >= 1 - 0.5 / nonzero or a <= LOG2_MIN_NORMAL):
+        # Everything sits under the limit: only the top is known. Assume a
+        # typical spread of gradient magnitudes below it.
+        sigma = ASSUMED_LOG2_SIGMA
+        mu = a - sigma * z_top
+        out["assumed_spread"] = True
+    elif below_q is not None and 0 < below_q < 1 and z_top > norm.ppf(below_q):
+        z_low = norm.ppf(below_q)
+        sigma = (a - LOG2_MIN_NORMAL) / (z_top - z_low)
+        mu = LOG2_MIN_NORMAL - sigma * z_low
+    elif rms is not None and rms > 0 and below is not None and z_top > 0:
+        # E[g^2] of a log2-normal: log2(rms) = mu + ln2 * sigma^2
+        rms_nz = rms / math.sqrt(max(1e-12, 1 - (zero or 0.0)))
+        R = math.log2(rms_nz)
+        disc = z_top ** 2 - 4 * math.log(2) * (a - R)
+        sigma = (z_top - math.sqrt(disc)) / (2 * math.log(2)) if disc >= 0 else z_top / (2 * math.log(2))
+        sigma = max(sigma, 0.05)
+        mu = R - math.log(2) * sigma ** 2
+    if sigma is not None:
+        out["log2_mu"], out["log2_sigma"] = mu - shift, sigma
+    return out
+
+
+def _estimated_share(layers, k, norm):
+    """Numel-weighted share of non-zero values below 2^-14 at scale 2^k."""
+    total = weight = 0.0
+    for lay in layers:
+        if lay["log2_sigma"] is None:
+            continue
+        share = float(norm.cdf((LOG2_MIN_NORMAL - k - lay["log2_mu"]) / lay["log2_sigma"]))
+        total += share * lay["nonzero"]
+        weight += lay["nonzero"]
+    return total / weight if weight else None
+
+
+def _empty_estimate(step, scale, notes, max_underflow) -> ScaleWindow:
+    return ScaleWindow(method="estimate", step=step, rank=None, recorded_scale=scale, window=None,
+                       recorded_position=None, settings=None, code=None, rows=[], max_underflow=max_underflow,
+                       notes=notes)
+
+
+def _num(v):
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None

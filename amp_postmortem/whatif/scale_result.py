@@ -1,0 +1,130 @@
+"""The loss-scale window as a result: `ScaleWindow`, and what both ways of
+finding it share.
+
+It owns the constants of the window (the scale range, the underflow limit,
+the table columns), the `ScaleWindow` dataclass both methods return, and the
+derivations from a list of usable scales: the window itself (longest run),
+where the recorded scale sits, the GradScaler settings and the notes on the
+recorded scaler's calibration. It is separate so that the replayed window
+(`scale_window.py`) and the statistics-only estimate (`scale_estimate.py`)
+can share it without importing each other.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from ..plain import plain
+
+SCALES = (-16, 40)            # k range of the replayed scales 2^k
+MAX_UNDERFLOW = 0.05          # usable: at most 5% of the gradient values flushed/subnormal
+WIDE_WINDOW_BITS = 4
+SCALE_COLUMNS = ["k", "scale", "forward_finite", "overflow", "underflow_share", "param_grad_lost_share",
+                 "usable", "recorded"]
+LAYER_COLUMNS = ["name", "numel", "absmax_unscaled", "below_normal_share", "zero_share", "overflow_k",
+                 "underflow_k", "log2_mu", "log2_sigma"]
+
+
+@dataclass
+class ScaleWindow:
+    method: str                     # "replay" | "estimate"
+    step: int | None
+    rank: int | None
+    recorded_scale: float | None
+    window: dict | None             # {"min_k", "max_k", "min_scale", "max_scale", "width_bits"}
+    recorded_position: str | None   # "inside" | "above" | "below" | None
+    settings: dict | None           # GradScaler keyword arguments
+    code: str | None
+    rows: list                      # replay: per scale; estimate: per layer
+    max_underflow: float = MAX_UNDERFLOW
+    notes: list = field(default_factory=list)
+    recorded_scaler: dict | None = None
+
+    def to_dict(self) -> dict:
+        return plain({"method": self.method, "step": self.step, "rank": self.rank,
+                      "recorded_scale": self.recorded_scale, "window": self.window,
+                      "recorded_position": self.recorded_position, "settings": self.settings, "code": self.code,
+                      "max_underflow": self.max_underflow, "recorded_scaler": self.recorded_scaler,
+                      "notes": self.notes, ("scales" if self.method == "replay" else "layers"): self.rows})
+
+    def table(self) -> pd.DataFrame:
+        cols = SCALE_COLUMNS if self.method == "replay" else LAYER_COLUMNS
+        return pd.DataFrame(self.rows, columns=cols)
+
+    def lines(self) -> list[str]:
+        what = "replayed" if self.method == "replay" else "estimated from recorded statistics"
+        out = [f"loss-scale window, {what}: step {self.step}"
+               + (f", rank {self.rank}" if self.rank is not None else "")
+               + (f", recorded scale {self.recorded_scale:g}" if self.recorded_scale else "")]
+        w = self.window
+        if w is None:
+            out.append("no usable scale: " + (self.notes[0] if self.notes else "every scale overflows or underflows"))
+        else:
+            out.append(f"window: 2^{w['min_k']} .. 2^{w['max_k']} ({w['min_scale']:g} .. {w['max_scale']:g}, "
+                       f"{w['width_bits']} bits); the recorded scale is {self.recorded_position or 'unknown'}")
+        if self.code:
+            out.append(f"GradScaler settings that stay inside it: {self.code}")
+        out += [f"note: {n}" for n in self.notes[(1 if w is None and self.notes else 0):]]
+        return out
+
+
+
+
+def _window(usable_ks) -> dict | None:
+    """The longest run of consecutive usable k (the highest on a tie)."""
+    best, start, prev = None, None, None
+    for k in sorted(usable_ks):
+        if prev is None or k != prev + 1:
+            start = k
+        prev = k
+        if best is None or (k - start) >= (best[1] - best[0]):
+            best = (start, k)
+    if best is None:
+        return None
+    lo, hi = best
+    return {"min_k": lo, "max_k": hi, "min_scale": 2.0 ** lo, "max_scale": 2.0 ** hi, "width_bits": hi - lo}
+
+
+def _position(window, recorded_k) -> str | None:
+    if window is None or recorded_k is None:
+        return None
+    if recorded_k > window["max_k"]:
+        return "above"
+    if recorded_k < window["min_k"]:
+        return "below"
+    return "inside"
+
+
+def scaler_settings(window, device_type: str = "cuda") -> tuple[dict | None, str | None]:
+    """GradScaler keyword arguments that keep a run inside `window`."""
+    if window is None:
+        return None, None
+    lo, hi = window["min_k"], window["max_k"]
+    settings = {"init_scale": 2.0 ** max(lo, hi - 1), "growth_factor": 2.0, "backoff_factor": 0.5,
+                "growth_interval": 2000 if hi - lo >= WIDE_WINDOW_BITS else 500}
+    args = ", ".join(f"{k}={_literal(v)}" for k, v in settings.items())
+    return settings, f'torch.amp.GradScaler("{device_type or "cuda"}", {args})'
+
+
+def _literal(v) -> str:
+    if isinstance(v, float) and v >= 8 and math.log2(v).is_integer():
+        return f"2.0**{int(math.log2(v))}"
+    return repr(v)
+
+
+def _calibration(scaler, window) -> list:
+    """What the recorded GradScaler configuration costs against the window."""
+    if not scaler or window is None:
+        return []
+    notes = []
+    init = scaler.get("init_scale")
+    if init and init > window["max_scale"]:
+        skips = math.ceil(math.log2(init / window["max_scale"]))
+        notes.append(f"the recorded init_scale {init:g} is above the window: about {skips} skipped steps "
+                     "of calibration at every (re)start")
+    elif init and init < window["min_scale"]:
+        notes.append(f"the recorded init_scale {init:g} is below the window: gradients underflow until it "
+                     f"has grown {math.ceil(math.log2(window['min_scale'] / init))} times")
+    return notes
