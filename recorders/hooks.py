@@ -26,7 +26,7 @@ class _CallContext:
         self.call = call
         self.input_nonfinite = input_nonfinite
         self.grad_out_nonfinite = None
-        self.pending = {}  # input index -> [expected, arrived, parts, dtype]
+        self.pending = {}  # input index -> [expected, arrived, parts]
         self.is_root = is_root
         self.micro_batch = micro_batch
         self.step_id = step_id
@@ -50,7 +50,6 @@ class _StepState:
         self.stepped = False
         self.grad_sqsum = None  # global square sum of the unscaled gradients, on the device
         self.param_values: list[tuple] = []
-        self.inv_scale_for = None
         self.device = None
 
 
@@ -103,7 +102,6 @@ class RecorderHooks:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._guard(self._make_param_hook(pname, p))))
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
             self._hooks.append(self.optimizer.register_step_pre_hook(self._guard(self._on_opt_pre)))
-            self._hooks.append(self.optimizer.register_step_post_hook(self._guard(self._on_opt_post)))
 
     def _param_watched(self, pname: str) -> bool:
         owner = pname.rpartition(".")[0]
@@ -275,7 +273,7 @@ class RecorderHooks:
                 todo.append(nxt)
         for node, slots in edges.items():
             for _, input_idx in slots:
-                acc = ctx.pending.setdefault(input_idx, [0, 0, [], None])
+                acc = ctx.pending.setdefault(input_idx, [0, 0, []])
                 acc[0] += 1
             node.register_hook(self._guard(self._make_node_hook(ctx, slots)))
 
@@ -367,5 +365,3 @@ class RecorderHooks:
                 st.grad_sqsum = (norms * norms).sum()
         self.bundles.on_optimizer_pre_step()
 
-    def _on_opt_post(self, optimizer, args, kwargs):
-        pass

@@ -61,7 +61,7 @@ class ManifestMixin:
                 "include": list(self.include), "exclude": list(self.exclude),
                 "cheap_every": self.cheap_every, "full_every": self.full_every,
                 "full_after_event": self.full_after_event,
-                "steps_per_shard": self._writer_steps_per_shard() if hasattr(self, "_writer") else None,
+                "steps_per_shard": self.steps_per_shard,
                 "near_overflow": self.near_overflow,
                 "bundles": _jsonable(self.bundles.config),
             },
@@ -77,11 +77,8 @@ class ManifestMixin:
             "disabled_reason": None,
         }
 
-    def _writer_steps_per_shard(self):
-        return self._writer.steps_per_shard
 
     def _write_manifest(self) -> None:
-        self._manifest["recorder"]["steps_per_shard"] = self._writer.steps_per_shard
         self._manifest["bundles"] = list(self.bundles.saved)
         atomic_write_json(self.rank_dir / schema.MANIFEST_FILE, self._manifest)
         if self.rank == 0:

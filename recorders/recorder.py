@@ -65,6 +65,7 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
         self.full_after_event = int(full_after_event)
         self.near_overflow = float(near_overflow)
         self.flush_interval_s = float(flush_interval_s)
+        self.steps_per_shard = max(1, int(steps_per_shard))
         if rank is None or world_size is None:
             dist_rank, dist_world = _dist_rank_world()
             rank = dist_rank if rank is None else rank
@@ -105,7 +106,7 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._writer_loop, name="amp-postmortem-writer", daemon=True)
         self._writer = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
-                                   world_size=self.world_size, steps_per_shard=steps_per_shard)
+                                   world_size=self.world_size, steps_per_shard=self.steps_per_shard)
         try:
             self._write_manifest()
         except OSError as exc:

@@ -136,13 +136,7 @@ def _full_stats(d, finite_abs, inv, scale, near_overflow):
     mn = torch.where(n_fin > 0, mn, nan_t)
     mx = torch.where(n_fin > 0, mx, nan_t)
     a = finite_abs.to(work)
-    normal = schema.FP16_MIN_NORMAL
-    sub = schema.FP16_MIN_SUBNORMAL
-    over = near_overflow
-    if scale is not None:
-        # Thresholds in scaled units: |g/scale| < t  <=>  |g| < t*scale.
-        s = scale.to(work)
-        normal, sub, over = normal * s, sub * s, over * s
+    normal, sub, over = _thresholds(scale, work, near_overflow)
     nonzero = a > 0
     zero = (d == 0).sum().to(torch.float64) / n
     below_normal = (nonzero & (a < normal)).sum().to(torch.float64) / n
@@ -154,6 +148,16 @@ def _full_stats(d, finite_abs, inv, scale, near_overflow):
 
 
 # ------------------------------------------------------------ host fast path
+def _thresholds(scale, work, near_overflow):
+    """The float16 normal, subnormal and near-overflow limits, in the units
+    of the tensor: |g/scale| < t  <=>  |g| < t*scale for a scaled gradient."""
+    normal, sub, over = schema.FP16_MIN_NORMAL, schema.FP16_MIN_SUBNORMAL, near_overflow
+    if scale is not None:
+        s = scale.to(work)
+        normal, sub, over = normal * s, sub * s, over * s
+    return normal, sub, over
+
+
 def _on_host(d, input_nonfinite, scale) -> bool:
     return (d.device.type == "cpu"
             and (input_nonfinite is None or input_nonfinite.device.type == "cpu")
@@ -200,12 +204,7 @@ def _host_stats(d, full, scale, near_overflow):
         rms = float(torch.sqrt((x ** 2).sum() / n))
     else:
         rms = float(torch.sqrt(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2 / n))
-    normal = schema.FP16_MIN_NORMAL
-    sub = schema.FP16_MIN_SUBNORMAL
-    over = near_overflow
-    if scale is not None:
-        s = scale.to(work)
-        normal, sub, over = normal * s, sub * s, over * s
+    normal, sub, over = _thresholds(scale, work, near_overflow)
     a = x.abs()
     absmin = float(a.amin())
     absmax_w = max(abs(mn), abs(mx))  # exact in the working dtype

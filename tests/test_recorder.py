@@ -264,18 +264,7 @@ def _ddp_worker(rank, world, run, port):
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = DDP(TinyNet())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    sc = torch.amp.GradScaler("cpu")
-    with AmpRecorder(run, model, optimizer=opt, scaler=sc, run_id="ddp-test") as rec:
-        for x, y in batches(3, seed=rank):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = ((model(x).float() - y) ** 2).mean()
-            sc.scale(loss).backward()
-            sc.step(opt)
-            sc.update()
-            opt.zero_grad()
-            rec.step(loss)
+    train(DDP(TinyNet()), batches(3, seed=rank), recorder_factory=recorder(run, run_id="ddp-test"))
     dist.destroy_process_group()
 
 
@@ -324,22 +313,16 @@ def test_an_unwritable_run_directory_warns_and_training_goes_on(tmp_path):
 
 
 def test_grad_norm_is_the_global_norm_of_the_unscaled_gradients(tmp_path):
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    sc = torch.amp.GradScaler("cpu")
     norms = []
-    opt.register_step_pre_hook(lambda *a: norms.append(
-        torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()))
-    with AmpRecorder(tmp_path / "run", model, optimizer=opt, scaler=sc) as rec:
-        for x, y in batches(3):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = ((model(x).float() - y) ** 2).mean()
-            sc.scale(loss).backward()
-            sc.step(opt)
-            sc.update()
-            opt.zero_grad()
-            rec.step(loss)
+
+    def recorder_and_reference(model, opt, sc):
+        # the reference: the norm of the unscaled gradients as the optimizer sees them
+        opt.register_step_pre_hook(lambda *a: norms.append(
+            torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()))
+        return AmpRecorder(tmp_path / "run", model, optimizer=opt, scaler=sc)
+
+    torch.manual_seed(0)
+    train(TinyNet(), batches(3), recorder_factory=recorder_and_reference)
     assert read(tmp_path / "run", "steps")["grad_norm"].tolist() == pytest.approx(norms, rel=1e-5)
 
 
