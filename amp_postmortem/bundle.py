@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import torch
 
 from recorders import schema
-from recorders.bundle_writer import file_sha256, json_checksum
+from recorders.plain import file_sha256, json_checksum
 from recorders.tensor_codec import decode_tree, parse_dtype, tensor_from_bytes
 
 from .errors import BundleError

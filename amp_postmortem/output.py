@@ -19,6 +19,8 @@ from pathlib import Path
 
 import click
 
+from recorders.plain import plain
+
 _RUNS_KEY = "amp_postmortem.runs"
 
 
@@ -74,7 +76,7 @@ def emit(report, fmt: str = "table") -> None:
         doc = report.to_dict()
         if isinstance(doc, dict) and "warnings" not in doc:
             doc = {**doc, "warnings": warnings}
-        click.echo(json.dumps(jsonable(doc), indent=2))
+        click.echo(json.dumps(plain(doc), indent=2))
     elif fmt == "csv":
         table = report.table()
         click.echo(table.to_csv(index=False), nl=False)
@@ -139,27 +141,6 @@ def _pandas_na():
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def jsonable(obj):
-    """Plain JSON types: NaN/Inf become null, numpy scalars Python numbers."""
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
-        return obj
-    if isinstance(obj, int):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if hasattr(obj, "item"):  # numpy scalar
-        return jsonable(obj.item())
-    if hasattr(obj, "tolist"):
-        return jsonable(obj.tolist())
-    if isinstance(obj, Path):
-        return str(obj)
-    return str(obj)
 
 
 def _warnings() -> list[str]:

@@ -36,7 +36,8 @@ import torch
 from .bundle_decide import BundleDecisions
 from .bundle_state import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now
 from .bundle_triggers import TRIGGERS, BundleTriggers
-from .bundle_writer import plain_json, precision_flags
+from .bundle_writer import precision_flags
+from .plain import plain
 from .stats import iter_tensors
 from .tensor_codec import clone_tree, encode_tree
 
@@ -307,8 +308,8 @@ class BundleCapture(BundleDecisions):
             groups = [dict(h, params=[inv.name_by_id.get(id(t), "?") for t in g["params"]])
                       for h, g in zip(hyper, opt.param_groups)]
             optimizer = {"class": f"{type(opt).__module__}.{type(opt).__qualname__}",
-                         "defaults": plain_json({k: v for k, v in opt.defaults.items() if k != "params"}),
-                         "param_groups": plain_json(groups)}
+                         "defaults": plain({k: v for k, v in opt.defaults.items() if k != "params"}, keep_nonfinite=True),
+                         "param_groups": plain(groups, keep_nonfinite=True)}
         p.info = {"inputs_exact": all(t._version == v for mb in cap.micro_batches for t, v in mb.input_versions),
                   "buffers_source": bsource, "buffers_exact": bexact, "optimizer": optimizer}
         p.event = None

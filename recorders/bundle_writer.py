@@ -8,7 +8,6 @@ partial bundle. Nothing here pickles anything.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -24,39 +23,12 @@ import pyarrow.parquet as pq
 import torch
 
 from . import schema
+from .plain import file_sha256, json_checksum, plain
 from .tensor_codec import dtype_name, host_array
 from .writer import _fsync_dir
 
 ROW_GROUP_BYTES = 64 << 20
 
-
-def json_checksum(meta: dict) -> str:
-    """sha256 of the canonical JSON of `meta` without its `checksum` key."""
-    body = {k: v for k, v in meta.items() if k != "checksum"}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def plain_json(obj):
-    """JSON-ready copy: containers recursed, scalars kept, CPU 0-d tensors
-    read, anything else as its repr."""
-    if isinstance(obj, dict):
-        return {str(k): plain_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [plain_json(v) for v in obj]
-    if obj is None or isinstance(obj, (str, bool, int, float)):
-        return obj
-    if isinstance(obj, torch.Tensor) and obj.numel() == 1 and obj.device.type == "cpu":
-        return obj.item()
-    return repr(obj)
 
 
 def precision_flags() -> dict:
@@ -235,8 +207,8 @@ def bundle_meta(inventory, p, run: dict) -> dict:
         "buffers": {"names": inventory.buffer_names, "non_persistent": inventory.non_persistent,
                     "source": p.info["buffers_source"], "exact": p.info["buffers_exact"]},
         "inputs_exact": p.info["inputs_exact"],
-        "autocast": plain_json(cap.autocast), "precision_flags": plain_json(cap.precision),
-        "scaler": plain_json(scaler), "model_class": inventory.model_class,
+        "autocast": plain(cap.autocast, keep_nonfinite=True), "precision_flags": plain(cap.precision, keep_nonfinite=True),
+        "scaler": plain(scaler, keep_nonfinite=True), "model_class": inventory.model_class,
         "name_prefix_removed": inventory.prefix or None,
         "optimizer": p.info["optimizer"],
         "env": environment(run["package_version"], run["device_type"], run["device_name"]),

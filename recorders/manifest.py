@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from . import schema
+from .plain import plain
 from .writer import atomic_write_json
 
 try:
@@ -41,7 +42,7 @@ class ManifestMixin:
         opt = None
         if self.optimizer is not None:
             opt = {"class": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
-                   "defaults": _jsonable(getattr(self.optimizer, "defaults", {}))}
+                   "defaults": plain(getattr(self.optimizer, "defaults", {}), keep_nonfinite=True)}
         return {
             "format": schema.FORMAT_NAME,
             "schema_version": schema.SCHEMA_VERSION,
@@ -63,7 +64,7 @@ class ManifestMixin:
                 "full_after_event": self.full_after_event,
                 "steps_per_shard": self.steps_per_shard,
                 "near_overflow": self.near_overflow,
-                "bundles": _jsonable(self.bundles.config),
+                "bundles": plain(self.bundles.config, keep_nonfinite=True),
             },
             "modules": modules,
             "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
@@ -124,17 +125,3 @@ def _json_float(v):
     if isinstance(v, (int, float)):
         return float(v)
     return None
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (str, bool)) or obj is None:
-        return obj
-    if isinstance(obj, (int, float)):
-        return obj
-    if isinstance(obj, torch.Tensor) and obj.numel() == 1 and obj.device.type == "cpu":
-        return obj.item()
-    return repr(obj)

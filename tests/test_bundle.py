@@ -14,7 +14,8 @@ from amp_postmortem.bundle import autocast_dtype, find_bundle, list_bundles, loa
 from amp_postmortem.errors import BundleError
 from recorders import AmpRecorder, schema
 from recorders.bundle_triggers import BundleTriggers
-from recorders.bundle_writer import json_checksum, write_tensors
+from recorders.bundle_writer import write_tensors
+from recorders.plain import json_checksum
 from recorders.tensor_codec import host_array, tensor_from_bytes
 from tiny_models import PlantedNet, batches
 

@@ -357,8 +357,8 @@ def test_json_contract():
     assert set(d["culprit"]) >= {"name", "phase", "precision", "reason"}
     for m in d["modules"]:
         assert set(m) >= {"name", "phase", "status", "local_rel_err", "propagated_rel_err"}
-    from amp_postmortem.output import jsonable
-    json.loads(json.dumps(jsonable(d), allow_nan=False))
+    from recorders.plain import plain
+    json.loads(json.dumps(plain(d), allow_nan=False))
     table = result.table()
     assert list(table.columns[:5]) == ["name", "phase", "fp16", "fp16_local", "fp16_prop"]
     assert result.lines()[1].startswith("fidelity: unknown (no recorded statistics")

@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from ..loader import Run
-from ..plain import plain
+from recorders.plain import plain
 
 THRESHOLD = 0.10
 PERSIST = 3            # consecutive common steps over the threshold that make a parting

@@ -30,7 +30,7 @@ import pandas as pd
 from recorders import schema
 
 from ..loader import Run
-from ..plain import plain
+from recorders.plain import plain
 
 LAYER_KINDS = ("input", "activation", "loss", "grad_output", "grad_input", "param_grad")
 _COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "call", "nan_count", "inf_count",

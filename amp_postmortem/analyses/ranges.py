@@ -45,7 +45,7 @@ import pandas as pd
 from recorders import schema
 
 from ..loader import Run
-from ..plain import plain
+from recorders.plain import plain
 from .trend import theil_sen
 
 KINDS = ("input", "activation", "grad_output", "grad_input")

@@ -78,7 +78,7 @@ class Recommendations:
         return next((r for r in self.recommendations if r.kind == kind), None)
 
     def to_dict(self) -> dict:
-        from ..plain import plain
+        from recorders.plain import plain
         return plain({"run": self.run, "step": self.step, "replayed": self.replayed,
                       "recommendations": [r.to_dict() for r in self.recommendations], "notes": self.notes})
 

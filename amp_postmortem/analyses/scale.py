@@ -52,6 +52,7 @@ import pandas as pd
 from scipy import stats
 
 from recorders import schema
+from recorders.plain import plain
 
 from ..loader import Run
 from .nans import backward_origin, forward_origin
@@ -100,7 +101,7 @@ class ScaleReport:
     driver_steps: dict = field(default_factory=dict)  # layer -> number of skipped steps it drove
 
     def to_dict(self) -> dict:
-        return {k: _clean(v) for k, v in asdict(self).items()}
+        return plain(asdict(self))
 
     def table(self) -> pd.DataFrame:
         d = self.to_dict()
@@ -385,13 +386,3 @@ def _drivers(run: Run, series, skipped, steps, from_step) -> tuple[list[str], di
 
 def _display(name: str) -> str:
     return "(model)" if name == "" else name
-
-
-def _clean(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, (np.floating,)):
-        return _clean(float(v))
-    if isinstance(v, (np.integer,)):
-        return int(v)
-    return v

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..plain import plain
+from recorders.plain import plain
 from . import prepare, report_progress
 from .fix import not_saved_by
 

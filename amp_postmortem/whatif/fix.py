@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..plain import plain
+from recorders.plain import plain
 from . import fmt_num, prepare, report_progress
 
 MAX_CANDIDATES = 12

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..plain import plain
+from recorders.plain import plain
 
 SCALES = (-16, 40)            # k range of the replayed scales 2^k
 MAX_UNDERFLOW = 0.05          # usable: at most 5% of the gradient values flushed/subnormal
