@@ -105,7 +105,7 @@ def emit(report, fmt: str = "table") -> None:
 
 def render_table(df) -> str:
     """A fixed-width table: floats to 4 significant digits, missing as "-",
-    the root module's name "" as "(model)"."""
+    the root module's name "" as `names.ROOT_DISPLAY`."""
     names = {"name", "layer", "module"}
     cols = list(df.columns)
     cells = [[_cell(v, c in names) for v in df[c]] for c in cols]
