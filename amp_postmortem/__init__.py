@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import types
 
-from .names import POLICIES, PRECISIONS
+from .names import DEVICES, PRECISIONS, REDUCED_PRECISIONS
 
 __version__ = "0.1.0"
 
@@ -108,6 +108,7 @@ def replay(run, *, step: int, rank: int | None = None, model=None, device: str =
            precisions=PRECISIONS, policy: str = "recorded", anomaly: bool = False, loss_fn=None):
     """Replay a saved step per precision and name the culprit (`amp-postmortem
     replay`). `run` may also be a bundle directory or a loaded `Bundle`."""
+    _check_device(device)
     from .replay import replay as run_replay
     from .replay.model_spec import resolve_loss_fn
     return _result(run_replay(_source(run), step, rank=rank, model=model, device=device, precisions=precisions,
@@ -119,6 +120,7 @@ def fix(run, *, step: int, rank: int | None = None, model=None, device: str = "c
     """Which module kept in float32 saves the step (`amp-postmortem fix`).
     `precision` (fp16, bf16; default: the recorded one) asks what a step
     recorded without autocast would do in it."""
+    _check_device(device, precision)
     from .replay.model_spec import resolve_loss_fn
     from .whatif.fix import find_fix
     return _result(find_fix(_source(run), step, rank=rank, model=model, device=device, policy=policy,
@@ -130,6 +132,7 @@ def bisect(run, *, step: int, rank: int | None = None, model=None, device: str =
            precision: str | None = None, loss_fn=None, keep_fp32=(), max_replays: int = 256, progress=None):
     """Which samples of the saved batch make the step fail (`amp-postmortem
     bisect`); `keep_fp32` replays with those modules kept in float32."""
+    _check_device(device, precision)
     from .replay.model_spec import resolve_loss_fn
     from .whatif.bisect import bisect_samples
     return _result(bisect_samples(_source(run), step, rank=rank, model=model, device=device, policy=policy,
@@ -152,6 +155,7 @@ def scale_window(run, *, step: int | None = None, rank: int | None = None, model
     is_run = _is_run(run)
     replayed = estimate = opened = None
     if model is not None:
+        _check_device(device, precision)
         if step is None and is_run:
             raise OptionError("a replay (--model) needs the step of a saved bundle: give --step N")
         from .replay.model_spec import resolve_loss_fn
@@ -173,6 +177,8 @@ def recommend(run, *, rank: int | None = None, model=None, step: int | None = No
     recorded statistics, or from what-if replays of a bundle when `model`
     is given (`step`, else `analyses.bundle_choice.pick_bundle`'s)."""
     from .advice import recommend as advise
+    if model is not None:
+        _check_device(device)
     r = load_run(run, rank=rank, progress=progress)
     if loss_fn is not None:
         from .replay.model_spec import resolve_loss_fn
@@ -220,6 +226,16 @@ def _source(run):
 def _is_run(run) -> bool:
     from recorders import schema
     return _loaded(run, "amp_postmortem.loader", "Run") or (_path(run) / schema.MANIFEST_FILE).is_file()
+
+
+def _check_device(device: str, precision: str | None = None) -> None:
+    """Values the replays would only fail on later, named now."""
+    from .errors import DeviceError, PrecisionError
+    if device not in DEVICES:
+        raise DeviceError(f"device {device!r} is not one of {', '.join(DEVICES)}")
+    if precision is not None and precision not in REDUCED_PRECISIONS:
+        raise PrecisionError(f"precision {precision!r} is not one of {', '.join(REDUCED_PRECISIONS)} "
+                             "(the what-ifs replay a reduced precision)")
 
 
 def _names(modules) -> tuple:

@@ -274,6 +274,8 @@ def _why_empty(root, rank, manifests, step_shards, found_files, warnings) -> str
         skipped = [w for w in warnings if w.startswith("skipped")]
         if skipped:
             why = f"no steps shard among its {found_files} shard file(s) could be used; first: {skipped[0]}"
+        elif not step_shards:
+            why = f"none of its {found_files} shard file(s) is a steps shard"
         else:
             why = f"its {len(step_shards)} steps shard(s) hold no step row"
     return f"{where} holds no readable step: {why}" + _disabled(manifests)

@@ -190,3 +190,18 @@ def test_replay_option_errors_have_their_own_classes():
         resolve_loss_fn("json:nope")
     assert resolve_loss_fn("json:dumps") is json.dumps
     assert issubclass(DeviceError, PostmortemError)
+
+
+def test_replay_values_are_checked_before_any_replay(overflow_run):
+    with pytest.raises(DeviceError, match="device 'tpu' is not one of cpu, cuda"):
+        amp_postmortem.fix(overflow_run, step=7, device="tpu")
+    with pytest.raises(PrecisionError, match="precision 'fp32' is not one of fp16, bf16"):
+        amp_postmortem.bisect(overflow_run, step=7, precision="fp32")
+
+
+def test_a_run_of_tensor_shards_only_says_so(overflow_run, tmp_path):
+    run = tmp_path / "no_steps"
+    shutil.copytree(overflow_run, run)
+    shutil.rmtree(run / "rank=0" / "steps")
+    with pytest.raises(EmptyRunError, match=r"holds no readable step: none of its 3 shard file\(s\) is a steps shard"):
+        amp_postmortem.load_run(run)

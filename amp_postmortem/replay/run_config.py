@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..names import POLICIES, PRECISIONS
+from ..names import POLICIES, PRECISIONS  # noqa: F401  (PRECISIONS: re-exported to the engine)
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PRECISION_OF_DTYPE = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
