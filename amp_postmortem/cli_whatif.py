@@ -21,14 +21,13 @@ from .names import DEVICES, POLICIES, REDUCED_PRECISIONS
 from .output import StderrProgress, api_default, output_options, run_options
 
 
-def replay_options(*, step_required: bool = True, precision: bool = True):
-    """--step, --model, --loss-fn, --device, --policy (and --precision) of
-    the commands that replay a bundle."""
+def replay_options(*, step_required: bool = True):
+    """--step, --model, --loss-fn, --device, --policy and --precision of the
+    what-ifs that replay a bundle."""
     def decorate(f):
-        if precision:
-            f = click.option("--precision", type=click.Choice(REDUCED_PRECISIONS), default=None,
-                             help="Reduced precision of the replay (default: the recorded one; a step "
-                                  "recorded without autocast needs it).")(f)
+        f = click.option("--precision", type=click.Choice(REDUCED_PRECISIONS), default=None,
+                         help="Reduced precision of the replay (default: the recorded one; a step "
+                              "recorded without autocast needs it).")(f)
         f = click.option("--policy", type=click.Choice(POLICIES), default="recorded", show_default=True,
                          help="Autocast policy of the replay: the recording device's, or CUDA's / the CPU's.")(f)
         f = click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,

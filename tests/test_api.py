@@ -156,11 +156,14 @@ def test_readme_lists_exactly_the_json_keys(results, command):
     assert set(documented) == set(results[command][0]), command
 
 
-def test_import_needs_neither_torch_nor_pandas():
-    code = ("import sys, amp_postmortem, amp_postmortem.cli; "
-            "print(sorted(m for m in ('torch', 'pandas', 'scipy') if m in sys.modules))")
+def test_import_needs_neither_torch_nor_pandas_and_the_table_commands_no_torch():
+    code = ("import sys, amp_postmortem as a, amp_postmortem.cli; "
+            "print(sorted(m for m in ('torch', 'pandas', 'scipy') if m in sys.modules)); "
+            "run = 'sample_runs/attention_overflow'; "
+            "[f(run) for f in (a.summary, a.nans, a.scale, a.ranges, a.scale_window, a.recommend)]; "
+            "a.compare('sample_runs/fp32_baseline', run); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.split("\n")[:2] == ["[]", "False"]
 
 
 def test_replay_is_the_api_function_after_the_engine_is_imported():
