@@ -33,3 +33,15 @@ class MixedRunsError(CorruptRunError):
 
 class RankNotFoundError(PostmortemError):
     """--rank names a rank the run has no data for."""
+
+
+class MissingExtraError(PostmortemError):
+    """An optional dependency (a pip extra such as `report`) is not installed."""
+
+
+class ReplayFileError(PostmortemError):
+    """`report --replay` names a file that is not the output of `replay --json`."""
+
+
+class ExportError(PostmortemError):
+    """An export cannot be written where it was asked for."""
