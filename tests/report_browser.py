@@ -44,6 +44,7 @@ HARNESS = r"""<script>
     var pre = document.createElement('pre');
     pre.id = 'amp-pm-harness';
     pre.textContent = JSON.stringify({state: state, errors: errors, plots: plots,
+                                      ready_ms: Math.round(performance.now()),
                                       divs: document.querySelectorAll('div.plot').length});
     document.body.appendChild(pre);
   }
