@@ -198,6 +198,21 @@ def test_the_analysis_commands_import_neither_plotly_nor_tensorboard(overflow_ru
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_report_and_export_run_without_torch(overflow_run, tmp_path):
+    code = ("import sys\n"
+            "from amp_postmortem.cli import main\n"
+            f"for argv in (['report', {str(overflow_run)!r}, '-o', {str(tmp_path / 'r.html')!r}],\n"
+            f"             ['export', 'tensorboard', {str(overflow_run)!r}, '--logdir', {str(tmp_path / 'tb')!r}]):\n"
+            "    try:\n"
+            "        main(argv)\n"
+            "    except SystemExit as e:\n"
+            "        assert e.code == 0, (argv, e.code)\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
 # --------------------------------------------------------------- browser
 @pytest.fixture(scope="module")
 def replay_json(overflow_run, tmp_path_factory):

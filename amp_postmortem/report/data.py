@@ -42,7 +42,7 @@ MAX_SPREAD_RANKS = 8         # per-rank spread views of a multi-rank run
 
 FORWARD_KINDS = ("input", "activation")
 BACKWARD_KINDS = ("grad_output", "grad_input")
-_SCAN_COLUMNS = ["step", "name", "kind", "order", "phase", "dtype", "numel", "absmax", "nan_count",
+_SCAN_COLUMNS = ["step", "name", "kind", "order", "dtype", "numel", "absmax", "nan_count",
                  "inf_count", "below_normal_share", "below_subnormal_share"]
 
 

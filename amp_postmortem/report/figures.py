@@ -151,7 +151,7 @@ def headroom(data: ReportData) -> Plot | None:
                 marker={"symbol": "x-thin", "size": 6, "color": "black", "line": {"width": 1.2, "color": "black"}},
                 hovertemplate="%{y}<br>step %{x}: NaN/Inf<extra></extra>"), row=1, col=i)
             points += len(r)
-    fig.update_yaxes(autorange="reversed", tickfont={"size": 9})
+    fig.update_yaxes(autorange="reversed", tickfont={"size": 9}, automargin=True)
     fig.update_xaxes(title_text="step")
     width = maps[0].column_width
     fig.update_layout(height=max(360, 16 * len(layers) + 140), margin={"t": 50, "l": 10},
@@ -228,7 +228,8 @@ def first_nan(data: ReportData) -> Plot | None:
                 hovertemplate="%{y}<br>first NaN/Inf at step %{x}, order %{customdata[0]}: "
                               "%{customdata[1]}<extra>" + who + phase + "</extra>"))
             points += len(rows)
-    fig.update_yaxes(categoryorder="array", categoryarray=labels, autorange="reversed", tickfont={"size": 9})
+    fig.update_yaxes(categoryorder="array", categoryarray=labels, autorange="reversed", tickfont={"size": 9},
+                     automargin=True)
     fig.update_layout(xaxis={"title": {"text": "first step with a NaN/Inf"}},
                       height=max(320, 15 * len(labels) + 120), margin={"t": 30},
                       legend={"orientation": "h", "y": -0.1})
