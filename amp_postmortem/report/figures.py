@@ -35,7 +35,9 @@ def plots(data: ReportData, replay: dict | None = None) -> list[Plot]:
     out.append(grad_norm_and_underflow(data))
     if replay is not None:
         out.append(replay_errors(replay))
-    return [p for p in out if p is not None]
+    # A plot with nothing to draw (a run without tensor rows, say) is left
+    # out rather than shown empty.
+    return [p for p in out if p is not None and p.points > 0]
 
 
 def _go():
@@ -158,7 +160,8 @@ def headroom(data: ReportData) -> Plot | None:
                       legend={"orientation": "h", "y": -0.08})
     dtypes = sorted({d for h in maps for d in h.dtypes})
     note = (f"Bits between each layer's largest value and its dtype's overflow limit ({', '.join(dtypes)}), "
-            "0 where a value was NaN/Inf (marked x); gradients are the scaled values that travelled. "
+            "0 where a value was NaN/Inf (marked x); gradients are the scaled values that travelled; blank: "
+            "not recorded, or every value zero (a gradient flushed to zero). "
             "Layers in model (forward execution) order.")
     if width > 1:
         note += f" Each column is the worst of {width} steps."
@@ -281,7 +284,7 @@ def grad_norm_and_underflow(data: ReportData) -> Plot:
     fig.update_layout(
         xaxis={"title": {"text": "step"}}, yaxis_title_text="grad norm",
         yaxis2={"title": {"text": "share of gradient values"}, "overlaying": "y", "side": "right", "type": "linear",
-                "range": [0, 1], "showgrid": False},
+                "range": [0, 1], "showgrid": False, "tickmode": "linear", "tick0": 0, "dtick": 0.2},
         height=380, margin={"t": 30, "r": 70}, legend={"orientation": "h", "y": -0.2})
     note = ("Underflow shares: grad_output rows (the scaled gradients that travel) of the full-tier steps; "
             "values below 6.1e-5 lose precision, below 6e-8 they round to zero.")
