@@ -156,7 +156,10 @@ def headroom(data: ReportData) -> Plot | None:
     fig.update_yaxes(autorange="reversed", tickfont={"size": 9}, automargin=True)
     fig.update_xaxes(title_text="step")
     width = maps[0].column_width
-    fig.update_layout(height=max(360, 16 * len(layers) + 140), margin={"t": 50, "l": 10},
+    # Room for the longest layer name at the 9 px tick font (automargin
+    # alone does not widen a shared y axis of subplots).
+    left = min(320, 6 * max((len(n) for n in layers), default=8) + 20)
+    fig.update_layout(height=max(360, 16 * len(layers) + 140), margin={"t": 50, "l": left},
                       legend={"orientation": "h", "y": -0.08})
     dtypes = sorted({d for h in maps for d in h.dtypes})
     note = (f"Bits between each layer's largest value and its dtype's overflow limit ({', '.join(dtypes)}), "
