@@ -106,7 +106,7 @@ def record_run(path, *, steps, plant=None, scaler_kwargs=None, lr=0.01, fixed_ba
         rec.close()
     else:
         rec.flush()  # leaves the manifest "open", as a killed job would
-        rec._remove_hooks()
+        rec.hooks.remove()
     return Path(path)
 
 

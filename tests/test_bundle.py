@@ -13,8 +13,8 @@ import torch.nn as nn
 from amp_postmortem.bundle import autocast_dtype, find_bundle, list_bundles, load_bundle
 from amp_postmortem.errors import BundleError
 from recorders import AmpRecorder, schema
-from recorders.bundle_triggers import BundleTriggers
-from recorders.bundle_writer import write_tensors
+from recorders.bundles.triggers import BundleTriggers
+from recorders.bundles.directory import write_tensors
 from recorders.plain import json_checksum
 from recorders.tensor_codec import host_array, tensor_from_bytes
 from tiny_models import PlantedNet, batches

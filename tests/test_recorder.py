@@ -188,7 +188,7 @@ def test_a_hook_that_raises_turns_recording_off_and_training_goes_on(tmp_path, m
         recorded = train(TinyNet(), data, recorder_factory=recorder(tmp_path / "run"))
     assert recorded[0] == plain[0]
     rec = recorded[3]
-    assert not rec.enabled and rec._hooks == []
+    assert not rec.enabled and rec.hooks.handles == []
 
 
 def test_a_full_disk_turns_recording_off_and_training_goes_on(tmp_path, monkeypatch):
