@@ -8,9 +8,9 @@ not at all (`None`).
 
 The training thread asks `tier(step)`; the writer thread, which sees the
 values one step late, reports events with `note_event(step, kinds)`. The
-only state shared between the two is one int (`full_until`), written by
-one thread and read by the other without a lock: a late read only shifts
-the full-tier window by a step.
+only state shared between the two is one tuple (`full_window`), replaced
+whole by one thread and read by the other without a lock: a late read only
+shifts the window by a step.
 """
 from __future__ import annotations
 
@@ -30,20 +30,26 @@ class RecordSchedule:
         self.cheap_every = max(1, int(cheap_every))
         self.full_every = int(full_every)
         self.full_after_event = int(full_after_event)
-        self.full_until = -1  # last step of the full-tier window after an event
+        # (first, last) step of the full-tier window after the latest events
+        self.full_window = (0, -1)
 
     def tier(self, step: int) -> str | None:
         """'full', 'cheap' or None (the step is not recorded)."""
-        if (self.full_every > 0 and step % self.full_every == 0) or step <= self.full_until:
+        first, last = self.full_window
+        if (self.full_every > 0 and step % self.full_every == 0) or first <= step <= last:
             return FULL
         return CHEAP if step % self.cheap_every == 0 else None
 
     def note_event(self, step: int, kinds=()) -> None:
-        """An event was seen at `step` (writer thread). `kinds` names it
-        (see EVENT_KINDS); the window after it does not depend on the kind
-        yet."""
-        if self.full_after_event > 0:
-            self.full_until = max(self.full_until, step + self.full_after_event)
+        """An event was seen at `step` (writer thread): the `full_after_event`
+        steps after it are recorded at the full tier. `kinds` names the event
+        (see EVENT_KINDS); the window does not depend on the kind yet."""
+        if self.full_after_event <= 0:
+            return
+        first, last = self.full_window
+        if step + 1 > last + 1:  # apart from the current window: a new one
+            first = step + 1
+        self.full_window = (first, max(last, step + self.full_after_event))
 
     def config(self) -> dict:
         """The options as the manifest records them."""

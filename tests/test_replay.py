@@ -20,7 +20,7 @@ from amp_postmortem.replay import attribution
 from amp_postmortem.replay.attribution import ErrorStats
 from amp_postmortem.replay.policy import get_policy
 from recorders.stats import iter_tensors
-from tiny_models import TinyNet
+from tiny_models import BoomNet, TinyNet, recorder_at, train
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -370,7 +370,7 @@ def _record_with_bundle(path, gain_in_replay):
     recorder and build the bundle of step 7 from a plant hook; the replayed
     model's Boom gain is `gain_in_replay` (the training set it outside the
     state dict, so a plain factory replays with gain 1)."""
-    from conftest import OVERFLOW_STEP, _models, record_run
+    from conftest import OVERFLOW_STEP, record_run
     saved = {}
 
     def plant(step, model, x):
@@ -397,7 +397,7 @@ def _record_with_bundle(path, gain_in_replay):
                     optimizer=None, env={"device_type": "cpu"}, reason="nonfinite_loss")
 
     def factory():
-        net = _models()()
+        net = BoomNet()
         net.block.boom.gain = gain_in_replay
         return net
     return run, bundle, factory
@@ -428,12 +428,12 @@ def test_a_step_that_does_not_reproduce_says_so(tmp_path):
 def test_sample_run_bundle_reproduces_when_bundles_are_saved(overflow_run):
     """The recorder's own bundle of the overflow run (once the bundle writer
     saves them)."""
-    from conftest import OVERFLOW_STEP, _models
+    from conftest import OVERFLOW_STEP
     if not (overflow_run / "bundles").is_dir():
         pytest.skip("the recorder does not save bundles yet")
 
     def factory():
-        net = _models()()
+        net = BoomNet()
         net.block.boom.gain = 1e6
         return net
     result = replay(overflow_run, step=OVERFLOW_STEP, model=factory, precisions="fp64,fp16")
@@ -478,29 +478,20 @@ def saved_run(tmp_path_factory):
     """A run by the real recorder with bundles at step 2 (asked for) and at
     step 3, where `boom` multiplies by 1e6 and float16 overflows."""
     import importlib.util
-    from recorders import AmpRecorder
     root = tmp_path_factory.mktemp("replay_cli")
     (root / "planted_model.py").write_text(MODEL_FILE)
     spec = importlib.util.spec_from_file_location("planted_model_rec", root / "planted_model.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     torch.manual_seed(0)
-    model = mod.Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=10 ** 6)
-    rec = AmpRecorder(root / "run", model, optimizer=opt, scaler=scaler, bundle_steps=[2], hold_steps=3)
     gen = torch.Generator().manual_seed(0)
-    for step in range(5):
-        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+    data = [(torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(5)]
+
+    def plant(step, model, x):
         model.boom.gain = 1e6 if step == 3 else 1.0
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = ((model(x).float() - y) ** 2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        rec.step(loss)
-    rec.close()
+
+    rec = train(mod.Net(), data, recorder=recorder_at(root / "run", bundle_steps=[2], hold_steps=3), lr=0.01,
+                scaler={"init_scale": 2.0 ** 8, "growth_interval": 10 ** 6}, on_step=plant).rec
     assert [b["step"] for b in rec.bundles.saved] == [2, 3]
     return root
 
