@@ -1,6 +1,6 @@
 """Replay bundles, as the analyzer sees them (the contract between the bundle
 loader and the replay). `load_bundle(path)` validates and reads one bundle
-written by `recorders.bundles`; nothing here unpickles anything: tensors are
+written by `recorders.bundle`; nothing here unpickles anything: tensors are
 rebuilt from raw bytes, metadata from JSON, and no class named in a bundle
 is ever imported.
 """

@@ -164,7 +164,7 @@ class AmpRecorder:
             max_bundle_bytes=max_bundle_bytes, min_loss_scale=min_loss_scale, settle_steps=settle_steps,
             snapshot_params=snapshot_params, snapshot_buffers_bytes=snapshot_buffers_bytes,
             hold_steps=hold_steps, clone_inputs=clone_inputs)
-        options["bundles"] = plain(self.bundles.config, keep_nonfinite=True)
+        job["recorder"]["bundles"] = plain(self.bundles.config, keep_nonfinite=True)
         self.manifest = RunManifest(self.run_dir, self.rank, job)
         self.rows = StepRows(rank=self.rank, optimizer=optimizer, scaler=scaler)
         self.hooks = TrainingHooks(

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -356,3 +357,13 @@ def test_activation_checkpointing_recomputation_is_not_recorded_as_a_new_forward
     attn = t[(t.step == 1) & (t.name == "blocks.0.attn")]
     assert sorted(attn["kind"]) == ["activation", "grad_input", "grad_output"]
     assert (attn["call"] == 0).all()
+
+
+def test_every_option_is_an_explicit_keyword_argument_documented_under_args():
+    import inspect
+    params = inspect.signature(AmpRecorder.__init__).parameters.values()
+    assert not [p for p in params if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    args = AmpRecorder.__doc__.split("Args:")[1]
+    documented = re.findall(r"^ {8}(\w+):", args, re.M)
+    assert documented == [p.name for p in params if p.name != "self"]
+    assert {"bundle_steps", "max_bundles", "hold_steps", "clone_inputs"} <= set(documented)
