@@ -156,6 +156,86 @@ class SplitHead(nn.Module):
         return {"a": self.a(h), "b": (self.b(h), 3)}
 
 
+# Models of the replay tests (test_replay.py): bundles built from them by hand.
+class Blowup(nn.Module):
+    """A hand-written op whose float16 result passes 65504 (fine in fp32/bf16)."""
+
+    def forward(self, x):
+        return x * 4000.0
+
+
+class BlowupNet(nn.Module):
+    """`block.blowup` overflows float16 once `block.fc` is scaled up."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.block = nn.Sequential()
+        self.block.add_module("fc", nn.Linear(16, 16))
+        self.block.add_module("blowup", Blowup())
+        self.block.add_module("norm", nn.LayerNorm(16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.block(self.embed(x))))
+
+
+class SquaredScores(nn.Module):
+    """pow is float32 under CUDA autocast but stays float16 under CPU
+    autocast: 300**2 = 90000 overflows float16, then softmax turns it to NaN."""
+
+    def forward(self, x):
+        return torch.softmax(x.pow(2) / 1e4, dim=-1)
+
+
+class ScoreNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        self.scores = SquaredScores()
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.scores(self.proj(x)))
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                                      nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+class DropMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm(64)
+        self.drop = nn.Dropout(0.2)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.norm(self.act(self.fc1(x)))))
+
+
+class BackwardBlowup(nn.Module):
+    """Finite forward; the weight gradient of `fc` sums 64 positive
+    products of ~1e5 in float16 at loss scale 2**10: an Inf, never a NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
 def batches(n: int, d_in: int = 8, d_out: int = 4, seed: int = 1, shape=(4, 5)):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(*shape, d_in, generator=g), torch.randn(*shape, d_out, generator=g)) for _ in range(n)]
