@@ -153,12 +153,30 @@ class Run:
             yield from batches
 
     def scan_tensors(self, columns: list[str] | None = None, **options) -> pd.DataFrame:
-        """`iter_tensor_batches` gathered into one DataFrame (the same options)."""
+        """`iter_tensor_batches` gathered into one DataFrame (the same
+        options). The ranks' shards of a sharded parameter (FSDP) come back
+        merged into one row per step, as an unsharded run has them."""
         cols = columns or [c.name for c in schema.TENSOR_COLUMNS]
-        batches = list(self.iter_tensor_batches(cols, **options))
+        sharded = self.sharded_params if len(self.ranks) > 1 else set()
+        kinds = options.get("kinds")
+        if sharded and kinds is not None and not set(kinds) & set(SHARDED_KINDS):
+            sharded = set()
+        read = cols + [c for c in SHARD_KEY if c not in cols] if sharded else cols
+        batches = list(self.iter_tensor_batches(read, **options))
         if not batches:
             return schema.TENSOR_SCHEMA.empty_table().select(cols).to_pandas()
-        return pa.Table.from_batches(batches).to_pandas()
+        df = pa.Table.from_batches(batches).to_pandas()
+        if sharded:
+            df = merge_shards(df, sharded)[cols]
+        return df
+
+    @property
+    def sharded_params(self) -> set[str]:
+        """Names of the parameters whose rows hold one rank's shard."""
+        out = set()
+        for m in [self.manifest, *self.rank_manifests.values()]:
+            out.update(p["name"] for p in m.get("params") or () if isinstance(p, dict) and p.get("sharded"))
+        return out
 
     def _report(self, label: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -169,6 +187,83 @@ class Run:
             return str(Path(p).relative_to(self.path))
         except ValueError:
             return str(p)
+
+
+# ------------------------------------------------------------ sharded rows
+SHARDED_KINDS = ("param", "param_grad")
+SHARD_KEY = ["step", "rank", "name", "kind", "phase", "call", "numel"]
+
+
+def merge_shards(df: pd.DataFrame, sharded: set[str]) -> pd.DataFrame:
+    """One row per step for each sharded parameter's `param`/`param_grad`
+    rows, from the ranks' shards: extremes by max/min, counts and numel by
+    sum, means and shares weighted by numel (null parts left out), rms from
+    the summed squares; the lowest rank's row keeps the place."""
+    mask = df["kind"].isin(SHARDED_KINDS) & df["name"].isin(sharded)
+    if not mask.any():
+        return df
+    part = df[mask]
+    key = ["step", "name", "kind", "phase", "call"]
+    groups = part.groupby(key, sort=False, dropna=False)
+    merged = groups.head(1).set_index(key)  # dtype and anything unlisted below
+    n = part["numel"].astype("float64")
+    out = {"rank": groups["rank"].min(), "numel": groups["numel"].sum()}
+    for col in ("nan_count", "inf_count"):
+        if col in part:
+            out[col] = groups[col].sum()
+    if "input_nonfinite" in part:
+        out["input_nonfinite"] = groups["input_nonfinite"].sum(min_count=1)
+    for col in ("absmax", "max"):
+        if col in part:
+            out[col] = groups[col].max()
+    if "min" in part:
+        out["min"] = groups["min"].min()
+    if "order" in part:
+        out["order"] = groups["order"].min()
+    for col in ("mean", "zero_share", "below_normal_share", "below_subnormal_share", "near_overflow_share", "rms"):
+        if col not in part:
+            continue
+        v = part[col].astype("float64")
+        v = v * v if col == "rms" else v
+        w = n.where(v.notna(), 0.0)
+        num = (v.fillna(0.0) * w).groupby([part[k] for k in key], sort=False, dropna=False).sum()
+        den = w.groupby([part[k] for k in key], sort=False, dropna=False).sum()
+        r = (num / den).where(den > 0)
+        out[col] = r ** 0.5 if col == "rms" else r
+    for col, values in out.items():
+        merged[col] = values.reindex(merged.index).to_numpy()
+    merged = merged.reset_index()[df.columns]
+    for col in df.columns:
+        try:
+            merged[col] = merged[col].astype(df[col].dtype)
+        except (TypeError, ValueError):
+            pass
+    both = pd.concat([df[~mask], merged], ignore_index=True)
+    return both.sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def global_grad_norm(steps: pd.DataFrame, ranks: list[int], world_size: int, warnings: list[str]) -> pd.DataFrame:
+    """Each step's `grad_norm` as the global norm when gradients are sharded:
+    the ranks' local shard square sums added, the replicated part counted
+    once (from the lowest rank); steps missing a rank keep their own."""
+    if "sharded_grad_sqsum" not in steps or steps["sharded_grad_sqsum"].isna().all():
+        return steps
+    if len(ranks) < world_size:
+        warnings.append(f"gradients are sharded across {world_size} ranks: grad_norm of rank(s) "
+                        f"{_join(ranks)} covers only their shards (load every rank for the global norm)")
+        return steps
+    sq = steps["grad_norm"].astype("float64") ** 2
+    sharded = steps["sharded_grad_sqsum"].astype("float64").fillna(0.0)
+    replicated = (sq - sharded).clip(lower=0.0)
+    first = steps["rank"] == steps.groupby("step")["rank"].transform("min")
+    total = sharded.groupby(steps["step"]).sum() + replicated[first].groupby(steps["step"][first]).sum()
+    # pandas sums skip NaN: a non-finite norm on any rank makes the global one non-finite.
+    total[sq.isin([float("inf")]).groupby(steps["step"]).any()] = float("inf")
+    total[sq.isna().groupby(steps["step"]).any() & sq.notna().groupby(steps["step"]).any()] = float("nan")
+    complete = steps.groupby("step")["rank"].transform("nunique") >= world_size
+    steps = steps.copy()
+    steps.loc[complete, "grad_norm"] = steps.loc[complete, "step"].map(total ** 0.5)
+    return steps
 
 
 # ---------------------------------------------------------------- loading
@@ -254,7 +349,7 @@ def load_run(path, rank: int | None = None) -> Run:
                     out.append(shard)
     check_pairs(root, step_shards, tensor_shards, warnings)
 
-    steps = read_steps(root, step_shards, warnings)
+    steps = global_grad_norm(read_steps(root, step_shards, warnings), selected, world_size, warnings)
     run = Run(path=root, manifest=manifest, rank_manifests=rank_manifests, ranks=selected,
               steps=steps, tensor_shards=tensor_shards)
     for w in warnings:

@@ -8,11 +8,13 @@ finished step to the writer thread.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 
 from . import schema
+from .layout import local
 from .manifest import scaler_enabled
 from .stats import iter_tensors, is_float_tensor, nonfinite_count, tensor_stats
 
@@ -52,7 +54,10 @@ class StepState:
         self.contexts: list[_CallContext] = []
         self.nonfinite_cache: dict[int, tuple] = {}
         self.stepped = False
-        self.grad_sqsum = None  # global square sum of the unscaled gradients, on the device
+        self.grad_sqsum = None  # square sum of this rank's unscaled gradients (local shards), on the device
+        self.sharded_sqsum = None  # its part from the local shards of sharded gradients
+        self.backward_task = None  # the autograd graph task whose end is awaited
+        self.in_forward = 0  # depth of root forwards being recorded (checkpointing's no_grad regions count)
         self.param_values: list[tuple] = []
         self.device = None
 
@@ -64,7 +69,7 @@ class _TensorInfo:
 
     def __init__(self, t):
         self.dtype = t.dtype
-        self._numel = t.numel()
+        self._numel = local(t).numel()
 
     def numel(self):
         return self._numel
@@ -98,12 +103,23 @@ class TrainingHooks:
     """
 
     def __init__(self, model: torch.nn.Module, *, optimizer, scaler, watched: list[str],
-                 watch_param, near_overflow: float, guard, bundles, on_autocast):
+                 watch_param, near_overflow: float, guard, bundles, on_autocast,
+                 modules: dict | None = None, params: list | None = None, sharded=frozenset(),
+                 late_grads=frozenset()):
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if scaler_enabled(scaler) else None
         self.watched = list(watched)
-        self.params = list(model.named_parameters())
+        # name -> module to hook: the unwrapped modules; the root ("") is
+        # hooked on the outermost module, the one the training loop calls.
+        self.modules = dict(modules) if modules is not None else dict(model.named_modules())
+        self.modules[""] = model
+        self.params = list(params) if params is not None else list(model.named_parameters())
+        self._sharded = set(sharded)
+        # Parameters whose gradients no post-accumulate-grad hook reports
+        # (FSDP1 sets them as views of its flat gradient): read at the end
+        # of each backward pass.
+        self._late_grads = set(late_grads)
         self.near_overflow = near_overflow
         self.bundles = bundles
         self._guard = guard
@@ -114,6 +130,7 @@ class TrainingHooks:
         self.state = StepState(0, False, False)
         self.handles: list = []
         self._grad_params: list = []
+        self._late_params: list = []
 
     def begin_step(self, step_id: int, tier: str | None) -> None:
         """Start collecting the step `step_id` at `tier` ('full', 'cheap' or
@@ -121,7 +138,7 @@ class TrainingHooks:
         self.state = StepState(step_id, tier is not None, tier == "full")
 
     def register(self) -> None:
-        by_name = dict(self.model.named_modules())
+        by_name = self.modules
         self._root_ref = weakref.ref(self.model)
         self.handles.append(self.model.register_forward_pre_hook(
             self._guard(self._on_root_pre), with_kwargs=True, prepend=True))
@@ -129,13 +146,25 @@ class TrainingHooks:
             m = by_name[name]
             self.handles.append(m.register_forward_pre_hook(self._guard(self._make_pre(name, m)), with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._guard(self._make_post(name, m)), with_kwargs=True))
+        # Registered last, so it runs after the root's own post-hook above;
+        # always_call: a forward that raises still ends the root's forward.
+        self.handles.append(self.model.register_forward_hook(
+            self._guard(self._on_root_post), with_kwargs=True, always_call=True))
         watched = set(self.watched)
         for pname, p in self.params:
             if p.requires_grad and (pname.rpartition(".")[0] in watched or self._watch_param(pname)):
                 self._grad_params.append(p)
-                self.handles.append(p.register_post_accumulate_grad_hook(self._guard(self._make_param_hook(pname, p))))
+                hook = self._make_param_hook(pname, p)
+                if id(p) in self._late_grads:
+                    self._late_params.append((pname, p, hook))
+                    continue
+                # Run eagerly even when the backward runs inside compiled
+                # code: dynamo would otherwise compile one frame per shape.
+                self.handles.append(p.register_post_accumulate_grad_hook(
+                    torch.compiler.disable(self._guard(hook, traced=False))))
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
-            self.handles.append(self.optimizer.register_step_pre_hook(self._guard(self._on_opt_pre)))
+            self.handles.append(self.optimizer.register_step_pre_hook(
+                torch.compiler.disable(self._guard(self._on_opt_pre, traced=False))))
 
     def remove(self) -> None:
         # Never called from inside a hook: removing forward hooks while
@@ -167,20 +196,24 @@ class TrainingHooks:
         return st
 
     # ---------------------------------------------------------------- state
-    def _active(self) -> StepState | None:
+    def _active(self, root: bool = False) -> StepState | None:
         """The step state when a forward hook should record: not paused, a
-        recorded step, grad mode on (eval passes under no_grad are not
-        training), and not inside a backward pass (activation checkpointing
-        re-runs forwards there: a recomputation, not a new forward)."""
+        recorded step, not inside a backward pass (activation checkpointing
+        re-runs forwards there: a recomputation, not a new forward), and
+        grad mode on (eval passes under no_grad are not training) or inside
+        a recorded root forward (reentrant checkpointing runs the original
+        forward of its region under no_grad)."""
         st = self.state
-        if self.paused or not st.record or not torch.is_grad_enabled():
+        if self.paused or not st.record:
             return None
         if _in_backward():
+            return None
+        if not torch.is_grad_enabled() and (root or not st.in_forward):
             return None
         return st
 
     def _add_row(self, st, name, kind, phase, order, call, t, stats):
-        st.meta.append((name, kind, phase, order, call, _dtype_name(t.dtype), t.numel()))
+        st.meta.append((name, kind, phase, order, call, _dtype_name(t.dtype), local(t).numel()))
         st.stats.append(stats)
         if st.device is None:
             st.device = stats.device
@@ -212,10 +245,16 @@ class TrainingHooks:
         return s if isinstance(s, torch.Tensor) else None
 
     # ---------------------------------------------------------------- hooks
+    def _on_root_post(self, module, args, kwargs, output):
+        st = self.state
+        if module is self._root_ref() and st.in_forward:
+            st.in_forward -= 1
+
     def _on_root_pre(self, module, args, kwargs):
-        st = self._active()
+        st = self._active(root=True)
         if st is None or module is not self._root_ref():
             return  # not recording, or a deepcopy of the model carrying our hooks
+        st.in_forward += 1
         st.micro_batches += 1
         st.fwd_order = 0
         st.bwd_order = 0
@@ -228,7 +267,7 @@ class TrainingHooks:
             # Values as this forward sees them; their rows are placed after
             # the loss at step end so module orders match cheap-tier steps.
             st.param_values = [(pname, _TensorInfo(p), self._stats(st, p))
-                               for pname, p in self.params if p.numel()]
+                               for pname, p in self.params if local(p).numel() or id(p) in self._sharded]
         if tensors:
             for t in tensors:
                 s = self._stats(st, t)
@@ -348,6 +387,7 @@ class TrainingHooks:
             ctx.grad_out_nonfinite = nf if ctx.grad_out_nonfinite is None else ctx.grad_out_nonfinite + nf
             if ctx.is_root:
                 self.bundles.on_model_output_grad(ctx.micro_batch, idx, grad)
+                self._await_backward_end(st)
         return hook
 
     def _make_node_hook(self, ctx, slots):
@@ -383,24 +423,17 @@ class TrainingHooks:
 
     def _make_param_hook(self, pname, registered):
         ref = weakref.ref(registered)
-        # With an optimizer, the global norm is taken once in its pre-step
-        # hook (gradients already unscaled there); only without one is each
-        # gradient's square sum taken here.
-        own_norm = self.optimizer is None
 
         def hook(p):
             # Backward runs with grad mode off: check the step, not grad mode.
             st = self.state
             if self.paused or not st.record or p.grad is None or p is not ref():
                 return
+            self._await_backward_end(st)
             g = p.grad
             scale = self._scale_tensor()
             s = self._stats(st, g, scale=scale, unscale=scale is not None)
-            sq = None
-            if own_norm:
-                sq = torch.linalg.vector_norm(g.detach(), dtype=torch.float64) ** 2
-                if scale is not None:
-                    sq = sq / scale.to(torch.float64) ** 2
+            sq = None  # the global norm is taken once, when the backward pass ends
             slot = st.param_grads.get(pname)
             # Keep the statistics, not the gradient: `zero_grad()` must be
             # able to free it before `rec.step()`.
@@ -412,15 +445,64 @@ class TrainingHooks:
                 slot[1], slot[2], slot[3] = s, sq, shape
         return hook
 
+    # ------------------------------------------------------ gradient norm
+    def _await_backward_end(self, st) -> None:
+        """Take the gradient norm when this backward pass has ended: the
+        gradients are complete (DDP's all-reduce and FSDP's reduce-scatter
+        done), still scaled, and not yet clipped by the user. Queued once
+        per backward pass, from its first hook; the callback queues the
+        measurement once more so that it runs after the callbacks that
+        DDP and FSDP queue during the same pass."""
+        try:
+            task = torch._C._current_graph_task_id()
+        except AttributeError:
+            return
+        if task == -1 or st.backward_task == task:
+            return
+        st.backward_task = task
+        engine = torch.autograd.Variable._execution_engine
+        measure = self._guard(functools.partial(self._on_backward_end, st), traced=False)
+        engine.queue_callback(self._guard(lambda: engine.queue_callback(measure), traced=False))
+
+    def _on_backward_end(self, st) -> None:
+        if self.state is not st or self.paused or not st.record:
+            return
+        for pname, p, hook in self._late_params:
+            hook(p)
+        scale = self._scale_tensor()
+        self._measure_grad_norm(st, scale)
+
+    def _measure_grad_norm(self, st, scale) -> None:
+        """Square sums of this rank's gradients (local shards), unscaled
+        with `scale` (None: already unscaled); every micro-batch's backward
+        overwrites them, so the last one's accumulated gradients count."""
+        grads, sharded = [], []
+        for p in self._grad_params:
+            if p.grad is not None:
+                g = local(p.grad.detach())
+                if g.numel():
+                    grads.append(g)
+                    sharded.append(id(p) in self._sharded)
+        if not grads:
+            return
+        # One fused pass over every gradient, in float64: a scaled float16
+        # gradient's norm would overflow in its own dtype.
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+        sq = torch.stack(norms) ** 2
+        if scale is not None:
+            sq = sq / scale.detach().to(torch.float64) ** 2
+        st.grad_sqsum = sq.sum()
+        if any(sharded):
+            st.sharded_sqsum = sq[torch.tensor(sharded, device=sq.device)].sum()
+
     def _on_opt_pre(self, optimizer, args, kwargs):
         st = self.state
         st.stepped = True
-        if st.record:
-            grads = [p.grad for p in self._grad_params if p.grad is not None]
-            if grads:
-                # One fused pass over every gradient, unscaled by now; a
-                # skipped step never gets here (its norm is Inf or unknown).
-                norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads)])
-                st.grad_sqsum = (norms * norms).sum()
+        if st.record and st.grad_sqsum is None:
+            # No backward pass was seen ending (gradients set by hand, say):
+            # the gradients as the optimizer gets them. A fused optimizer
+            # stepped by GradScaler gets them still scaled, with the scale.
+            scale = getattr(optimizer, "grad_scale", None)
+            self._measure_grad_norm(st, scale if isinstance(scale, torch.Tensor) else None)
         self.bundles.on_optimizer_pre_step()
 

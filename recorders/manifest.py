@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import platform
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 from . import schema
+from .layout import user_class
 from .plain import plain
 from .writer import atomic_write_json
 
@@ -34,7 +36,13 @@ class RunManifest:
         self.rank = rank
         self.data = {**fields, "bundles": [], "status": "open", "steps_recorded": 0,
                      "first_step": None, "last_step": None, "dropped_steps": 0,
-                     "disabled_reason": None}
+                     "disabled_reason": None, "disabled_at_step": None}
+        # The writer thread writes it; a failure is written from whichever
+        # thread noticed it.
+        self._write_lock = threading.Lock()
+
+    def set_compiled(self, info: dict) -> None:
+        self.data["compiled"] = info
 
     def set_autocast(self, info: dict) -> None:
         self.data["autocast"] = info
@@ -51,25 +59,34 @@ class RunManifest:
             self.data["bundles_missed"] = list(missed)
 
     def set_recording(self, *, status: str | None = None, dropped_steps: int = 0,
-                      failure: BaseException | None = None) -> None:
+                      failure: BaseException | None = None, failed_at_step: int | None = None) -> None:
         if status is not None:
             self.data["status"] = status
         self.data["dropped_steps"] = dropped_steps
         if failure is not None:
             self.data["disabled_reason"] = f"{type(failure).__name__}: {failure}"
+        if failed_at_step is not None:
+            self.data["disabled_at_step"] = failed_at_step
 
     def write(self) -> None:
         rank_dir = self.run_dir / schema.RANK_DIR.format(rank=self.rank)
-        atomic_write_json(rank_dir / schema.MANIFEST_FILE, self.data)
-        if self.rank == 0:
-            atomic_write_json(self.run_dir / schema.MANIFEST_FILE, self.data)
+        with self._write_lock:
+            data = dict(self.data)
+            atomic_write_json(rank_dir / schema.MANIFEST_FILE, data)
+            if self.rank == 0:
+                atomic_write_json(self.run_dir / schema.MANIFEST_FILE, data)
 
 
 def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Module,
                  module_names: dict, watched: list[str], params: list, optimizer, scaler,
-                 recorder_options: dict) -> dict:
-    """The manifest's description of the job, known before the first step."""
+                 recorder_options: dict, model_class: type | None = None, sharded=frozenset(),
+                 shapes: dict | None = None) -> dict:
+    """The manifest's description of the job, known before the first step.
+    `model_class`: the user's class (default: the model's); `sharded`: ids
+    of the parameters sharded across ranks; `shapes`: unsharded shapes by
+    parameter id where `.shape` is a local one (FSDP1)."""
     watched_set = set(watched)
+    shapes = shapes or {}
     device = next((p.device for _, p in params), torch.device("cpu"))
     return {
         "format": schema.FORMAT_NAME,
@@ -82,20 +99,25 @@ def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Mod
         "world_size": world_size,
         "device_type": device.type,
         "device_name": device_name(device),
-        "model_class": qualified_name(model),
+        "model_class": class_name(model_class or type(model)),
         "autocast": None,
         "scaler": describe_scaler(scaler),
         "optimizer": describe_optimizer(optimizer),
         "recorder": recorder_options,
-        "modules": [{"name": n, "type": qualified_name(m), "watched": n in watched_set}
+        "modules": [{"name": n, "type": class_name(user_class(m)), "watched": n in watched_set}
                     for m, n in module_names.items()],
-        "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                    "requires_grad": bool(p.requires_grad)} for n, p in params],
+        "params": [{"name": n, "shape": shapes.get(id(p), list(p.shape)),
+                    "dtype": str(p.dtype).replace("torch.", ""), "requires_grad": bool(p.requires_grad),
+                    "sharded": id(p) in sharded} for n, p in params],
     }
 
 
 def qualified_name(obj) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+    return class_name(type(obj))
+
+
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def scaler_enabled(scaler) -> bool:

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import os
 import threading
 import time
-import uuid
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,12 +36,25 @@ from . import schema
 from .bundles.capture import BundleCapture
 from .bundles.triggers import TRIGGERS
 from .hooks import TrainingHooks
-from .manifest import RunManifest, describe_job, distributed_rank_world, existing_run_id
+from .layout import (canonical_modules, canonical_parameters, fsdp1_shapes, fsdp1_sharded_params, is_compiled,
+                     sharded_param_ids, user_class)
+from .manifest import RunManifest, describe_job, distributed_rank_world
 from .plain import plain
+from .run_id import shared_run_id
 from .schedule import RecordSchedule
 from .step_rows import StepRows, step_events
 from .writer import ShardWriter
 from .writer_thread import WriterThread
+
+
+COMPILED_STEPS_RECORD = (
+    "loss, loss scale, skipped, parameter gradients (param_grad rows, grad_norm) and, with the "
+    "recorder attached to the compiled module, the model's inputs and outputs; per-module rows "
+    "only on full-tier steps (replay runs eagerly and gives the per-module detail of any bundle)")
+
+
+class OptionError(ValueError):
+    """A recorder option the caller must fix (raised at construction)."""
 
 
 class AmpRecorder:
@@ -56,7 +67,10 @@ class AmpRecorder:
 
     Args:
         run_dir: the run directory (created; a resumed job may reuse it).
-        model: the model to watch (an `nn.Module`, DDP-wrapped or not).
+        model: the model to watch: an `nn.Module`, bare or wrapped (DDP,
+            FSDP, `torch.compile`, checkpoint wrappers; names and class are
+            the unwrapped model's). With `torch.compile`, attach before the
+            first compiled call.
         optimizer: its optimizer; gives the learning rates, the global
             gradient norm (pre-step hook) and the weights a bundle holds.
         scaler: the `torch.amp.GradScaler`, if any; gives the loss scale
@@ -75,8 +89,10 @@ class AmpRecorder:
             float16's largest finite value).
         rank: this process's rank (default: torch.distributed's, else 0).
         world_size: the number of ranks (default: torch.distributed's, else 1).
-        run_id: the run's id (default: `$AMP_POSTMORTEM_RUN_ID`, the id of
-            a run already in `run_dir`, else a new one).
+        run_id: the run's id (default: `$AMP_POSTMORTEM_RUN_ID`,
+            `$TORCHELASTIC_RUN_ID`, the id of a run already in `run_dir`,
+            else a new one); under an initialised process group, rank 0's
+            id is used by every rank.
         max_queue: steps waiting for the writer thread; beyond it steps are
             dropped and counted, never waited for.
         bundles: save replay bundles at all (False: nothing is held).
@@ -118,71 +134,110 @@ class AmpRecorder:
         self.include = tuple([include] if isinstance(include, str) else include)
         self.exclude = tuple([exclude] if isinstance(exclude, str) else exclude)
         self.flush_interval_s = float(flush_interval_s)
+        self._enabled = True
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._failed_at_step: int | None = None
+        self._prior_stance = None  # the compiler stance to restore after an eager step
+        self._bundles_off: str | None = None
+        self.compiled = False
+        self.rank = int(rank or 0)
+        self.world_size = int(world_size or 1)
+        self.run_id = run_id
+        self._warned = False
+        self._step_counter = 0
+        self._dropped_steps = 0
+        self._last_roll = time.monotonic()
+        self._lock = threading.Lock()
+        self.manifest = None
+        self.hooks = None
+        self.writer = None
+        self.bundles = None
+        try:
+            self._build(model, optimizer, scaler, rank=rank, world_size=world_size, run_id=run_id,
+                        cheap_every=cheap_every, full_every=full_every, full_after_event=full_after_event,
+                        steps_per_shard=steps_per_shard, near_overflow=near_overflow, max_queue=max_queue,
+                        bundle_options=dict(
+                            bundles=bundles, bundle_triggers=bundle_triggers, bundle_steps=bundle_steps,
+                            max_bundles=max_bundles, max_bundle_bytes=max_bundle_bytes,
+                            min_loss_scale=min_loss_scale, settle_steps=settle_steps,
+                            snapshot_params=snapshot_params, snapshot_buffers_bytes=snapshot_buffers_bytes,
+                            hold_steps=hold_steps, clone_inputs=clone_inputs))
+        except OptionError:
+            raise  # a bad option is the caller's to fix, before the job starts
+        except Exception as exc:  # noqa: BLE001 - the training must go on
+            # Whatever broke (an unwritable run directory, a model the
+            # recorder does not understand): no hooks, no thread, one
+            # warning; step() and close() are no-ops.
+            self._fail(exc)
+            if self.hooks is not None:
+                self.hooks.remove()
+            self._write_disabled()
+
+    def _build(self, model, optimizer, scaler, *, rank, world_size, run_id, cheap_every, full_every,
+               full_after_event, steps_per_shard, near_overflow, max_queue, bundle_options):
         if rank is None or world_size is None:
             dist_rank, dist_world = distributed_rank_world()
             rank = dist_rank if rank is None else rank
             world_size = dist_world if world_size is None else world_size
         self.rank = int(rank)
         self.world_size = int(world_size)
-        self.run_id = (run_id or os.environ.get("AMP_POSTMORTEM_RUN_ID")
-                       or existing_run_id(self.run_dir, rank) or uuid.uuid4().hex)
         self.rank_dir = self.run_dir / schema.RANK_DIR.format(rank=self.rank)
+        # Before anything else can fail: every rank waits for rank 0's id.
+        self.run_id = shared_run_id(self.run_dir, self.rank, run_id)
 
-        self._enabled = True
-        self._closed = False
-        self._failure: BaseException | None = None
-        self._warned = False
-        self._step_counter = 0
-        self._dropped_steps = 0
-        self._last_roll = time.monotonic()
-        self._lock = threading.Lock()
-
-        module_names = {}
-        watched: list[str] = []
-        for name, module in model.named_modules():
-            if module in module_names:
-                continue  # a module registered twice keeps its first name
-            module_names[module] = name
-            if name == "" or self._matches(name):
-                watched.append(name)
-        params = list(model.named_parameters())
+        # Names as the user's model gives them, whatever wraps it (compile,
+        # DDP, FSDP, checkpoint wrappers); hooks go on the wrapped modules,
+        # except the root's, which stay on the outermost module: the only
+        # one that runs eagerly around a compiled model.
+        modules = canonical_modules(model)
+        module_names = {m: name for name, m in modules}
+        watched = [name for name, _ in modules if name == "" or self._matches(name)]
+        params = canonical_parameters(modules)
+        sharded = sharded_param_ids(model, params)
+        if sharded and bundle_options["bundles"]:
+            # A bundle holds one rank's shards of the weights: no replay can
+            # run the whole model from it.
+            bundle_options = {**bundle_options, "bundles": False}
+            self._bundles_off = "sharded parameters (a bundle would hold one rank's shards only)"
 
         self.schedule = RecordSchedule(cheap_every, full_every, full_after_event)
         options = {"include": list(self.include), "exclude": list(self.exclude), **self.schedule.config(),
                    "steps_per_shard": max(1, int(steps_per_shard)), "near_overflow": float(near_overflow)}
         job = describe_job(run_id=self.run_id, rank=self.rank, world_size=self.world_size, model=model,
                            module_names=module_names, watched=watched, params=params,
-                           optimizer=optimizer, scaler=scaler, recorder_options=options)
+                           optimizer=optimizer, scaler=scaler, recorder_options=options,
+                           model_class=user_class(model), sharded=sharded, shapes=fsdp1_shapes(model))
         self.writer = WriterThread(max_queue=max_queue, is_failed=lambda: self._failure is not None,
                                    on_error=self._fail)
         run_info = {k: job[k] for k in ("run_id", "rank", "world_size", "package_version",
                                         "device_type", "device_name", "scaler")}
-        self.bundles = BundleCapture(  # a bad option raises here, before anything is written
-            model, optimizer, scaler, run_dir=self.run_dir, run_info=run_info,
-            post=self.writer.submit, on_change=self._bundles_changed, bundles=bundles,
-            bundle_triggers=bundle_triggers, bundle_steps=bundle_steps, max_bundles=max_bundles,
-            max_bundle_bytes=max_bundle_bytes, min_loss_scale=min_loss_scale, settle_steps=settle_steps,
-            snapshot_params=snapshot_params, snapshot_buffers_bytes=snapshot_buffers_bytes,
-            hold_steps=hold_steps, clone_inputs=clone_inputs)
+        try:
+            self.bundles = BundleCapture(  # a bad option raises here, before anything is written
+                model, optimizer, scaler, run_dir=self.run_dir, run_info=run_info,
+                post=self.writer.submit, on_change=self._bundles_changed, **bundle_options)
+        except ValueError as exc:
+            raise OptionError(str(exc)) from None
         job["recorder"]["bundles"] = plain(self.bundles.config, keep_nonfinite=True)
+        if self._bundles_off:
+            job["recorder"]["bundles"]["disabled"] = self._bundles_off
         self.manifest = RunManifest(self.run_dir, self.rank, job)
         self.rows = StepRows(rank=self.rank, optimizer=optimizer, scaler=scaler)
         self.hooks = TrainingHooks(
-            model, optimizer=optimizer, scaler=scaler, watched=watched, watch_param=self._matches,
+            model, optimizer=optimizer, scaler=scaler, watched=watched, modules=dict(modules),
+            params=params, sharded=sharded, late_grads=fsdp1_sharded_params(model, sharded_only=False),
+            watch_param=self._matches,
             near_overflow=float(near_overflow), guard=self._guard, bundles=self.bundles,
             on_autocast=lambda info: self._submit(functools.partial(self.manifest.set_autocast, info)))
+        self.compiled = is_compiled(model)
+        self._note_compiled()
         self.hooks.begin_step(0, self.schedule.tier(0))
         self.shards = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
                                   world_size=self.world_size, steps_per_shard=options["steps_per_shard"])
-        try:
-            self.manifest.write()
-        except OSError as exc:
-            # An unwritable run directory must not stop the job it watches:
-            # no hooks, no thread, one warning; step() and close() are no-ops.
-            self._fail(exc)
-            return
+        self.manifest.write()
         self.writer.start()
         self.hooks.register()
+        self._enter_tier(self.schedule.tier(0))
 
     # ------------------------------------------------------------ guard/fail
     def _matches(self, name: str) -> bool:
@@ -190,9 +245,14 @@ class AmpRecorder:
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
 
-    def _guard(self, fn):
-        """Wrap a hook: any exception switches recording off, never the job."""
+    def _guard(self, fn, traced: bool = True):
+        """Wrap a hook: any exception switches recording off, never the job.
+        A `traced` hook (one that dynamo may trace: module hooks inside a
+        compiled model) returns at once while compiling, so a compiled graph
+        carries none of its code, no graph break and no recompilation."""
         def hook(*args, **kwargs):
+            if traced and torch.compiler.is_compiling():
+                return None
             if not self._enabled:
                 return None
             try:
@@ -205,14 +265,33 @@ class AmpRecorder:
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
-            if self._failure is None:
+            first = self._failure is None
+            if first:
                 self._failure = exc
+                self._failed_at_step = self._step_counter
             self._enabled = False
         if not self._warned:
             self._warned = True
             warnings.warn(f"amp-postmortem: recording disabled after an internal error: "
                           f"{type(exc).__name__}: {exc}. Training continues unrecorded.",
                           RuntimeWarning, stacklevel=2)
+        if first:
+            # On disk at once, not through the writer thread (which may be
+            # what failed, and skips its jobs from now on).
+            self._write_disabled()
+
+    def _write_disabled(self, status: str | None = None) -> None:
+        """The manifest with `disabled_reason` and `disabled_at_step`,
+        written from the calling thread; best effort (the disk may be what
+        failed)."""
+        if self.manifest is None:
+            return
+        try:
+            self.manifest.set_recording(status=status, dropped_steps=self._dropped_steps,
+                                        failure=self._failure, failed_at_step=self._failed_at_step)
+            self.manifest.write()
+        except Exception:  # noqa: BLE001 - nothing more can be done without a disk
+            pass
 
     @property
     def enabled(self) -> bool:
@@ -225,23 +304,62 @@ class AmpRecorder:
         if self._closed:
             return
         if not self._enabled:
-            self.hooks.remove()
+            self._leave_tier()
+            if self.hooks is not None:
+                self.hooks.remove()
             return
         try:
             self._step(loss, step)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
+            self._leave_tier()
             self.hooks.remove()
 
     def _step(self, loss, step):
         step_id = self._step_counter if step is None else int(step)
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else None
+        self._leave_tier()
         finished = self.hooks.end_step(loss_t)
+        if not self.compiled and finished.record and finished.micro_batches == 0 and finished.param_grads:
+            # Gradients arrived but no forward hook ran: the model ran as a
+            # compiled graph (compiled after the recorder was attached).
+            self.compiled = True
+            self._note_compiled()
         pending = self.rows.pack(finished, step_id, loss, loss_t)
         self.bundles.on_step_end(step_id, loss=loss_t if loss_t is not None else loss, stepped=pending.stepped)
         self._submit(functools.partial(self._write_step, pending))
         self._step_counter = step_id + 1
-        self.hooks.begin_step(step_id + 1, self.schedule.tier(step_id + 1))
+        tier = self.schedule.tier(step_id + 1)
+        self.hooks.begin_step(step_id + 1, tier)
+        self._enter_tier(tier)
+
+    # -------------------------------------------------------------- compile
+    def _enter_tier(self, tier) -> None:
+        """A full-tier step of a compiled model runs eagerly, so that every
+        module's hooks fire; compiled steps keep their graphs (a stance
+        change neither invalidates nor recompiles them)."""
+        if not (self.compiled and tier == "full") or self._prior_stance is not None:
+            return
+        from torch._dynamo import eval_frame
+        self._prior_stance = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+
+    def _leave_tier(self) -> None:
+        if self._prior_stance is None:
+            return
+        from torch._dynamo import eval_frame
+        prior, self._prior_stance = self._prior_stance, None
+        eval_frame._set_stance(prior)
+
+    def _note_compiled(self) -> None:
+        if not self.compiled:
+            return
+        info = {"detected": True, "compiled_steps": COMPILED_STEPS_RECORD,
+                "eager_steps": "full-tier steps run eagerly (torch.compiler.set_stance('force_eager')) "
+                               "and carry every row of an eager run"}
+        if self.writer is not None and self.writer.alive:
+            self._submit(functools.partial(self.manifest.set_compiled, info))
+        else:
+            self.manifest.set_compiled(info)
 
     def _submit(self, job) -> None:
         if not self.writer.submit(job):
@@ -260,15 +378,19 @@ class AmpRecorder:
     def paused(self):
         """Forward/backward passes inside are not recorded (e.g. an eval pass
         with gradients enabled)."""
-        self.hooks.paused += 1
+        hooks = self.hooks
+        if hooks is None:
+            yield self
+            return
+        hooks.paused += 1
         try:
             yield self
         finally:
-            self.hooks.paused -= 1
+            hooks.paused -= 1
 
     def flush(self) -> None:
         """Block until every step so far is written to disk."""
-        if self._closed or not self.writer.alive:
+        if self._closed or self.writer is None or not self.writer.alive:
             return
         self.writer.barrier(functools.partial(self._write_files, "open"))
         if self._enabled:
@@ -283,10 +405,18 @@ class AmpRecorder:
         if self._closed:
             return
         self._closed = True
-        self.hooks.remove()
-        self.writer.stop(functools.partial(self._write_files, "closed"))
+        self._leave_tier()
+        if self.hooks is not None:
+            self.hooks.remove()
+        if self.writer is not None:
+            self.writer.stop(functools.partial(self._write_files, "closed"))
+        if self._failure is not None:
+            # The writer skips its jobs once recording is off: the final
+            # manifest, with the reason, goes to disk from here.
+            self._write_disabled(status="closed")
         try:
-            self.bundles.close(write_decided=self._failure is None and not self.writer.alive)
+            if self.bundles is not None:
+                self.bundles.close(write_decided=self._failure is None and not self.writer.alive)
         except Exception:
             pass
 

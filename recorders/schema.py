@@ -66,11 +66,12 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("growth_tracker", pa.int64(), "steps", "GradScaler growth tracker after `update()`: clean steps since the last growth or backoff."),
     Column("skipped", pa.bool_(), "-", "True when the scaler found Inf/NaN gradients and the optimizer did not step.", False),
     Column("lr", pa.list_(pa.float64()), "-", "Learning rate of each optimizer parameter group, in group order. Null without an optimizer."),
-    Column("grad_norm", pa.float64(), "-", "Global L2 norm of the unscaled parameter gradients recorded this step (Inf/NaN when any gradient is non-finite)."),
+    Column("grad_norm", pa.float64(), "-", "L2 norm of the unscaled parameter gradients, taken when the last backward pass of the step ended: before any clipping (Inf/NaN when any gradient is non-finite). On disk, this rank's gradients (local shards of sharded ones); the loader combines ranks into the global norm."),
     Column("nonfinite_param_grads", pa.int32(), "params", "Number of parameters whose gradient holds a NaN or Inf."),
     Column("micro_batches", pa.int32(), "-", "Forward passes of the model (in grad mode) aggregated into this step."),
     Column("tier", pa.string(), "-", "`cheap` or `full`: which statistics the tensor rows of this step carry."),
     Column("tensor_rows", pa.int32(), "rows", "Number of rows this step wrote to the tensors table."),
+    Column("sharded_grad_sqsum", pa.float64(), "-", "Sum of squares of this rank's local shards of sharded (FSDP) gradients, unscaled; part of this rank's `grad_norm`. Null when no gradient is sharded."),
 )
 
 TENSOR_COLUMNS: tuple[Column, ...] = (

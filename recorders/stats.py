@@ -27,6 +27,7 @@ from collections import OrderedDict
 import torch
 
 from . import schema
+from .layout import local
 
 CHEAP_WIDTH = len(schema.CHEAP_STATS)
 FULL_WIDTH = len(schema.FULL_STATS)
@@ -59,7 +60,7 @@ def iter_tensors(obj, _depth: int = 0):
 
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     """Count of NaN/Inf values as a 0-d float64 device tensor."""
-    d = t.detach()
+    d = local(t.detach())
     if d.device.type == "cpu" and d.dtype in _FLOATING and d.numel():
         # Host memory: one reduction decides the usual all-finite case.
         mn, mx = torch.aminmax(d)
@@ -78,8 +79,14 @@ def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
     `unscale` the value statistics are divided by it (param grads are
     reported unscaled) while the float16 threshold shares are still taken on
     the unscaled values, by comparing against thresholds times the scale.
+
+    A sharded tensor (DTensor) is summarised as this rank's local shard;
+    an empty shard has count 0 and NaN (null) extremes.
     """
+    t = local(t)
     d = t.detach()
+    if d.numel() == 0:
+        return _empty_stats(full, input_nonfinite, d.device)
     scale_used = scale if unscale else None
     key = _memo.key(t, full, scale_used, near_overflow)
     cached = _memo.get(t, scale_used, key)
@@ -92,6 +99,17 @@ def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
             return _with_input(values, input_nonfinite, d.device)
     vec = _device_stats(d, full, input_nonfinite, scale_used, near_overflow)
     _memo.put(t, scale_used, key, vec)
+    return vec
+
+
+def _empty_stats(full, input_nonfinite, device):
+    """An empty tensor (a rank's empty shard of an unevenly sharded one):
+    no NaN, no Inf, every magnitude and share null."""
+    vec = torch.full((FULL_WIDTH if full else CHEAP_WIDTH,), math.nan, dtype=torch.float64, device=device)
+    vec[1] = 0.0
+    vec[2] = 0.0
+    if input_nonfinite is not None:
+        vec[_INPUT_NONFINITE] = input_nonfinite.to(device=device, dtype=torch.float64)
     return vec
 
 

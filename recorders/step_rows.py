@@ -89,6 +89,8 @@ class StepRows:
             self.scale_before = scale.detach().clone() if isinstance(scale, torch.Tensor) else self.scale_before
         if st.grad_sqsum is not None:
             put("grad_sqsum", st.grad_sqsum)
+        if st.sharded_sqsum is not None:
+            put("sharded_grad_sqsum", st.sharded_sqsum)
         elif st.param_grads and all(v[2] is not None for v in st.param_grads.values()):
             put("grad_sqsum", torch.stack([v[2] for v in st.param_grads.values()]).sum())
 
@@ -168,6 +170,7 @@ class StepRows:
             "micro_batches": p.micro_batches,
             "tier": p.tier,
             "tensor_rows": len(cols["name"]) if cols is not None else 0,
+            "sharded_grad_sqsum": scalars.get("sharded_grad_sqsum"),
         }
         summary = {
             "step": p.step, "skipped": bool(skipped), "loss": scalars.get("loss"),

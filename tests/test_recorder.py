@@ -277,7 +277,7 @@ def test_ddp_with_two_ranks_writes_one_partition_per_rank(tmp_path):
         manifest = json.loads((run / f"rank={rank}" / "manifest.json").read_text())
         assert manifest["world_size"] == 2 and manifest["run_id"] == "ddp-test"
         names = set(read(run, "tensors", rank)["name"])
-        assert "module.blocks.0.attn" in names
+        assert "blocks.0.attn" in names and not any(n.startswith("module.") for n in names)
 
 
 def test_a_job_resumed_into_its_run_directory_continues_the_same_run(tmp_path):

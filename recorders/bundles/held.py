@@ -11,23 +11,28 @@ from __future__ import annotations
 
 import torch
 
+from ..layout import canonical_modules, local, unwrap, user_class
+
 
 class ModelInventory:
     """Parameters (tied ones stored once, with aliases) and buffers, named
-    without a DataParallel/DDP wrapper's `module.` prefix."""
+    as the unwrapped model's `state_dict()` names them (no prefix of a
+    compile, DDP, FSDP or checkpoint wrapper)."""
 
     def __init__(self, model: torch.nn.Module):
-        self.prefix = ""
-        inner = model
-        if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
-            inner, self.prefix = model.module, "module."
-        self.model_class = f"{type(inner).__module__}.{type(inner).__qualname__}"
+        cls = user_class(model)
+        # The raw names' prefix of the outermost wrappers (DDP's "module."),
+        # for the bundle's record; names below never carry one.
+        self.prefix = _raw_prefix(model)
+        self.model_class = f"{cls.__module__}.{cls.__qualname__}"
         self.params: list[torch.Tensor] = []
         self.param_names: list[str] = []
         self.aliases: dict[str, str] = {}
         self.name_by_id: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            name = self.strip(name)
+        modules = _all_module_names(model)
+        for name, p in ((f"{m}.{n}" if m else n, p) for m, mod in modules for n, p in mod._parameters.items()):
+            if p is None or type(p).__name__ == "FlatParameter":
+                continue
             if id(p) in self.name_by_id:
                 self.aliases[name] = self.name_by_id[id(p)]
                 continue
@@ -38,20 +43,17 @@ class ModelInventory:
         self.buffer_names: list[str] = []
         self.non_persistent: list[str] = []
         seen = set()
-        for mname, module in model.named_modules(remove_duplicate=False):
+        for mname, module in modules:
             skip = getattr(module, "_non_persistent_buffers_set", set())
             for bname, b in module._buffers.items():
                 if b is None or id(b) in seen:
                     continue
                 seen.add(id(b))
-                full = self.strip(f"{mname}.{bname}" if mname else bname)
+                full = f"{mname}.{bname}" if mname else bname
                 self.buffers.append(b)
                 self.buffer_names.append(full)
                 if bname in skip:
                     self.non_persistent.append(full)
-
-    def strip(self, name: str) -> str:
-        return name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
 
     def buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
@@ -61,6 +63,34 @@ class ModelInventory:
 
     def buffer_versions(self) -> list[int]:
         return [b._version for b in self.buffers]
+
+
+def _raw_prefix(model) -> str:
+    inner = unwrap(model)
+    for name, m in model.named_modules():
+        if m is inner:
+            return f"{name}." if name else ""
+    return ""
+
+
+def _all_module_names(model) -> list[tuple[str, torch.nn.Module]]:
+    """Every (name, module) of the unwrapped model, a module shared by two
+    parents under each name (as `named_modules(remove_duplicate=False)`):
+    tied parameters get their aliases."""
+    out = []
+    unique = canonical_modules(model)
+    canon = {id(m): n for n, m in unique}
+    for name, m in unique:
+        out.append((name, m))
+        for child_name, child in m._modules.items():
+            if child is None:
+                continue
+            inner = unwrap(child)
+            full = f"{name}.{child_name}" if name else child_name
+            if canon.get(id(inner)) != full:
+                # a module reached under a second name: its subtree again
+                out.extend((f"{full}{'.' + n if n else ''}", sub) for n, sub in canonical_modules(inner))
+    return out
 
 
 class MicroBatch:
@@ -102,7 +132,7 @@ class SnapshotPool:
     `torch._foreach_copy_` (device work only). At most `max_sets` exist."""
 
     def __init__(self, tensors, max_sets: int):
-        self.src = [t.detach() for t in tensors]
+        self.src = [local(t.detach()) for t in tensors]
         self.max_sets = max_sets
         self.free: list[list] = []
         self.allocated = 0
@@ -131,7 +161,7 @@ def clone_now(tensors) -> list[torch.Tensor]:
     out = []
     with torch.no_grad():
         for t in tensors:
-            t = t.detach()
+            t = local(t.detach())
             try:
                 out.append(t.clone())
             except RuntimeError:

@@ -1,0 +1,180 @@
+"""How a job wraps and shards the user's model: canonical names, the user's
+class, local shards.
+
+Wrappers (`torch.compile`'s OptimizedModule, DDP/DataParallel, FSDP1,
+activation-checkpoint wrappers) are recognised by type and descended into
+without adding a name component, so the names the recorder writes are the
+ones the user's own model gives (`blocks.0.attn`), whatever wraps it. Names
+are never stripped as strings: a user's child may well be called `module`.
+
+Sharded tensors are recorded as this rank's local shard: a DTensor (FSDP2,
+tensor parallel) is read through `to_local()`, an FSDP1 `use_orig_params`
+parameter already is a view of the local shard. Nothing here issues a
+collective.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+# (module holding the class, class name, attribute holding the wrapped module)
+_WRAPPERS = (
+    ("torch._dynamo.eval_frame", "OptimizedModule", "_orig_mod"),
+    ("torch.nn.parallel.distributed", "DistributedDataParallel", "module"),
+    ("torch.nn.parallel.data_parallel", "DataParallel", "module"),
+    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel", "_fsdp_wrapped_module"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper",
+     "_checkpoint_wrapped_module"),
+)
+
+
+def _wrapper_attr(module: torch.nn.Module) -> str | None:
+    """The attribute holding the wrapped module when `module` is a pure
+    wrapper, else None. Only modules already imported are looked at: an
+    instance of a wrapper implies its module was imported."""
+    for mod_name, cls_name, attr in _WRAPPERS:
+        mod = sys.modules.get(mod_name)
+        cls = getattr(mod, cls_name, None) if mod is not None else None
+        if cls is not None and isinstance(module, cls):
+            return attr
+    return None
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The innermost module under a chain of pure wrappers."""
+    seen = set()
+    while id(module) not in seen:
+        seen.add(id(module))
+        attr = _wrapper_attr(module)
+        inner = getattr(module, attr, None) if attr else None
+        if not isinstance(inner, torch.nn.Module):
+            return module
+        module = inner
+    return module
+
+
+def canonical_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every module, as the unwrapped model names them,
+    in `named_modules()` order; each module once (its first name), and
+    never a wrapper (its output is the wrapped module's: it would only
+    duplicate rows)."""
+    out: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()
+    todo = [("", model)]
+    while todo:
+        prefix, m = todo.pop()
+        m = unwrap(m)
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append((prefix, m))
+        children = [(f"{prefix}.{n}" if prefix else n, c) for n, c in m._modules.items() if c is not None]
+        todo.extend(reversed(children))
+    return out
+
+
+def canonical_parameters(modules: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of the modules' own parameters, each once; FSDP1's
+    FlatParameter (a container of the real parameters' shards, which stay
+    registered under their own names with `use_orig_params=True`) is left out."""
+    out = []
+    seen: set[int] = set()
+    for mname, m in modules:
+        for pname, p in m._parameters.items():
+            if p is None or id(p) in seen or type(p).__name__ == "FlatParameter":
+                continue
+            seen.add(id(p))
+            out.append((f"{mname}.{pname}" if mname else pname, p))
+    return out
+
+
+def user_class(model: torch.nn.Module) -> type:
+    """The class the user wrote: wrappers unwrapped, and FSDP2's
+    `FSDP<cls>` (a subclass of FSDPModule and cls) taken back to cls."""
+    cls = type(unwrap(model))
+    fsdp = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
+    fsdp_module = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    if fsdp_module is not None and issubclass(cls, fsdp_module):
+        for base in cls.__mro__:
+            if not issubclass(base, fsdp_module):
+                return base
+    return cls
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """The model (or a wrapper around it) is an OptimizedModule, or the
+    user called `module.compile()` on it."""
+    mod = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(mod, "OptimizedModule", None) if mod is not None else None
+    m = model
+    for _ in range(16):
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            return True
+        if optimized is not None and isinstance(m, optimized):
+            return True
+        attr = _wrapper_attr(m)
+        inner = getattr(m, attr, None) if attr else None
+        if not isinstance(inner, torch.nn.Module):
+            return False
+        m = inner
+    return False
+
+
+# ------------------------------------------------------------------ shards
+def is_dtensor(t) -> bool:
+    # Duck-typed so that plain jobs never import torch.distributed.tensor.
+    return isinstance(t, torch.Tensor) and hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def local(t):
+    """This rank's local part of `t` (a DTensor's local shard), else `t`."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def fsdp1_sharded_params(model: torch.nn.Module, sharded_only: bool = True) -> set[int]:
+    """ids of the parameters that FSDP1 (`use_orig_params=True`) shards
+    across ranks: views of each rank's part of a FlatParameter (with
+    `sharded_only=False`, every parameter FSDP1 manages)."""
+    mod = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    fsdp = getattr(mod, "FullyShardedDataParallel", None) if mod is not None else None
+    if fsdp is None:
+        return set()
+    out: set[int] = set()
+    for m in model.modules():
+        if not isinstance(m, fsdp):
+            continue
+        handle = getattr(m, "_handle", None)
+        if handle is None or (sharded_only and not getattr(handle, "uses_sharded_strategy", False)):
+            continue
+        for p in getattr(handle.flat_param, "_params", None) or ():
+            out.add(id(p))
+    return out
+
+
+def fsdp1_shapes(model: torch.nn.Module) -> dict[int, list[int]]:
+    """The unsharded shape of each FSDP1 `use_orig_params` parameter (its
+    own `.shape` is that of its local, flattened part)."""
+    mod = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    fsdp = getattr(mod, "FullyShardedDataParallel", None) if mod is not None else None
+    out: dict[int, list[int]] = {}
+    if fsdp is None:
+        return out
+    for m in model.modules():
+        handle = getattr(m, "_handle", None) if isinstance(m, fsdp) else None
+        flat = getattr(handle, "flat_param", None)
+        params = getattr(flat, "_params", None)
+        if not params:
+            continue
+        for p, shape in zip(params, flat._shapes):
+            out[id(p)] = list(shape)
+    return out
+
+
+def sharded_param_ids(model: torch.nn.Module, params) -> set[int]:
+    """ids of the parameters whose gradients are sharded across ranks."""
+    out = fsdp1_sharded_params(model)
+    for _, p in params:
+        if is_dtensor(p) and any(pl.is_shard() for pl in p.placements):
+            out.add(id(p))
+    return out

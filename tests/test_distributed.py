@@ -1,0 +1,206 @@
+"""The recorder in distributed, sharded and compiled jobs: DDP without a
+run_id, FSDP1, FSDP2 (`fully_shard`) on 2 CPU processes with gloo,
+`torch.compile` (recorder attached before and after compiling) and
+activation checkpointing (reentrant and not). For each layout: training
+bit-identical to the same job without the recorder, rows under the user's
+model's names, the global gradient norm before clipping, and `summary`
+naming the right ranks."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn as nn
+from click.testing import CliRunner
+
+import amp_postmortem
+from amp_postmortem.cli import main
+from recorders import AmpRecorder
+from tiny_models import TinyNet, batches
+
+LAYOUTS = ("ddp", "fsdp1", "fsdp2")
+STEPS = 3
+CLIP = 0.5
+NAN_RANK, NAN_STEP = 1, 1  # DDP: this rank's batch of this step holds a NaN
+
+
+class ShardNet(TinyNet):
+    """TinyNet with a one-value parameter: sharded over 2 ranks, rank 1's
+    shard of it is empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
+# ------------------------------------------------------------ the workers
+def _wrap(layout, model):
+    if layout == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model)
+    if layout == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        return FSDP(model, use_orig_params=True, device_id=torch.device("cpu"))
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _clip(layout, model):
+    """The user's clipping; returns the total norm it saw (pre-clip)."""
+    if layout == "fsdp1":
+        return float(model.clip_grad_norm_(CLIP))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def _train(layout, rank, run=None):
+    """One job; returns (losses, pre-clip norms, final local weights)."""
+    torch.manual_seed(0)
+    model = _wrap(layout, ShardNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # GradScaler where plain DDP allows it; FSDP runs bfloat16 without one.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if layout == "ddp" else None
+    dtype = torch.float16 if layout == "ddp" else torch.bfloat16
+    rec = AmpRecorder(run, model, optimizer=opt, scaler=scaler, full_every=2) if run else None
+    losses, norms = [], []
+    for step, (x, y) in enumerate(batches(STEPS, seed=rank)):
+        if layout == "ddp" and (rank, step) == (NAN_RANK, NAN_STEP):
+            x = x.clone()
+            x[0, 0, 0] = math.nan
+        with torch.autocast("cpu", dtype=dtype):
+            loss = ((model(x).float() - y) ** 2).mean()
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+        norms.append(_clip(layout, model))
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        if rec:
+            rec.step(loss)
+        losses.append(loss.item())
+    if rec:
+        rec.close()
+    weights = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
+    return losses, norms, weights
+
+
+def _worker(rank, world, root, port):
+    import torch.distributed as dist
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.pop("AMP_POSTMORTEM_RUN_ID", None)
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = {}
+    for layout in LAYOUTS:
+        plain_losses, plain_norms, plain_weights = _train(layout, rank)
+        losses, norms, weights = _train(layout, rank, run=os.path.join(root, layout))
+        out[layout] = {
+            # repr: NaN equals NaN
+            "identical": repr(plain_losses + plain_norms) == repr(losses + norms)
+            and all(torch.equal(a, b) for a, b in zip(plain_weights, weights)),
+            "losses": losses, "norms": norms}
+    with open(os.path.join(root, f"result-{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def distributed_runs(tmp_path_factory):
+    """One spawn of 2 gloo ranks training every distributed layout."""
+    import torch.multiprocessing as mp
+    root = tmp_path_factory.mktemp("distributed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(2, str(root), port), nprocs=2, join=True)
+    results = [json.loads((root / f"result-{r}.json").read_text()) for r in (0, 1)]
+    return root, results
+
+
+# ------------------------------------------------------------ the checks
+MODULES = {"", "embed", "blocks", "blocks.0", "blocks.0.norm", "blocks.0.attn", "blocks.0.attn.qkv",
+           "blocks.0.attn.out", "blocks.0.mlp", "blocks.0.mlp.0", "blocks.0.mlp.1", "blocks.0.mlp.2",
+           "blocks.1", "blocks.1.norm", "blocks.1.attn", "blocks.1.attn.qkv", "blocks.1.attn.out",
+           "blocks.1.mlp", "blocks.1.mlp.0", "blocks.1.mlp.1", "blocks.1.mlp.2", "head"}
+PARAMS = {n for n, _ in ShardNet().named_parameters()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_is_bit_identical_with_the_recorder(distributed_runs, layout):
+    _, results = distributed_runs
+    assert [r[layout]["identical"] for r in results] == [True, True]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_rank_writes_one_run_under_the_users_names(distributed_runs, layout):
+    root, _ = distributed_runs
+    run = amp_postmortem.load_run(root / layout)
+    ids = {json.loads((root / layout / f"rank={r}" / "manifest.json").read_text())["run_id"] for r in (0, 1)}
+    assert len(ids) == 1 and run.ranks == [0, 1]
+    assert run.manifest["model_class"] == "test_distributed.ShardNet"
+    rows = run.scan_tensors(["step", "rank", "name", "kind", "numel"])
+    for rank in (0, 1):
+        mine = rows[rows["rank"] == rank]
+        assert set(mine.loc[mine["kind"] == "activation", "name"]) == MODULES
+    grads = rows[rows["kind"] == "param_grad"]
+    if layout == "ddp":  # replicated: every rank holds every gradient
+        assert grads.groupby("step")["name"].count().tolist() == [2 * len(PARAMS)] * STEPS
+    else:  # sharded: one merged row per parameter and step, the full size
+        assert grads.groupby("step")["name"].count().tolist() == [len(PARAMS)] * STEPS
+        assert set(grads["name"]) == PARAMS
+        assert grads.loc[grads["name"] == "gain", "numel"].tolist() == [1] * STEPS
+        assert grads.loc[grads["name"] == "embed.weight", "numel"].tolist() == [128] * STEPS
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grad_norm_is_the_global_norm_before_clipping(distributed_runs, layout):
+    root, results = distributed_runs
+    steps = amp_postmortem.load_run(root / layout).steps
+    for rank in (0, 1):
+        recorded = steps.loc[steps["rank"] == rank, "grad_norm"].tolist()
+        expected = results[rank][layout]["norms"]
+        if layout == "ddp":  # the step whose gradients went non-finite
+            assert math.isnan(recorded[NAN_STEP]) and math.isnan(expected[NAN_STEP])
+            del recorded[NAN_STEP], expected[NAN_STEP]
+        assert recorded == pytest.approx(expected, rel=1e-5)
+        assert min(expected) > CLIP  # clipping changed the gradients: the norm is the one before
+
+
+def test_sharded_rows_of_one_rank_hold_its_shard(distributed_runs):
+    root, _ = distributed_runs
+    one = amp_postmortem.load_run(root / "fsdp2", rank=1)
+    gain = one.scan_tensors(["name", "kind", "numel", "absmax", "nan_count"], kinds=["param_grad"])
+    gain = gain[gain["name"] == "gain"]
+    assert gain["numel"].tolist() == [0] * STEPS and gain["nan_count"].tolist() == [0] * STEPS
+    assert gain["absmax"].isna().all()
+    assert any("covers only their shards" in w for w in one.warnings)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_summary_names_the_ranks_and_exits_0(distributed_runs, layout):
+    root, _ = distributed_runs
+    result = CliRunner().invoke(main, ["summary", str(root / layout)])
+    assert result.exit_code == 0, result.output
+    assert "ranks [0, 1] of world_size 2" in result.output
+    if layout == "ddp":
+        assert f"first made by <input> (input, rank {NAN_RANK})" in result.output
+
+
+def test_summary_says_which_rank_went_nonfinite_first(distributed_runs):
+    root, _ = distributed_runs
+    report = amp_postmortem.nans(root / "ddp")
+    assert (report.forward.name, report.forward.step, report.forward.rank) == ("<input>", NAN_STEP, NAN_RANK)
