@@ -57,6 +57,7 @@ class StepState:
         self.grad_sqsum = None  # square sum of this rank's unscaled gradients (local shards), on the device
         self.sharded_sqsum = None  # its part from the local shards of sharded gradients
         self.backward_task = None  # the autograd graph task whose end is awaited
+        self.backward_passes = 0  # ended backward passes (counts micro-batches a compiled forward hides)
         self.in_forward = 0  # depth of root forwards being recorded (checkpointing's no_grad regions count)
         self.param_values: list[tuple] = []
         self.device = None
@@ -467,6 +468,7 @@ class TrainingHooks:
     def _on_backward_end(self, st) -> None:
         if self.state is not st or self.paused or not st.record:
             return
+        st.backward_passes += 1
         for pname, p, hook in self._late_params:
             hook(p)
         scale = self._scale_tensor()

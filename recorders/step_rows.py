@@ -55,7 +55,9 @@ class StepRows:
         p.step = step_id
         p.wall_time = time.time()
         p.tier = "full" if st.full else "cheap"
-        p.micro_batches = st.micro_batches
+        # A model compiled after the recorder was attached runs no forward
+        # hook: its micro-batches are counted by their backward passes.
+        p.micro_batches = st.micro_batches or st.backward_passes
         p.lr = None
         if self.optimizer is not None:
             p.lr = [host_float(g.get("lr")) for g in self.optimizer.param_groups]

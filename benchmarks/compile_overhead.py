@@ -1,0 +1,136 @@
+"""Recorder overhead on a compiled model (CPU): step time of `torch.compile`
+with and without AmpRecorder.
+
+The benchmark model of `recorder_overhead.py` (GPT-style, 4 layers, d_model
+256, sequence 128, batch 16), bfloat16 autocast, AdamW, compiled with
+inductor. Variants, each its own identical copy of the model:
+
+- `compiled`: `torch.compile(model)`, no recorder;
+- `after`:    the recorder attached to the compiled module;
+- `before`:   the recorder attached to the model, then compiled.
+
+The recorder keeps its defaults (cheap tier every step, full tier every 100
+steps): compiled steps record the boundary, the loss and the parameter
+gradients; full-tier steps run eagerly. Rounds interleave the variants in a
+shuffled order after warm-up (compilation); reported: median step time, its
+ratio to `compiled`, the graphs compiled after warm-up (recompilations) and
+the graph breaks, per variant.
+
+    python benchmarks/compile_overhead.py                  # ~5 min on 2 cores
+    python benchmarks/compile_overhead.py --smoke          # seconds (eager backend)
+
+Prints one JSON document on stdout and a table on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+VARIANTS = ("compiled", "after", "before")
+FULL_SIZE = dict(vocab=2048, d_model=256, n_layers=4, n_heads=4, seq=128, batch=16)
+SMOKE_SIZE = dict(vocab=64, d_model=32, n_layers=1, n_heads=2, seq=16, batch=2)
+
+
+class Job:
+    def __init__(self, variant: str, size: dict, backend, run_dir: Path, seed: int):
+        import torch
+        torch.manual_seed(seed)
+        self.variant, self.size = variant, size
+        model = common.gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+        self.rec = None
+        from recorders import AmpRecorder
+        if variant == "before":
+            self.rec = AmpRecorder(run_dir / variant, model, optimizer=self.opt)
+        self.model = torch.compile(model, backend=self.counter)
+        if variant == "after":
+            self.rec = AmpRecorder(run_dir / variant, self.model, optimizer=self.opt)
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self, batch) -> float:
+        import torch
+        import torch.nn.functional as F
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = self.model(batch[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, self.size["vocab"]), batch[:, 1:].reshape(-1))
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.rec is not None:
+            self.rec.step(loss)
+        dt = time.perf_counter() - t0
+        self.losses.append(loss.item())
+        return dt
+
+
+def measure(size: dict, backend: str, steps: int, warmup: int, seed: int) -> dict:
+    import torch
+    from torch._dynamo.utils import counters
+    g = torch.Generator().manual_seed(seed)
+    batches = [torch.randint(0, size["vocab"], (size["batch"], size["seq"] + 1), generator=g)
+               for _ in range(warmup + steps)]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = {v: Job(v, size, backend, Path(tmp), seed) for v in VARIANTS}
+        breaks_before = sum(counters["graph_break"].values())
+        for i in range(warmup):  # compilation happens here
+            for v in VARIANTS:
+                jobs[v].step(batches[i])
+        frames_warm = {v: jobs[v].counter.frame_count for v in VARIANTS}
+        rng = random.Random(seed)
+        for i in range(warmup, warmup + steps):
+            order = list(VARIANTS)
+            rng.shuffle(order)
+            for v in order:
+                jobs[v].times.append(jobs[v].step(batches[i]))
+        base = common.median(jobs["compiled"].times)
+        for v, job in jobs.items():
+            if job.rec is not None:
+                job.rec.close()
+            med = common.median(job.times)
+            out[v] = {"median_ms": med * 1e3, "ratio": med / base,
+                      "graphs_compiled": job.counter.frame_count,
+                      "recompiles_after_warmup": job.counter.frame_count - frames_warm[v],
+                      "losses_identical_to_compiled": job.losses == jobs["compiled"].losses}
+        out["graph_breaks_total"] = sum(counters["graph_break"].values()) - breaks_before
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30, help="measured rounds after warm-up")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, eager backend, few steps (CI)")
+    ap.add_argument("--json", dest="json_path", default=None, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    import torch
+    import torch._dynamo.testing  # noqa: F401  (CompileCounterWithBackend)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    size = SMOKE_SIZE if args.smoke else FULL_SIZE
+    backend = "eager" if args.smoke else args.backend
+    steps, warmup = (3, 2) if args.smoke else (args.steps, args.warmup)
+    doc = {"machine": common.machine_info(), "size": size, "backend": backend, "steps": steps,
+           "warmup": warmup, "variants": measure(size, backend, steps, warmup, args.seed)}
+    rows = [{"variant": v, **doc["variants"][v]} for v in VARIANTS]
+    common.print_table(rows, ["variant", "median_ms", "ratio", "graphs_compiled", "recompiles_after_warmup",
+                              "losses_identical_to_compiled"])
+    common.write_json(doc, args.json_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

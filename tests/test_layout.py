@@ -1,0 +1,165 @@
+"""The recorder around wrapped models, in one process: `torch.compile` with
+the recorder attached after or before compiling, and activation
+checkpointing (reentrant, non-reentrant, `checkpoint_wrapper`). Training
+stays bit-identical, rows carry the user's names, compiled graphs carry no
+recorder code (no extra graph, no graph break) and every module's forward
+is recorded once."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
+
+import amp_postmortem
+from recorders import AmpRecorder
+from recorders.layout import canonical_modules, user_class
+from tiny_models import Block, TinyNet, batches
+
+STEPS = 4
+
+
+def _train(model, data, rec_at=None, compile_=None, full_every=3):
+    """bfloat16 autocast, SGD; `rec_at(model, opt)` builds the recorder;
+    `compile_(model)`: compile before (`"before"` recorder) or after. Returns
+    (losses, final weights, graphs compiled after each step, run)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rec = None
+    if rec_at is not None and compile_ != "after":
+        rec = rec_at(model, opt, full_every)
+    counter = CompileCounter()
+    run_model = torch.compile(model, backend=counter) if compile_ else model
+    if rec_at is not None and compile_ == "after":
+        rec = rec_at(run_model, opt, full_every)
+    losses, graphs = [], []
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ((run_model(x).float() - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rec:
+            rec.step(loss)
+        losses.append(loss.item())
+        graphs.append(counter.frame_count)
+    if rec:
+        rec.close()
+    return losses, [p.detach().clone() for p in model.parameters()], graphs
+
+
+def _recorder(run):
+    return lambda model, opt, full_every: AmpRecorder(run, model, optimizer=opt, full_every=full_every)
+
+
+def _rows(run, steps=None):
+    df = amp_postmortem.load_run(run).scan_tensors(["step", "name", "kind", "call", "absmax"], steps=steps)
+    return df.sort_values(["step", "name", "kind", "call"]).reset_index(drop=True)
+
+
+@pytest.fixture(scope="module")
+def eager_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("layout") / "eager"
+    torch.manual_seed(0)
+    _train(TinyNet(), batches(STEPS), _recorder(run))
+    return run
+
+
+# ---------------------------------------------------------------- compile
+@pytest.mark.parametrize("attach", ["after", "before"])
+def test_compiled_model_records_without_graph_breaks_or_recompiles(attach, eager_run, tmp_path):
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    plain = _train(TinyNet(), batches(STEPS), compile_=attach)
+    plain_breaks = dict(counters["graph_break"])
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    run = tmp_path / "compiled"
+    recorded = _train(TinyNet(), batches(STEPS), _recorder(run), compile_=attach)
+
+    assert recorded[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(recorded[1], plain[1]))
+    assert dict(counters["graph_break"]) == plain_breaks == {}
+    # One graph, compiled once: the eager full-tier steps (0 and 3 when
+    # attached to the compiled module) neither recompile nor invalidate it.
+    assert recorded[2] == ([0, 1, 1, 1] if attach == "after" else [1, 1, 1, 1])
+    assert plain[2] == [1, 1, 1, 1]
+
+    loaded = amp_postmortem.load_run(run)
+    assert loaded.manifest["model_class"] == "tiny_models.TinyNet"
+    assert loaded.manifest["compiled"]["detected"] is True
+    assert loaded.steps["micro_batches"].tolist() == [1] * STEPS
+    rows = _rows(run)
+    assert not rows["name"].str.contains("_orig_mod").any()
+    eager = _rows(eager_run)
+    # Full-tier step 3 ran eagerly: every row of the eager run, same values.
+    assert rows[rows["step"] == 3].reset_index(drop=True).equals(eager[eager["step"] == 3].reset_index(drop=True))
+    compiled_step = rows[rows["step"] == 1]
+    boundary = {"input", "activation", "grad_output"} if attach == "after" else set()
+    assert set(compiled_step["kind"]) == {"loss", "param_grad"} | boundary
+    if attach == "after":
+        assert set(compiled_step.loc[compiled_step["kind"] == "activation", "name"]) == {""}
+    eager_grads = eager[(eager["step"] == 1) & (eager["kind"] == "param_grad")].reset_index(drop=True)
+    assert compiled_step[compiled_step["kind"] == "param_grad"].reset_index(drop=True).equals(eager_grads)
+    assert loaded.steps["grad_norm"].tolist() == amp_postmortem.load_run(eager_run).steps["grad_norm"].tolist()
+
+
+# ---------------------------------------------------------- checkpointing
+class CheckpointedNet(TinyNet):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _wrapped_net():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    model = TinyNet()
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    return model
+
+
+CHECKPOINTED = {
+    "reentrant": lambda: CheckpointedNet(reentrant=True),
+    "non_reentrant": lambda: CheckpointedNet(reentrant=False),
+    "wrapper": _wrapped_net,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CHECKPOINTED))
+def test_checkpointed_modules_are_recorded_once_per_micro_batch(kind, eager_run, tmp_path):
+    torch.manual_seed(0)
+    plain = _train(CHECKPOINTED[kind](), batches(STEPS))
+    torch.manual_seed(0)
+    run = tmp_path / kind
+    recorded = _train(CHECKPOINTED[kind](), batches(STEPS), _recorder(run))
+    assert recorded[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(recorded[1], plain[1]))
+
+    rows, eager = _rows(run), _rows(eager_run)
+    if kind != "wrapper":  # CheckpointedNet runs its blocks one by one, never the Sequential
+        eager = eager[eager["name"] != "blocks"]
+    forward = rows[rows["kind"].isin(["input", "activation", "loss", "param_grad"])].reset_index(drop=True)
+    expected = eager[eager["kind"].isin(["input", "activation", "loss", "param_grad"])].reset_index(drop=True)
+    # Every module once (call 0 only), none dropped, the eager values.
+    assert forward.equals(expected)
+    assert set(rows["call"]) == {0}
+
+
+def test_canonical_names_walk_wrappers_by_type_not_by_string():
+    class Holder(torch.nn.Module):  # a user's child named `module` keeps its name
+        def __init__(self):
+            super().__init__()
+            self.module = TinyNet()
+
+    wrapped = torch.compile(_wrapped_net(), backend="eager")
+    names = [n for n, _ in canonical_modules(wrapped)]
+    assert names == [n for n, _ in TinyNet().named_modules()]
+    assert user_class(wrapped) is TinyNet
+    assert [n for n, _ in canonical_modules(Holder())][:3] == ["", "module", "module.embed"]
