@@ -30,8 +30,9 @@ def _precisions(ctx, param, value):
               help="The rank whose bundle to replay (default: the lowest rank that saved one).")
 @click.option("--step", type=int, required=True, help="The step whose bundle to replay.")
 @click.option("--model", "model_spec", default=None, metavar="SPEC",
-              help="package.module:factory or path/to/file.py:factory returning the model "
-                   "(default: the recorded class, built with no arguments).")
+              help="package.module:factory or path/to/file.py:factory returning the model, or a "
+                   "transformers class such as transformers:AutoModelForCausalLM (built from the config "
+                   "saved with the run) (default: the recorded class).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where to replay.")
 @click.option("--precisions", default=",".join(PRECISIONS), show_default=True, callback=_precisions,

@@ -55,6 +55,7 @@ class ManifestMixin:
             "device_type": device.type,
             "device_name": _device_name(device),
             "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            "model_config": model_config(self.model),
             "autocast": None,
             "scaler": self._scaler_config(),
             "optimizer": opt,
@@ -84,6 +85,36 @@ class ManifestMixin:
         atomic_write_json(self.rank_dir / schema.MANIFEST_FILE, self._manifest)
         if self.rank == 0:
             atomic_write_json(self.run_dir / schema.MANIFEST_FILE, self._manifest)
+
+
+def model_config(model) -> dict | None:
+    """The JSON of a Hugging Face-style `model.config` (one with
+    `to_json_string()` or `to_dict()`), so that a replay can rebuild the model
+    from its class and this config without downloading anything; None for
+    other models. The attention implementation (eager, sdpa) is not part of
+    a transformers config's JSON, yet decides where attention logits are
+    materialised in half precision: it is kept as `_attn_implementation`."""
+    import json
+    inner = getattr(model, "module", model)  # DataParallel / DDP
+    config = getattr(inner, "config", None)
+    try:
+        if callable(getattr(config, "to_json_string", None)):
+            try:
+                out = json.loads(config.to_json_string(use_diff=False))
+            except TypeError:  # not transformers' signature
+                out = json.loads(config.to_json_string())
+        elif callable(getattr(config, "to_dict", None)):
+            out = plain(config.to_dict(), keep_nonfinite=True)
+        else:
+            return None
+    except Exception:  # noqa: BLE001 - a config that cannot say itself: the replay needs --model
+        return None
+    if not isinstance(out, dict):
+        return None
+    attn = getattr(config, "_attn_implementation", None)
+    if isinstance(attn, str):
+        out["_attn_implementation"] = attn
+    return out
 
 
 def _existing_run_id(run_dir: Path, rank: int) -> str | None:
