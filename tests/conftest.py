@@ -77,9 +77,10 @@ def _models():
 
 
 def record_run(path, *, steps, plant=None, scaler_kwargs=None, lr=0.01, fixed_batch=False,
-               close=True, seed=0, **recorder_kwargs):
-    """Train `Net` for `steps` steps under the real recorder. `plant(step,
-    model, x)` may change the model or the batch before each step."""
+               close=True, seed=0, autocast_dtype="float16", **recorder_kwargs):
+    """Train `Net` for `steps` steps under the real recorder (CPU autocast
+    to `autocast_dtype`). `plant(step, model, x)` may change the model or
+    the batch before each step."""
     import torch
     from recorders import AmpRecorder
 
@@ -95,7 +96,7 @@ def record_run(path, *, steps, plant=None, scaler_kwargs=None, lr=0.01, fixed_ba
                                                      torch.randn(16, 1, generator=gen))
         if plant is not None:
             plant(step, model, x)
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=getattr(torch, autocast_dtype)):
             loss = ((model(x).float() - y) ** 2).mean()
         scaler.scale(loss).backward()
         scaler.step(opt)
