@@ -74,13 +74,17 @@ class TupleLM(nn.Module):
         return logits, loss
 
 
-def test_tuple_logits_loss_model_replays_like_the_step(tmp_path):
+@pytest.fixture(scope="module")
+def tuple_run(tmp_path_factory):
+    """TupleLM trained 2 steps in bf16 under the real recorder, step 1 saved;
+    with the parameter gradients training made at step 1."""
     from recorders import AmpRecorder
     torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("runs") / "tuple_logits_loss"
     model = TupleLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(0)
-    rec = AmpRecorder(tmp_path / "run", model, optimizer=opt, bundle_steps=(1,))
+    rec = AmpRecorder(path, model, optimizer=opt, bundle_steps=(1,))
     trained = {}
     for step in range(2):
         idx = torch.randint(0, 16, (4, 6), generator=gen)
@@ -93,13 +97,17 @@ def test_tuple_logits_loss_model_replays_like_the_step(tmp_path):
         opt.zero_grad()
         rec.step(loss)
     rec.close()
+    return path, trained
 
-    result = replay(tmp_path / "run", step=1, model=TupleLM, precisions="fp64,bf16", local=False)
+
+def test_tuple_logits_loss_model_replays_like_the_step(tuple_run):
+    path, trained = tuple_run
+    result = replay(path, step=1, model=TupleLM, precisions="fp64,bf16", local=False)
     assert result.reproduced is True and result.backward_start == "saved"
     assert result.loss["bf16"] == pytest.approx(result.loss["recorded"], rel=0, abs=0)
     assert not any("not a loss" in line for line in result.lines())
 
-    session = ReplaySession(result_bundle(tmp_path / "run", 1), TupleLM())
+    session = ReplaySession(result_bundle(path, 1), TupleLM())
     bundle = session.bundle
     run = session.run(RunConfig("bf16", policy=resolve_policy("recorded", bundle, "bf16")), capture=False)
     # One backward start, from the loss: the training's gradients, bit for bit (not 2x).
@@ -110,3 +118,20 @@ def test_tuple_logits_loss_model_replays_like_the_step(tmp_path):
 def result_bundle(run_dir, step):
     from amp_postmortem.bundle import find_bundle, load_bundle
     return load_bundle(find_bundle(run_dir, step, None))
+
+
+def test_a_loss_fn_on_the_logits_alone_starts_the_backward_at_the_logits(tuple_run):
+    path, _ = tuple_run
+    session = ReplaySession(result_bundle(path, 1), TupleLM())
+
+    def logits_loss(out, mb):
+        return out[0].double().square().mean()
+    session.derive_grad_outputs(logits_loss)
+    # d(loss_fn)/d(model's own loss) is None: the logits are the only start.
+    assert session.grad_outputs[0][1] is None and session.grad_outputs[0][0] is not None
+    run = session.run(RunConfig("fp64"), capture=False)
+    model = session.model(torch.float64)
+    args, kwargs = session.bundle.inputs[0]
+    logits_loss(model(*args, **kwargs), 0).backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(run.param_grads[name], p.grad, rtol=1e-12, atol=0), name

@@ -121,9 +121,11 @@ class ReplaySession:
                     with torch.enable_grad():
                         output = model(*args, **kwargs)
                     wanting = [t for t in iter_tensors(output) if is_floating(t) and t.requires_grad]
-                    roots = backward_roots(wanting) if len(wanting) == len(grads) else [True] * len(grads)
-                    bad += sum(int((~torch.isfinite(g)).sum()) for g, root in zip(grads, roots)
-                               if g is not None and root)
+                    if len(wanting) != len(grads):
+                        return self.grad_outputs_nonfinite
+                    seeded = [(t, g) for t, g in zip(wanting, grads) if g is not None]
+                    roots = backward_roots([t for t, _ in seeded])
+                    bad += sum(int((~torch.isfinite(g)).sum()) for (_, g), root in zip(seeded, roots) if root)
         except Exception:  # noqa: BLE001 - the user's model may raise anything; run() reports it
             return self.grad_outputs_nonfinite
         return bad
@@ -341,10 +343,8 @@ class ReplaySession:
 def _local_grads(module, leaves, outs, grads) -> dict:
     # A module output computed from another of its outputs already holds
     # that one's share of the gradient (see outputs.backward_roots).
-    roots = backward_roots([o for o in outs if o.requires_grad])
-    wanting = iter(roots)
-    pairs = [(o, g) for o, g in zip(outs, grads)
-             if o.requires_grad and next(wanting) and g is not None]
+    pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+    pairs = [pair for pair, root in zip(pairs, backward_roots([o for o, _ in pairs])) if root]
     targets = {f"input:{i}": t for i, t in enumerate(leaves) if t.requires_grad}
     targets.update({f"param:{n}": p for n, p in module.named_parameters() if p.requires_grad})
     if not pairs or not targets:
@@ -412,19 +412,19 @@ def substitute_mean(grad_outputs: list) -> list:
 def _backward(outs, grads, config: RunConfig):
     """Start the backward from the bundle's output gradients (times the scale
     for reduced precision), cast to each output's dtype as autograd would,
-    at the outputs no other output was computed from (`backward_roots`: a
-    loss computed inside the model is the one start, as in training)."""
+    at the outputs with a gradient that no other such output was computed
+    from (`backward_roots`: a loss computed inside the model is the one
+    start, as in training; a loss_fn on the logits alone seeds the logits)."""
     wanting = [t for t in outs if t.requires_grad]
     if len(grads) != len(wanting):
         raise ModelSpecError(f"the bundle holds {len(grads)} output gradients but the model returned "
                              f"{len(wanting)} floating outputs requiring grad; is this the model the run trained?")
-    pairs = []
-    for t, g, root in zip(wanting, grads, backward_roots(wanting)):
-        if g is None or not root:
-            continue
+    seeded = [(t, g) for t, g in zip(wanting, grads) if g is not None]
+    for t, g in seeded:
         if tuple(g.shape) != tuple(t.shape):
             raise ModelSpecError(f"the bundle's output gradient has shape {tuple(g.shape)} but the "
                                  f"model's output has shape {tuple(t.shape)}; is this the model the run trained?")
-        pairs.append((t, (g * config.backward_scale).to(t.dtype)))
+    pairs = [(t, (g * config.backward_scale).to(t.dtype))
+             for (t, g), root in zip(seeded, backward_roots([t for t, _ in seeded])) if root]
     if pairs:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])

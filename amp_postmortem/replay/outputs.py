@@ -52,7 +52,8 @@ def find_loss(output):
 
 
 def backward_roots(outputs) -> list[bool]:
-    """Per output tensor: True when a backward starts from it.
+    """Per output tensor (those with a gradient to start from): True when a
+    backward starts from it.
 
     An output whose autograd edge `(grad_fn, output_nr)` is reachable from
     another output's `grad_fn` was used to compute that output (the logits
