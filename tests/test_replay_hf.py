@@ -131,3 +131,13 @@ def test_attention_logit_overflow_names_the_attention_block(overflow_run):
     # The logits' NaN gradient is no start: the loss (gradient = the loss scale) is.
     assert result.backward_start == "saved"
     assert result.loss["fp16"] != result.loss["fp16"] and result.loss["fp64"] == pytest.approx(4.18, abs=0.01)
+
+
+def test_auto_class_without_a_saved_config_is_a_one_line_error(bf16_run, tmp_path):
+    import shutil
+    from amp_postmortem.errors import ModelSpecError
+    path, _ = bf16_run
+    alone = tmp_path / "bundle"
+    shutil.copytree(path / "bundles" / "step=1" / "rank=0", alone)  # away from its run directory
+    with pytest.raises(ModelSpecError, match="is built from a config, and the run saved none"):
+        replay(alone, model="transformers:AutoModelForCausalLM", precisions="fp64", local=False)

@@ -3,6 +3,7 @@ backward starts from, and a nanoGPT-style `(logits, loss)` model recorded by
 the real recorder and replayed like the step (one backward start)."""
 from __future__ import annotations
 
+import json
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
 
@@ -106,6 +107,8 @@ def test_tuple_logits_loss_model_replays_like_the_step(tuple_run):
     assert result.reproduced is True and result.backward_start == "saved"
     assert result.loss["bf16"] == pytest.approx(result.loss["recorded"], rel=0, abs=0)
     assert not any("not a loss" in line for line in result.lines())
+    # A model without a Hugging Face-style config saves none.
+    assert json.loads((path / "manifest.json").read_text())["model_config"] is None
 
     session = ReplaySession(result_bundle(path, 1), TupleLM())
     bundle = session.bundle
