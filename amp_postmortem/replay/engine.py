@@ -14,7 +14,9 @@ Precision semantics (`RunConfig.precision`):
   device type, emulated otherwise (see `policy.py`). The backward starts from
   the bundle's gradients of the loss w.r.t. the outputs times the loss scale,
   because the scaled gradient is what travelled in training; captured
-  gradients stay scaled and `StepCapture.loss_scale` says by how much.
+  gradients stay scaled and `StepCapture.loss_scale` says by how much. Only
+  the outputs no other output was computed from are seeds (`outputs.py`: a
+  loss computed inside the model is the one start, as in training).
 
 What-if replays change a `RunConfig`, not the engine: `fp32_modules` runs
 the named modules in float32 (inputs cast up, autocast and its emulation off
