@@ -138,6 +138,7 @@ class AmpRecorder:
         self._closed = False
         self._failure: BaseException | None = None
         self._failed_at_step: int | None = None
+        self._writing_step: int | None = None  # the step the writer thread is writing
         self._prior_stance = None  # the compiler stance to restore after an eager step
         self._bundles_off: str | None = None
         self.compiled = False
@@ -268,7 +269,11 @@ class AmpRecorder:
             first = self._failure is None
             if first:
                 self._failure = exc
-                self._failed_at_step = self._step_counter
+                # The step being written when the writer thread failed, else
+                # the step the training is in.
+                on_writer = self.writer is not None and threading.current_thread() is self.writer.thread
+                self._failed_at_step = self._writing_step if on_writer and self._writing_step is not None \
+                    else self._step_counter
             self._enabled = False
         if not self._warned:
             self._warned = True
@@ -429,6 +434,7 @@ class AmpRecorder:
 
     # --------------------------------------------------------- writer thread
     def _write_step(self, pending) -> None:
+        self._writing_step = pending.step
         step_row, columns, summary = self.rows.rows(pending)
         self.shards.add_step(step_row, columns)
         self.manifest.note_step(pending.step)

@@ -34,6 +34,10 @@ class WriterThread:
         self._thread.start()
 
     @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 

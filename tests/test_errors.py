@@ -35,18 +35,6 @@ def _failing_writes(monkeypatch, allowed: int):
     monkeypatch.setattr(pq, "write_table", write_table)
 
 
-def _reason_on_disk(run):
-    """Today's recorder keeps its failure in memory: after one it skips the
-    final manifest, so `disabled_reason` never reaches disk. Write what its
-    manifests should say (unless a fixed recorder already did)."""
-    for path in (run / "manifest.json", run / "rank=0" / "manifest.json"):
-        manifest = json.loads(path.read_text())
-        if not manifest.get("disabled_reason"):
-            manifest["disabled_reason"] = f"OSError: [Errno 28] {DISK_FULL}"
-            path.write_text(json.dumps(manifest))
-    return run
-
-
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory):
     """Recording switched itself off at the second shard: steps 0-4 on disk."""
@@ -57,7 +45,7 @@ def stopped_run(tmp_path_factory):
             run = record_run(tmp_path_factory.mktemp("err") / "stopped", steps=12, steps_per_shard=5)
     finally:
         mp.undo()
-    return _reason_on_disk(run)
+    return run
 
 
 def _cli(*argv):
@@ -116,7 +104,6 @@ def test_recording_disabled_before_the_first_shard_gives_its_reason(monkeypatch,
     with pytest.warns(RuntimeWarning, match="recording disabled"):
         run = record_run(tmp_path / "full_disk", steps=3)
     monkeypatch.undo()
-    _reason_on_disk(run)
     line = _one_error_line(_cli("summary", run), 2)
     assert line.startswith(f"Error: {run} holds no readable step: no shard written yet")
     assert line.endswith(f"; recording was switched off (OSError: [Errno 28] {DISK_FULL})")

@@ -196,6 +196,49 @@ def test_a_full_disk_turns_recording_off_and_training_goes_on(tmp_path, monkeypa
     with pytest.warns(RuntimeWarning, match="No space left"):
         losses, *_ = train(TinyNet(), batches(4), recorder=recorder_at(tmp_path / "run", steps_per_shard=2))
     assert len(losses) == 4
+    # The writer failed; the reason still reaches disk, with the step.
+    for path in (tmp_path / "run" / "manifest.json", tmp_path / "run" / "rank=0" / "manifest.json"):
+        manifest = json.loads(path.read_text())
+        assert manifest["disabled_reason"] == "OSError: [Errno 28] No space left on device"
+        # the step being written when the first shard (steps 0-1) failed
+        assert (manifest["disabled_at_step"], manifest["status"]) == (1, "closed")
+
+
+def test_a_failing_hook_writes_its_reason_at_once(tmp_path, monkeypatch):
+    import recorders.hooks as rh
+
+    def broken(*a, **k):
+        raise RuntimeError("no statistics today")
+
+    monkeypatch.setattr(rh, "tensor_stats", broken)
+    with pytest.warns(RuntimeWarning, match="recording disabled"):
+        trained = train(TinyNet(), batches(3), recorder=recorder_at(tmp_path / "run"), close=False)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())  # before close()
+    assert (manifest["disabled_reason"], manifest["disabled_at_step"]) == ("RuntimeError: no statistics today", 0)
+    trained.rec.close()
+
+
+def test_a_failing_constructor_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    import recorders.recorder as rr
+    data = batches(3)
+    torch.manual_seed(0)
+    plain = train(TinyNet(), data)
+
+    def broken(**kwargs):
+        raise RuntimeError("a model the recorder does not understand")
+
+    monkeypatch.setattr(rr, "describe_job", broken)
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="recording disabled.*does not understand") as caught:
+        recorded = train(TinyNet(), data, recorder=recorder_at(tmp_path / "run"))
+    assert len([w for w in caught if "amp-postmortem" in str(w.message)]) == 1
+    assert recorded.losses == plain.losses and not recorded.rec.enabled
+    assert all(torch.equal(a, b) for a, b in zip(recorded.params, plain.params))
+
+
+def test_a_bad_option_still_raises_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="unknown bundle trigger 'nan'"):
+        AmpRecorder(tmp_path / "run", TinyNet(), bundle_triggers=["nan"])
 
 
 def test_close_is_idempotent_and_removes_every_hook(tmp_path):
@@ -318,6 +361,45 @@ def test_grad_norm_is_the_global_norm_of_the_unscaled_gradients(tmp_path):
     torch.manual_seed(0)
     train(TinyNet(), batches(3), recorder=recorder_and_reference)
     assert read(tmp_path / "run", "steps")["grad_norm"].tolist() == pytest.approx(norms, rel=1e-5)
+
+
+def test_grad_norm_is_the_norm_before_the_users_clipping(tmp_path):
+    seen = []
+
+    def clip(step, model):
+        seen.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item())
+
+    torch.manual_seed(0)
+    train(TinyNet(), batches(3), recorder=recorder_at(tmp_path / "run"), dtype=torch.bfloat16, scaler=None,
+          before_update=clip)
+    assert min(seen) > 0.1  # clipping changed every step's gradients
+    assert read(tmp_path / "run", "steps")["grad_norm"].tolist() == pytest.approx(seen, rel=1e-6)
+
+
+def test_grad_norm_with_a_fused_optimizer_is_unscaled_and_skips_are_nonfinite(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    expected = []
+    with AmpRecorder(tmp_path / "run", model, optimizer=opt, scaler=scaler) as rec:
+        for step, (x, y) in enumerate(batches(3)):
+            if step == 1:
+                x = x * 1e4  # float16 overflow: a skipped step
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((model(x).float() - y) ** 2).mean()
+            scaler.scale(loss).backward()
+            # the user's view: the unscaled gradients, before the fused step
+            expected.append(torch.linalg.vector_norm(torch.stack(
+                [(p.grad.double() / scaler.get_scale()).norm() for p in model.parameters()])).item())
+            scaler.step(opt)  # fused: the optimizer unscales; its pre-hook sees scaled gradients
+            scaler.update()
+            opt.zero_grad()
+            rec.step(loss)
+    steps = read(tmp_path / "run", "steps")
+    assert steps["skipped"].tolist() == [False, True, False]
+    assert not math.isfinite(steps["grad_norm"][1]) and not math.isfinite(expected[1])
+    assert steps["grad_norm"][[0, 2]].tolist() == pytest.approx([expected[0], expected[2]], rel=1e-6)
 
 
 def test_a_deepcopy_of_the_model_does_not_record_into_the_run(tmp_path):
