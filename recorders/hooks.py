@@ -23,7 +23,7 @@ class _CallContext:
     """One forward call of a watched module, kept alive by its backward hooks."""
 
     __slots__ = ("name", "call", "input_nonfinite", "grad_out_nonfinite", "pending",
-                 "is_root", "micro_batch", "step_id")
+                 "is_root", "micro_batch", "step_id", "no_grad")
 
     def __init__(self, name, call, input_nonfinite, is_root, micro_batch, step_id):
         self.name = name
@@ -34,6 +34,9 @@ class _CallContext:
         self.is_root = is_root
         self.micro_batch = micro_batch
         self.step_id = step_id
+        # Ran under no_grad inside a recorded forward (a reentrant
+        # checkpoint region): its backward hooks are set in the recompute.
+        self.no_grad = not torch.is_grad_enabled()
 
 
 class StepState:
@@ -50,6 +53,7 @@ class StepState:
         self.bwd_order = 0
         self.calls: dict[str, int] = {}
         self.stacks: dict[str, list[_CallContext]] = {}
+        self.recompute_stacks: dict[str, list] = {}  # reentrant recomputation: (context, input edges)
         self.param_grads: dict[str, list] = {}  # name -> [order, stats, sqnorm, dtype, numel]
         self.contexts: list[_CallContext] = []
         self.nonfinite_cache: dict[int, tuple] = {}
@@ -298,7 +302,11 @@ class TrainingHooks:
 
         def pre(module, args, kwargs):
             st = self._active()
-            if st is None or module is not ref():
+            if st is None:
+                if module is ref():
+                    self._recompute_pre(name, args, kwargs)
+                return
+            if module is not ref():
                 return
             call = st.calls.get(name, 0)
             st.calls[name] = call + 1
@@ -319,7 +327,11 @@ class TrainingHooks:
 
         def post(module, args, kwargs, output):
             st = self._active()
-            if st is None or module is not ref():
+            if st is None:
+                if module is ref():
+                    self._recompute_post(name, output)
+                return
+            if module is not ref():
                 return
             stack = st.stacks.get(name)
             if not stack:
@@ -341,6 +353,47 @@ class TrainingHooks:
                 self._hook_grad_inputs(ctx, keys, grad_outs)
             st.contexts.append(ctx)
         return post
+
+    # ------------------------------------------- reentrant checkpointing
+    def _recompute_state(self) -> StepState | None:
+        """The step state while a reentrant checkpoint recomputes its region
+        in backward: the only time that region builds an autograd graph, so
+        its modules' backward hooks are set here (no forward row again)."""
+        st = self.state
+        if self.paused or not st.record or not _in_backward():
+            return None
+        node = torch._C._current_autograd_node()
+        return st if node is not None and type(node).__name__ == "CheckpointFunctionBackward" else None
+
+    def _recompute_pre(self, name, args, kwargs):
+        st = self._recompute_state()
+        if st is None:
+            return
+        # The original call it repeats: regions are recomputed last first,
+        # so the latest call of this module not yet matched.
+        ctx = next((c for c in reversed(st.contexts) if c.name == name and c.no_grad
+                    and c.micro_batch == st.micro_batches - 1), None)
+        if ctx is None:
+            return
+        ctx.no_grad = False  # matched
+        tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
+        keys = {}
+        for i, t in enumerate(tensors):
+            if t.requires_grad and t.grad_fn is not None:
+                keys.setdefault((t.grad_fn, t.output_nr), i)
+        st.recompute_stacks.setdefault(name, []).append((ctx, keys))
+
+    def _recompute_post(self, name, output):
+        st = self._recompute_state()
+        stack = st.recompute_stacks.get(name) if st is not None else None
+        if not stack:
+            return
+        ctx, keys = stack.pop()
+        outs = [t for t in iter_tensors(output) if is_float_tensor(t) and t.requires_grad]
+        for idx, t in enumerate(outs):
+            t.register_hook(self._guard(self._make_grad_output_hook(ctx, idx)))
+        if keys and outs:
+            self._hook_grad_inputs(ctx, keys, outs)
 
     def _hook_grad_inputs(self, ctx, keys, outs):
         """Hook the autograd nodes inside the module that hand gradients to

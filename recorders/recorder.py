@@ -114,6 +114,11 @@ class AmpRecorder:
         hold_steps: finished steps held while the writer thread decides.
         clone_inputs: copy the inputs instead of holding references (for
             loops that change a batch in place after the step).
+        eager_full_steps: with a compiled model, run full-tier steps eagerly
+            (`torch.compiler.set_stance("force_eager")` for that step) so
+            they record every module; such a step computes with eager
+            rounding, which a backend like inductor may not share. False:
+            every step stays compiled (boundary, loss and gradient rows only).
     """
 
     def __init__(self, run_dir, model: torch.nn.Module, optimizer=None, scaler=None, *,
@@ -126,7 +131,7 @@ class AmpRecorder:
                  max_bundles: int = 3, max_bundle_bytes: int = 64 << 30,
                  min_loss_scale: float | None = 1.0, settle_steps: int = 10,
                  snapshot_params="auto", snapshot_buffers_bytes: int = 64 << 20,
-                 hold_steps: int = 2, clone_inputs: bool = False):
+                 hold_steps: int = 2, clone_inputs: bool = False, eager_full_steps: bool = True):
         self.run_dir = Path(run_dir)
         self.model = model
         self.optimizer = optimizer
@@ -134,6 +139,7 @@ class AmpRecorder:
         self.include = tuple([include] if isinstance(include, str) else include)
         self.exclude = tuple([exclude] if isinstance(exclude, str) else exclude)
         self.flush_interval_s = float(flush_interval_s)
+        self.eager_full_steps = bool(eager_full_steps)
         self._enabled = True
         self._closed = False
         self._failure: BaseException | None = None
@@ -204,7 +210,8 @@ class AmpRecorder:
 
         self.schedule = RecordSchedule(cheap_every, full_every, full_after_event)
         options = {"include": list(self.include), "exclude": list(self.exclude), **self.schedule.config(),
-                   "steps_per_shard": max(1, int(steps_per_shard)), "near_overflow": float(near_overflow)}
+                   "steps_per_shard": max(1, int(steps_per_shard)), "near_overflow": float(near_overflow),
+                   "eager_full_steps": self.eager_full_steps}
         job = describe_job(run_id=self.run_id, rank=self.rank, world_size=self.world_size, model=model,
                            module_names=module_names, watched=watched, params=params,
                            optimizer=optimizer, scaler=scaler, recorder_options=options,
@@ -343,7 +350,7 @@ class AmpRecorder:
         """A full-tier step of a compiled model runs eagerly, so that every
         module's hooks fire; compiled steps keep their graphs (a stance
         change neither invalidates nor recompiles them)."""
-        if not (self.compiled and tier == "full") or self._prior_stance is not None:
+        if not (self.compiled and self.eager_full_steps and tier == "full") or self._prior_stance is not None:
             return
         from torch._dynamo import eval_frame
         self._prior_stance = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
@@ -359,8 +366,9 @@ class AmpRecorder:
         if not self.compiled:
             return
         info = {"detected": True, "compiled_steps": COMPILED_STEPS_RECORD,
-                "eager_steps": "full-tier steps run eagerly (torch.compiler.set_stance('force_eager')) "
-                               "and carry every row of an eager run"}
+                "eager_steps": ("full-tier steps run eagerly (torch.compiler.set_stance('force_eager')) "
+                                "and carry every row of an eager run, computed with eager rounding"
+                                if self.eager_full_steps else "none (eager_full_steps=False)")}
         if self.writer is not None and self.writer.alive:
             self._submit(functools.partial(self.manifest.set_compiled, info))
         else:

@@ -49,8 +49,8 @@ def _train(model, data, rec_at=None, compile_=None, full_every=3):
     return losses, [p.detach().clone() for p in model.parameters()], graphs
 
 
-def _recorder(run):
-    return lambda model, opt, full_every: AmpRecorder(run, model, optimizer=opt, full_every=full_every)
+def _recorder(run, **options):
+    return lambda model, opt, full_every: AmpRecorder(run, model, optimizer=opt, full_every=full_every, **options)
 
 
 def _rows(run, steps=None):
@@ -106,6 +106,17 @@ def test_compiled_model_records_without_graph_breaks_or_recompiles(attach, eager
     assert loaded.steps["grad_norm"].tolist() == amp_postmortem.load_run(eager_run).steps["grad_norm"].tolist()
 
 
+def test_eager_full_steps_off_keeps_every_step_compiled(tmp_path):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    run = tmp_path / "compiled"
+    _, _, graphs = _train(TinyNet(), batches(STEPS), _recorder(run, eager_full_steps=False), compile_="after")
+    assert graphs == [1, 1, 1, 1]  # step 0, full tier, compiled too
+    rows = _rows(run)
+    assert set(rows.loc[rows["kind"] == "activation", "name"]) == {""}
+    assert amp_postmortem.load_run(run).manifest["compiled"]["eager_steps"] == "none (eager_full_steps=False)"
+
+
 # ---------------------------------------------------------- checkpointing
 class CheckpointedNet(TinyNet):
     def __init__(self, reentrant: bool):
@@ -150,6 +161,10 @@ def test_checkpointed_modules_are_recorded_once_per_micro_batch(kind, eager_run,
     # Every module once (call 0 only), none dropped, the eager values.
     assert forward.equals(expected)
     assert set(rows["call"]) == {0}
+    # Gradients reaching every module's outputs: in reentrant mode only the
+    # recomputation builds the region's graph, and is hooked for them.
+    grad_out = rows.loc[rows["kind"] == "grad_output", ["step", "name"]].reset_index(drop=True)
+    assert grad_out.equals(eager.loc[eager["kind"] == "grad_output", ["step", "name"]].reset_index(drop=True))
 
 
 def test_canonical_names_walk_wrappers_by_type_not_by_string():
