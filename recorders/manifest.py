@@ -77,6 +77,17 @@ class RunManifest:
                 atomic_write_json(self.run_dir / schema.MANIFEST_FILE, data)
 
 
+def bare_manifest(run_dir: Path, rank: int, world_size: int, run_id: str | None) -> RunManifest:
+    """The manifest of a recorder that failed before it could describe the
+    job: enough for a reader to say that nothing was recorded, and why."""
+    import uuid
+    return RunManifest(run_dir, rank, {
+        "format": schema.FORMAT_NAME, "schema_version": schema.SCHEMA_VERSION,
+        "run_id": run_id or uuid.uuid4().hex, "created_at": time.time(),
+        "package_version": PACKAGE_VERSION, "torch_version": torch.__version__,
+        "rank": rank, "world_size": world_size})
+
+
 def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Module,
                  module_names: dict, watched: list[str], params: list, optimizer, scaler,
                  recorder_options: dict, model_class: type | None = None, sharded=frozenset(),

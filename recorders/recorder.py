@@ -38,7 +38,7 @@ from .bundles.triggers import TRIGGERS
 from .hooks import TrainingHooks
 from .layout import (canonical_modules, canonical_parameters, fsdp1_shapes, fsdp1_sharded_params, is_compiled,
                      sharded_param_ids, user_class)
-from .manifest import RunManifest, describe_job, distributed_rank_world
+from .manifest import RunManifest, bare_manifest, describe_job, distributed_rank_world
 from .plain import plain
 from .run_id import shared_run_id
 from .schedule import RecordSchedule
@@ -176,10 +176,13 @@ class AmpRecorder:
             # Whatever broke (an unwritable run directory, a model the
             # recorder does not understand): no hooks, no thread, one
             # warning; step() and close() are no-ops.
+            if self.manifest is None:
+                # Failed before the manifest was built: a bare one, so that
+                # the run directory still says why nothing was recorded.
+                self.manifest = bare_manifest(self.run_dir, self.rank, self.world_size, self.run_id)
             self._fail(exc)
             if self.hooks is not None:
                 self.hooks.remove()
-            self._write_disabled()
 
     def _build(self, model, optimizer, scaler, *, rank, world_size, run_id, cheap_every, full_every,
                full_after_event, steps_per_shard, near_overflow, max_queue, bundle_options):

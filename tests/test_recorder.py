@@ -234,6 +234,11 @@ def test_a_failing_constructor_warns_once_and_training_goes_on(tmp_path, monkeyp
     assert len([w for w in caught if "amp-postmortem" in str(w.message)]) == 1
     assert recorded.losses == plain.losses and not recorded.rec.enabled
     assert all(torch.equal(a, b) for a, b in zip(recorded.params, plain.params))
+    import amp_postmortem
+    from amp_postmortem.errors import EmptyRunError
+    with pytest.raises(EmptyRunError, match=r"holds no readable step: no shard written yet .*; recording was "
+                                            r"switched off \(RuntimeError: a model the recorder does not understand\)"):
+        amp_postmortem.load_run(tmp_path / "run")
 
 
 def test_a_bad_option_still_raises_at_construction(tmp_path):
