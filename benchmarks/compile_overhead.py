@@ -6,6 +6,8 @@ The benchmark model of `recorder_overhead.py` (GPT-style, 4 layers, d_model
 inductor. Variants, each its own identical copy of the model:
 
 - `compiled`: `torch.compile(model)`, no recorder;
+- `compiled_again`: the same, a second copy: how far two compiled copies
+  agree with each other (inductor's own run-to-run determinism);
 - `after`:    the recorder attached to the compiled module;
 - `before`:   the recorder attached to the model, then compiled.
 
@@ -33,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-VARIANTS = ("compiled", "after", "before")
+VARIANTS = ("compiled", "compiled_again", "after", "before")
 FULL_SIZE = dict(vocab=2048, d_model=256, n_layers=4, n_heads=4, seq=128, batch=16)
 SMOKE_SIZE = dict(vocab=64, d_model=32, n_layers=1, n_heads=2, seq=16, batch=2)
 

@@ -202,5 +202,5 @@ def test_summary_names_the_ranks_and_exits_0(distributed_runs, layout):
 
 def test_summary_says_which_rank_went_nonfinite_first(distributed_runs):
     root, _ = distributed_runs
-    report = amp_postmortem.nans(root / "ddp")
-    assert (report.forward.name, report.forward.step, report.forward.rank) == ("<input>", NAN_STEP, NAN_RANK)
+    origin = amp_postmortem.nans(root / "ddp").origin
+    assert (origin.name, origin.phase, origin.step, origin.rank) == ("<input>", "forward", NAN_STEP, NAN_RANK)
