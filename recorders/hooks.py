@@ -38,6 +38,7 @@ class _StepState:
         self.record = record
         self.full = full
         self.micro_batches = 0
+        self.forward_open = False  # a micro-batch's forward ran, its backward not yet
         self.meta: list[tuple] = []
         self.stats: list[torch.Tensor] = []
         self.fwd_order = 0
@@ -66,6 +67,20 @@ class _TensorInfo:
         return self._numel
 
 
+def _read_autocast() -> dict:
+    info = {"enabled": False, "device_type": None, "dtype": None}
+    for dev in ("cuda", "cpu", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                info = {"enabled": True, "device_type": dev,
+                        "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
+                break
+        except (RuntimeError, TypeError, AttributeError):
+            continue
+    info["cache_enabled"] = torch.is_autocast_cache_enabled()
+    return info
+
+
 def _in_backward() -> bool:
     try:
         return torch._C._current_graph_task_id() != -1
@@ -91,6 +106,12 @@ class RecorderHooks:
         self._root_ref = weakref.ref(self.model)
         self._hooks.append(self.model.register_forward_pre_hook(
             self._guard(self._on_root_pre), with_kwargs=True, prepend=True))
+        # What autocast really ran is read where the model's modules run:
+        # Accelerate wraps the root's `forward` in autocast *after* the
+        # root's pre-hooks, and Lightning's root forward never runs.
+        self._autocast_from_child = False
+        for child in self.model.children():
+            self._hooks.append(child.register_forward_pre_hook(self._guard(self._on_child_pre)))
         for name in self._watched:
             m = by_name[name]
             self._hooks.append(m.register_forward_pre_hook(self._guard(self._make_pre(name, m)), with_kwargs=True))
@@ -157,7 +178,15 @@ class RecorderHooks:
         st = self._active()
         if st is None or module is not self._root_ref():
             return  # not recording, or a deepcopy of the model carrying our hooks
+        self._start_micro_batch(st, args, kwargs, from_root=True)
+
+    def _start_micro_batch(self, st, args, kwargs, from_root):
+        """A micro-batch starts at the root's forward or, when the root's
+        forward never runs (a LightningModule whose `training_step` calls
+        `self.net(x)`), at the first watched module called after the last
+        backward; its inputs are then that module's arguments."""
         st.micro_batches += 1
+        st.forward_open = True
         st.fwd_order = 0
         st.bwd_order = 0
         st.calls = {}
@@ -176,23 +205,26 @@ class RecorderHooks:
                 self._add_row(st, schema.INPUT_NAME, "input", "forward", st.fwd_order, 0, t, s)
                 self._remember_nonfinite(st, t, s)
             st.fwd_order += 1
-        self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs)
+        if from_root:  # a bundle replays the root's call: no root call, no bundle
+            self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs)
 
-    def _note_autocast(self):
-        info = {"enabled": False, "device_type": None, "dtype": None}
-        for dev in ("cuda", "cpu", "xpu", "mps"):
-            try:
-                if torch.is_autocast_enabled(dev):
-                    info = {"enabled": True, "device_type": dev,
-                            "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
-                    break
-            except (RuntimeError, TypeError, AttributeError):
-                continue
-        info["cache_enabled"] = torch.is_autocast_cache_enabled()
+    def _on_child_pre(self, module, args):
+        if self._autocast_from_child or self._active() is None:
+            return
+        self._autocast_from_child = True
+        info = _read_autocast()
+        # Only "on" overrides: a child may run in float32 on purpose.
+        if info["enabled"] and not (self._autocast or {}).get("enabled"):
+            self._note_autocast(info)
+
+    def _note_autocast(self, info=None):
+        info = info or _read_autocast()
         self._autocast = info
+        self.bundles.on_autocast(info)
         self._submit(lambda: self._manifest.__setitem__("autocast", info))
 
     def _make_pre(self, name, registered):
+
         # `copy.deepcopy(model)` (an EMA copy, say) copies the hooks too: they
         # must ignore every module but the one they were registered on.
         ref = weakref.ref(registered)
@@ -201,6 +233,8 @@ class RecorderHooks:
             st = self._active()
             if st is None or module is not ref():
                 return
+            if not st.forward_open:
+                self._start_micro_batch(st, args, kwargs, from_root=False)
             call = st.calls.get(name, 0)
             st.calls[name] = call + 1
             tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
@@ -282,6 +316,7 @@ class RecorderHooks:
             st = self._state
             if st.step_id != ctx.step_id or grad is None or not st.record:
                 return
+            st.forward_open = False
             s = self._stats(st, grad)
             self._add_row(st, ctx.name, "grad_output", "backward", st.bwd_order, ctx.call, grad, s)
             st.bwd_order += 1
@@ -334,6 +369,7 @@ class RecorderHooks:
             st = self._state
             if self._paused or not st.record or p.grad is None or p is not ref():
                 return
+            st.forward_open = False
             g = p.grad
             scale = self._scale_tensor()
             s = self._stats(st, g, scale=scale, unscale=scale is not None)

@@ -28,9 +28,11 @@ import torch
 from . import schema
 from .bundle import BundleCapture
 from .hooks import RecorderHooks, _StepState
+from .loss_tap import MicroBatchLosses, OutputLossTap, ScaleTap, step_loss
 from .manifest import ManifestMixin, _dist_rank_world, _existing_run_id, _json_float
 from .stats import CHEAP_WIDTH, FULL_WIDTH
 from .step_rows import StepRowsMixin
+from .unwrap import unwrap_optimizer
 from .writer import ShardWriter
 
 
@@ -53,10 +55,11 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
                  full_after_event: int = 20, steps_per_shard: int = 1000,
                  flush_interval_s: float = 60.0, near_overflow: float = schema.FP16_MAX,
                  rank: int | None = None, world_size: int | None = None,
-                 run_id: str | None = None, max_queue: int = 256, **bundle_options):
+                 run_id: str | None = None, max_queue: int = 256, capture_loss: bool = True,
+                 **bundle_options):
         self.run_dir = Path(run_dir)
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = unwrap_optimizer(optimizer)
         self.scaler = scaler
         self.include = tuple([include] if isinstance(include, str) else include)
         self.exclude = tuple([exclude] if isinstance(exclude, str) else exclude)
@@ -88,6 +91,8 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
         self._paused = 0
         self._autocast = None
         self._lock = threading.Lock()
+        self.capture_loss = bool(capture_loss)
+        self._losses = MicroBatchLosses()
 
         self._module_names = {}
         self._watched: list[str] = []
@@ -116,6 +121,17 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
             return
         self._thread.start()
         self._register_hooks()
+        if self.capture_loss:
+            self._hooks.append(self._loss_tap())
+
+    def _loss_tap(self):
+        # Any scaler object, enabled or not, sees the loss as backpropagated;
+        # without one, the model may return its loss (HF with labels=).
+        active = lambda: self._enabled and not self._paused  # noqa: E731
+        if self.scaler is not None and hasattr(self.scaler, "scale"):
+            return ScaleTap(self.scaler, self._losses, active)
+        return OutputLossTap(self.model, self._losses,
+                             lambda: active() and torch.is_grad_enabled())
 
     # ------------------------------------------------------------------ setup
     def _matches(self, name: str) -> bool:
@@ -199,8 +215,15 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
             self._fail(exc)
             self._after_failure()
 
+    def add_loss(self, loss) -> None:
+        """Add one micro-batch's loss as backpropagated (a framework hook
+        that is handed it); summed into the step's loss at `step()`."""
+        if self._enabled and not self._closed and not self._paused:
+            self._losses.add(loss)
+
     def _step(self, loss, step):
         st = self._state
+        loss = step_loss(self._losses.take(), loss)
         step_id = self._step_counter if step is None else int(step)
         for ctx in st.contexts:
             for input_idx in list(ctx.pending):
