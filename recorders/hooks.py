@@ -39,6 +39,7 @@ class _StepState:
         self.full = full
         self.micro_batches = 0
         self.forward_open = False  # a micro-batch's forward ran, its backward not yet
+        self.opened_by_child = False  # ... and a submodule, not the root, opened it
         self.meta: list[tuple] = []
         self.stats: list[torch.Tensor] = []
         self.fwd_order = 0
@@ -110,6 +111,7 @@ class RecorderHooks:
         # Accelerate wraps the root's `forward` in autocast *after* the
         # root's pre-hooks, and Lightning's root forward never runs.
         self._autocast_from_child = False
+        self._root_runs = False
         for child in self.model.children():
             self._hooks.append(child.register_forward_pre_hook(self._guard(self._on_child_pre)))
         for name in self._watched:
@@ -178,35 +180,49 @@ class RecorderHooks:
         st = self._active()
         if st is None or module is not self._root_ref():
             return  # not recording, or a deepcopy of the model carrying our hooks
+        self._root_runs = True
+        if st.forward_open and st.opened_by_child:
+            # The loop called a submodule just before the model's first
+            # forward (an embedding looked up first): the same micro-batch.
+            st.opened_by_child = False
+            self._input_rows(st, args, kwargs)
+            self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs)
+            return
         self._start_micro_batch(st, args, kwargs, from_root=True)
 
     def _start_micro_batch(self, st, args, kwargs, from_root):
         """A micro-batch starts at the root's forward or, when the root's
         forward never runs (a LightningModule whose `training_step` calls
         `self.net(x)`), at the first watched module called after the last
-        backward; its inputs are then that module's arguments."""
+        backward; its inputs are then that module's arguments. Once the
+        root's forward has run, only it opens micro-batches: a submodule the
+        loop calls outside it (an embedding looked up first) is no new one."""
         st.micro_batches += 1
         st.forward_open = True
+        st.opened_by_child = not from_root
         st.fwd_order = 0
         st.bwd_order = 0
         st.calls = {}
         st.nonfinite_cache = {}
         if self._autocast is None:
             self._note_autocast()
-        tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
         if st.micro_batches == 1 and st.full:
             # Values as this forward sees them; their rows are placed after
             # the loss at step end so module orders match cheap-tier steps.
             st.param_values = [(pname, _TensorInfo(p), self._stats(st, p))
                                for pname, p in self._params if p.numel()]
+        self._input_rows(st, args, kwargs)
+        if from_root:  # a bundle replays the root's call: no root call, no bundle
+            self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs)
+
+    def _input_rows(self, st, args, kwargs):
+        tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
         if tensors:
             for t in tensors:
                 s = self._stats(st, t)
                 self._add_row(st, schema.INPUT_NAME, "input", "forward", st.fwd_order, 0, t, s)
                 self._remember_nonfinite(st, t, s)
             st.fwd_order += 1
-        if from_root:  # a bundle replays the root's call: no root call, no bundle
-            self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs)
 
     def _on_child_pre(self, module, args):
         if self._autocast_from_child or self._active() is None:
@@ -233,7 +249,7 @@ class RecorderHooks:
             st = self._active()
             if st is None or module is not ref():
                 return
-            if not st.forward_open:
+            if not st.forward_open and not self._root_runs:
                 self._start_micro_batch(st, args, kwargs, from_root=False)
             call = st.calls.get(name, 0)
             st.calls[name] = call + 1

@@ -57,8 +57,8 @@ def step_loss(losses: list[torch.Tensor], explicit=None):
         return torch.where(torch.isfinite(total.to(explicit.device)), explicit,
                            total.to(device=explicit.device, dtype=explicit.dtype))
     if isinstance(explicit, (int, float)):
-        value = torch.tensor(float(explicit), dtype=torch.float64, device=device)
-        return torch.where(torch.isfinite(total), value, total)
+        # A fill on the device: no host-to-device copy on the training path.
+        return torch.where(torch.isfinite(total), torch.full_like(total, float(explicit)), total)
     # float32 at least: a sum of float16 losses may overflow where none did.
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
     return total.to(dtype)

@@ -71,3 +71,26 @@ def test_autocast_is_read_where_the_children_run(tmp_path):
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "bfloat16",
                                     "cache_enabled": True}
+
+
+class EmbedFirst(nn.Module):
+    """The loop looks the embedding up itself, then calls the model on it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 4)
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, h):
+        return self.fc(h)
+
+
+def test_a_submodule_called_before_the_model_opens_no_extra_micro_batch(tmp_path):
+    model = EmbedFirst()
+    with AmpRecorder(tmp_path / "run", model, bundles=False) as rec:
+        for _ in range(3):
+            for _ in range(2):
+                model(model.embed(torch.arange(6))).sum().backward()
+            rec.step()
+    assert read_table(tmp_path / "run", "steps")["micro_batches"].tolist() == [2, 2, 2]
