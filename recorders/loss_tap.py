@@ -20,6 +20,7 @@ call `AmpRecorder.add_loss`.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -90,8 +91,11 @@ class OutputLossTap:
     """Takes the loss among a model's outputs in a forward hook."""
 
     def __init__(self, module: torch.nn.Module, losses: MicroBatchLosses, active):
+        # A deepcopy of the model (an EMA copy) carries this hook too.
+        ref = weakref.ref(module)
+
         def hook(mod, args, output):
-            if active():
+            if mod is ref() and active():
                 losses.add(find_loss(output))
 
         self._handle = module.register_forward_hook(hook)

@@ -7,6 +7,6 @@
 - Accelerate needs no glue: `AmpRecorder` takes the prepared model, the
   `AcceleratedOptimizer` and `accelerator.scaler` as they are.
 
-Each module imports its framework when it is imported, never `recorders`
-itself: the core stays torch, numpy and pyarrow only.
+Each module imports its framework when it is imported, and nothing in the
+core imports these modules: the core stays torch, numpy and pyarrow only.
 """
