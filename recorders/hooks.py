@@ -240,7 +240,6 @@ class RecorderHooks:
         self._submit(lambda: self._manifest.__setitem__("autocast", info))
 
     def _make_pre(self, name, registered):
-
         # `copy.deepcopy(model)` (an EMA copy, say) copies the hooks too: they
         # must ignore every module but the one they were registered on.
         ref = weakref.ref(registered)
