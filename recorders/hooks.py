@@ -2,8 +2,9 @@
 
 Every hook only enqueues device work (a statistics vector per tensor, see
 `stats.py`) and appends host-side metadata; nothing here reads a device
-value. `AmpRecorder` mixes this in and owns the lifecycle, the step and the
-writer thread.
+value. `TrainingHooks` owns the hook handles and the state of the step in
+progress (`StepState`); `AmpRecorder` owns the lifecycle and hands the
+finished step to the writer thread.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import weakref
 import torch
 
 from . import schema
+from .manifest import scaler_enabled
 from .stats import iter_tensors, is_float_tensor, nonfinite_count, tensor_stats
 
 
@@ -32,7 +34,9 @@ class _CallContext:
         self.step_id = step_id
 
 
-class _StepState:
+class StepState:
+    """What the hooks collected during one optimizer step (training thread)."""
+
     def __init__(self, step_id: int, record: bool, full: bool):
         self.step_id = step_id
         self.record = record
@@ -99,45 +103,101 @@ def _dtype_name(dtype) -> str:
     return name
 
 
-class RecorderHooks:
-    """Hook registration and the hooks themselves (mixed into AmpRecorder)."""
+class TrainingHooks:
+    """The hooks on the model, its parameters and the optimizer, and the
+    state of the step in progress.
 
-    def _register_hooks(self) -> None:
+    `guard(fn)` wraps every hook (the recorder's: an exception turns
+    recording off, never the training); `bundles` is the bundle capture
+    (its `on_*` hooks); `on_autocast(info)` is told the autocast state at
+    the first recorded forward, and again if the root's children run under
+    an autocast the root did not see.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, optimizer, scaler, watched: list[str],
+                 watch_param, near_overflow: float, guard, bundles, on_autocast):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler if scaler_enabled(scaler) else None
+        self.watched = list(watched)
+        self.params = list(model.named_parameters())
+        self.near_overflow = near_overflow
+        self.bundles = bundles
+        self._guard = guard
+        self._watch_param = watch_param
+        self._on_autocast = on_autocast
+        self.autocast: dict | None = None  # as the first recorded forward saw it
+        self._autocast_from_child = False  # a direct child of the root has reported
+        self._root_runs = False  # the root's own forward has run (it opens micro-batches)
+        self.paused = 0  # paused() depth: forward/backward passes not recorded
+        self.state = StepState(0, False, False)
+        self.handles: list = []
+        self._grad_params: list = []
+
+    def begin_step(self, step_id: int, tier: str | None) -> None:
+        """Start collecting the step `step_id` at `tier` ('full', 'cheap' or
+        None: not recorded)."""
+        self.state = StepState(step_id, tier is not None, tier == "full")
+
+    def register(self) -> None:
         by_name = dict(self.model.named_modules())
         self._root_ref = weakref.ref(self.model)
-        self._hooks.append(self.model.register_forward_pre_hook(
+        self.handles.append(self.model.register_forward_pre_hook(
             self._guard(self._on_root_pre), with_kwargs=True, prepend=True))
         # What autocast really ran is read where the model's modules run:
         # Accelerate wraps the root's `forward` in autocast *after* the
         # root's pre-hooks, and Lightning's root forward never runs.
-        self._autocast_from_child = False
-        self._root_runs = False
         for child in self.model.children():
-            self._hooks.append(child.register_forward_pre_hook(self._guard(self._on_child_pre)))
-        for name in self._watched:
+            self.handles.append(child.register_forward_pre_hook(self._guard(self._on_child_pre)))
+        for name in self.watched:
             m = by_name[name]
-            self._hooks.append(m.register_forward_pre_hook(self._guard(self._make_pre(name, m)), with_kwargs=True))
-            self._hooks.append(m.register_forward_hook(self._guard(self._make_post(name, m)), with_kwargs=True))
-        self._grad_params = []
-        for pname, p in self._params:
-            if p.requires_grad and self._param_watched(pname):
+            self.handles.append(m.register_forward_pre_hook(self._guard(self._make_pre(name, m)), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._guard(self._make_post(name, m)), with_kwargs=True))
+        watched = set(self.watched)
+        for pname, p in self.params:
+            if p.requires_grad and (pname.rpartition(".")[0] in watched or self._watch_param(pname)):
                 self._grad_params.append(p)
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._guard(self._make_param_hook(pname, p))))
+                self.handles.append(p.register_post_accumulate_grad_hook(self._guard(self._make_param_hook(pname, p))))
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
-            self._hooks.append(self.optimizer.register_step_pre_hook(self._guard(self._on_opt_pre)))
+            self.handles.append(self.optimizer.register_step_pre_hook(self._guard(self._on_opt_pre)))
 
-    def _param_watched(self, pname: str) -> bool:
-        owner = pname.rpartition(".")[0]
-        return owner in set(self._watched) or self._matches(pname)
+    def remove(self) -> None:
+        # Never called from inside a hook: removing forward hooks while
+        # torch iterates over them would break the user's forward pass.
+        for h in self.handles:
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self.handles = []
+
+    def end_step(self, loss) -> StepState:
+        """Add the rows known only at step end (gradients still awaited,
+        parameter gradients, the loss, parameter values) and return the
+        finished step's state. `loss`: the detached loss tensor or None."""
+        st = self.state
+        for ctx in st.contexts:
+            for input_idx in list(ctx.pending):
+                self._finish_grad_input(st, ctx, input_idx)
+        for pname, (order, s, sq, g) in st.param_grads.items():
+            self._add_row(st, pname, "param_grad", "backward", order, 0, g, s)
+        if st.record and loss is not None and loss.numel():
+            s = self._stats(st, loss.float())
+            self._add_row(st, schema.LOSS_NAME, "loss", "forward", st.fwd_order, 0, loss, s)
+            st.fwd_order += 1
+        for pname, info, s in st.param_values:
+            self._add_row(st, pname, "param", "forward", st.fwd_order, 0, info, s)
+            st.fwd_order += 1
+        return st
 
     # ---------------------------------------------------------------- state
-    def _active(self) -> _StepState | None:
+    def _active(self) -> StepState | None:
         """The step state when a forward hook should record: not paused, a
         recorded step, grad mode on (eval passes under no_grad are not
         training), and not inside a backward pass (activation checkpointing
         re-runs forwards there: a recomputation, not a new forward)."""
-        st = self._state
-        if self._paused or not st.record or not torch.is_grad_enabled():
+        st = self.state
+        if self.paused or not st.record or not torch.is_grad_enabled():
             return None
         if _in_backward():
             return None
@@ -170,7 +230,7 @@ class RecorderHooks:
             pass
 
     def _scale_tensor(self):
-        if not self._scaler_enabled():
+        if self.scaler is None:
             return None
         s = getattr(self.scaler, "_scale", None)
         return s if isinstance(s, torch.Tensor) else None
@@ -186,7 +246,7 @@ class RecorderHooks:
             # forward (an embedding looked up first): the same micro-batch.
             st.opened_by_child = False
             self._input_rows(st, args, kwargs)
-            self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs)
+            self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs, self.autocast)
             return
         self._start_micro_batch(st, args, kwargs, from_root=True)
 
@@ -204,16 +264,16 @@ class RecorderHooks:
         st.bwd_order = 0
         st.calls = {}
         st.nonfinite_cache = {}
-        if self._autocast is None:
-            self._note_autocast()
+        if self.autocast is None:
+            self._note_autocast(_read_autocast())
         if st.micro_batches == 1 and st.full:
             # Values as this forward sees them; their rows are placed after
             # the loss at step end so module orders match cheap-tier steps.
             st.param_values = [(pname, _TensorInfo(p), self._stats(st, p))
-                               for pname, p in self._params if p.numel()]
+                               for pname, p in self.params if p.numel()]
         self._input_rows(st, args, kwargs)
         if from_root:  # a bundle replays the root's call: no root call, no bundle
-            self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs)
+            self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs, self.autocast)
 
     def _input_rows(self, st, args, kwargs):
         tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
@@ -230,14 +290,13 @@ class RecorderHooks:
         self._autocast_from_child = True
         info = _read_autocast()
         # Only "on" overrides: a child may run in float32 on purpose.
-        if info["enabled"] and not (self._autocast or {}).get("enabled"):
+        if info["enabled"] and not (self.autocast or {}).get("enabled"):
             self._note_autocast(info)
+            self.bundles.on_autocast(info)  # the step's capture began at the root
 
-    def _note_autocast(self, info=None):
-        info = info or _read_autocast()
-        self._autocast = info
-        self.bundles.on_autocast(info)
-        self._submit(lambda: self._manifest.__setitem__("autocast", info))
+    def _note_autocast(self, info: dict):
+        self.autocast = info
+        self._on_autocast(info)
 
     def _make_pre(self, name, registered):
         # `copy.deepcopy(model)` (an EMA copy, say) copies the hooks too: they
@@ -328,7 +387,7 @@ class RecorderHooks:
 
     def _make_grad_output_hook(self, ctx, idx):
         def hook(grad):
-            st = self._state
+            st = self.state
             if st.step_id != ctx.step_id or grad is None or not st.record:
                 return
             st.forward_open = False
@@ -343,7 +402,7 @@ class RecorderHooks:
 
     def _make_node_hook(self, ctx, slots):
         def hook(grad_inputs, grad_outputs):
-            st = self._state
+            st = self.state
             if st.step_id != ctx.step_id:
                 return
             for slot, input_idx in slots:
@@ -381,8 +440,8 @@ class RecorderHooks:
 
         def hook(p):
             # Backward runs with grad mode off: check the step, not grad mode.
-            st = self._state
-            if self._paused or not st.record or p.grad is None or p is not ref():
+            st = self.state
+            if self.paused or not st.record or p.grad is None or p is not ref():
                 return
             st.forward_open = False
             g = p.grad
@@ -405,7 +464,7 @@ class RecorderHooks:
         return hook
 
     def _on_opt_pre(self, optimizer, args, kwargs):
-        st = self._state
+        st = self.state
         st.stepped = True
         if st.record:
             grads = [p.grad for p in self._grad_params if p.grad is not None]
