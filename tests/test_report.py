@@ -218,9 +218,9 @@ def test_report_and_export_run_without_torch(overflow_run, tmp_path):
 def replay_json(overflow_run, tmp_path_factory):
     """`replay --json` of the overflow run's saved step, through the real replay."""
     from amp_postmortem.replay import replay
-    from conftest import _models
+    from tiny_models import BoomNet
 
-    doc = replay(overflow_run, OVERFLOW_STEP, model=_models(), precisions=("fp64", "fp32", "fp16")).to_dict()
+    doc = replay(overflow_run, OVERFLOW_STEP, model=BoomNet, precisions=("fp64", "fp32", "fp16")).to_dict()
     path = tmp_path_factory.mktemp("replay") / "replay.json"
     from recorders.plain import plain
     path.write_text(json.dumps(plain(doc)))
