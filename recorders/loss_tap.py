@@ -106,8 +106,8 @@ class OutputLossTap:
 
 def find_loss(output):
     """The loss a model returned, or None: a mapping's (or Hugging Face
-    ModelOutput's) `"loss"`, an object's `.loss`, else the one scalar
-    floating tensor with a gradient among a tuple's elements (nanoGPT's
+    ModelOutput's) `"loss"`, an object's `.loss`, else the one 0-d floating
+    tensor with a gradient among a tuple's elements (nanoGPT's
     `(logits, loss)`); None when that is ambiguous."""
     if isinstance(output, Mapping):
         loss = output.get("loss")
@@ -120,7 +120,8 @@ def find_loss(output):
 
 
 def _is_loss(t) -> bool:
-    return (isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
+    # 0-d: a reduced loss, never a prediction of a batch of one.
+    return (isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()
             and t.requires_grad)
 
 

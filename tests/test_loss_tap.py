@@ -99,6 +99,30 @@ def test_without_a_scaler_the_loss_the_model_returns_is_captured(tmp_path):
     assert _losses(tmp_path / "run") == pytest.approx([ACCUM * math.fsum(s) for s in per_step], rel=1e-6)
 
 
+def test_a_disabled_scaler_still_hands_over_every_loss(tmp_path):
+    """nanoGPT's bf16 path scales through GradScaler(enabled=False)."""
+    model = LossNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    passed = []
+    with AmpRecorder(tmp_path / "run", model, optimizer=opt, scaler=scaler, bundles=False) as rec:
+        for i, (x, y) in enumerate(_data()[:4]):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(x * math.nan if i == 2 else x, y)
+            scaler.scale(loss / ACCUM).backward()
+            if i % ACCUM:
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                rec.step(loss)
+                passed.append(loss.item())
+    losses = _losses(tmp_path / "run")
+    # Micro-batch 2 opens step 1; the loss passed, micro-batch 3's, was finite.
+    assert all(math.isfinite(v) for v in passed)
+    assert math.isfinite(losses[0]) and math.isnan(losses[1])
+    assert "scale" not in scaler.__dict__
+
+
 def test_capture_loss_off_leaves_an_unpassed_loss_null(tmp_path):
     loop(tmp_path / "run", capture_loss=False)
     assert all(v is None or math.isnan(v) for v in _losses(tmp_path / "run"))
@@ -124,6 +148,7 @@ def test_find_loss_takes_the_loss_a_model_returns():
     assert find_loss((loss, loss * 2)) is None          # two candidates: ambiguous
     assert find_loss(logits) is None
     assert find_loss({"loss": loss.detach()}) is None   # no gradient: not a training loss
+    assert find_loss((torch.ones(1, 1, requires_grad=True) * 2,)) is None  # a prediction of one sample
 
 
 def test_unwrap_optimizer_reaches_the_torch_optimizer_under_wrappers():
