@@ -8,19 +8,17 @@ def unwrap_optimizer(optimizer):
 
     `AcceleratedOptimizer` subclasses `torch.optim.Optimizer` without calling
     its `__init__`: it inherits `register_step_pre_hook` but lacks the
-    `_optimizer_step_pre_hooks` it writes to. Follow `.optimizer` /
-    `._optimizer` down to an object that has them (the one whose `step()`
-    really runs); anything else is returned as it is."""
-    seen = set()
+    `_optimizer_step_pre_hooks` it writes to. `LightningOptimizer` forwards
+    attribute reads to the optimizer it holds. Follow `.optimizer` /
+    `._optimizer` down to the object that owns that hook table (the one whose
+    `step()` really runs); anything else is returned as it is."""
+    chain, seen = [], set()
     opt = optimizer
     while opt is not None and id(opt) not in seen:
-        if hasattr(opt, "_optimizer_step_pre_hooks"):
-            return opt
         seen.add(id(opt))
+        chain.append(opt)
+        if "_optimizer_step_pre_hooks" in getattr(opt, "__dict__", {}):
+            return opt
         inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            inner = getattr(opt, "_optimizer", None)
-        if inner is None:
-            break
-        opt = inner
-    return optimizer
+        opt = inner if inner is not None else getattr(opt, "_optimizer", None)
+    return next((o for o in chain if hasattr(o, "_optimizer_step_pre_hooks")), optimizer)

@@ -162,6 +162,9 @@ def test_unwrap_optimizer_reaches_the_torch_optimizer_under_wrappers():
         def __init__(self, inner):
             self._optimizer = inner
 
+        def __getattr__(self, name):  # ... and forwards what it lacks
+            return getattr(self._optimizer, name)
+
     assert unwrap_optimizer(Wrapper(Private(opt))) is opt
     assert unwrap_optimizer(opt) is opt
     odd = object()
