@@ -4,8 +4,8 @@ A job with gradient accumulation backpropagates several losses per optimizer
 step; the loss a user hands to `rec.step(loss)` is at best the last one, and a
 framework callback gets none. `MicroBatchLosses` collects each micro-batch's
 loss as a device tensor (a detached reference: no copy, no sync); at
-`rec.step()` `step_loss()` sums them on the device, so one NaN micro-batch
-makes the step's loss NaN. Two taps feed it:
+`rec.step()` `step_loss()` combines them on the device, so one NaN
+micro-batch makes the step's loss NaN. Two taps feed it:
 
 - `ScaleTap` wraps `scaler.scale` on the scaler *instance* (removed on close):
   every loop that uses a GradScaler (plain, Accelerate, Trainer, Lightning
@@ -27,32 +27,52 @@ import torch
 
 
 class MicroBatchLosses:
-    """The losses of the current optimizer step's micro-batches."""
+    """The losses of the current optimizer step's micro-batches, as
+    backpropagated (`add`: through the scaler, or handed over by a
+    framework, after any accumulation division) or as the model returned
+    them (`add_returned`: before the loop divides them)."""
 
     def __init__(self):
-        self._losses: list[torch.Tensor] = []
+        self._backpropagated: list[torch.Tensor] = []
+        self._returned: list[torch.Tensor] = []
 
     def add(self, loss) -> None:
-        if isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel():
-            self._losses.append(loss.detach())
+        if _usable(loss):
+            self._backpropagated.append(loss.detach())
 
-    def take(self) -> list[torch.Tensor]:
-        losses, self._losses = self._losses, []
-        return losses
+    def add_returned(self, loss) -> None:
+        if _usable(loss):
+            self._returned.append(loss.detach())
+
+    def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        taken = self._backpropagated, self._returned
+        self._backpropagated, self._returned = [], []
+        return taken
 
 
-def step_loss(losses: list[torch.Tensor], explicit=None):
-    """The loss to record for a step, on the device, never read here.
+def _usable(loss) -> bool:
+    return isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel() > 0
 
-    The sum of the micro-batches' losses (float64 accumulation; the sum of the
-    losses as backpropagated is the objective whose gradient the step took).
+
+def step_loss(taken, explicit=None):
+    """The loss to record for a step (`taken`: `MicroBatchLosses.take()`),
+    on the device, never read here.
+
+    The sum of the losses as backpropagated (the objective whose gradient
+    the step took: with `loss / accum` per micro-batch, the mean loss), else
+    the mean of the losses the model returned (one micro-batch's loss
+    each, as a replay of the step computes them); float64 accumulation.
     A loss the user passes wins while every captured loss is finite; when one
-    is not, the captured non-finite sum is recorded instead, so the step
+    is not, the captured non-finite value is recorded instead, so the step
     counts as a non-finite-loss step whichever micro-batch it was."""
+    backpropagated, returned = taken
+    losses = backpropagated or returned
     if not losses:
         return explicit
     device = losses[0].device
     total = torch.stack([t.to(device=device, dtype=torch.float64).sum() for t in losses]).sum()
+    if not backpropagated:
+        total = total / len(losses)
     if isinstance(explicit, torch.Tensor) and explicit.numel() == 1:
         explicit = explicit.detach().reshape(())
         return torch.where(torch.isfinite(total.to(explicit.device)), explicit,
@@ -96,7 +116,7 @@ class OutputLossTap:
 
         def hook(mod, args, output):
             if mod is ref() and active():
-                losses.add(find_loss(output))
+                losses.add_returned(find_loss(output))
 
         self._handle = module.register_forward_hook(hook)
 

@@ -106,9 +106,10 @@ class AmpRecorder:
             loops that change a batch in place after the step).
         capture_loss: capture every micro-batch's loss: where the loop
             scales it (`scaler.scale`, wrapped on that scaler object until
-            `close()`) or, without a scaler, from the model's outputs (a
-            `"loss"`, `.loss`, or the one scalar of a tuple). False: only
-            the loss passed to `step()`.
+            `close()`; the step's loss is their sum) or, without a scaler,
+            from the model's outputs (a `"loss"`, `.loss`, or the one 0-d
+            tensor of a tuple; their mean). A loss passed to `step()` wins
+            unless a captured one is NaN/Inf. False: only the loss passed.
     """
 
     def __init__(self, run_dir, model: torch.nn.Module, optimizer=None, scaler=None, *,

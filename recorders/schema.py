@@ -60,7 +60,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("step", pa.int64(), "step", "Optimizer step index: counts `rec.step()` calls from 0, or the caller's own step number.", False),
     Column("rank", pa.int32(), "-", "Rank of the process that recorded the row (0 without torch.distributed).", False),
     Column("wall_time", pa.float64(), "s", "Unix time when `rec.step()` was called."),
-    Column("loss", pa.float64(), "-", "The loss passed to `rec.step()` (unscaled, as computed), or the sum of the micro-batches' captured losses when none is passed or when one of them was NaN/Inf; NaN/Inf kept as is."),
+    Column("loss", pa.float64(), "-", "The loss passed to `rec.step()` (unscaled, as computed), or the micro-batches' captured losses (the sum as backpropagated through the scaler, else the mean the model returned) when none is passed or when one of them was NaN/Inf; NaN/Inf kept as is."),
     Column("loss_scale", pa.float64(), "-", "Loss scale after `scaler.update()`, i.e. the scale the next step uses. Null without an enabled scaler."),
     Column("loss_scale_before", pa.float64(), "-", "Loss scale in force during this step's backward (before `update()`). Null without an enabled scaler."),
     Column("growth_tracker", pa.int64(), "steps", "GradScaler growth tracker after `update()`: clean steps since the last growth or backoff."),

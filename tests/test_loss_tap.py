@@ -93,10 +93,12 @@ def test_a_nan_in_an_earlier_micro_batch_wins_over_the_finite_loss_passed(tmp_pa
     assert losses[2] == pytest.approx(per_step[2][1], rel=1e-7)
 
 
-def test_without_a_scaler_the_loss_the_model_returns_is_captured(tmp_path):
+def test_without_a_scaler_the_mean_of_the_losses_the_model_returns_is_captured(tmp_path):
     per_step, _, _ = loop(tmp_path / "run", scaler=False)
-    # The model's own loss, before the loop divides it by ACCUM.
-    assert _losses(tmp_path / "run") == pytest.approx([ACCUM * math.fsum(s) for s in per_step], rel=1e-6)
+    # The model returns ACCUM * (the loss backpropagated); the mean of its
+    # micro-batches' losses, as a replay computes it.
+    assert _losses(tmp_path / "run") == pytest.approx([math.fsum(ACCUM * v for v in s) / ACCUM
+                                                       for s in per_step], rel=1e-6)
 
 
 def test_a_disabled_scaler_still_hands_over_every_loss(tmp_path):
