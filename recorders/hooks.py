@@ -127,7 +127,8 @@ class TrainingHooks:
         self._watch_param = watch_param
         self._on_autocast = on_autocast
         self.autocast: dict | None = None  # as the first recorded forward saw it
-        self._autocast_from_child = False  # a direct child of the root has reported
+        self._autocast_from_child = False  # the root's children have told what ran
+        self._children_ran = False  # ... in the step in progress
         self._root_runs = False  # the root's own forward has run (it opens micro-batches)
         self.paused = 0  # paused() depth: forward/backward passes not recorded
         self.state = StepState(0, False, False)
@@ -176,6 +177,8 @@ class TrainingHooks:
         parameter gradients, the loss, parameter values) and return the
         finished step's state. `loss`: the detached loss tensor or None."""
         st = self.state
+        if self._children_ran:  # a whole step of child calls saw no autocast
+            self._autocast_from_child = True
         for ctx in st.contexts:
             for input_idx in list(ctx.pending):
                 self._finish_grad_input(st, ctx, input_idx)
@@ -287,10 +290,16 @@ class TrainingHooks:
     def _on_child_pre(self, module, args):
         if self._autocast_from_child or self._active() is None:
             return
-        self._autocast_from_child = True
+        self._children_ran = True
         info = _read_autocast()
+        if not info["enabled"]:
+            # A child called outside the autocast region (an embedding
+            # looked up before it) is not the last word: every child call
+            # of the step is asked (end_step stops asking).
+            return
+        self._autocast_from_child = True
         # Only "on" overrides: a child may run in float32 on purpose.
-        if info["enabled"] and not (self.autocast or {}).get("enabled"):
+        if not (self.autocast or {}).get("enabled"):
             self._note_autocast(info)
             self.bundles.on_autocast(info)  # the step's capture began at the root
 

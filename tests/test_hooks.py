@@ -94,3 +94,24 @@ def test_a_submodule_called_before_the_model_opens_no_extra_micro_batch(tmp_path
                 model(model.embed(torch.arange(6))).sum().backward()
             rec.step()
     assert read_table(tmp_path / "run", "steps")["micro_batches"].tolist() == [2, 2, 2]
+
+
+class PreparedEmbedFirst(EmbedFirst):
+    """Autocast entered inside the root's forward (as Accelerate prepares a
+    model), its embedding looked up by the loop outside it."""
+
+    def forward(self, h):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.fc(h)
+
+
+def test_a_child_called_outside_autocast_does_not_hide_the_autocast_inside(tmp_path):
+    model = PreparedEmbedFirst()
+    with AmpRecorder(tmp_path / "run", model, bundles=False) as rec:
+        for _ in range(2):
+            model(model.embed(torch.arange(6))).float().sum().backward()
+            rec.step()
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "bfloat16",
+                                    "cache_enabled": True}
+    assert read_table(tmp_path / "run", "steps")["micro_batches"].tolist() == [1, 1]
