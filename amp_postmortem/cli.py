@@ -141,12 +141,13 @@ def _fail_on(ctx, param, value):
 @run_options
 @click.option("--fail-on", metavar="KIND[,KIND]", callback=_fail_on, default=None,
               help="Exit with code 1 when a finding of these kinds exists (for CI): nonfinite, "
-                   "scale_collapse, stuck_low_scale, grad_underflow, overflow_risk, healthy.")
+                   "training_instability, scale_collapse, stuck_low_scale, grad_underflow, overflow_risk, "
+                   "healthy.")
 @output_options(csv=True)
 def summary(run_dir, rank, fail_on):
-    """Run facts and findings (non-finite values, loss-scale collapse, low
-    scale, gradient underflow, overflow risk) most severe first, each with
-    its evidence and the next command to run.
+    """Run facts and findings (non-finite values, training instability,
+    loss-scale collapse, low scale, gradient underflow, overflow risk) most
+    severe first, each with its evidence and the next command to run.
 
     \b
         amp-postmortem summary runs/exp1

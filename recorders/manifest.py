@@ -36,6 +36,13 @@ class ManifestMixin:
         }
 
     def _initial_manifest(self) -> dict:
+        # Tied parameters (one tensor under several names, e.g. an embedding
+        # and the output projection) are recorded once, under their first
+        # name; the analyzer needs the other names to attribute a gradient
+        # overflow to the module whose operation made it.
+        shared: dict[int, list] = {}
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            shared.setdefault(id(p), []).append(n)
         modules = [{"name": n, "type": f"{type(m).__module__}.{type(m).__qualname__}",
                     "watched": n in set(self._watched)} for m, n in self._module_names.items()]
         device = next((p.device for _, p in self._params), torch.device("cpu"))
@@ -68,7 +75,8 @@ class ManifestMixin:
             },
             "modules": modules,
             "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                        "requires_grad": bool(p.requires_grad)} for n, p in self._params],
+                        "requires_grad": bool(p.requires_grad), **_aliases(n, p, shared)}
+                       for n, p in self._params],
             "bundles": [],
             "status": "open",
             "steps_recorded": 0,
@@ -84,6 +92,11 @@ class ManifestMixin:
         atomic_write_json(self.rank_dir / schema.MANIFEST_FILE, self._manifest)
         if self.rank == 0:
             atomic_write_json(self.run_dir / schema.MANIFEST_FILE, self._manifest)
+
+
+def _aliases(name: str, p, shared: dict) -> dict:
+    others = [n for n in shared.get(id(p), []) if n != name]
+    return {"aliases": others} if others else {}
 
 
 def _existing_run_id(run_dir: Path, rank: int) -> str | None:

@@ -152,7 +152,7 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         underflow = zeros = None
         if len(full):
             zeros = float(full["zero_share"].median())
-            underflow = float((full["below_normal_share"] + _flushed_zeros(full)).median())
+            underflow = float(underflow_share_of_rows(full).median())
 
         flags = []
         fp16 = latest["dtype"] == "float16"
@@ -190,6 +190,12 @@ def zeros_look_flushed(zero_share, rms) -> bool:
     if nonzero <= 0 or rms is None or not math.isfinite(rms):
         return True
     return rms / math.sqrt(nonzero) < schema.FP16_MIN_NORMAL * 2 ** FLUSH_MARGIN_BITS
+
+
+def underflow_share_of_rows(full: pd.DataFrame) -> pd.Series:
+    """Per full-tier row: the share `underflow_share` counts (subnormal
+    values plus zeros that look flushed), before the median over steps."""
+    return full["below_normal_share"] + _flushed_zeros(full)
 
 
 def _flushed_zeros(full: pd.DataFrame) -> pd.Series:
