@@ -81,8 +81,10 @@ def scale_window(run_dir, rank, step, model_spec, device, policy, scales, max_un
     gradients neither overflow (NaN/Inf) nor underflow (more than
     --max-underflow flushed or subnormal), where the recorded scale stood,
     and GradScaler settings that stay inside it. With --model (and --step)
-    the step is replayed at every scale; the estimate from the recorded
-    statistics alone (no replay) is always given when RUN is a run.
+    the step is replayed at every scale, and the run's other saved steps at
+    the window's top (lowered until they are finite too); the estimate from
+    the recorded statistics alone (no replay: marked "estimate, not
+    verified") is always given when RUN is a run.
 
     \b
         amp-postmortem scale-window runs/exp1
@@ -97,7 +99,7 @@ def scale_window(run_dir, rank, step, model_spec, device, policy, scales, max_un
         modules = tuple(m.strip() for m in keep.split(",") if m.strip())
         replayed = replay_scale_window(run_dir, step, rank=rank, model=model_spec, device=device, policy=policy,
                                        fp32_modules=modules, scales=scales, max_underflow=max_underflow,
-                                       progress=StderrProgress())
+                                       progress=StderrProgress(), verify=True)
     if is_run or model_spec is None:
         estimate = estimate_scale_window(open_run(run_dir, rank), step, scales=scales, max_underflow=max_underflow)
     return ScaleWindowReport(replay=replayed, estimate=estimate)

@@ -128,6 +128,38 @@ def load_step(source, step=None, rank=None):
     return bundles.load_bundle(path, step=step, rank=rank)
 
 
+def other_bundles(prepared) -> list:
+    """(step, path) of the run's other saved bundles of the same rank, by
+    step: what a remedy found on one step is tried on (`fix`, the scale
+    window). Empty when the bundle does not sit in a run directory."""
+    from pathlib import Path
+
+    from .. import bundle as bundles
+    path = Path(prepared.bundle.path)
+    if len(path.parents) < 3 or path.parents[1].name != "bundles":
+        return []
+    run_dir = path.parents[2]
+    return [(s, p) for s, r, p in bundles.list_bundles(run_dir) if r == prepared.rank and s != prepared.step]
+
+
+def prepare_like(prepared, path, **options) -> "Prepared":
+    """Another bundle opened the way `prepared` was (its model class, device,
+    policy and precision): the run's steps are tried alike."""
+    from ..replay import ReplaySession, RunConfig
+    bundle = load_step(path)
+    session = ReplaySession(bundle, prepared.session._base, device=str(prepared.session.device))
+    notes = session.start_backward(options.get("loss_fn"))
+    config = prepared.config.replace(loss_scale=float(bundle.loss_scale or 1.0),
+                                     precision_flags=dict(bundle.precision_flags or {}))
+    reference = session.run(RunConfig("fp64", device=prepared.config.device),
+                            keep_inputs=options.get("keep_inputs", False))
+    if not _finite(reference.outputs):
+        notes.append("the float64 reference is itself non-finite: this is not a precision problem "
+                     "(check the data: `bisect`)")
+    return Prepared(bundle=bundle, session=session, precision=prepared.precision, config=config,
+                    reference=reference, notes=notes, backward_start=session.backward_start)
+
+
 def build(model, bundle):
     """The user's model (see `replay.model_spec.resolve_model`)."""
     from ..replay.model_spec import resolve_model

@@ -14,6 +14,7 @@ import math
 
 from recorders import schema
 
+from ..analyses.nans import tied_aliases
 from ..analyses.ranges import zeros_look_flushed
 from .scale_result import (LAYER_COLUMNS, MAX_UNDERFLOW, SCALES, ScaleWindow, _calibration, _position, _window,
                            scaler_settings)
@@ -60,6 +61,7 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
     for (name, _), g in df.groupby(["name", "rank"], sort=False):
         r = g.iloc[0]
         layers.append(_fit_layer(name, r, shift, norm))
+    layers += _weight_gradients(run, int(step), set(df["name"]))
     lo_k, hi_k = int(scales[0]), int(scales[1])
     overflow_k = min((lay["overflow_k"] for lay in layers if lay["overflow_k"] is not None), default=None)
     usable = []
@@ -70,6 +72,8 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
         if share is None or share <= max_underflow:
             usable.append(k)
     for lay in layers:
+        if lay.get("weight_gradient"):
+            continue
         lay["underflow_k"] = next((k for k in range(lo_k, hi_k + 1)
                                    if (_estimated_share([lay], k, norm) or 0.0) <= max_underflow), None)
     if any(lay.get("assumed_spread") for lay in layers):
@@ -88,7 +92,42 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
                        recorded_position=_position(window, shift if len(scale) else None), settings=settings,
                        code=code, rows=[{k: lay[k] for k in LAYER_COLUMNS} for lay in layers],
                        max_underflow=max_underflow, notes=notes + _calibration(run.scaler, window),
-                       recorded_scaler=run.scaler)
+                       recorded_scaler=run.scaler, verified=False, why=unverified_why(run))
+
+
+def unverified_why(run, model_given: bool = False) -> str:
+    """Why a window from recorded statistics is not verified by a replay."""
+    if not run.manifest.get("bundles"):
+        return ("the run holds no replay bundle to replay its edges on (AmpRecorder saves one on a non-finite "
+                "step, or on request: bundle_steps)")
+    if not model_given:
+        return "no --model given to replay the saved steps at the window's edges"
+    return "the edges were not replayed"
+
+
+def _weight_gradients(run, step: int, fp16_modules: set) -> list:
+    """Overflow edges of the weight gradients computed in float16: the
+    parameters of modules whose output gradient travelled in float16 (their
+    weight-gradient matmul ran in float16 too), a tied parameter when any
+    module using it did. `param_grad` rows hold the unscaled gradient: at
+    scale 2^k the matmul's result is that times 2^k, and overflows above
+    65504. Overflow edge only: a parameter gradient's distribution is not
+    what the scale shifts into the subnormal range (the module gradients
+    are)."""
+    aliases = tied_aliases(run)
+    df = run.scan_tensors(["step", "rank", "name", "kind", "numel", "absmax"], steps=[step], kinds=["param_grad"],
+                          label="reading weight gradients")
+    out = []
+    for name, g in df.groupby("name", sort=False):
+        users = [n.rpartition(".")[0] for n in [name] + aliases.get(name, [])]
+        absmax = _num(g["absmax"].max())
+        if not absmax or absmax <= 0 or not any(u in fp16_modules for u in users):
+            continue
+        out.append({"name": name, "numel": int(g["numel"].max() or 0), "nonzero": 0, "below_normal_share": None,
+                    "zero_share": None, "absmax_unscaled": absmax,
+                    "overflow_k": int(math.floor(math.log2(schema.FP16_MAX / absmax))), "underflow_k": None,
+                    "log2_mu": None, "log2_sigma": None, "weight_gradient": True})
+    return out
 
 
 def _estimate_step(run, before: int | None = None):
@@ -173,7 +212,7 @@ def _estimated_share(layers, k, norm):
 def _empty_estimate(step, scale, notes, max_underflow) -> ScaleWindow:
     return ScaleWindow(method="estimate", step=step, rank=None, recorded_scale=scale, window=None,
                        recorded_position=None, settings=None, code=None, rows=[], max_underflow=max_underflow,
-                       notes=notes)
+                       notes=notes, verified=False, why="no recorded statistics to estimate from")
 
 
 def _num(v):
