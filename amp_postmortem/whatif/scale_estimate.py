@@ -61,7 +61,8 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
     for (name, _), g in df.groupby(["name", "rank"], sort=False):
         r = g.iloc[0]
         layers.append(_fit_layer(name, r, shift, norm))
-    layers += _weight_gradients(run, int(step), set(df["name"]))
+    layers += _weight_gradients(run, int(step), set(df["name"]),
+                                int(math.ceil(shift)) if len(scale) else None)
     lo_k, hi_k = int(scales[0]), int(scales[1])
     overflow_k = min((lay["overflow_k"] for lay in layers if lay["overflow_k"] is not None), default=None)
     usable = []
@@ -105,7 +106,7 @@ def unverified_why(run, model_given: bool = False) -> str:
     return "the edges were not replayed"
 
 
-def _weight_gradients(run, step: int, fp16_modules: set) -> list:
+def _weight_gradients(run, step: int, fp16_modules: set, scale_k: int | None) -> list:
     """Overflow edges of the weight gradients computed in float16: the
     parameters of modules whose output gradient travelled in float16 (their
     weight-gradient matmul ran in float16 too), a tied parameter when any
@@ -115,17 +116,21 @@ def _weight_gradients(run, step: int, fp16_modules: set) -> list:
     what the scale shifts into the subnormal range (the module gradients
     are)."""
     aliases = tied_aliases(run)
-    df = run.scan_tensors(["step", "rank", "name", "kind", "numel", "absmax"], steps=[step], kinds=["param_grad"],
-                          label="reading weight gradients")
+    df = run.scan_tensors(["step", "rank", "name", "kind", "numel", "absmax", "nan_count", "inf_count"],
+                          steps=[step], kinds=["param_grad"], label="reading weight gradients")
     out = []
     for name, g in df.groupby("name", sort=False):
         users = [n.rpartition(".")[0] for n in [name] + aliases.get(name, [])]
+        if not any(u in fp16_modules for u in users):
+            continue
         absmax = _num(g["absmax"].max())
-        if not absmax or absmax <= 0 or not any(u in fp16_modules for u in users):
+        edge = int(math.floor(math.log2(schema.FP16_MAX / absmax))) if absmax and absmax > 0 else None
+        if ((g["nan_count"] + g["inf_count"]) > 0).any() and scale_k is not None:
+            edge = scale_k - 1 if edge is None else min(edge, scale_k - 1)
+        if edge is None:
             continue
         out.append({"name": name, "numel": int(g["numel"].max() or 0), "nonzero": 0, "below_normal_share": None,
-                    "zero_share": None, "absmax_unscaled": absmax,
-                    "overflow_k": int(math.floor(math.log2(schema.FP16_MAX / absmax))), "underflow_k": None,
+                    "zero_share": None, "absmax_unscaled": absmax, "overflow_k": edge, "underflow_k": None,
                     "log2_mu": None, "log2_sigma": None, "weight_gradient": True})
     return out
 
@@ -156,10 +161,17 @@ def _fit_layer(name, r, shift, norm) -> dict:
     out = {"name": name, "numel": numel, "nonzero": nonzero, "below_normal_share": below, "zero_share": zero,
            "absmax_unscaled": absmax / 2 ** shift if absmax else absmax, "overflow_k": None,
            "underflow_k": None, "log2_mu": None, "log2_sigma": None}
+    # A gradient that overflowed at the recorded scale 2^shift says so
+    # itself, whatever its finite values: the edge lies below that scale.
+    overflowed = (_num(r.get("inf_count")) or 0) + (_num(r.get("nan_count")) or 0) > 0
+    cap = int(math.ceil(shift)) - 1 if overflowed else None
+    out["overflow_k"] = cap
     if not absmax or absmax <= 0:
         return out
     a = math.log2(absmax)
     out["overflow_k"] = int(math.floor(math.log2(schema.FP16_MAX) - (a - shift)))
+    if cap is not None:
+        out["overflow_k"] = min(out["overflow_k"], cap)
     # Share of the fitted values below the float16 normal limit at the
     # recorded scale. Zeros the float16 range flushed are such values too
     # (censored, not absent): then the fit covers every value, not only the
