@@ -86,9 +86,9 @@ class Recommendations:
                       "recommendations": [r.to_dict() for r in self.recommendations], "notes": self.notes})
 
     def table(self) -> pd.DataFrame:
-        return pd.DataFrame([{"kind": r.kind, "source": r.source, "action": r.action,
+        return pd.DataFrame([{"kind": r.kind, "source": r.source, "verified": r.verified, "action": r.action,
                               "evidence": " | ".join(r.evidence)} for r in self.recommendations],
-                            columns=["kind", "source", "action", "evidence"])
+                            columns=["kind", "source", "verified", "action", "evidence"])
 
     def lines(self) -> list[str]:
         head = (f"recommendations for {self.run}" +
@@ -133,10 +133,13 @@ def _sorted(recs):
 def _recorded(run: Run, summary) -> list:
     from ..whatif.scale_estimate import unverified_why
     recs = _recorded_advice(run, summary)
-    why = unverified_why(run)
+    checks = {"keep_fp32": "replay the saved steps with the module in float32 (`fix`)",
+              "scaler_settings": "replay the saved steps at the window's edges",
+              "gradient_drift": "replay the saved steps at the window's edges (the drift is estimated from "
+                                "steps spread over the run)"}
     for r in recs:
-        if r.kind in ("keep_fp32", "scaler_settings", "gradient_drift"):
-            r.why = why
+        if r.kind in checks:
+            r.why = unverified_why(run, checks[r.kind])
     return recs
 
 

@@ -69,11 +69,11 @@ class FixReport:
 
     @property
     def saved_steps(self) -> list:
-        return [c["step"] for c in self.saved_steps_check if c["saved"]]
+        return sorted(c["step"] for c in self.saved_steps_check if c["saved"])
 
     @property
     def not_saved_steps(self) -> list:
-        return [c["step"] for c in self.saved_steps_check if not c["saved"]]
+        return sorted(c["step"] for c in self.saved_steps_check if not c["saved"])
 
     def to_dict(self) -> dict:
         return plain({"step": self.step, "rank": self.rank, "precision": self.precision, "policy": self.policy,

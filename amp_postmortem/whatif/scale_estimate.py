@@ -96,14 +96,14 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
                        recorded_scaler=run.scaler, verified=False, why=unverified_why(run))
 
 
-def unverified_why(run, model_given: bool = False) -> str:
-    """Why a window from recorded statistics is not verified by a replay."""
+def unverified_why(run, check: str = "replay the saved steps at the window's edges") -> str:
+    """Why advice from recorded statistics is not verified by a replay:
+    no bundle to replay, or no model to replay it with (`check` says what
+    the replay would have done)."""
     if not run.manifest.get("bundles"):
-        return ("the run holds no replay bundle to replay its edges on (AmpRecorder saves one on a non-finite "
-                "step, or on request: bundle_steps)")
-    if not model_given:
-        return "no --model given to replay the saved steps at the window's edges"
-    return "the edges were not replayed"
+        return (f"the run holds no replay bundle to {check} (AmpRecorder saves one on a non-finite step, or on "
+                "request: bundle_steps)")
+    return f"no --model given to {check}"
 
 
 def _weight_gradients(run, step: int, fp16_modules: set, scale_k: int | None) -> list:
