@@ -133,6 +133,10 @@ def test_tied_parameter_overflow_is_the_module_that_made_it():
                                                              ("wte.weight",))
     line = next(x for x in rep.lines() if x.startswith("backward origin"))
     assert "lm_head (its weight gradient; a tied parameter, also named wte.weight)" in line
+    # the scale's drivers name the same module
+    from amp_postmortem.analyses.scale import scale_dynamics
+    drivers = scale_dynamics(run).driver_steps
+    assert drivers == {"proj": 8, "lm_head": 1}
     # step 0 was clean: step 1's skip is no calibration and is not called one
     assert rep.backward_scaler_handled and not rep.backward_calibration and "calibration" not in line
 

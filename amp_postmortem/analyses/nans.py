@@ -238,8 +238,19 @@ def backward_origins(run: Run, steps) -> dict[int, Origin]:
         rank = int(g["rank"].min())
         o = backward_origin(g[g["rank"] == rank])
         if o is not None:
-            out[int(step)] = attribute_shared(run, o)
-    return out
+            out[int(step)] = o
+    return attribute_shared_all(run, out)
+
+
+def attribute_shared_all(run: Run, origins: dict) -> dict:
+    """`attribute_shared` for many steps' origins, reading the users'
+    rows of every step concerned in one scan."""
+    aliases = tied_aliases(run)
+    tied = sorted({o.step for o in origins.values() if o.kind == "param_grad" and o.tensor in aliases})
+    if not tied:
+        return origins
+    rows = run.scan_tensors(_USER_COLUMNS, steps=tied, kinds=["grad_output"], label="reading tied parameters' users")
+    return {k: attribute_shared(run, o, rows) for k, o in origins.items()}
 
 
 def calibration_steps(run: Run) -> set[int]:
@@ -267,17 +278,22 @@ def tied_aliases(run: Run) -> dict[str, list[str]]:
     return {p["name"]: list(p["aliases"]) for p in run.manifest.get("params") or [] if p.get("aliases")}
 
 
-def attribute_shared(run: Run, o: Origin) -> Origin:
+_USER_COLUMNS = ["step", "rank", "name", "kind", "dtype", "absmax", "nan_count", "inf_count"]
+
+
+def attribute_shared(run: Run, o: Origin, rows: pd.DataFrame | None = None) -> Origin:
     """A `param_grad` origin of a tied parameter, moved to the module among
-    its users whose operation made the value (see the module docstring)."""
+    its users whose operation made the value (see the module docstring).
+    `rows`: the `grad_output` rows of its step when already read."""
     aliases = tied_aliases(run).get(o.tensor) if o.kind == "param_grad" else None
     if not aliases:
         return o
     names = [o.tensor] + list(aliases)
     users = {n.rpartition(".")[0]: n for n in names}
-    rows = run.scan_tensors(["step", "rank", "name", "kind", "dtype", "absmax", "nan_count", "inf_count"],
-                            steps=[o.step], kinds=["grad_output"], label="reading a tied parameter's users")
-    rows = rows[(rows["rank"] == o.rank) & rows["name"].isin(list(users))]
+    if rows is None:
+        rows = run.scan_tensors(_USER_COLUMNS, steps=[o.step], kinds=["grad_output"],
+                                label="reading a tied parameter's users")
+    rows = rows[(rows["step"] == o.step) & (rows["rank"] == o.rank) & rows["name"].isin(list(users))]
     best, best_key = None, None
     for name, g in rows.groupby("name", sort=False):
         if ((g["nan_count"] + g["inf_count"]) > 0).any():

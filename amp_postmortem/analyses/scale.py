@@ -56,7 +56,7 @@ from recorders import schema
 from recorders.plain import plain
 
 from ..loader import Run
-from .nans import attribute_shared, backward_origin, forward_origin
+from .nans import attribute_shared_all, backward_origin, forward_origin
 from .trend import theil_sen
 
 ALPHA = 0.01                  # significance level of the trend test
@@ -389,14 +389,15 @@ def _drivers(run: Run, series, skipped, steps, from_step) -> tuple[list[str], di
     cols = ["step", "rank", "name", "kind", "phase", "order", "call", "nan_count", "inf_count",
             "input_nonfinite"]
     rows = run.scan_tensors(cols, steps=picked, nonfinite_only=True, label="reading skipped steps")
-    counts: dict[str, int] = {}
-    for _, g in rows.groupby("step", sort=True):
+    origins = {}
+    for step, g in rows.groupby("step", sort=True):
         g = g[g["rank"] == g["rank"].min()]
         o = forward_origin(g) or backward_origin(g)
-        if o is not None and o.phase == "backward":
-            o = attribute_shared(run, o)
         if o is not None:
-            counts[o.name] = counts.get(o.name, 0) + 1
+            origins[int(step)] = o
+    counts: dict[str, int] = {}
+    for o in attribute_shared_all(run, origins).values():
+        counts[o.name] = counts.get(o.name, 0) + 1
     ordered = sorted(counts, key=lambda k: -counts[k])  # stable: first seen wins ties
     return ordered, {k: counts[k] for k in ordered}
 

@@ -11,7 +11,8 @@ what-if hooks (`RunConfig.fp32_modules`, `loss_scale`, `batch`). This module
 holds the plumbing they share: opening a step (`prepare`), measuring one
 trial against the float64 reference (`trial_metrics`) and the one judgement
 of whether a trial saves the step (`judge`, used by fix, bisect and
-recommend through `Prepared.trial`). Nothing here imports torch at import
+recommend through `Prepared.trial`), and the run's other saved steps a
+remedy found on one is tried on (`other_bundles`, `prepare_like`). Nothing here imports torch at import
 time, so `scale-window` without a model stays torch-free.
 """
 from __future__ import annotations

@@ -12,7 +12,9 @@ float16 at every scale 2^k, k in `scales` (default -16..40). At each:
   zeros in float64 too and do not count.
 A scale is usable when it does not overflow and its underflow share is at
 most `max_underflow` (default 5%, the `ranges` underflow flag). The window is
-the longest run of consecutive usable scales.
+the longest run of consecutive usable scales. `verify_window` then replays
+the run's other saved steps at its top and lowers it until they are finite
+too, so the printed settings keep every saved step finite that a scale can.
 
 Estimated (`estimate_scale_window`, no replay, no torch): from one recorded
 step's float16 `grad_output` rows (a clean full-tier step by default), at the
