@@ -10,7 +10,8 @@ forward or loss was non-finite; the whole run when none was):
 
 - `loss_rise`: the loss rose before it went non-finite: the mean of the
   last finite losses (up to 3) is at least `LOSS_RISE` times the lowest
-  loss before them;
+  loss before them (over the last `WINDOW` recorded steps before the
+  failure);
 - `growth`: activations or weights grew: a layer's largest value (`absmax`
   of its `activation` rows, of its parameters' `param` rows) rose by at
   least `GROWTH_BITS` bits (a factor 8) from the first of those steps to
@@ -47,6 +48,7 @@ LOSS_RISE = 2.0              # the late loss at least twice the lowest before it
 GROWTH_BITS = 3.0            # a factor 8 from the first step looked at to the last
 PEAK_SLACK_BITS = 1.0        # still within a factor 2 of its peak at the end
 LATE_LOSSES = 3
+WINDOW = 1000                # the recorded steps before the failure looked at
 
 
 @dataclass
@@ -89,10 +91,14 @@ def find_instability(run: Run) -> InstabilityReport:
     fail = failure_step(run)
     s = run.steps.drop_duplicates("step").sort_values("step")
     before = s[s["step"] < fail] if fail is not None else s
+    before = before.iloc[-WINDOW:]
     if before.empty:
         return InstabilityReport(False, fail, None, None, None)
     lo, hi = int(before["step"].min()), int(before["step"].max())
     rise = _loss_rise(before)
+    if fail is None or rise is None or rise["ratio"] < LOSS_RISE:
+        # Not unstable whatever grew: skip the scan of every layer's rows.
+        return InstabilityReport(False, fail, lo, hi, rise)
     growth = _growth(run, lo, hi)
     rose = rise is not None and rise["ratio"] >= LOSS_RISE
     grew = [g for g in growth if g["bits"] >= GROWTH_BITS]
@@ -166,8 +172,8 @@ def replay_evidence(run: Run, reference, step: int) -> str | None:
                     worst, worst_name = v, call.name
     if worst <= schema.FP16_MAX or worst_name is None:
         return None
-    rows = run.scan_tensors(["step", "name", "kind", "absmax"], kinds=["activation"], step_range=(None, step - 1),
-                            label="reading recorded ranges")
+    rows = run.scan_tensors(["step", "name", "kind", "absmax"], kinds=["activation"],
+                            step_range=(step - WINDOW, step - 1), label="reading recorded ranges")
     rows = rows[(rows["name"] == worst_name) & (rows["absmax"] > 0)].sort_values("step")
     if rows.empty or float(rows["absmax"].iloc[-1]) >= worst:
         return None
