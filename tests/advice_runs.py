@@ -239,3 +239,44 @@ def lower_scale_run() -> Path:
             rec.step(loss)
         rec.flush()
     return Path(path)
+
+
+class RootMatmul(nn.Module):
+    """The model's own forward multiplies by its own weight (no submodule
+    that keep_fp32 could wrap): with inputs this large the float16 matmul
+    overflows; bfloat16's range holds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D_IN, D_HID))
+        self.head = nn.Linear(D_HID, 1)
+
+    def forward(self, x):
+        return self.head((x @ self.w) * 1e-3)
+
+
+def root_matmul():
+    torch.manual_seed(0)
+    return RootMatmul()
+
+
+@functools.lru_cache(maxsize=None)
+def root_matmul_run() -> Path:
+    from recorders import AmpRecorder
+    path = _root() / "root_matmul_overflows_float16"
+    model = root_matmul()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with AmpRecorder(path, model, optimizer=opt, scaler=scaler, full_every=1) as rec:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(BRANCH_BATCH, D_IN, generator=g) * 1e5
+        y = torch.randn(BRANCH_BATCH, 1, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ((model(x).float() - y) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        rec.step(loss)
+        rec.flush()
+    return Path(path)

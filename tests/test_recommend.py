@@ -203,3 +203,17 @@ def test_advice_from_recorded_statistics_is_marked_estimate_not_verified(copy_ru
     edit_manifest(bare / "manifest.json", bundles=[])
     keep = recommend(load_run(bare)).get("keep_fp32")
     assert keep.why.startswith("the run holds no replay bundle")
+
+
+def test_no_float16_configuration_saves_it_so_float16_is_not_advisable():
+    """The model's own forward overflows float16 (nothing keep_fp32 can
+    wrap, no loss scale helps a forward): float16 is not advisable, with
+    why; bfloat16's range holds the values."""
+    import advice_runs as A
+    r = recommend(load_run(A.root_matmul_run()), model=A.root_matmul)
+    assert r.kinds() == ["use_bf16", "avoid_mixed_precision"]
+    avoid = r.get("avoid_mixed_precision")
+    assert avoid.verified and avoid.action.startswith("float16 mixed precision is not advisable for this job")
+    assert avoid.evidence[1:] == ["no set of up to 1 candidate modules kept in float32 saves it",
+                                  "no loss scale makes it finite", "bfloat16: finite"]
+    assert "training_instability" not in r.kinds()

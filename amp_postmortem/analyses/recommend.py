@@ -1,8 +1,12 @@
 """What to change, each recommendation with its evidence.
 
 From the recorded run alone (`summary`'s findings and the loss-scale window
-estimated from the recorded statistics):
+estimated from the recorded statistics; `keep_fp32`, `scaler_settings` and
+`gradient_drift` are then marked not `verified`, with `why`):
 - `check_data`: the forward origin is the model's input (`<input>`);
+- `training_instability`: `summary` found it: the only recommendation
+  (learning rate, warm-up, clipping, the layer whose weights grew), since
+  keep_fp32 or a loss scale would only postpone the failure;
 - `keep_fp32` (a candidate): the module named as the forward origin of a
   non-finite step, to be confirmed by `fix` (a replay);
 - `gradient_drift`: the scale collapses, sits low or gradients underflow,
@@ -15,7 +19,9 @@ estimated from the recorded statistics):
   collapse driven by that forward overflow is said to be its consequence.
 
 With a model (and a replay bundle in the run), the what-if replays of one
-bundle's step decide instead (`step`, else `pick_bundle`: the earliest saved
+bundle's step decide instead, each remedy also tried on the run's other
+saved bundles (`fix`'s saved and not saved steps, the scale window lowered
+until every saved step a scale can save is finite) (`step`, else `pick_bundle`: the earliest saved
 for a non-finite loss or tensor, else for `scale_low`, `skipped`, a request):
 - `check_data`: the float64 replay is non-finite too, or a few samples of
   the batch fail alone (`bisect`): no precision setting is the fix;
@@ -28,8 +34,14 @@ for a non-finite loss or tensor, else for `scale_low`, `skipped`, a request):
 - `gradient_drift` / `scaler_settings`: the replayed loss-scale window (with
   the `keep_fp32` modules applied) and GradScaler settings inside it, unless
   the recorded window moves;
+- `training_instability`: the run's loss rose and its values grew before
+  it failed (`instability`), or the loss rose and the float64 replay of the
+  step is itself beyond float16's range: the training is the fix (learning
+  rate, warm-up, clipping), not keep_fp32, which is then only evidence;
 - `avoid_mixed_precision`: no tried configuration (as recorded, any loss
-  scale, modules kept in float32, bfloat16) keeps the step finite.
+  scale, modules kept in float32, bfloat16) keeps the step finite; or no
+  float16 one does (then float16 is not advisable: bfloat16, or the
+  instability first).
 - `no_change`: nothing to recommend (a healthy run).
 """
 from __future__ import annotations
@@ -403,6 +415,14 @@ def _replayed(run, step, rank, model, device, policy, progress, notes, summary) 
             [f"{p.precision} as recorded: {_state(baseline)}",
              f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
              "no loss scale makes it finite"] + ([beyond] if beyond else []), "replay", verified=True))
+    elif not ref_bad and not data_problem and not fp16_ok and bf16_ok and p.precision == "fp16":
+        recs.append(Recommendation(
+            "avoid_mixed_precision",
+            f"float16 mixed precision is not advisable for this job: no float16 configuration keeps step {step} "
+            "finite; use bfloat16 instead (use_bf16 above)",
+            [f"{p.precision} as recorded: {_state(baseline)}",
+             f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
+             "no loss scale makes it finite", f"bfloat16: {_state(bf16)}"], "replay", verified=True))
     elif not ref_bad and not data_problem and not fp16_ok and not bf16_ok:
         recs.append(Recommendation(
             "avoid_mixed_precision",
