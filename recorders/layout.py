@@ -74,6 +74,26 @@ def canonical_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     return out
 
 
+def all_module_names(model) -> list[tuple[str, torch.nn.Module]]:
+    """Every (name, module) of the unwrapped model, a module shared by two
+    parents under each name (as `named_modules(remove_duplicate=False)`):
+    tied parameters get their aliases."""
+    out = []
+    unique = canonical_modules(model)
+    canon = {id(m): n for n, m in unique}
+    for name, m in unique:
+        out.append((name, m))
+        for child_name, child in m._modules.items():
+            if child is None:
+                continue
+            inner = unwrap(child)
+            full = f"{name}.{child_name}" if name else child_name
+            if canon.get(id(inner)) != full:
+                # a module reached under a second name: its subtree again
+                out.extend((f"{full}{'.' + n if n else ''}", sub) for n, sub in canonical_modules(inner))
+    return out
+
+
 def canonical_parameters(modules: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) of the modules' own parameters, each once; FSDP1's
     FlatParameter (a container of the real parameters' shards, which stay

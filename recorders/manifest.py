@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import schema
-from .layout import unwrap, user_class
+from .layout import all_module_names, unwrap, user_class
 from .plain import plain
 from .writer import atomic_write_json
 
@@ -98,6 +98,15 @@ def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Mod
     parameter id where `.shape` is a local one (FSDP1)."""
     watched_set = set(watched)
     shapes = shapes or {}
+    # Tied parameters (one tensor under several names, e.g. an embedding and
+    # the output projection) are recorded once, under their first name; the
+    # analyzer needs the other names to attribute a gradient overflow to the
+    # module whose operation made it. Names as the unwrapped model gives them.
+    shared: dict[int, list] = {}
+    for m, mod in all_module_names(model):
+        for n, p in mod._parameters.items():
+            if p is not None:
+                shared.setdefault(id(p), []).append(f"{m}.{n}" if m else n)
     device = next((p.device for _, p in params), torch.device("cpu"))
     return {
         "format": schema.FORMAT_NAME,
@@ -120,7 +129,7 @@ def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Mod
                     for m, n in module_names.items()],
         "params": [{"name": n, "shape": shapes.get(id(p), list(p.shape)),
                     "dtype": str(p.dtype).replace("torch.", ""), "requires_grad": bool(p.requires_grad),
-                    "sharded": id(p) in sharded} for n, p in params],
+                    "sharded": id(p) in sharded, **tied_aliases(n, p, shared)} for n, p in params],
     }
 
 
@@ -184,6 +193,12 @@ def model_config(model) -> dict | None:
     if isinstance(attn, str):
         out["_attn_implementation"] = attn
     return out
+
+
+def tied_aliases(name: str, p, shared: dict) -> dict:
+    """`{"aliases": [other names of p]}` for a tied parameter, else {}."""
+    others = [n for n in shared.get(id(p), []) if n != name]
+    return {"aliases": others} if others else {}
 
 
 def existing_run_id(run_dir: Path, rank: int) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import canonical_modules, local, unwrap, user_class
+from ..layout import all_module_names, local, unwrap, user_class
 
 
 class ModelInventory:
@@ -29,7 +29,7 @@ class ModelInventory:
         self.param_names: list[str] = []
         self.aliases: dict[str, str] = {}
         self.name_by_id: dict[int, str] = {}
-        modules = _all_module_names(model)
+        modules = all_module_names(model)
         for name, p in ((f"{m}.{n}" if m else n, p) for m, mod in modules for n, p in mod._parameters.items()):
             if p is None or type(p).__name__ == "FlatParameter":
                 continue
@@ -71,26 +71,6 @@ def _raw_prefix(model) -> str:
         if m is inner:
             return f"{name}." if name else ""
     return ""
-
-
-def _all_module_names(model) -> list[tuple[str, torch.nn.Module]]:
-    """Every (name, module) of the unwrapped model, a module shared by two
-    parents under each name (as `named_modules(remove_duplicate=False)`):
-    tied parameters get their aliases."""
-    out = []
-    unique = canonical_modules(model)
-    canon = {id(m): n for n, m in unique}
-    for name, m in unique:
-        out.append((name, m))
-        for child_name, child in m._modules.items():
-            if child is None:
-                continue
-            inner = unwrap(child)
-            full = f"{name}.{child_name}" if name else child_name
-            if canon.get(id(inner)) != full:
-                # a module reached under a second name: its subtree again
-                out.extend((f"{full}{'.' + n if n else ''}", sub) for n, sub in canonical_modules(inner))
-    return out
 
 
 class MicroBatch:
