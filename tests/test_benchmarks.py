@@ -11,6 +11,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import analyzer_scale  # noqa: E402
+import compile_overhead  # noqa: E402
 import recorder_overhead  # noqa: E402
 import recorder_overhead_cuda  # noqa: E402
 import report_scale  # noqa: E402
@@ -81,3 +82,15 @@ def test_report_scale_smoke_draws_the_long_run_page_without_errors(tmp_path):
     r = doc["report"]
     assert r["downsampled"] and r["browser_state"] == "ready" and r["browser_errors"] == []
     assert all(points > 0 for points in r["plots"].values()) and r["mib"] < 6
+
+
+def test_compile_overhead_smoke_reports_no_recompilation(tmp_path):
+    out = tmp_path / "compile.json"
+    assert compile_overhead.main(["--smoke", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    variants = doc["variants"]
+    assert set(variants) == {"compiled", "compiled_again", "after", "before", "graph_breaks_total"}
+    assert variants["graph_breaks_total"] == 0
+    for v in compile_overhead.VARIANTS:
+        assert variants[v]["recompiles_after_warmup"] == 0 and variants[v]["ratio"] > 0
+        assert variants[v]["losses_identical_to_compiled"] is True  # eager backend: deterministic
