@@ -9,6 +9,7 @@ finished step to the writer thread.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 
 import torch
@@ -103,6 +104,16 @@ def _in_backward() -> bool:
         return False
 
 
+def _eager(fn):
+    """`fn` run eagerly even when called from compiled code (a compiled
+    function that calls `.backward()` would otherwise compile the hook's
+    frame once per parameter shape). Only when dynamo is already loaded: a
+    job that never compiles must not pay its import (seconds)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.disable(fn)
+    return fn
+
+
 _DTYPE_NAMES: dict = {}
 
 
@@ -190,11 +201,9 @@ class TrainingHooks:
                     continue
                 # Run eagerly even when the backward runs inside compiled
                 # code: dynamo would otherwise compile one frame per shape.
-                self.handles.append(p.register_post_accumulate_grad_hook(
-                    torch.compiler.disable(self._guard(hook, traced=False))))
+                self.handles.append(p.register_post_accumulate_grad_hook(_eager(self._guard(hook, traced=False))))
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
-            self.handles.append(self.optimizer.register_step_pre_hook(
-                torch.compiler.disable(self._guard(self._on_opt_pre, traced=False))))
+            self.handles.append(self.optimizer.register_step_pre_hook(_eager(self._guard(self._on_opt_pre, traced=False))))
 
     def remove(self) -> None:
         # Never called from inside a hook: removing forward hooks while
