@@ -302,11 +302,14 @@ def load_run(path, rank: int | None = None) -> Run:
             warnings.append(f"{mpath.relative_to(root)} is missing; reading rank {r} from its shards only")
             continue
         m = _read_manifest(mpath)
-        if m.get("run_id") != run_id:
+        if m.get("run_id") != run_id and (rank is None or int(rank) == r):
+            # With --rank, only that rank must belong to the run: the ranks
+            # of an older recorder (each its own id) stay readable one by one.
             raise MixedRunsError(
                 f"mixed runs in {root}: rank {r} has run_id {m.get('run_id')!r}, the run manifest "
                 f"has {run_id!r}; keep one recording per directory")
-        rank_manifests[r] = m
+        if m.get("run_id") == run_id:
+            rank_manifests[r] = m
     if not found:
         raise EmptyRunError(f"{root} has a manifest but no rank=<r> directories: nothing was recorded"
                             + _disabled([manifest]))

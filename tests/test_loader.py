@@ -141,6 +141,10 @@ def test_rank_manifests_disagreeing_on_run_id_are_mixed_runs(copy_run, two_rank_
     edit_manifest(run / "rank=1" / "manifest.json", run_id="another-run")
     with pytest.raises(MixedRunsError, match="mixed runs"):
         load_run(run)
+    # One rank at a time, each is readable; the other rank's is not this run.
+    assert load_run(run, rank=0).ranks == [0]
+    with pytest.raises(MixedRunsError, match="rank 1 has run_id 'another-run'"):
+        load_run(run, rank=1)
 
 
 def test_shard_of_another_run_is_mixed_runs(copy_run, two_rank_run, overflow_run):
