@@ -33,3 +33,8 @@ class MixedRunsError(CorruptRunError):
 
 class RankNotFoundError(PostmortemError):
     """--rank names a rank the run has no data for."""
+
+
+class EngineError(PostmortemError):
+    """--engine / --scheduler name no usable engine (unknown name, missing
+    extra, unreachable scheduler)."""

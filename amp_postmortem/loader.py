@@ -15,6 +15,7 @@ in one directory are refused.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -27,13 +28,15 @@ import pyarrow.fs  # noqa: F401  (pa.fs)
 
 from recorders import schema
 
+from .engines import Engine
+from .engines.local import LocalEngine
+from .engines.scan import NONFINITE_FILTER, ShardScan, scan_shard
 from .errors import CorruptRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
+from .index import read_indexes, shard_from_index
+from .store import StorePath, filesystem_of, fs_path, run_location
 from .shards import (_RANK_DIR, Shard, _check_pairs, _check_version, _rank_dirs, _read_footer, _read_steps,
                      _shard_files, _short)
 
-_FORMAT = ds.ParquetFileFormat()
-_LOCAL_FS = pa.fs.LocalFileSystem()
-NONFINITE_FILTER = (pc.field("nan_count") > 0) | (pc.field("inf_count") > 0)
 
 # A progress callback: (label, rows done, rows total). Set by the CLI.
 Progress = Callable[[str, int, int], None]
@@ -54,6 +57,7 @@ class Run:
     warnings: list[str] = field(default_factory=list)
     progress: Progress | None = None
     scanned_files: list[Path] = field(default_factory=list)  # every tensor shard read, in order
+    engine: Engine = field(default_factory=LocalEngine)  # runs the per-shard map (engines/)
 
     # ------------------------------------------------------------ run facts
     @property
@@ -90,8 +94,8 @@ class Run:
     @property
     def tensors(self) -> ds.Dataset:
         """All readable tensor shards as one dataset (for DuckDB-style use)."""
-        return ds.dataset([str(s.path) for s in self.tensor_shards], format="parquet",
-                          schema=schema.TENSOR_SCHEMA)
+        return ds.dataset([fs_path(s.path) for s in self.tensor_shards], format="parquet",
+                          schema=schema.TENSOR_SCHEMA, filesystem=filesystem_of(self.path))
 
     def select_shards(self, *, steps: Iterable[int] | None = None,
                       nonfinite_only: bool = False) -> list[Shard]:
@@ -118,39 +122,31 @@ class Run:
         shards = [s for s in self.select_shards(steps=steps, nonfinite_only=nonfinite_only)
                   if not ((lo is not None and s.last_step is not None and s.last_step < lo)
                           or (hi is not None and s.first_step is not None and s.first_step > hi))]
-        expr = None
-        if nonfinite_only:
-            expr = NONFINITE_FILTER
-        if steps is not None:
-            e = pc.field("step").isin(pa.array(steps, pa.int64()))
-            expr = e if expr is None else expr & e
-        if lo is not None:
-            expr = (pc.field("step") >= lo) if expr is None else expr & (pc.field("step") >= lo)
-        if hi is not None:
-            expr = (pc.field("step") <= hi) if expr is None else expr & (pc.field("step") <= hi)
-        if kinds is not None:
-            e = pc.field("kind").isin(pa.array(list(kinds), pa.string()))
-            expr = e if expr is None else expr & e
         total = sum(s.num_rows for s in shards)
         done = 0
         self._report(label, 0, total)
-        for shard in shards:
-            try:
-                frag = _FORMAT.make_fragment(str(shard.path), filesystem=_LOCAL_FS)
-                if expr is not None:
-                    frag = frag.subset(filter=expr, schema=schema.TENSOR_SCHEMA)
-                    if frag.num_row_groups == 0:  # statistics rule every row group out
-                        done += shard.num_rows
-                        continue
-                self.scanned_files.append(shard.path)
-                scanner = frag.scanner(schema=schema.TENSOR_SCHEMA, columns=columns, filter=expr)
-                batches = list(scanner.to_batches())
-            except (OSError, pa.ArrowException) as exc:
-                self.warn(f"skipped unreadable shard {self._rel(shard.path)} ({_short(exc)})")
-                continue
+        tasks = [self._scan_task(s, columns, nonfinite_only, steps, kinds, lo, hi) for s in shards]
+        # The engine runs the per-shard map (here or on a cluster); partials
+        # come back in shard order, so every engine gives the same answer.
+        for shard, part in zip(shards, self.engine.map(scan_shard, tasks)):
             done += shard.num_rows
+            if part.error is not None:
+                self.warn(f"skipped unreadable shard {self._rel(shard.path)} ({part.error})")
+                continue
+            if part.table is None:  # statistics ruled every row group out
+                continue
+            self.scanned_files.append(shard.path)
             self._report(label, done, total)
-            yield from batches
+            yield from part.table.to_batches()
+
+    def _scan_task(self, shard: Shard, columns, nonfinite_only, steps, kinds, lo, hi) -> ShardScan:
+        remote = isinstance(shard.path, StorePath)
+        return ShardScan(
+            path=fs_path(shard.path) if remote else os.path.abspath(shard.path),
+            root_uri=str(self.path) if remote else None,
+            columns=None if columns is None else tuple(columns), nonfinite_only=nonfinite_only,
+            steps=None if steps is None else tuple(steps), kinds=None if kinds is None else tuple(kinds),
+            first_step=lo, last_step=hi)
 
     def scan_tensors(self, columns: list[str] | None = None, **options) -> pd.DataFrame:
         """`iter_tensor_batches` gathered into one DataFrame (the same options)."""
@@ -174,7 +170,7 @@ class Run:
 # ---------------------------------------------------------------- loading
 def load_run(path, rank: int | None = None) -> Run:
     """Validate and open the run directory `path` (all ranks, or only `rank`)."""
-    root = Path(path)
+    root = run_location(path)  # a Path, or a StorePath for a URI (s3://, gs://, ...)
     if not root.exists():
         raise RunNotFoundError(f"run directory not found: {root}")
     if not root.is_dir():
@@ -240,10 +236,12 @@ def load_run(path, rank: int | None = None) -> Run:
 
     step_shards: list[Shard] = []
     tensor_shards: list[Shard] = []
+    indexes = read_indexes(root, {r: rank_dirs[r] for r in selected}, run_id)
     for r in selected:
         for table, out in ((schema.STEPS_DIR, step_shards), (schema.TENSORS_DIR, tensor_shards)):
             for f in _shard_files(rank_dirs[r] / table):
-                shard = _read_footer(root, f, r, table, run_id, warnings)
+                shard = (shard_from_index(f, r, table, indexes.get((r, f.name)))
+                         or _read_footer(root, f, r, table, run_id, warnings))
                 if shard is not None:
                     out.append(shard)
     _check_pairs(root, step_shards, tensor_shards, warnings)

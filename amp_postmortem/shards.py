@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from recorders import schema
 
 from .errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
+from .store import filesystem_of, fs_path
 
 _RANK_DIR = re.compile(r"^rank=(\d+)$")
 
@@ -77,7 +78,7 @@ def _check_version(version, where: str) -> None:
 def _read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings) -> Shard | None:
     rel = path.relative_to(root)
     try:
-        md = pq.read_metadata(path)
+        md = pq.read_metadata(fs_path(path), filesystem=filesystem_of(path))
     except (OSError, pa.ArrowException) as exc:
         warnings.append(f"skipped unreadable shard {rel} ({_short(exc)}); "
                         f"a job killed while writing it leaves such a file")
@@ -124,7 +125,8 @@ _STEP_COLUMNS = [c.name for c in schema.STEP_COLUMNS]
 
 def _read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
     def read(paths):
-        d = ds.dataset([str(p) for p in paths], format="parquet", schema=schema.STEP_SCHEMA)
+        d = ds.dataset([fs_path(p) for p in paths], format="parquet", schema=schema.STEP_SCHEMA,
+                       filesystem=filesystem_of(paths[0]))
         return d.to_table(columns=_STEP_COLUMNS)
 
     tables = []

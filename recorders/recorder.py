@@ -31,6 +31,7 @@ from .hooks import RecorderHooks, _StepState
 from .manifest import ManifestMixin, _dist_rank_world, _existing_run_id, _json_float
 from .stats import CHEAP_WIDTH, FULL_WIDTH
 from .step_rows import StepRowsMixin
+from .storage import DEFAULT_SPOOL_MAX_BYTES, DEFAULT_UPLOAD_TIMEOUT_S, open_run_location
 from .writer import ShardWriter
 
 
@@ -53,8 +54,18 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
                  full_after_event: int = 20, steps_per_shard: int = 1000,
                  flush_interval_s: float = 60.0, near_overflow: float = schema.FP16_MAX,
                  rank: int | None = None, world_size: int | None = None,
-                 run_id: str | None = None, max_queue: int = 256, **bundle_options):
-        self.run_dir = Path(run_dir)
+                 run_id: str | None = None, max_queue: int = 256, spool_dir=None,
+                 spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+                 upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S, **bundle_options):
+        # `run_dir` may be a URI (s3://, gs://, abfs://, hdfs://, ...): the
+        # files are then written to a local spool of at most
+        # `spool_max_bytes` (under `spool_dir`, default
+        # $AMP_POSTMORTEM_SPOOL_DIR or the temp directory) and uploaded by a
+        # background thread; close() waits up to `upload_timeout_s` for it.
+        self.run_location = str(run_dir)
+        self.upload_timeout_s = float(upload_timeout_s)
+        self.upload_report = None  # storage.UploadReport after close() of a remote run
+        self._uploader = None
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
@@ -72,6 +83,12 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
             world_size = dist_world if world_size is None else world_size
         self.rank = int(rank)
         self.world_size = int(world_size)
+        location_error = None
+        try:
+            self.run_dir, self._uploader = open_run_location(run_dir, self.rank, spool_dir=spool_dir,
+                                                             spool_max_bytes=spool_max_bytes)
+        except (OSError, ValueError) as exc:  # a bad URI, a missing extra: reported below
+            self.run_dir, location_error = Path(os.devnull) / "amp-postmortem", exc
         self.run_id = (run_id or os.environ.get("AMP_POSTMORTEM_RUN_ID")
                        or _existing_run_id(self.run_dir, rank) or uuid.uuid4().hex)
         self.rank_dir = self.run_dir / schema.RANK_DIR.format(rank=self.rank)
@@ -105,16 +122,25 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
         self._state = self._new_state()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._writer_loop, name="amp-postmortem-writer", daemon=True)
+        up = self._uploader
         self._writer = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
-                                   world_size=self.world_size, steps_per_shard=self.steps_per_shard)
+                                   world_size=self.world_size, steps_per_shard=self.steps_per_shard,
+                                   first_index=up.next_shard_index(self.rank) if up else 0,
+                                   has_room=up.has_room if up else None)
+        if up is not None:
+            self._manifest["storage"] = {"uri": self.run_location, "spool_dropped_steps": 0}
         try:
+            if location_error is not None:
+                raise location_error
             self._write_manifest()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             # An unwritable run directory must not stop the job it watches:
             # no hooks, no thread, one warning; step() and close() are no-ops.
             self._fail(exc)
             return
         self._thread.start()
+        if self._uploader is not None:
+            self._uploader.start()
         self._register_hooks()
 
     # ------------------------------------------------------------------ setup
@@ -318,6 +344,8 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
         done.wait()
         if self._enabled:
             self.bundles.flush()
+        if self._uploader is not None:
+            self._uploader.notify()
 
     def close(self) -> None:
         """Flush, write the final manifest and remove every hook. Idempotent."""
@@ -334,6 +362,23 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
             self.bundles.close()
         except Exception:
             pass
+        if self._uploader is not None:
+            self._close_uploads()
+
+    def _close_uploads(self) -> None:
+        """Upload what the spool holds; report (never drop) what the store
+        did not take."""
+        report = self._uploader.close(self.upload_timeout_s)
+        report.spool_full_steps = self._writer.dropped_steps
+        self.upload_report = report
+        if report.pending or report.spool_full_steps:
+            lost = (f"; {report.spool_full_steps} step(s) were not recorded because the spool was full"
+                    if report.spool_full_steps else "")
+            warnings.warn(
+                f"amp-postmortem: {len(report.pending)} file(s) of run {report.uri} are not uploaded "
+                f"({report.last_error or 'store unavailable'}); they are kept in {report.spool_dir} "
+                f"(a recorder on the same run uploads them, or copy them there yourself){lost}",
+                RuntimeWarning, stacklevel=3)
 
     def __enter__(self):
         return self
@@ -383,6 +428,8 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
 
     def _finish_manifest(self):
         self._manifest["dropped_steps"] = self._dropped_steps
+        if "storage" in self._manifest:
+            self._manifest["storage"]["spool_dropped_steps"] = self._writer.dropped_steps
         if self._failure is not None:
             self._manifest["disabled_reason"] = f"{type(self._failure).__name__}: {self._failure}"
         self._write_manifest()
