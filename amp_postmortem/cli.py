@@ -14,7 +14,7 @@ import os
 
 import click
 
-from .output import open_run, output_options, run_options
+from .output import engine_options, open_run, output_options, run_options
 
 EXIT_USAGE = 2  # unusable input, like click's usage errors
 
@@ -69,8 +69,9 @@ def main():
 @run_options
 @click.option("--from-step", type=int, default=None, help="Ignore steps before this one.")
 @click.option("--to-step", type=int, default=None, help="Ignore steps after this one.")
+@engine_options
 @output_options(csv=True)
-def nans(run_dir, rank, from_step, to_step):
+def nans(run_dir, rank, from_step, to_step, engine, scheduler):
     """Rank layers by their first NaN/Inf and name the origin.
 
     Order: by first step; within a step forward before backward, then in the
@@ -85,13 +86,14 @@ def nans(run_dir, rank, from_step, to_step):
         amp-postmortem nans runs/exp1 --from-step 1000 --json
     """
     from .analyses.nans import find_nans
-    return find_nans(open_run(run_dir, rank), from_step=from_step, to_step=to_step)
+    return find_nans(open_run(run_dir, rank, engine, scheduler), from_step=from_step, to_step=to_step)
 
 
 @main.command()
 @run_options
+@engine_options
 @output_options(csv=False)
-def scale(run_dir, rank):
+def scale(run_dir, rank, engine, scheduler):
     """Loss-scale dynamics: healthy, collapse, stuck_low, growth_blocked or
     no_scaler, with the onset and rate of a collapse, skip rates before and
     after it, the longest skip streak, the step at which the scale would make
@@ -103,15 +105,16 @@ def scale(run_dir, rank):
         amp-postmortem scale runs/exp1 --json | jq .status
     """
     from .analyses.scale import scale_dynamics
-    return scale_dynamics(open_run(run_dir, rank))
+    return scale_dynamics(open_run(run_dir, rank, engine, scheduler))
 
 
 @main.command()
 @run_options
 @click.option("--window", type=click.IntRange(min=0), default=1000, show_default=True,
               help="Analyse the last N recorded steps (0: the whole run).")
+@engine_options
 @output_options(csv=True)
-def ranges(run_dir, rank, window):
+def ranges(run_dir, rank, window, engine, scheduler):
     """Per layer float16 range: headroom to overflow in bits
     (log2(65504/absmax)) and its trend, the step at which the trend reaches
     zero headroom, and the share of gradient values in the float16
@@ -122,7 +125,7 @@ def ranges(run_dir, rank, window):
         amp-postmortem ranges runs/exp1 --window 0 --csv > ranges.csv
     """
     from .analyses.ranges import layer_ranges
-    return layer_ranges(open_run(run_dir, rank), window=window or None)
+    return layer_ranges(open_run(run_dir, rank, engine, scheduler), window=window or None)
 
 
 def _fail_on(ctx, param, value):
@@ -142,8 +145,9 @@ def _fail_on(ctx, param, value):
 @click.option("--fail-on", metavar="KIND[,KIND]", callback=_fail_on, default=None,
               help="Exit with code 1 when a finding of these kinds exists (for CI): nonfinite, "
                    "scale_collapse, stuck_low_scale, grad_underflow, overflow_risk, healthy.")
+@engine_options
 @output_options(csv=True)
-def summary(run_dir, rank, fail_on):
+def summary(run_dir, rank, fail_on, engine, scheduler):
     """Run facts and findings (non-finite values, loss-scale collapse, low
     scale, gradient underflow, overflow risk) most severe first, each with
     its evidence and the next command to run.
@@ -153,7 +157,7 @@ def summary(run_dir, rank, fail_on):
         amp-postmortem summary runs/exp1 --fail-on nonfinite,scale_collapse
     """
     from .analyses.summary import summarize
-    report = summarize(open_run(run_dir, rank))
+    report = summarize(open_run(run_dir, rank, engine, scheduler))
     failing = fail_on & report.kinds()
     return report, (1 if failing else 0)
 

@@ -11,7 +11,7 @@ import click
 
 from pathlib import Path
 
-from .output import output_options
+from .output import LOCAL_RUN_LOCATION, output_options
 
 PRECISIONS = ("fp64", "fp32", "fp16", "bf16")
 
@@ -25,7 +25,7 @@ def _precisions(ctx, param, value):
 
 
 @click.command("replay")
-@click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))
+@click.argument("run_dir", metavar="RUN", type=LOCAL_RUN_LOCATION)
 @click.option("--rank", type=click.IntRange(min=0), default=None,
               help="The rank whose bundle to replay (default: the lowest rank that saved one).")
 @click.option("--step", type=int, required=True, help="The step whose bundle to replay.")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from .output import StderrProgress, open_run, output_options, run_options
+from .output import RUN_LOCATION, StderrProgress, bundle_run_options, open_run, output_options
 
 
 def replay_options(*, step_required: bool = True):
@@ -34,7 +34,7 @@ def replay_options(*, step_required: bool = True):
 
 
 @click.command("fix")
-@run_options
+@bundle_run_options
 @replay_options()
 @click.option("--max-candidates", type=click.IntRange(min=1), default=12, show_default=True,
               help="Modules tried, worst local error first.")
@@ -67,7 +67,7 @@ def _scale_range(ctx, param, value):
 
 
 @click.command("scale-window")
-@run_options
+@bundle_run_options
 @replay_options(step_required=False)
 @click.option("--scales", default="-16:40", show_default=True, callback=_scale_range, metavar="MIN:MAX",
               help="Exponents k of the scales 2^k tried (replay) or considered (estimate).")
@@ -104,7 +104,7 @@ def scale_window(run_dir, rank, step, model_spec, device, policy, scales, max_un
 
 
 @click.command("bisect")
-@run_options
+@bundle_run_options
 @replay_options()
 @click.option("--max-replays", type=click.IntRange(min=1), default=256, show_default=True,
               help="Replay budget; failing groups left unsplit are listed.")
@@ -123,8 +123,8 @@ def bisect(run_dir, rank, step, model_spec, device, policy, max_replays):
 
 
 @click.command("compare")
-@click.argument("run_a", metavar="RUN_A", type=click.Path(path_type=Path))
-@click.argument("run_b", metavar="RUN_B", type=click.Path(path_type=Path))
+@click.argument("run_a", metavar="RUN_A", type=RUN_LOCATION)
+@click.argument("run_b", metavar="RUN_B", type=RUN_LOCATION)
 @click.option("--rank", type=click.IntRange(min=0), default=None,
               help="Compare this rank only (default: ranks averaged).")
 @click.option("--threshold", type=click.FloatRange(min=0, min_open=True), default=0.1, show_default=True,
@@ -151,7 +151,7 @@ def compare(run_a, run_b, rank, threshold, persist):
 
 
 @click.command("recommend")
-@run_options
+@bundle_run_options
 @click.option("--model", "model_spec", metavar="SPEC", default=None,
               help="Model factory: confirm the recommendations with what-if replays of a bundle.")
 @click.option("--step", type=int, default=None,

@@ -230,6 +230,10 @@ def load_run(path, rank: int | None = None) -> Run:
         if m.get("dropped_steps"):
             warnings.append(f"rank {r}: the recorder dropped {m['dropped_steps']} step(s) "
                             f"because its queue was full; those steps are absent")
+        lost = (m.get("storage") or {}).get("spool_dropped_steps")
+        if lost:
+            warnings.append(f"rank {r}: {lost} step(s) were not recorded because the object store was "
+                            f"unreachable and the recorder's local spool was full; those steps are absent")
         if m.get("disabled_reason"):
             warnings.append(f"rank {r}: recording was switched off during the job "
                             f"({m['disabled_reason']}); later steps are absent")

@@ -25,11 +25,55 @@ _RUNS_KEY = "amp_postmortem.runs"
 
 
 # ------------------------------------------------------------------ options
-def run_options(f):
+class RunLocation(click.ParamType):
+    """A run directory, or a URI on a filesystem pyarrow/fsspec opens
+    (`s3://bucket/runs/exp1`): kept as a string, since a Path would fold
+    the `//` of the URI."""
+    name = "path"
+
+    def __init__(self, local_copy: bool = False):
+        self.local_copy = local_copy
+
+    def convert(self, value, param, ctx):
+        from recorders.storage import is_uri
+        if isinstance(value, Path) or not is_uri(value):
+            return Path(value)
+        if self.local_copy:
+            # Replays read bundles and the run from disk: fetch a copy.
+            from .errors import PostmortemError
+            from .store import local_copy
+            try:
+                return local_copy(value)
+            except PostmortemError as exc:
+                self.fail(str(exc), param, ctx)
+        return str(value).rstrip("/")
+
+
+RUN_LOCATION = RunLocation()
+LOCAL_RUN_LOCATION = RunLocation(local_copy=True)  # for commands that replay bundles
+
+
+def run_options(f, location: RunLocation = RUN_LOCATION):
     """RUN argument and --rank."""
     f = click.option("--rank", type=click.IntRange(min=0), default=None,
                      help="Analyse this rank only (default: all ranks together).")(f)
-    f = click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))(f)
+    f = click.argument("run_dir", metavar="RUN", type=location)(f)
+    return f
+
+
+def bundle_run_options(f):
+    """RUN (a remote run is copied locally first) and --rank, for the
+    commands that replay bundles."""
+    return run_options(f, LOCAL_RUN_LOCATION)
+
+
+def engine_options(f):
+    """--engine and --scheduler: where the per-shard work runs."""
+    f = click.option("--scheduler", metavar="ADDRESS", default=None,
+                     help="Dask scheduler address for --engine dask (default: $DASK_SCHEDULER_ADDRESS, "
+                          "or the Dask client this process holds).")(f)
+    f = click.option("--engine", type=click.Choice(["local", "dask"]), default="local", show_default=True,
+                     help="Run the per-shard reads here, or as tasks on a Dask cluster (same results).")(f)
     return f
 
 
@@ -57,11 +101,13 @@ def output_options(*, csv: bool = True):
     return decorate
 
 
-def open_run(run_dir, rank=None):
+def open_run(run_dir, rank=None, engine: str = "local", scheduler: str | None = None):
     """Load a run for a command: progress bar wired, warnings kept for `emit`."""
+    from .engines import get_engine
     from .loader import load_run
 
     run = load_run(run_dir, rank=rank)
+    run.engine = get_engine(engine, scheduler)
     run.progress = StderrProgress()
     ctx = click.get_current_context(silent=True)
     if ctx is not None:

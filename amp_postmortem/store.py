@@ -172,3 +172,41 @@ def filesystem_of(p) -> pafs.FileSystem:
 def fs_path(p) -> str:
     """The path pyarrow opens on `filesystem_of(p)`."""
     return p.path if isinstance(p, StorePath) else os.fspath(p)
+
+
+CACHE_ENV = "AMP_POSTMORTEM_CACHE"
+
+
+def local_copy(location) -> Path:
+    """A local copy of a remote run (the commands that replay bundles read
+    a run directory on disk): every file, under `$AMP_POSTMORTEM_CACHE` or
+    the temp directory, one folder per URI; files already there with the
+    same size are not fetched again. A local path is returned as is."""
+    root = run_location(location)
+    if not isinstance(root, StorePath):
+        return root
+    import hashlib
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), "amp-postmortem-cache")
+    target = Path(base) / hashlib.sha256(str(root).encode()).hexdigest()[:16]
+    listing = root._listing
+    kinds = listing.kinds()
+    if not kinds:
+        from .errors import RunNotFoundError
+        raise RunNotFoundError(f"run directory not found: {root}")
+    files = [p for p, k in kinds.items() if k == "file"]
+
+    def fetch(path: str) -> None:
+        dest = target / path[len(root.path):].lstrip("/")
+        if dest.is_file() and dest.stat().st_size == listing.sizes.get(path):
+            return
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        tmp.write_bytes(root._at(path).read_bytes())
+        os.replace(tmp, dest)
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(fetch, files))
+    return target

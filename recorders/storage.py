@@ -153,6 +153,7 @@ class SpoolUploader:
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = int(max_bytes)
         self.report = UploadReport(self.uri, str(self.spool_dir))
+        self._made_dirs: set[str] = set()
         self._uploaded_versions: dict[str, tuple[int, int]] = {}  # manifests: (mtime_ns, size) sent
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -312,8 +313,11 @@ class SpoolUploader:
         data = path.read_bytes()
         target = f"{self.base}/{rel}"
         parent = target.rpartition("/")[0]
-        if parent:
+        if parent and parent not in self._made_dirs and self.fs.type_name in ("local", "hdfs", "py"):
+            # Object stores need no directories (creating them costs round
+            # trips); filesystems with real directories do.
             self.fs.create_dir(parent, recursive=True)
+            self._made_dirs.add(parent)
         # One write of the whole object: it exists on the store only once
         # the upload completed (an object store has no rename to hide a
         # partial one behind).
