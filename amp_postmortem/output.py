@@ -111,6 +111,8 @@ def open_run(run_dir, rank=None, engine: str = "local", scheduler: str | None = 
     run.progress = StderrProgress()
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
+        ctx.call_on_close(run.engine.close)
+    if ctx is not None:
         ctx.meta.setdefault(_RUNS_KEY, []).append(run)
     return run
 

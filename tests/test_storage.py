@@ -252,3 +252,12 @@ def test_a_missing_remote_run_is_one_error_line(s3):
     res = CliRunner().invoke(main, ["summary", f"s3://{BUCKET}/runs/nothing-here"])
     assert res.exit_code == 2
     assert res.output.strip().splitlines() == [f"Error: run directory not found: s3://{BUCKET}/runs/nothing-here"]
+
+
+def test_dask_workers_read_the_run_from_the_store(overflow_on_s3):
+    from distributed import LocalCluster
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
+        for command in ("nans", "summary"):
+            local = _json([command, overflow_on_s3])
+            assert _json([command, overflow_on_s3, "--engine", "dask",
+                          "--scheduler", cluster.scheduler_address]) == local

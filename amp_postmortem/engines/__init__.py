@@ -25,6 +25,9 @@ class Engine(Protocol):
     def map(self, fn: Callable, tasks: Iterable) -> Iterator:
         """`fn(task)` for each task, yielded in task order."""
 
+    def close(self) -> None:
+        """Release what the engine connected to."""
+
 
 def get_engine(name: str | None = "local", scheduler: str | None = None) -> Engine:
     """The engine called `name`: `local` (default) or `dask` (at

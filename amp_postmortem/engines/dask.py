@@ -20,8 +20,13 @@ _IN_FLIGHT_PER_THREAD = 4
 class DaskEngine:
     name = "dask"
 
-    def __init__(self, client):
+    def __init__(self, client, *, owned: bool = False):
         self.client = client
+        self._owned = owned  # a client we connected (closed with the engine), not the caller's
+
+    def close(self) -> None:
+        if self._owned:
+            self.client.close()
 
     @classmethod
     def connect(cls, scheduler: str | None = None) -> "DaskEngine":
@@ -36,7 +41,7 @@ class DaskEngine:
                    or dask.config.get("scheduler-address", None))
         if address:
             try:
-                return cls(Client(address, timeout="10s", set_as_default=False))
+                return cls(Client(address, timeout="10s", set_as_default=False), owned=True)
             except (OSError, TimeoutError) as exc:
                 raise EngineError(f"cannot reach the Dask scheduler at {address}: "
                                   f"{type(exc).__name__}: {exc}") from None

@@ -9,3 +9,6 @@ class LocalEngine:
     def map(self, fn, tasks):
         for task in tasks:
             yield fn(task)
+
+    def close(self) -> None:
+        pass
