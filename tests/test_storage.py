@@ -261,3 +261,22 @@ def test_dask_workers_read_the_run_from_the_store(overflow_on_s3):
             local = _json([command, overflow_on_s3])
             assert _json([command, overflow_on_s3, "--engine", "dask",
                           "--scheduler", cluster.scheduler_address]) == local
+
+
+def test_a_scheme_pyarrow_lacks_goes_through_fsspec(tmp_path):
+    """`memory://` is fsspec's alone: the recorder writes there and every
+    analysis command reads it back through pyarrow's fsspec bridge."""
+    uri = "memory://amp-tests/runs/fsspec"
+    torch.manual_seed(0)
+    model = W.AttnNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=W.RECORDED_SCALE, growth_interval=10 ** 6)
+    rec = AmpRecorder(uri, model, optimizer=opt, scaler=scaler, steps_per_shard=4, spool_dir=tmp_path)
+    _train(rec, model, opt, scaler, 10, nan_step=6)
+    rec.close()
+    assert rec.upload_report.pending == []
+    run = load_run(uri)
+    assert run.steps["step"].tolist() == list(range(10)) and len(run.tensor_shards) == 3
+    assert _json(["nans", uri])["origin"]["step"] == 6
+    for command in ("summary", "scale", "ranges"):
+        _json([command, uri])
