@@ -33,10 +33,13 @@ from .engines.local import LocalEngine
 from .engines.scan import NONFINITE_FILTER, ShardScan, scan_shard
 from .errors import CorruptRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
 from .index import read_indexes, shard_from_index
+from .step_facts import StepFacts, from_indexes, from_table
 from .store import StorePath, filesystem_of, fs_path, run_location
 from .shards import (_RANK_DIR, Shard, _check_pairs, _check_version, _rank_dirs, _read_footer, _read_steps,
                      _shard_files, _short)
 
+
+NO_STEPS = "no steps on disk: the recorder wrote no completed shard yet"
 
 # A progress callback: (label, rows done, rows total). Set by the CLI.
 Progress = Callable[[str, int, int], None]
@@ -44,10 +47,10 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass
 class Run:
-    """A recorded run, validated. `steps` is in memory (one row per step and
+    """A recorded run, validated. `steps` is a DataFrame (one row per step and
     rank, sorted by step then rank; the columns of `schema.STEP_COLUMNS` plus
-    `loss_nonfinite`: the loss was NaN/Inf, not merely missing); tensor rows
-    are read on demand with `scan_tensors`."""
+    `loss_nonfinite`: the loss was NaN/Inf, not merely missing), read from
+    disk on first use; tensor rows are read on demand with `scan_tensors`."""
     path: Path
     manifest: dict
     rank_manifests: dict[int, dict]
@@ -58,6 +61,48 @@ class Run:
     progress: Progress | None = None
     scanned_files: list[Path] = field(default_factory=list)  # every tensor shard read, in order
     engine: Engine = field(default_factory=LocalEngine)  # runs the per-shard map (engines/)
+    step_shards: list[Shard] = field(default_factory=list)
+    shard_indexes: dict = field(default_factory=dict)  # (rank, shard file name) -> its index
+
+    # ------------------------------------------------------------ the steps
+    def defer_steps(self, read: Callable[[list], pd.DataFrame]) -> None:
+        """Read the steps table only when `steps` is first used: at 1,000
+        ranks it is millions of rows, which `nans` on an indexed run never
+        needs. `read(warnings)` returns the table and appends its warnings."""
+        self.__dict__.pop("steps", None)
+        self.__dict__["_read_steps"] = read
+
+    def __getattr__(self, name):
+        # Reached only for attributes not set: `steps` after defer_steps().
+        read = self.__dict__.get("_read_steps")
+        if name != "steps" or read is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings: list[str] = []
+        steps = read(warnings)
+        self.__dict__["steps"] = steps
+        del self.__dict__["_read_steps"]
+        for w in warnings:
+            self.warn(w)
+        if steps.empty:
+            self.warn(NO_STEPS)
+        return steps
+
+    def step_facts(self, first_step: int | None = None, last_step: int | None = None) -> StepFacts:
+        """Non-finite loss steps, skipped step count and single step rows in
+        [first_step, last_step], from the indexes when the steps table is not
+        read yet and they stand in for it exactly, else from the table."""
+        if "steps" not in self.__dict__ and self.step_shards:
+            docs: dict[int, list] = {}
+            for s in self.step_shards:
+                doc = self.shard_indexes.get((s.rank, s.path.name))
+                if doc is None:
+                    break
+                docs.setdefault(s.rank, []).append(doc)
+            else:
+                facts = from_indexes(docs, first_step, last_step)
+                if facts is not None:
+                    return facts
+        return from_table(self.steps, first_step, last_step)
 
     # ------------------------------------------------------------ run facts
     @property
@@ -250,13 +295,14 @@ def load_run(path, rank: int | None = None) -> Run:
                     out.append(shard)
     _check_pairs(root, step_shards, tensor_shards, warnings)
 
-    steps = _read_steps(root, step_shards, warnings)
     run = Run(path=root, manifest=manifest, rank_manifests=rank_manifests, ranks=selected,
-              steps=steps, tensor_shards=tensor_shards)
+              steps=None, tensor_shards=tensor_shards, step_shards=step_shards,
+              shard_indexes={k: v for k, v in indexes.items() if k[0] in selected})
+    run.defer_steps(lambda w: _read_steps(root, step_shards, w))
     for w in warnings:
         run.warn(w)
-    if steps.empty:
-        run.warn("no steps on disk: the recorder wrote no completed shard yet")
+    if not any(s.num_rows for s in step_shards):
+        run.warn(NO_STEPS)
     return run
 
 
