@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -145,17 +146,26 @@ def _read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
         return schema.STEP_SCHEMA.empty_table().append_column(
             "loss_nonfinite", pa.array([], pa.bool_())).to_pandas()
     table = pa.concat_tables(tables)
+    # Sorted and de-duplicated in Arrow, before pandas: at 1,000 ranks the
+    # table has millions of rows (the stable sort keeps file order, so the
+    # last-written copy of a twice-recorded row is the one kept).
+    table = table.take(pc.sort_indices(table, [("step", "ascending"), ("rank", "ascending")]))
+    step = table.column("step").to_numpy()
+    rank = table.column("rank").to_numpy()
+    last = np.ones(len(step), dtype=bool)
+    last[:-1] = (step[1:] != step[:-1]) | (rank[1:] != rank[:-1])
+    if not last.all():
+        warnings.append(f"{int((~last).sum())} step row(s) recorded twice (a resumed job?); keeping the last")
+        table = table.filter(pa.array(last))
     loss = table.column("loss")
     # pandas turns NaN and null into the same NaN: tell them apart here (a
     # NaN loss is a finding, a null one means no loss was passed).
     nonfinite = pc.fill_null(pc.invert(pc.is_finite(loss)), False)
-    df = table.append_column("loss_nonfinite", nonfinite).to_pandas()
-    df = df.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
-    dup = df.duplicated(["step", "rank"])
-    if dup.any():
-        warnings.append(f"{int(dup.sum())} step row(s) recorded twice (a resumed job?); keeping the last")
-        df = df.drop_duplicates(["step", "rank"], keep="last").reset_index(drop=True)
-    return df
+    # `lr` (a list per row) stays Arrow-backed: millions of small Python
+    # lists would cost more memory than the rest of the table.
+    return table.append_column("loss_nonfinite", nonfinite).to_pandas(
+        types_mapper=lambda t: pd.ArrowDtype(t) if pa.types.is_list(t) else None,
+        split_blocks=True, self_destruct=True)
 
 
 def _package_version() -> str:
