@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from recorders import schema
 
 from .errors import MixedRunsError
-from .shards import Shard, _check_version
+from .shards import Shard, check_version
 from .store import StorePath
 
 # Index files are tiny: reading them is all latency (an object store's
@@ -40,7 +40,7 @@ def read_indexes(root, rank_dirs: dict, run_id) -> dict[tuple[int, str], dict]:
     for (rank, f), doc in zip(files, docs):
         if doc is None or doc.get("format") != schema.INDEX_FORMAT_NAME or doc.get("rank") != rank:
             continue
-        _check_version(doc.get("schema_version"), str(f.relative_to(root)))
+        check_version(doc.get("schema_version"), str(f.relative_to(root)))
         if run_id is not None and doc.get("run_id") != run_id:
             raise MixedRunsError(
                 f"mixed runs in {root}: {f.relative_to(root)} belongs to run {doc.get('run_id')!r}, the "

@@ -1,16 +1,17 @@
 """The one output path of the CLI: options, formatting, warnings, progress.
 
 A command decorated with `run_options` and `output_options` receives the run
-directory and `--rank`, opens the run with `open_run` and returns a report
-(an object with `to_dict()`, `table()` and `lines()`; see
-`amp_postmortem.analyses`), optionally with an exit code as `(report, code)`.
-The decorator prints it as a readable table (default), one JSON document
-(`--json`) or CSV (`--csv`, where the report is a table), then the loader's
-warnings on stderr.
+directory and `--rank`, calls its API function and returns the result (an
+object with `to_dict()`, `table()` and `lines()`, and the loader's
+`warnings`; see `amp_postmortem.analyses`), optionally with an exit code as
+`(report, code)`. The decorator prints it as a readable table (default), one
+JSON document (`--json`: `to_dict()`) or CSV (`--csv`, where the report is a
+table), then the warnings on stderr.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import sys
@@ -20,6 +21,8 @@ from pathlib import Path
 import click
 
 from recorders.plain import plain
+
+from .names import ROOT_DISPLAY
 
 _RUNS_KEY = "amp_postmortem.runs"
 
@@ -31,50 +34,38 @@ class RunLocation(click.ParamType):
     the `//` of the URI."""
     name = "path"
 
-    def __init__(self, local_copy: bool = False):
-        self.local_copy = local_copy
-
     def convert(self, value, param, ctx):
         from recorders.storage import is_uri
         if isinstance(value, Path) or not is_uri(value):
             return Path(value)
-        if self.local_copy:
-            # Replays read bundles and the run from disk: fetch a copy.
-            from .errors import PostmortemError
-            from .store import local_copy
-            try:
-                return local_copy(value)
-            except PostmortemError as exc:
-                self.fail(str(exc), param, ctx)
         return str(value).rstrip("/")
 
 
 RUN_LOCATION = RunLocation()
-LOCAL_RUN_LOCATION = RunLocation(local_copy=True)  # for commands that replay bundles
 
 
-def run_options(f, location: RunLocation = RUN_LOCATION):
+def run_options(f):
     """RUN argument and --rank."""
     f = click.option("--rank", type=click.IntRange(min=0), default=None,
                      help="Analyse this rank only (default: all ranks together).")(f)
-    f = click.argument("run_dir", metavar="RUN", type=location)(f)
+    f = click.argument("run", metavar="RUN", type=RUN_LOCATION)(f)
     return f
 
 
-def bundle_run_options(f):
-    """RUN (a remote run is copied locally first) and --rank, for the
-    commands that replay bundles."""
-    return run_options(f, LOCAL_RUN_LOCATION)
-
-
 def engine_options(f):
-    """--engine and --scheduler: where the per-shard work runs."""
+    """--engine and --scheduler: where the per-shard reads run."""
     f = click.option("--scheduler", metavar="ADDRESS", default=None,
                      help="Dask scheduler address for --engine dask (default: $DASK_SCHEDULER_ADDRESS, "
                           "or the Dask client this process holds).")(f)
     f = click.option("--engine", type=click.Choice(["local", "dask"]), default="local", show_default=True,
                      help="Run the per-shard reads here, or as tasks on a Dask cluster (same results).")(f)
     return f
+
+
+def api_default(function, name: str):
+    """The default of keyword argument `name` of an API function: the CLI
+    option's default, so that the two never differ."""
+    return inspect.signature(function).parameters[name].default
 
 
 def output_options(*, csv: bool = True):
@@ -101,17 +92,14 @@ def output_options(*, csv: bool = True):
     return decorate
 
 
-def open_run(run_dir, rank=None, engine: str = "local", scheduler: str | None = None):
-    """Load a run for a command: progress bar wired, warnings kept for `emit`."""
-    from .engines import get_engine
+def open_run(run_dir, rank=None):
+    """Load a run for a command that has no API function yet: progress bar
+    wired, warnings kept for `emit`."""
     from .loader import load_run
 
     run = load_run(run_dir, rank=rank)
-    run.engine = get_engine(engine, scheduler)
     run.progress = StderrProgress()
     ctx = click.get_current_context(silent=True)
-    if ctx is not None:
-        ctx.call_on_close(run.engine.close)
     if ctx is not None:
         ctx.meta.setdefault(_RUNS_KEY, []).append(run)
     return run
@@ -119,7 +107,8 @@ def open_run(run_dir, rank=None, engine: str = "local", scheduler: str | None = 
 
 # --------------------------------------------------------------- formatting
 def emit(report, fmt: str = "table") -> None:
-    warnings = _warnings()
+    warnings = list(getattr(report, "warnings", None) or [])
+    warnings += [w for w in _warnings() if w not in warnings]
     if fmt == "json":
         doc = report.to_dict()
         if isinstance(doc, dict) and "warnings" not in doc:
@@ -142,7 +131,7 @@ def emit(report, fmt: str = "table") -> None:
 
 def render_table(df) -> str:
     """A fixed-width table: floats to 4 significant digits, missing as "-",
-    the root module's name "" as "(model)"."""
+    the root module's name "" as `names.ROOT_DISPLAY`."""
     names = {"name", "layer", "module"}
     cols = list(df.columns)
     cells = [[_cell(v, c in names) for v in df[c]] for c in cols]
@@ -158,7 +147,7 @@ def render_table(df) -> str:
 
 def _cell(v, is_name: bool) -> str:
     if is_name and v == "":
-        return "(model)"
+        return ROOT_DISPLAY
     if v is None or v is _pandas_na() or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if isinstance(v, bool):

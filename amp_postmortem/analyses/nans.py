@@ -29,6 +29,7 @@ import pandas as pd
 
 from recorders import schema
 
+from ..names import display_name as _display
 from ..loader import Run
 from recorders.plain import plain
 
@@ -296,9 +297,5 @@ def _origin_row(o: Origin, origins: dict) -> tuple[str, str] | None:
             return None  # the loss was already non-finite: backward only carries it
         return ("", "grad_output")
     return (o.tensor, o.kind)
-
-
-def _display(name: str) -> str:
-    return "(model)" if name == "" else name
 
 
