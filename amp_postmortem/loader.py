@@ -162,6 +162,19 @@ class Run:
         per rank. Shards whose footer rules them out are never opened; within
         a shard, Parquet row-group statistics prune with the same filter.
         `step_range` = (first, last), both inclusive, either may be None."""
+        for table in self.map_tensor_shards(None, columns, steps=steps, kinds=kinds,
+                                            nonfinite_only=nonfinite_only, step_range=step_range, label=label):
+            yield from table.to_batches()
+
+    def map_tensor_shards(self, reduce: Callable | None, columns: list[str] | None = None, *,
+                          steps: Iterable[int] | None = None, kinds: Iterable[str] | None = None,
+                          nonfinite_only: bool = False, step_range: tuple | None = None,
+                          label: str = "reading tensors") -> Iterator:
+        """`reduce(rows)` of each shard's matching rows (an Arrow table; the
+        rows themselves when `reduce` is None), in shard order, skipping the
+        shards ruled out as `iter_tensor_batches` does. The run's engine runs
+        the reads and `reduce` next to the data (a top-level function, so it
+        pickles); the caller merges the results in order."""
         steps = None if steps is None else sorted({int(s) for s in steps})
         lo, hi = step_range or (None, None)
         shards = [s for s in self.select_shards(steps=steps, nonfinite_only=nonfinite_only)
@@ -170,7 +183,7 @@ class Run:
         total = sum(s.num_rows for s in shards)
         done = 0
         self._report(label, 0, total)
-        tasks = [self._scan_task(s, columns, nonfinite_only, steps, kinds, lo, hi) for s in shards]
+        tasks = [self._scan_task(s, columns, nonfinite_only, steps, kinds, lo, hi, reduce) for s in shards]
         # The engine runs the per-shard map (here or on a cluster); partials
         # come back in shard order, so every engine gives the same answer.
         for shard, part in zip(shards, self.engine.map(scan_shard, tasks)):
@@ -178,20 +191,20 @@ class Run:
             if part.error is not None:
                 self.warn(f"skipped unreadable shard {self._rel(shard.path)} ({part.error})")
                 continue
-            if part.table is None:  # statistics ruled every row group out
+            if part.table is None and part.result is None:  # statistics ruled every row group out
                 continue
             self.scanned_files.append(shard.path)
             self._report(label, done, total)
-            yield from part.table.to_batches()
+            yield part.table if reduce is None else part.result
 
-    def _scan_task(self, shard: Shard, columns, nonfinite_only, steps, kinds, lo, hi) -> ShardScan:
+    def _scan_task(self, shard: Shard, columns, nonfinite_only, steps, kinds, lo, hi, reduce=None) -> ShardScan:
         remote = isinstance(shard.path, StorePath)
         return ShardScan(
             path=fs_path(shard.path) if remote else os.path.abspath(shard.path),
             root_uri=str(self.path) if remote else None,
             columns=None if columns is None else tuple(columns), nonfinite_only=nonfinite_only,
             steps=None if steps is None else tuple(steps), kinds=None if kinds is None else tuple(kinds),
-            first_step=lo, last_step=hi)
+            first_step=lo, last_step=hi, reduce=reduce)
 
     def scan_tensors(self, columns: list[str] | None = None, **options) -> pd.DataFrame:
         """`iter_tensor_batches` gathered into one DataFrame (the same options)."""

@@ -113,19 +113,10 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
     if last is None:
         return RangesReport(layers=_empty(), first_step=None, last_step=None)
     lo = None if not window else max(run.first_step, last - int(window) + 1)
-    df = run.scan_tensors(_COLUMNS, kinds=KINDS, step_range=(lo, None), label="reading ranges")
-    if df.empty:
+    per_step, full_steps = _per_step(run, lo)
+    if per_step is None:
         return RangesReport(layers=_empty(), first_step=lo, last_step=last)
-
-    df["bad"] = (df["nan_count"] + df["inf_count"]) > 0
-    # One value per layer and step: ranks and repeated calls merged.
-    per_step = df.groupby(["name", "kind", "step"], sort=False).agg(
-        absmax=("absmax", "max"), bad=("bad", "any"), dtype=("dtype", "first"),
-        phase=("phase", "first"), order=("order", "min"),
-        zero_share=("zero_share", "mean"), below_normal_share=("below_normal_share", "mean"),
-        rms=("rms", "max"),
-    ).reset_index().sort_values("step", kind="stable")
-    full_steps = df.loc[df["below_normal_share"].notna(), "step"].nunique()
+    per_step = per_step.sort_values("step", kind="stable")
 
     rows = []
     for (name, kind), g in per_step.groupby(["name", "kind"], sort=False):
@@ -179,6 +170,66 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         layers[col] = layers[col].astype("Int64")  # integers with missing values
     return RangesReport(layers=layers, first_step=int(per_step["step"].min()), last_step=last,
                         full_tier_steps=int(full_steps))
+
+
+# One value per layer and step: ranks and repeated calls merged. Max, any,
+# min and first merge shard by shard exactly; the means (full-tier columns,
+# null in cheap-tier rows) are taken at the end over the full-tier rows
+# only, in the order read, which is the same sum as over every row: so the
+# memory is bounded by window x layers (plus the full-tier rows), not by
+# ranks x window x layers.
+_KEYS = ["name", "kind", "step"]
+_MERGED = {"absmax": "max", "bad": "any", "dtype": "first", "phase": "first", "order": "min", "rms": "max"}
+_MEANS = ["zero_share", "below_normal_share"]
+_PER_STEP = _KEYS + ["absmax", "bad", "dtype", "phase", "order", "zero_share", "below_normal_share", "rms"]
+_CONSOLIDATE_ROWS = 1 << 20
+
+
+@dataclass
+class ShardRanges:
+    """One shard's part of the per-step table (see `reduce_shard`)."""
+    merged: pd.DataFrame   # _KEYS + _MERGED, one row per layer and step
+    full: pd.DataFrame     # _KEYS + _MEANS, the full-tier rows as read
+    full_steps: set
+    rows: int
+
+
+def reduce_shard(rows) -> ShardRanges:
+    """The per-shard map of `ranges` (runs where the shard is read)."""
+    df = rows.to_pandas()
+    df["bad"] = (df["nan_count"] + df["inf_count"]) > 0
+    merged = _merge(df)
+    full = df.loc[df[_MEANS].notna().any(axis=1), _KEYS + _MEANS]
+    return ShardRanges(merged, full, set(df.loc[df["below_normal_share"].notna(), "step"].tolist()), len(df))
+
+
+def _merge(df: pd.DataFrame) -> pd.DataFrame:
+    return df.groupby(_KEYS, sort=False).agg(**{c: (c, f) for c, f in _MERGED.items()}).reset_index()
+
+
+def _per_step(run: Run, lo) -> tuple[pd.DataFrame | None, int]:
+    merged = None
+    pending: list[pd.DataFrame] = []
+    full: list[pd.DataFrame] = []
+    full_steps: set = set()
+    rows = 0
+    for part in run.map_tensor_shards(reduce_shard, _COLUMNS, kinds=KINDS, step_range=(lo, None),
+                                      label="reading ranges"):
+        rows += part.rows
+        pending.append(part.merged)
+        full.append(part.full)
+        full_steps |= part.full_steps
+        if sum(len(p) for p in pending) >= _CONSOLIDATE_ROWS:
+            merged = _merge(pd.concat(([merged] if merged is not None else []) + pending, ignore_index=True))
+            pending = []
+    if not rows:
+        return None, 0
+    if pending:
+        merged = _merge(pd.concat(([merged] if merged is not None else []) + pending, ignore_index=True))
+    full_rows = pd.concat(full, ignore_index=True)
+    means = full_rows.groupby(_KEYS, sort=False)[_MEANS].mean().reset_index()
+    per_step = merged.merge(means, on=_KEYS, how="left")
+    return per_step[_PER_STEP], len(full_steps)
 
 
 def zeros_look_flushed(zero_share, rms) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -30,6 +31,9 @@ class ShardScan:
     kinds: tuple[str, ...] | None = None
     first_step: int | None = None
     last_step: int | None = None
+    # Optional per-shard reduction run where the shard is read (a top-level
+    # function of the rows, so that it pickles): only its result travels.
+    reduce: Callable | None = None
 
     def expression(self):
         expr = NONFINITE_FILTER if self.nonfinite_only else None
@@ -44,11 +48,12 @@ class ShardScan:
 
 @dataclass
 class ShardPartial:
-    """What a shard gave: its matching rows (None when its statistics ruled
-    every row group out, so it was never read), or the error that made it
-    unreadable."""
+    """What a shard gave: its matching rows, or `reduce` of them (both None
+    when its statistics ruled every row group out, so it was never read),
+    or the error that made it unreadable."""
     table: pa.Table | None
     error: str | None = None
+    result: object = None
 
 
 def scan_shard(task: ShardScan) -> ShardPartial:
@@ -62,6 +67,8 @@ def scan_shard(task: ShardScan) -> ShardPartial:
                 return ShardPartial(None)
         columns = list(task.columns) if task.columns is not None else None
         table = frag.scanner(schema=schema.TENSOR_SCHEMA, columns=columns, filter=expr).to_table()
+        if task.reduce is not None:
+            return ShardPartial(None, result=task.reduce(table))
         return ShardPartial(table)
     except (OSError, pa.ArrowException) as exc:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
