@@ -85,7 +85,6 @@ def open_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
         return pafs.FileSystem.from_uri(uri)
     except (pa.ArrowException, ValueError) as first:
         try:
-            import fsspec
             from fsspec.core import url_to_fs
         except ImportError:
             raise StorageError(f"cannot open {uri}: {first}; install fsspec "
@@ -94,7 +93,6 @@ def open_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
             fs, path = url_to_fs(uri)
         except (ImportError, ValueError) as exc:
             raise StorageError(f"cannot open {uri}: {exc}") from None
-        del fsspec
         return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path.rstrip("/")
 
 
