@@ -24,7 +24,7 @@ from ..names import FINDING_KINDS
 from ..names import display_name as _display
 from ..loader import Run
 from .nans import find_nans
-from .ranges import WINDOW, layer_ranges
+from .ranges import DTYPE_LIMITS, WINDOW, layer_ranges
 from .scale import scale_dynamics, underflow_phrase
 
 SEVERITIES = ("critical", "error", "warning", "info")
@@ -83,7 +83,11 @@ class Summary:
             f"  {f.severity.upper():<8}  {f.kind}  step {'-' if f.step is None else f.step}  "
             f"layer {_display(f.layer)}",
             f"            {f.message}",
-            f"            next: {f.next_command}")]
+            f"            next: {f.next_command}")] + [
+            "",
+            # The pictures of the same run (`report`, `export`: the report extra).
+            f"plots: amp-postmortem report {shlex.quote(str(r['path']))}",
+            f"       amp-postmortem export tensorboard {shlex.quote(str(r['path']))} --logdir DIR"]
 
 
 def summarize(run: Run, *, window: int | None = None) -> Summary:
@@ -144,9 +148,10 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
         worst = under.sort_values("underflow_share", ascending=False).iloc[0]
         findings.append(Finding(
             "grad_underflow", "warning", int(worst["step"]), worst["name"],
-            f"{len(under)} gradient(s) underflow in float16 at the recorded scale: "
+            f"{len(under)} gradient(s) underflow in {worst['range_dtype']} at the recorded scale: "
             f"{_display(worst['name'])} has {worst['underflow_share']:.0%} of its values below the normal "
-            f"limit 6.1e-5 (scale {scale.final_scale if scale.final_scale is not None else 'none'})",
+            f"limit {_normal_limit(worst['range_dtype'])} "
+            f"(scale {scale.final_scale if scale.final_scale is not None else 'none'})",
             f"amp-postmortem ranges {target}",
             {"layers": [str(n) for n in under["name"]], "underflow_share": float(worst["underflow_share"])}))
 
@@ -157,7 +162,7 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
         findings.append(Finding(
             "overflow_risk", "warning",
             int(forecast) if pd.notna(forecast) else int(worst["step"]), worst["name"],
-            f"{len(risk)} activation(s) near float16 overflow: {_display(worst['name'])} has "
+            f"{len(risk)} activation(s) near {worst['range_dtype']} overflow: {_display(worst['name'])} has "
             f"{worst['headroom_bits']:.3g} bit(s) of headroom at step {int(worst['step'])}"
             + (f", forecast to overflow at step {int(forecast)}" if pd.notna(forecast) else ""),
             f"amp-postmortem ranges {target}",
@@ -220,3 +225,8 @@ def _facts(run: Run, nans, scale, skipped) -> dict:
 
 def _pct(v) -> str:
     return "n/a" if v is None else f"{v:.0%}"
+
+
+def _normal_limit(dtype: str) -> str:
+    """The smallest normal of `dtype`, as `6.1e-5` (float16)."""
+    return f"{DTYPE_LIMITS[dtype][1]:.2g}".replace("e-0", "e-")

@@ -132,8 +132,8 @@ def load_step(source, step=None, rank=None):
 
 def build(model, bundle):
     """The user's model (see `replay.model_spec.resolve_model`)."""
-    from ..replay.model_spec import resolve_model
-    return resolve_model(model, bundle.model_class)
+    from ..replay.model_spec import resolve_model, saved_model_config
+    return resolve_model(model, bundle.model_class, saved_model_config(bundle))
 
 
 def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", policy: str = "recorded",
