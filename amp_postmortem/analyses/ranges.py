@@ -49,6 +49,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from recorders import schema
 
@@ -215,29 +217,35 @@ _CONSOLIDATE_ROWS = 1 << 20
 @dataclass
 class ShardRanges:
     """One shard's part of the per-step table (see `reduce_shard`)."""
-    merged: pd.DataFrame   # _KEYS + _MERGED, one row per layer and step
-    full: pd.DataFrame     # _KEYS + _MEANS, the full-tier rows as read
+    merged: pa.Table   # _KEYS + _MERGED, one row per layer and step, in order of first row
+    full: pa.Table     # _KEYS + _MEANS, the full-tier rows as read
     full_steps: set
     rows: int
 
 
-def reduce_shard(rows) -> ShardRanges:
-    """The per-shard map of `ranges` (runs where the shard is read)."""
-    df = rows.to_pandas()
-    df["bad"] = (df["nan_count"] + df["inf_count"]) > 0
-    merged = _merge(df)
-    full = df.loc[df[_MEANS].notna().any(axis=1), _KEYS + _MEANS]
-    return ShardRanges(merged, full, set(df.loc[df["below_normal_share"].notna(), "step"].tolist()), len(df))
+def reduce_shard(rows: pa.Table) -> ShardRanges:
+    """The per-shard map of `ranges` (runs where the shard is read). In
+    Arrow: at 1,000 ranks it runs once per shard of the window."""
+    bad = pc.greater(pc.add(rows["nan_count"], rows["inf_count"]), 0)
+    rows = rows.append_column("bad", bad)
+    has_full = pc.or_kleene(pc.or_kleene(pc.is_valid(rows["zero_share"]), pc.is_valid(rows["below_normal_share"])),
+                            pc.is_valid(rows["below_subnormal_share"]))
+    full = rows.filter(has_full).select(_KEYS + _MEANS)
+    steps = pc.unique(rows.filter(pc.is_valid(rows["below_normal_share"]))["step"]).to_pylist()
+    return ShardRanges(_merge(rows.select(_KEYS + list(_MERGED))), full, set(steps), rows.num_rows)
 
 
-def _merge(df: pd.DataFrame) -> pd.DataFrame:
-    return df.groupby(_KEYS, sort=False).agg(**{c: (c, f) for c, f in _MERGED.items()}).reset_index()
+def _merge(table: pa.Table) -> pa.Table:
+    """Rows of equal (name, kind, step) merged, groups in order of their
+    first row (a single-threaded Arrow group-by keeps that order)."""
+    out = table.group_by(_KEYS, use_threads=False).aggregate([(c, f) for c, f in _MERGED.items()])
+    return pa.table({**{k: out[k] for k in _KEYS}, **{c: out[f"{c}_{f}"] for c, f in _MERGED.items()}})
 
 
 def _per_step(run: Run, lo) -> tuple[pd.DataFrame | None, int]:
     merged = None
-    pending: list[pd.DataFrame] = []
-    full: list[pd.DataFrame] = []
+    pending: list[pa.Table] = []
+    full: list[pa.Table] = []
     full_steps: set = set()
     rows = 0
     for part in run.map_tensor_shards(reduce_shard, _COLUMNS, kinds=KINDS, step_range=(lo, None),
@@ -246,16 +254,18 @@ def _per_step(run: Run, lo) -> tuple[pd.DataFrame | None, int]:
         pending.append(part.merged)
         full.append(part.full)
         full_steps |= part.full_steps
-        if sum(len(p) for p in pending) >= _CONSOLIDATE_ROWS:
-            merged = _merge(pd.concat(([merged] if merged is not None else []) + pending, ignore_index=True))
+        if sum(p.num_rows for p in pending) >= _CONSOLIDATE_ROWS:
+            merged = _merge(pa.concat_tables(([merged] if merged is not None else []) + pending))
             pending = []
     if not rows:
         return None, 0
     if pending:
-        merged = _merge(pd.concat(([merged] if merged is not None else []) + pending, ignore_index=True))
-    full_rows = pd.concat(full, ignore_index=True)
+        merged = _merge(pa.concat_tables(([merged] if merged is not None else []) + pending))
+    # The means in pandas, as one pass over the full-tier rows in the order
+    # read (pandas' compensated sum: the same value as over every row).
+    full_rows = pa.concat_tables(full).to_pandas()
     means = full_rows.groupby(_KEYS, sort=False)[_MEANS].mean().reset_index()
-    per_step = merged.merge(means, on=_KEYS, how="left")
+    per_step = merged.to_pandas().merge(means, on=_KEYS, how="left")
     return per_step[_PER_STEP], len(full_steps)
 
 
