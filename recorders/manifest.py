@@ -70,6 +70,13 @@ def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Mod
                  recorder_options: dict) -> dict:
     """The manifest's description of the job, known before the first step."""
     watched_set = set(watched)
+    # Tied parameters (one tensor under several names, e.g. an embedding and
+    # the output projection) are recorded once, under their first name; the
+    # analyzer needs the other names to attribute a gradient overflow to the
+    # module whose operation made it.
+    shared: dict[int, list] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(n)
     device = next((p.device for _, p in params), torch.device("cpu"))
     return {
         "format": schema.FORMAT_NAME,
@@ -91,7 +98,7 @@ def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Mod
         "modules": [{"name": n, "type": qualified_name(m), "watched": n in watched_set}
                     for m, n in module_names.items()],
         "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                    "requires_grad": bool(p.requires_grad)} for n, p in params],
+                    "requires_grad": bool(p.requires_grad), **tied_aliases(n, p, shared)} for n, p in params],
     }
 
 
@@ -151,6 +158,12 @@ def model_config(model) -> dict | None:
     if isinstance(attn, str):
         out["_attn_implementation"] = attn
     return out
+
+
+def tied_aliases(name: str, p, shared: dict) -> dict:
+    """`{"aliases": [other names of p]}` for a tied parameter, else {}."""
+    others = [n for n in shared.get(id(p), []) if n != name]
+    return {"aliases": others} if others else {}
 
 
 def existing_run_id(run_dir: Path, rank: int) -> str | None:

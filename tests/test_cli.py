@@ -63,7 +63,7 @@ def test_scale_has_no_csv(collapse_run):
     result = invoke("scale", collapse_run, "--csv")
     assert result.exit_code == 2 and "No such option" in result.output
     doc = json.loads(invoke("scale", collapse_run, "--json").stdout)
-    assert doc["status"] == "collapse" and doc["onset_step"] == 41
+    assert doc["status"] == "collapse" and doc["onset_step"] == 42
 
 
 def test_fail_on(overflow_run, healthy_run):

@@ -88,7 +88,7 @@ def test_attention_overflow_marks_every_skipped_and_nonfinite_loss_step(attentio
     assert len(s.loss[0].steps) == 130 - 21  # every finite loss, nothing downsampled
     assert s.log2_scale.values[-1] == -4.0   # final scale 0.0625
     assert (attention_overflow.first_nonfinite_step, attention_overflow.first_nonfinite_loss_step) == (32, 79)
-    assert attention_overflow.scale["status"] == "collapse" and attention_overflow.scale["onset_step"] == 88
+    assert attention_overflow.scale["status"] == "collapse" and attention_overflow.scale["onset_step"] == 92
 
 
 def test_attention_overflow_heatmaps_hold_every_layer_in_execution_order(attention_overflow):

@@ -170,9 +170,9 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         underflow = zeros = None
         if len(full):
             zeros = float(full["zero_share"].median())
-            below = _below_normal(full, limit)
-            if below.notna().all():
-                underflow = float((below + _flushed_zeros(full, DTYPE_LIMITS[limit][1])).median())
+            shares = underflow_share_of_rows(full, limit)
+            if shares.notna().all():
+                underflow = float(shares.median())
 
         flags = []
         if latest["bad"]:
@@ -288,6 +288,14 @@ def zeros_look_flushed(zero_share, rms, min_normal: float = schema.FP16_MIN_NORM
     if nonzero <= 0 or rms is None or not math.isfinite(rms):
         return min_normal >= schema.FP16_MIN_NORMAL
     return rms / math.sqrt(nonzero) < min_normal * 2 ** FLUSH_MARGIN_BITS
+
+
+def underflow_share_of_rows(full: pd.DataFrame, limit: str = "float16") -> pd.Series:
+    """Per full-tier row: the share `underflow_share` counts against
+    `limit`'s range (values below its smallest normal plus zeros that look
+    flushed), before the median over steps; NaN where the recorded float16
+    shares cannot tell."""
+    return _below_normal(full, limit) + _flushed_zeros(full, DTYPE_LIMITS[limit][1])
 
 
 def _below_normal(full: pd.DataFrame, limit: str) -> pd.Series:
