@@ -226,22 +226,24 @@ def main(argv=None) -> int:
         facts = generate(run_dir, full_every=args.full_every, overflow_every=args.overflow_every, **size)
     print(json.dumps(facts), file=sys.stderr)
 
+    doc = {"machine": common.machine_info(), "run": facts, "results": []}
+    targets = [("indexed", str(run_dir))]
+    server = None
+    if args.s3:
+        # Before the cluster: its worker processes inherit the endpoint and
+        # credentials from this environment, as on a real cluster.
+        uri, server, upload_s = start_s3(run_dir)
+        doc["s3_upload_s"] = round(upload_s, 1)
+        targets.append(("s3, indexed", uri))
     from distributed import LocalCluster
     cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=not args.smoke,
                            dashboard_address=None)
     dask_args = ["--engine", "dask", "--scheduler", cluster.scheduler_address]
-    targets = [("indexed", str(run_dir))]
     legacy = run_dir.parent / (run_dir.name + "-no-index")
     if not args.no_legacy:
         hide_indexes(run_dir, legacy)
         targets.append(("no index", str(legacy)))
-    server = None
-    doc = {"machine": common.machine_info(), "run": facts, "results": []}
     try:
-        if args.s3:
-            uri, server, upload_s = start_s3(run_dir)
-            doc["s3_upload_s"] = round(upload_s, 1)
-            targets.append(("s3, indexed", uri))
         for label, target in targets:
             for command in COMMANDS:
                 for engine, extra in (("local", []), ("dask", dask_args)):

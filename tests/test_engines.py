@@ -70,13 +70,14 @@ def test_unknown_engine_is_a_named_error():
 
 
 def test_the_map_is_one_shard_in_one_partial_out(overflow_run):
-    """The engine-neutral map: a plain task (picklable) and an Arrow partial."""
-    import pickle
+    """The engine-neutral map: a plain task that Dask can ship to a worker
+    (its own serialization) and an Arrow partial."""
+    from distributed.protocol import deserialize, serialize
     run = load_run(overflow_run)
     shard = run.select_shards(nonfinite_only=True)[0]
     task = ShardScan(path=str(shard.path), columns=("step", "name", "nan_count", "inf_count"),
                      nonfinite_only=True)
-    part = scan_shard(pickle.loads(pickle.dumps(task)))
+    part = scan_shard(deserialize(*serialize(task)))
     assert part.error is None and part.table.num_rows == shard.nonfinite_rows
     assert part.table.column_names == ["step", "name", "nan_count", "inf_count"]
     clean = [s for s in run.tensor_shards if s.nonfinite_rows == 0][0]
