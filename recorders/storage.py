@@ -188,7 +188,11 @@ class SpoolUploader:
         try:
             infos = self.fs.get_file_info(pafs.FileSelector(d, allow_not_found=True))
         except (OSError, pa.ArrowException):
-            return 0
+            # The store is unreachable: a resumed run's shards cannot be
+            # counted, so number after any plausible count (the time in
+            # seconds) rather than risk overwriting one. Readers order
+            # shards by their step ranges, not by number.
+            return int(time.time())
         numbers = [int(m.group(1)) for i in infos
                    if (m := re.match(r"^part-(\d+)\.parquet$", i.base_name))]
         return max(numbers) + 1 if numbers else 0

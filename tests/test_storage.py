@@ -326,3 +326,19 @@ def test_a_scheme_pyarrow_lacks_goes_through_fsspec(tmp_path):
     assert _json(["nans", uri])["origin"]["step"] == 6
     for command in ("summary", "scale", "ranges"):
         _json([command, uri])
+
+
+def test_a_store_unreachable_at_start_never_reuses_a_shard_number(tmp_path):
+    """A resumed run whose store is down when the recorder starts cannot
+    count the shards already published: it numbers after any plausible
+    count instead of overwriting one."""
+    import pyarrow.fs as pafs
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Down(MemoryFileSystem):
+        def isdir(self, *args, **kwargs):
+            raise ConnectionError("store unreachable")
+
+    up = SpoolUploader("memory://down/run", tmp_path, filesystem=pafs.PyFileSystem(pafs.FSSpecHandler(Down())),
+                       base="down/run")
+    assert up.next_shard_index(0) >= int(time.time()) - 5
