@@ -283,6 +283,13 @@ def test_every_command_reads_a_run_on_s3_as_it_reads_the_local_run(overflow_on_s
         assert _without_paths(json.loads(a)) == _without_paths(json.loads(b)), args[0]
 
 
+def test_report_and_export_read_a_run_on_s3(overflow_on_s3, tmp_path):
+    doc = _json(["report", overflow_on_s3, "-o", str(tmp_path / "r.html")])
+    assert (tmp_path / "r.html").stat().st_size > 0 and doc["warnings"] == []
+    _json(["export", "tensorboard", overflow_on_s3, "--logdir", str(tmp_path / "tb")])
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
 def _without_paths(doc):
     """A report with local cache paths (where a remote run was copied) and
     timings blanked out."""
