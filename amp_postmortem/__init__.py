@@ -35,16 +35,22 @@ __all__ = ["load_run", "load_bundle", "summary", "nans", "scale", "ranges", "com
 
 
 # ------------------------------------------------------------------ loading
-def load_run(run, *, rank: int | None = None, progress=None):
-    """The validated run at `run` (a path or path string; a loaded `Run` is
-    returned as is, or re-opened for `rank`). `progress(label, done, total)`
-    is called while long scans run."""
+def load_run(run, *, rank: int | None = None, engine: str | None = None, scheduler: str | None = None,
+             progress=None):
+    """The validated run at `run` (a path, a path string, or a URI such as
+    `s3://bucket/runs/exp1`; a loaded `Run` is returned as is, or re-opened
+    for `rank`). `engine` (`local` or `dask`, with `scheduler`) runs its
+    per-shard reads; `progress(label, done, total)` is called while long
+    scans run."""
     from .loader import Run, load_run as load
     if isinstance(run, Run):
         if rank is not None and run.ranks != [int(rank)]:
             run = load(run.path, rank=rank)
     else:
         run = load(run, rank=rank)
+    if engine is not None or scheduler is not None:
+        from .engines import get_engine
+        run.engine = get_engine(engine, scheduler)
     if progress is not None:
         run.progress = progress
     return run
@@ -59,35 +65,44 @@ def load_bundle(path, *, step: int | None = None, rank: int | None = None):
 
 
 # -------------------------------------------------------- table commands
-def summary(run, *, rank: int | None = None, window: int = 1000, progress=None):
+def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "local",
+            scheduler: str | None = None, progress=None):
     """Run facts and findings, most severe first (`amp-postmortem summary`).
-    `window`: the last N steps `ranges` judges (0: the whole run)."""
+    `window`: the last N steps `ranges` judges (0: the whole run).
+    `engine`/`scheduler`: where the per-shard reads run (`local`, or `dask`
+    on the cluster at `scheduler`); the same result either way."""
     from .analyses.summary import summarize
-    r = load_run(run, rank=rank, progress=progress)
-    return _result(summarize(r, window=window), r)
+    r = load_run(run, rank=rank, engine=engine, scheduler=scheduler, progress=progress)
+    with _engine_of(r):
+        return _result(summarize(r, window=window), r)
 
 
 def nans(run, *, rank: int | None = None, from_step: int | None = None, to_step: int | None = None,
-         progress=None):
+         engine: str = "local", scheduler: str | None = None, progress=None):
     """Layers by first NaN/Inf and the origins (`amp-postmortem nans`)."""
     from .analyses.nans import find_nans
-    r = load_run(run, rank=rank, progress=progress)
-    return _result(find_nans(r, from_step=from_step, to_step=to_step), r)
+    r = load_run(run, rank=rank, engine=engine, scheduler=scheduler, progress=progress)
+    with _engine_of(r):
+        return _result(find_nans(r, from_step=from_step, to_step=to_step), r)
 
 
-def scale(run, *, rank: int | None = None, progress=None):
+def scale(run, *, rank: int | None = None, engine: str = "local", scheduler: str | None = None,
+          progress=None):
     """Loss-scale dynamics (`amp-postmortem scale`)."""
     from .analyses.scale import scale_dynamics
-    r = load_run(run, rank=rank, progress=progress)
-    return _result(scale_dynamics(r), r)
+    r = load_run(run, rank=rank, engine=engine, scheduler=scheduler, progress=progress)
+    with _engine_of(r):
+        return _result(scale_dynamics(r), r)
 
 
-def ranges(run, *, rank: int | None = None, window: int = 1000, progress=None):
+def ranges(run, *, rank: int | None = None, window: int = 1000, engine: str = "local",
+           scheduler: str | None = None, progress=None):
     """float16 headroom, trend and underflow per layer over the last
     `window` steps (0: the whole run) (`amp-postmortem ranges`)."""
     from .analyses.ranges import layer_ranges
-    r = load_run(run, rank=rank, progress=progress)
-    return _result(layer_ranges(r, window=window or None), r)
+    r = load_run(run, rank=rank, engine=engine, scheduler=scheduler, progress=progress)
+    with _engine_of(r):
+        return _result(layer_ranges(r, window=window or None), r)
 
 
 def compare(run_a, run_b, *, rank: int | None = None, threshold: float = 0.1, persist: int = 3, progress=None):
@@ -179,6 +194,9 @@ def recommend(run, *, rank: int | None = None, model=None, step: int | None = No
     from .advice import recommend as advise
     if model is not None:
         _check_device(device)
+        from recorders.storage import is_uri
+        if is_uri(run):
+            run = _path(run)  # the replays read the bundles from a local copy
     r = load_run(run, rank=rank, progress=progress)
     if loss_fn is not None:
         from .replay.model_spec import resolve_loss_fn
@@ -230,8 +248,23 @@ def _result(report, *runs):
 
 
 def _path(run):
+    """A local directory: a remote run (a URI) is copied to the local cache
+    first, since the replays read bundles from disk."""
     from pathlib import Path
-    return Path(getattr(run, "path", run))
+
+    from recorders.storage import is_uri
+    location = getattr(run, "path", run)
+    if is_uri(location) or _loaded(location, "amp_postmortem.store", "StorePath"):
+        from .store import local_copy
+        return local_copy(str(location))
+    return Path(location)
+
+
+def _engine_of(run):
+    """Closes the engine (a Dask client this call connected) when the
+    command is done."""
+    import contextlib
+    return contextlib.closing(run.engine)
 
 
 def _loaded(run, module: str, cls: str) -> bool:
@@ -248,7 +281,13 @@ def _source(run):
 
 def _is_run(run) -> bool:
     from recorders import schema
-    return _loaded(run, "amp_postmortem.loader", "Run") or (_path(run) / schema.MANIFEST_FILE).is_file()
+    from recorders.storage import is_uri
+    if _loaded(run, "amp_postmortem.loader", "Run"):
+        return True
+    if is_uri(run):
+        from .store import run_location
+        return (run_location(run) / schema.MANIFEST_FILE).is_file()
+    return (_path(run) / schema.MANIFEST_FILE).is_file()
 
 
 def _check_device(device: str, precision: str | None = None) -> None:

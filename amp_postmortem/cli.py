@@ -23,7 +23,7 @@ import amp_postmortem as api
 
 from .errors import PostmortemError
 from .names import FINDING_KINDS
-from .output import StderrProgress, api_default, output_options, run_options
+from .output import StderrProgress, api_default, engine_options, output_options, run_options
 
 EXIT_USAGE = 2  # unusable input, like click's usage errors
 EXIT_BUG = 1    # an unexpected exception: a bug to report
@@ -87,6 +87,7 @@ def main(debug):
 @run_options
 @click.option("--from-step", type=int, default=None, help="Ignore steps before this one.")
 @click.option("--to-step", type=int, default=None, help="Ignore steps after this one.")
+@engine_options
 @output_options(csv=True)
 def nans(run, **options):
     """Rank layers by their first NaN/Inf and name the origin.
@@ -107,6 +108,7 @@ def nans(run, **options):
 
 @main.command()
 @run_options
+@engine_options
 @output_options(csv=False)
 def scale(run, **options):
     """Loss-scale dynamics: healthy, collapse, stuck_low, growth_blocked or
@@ -126,6 +128,7 @@ def scale(run, **options):
 @run_options
 @click.option("--window", type=click.IntRange(min=0), default=api_default(api.ranges, "window"), show_default=True,
               help="Analyse the last N recorded steps (0: the whole run).")
+@engine_options
 @output_options(csv=True)
 def ranges(run, **options):
     """Per layer float16 range: headroom to overflow in bits
@@ -158,6 +161,7 @@ def _fail_on(ctx, param, value):
 @click.option("--fail-on", metavar="KIND[,KIND]", callback=_fail_on, default=None,
               help="Exit with code 1 when a finding of these kinds exists (for CI): "
                    + ", ".join(FINDING_KINDS) + ".")
+@engine_options
 @output_options(csv=True)
 def summary(run, fail_on, **options):
     """Run facts and findings (non-finite values, training instability,

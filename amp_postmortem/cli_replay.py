@@ -14,7 +14,7 @@ import click
 import amp_postmortem as api
 
 from .names import DEVICES, POLICIES, PRECISIONS
-from .output import api_default, output_options
+from .output import RUN_LOCATION, api_default, output_options
 
 MODEL_HELP = ("package.module:factory or path/to/file.py:factory returning the model, or a "
               "transformers class such as transformers:AutoModelForCausalLM (built from the config "
@@ -33,7 +33,7 @@ def _precisions(ctx, param, value):
 
 
 @click.command("replay")
-@click.argument("run", metavar="RUN", type=click.Path(path_type=Path))
+@click.argument("run", metavar="RUN", type=RUN_LOCATION)
 @click.option("--rank", type=click.IntRange(min=0), default=None,
               help="The rank whose bundle to replay (default: the lowest rank that saved one).")
 @click.option("--step", type=int, required=True, help="The step whose bundle to replay.")

@@ -18,7 +18,7 @@ import amp_postmortem as api
 from .analyses.bundle_choice import priority_description
 from .cli_replay import LOSS_FN_HELP, MODEL_HELP
 from .names import DEVICES, POLICIES, REDUCED_PRECISIONS
-from .output import StderrProgress, api_default, output_options, run_options
+from .output import RUN_LOCATION, StderrProgress, api_default, output_options, run_options
 
 
 def replay_options(*, step_required: bool = True):
@@ -124,8 +124,8 @@ def bisect(run, **options):
 
 
 @click.command("compare")
-@click.argument("run_a", metavar="RUN_A", type=click.Path(path_type=Path))
-@click.argument("run_b", metavar="RUN_B", type=click.Path(path_type=Path))
+@click.argument("run_a", metavar="RUN_A", type=RUN_LOCATION)
+@click.argument("run_b", metavar="RUN_B", type=RUN_LOCATION)
 @click.option("--rank", type=click.IntRange(min=0), default=None,
               help="Compare this rank only (default: ranks averaged).")
 @click.option("--threshold", type=click.FloatRange(min=0, min_open=True), default=api_default(api.compare, "threshold"),

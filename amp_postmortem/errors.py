@@ -77,3 +77,7 @@ class ReplayFileError(PostmortemError):
 
 class ExportError(PostmortemError):
     """An export cannot be written where it was asked for."""
+
+class EngineError(PostmortemError):
+    """--engine / --scheduler name no usable engine (unknown name, missing
+    extra, unreachable scheduler)."""

@@ -15,6 +15,7 @@ in one directory are refused.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -27,13 +28,18 @@ import pyarrow.fs  # noqa: F401  (pa.fs)
 
 from recorders import schema
 
+from .engines import Engine
+from .engines.local import LocalEngine
+from .engines.scan import NONFINITE_FILTER, ShardScan, scan_shard
 from .errors import CorruptRunError, EmptyRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
+from .index import read_indexes, shard_from_index
+from .step_facts import StepFacts, from_indexes, from_table
+from .store import StorePath, filesystem_of, fs_path, run_location
 from .shards import (RANK_DIR, Shard, check_pairs, check_version, error_text, rank_dirs, read_footer, read_steps,
                      shard_files)
 
-_FORMAT = ds.ParquetFileFormat()
-_LOCAL_FS = pa.fs.LocalFileSystem()
-NONFINITE_FILTER = (pc.field("nan_count") > 0) | (pc.field("inf_count") > 0)
+
+NO_STEPS = "no steps on disk: the recorder wrote no completed shard yet"
 
 # A progress callback: (label, rows done, rows total). Set by the CLI.
 Progress = Callable[[str, int, int], None]
@@ -41,10 +47,10 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass
 class Run:
-    """A recorded run, validated. `steps` is in memory (one row per step and
+    """A recorded run, validated. `steps` is a DataFrame (one row per step and
     rank, sorted by step then rank; the columns of `schema.STEP_COLUMNS` plus
-    `loss_nonfinite`: the loss was NaN/Inf, not merely missing); tensor rows
-    are read on demand with `scan_tensors`."""
+    `loss_nonfinite`: the loss was NaN/Inf, not merely missing), read from
+    disk on first use; tensor rows are read on demand with `scan_tensors`."""
     path: Path
     manifest: dict
     rank_manifests: dict[int, dict]
@@ -54,6 +60,49 @@ class Run:
     warnings: list[str] = field(default_factory=list)
     progress: Progress | None = None
     scanned_files: list[Path] = field(default_factory=list)  # every tensor shard read, in order
+    engine: Engine = field(default_factory=LocalEngine)  # runs the per-shard map (engines/)
+    step_shards: list[Shard] = field(default_factory=list)
+    shard_indexes: dict = field(default_factory=dict)  # (rank, shard file name) -> its index
+
+    # ------------------------------------------------------------ the steps
+    def defer_steps(self, read: Callable[[list], pd.DataFrame]) -> None:
+        """Read the steps table only when `steps` is first used: at 1,000
+        ranks it is millions of rows, which `nans` on an indexed run never
+        needs. `read(warnings)` returns the table and appends its warnings."""
+        self.__dict__.pop("steps", None)
+        self.__dict__["_read_steps"] = read
+
+    def __getattr__(self, name):
+        # Reached only for attributes not set: `steps` after defer_steps().
+        read = self.__dict__.get("_read_steps")
+        if name != "steps" or read is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings: list[str] = []
+        steps = read(warnings)
+        self.__dict__["steps"] = steps
+        del self.__dict__["_read_steps"]
+        for w in warnings:
+            self.warn(w)
+        if steps.empty:
+            self.warn(NO_STEPS)
+        return steps
+
+    def step_facts(self, first_step: int | None = None, last_step: int | None = None) -> StepFacts:
+        """Non-finite loss steps, skipped step count and single step rows in
+        [first_step, last_step], from the indexes when the steps table is not
+        read yet and they stand in for it exactly, else from the table."""
+        if "steps" not in self.__dict__ and self.step_shards:
+            docs: dict[int, list] = {}
+            for s in self.step_shards:
+                doc = self.shard_indexes.get((s.rank, s.path.name))
+                if doc is None:
+                    break
+                docs.setdefault(s.rank, []).append(doc)
+            else:
+                facts = from_indexes(docs, first_step, last_step)
+                if facts is not None:
+                    return facts
+        return from_table(self.steps, first_step, last_step)
 
     # ------------------------------------------------------------ run facts
     @property
@@ -90,8 +139,8 @@ class Run:
     @property
     def tensors(self) -> ds.Dataset:
         """All readable tensor shards as one dataset (for DuckDB-style use)."""
-        return ds.dataset([str(s.path) for s in self.tensor_shards], format="parquet",
-                          schema=schema.TENSOR_SCHEMA)
+        return ds.dataset([fs_path(s.path) for s in self.tensor_shards], format="parquet",
+                          schema=schema.TENSOR_SCHEMA, filesystem=filesystem_of(self.path))
 
     def select_shards(self, *, steps: Iterable[int] | None = None,
                       nonfinite_only: bool = False) -> list[Shard]:
@@ -113,44 +162,49 @@ class Run:
         per rank. Shards whose footer rules them out are never opened; within
         a shard, Parquet row-group statistics prune with the same filter.
         `step_range` = (first, last), both inclusive, either may be None."""
+        for table in self.map_tensor_shards(None, columns, steps=steps, kinds=kinds,
+                                            nonfinite_only=nonfinite_only, step_range=step_range, label=label):
+            yield from table.to_batches()
+
+    def map_tensor_shards(self, reduce: Callable | None, columns: list[str] | None = None, *,
+                          steps: Iterable[int] | None = None, kinds: Iterable[str] | None = None,
+                          nonfinite_only: bool = False, step_range: tuple | None = None,
+                          label: str = "reading tensors") -> Iterator:
+        """`reduce(rows)` of each shard's matching rows (an Arrow table; the
+        rows themselves when `reduce` is None), in shard order, skipping the
+        shards ruled out as `iter_tensor_batches` does. The run's engine runs
+        the reads and `reduce` next to the data (a top-level function, so it
+        pickles); the caller merges the results in order."""
         steps = None if steps is None else sorted({int(s) for s in steps})
         lo, hi = step_range or (None, None)
         shards = [s for s in self.select_shards(steps=steps, nonfinite_only=nonfinite_only)
                   if not ((lo is not None and s.last_step is not None and s.last_step < lo)
                           or (hi is not None and s.first_step is not None and s.first_step > hi))]
-        expr = None
-        if nonfinite_only:
-            expr = NONFINITE_FILTER
-        if steps is not None:
-            e = pc.field("step").isin(pa.array(steps, pa.int64()))
-            expr = e if expr is None else expr & e
-        if lo is not None:
-            expr = (pc.field("step") >= lo) if expr is None else expr & (pc.field("step") >= lo)
-        if hi is not None:
-            expr = (pc.field("step") <= hi) if expr is None else expr & (pc.field("step") <= hi)
-        if kinds is not None:
-            e = pc.field("kind").isin(pa.array(list(kinds), pa.string()))
-            expr = e if expr is None else expr & e
         total = sum(s.num_rows for s in shards)
         done = 0
         self._report(label, 0, total)
-        for shard in shards:
-            try:
-                frag = _FORMAT.make_fragment(str(shard.path), filesystem=_LOCAL_FS)
-                if expr is not None:
-                    frag = frag.subset(filter=expr, schema=schema.TENSOR_SCHEMA)
-                    if frag.num_row_groups == 0:  # statistics rule every row group out
-                        done += shard.num_rows
-                        continue
-                self.scanned_files.append(shard.path)
-                scanner = frag.scanner(schema=schema.TENSOR_SCHEMA, columns=columns, filter=expr)
-                batches = list(scanner.to_batches())
-            except (OSError, pa.ArrowException) as exc:
-                self.warn(f"skipped unreadable shard {self._rel(shard.path)} ({error_text(exc)})")
-                continue
+        tasks = [self._scan_task(s, columns, nonfinite_only, steps, kinds, lo, hi, reduce) for s in shards]
+        # The engine runs the per-shard map (here or on a cluster); partials
+        # come back in shard order, so every engine gives the same answer.
+        for shard, part in zip(shards, self.engine.map(scan_shard, tasks)):
             done += shard.num_rows
+            if part.error is not None:
+                self.warn(f"skipped unreadable shard {self._rel(shard.path)} ({part.error})")
+                continue
+            if part.table is None and part.result is None:  # statistics ruled every row group out
+                continue
+            self.scanned_files.append(shard.path)
             self._report(label, done, total)
-            yield from batches
+            yield part.table if reduce is None else part.result
+
+    def _scan_task(self, shard: Shard, columns, nonfinite_only, steps, kinds, lo, hi, reduce=None) -> ShardScan:
+        remote = isinstance(shard.path, StorePath)
+        return ShardScan(
+            path=fs_path(shard.path) if remote else os.path.abspath(shard.path),
+            root_uri=str(self.path) if remote else None,
+            columns=None if columns is None else tuple(columns), nonfinite_only=nonfinite_only,
+            steps=None if steps is None else tuple(steps), kinds=None if kinds is None else tuple(kinds),
+            first_step=lo, last_step=hi, reduce=reduce)
 
     def scan_tensors(self, columns: list[str] | None = None, **options) -> pd.DataFrame:
         """`iter_tensor_batches` gathered into one DataFrame (the same
@@ -269,7 +323,7 @@ def global_grad_norm(steps: pd.DataFrame, ranks: list[int], world_size: int, war
 # ---------------------------------------------------------------- loading
 def load_run(path, rank: int | None = None) -> Run:
     """Validate and open the run directory `path` (all ranks, or only `rank`)."""
-    root = Path(path)
+    root = run_location(path)  # a Path, or a StorePath for a URI (s3://, gs://, ...)
     if not root.exists():
         raise RunNotFoundError(f"run directory not found: {root}")
     if not root.is_dir():
@@ -336,6 +390,10 @@ def load_run(path, rank: int | None = None) -> Run:
         if m.get("dropped_steps"):
             warnings.append(f"rank {r}: the recorder dropped {m['dropped_steps']} step(s) "
                             f"because its queue was full; those steps are absent")
+        lost = (m.get("storage") or {}).get("spool_dropped_steps")
+        if lost:
+            warnings.append(f"rank {r}: {lost} step(s) were not recorded because the object store was "
+                            f"unreachable and the recorder's local spool was full; those steps are absent")
         if m.get("disabled_reason"):
             warnings.append(f"rank {r}: recording was switched off during the job "
                             f"({m['disabled_reason']}); later steps are absent")
@@ -343,21 +401,25 @@ def load_run(path, rank: int | None = None) -> Run:
     step_shards: list[Shard] = []
     tensor_shards: list[Shard] = []
     found_files = 0
+    indexes = read_indexes(root, {r: found[r] for r in selected}, run_id)
     for r in selected:
         for table, out in ((schema.STEPS_DIR, step_shards), (schema.TENSORS_DIR, tensor_shards)):
             for f in shard_files(found[r] / table):
                 found_files += 1
-                shard = read_footer(root, f, r, table, run_id, warnings)
+                shard = (shard_from_index(f, r, table, indexes.get((r, f.name)))
+                         or read_footer(root, f, r, table, run_id, warnings))
                 if shard is not None:
                     out.append(shard)
     check_pairs(root, step_shards, tensor_shards, warnings)
 
-    steps = global_grad_norm(read_steps(root, step_shards, warnings), selected, world_size, warnings)
     run = Run(path=root, manifest=manifest, rank_manifests=rank_manifests, ranks=selected,
-              steps=steps, tensor_shards=tensor_shards)
+              steps=None, tensor_shards=tensor_shards, step_shards=step_shards,
+              shard_indexes={k: v for k, v in indexes.items() if k[0] in selected})
+    run.defer_steps(lambda w: global_grad_norm(read_steps(root, step_shards, w), selected, world_size, w))
     for w in warnings:
         run.warn(w)
-    if steps.empty:
+    if not any(s.num_rows for s in step_shards):
+        # Judged from the indexes or footers: the table itself is read later.
         raise EmptyRunError(_why_empty(root, rank, [manifest, *(rank_manifests.get(r, {}) for r in selected)],
                                        step_shards, found_files, warnings))
     return run
@@ -376,7 +438,10 @@ def _why_empty(root, rank, manifests, step_shards, found_files, warnings) -> str
             why = f"none of its {found_files} shard file(s) is a steps shard"
         else:
             why = f"its {len(step_shards)} steps shard(s) hold no step row"
-    return f"{where} holds no readable step: {why}" + _disabled(manifests)
+    lost = sum(int((m.get("storage") or {}).get("spool_dropped_steps") or 0) for m in manifests[1:])
+    spool = (f"; {lost} step(s) were not recorded because the object store was unreachable and the "
+             f"recorder's local spool was full") if lost else ""
+    return f"{where} holds no readable step: {why}" + _disabled(manifests) + spool
 
 
 def _disabled(manifests) -> str:

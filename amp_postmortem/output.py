@@ -28,11 +28,37 @@ _RUNS_KEY = "amp_postmortem.runs"
 
 
 # ------------------------------------------------------------------ options
+class RunLocation(click.ParamType):
+    """A run directory, or a URI on a filesystem pyarrow/fsspec opens
+    (`s3://bucket/runs/exp1`): kept as a string, since a Path would fold
+    the `//` of the URI."""
+    name = "path"
+
+    def convert(self, value, param, ctx):
+        from recorders.storage import is_uri
+        if isinstance(value, Path) or not is_uri(value):
+            return Path(value)
+        return str(value).rstrip("/")
+
+
+RUN_LOCATION = RunLocation()
+
+
 def run_options(f):
     """RUN argument and --rank."""
     f = click.option("--rank", type=click.IntRange(min=0), default=None,
                      help="Analyse this rank only (default: all ranks together).")(f)
-    f = click.argument("run", metavar="RUN", type=click.Path(path_type=Path))(f)
+    f = click.argument("run", metavar="RUN", type=RUN_LOCATION)(f)
+    return f
+
+
+def engine_options(f):
+    """--engine and --scheduler: where the per-shard reads run."""
+    f = click.option("--scheduler", metavar="ADDRESS", default=None,
+                     help="Dask scheduler address for --engine dask (default: $DASK_SCHEDULER_ADDRESS, "
+                          "or the Dask client this process holds).")(f)
+    f = click.option("--engine", type=click.Choice(["local", "dask"]), default="local", show_default=True,
+                     help="Run the per-shard reads here, or as tasks on a Dask cluster (same results).")(f)
     return f
 
 

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -25,6 +26,7 @@ import pyarrow.parquet as pq
 from recorders import schema
 
 from .errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
+from .store import filesystem_of, fs_path
 
 RANK_DIR = re.compile(r"^rank=(\d+)$")
 
@@ -77,7 +79,7 @@ def check_version(version, where: str) -> None:
 def read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings) -> Shard | None:
     rel = path.relative_to(root)
     try:
-        md = pq.read_metadata(path)
+        md = pq.read_metadata(fs_path(path), filesystem=filesystem_of(path))
     except (OSError, pa.ArrowException) as exc:
         warnings.append(f"skipped unreadable shard {rel} ({error_text(exc)}); "
                         f"a job killed while writing it leaves such a file")
@@ -130,7 +132,8 @@ _STEP_COLUMNS = [c.name for c in schema.STEP_COLUMNS]
 
 def read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
     def read(paths):
-        d = ds.dataset([str(p) for p in paths], format="parquet", schema=schema.STEP_SCHEMA)
+        d = ds.dataset([fs_path(p) for p in paths], format="parquet", schema=schema.STEP_SCHEMA,
+                       filesystem=filesystem_of(paths[0]))
         return d.to_table(columns=_STEP_COLUMNS)
 
     tables = []
@@ -149,17 +152,26 @@ def read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
         return schema.STEP_SCHEMA.empty_table().append_column(
             "loss_nonfinite", pa.array([], pa.bool_())).to_pandas()
     table = pa.concat_tables(tables)
+    # Sorted and de-duplicated in Arrow, before pandas: at 1,000 ranks the
+    # table has millions of rows (the stable sort keeps file order, so the
+    # last-written copy of a twice-recorded row is the one kept).
+    table = table.take(pc.sort_indices(table, [("step", "ascending"), ("rank", "ascending")]))
+    step = table.column("step").to_numpy()
+    rank = table.column("rank").to_numpy()
+    last = np.ones(len(step), dtype=bool)
+    last[:-1] = (step[1:] != step[:-1]) | (rank[1:] != rank[:-1])
+    if not last.all():
+        warnings.append(f"{int((~last).sum())} step row(s) recorded twice (a resumed job?); keeping the last")
+        table = table.filter(pa.array(last))
     loss = table.column("loss")
     # pandas turns NaN and null into the same NaN: tell them apart here (a
     # NaN loss is a finding, a null one means no loss was passed).
     nonfinite = pc.fill_null(pc.invert(pc.is_finite(loss)), False)
-    df = table.append_column("loss_nonfinite", nonfinite).to_pandas()
-    df = df.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
-    dup = df.duplicated(["step", "rank"])
-    if dup.any():
-        warnings.append(f"{int(dup.sum())} step row(s) recorded twice (a resumed job?); keeping the last")
-        df = df.drop_duplicates(["step", "rank"], keep="last").reset_index(drop=True)
-    return df
+    # `lr` (a list per row) stays Arrow-backed: millions of small Python
+    # lists would cost more memory than the rest of the table.
+    return table.append_column("loss_nonfinite", nonfinite).to_pandas(
+        types_mapper=lambda t: pd.ArrowDtype(t) if pa.types.is_list(t) else None,
+        split_blocks=True, self_destruct=True)
 
 
 def _package_version() -> str:

@@ -46,6 +46,7 @@ from .plain import plain
 from .run_id import shared_run_id
 from .schedule import RecordSchedule
 from .step_rows import StepRows, step_events
+from .storage import DEFAULT_SPOOL_MAX_BYTES, DEFAULT_UPLOAD_TIMEOUT_S, open_run_location
 from .unwrap import unwrap_optimizer
 from .writer import ShardWriter
 from .writer_thread import WriterThread
@@ -70,7 +71,10 @@ class AmpRecorder:
     >>> rec.close()
 
     Args:
-        run_dir: the run directory (created; a resumed job may reuse it).
+        run_dir: the run directory (created; a resumed job may reuse it), or
+            a URI of any filesystem pyarrow or fsspec opens (`s3://...`,
+            `gs://...`, `abfs://...`, `hdfs://...`): its files are then
+            spooled locally and uploaded off the training path.
         model: the model to watch: an `nn.Module`, bare or wrapped (DDP,
             FSDP, `torch.compile`, checkpoint wrappers, as Accelerate
             prepared it; names and class are the unwrapped model's). With
@@ -125,6 +129,14 @@ class AmpRecorder:
             from the model's outputs (a `"loss"`, `.loss`, or the one 0-d
             tensor of a tuple; their mean). A loss passed to `step()` wins
             unless a captured one is NaN/Inf. False: only the loss passed.
+        spool_dir: for a URI run: where the local spool lives (default
+            `$AMP_POSTMORTEM_SPOOL_DIR`, else the temp directory; one folder
+            per run URI and rank inside).
+        spool_max_bytes: for a URI run: the spool's bound; when the store
+            is down that long, later shards' steps are dropped and counted.
+        upload_timeout_s: for a URI run: how long `close()` waits for the
+            uploads; what is left stays in the spool and is reported
+            (`upload_report`, a warning).
         eager_full_steps: with a compiled model, run full-tier steps eagerly
             (`torch.compiler.set_stance("force_eager")` for that step) so
             they record every module; such a step computes with eager
@@ -143,8 +155,15 @@ class AmpRecorder:
                  min_loss_scale: float | None = 1.0, settle_steps: int = 10,
                  snapshot_params="auto", snapshot_buffers_bytes: int = 64 << 20,
                  hold_steps: int = 2, clone_inputs: bool = False, capture_loss: bool = True,
-                 eager_full_steps: bool = True):
-        self.run_dir = Path(run_dir)
+                 spool_dir=None, spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+                 upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S, eager_full_steps: bool = True):
+        self.run_location = str(run_dir)
+        self.upload_timeout_s = float(upload_timeout_s)
+        self.upload_report = None  # storage.UploadReport after close() of a URI run
+        self.run_dir = None  # the local directory written (a URI run's spool), once opened
+        self.uploader = None
+        self._uploading = False
+        self.shards = None
         self.model = model
         # AcceleratedOptimizer inherits register_step_pre_hook without the
         # state it writes to: hook the torch optimizer that really steps.
@@ -179,7 +198,8 @@ class AmpRecorder:
         self.losses = MicroBatchLosses()
         self.loss_tap = None
         try:
-            self._build(model, optimizer, scaler, rank=rank, world_size=world_size, run_id=run_id,
+            self._build(run_dir, model, optimizer, scaler, rank=rank, world_size=world_size, run_id=run_id,
+                        spool_dir=spool_dir, spool_max_bytes=spool_max_bytes,
                         cheap_every=cheap_every, full_every=full_every, full_after_event=full_after_event,
                         steps_per_shard=steps_per_shard, near_overflow=near_overflow, max_queue=max_queue,
                         bundle_options=dict(
@@ -194,14 +214,15 @@ class AmpRecorder:
             # Whatever broke (an unwritable run directory, a model the
             # recorder does not understand): no hooks, no thread, one
             # warning; step() and close() are no-ops.
-            if self.manifest is None:
+            if self.manifest is None and self.run_dir is not None:
                 # Failed before the manifest was built: a bare one, so that
                 # the run directory still says why nothing was recorded.
                 self.manifest = bare_manifest(self.run_dir, self.rank, self.world_size, self.run_id)
             self._fail(exc)
             self._unhook()
 
-    def _build(self, model, optimizer, scaler, *, rank, world_size, run_id, cheap_every, full_every,
+    def _build(self, run_dir, model, optimizer, scaler, *, rank, world_size, run_id, spool_dir, spool_max_bytes,
+               cheap_every, full_every,
                full_after_event, steps_per_shard, near_overflow, max_queue, bundle_options):
         if rank is None or world_size is None:
             dist_rank, dist_world = distributed_rank_world()
@@ -209,6 +230,9 @@ class AmpRecorder:
             world_size = dist_world if world_size is None else world_size
         self.rank = int(rank)
         self.world_size = int(world_size)
+        # A URI run is written to a local spool that `uploader` publishes.
+        self.run_dir, self.uploader = open_run_location(run_dir, self.rank, spool_dir=spool_dir,
+                                                        spool_max_bytes=spool_max_bytes)
         self.rank_dir = self.run_dir / schema.RANK_DIR.format(rank=self.rank)
         # Before anything else can fail: every rank waits for rank 0's id.
         self.run_id = shared_run_id(self.run_dir, self.rank, run_id)
@@ -260,10 +284,18 @@ class AmpRecorder:
         self.compiled = is_compiled(model)
         self._note_compiled()
         self.hooks.begin_step(0, self.schedule.tier(0))
+        up = self.uploader
         self.shards = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
-                                  world_size=self.world_size, steps_per_shard=options["steps_per_shard"])
+                                  world_size=self.world_size, steps_per_shard=options["steps_per_shard"],
+                                  first_index=up.next_shard_index(self.rank) if up else 0,
+                                  has_room=up.has_room if up else None)
+        if up is not None:
+            self.manifest.data["storage"] = {"uri": self.run_location, "spool_dropped_steps": 0}
         self.manifest.write()
         self.writer.start()
+        if self.uploader is not None:
+            self.uploader.start()
+            self._uploading = True
         self.hooks.register()
         if self.capture_loss:
             self.loss_tap = self._loss_tap(scaler)
@@ -455,6 +487,8 @@ class AmpRecorder:
                 self.writer.barrier()
             except Exception as exc:  # noqa: BLE001 - flush() must not stop the training
                 self._fail(exc)
+        if self.uploader is not None:
+            self.uploader.notify()
 
     def close(self) -> None:
         """Flush, write the final manifest and remove every hook. Idempotent."""
@@ -473,6 +507,23 @@ class AmpRecorder:
                 self.bundles.close(write_decided=self._failure is None and not self.writer.alive)
         except Exception:
             pass
+        if self.uploader is not None and self._uploading:
+            self._close_uploads()
+
+    def _close_uploads(self) -> None:
+        """Upload what the spool holds; report (never drop) what the store
+        did not take."""
+        report = self.uploader.close(self.upload_timeout_s)
+        report.spool_full_steps = self.shards.dropped_steps
+        self.upload_report = report
+        if report.pending or report.spool_full_steps:
+            lost = (f"; {report.spool_full_steps} step(s) were not recorded because the spool was full"
+                    if report.spool_full_steps else "")
+            warnings.warn(
+                f"amp-postmortem: {len(report.pending)} file(s) of run {report.uri} are not uploaded "
+                f"({report.last_error or 'store unavailable'}); they are kept in {report.spool_dir} "
+                f"(a recorder on the same run uploads them, or copy them there yourself){lost}",
+                RuntimeWarning, stacklevel=3)
 
     def __enter__(self):
         return self
@@ -507,6 +558,8 @@ class AmpRecorder:
 
     def _write_manifest(self) -> None:
         self.manifest.set_recording(dropped_steps=self._dropped_steps, failure=self._failure)
+        if "storage" in self.manifest.data:
+            self.manifest.data["storage"]["spool_dropped_steps"] = self.shards.dropped_steps
         self.manifest.write()
 
     def _bundles_changed(self, saved: list, missed: list) -> None:

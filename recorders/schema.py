@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 FORMAT_NAME = "amp-postmortem-run"
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"
@@ -133,7 +133,40 @@ STEP_SCHEMA = arrow_schema(STEP_COLUMNS)
 TENSOR_SCHEMA = arrow_schema(TENSOR_COLUMNS)
 BUNDLE_TENSOR_SCHEMA = arrow_schema(BUNDLE_TENSOR_COLUMNS)
 
-TABLES = {"steps": STEP_COLUMNS, "tensors": TENSOR_COLUMNS, "bundle tensors": BUNDLE_TENSOR_COLUMNS}
+# The per-shard index: one small JSON object per shard pair, written beside
+# it once both files are complete (`rank=<r>/index/part-N.json`), so that a
+# reader learns what a shard holds without opening it. Its keys are typed
+# here like columns (JSON numbers, strings, lists and objects).
+INDEX_FORMAT_NAME = "amp-postmortem-shard-index"
+INDEX_COLUMNS: tuple[Column, ...] = (
+    Column("format", pa.string(), "-", "`amp-postmortem-shard-index`.", False),
+    Column("schema_version", pa.string(), "-", "Run format version of the shard pair.", False),
+    Column("run_id", pa.string(), "-", "Run id, as in the manifest and the shard footers.", False),
+    Column("rank", pa.int32(), "-", "Rank that wrote the shard pair.", False),
+    Column("shard", pa.string(), "-", "File name of the pair in `steps/` and `tensors/`, e.g. `part-000000.parquet`.", False),
+    Column("first_step", pa.int64(), "step", "First step of the pair (inclusive).", False),
+    Column("last_step", pa.int64(), "step", "Last step of the pair (inclusive).", False),
+    Column("step_rows", pa.int64(), "rows", "Rows of the steps shard.", False),
+    Column("tensor_rows", pa.int64(), "rows", "Rows of the tensors shard.", False),
+    Column("nonfinite_rows", pa.int64(), "rows", "Tensor rows with `nan_count` or `inf_count` above 0.", False),
+    Column("step_bytes", pa.int64(), "bytes", "Size of the steps shard file (a reader that finds another size reads the footer instead).", False),
+    Column("tensor_bytes", pa.int64(), "bytes", "Size of the tensors shard file.", False),
+    Column("skipped_steps", pa.list_(pa.int64()), "step", "Steps whose optimizer step the scaler skipped.", False),
+    Column("nonfinite_loss_steps", pa.list_(pa.int64()), "step", "Steps whose loss was NaN/Inf.", False),
+    Column("applied_nonfinite_steps", pa.list_(pa.int64()), "step", "Steps not skipped although a parameter gradient held a NaN/Inf.", False),
+    Column("loss_scale_first", pa.float64(), "-", "`loss_scale_before` of the first step (null without an enabled scaler)."),
+    Column("loss_scale_last", pa.float64(), "-", "`loss_scale` of the last step."),
+    Column("loss_scale_min", pa.float64(), "-", "Smallest `loss_scale` of the pair."),
+    Column("loss_scale_max", pa.float64(), "-", "Largest `loss_scale` of the pair."),
+    Column("scale_backoffs", pa.int64(), "steps", "Steps where the scale went down (`loss_scale` < `loss_scale_before`).", False),
+    Column("first_nonfinite", pa.list_(pa.struct([("name", pa.string()), ("kind", pa.string()),
+                                                  ("phase", pa.string()), ("first_step", pa.int64()),
+                                                  ("last_step", pa.int64()), ("steps", pa.int64())])),
+           "-", "One entry per tensor and kind with a non-finite row in the pair, in the order of their first non-finite row: first and last such step and the number of steps.", False),
+)
+
+TABLES = {"steps": STEP_COLUMNS, "tensors": TENSOR_COLUMNS, "bundle tensors": BUNDLE_TENSOR_COLUMNS,
+          "shard index": INDEX_COLUMNS}
 
 
 def parse_version(version: str) -> tuple[int, int]:
@@ -147,6 +180,8 @@ RANK_DIR = "rank={rank}"
 STEPS_DIR = "steps"
 TENSORS_DIR = "tensors"
 SHARD_FILE = "part-{index:06d}.parquet"
+INDEX_DIR = "index"
+INDEX_FILE = "part-{index:06d}.json"
 BUNDLES_DIR = "bundles"
 BUNDLE_DIR = "step={step}/rank={rank}"
 BUNDLE_MANIFEST_FILE = "bundle.json"

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import schema
+from .index import shard_index
 
 
 def fsync_dir(path: Path) -> None:
@@ -85,7 +86,8 @@ class ShardWriter:
     """
 
     def __init__(self, rank_dir: Path, *, run_id: str, rank: int, world_size: int,
-                 steps_per_shard: int, row_group_rows: int = 1 << 16):
+                 steps_per_shard: int, row_group_rows: int = 1 << 16,
+                 first_index: int = 0, has_room=None):
         # ~64k rows per row group: small enough that step and non-finite
         # filters can skip most of a shard by its column statistics.
         self.rank_dir = Path(rank_dir)
@@ -98,8 +100,13 @@ class ShardWriter:
         self._tensor_batches: list[dict[str, np.ndarray | list]] = []
         self._tensor_rows = 0
         self._nonfinite_rows = 0
-        self.shard_index = self._next_index()
+        # `first_index`: shards already published elsewhere (a remote store
+        # whose spool is this directory); `has_room()`: False drops the next
+        # shard's steps rather than overfilling a bounded spool.
+        self.shard_index = max(self._next_index(), int(first_index))
+        self.has_room = has_room
         self.shards_written = 0
+        self.dropped_steps = 0  # steps not written because has_room() said no
 
     def _next_index(self) -> int:
         # Continue numbering after existing shards so a resumed job (same run
@@ -142,6 +149,10 @@ class ShardWriter:
         steps shard never points at missing tensor rows)."""
         if not self._step_rows:
             return
+        if self.has_room is not None and not self.has_room():
+            self.dropped_steps += len(self._step_rows)
+            self._reset()
+            return
         steps = [r["step"] for r in self._step_rows]
         first, last = min(steps), max(steps)
         name = schema.SHARD_FILE.format(index=self.shard_index)
@@ -156,14 +167,25 @@ class ShardWriter:
             arrays.append(_column_array(parts, c.type))
         tensors = pa.Table.from_arrays(arrays, schema=schema.TENSOR_SCHEMA).replace_schema_metadata(
             self._metadata("tensors", first, last, self._nonfinite_rows))
+        index = shard_index(run_id=self.run_id, rank=self.rank, shard=name, step_rows=self._step_rows,
+                            tensors=tensors, nonfinite_rows=self._nonfinite_rows)
         atomic_write_table(self.rank_dir / schema.TENSORS_DIR / name, tensors, self.row_group_rows)
 
         step_table = pa.Table.from_pylist(self._step_rows, schema=schema.STEP_SCHEMA).replace_schema_metadata(
             self._metadata("steps", first, last, 0))
         atomic_write_table(self.rank_dir / schema.STEPS_DIR / name, step_table)
+        # Last: an index names only a complete pair, with the sizes that let
+        # a reader tell it from a file damaged or replaced since.
+        index["step_bytes"] = os.path.getsize(self.rank_dir / schema.STEPS_DIR / name)
+        index["tensor_bytes"] = os.path.getsize(self.rank_dir / schema.TENSORS_DIR / name)
+        atomic_write_json(self.rank_dir / schema.INDEX_DIR / schema.INDEX_FILE.format(index=self.shard_index),
+                          index)
 
         self.shard_index += 1
         self.shards_written += 1
+        self._reset()
+
+    def _reset(self) -> None:
         self._step_rows = []
         self._tensor_batches = []
         self._tensor_rows = 0

@@ -83,6 +83,24 @@ def test_report_scale_smoke_draws_the_long_run_page_without_errors(tmp_path):
     assert r["downsampled"] and r["browser_state"] == "ready" and r["browser_errors"] == []
     assert all(points > 0 for points in r["plots"].values()) and r["mib"] < 6
 
+def test_distributed_scan_smoke_agrees_across_engines_and_opens_one_shard(tmp_path):
+    import distributed_scan
+    out = tmp_path / "ranks.json"
+    assert distributed_scan.main(["--smoke", "--run-dir", str(tmp_path / "run"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    run = doc["run"]
+    assert run["ranks"] == 6 and run["tensor_rows"] == 6 * 40 * 9 and run["shard_pairs"] == 24
+    assert doc["dask_matches_local"] is True
+    for r in doc["results"]:
+        assert r["rc"] == 0
+        if r["command"] == "nans":
+            assert (r["origin"], r["origin_rank"], r["origin_step"]) == (run["nan_layer"], 4, 33)
+            # Indexed or not, only the one shard holding the NaN is opened.
+            assert r["shards_scanned"] == run["shards_with_nonfinite"] == 1
+            assert r["shards_total"] == 24
+        else:
+            assert r["findings"] == ["nonfinite"]
+
 
 def test_compile_overhead_smoke_reports_no_recompilation(tmp_path):
     out = tmp_path / "compile.json"

@@ -145,10 +145,10 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
         if rows is not None:
             origins[phase] = forward_origin(rows) if phase == "forward" else backward_origin(rows)
     candidates = [o for o in origins.values() if o is not None]
-    steps = _range(run.steps, from_step, to_step)
+    facts = run.step_facts(from_step, to_step)
     if origins["backward"] is not None:
         origins["backward"] = attribute_shared(run, origins["backward"])
-    handled = _scaler_handled(origins["backward"], origins["forward"], steps)
+    handled = _scaler_handled(origins["backward"], origins["forward"], facts)
     # The headline origin is the first of the two, except that a backward
     # overflow the loss scaler absorbed (a skipped step whose forward and loss
     # were finite: how a dynamic scaler calibrates) does not outrank a forward
@@ -164,13 +164,11 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
             hit = (layers["name"] == key[0]) & (layers["kind"] == key[1]) & (layers["first_step"] == o.step)
             layers.loc[hit, "origin"] = True
 
-    bad_loss = steps.loc[steps["loss_nonfinite"], "step"]
     return NanReport(
         origin=origin, origins=origins, layers=layers[LAYER_COLUMNS], backward_scaler_handled=handled,
         backward_calibration=handled and origins["backward"].step in calibration_steps(run),
         first_nonfinite_step=int(layers["first_step"].min()) if len(layers) else None,
-        nonfinite_loss_steps=sorted({int(s) for s in bad_loss}),
-        skipped_steps=int(steps.drop_duplicates("step")["skipped"].sum()) if len(steps) else 0,
+        nonfinite_loss_steps=facts.nonfinite_loss_steps, skipped_steps=facts.skipped_steps,
         shards_scanned=len(run.scanned_files), shards_total=len(run.tensor_shards),
     )
 
@@ -370,13 +368,13 @@ class _Accumulator:
         return t
 
 
-def _scaler_handled(backward: Origin | None, forward: Origin | None, steps: pd.DataFrame) -> bool:
+def _scaler_handled(backward: Origin | None, forward: Origin | None, facts) -> bool:
     """Whether the backward origin's step is one the loss scaler absorbed:
     skipped, with a finite loss and no forward origin in that step."""
-    if backward is None or steps.empty or (forward is not None and forward.step == backward.step):
+    if backward is None or (forward is not None and forward.step == backward.step):
         return False
-    row = steps[(steps["step"] == backward.step) & (steps["rank"] == backward.rank)]
-    return bool(len(row)) and bool(row["skipped"].iloc[0]) and not bool(row["loss_nonfinite"].iloc[0])
+    row = facts.row(backward.step, backward.rank)
+    return row is not None and row[0] and not row[1]
 
 
 def _origin_row(o: Origin, origins: dict) -> tuple[str, str] | None:
@@ -389,9 +387,3 @@ def _origin_row(o: Origin, origins: dict) -> tuple[str, str] | None:
     return (o.tensor, o.kind)
 
 
-def _range(steps: pd.DataFrame, lo, hi) -> pd.DataFrame:
-    if lo is not None:
-        steps = steps[steps["step"] >= lo]
-    if hi is not None:
-        steps = steps[steps["step"] <= hi]
-    return steps

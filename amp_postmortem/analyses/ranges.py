@@ -49,6 +49,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from recorders import schema
 
@@ -135,20 +137,10 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
     if last is None:
         return RangesReport(layers=_empty(), first_step=None, last_step=None)
     lo = None if not window else max(run.first_step, last - int(window) + 1)
-    df = run.scan_tensors(_COLUMNS, kinds=KINDS, step_range=(lo, None), label="reading ranges")
-    if df.empty:
+    per_step, full_steps = _per_step(run, lo)
+    if per_step is None:
         return RangesReport(layers=_empty(), first_step=lo, last_step=last)
-
-    df["bad"] = (df["nan_count"] + df["inf_count"]) > 0
-    # One value per layer and step: ranks and repeated calls merged.
-    per_step = df.groupby(["name", "kind", "step"], sort=False).agg(
-        absmax=("absmax", "max"), bad=("bad", "any"), dtype=("dtype", "first"),
-        phase=("phase", "first"), order=("order", "min"),
-        zero_share=("zero_share", "mean"), below_normal_share=("below_normal_share", "mean"),
-        below_subnormal_share=("below_subnormal_share", "mean"),
-        rms=("rms", "max"),
-    ).reset_index().sort_values("step", kind="stable")
-    full_steps = df.loc[df["below_normal_share"].notna(), "step"].nunique()
+    per_step = per_step.sort_values("step", kind="stable")
 
     rows = []
     for (name, kind), g in per_step.groupby(["name", "kind"], sort=False):
@@ -206,6 +198,75 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         layers[col] = layers[col].astype("Int64")  # integers with missing values
     return RangesReport(layers=layers, first_step=int(per_step["step"].min()), last_step=last,
                         full_tier_steps=int(full_steps))
+
+
+# One value per layer and step: ranks and repeated calls merged. Max, any,
+# min and first merge shard by shard exactly; the means (full-tier columns,
+# null in cheap-tier rows) are taken at the end over the full-tier rows
+# only, in the order read, which is the same sum as over every row: so the
+# memory is bounded by window x layers (plus the full-tier rows), not by
+# ranks x window x layers.
+_KEYS = ["name", "kind", "step"]
+_MERGED = {"absmax": "max", "bad": "any", "dtype": "first", "phase": "first", "order": "min", "rms": "max"}
+_MEANS = ["zero_share", "below_normal_share", "below_subnormal_share"]
+_PER_STEP = _KEYS + ["absmax", "bad", "dtype", "phase", "order", "zero_share", "below_normal_share",
+                     "below_subnormal_share", "rms"]
+_CONSOLIDATE_ROWS = 1 << 20
+
+
+@dataclass
+class ShardRanges:
+    """One shard's part of the per-step table (see `reduce_shard`)."""
+    merged: pa.Table   # _KEYS + _MERGED, one row per layer and step, in order of first row
+    full: pa.Table     # _KEYS + _MEANS, the full-tier rows as read
+    full_steps: set
+    rows: int
+
+
+def reduce_shard(rows: pa.Table) -> ShardRanges:
+    """The per-shard map of `ranges` (runs where the shard is read). In
+    Arrow: at 1,000 ranks it runs once per shard of the window."""
+    bad = pc.greater(pc.add(rows["nan_count"], rows["inf_count"]), 0)
+    rows = rows.append_column("bad", bad)
+    has_full = pc.or_kleene(pc.or_kleene(pc.is_valid(rows["zero_share"]), pc.is_valid(rows["below_normal_share"])),
+                            pc.is_valid(rows["below_subnormal_share"]))
+    full = rows.filter(has_full).select(_KEYS + _MEANS)
+    steps = pc.unique(rows.filter(pc.is_valid(rows["below_normal_share"]))["step"]).to_pylist()
+    return ShardRanges(_merge(rows.select(_KEYS + list(_MERGED))), full, set(steps), rows.num_rows)
+
+
+def _merge(table: pa.Table) -> pa.Table:
+    """Rows of equal (name, kind, step) merged, groups in order of their
+    first row (a single-threaded Arrow group-by keeps that order)."""
+    out = table.group_by(_KEYS, use_threads=False).aggregate([(c, f) for c, f in _MERGED.items()])
+    return pa.table({**{k: out[k] for k in _KEYS}, **{c: out[f"{c}_{f}"] for c, f in _MERGED.items()}})
+
+
+def _per_step(run: Run, lo) -> tuple[pd.DataFrame | None, int]:
+    merged = None
+    pending: list[pa.Table] = []
+    full: list[pa.Table] = []
+    full_steps: set = set()
+    rows = 0
+    for part in run.map_tensor_shards(reduce_shard, _COLUMNS, kinds=KINDS, step_range=(lo, None),
+                                      label="reading ranges"):
+        rows += part.rows
+        pending.append(part.merged)
+        full.append(part.full)
+        full_steps |= part.full_steps
+        if sum(p.num_rows for p in pending) >= _CONSOLIDATE_ROWS:
+            merged = _merge(pa.concat_tables(([merged] if merged is not None else []) + pending))
+            pending = []
+    if not rows:
+        return None, 0
+    if pending:
+        merged = _merge(pa.concat_tables(([merged] if merged is not None else []) + pending))
+    # The means in pandas, as one pass over the full-tier rows in the order
+    # read (pandas' compensated sum: the same value as over every row).
+    full_rows = pa.concat_tables(full).to_pandas()
+    means = full_rows.groupby(_KEYS, sort=False)[_MEANS].mean().reset_index()
+    per_step = merged.to_pandas().merge(means, on=_KEYS, how="left")
+    return per_step[_PER_STEP], len(full_steps)
 
 
 def range_dtype(dtype) -> str:

@@ -1,0 +1,88 @@
+"""The engine-neutral map: read one tensor shard, keep the rows that pass
+the filter, project the columns. Runs wherever the engine puts it, so a
+task holds only plain values (the filter is rebuilt on the worker)."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from recorders import schema
+
+_FORMAT = ds.ParquetFileFormat()
+NONFINITE_FILTER = (pc.field("nan_count") > 0) | (pc.field("inf_count") > 0)
+_filesystems: dict[str, object] = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ShardScan:
+    """One shard to read: `path` inside the filesystem named by `root_uri`
+    (None: the local filesystem), and the filter."""
+    path: str
+    root_uri: str | None = None
+    columns: tuple[str, ...] | None = None
+    nonfinite_only: bool = False
+    steps: tuple[int, ...] | None = None
+    kinds: tuple[str, ...] | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    # Optional per-shard reduction run where the shard is read (a top-level
+    # function of the rows, so that it pickles): only its result travels.
+    reduce: Callable | None = None
+
+    def expression(self):
+        expr = NONFINITE_FILTER if self.nonfinite_only else None
+        for e in (None if self.steps is None else pc.field("step").isin(pa.array(self.steps, pa.int64())),
+                  None if self.first_step is None else pc.field("step") >= self.first_step,
+                  None if self.last_step is None else pc.field("step") <= self.last_step,
+                  None if self.kinds is None else pc.field("kind").isin(pa.array(self.kinds, pa.string()))):
+            if e is not None:
+                expr = e if expr is None else expr & e
+        return expr
+
+
+@dataclass
+class ShardPartial:
+    """What a shard gave: its matching rows, or `reduce` of them (both None
+    when its statistics ruled every row group out, so it was never read),
+    or the error that made it unreadable."""
+    table: pa.Table | None
+    error: str | None = None
+    result: object = None
+
+
+def scan_shard(task: ShardScan) -> ShardPartial:
+    try:
+        fs = _filesystem(task.root_uri)
+        frag = _FORMAT.make_fragment(task.path, filesystem=fs)
+        expr = task.expression()
+        if expr is not None:
+            frag = frag.subset(filter=expr, schema=schema.TENSOR_SCHEMA)
+            if frag.num_row_groups == 0:  # statistics rule every row group out
+                return ShardPartial(None)
+        columns = list(task.columns) if task.columns is not None else None
+        table = frag.scanner(schema=schema.TENSOR_SCHEMA, columns=columns, filter=expr).to_table()
+        if task.reduce is not None:
+            return ShardPartial(None, result=task.reduce(table))
+        return ShardPartial(table)
+    except (OSError, pa.ArrowException) as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return ShardPartial(None, f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+
+
+def _filesystem(root_uri: str | None):
+    """One filesystem object per run URI and process (a worker reuses it)."""
+    if root_uri is None:
+        from ..store import LOCAL_FS
+        return LOCAL_FS
+    with _lock:
+        fs = _filesystems.get(root_uri)
+        if fs is None:
+            from recorders.storage import open_filesystem
+            fs = _filesystems[root_uri] = open_filesystem(root_uri)[0]
+        return fs

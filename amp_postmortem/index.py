@@ -1,0 +1,81 @@
+"""Readers' side of the per-shard index (`rank=<r>/index/part-N.json`, see
+`recorders/index.py` and docs/FORMAT.md).
+
+`load_run` asks here first: a shard pair whose index is readable is known
+without opening either footer (on an object store, two round trips per
+shard saved, and many thousand shards per run). A shard without a usable
+index (older runs, a job killed between the shards and their index) is
+read from its footer, as before.
+"""
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from recorders import schema
+
+from .errors import MixedRunsError
+from .shards import Shard, check_version
+from .store import StorePath
+
+# Index files are tiny: reading them is all latency (an object store's
+# round trip), so several are read at once.
+_READERS = 16
+
+
+def read_indexes(root, rank_dirs: dict, run_id) -> dict[tuple[int, str], dict]:
+    """{(rank, shard file name): index} for every readable index of the
+    given ranks. A damaged index is ignored (its shard's footer is read)."""
+    files = []
+    for rank, d in sorted(rank_dirs.items()):
+        idir = d / schema.INDEX_DIR
+        if idir.is_dir():
+            files += [(rank, f) for f in sorted(idir.glob("part-*.json")) if not f.name.startswith(".")]
+    if not files:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(_READERS, len(files))) as pool:
+        docs = list(pool.map(lambda rf: _read(rf[1]), files))
+    out = {}
+    for (rank, f), doc in zip(files, docs):
+        if doc is None or doc.get("format") != schema.INDEX_FORMAT_NAME or doc.get("rank") != rank:
+            continue
+        check_version(doc.get("schema_version"), str(f.relative_to(root)))
+        if run_id is not None and doc.get("run_id") != run_id:
+            raise MixedRunsError(
+                f"mixed runs in {root}: {f.relative_to(root)} belongs to run {doc.get('run_id')!r}, the "
+                f"manifest to {run_id!r}; a resumed job must reuse the run id (AMP_POSTMORTEM_RUN_ID) "
+                f"or write to a new directory")
+        out[(rank, str(doc.get("shard")))] = doc
+    return out
+
+
+def shard_from_index(path, rank: int, table: str, doc: dict | None) -> Shard | None:
+    """The `Shard` the footer of `path` would give, from its pair's index."""
+    if doc is None:
+        return None
+    try:
+        expected = int(doc["tensor_bytes"] if table == schema.TENSORS_DIR else doc["step_bytes"])
+        if file_size(path) != expected:
+            return None  # damaged or replaced since: its footer tells
+        rows = int(doc["tensor_rows"] if table == schema.TENSORS_DIR else doc["step_rows"])
+        nonfinite = int(doc["nonfinite_rows"]) if table == schema.TENSORS_DIR else 0
+        return Shard(path=path, rank=rank, table=table, num_rows=rows, first_step=int(doc["first_step"]),
+                     last_step=int(doc["last_step"]), nonfinite_rows=nonfinite)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def file_size(path) -> int | None:
+    try:
+        return path.size() if isinstance(path, StorePath) else os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def _read(path) -> dict | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None

@@ -1,0 +1,327 @@
+"""Where a run is written: a local directory, or any filesystem pyarrow or
+fsspec can open (`s3://`, `gs://`, `abfs://`, `hdfs://`, ...).
+
+A local run directory is written in place, as before (hidden temporary
+file, fsync, rename). A run on a remote filesystem is written in two
+stages so that training never waits for the store:
+
+1. the writer thread writes every file, exactly as for a local run, into a
+   bounded local *spool* directory that mirrors the run's layout;
+2. an upload thread (`SpoolUploader`) copies each completed file to the
+   store as one whole object (an object store has no rename: an object
+   exists only once its upload completed, so readers never see a torn
+   shard), shards before the manifests that describe them, then deletes its
+   spooled copy (manifests are kept, they are rewritten). A failed upload is
+   retried with exponential backoff for as long as the recorder runs;
+   `close()` waits up to `upload_timeout_s` and then reports, with a
+   warning and in `AmpRecorder.upload_report`, every file that is still
+   only in the spool. Nothing is deleted from the spool before the store
+   holds it, and a later recorder on the same run and spool directory
+   uploads leftovers first.
+
+Credentials come only from each filesystem's usual environment (for S3:
+`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, profiles,
+instance roles), never from the project's files.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from . import schema
+
+# A scheme of two letters or more: "C:\runs" (a Windows drive) stays a path.
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+
+SPOOL_ENV = "AMP_POSTMORTEM_SPOOL_DIR"
+# Bounded so that a store down for hours cannot fill the training node's
+# disk; at the default 1,000 steps per shard a shard pair is ~0.1-10 MiB.
+DEFAULT_SPOOL_MAX_BYTES = 2 << 30
+DEFAULT_UPLOAD_TIMEOUT_S = 120.0
+# Backoff between attempts while the store fails: doubles from the first
+# to the last value.
+BACKOFF_S = (0.5, 30.0)
+_POLL_S = 1.0
+# Uploaded last: the files that describe the others (a reader that finds a
+# manifest or a bundle.json finds what it names).
+_DESCRIBING = (schema.MANIFEST_FILE, schema.BUNDLE_MANIFEST_FILE)
+
+
+class StorageError(ValueError):
+    """A run location that cannot be opened (bad URI, missing extra)."""
+
+
+def is_uri(location) -> bool:
+    """Whether `location` names a filesystem by URI (`s3://...`), not a local path."""
+    if isinstance(location, os.PathLike):
+        return False
+    m = _URI.match(str(location))
+    return bool(m) and m.group(1).lower() != "file"
+
+
+def local_path(location) -> Path:
+    """A local run location as a Path (`file://` URIs included)."""
+    s = os.fspath(location)
+    if isinstance(s, str) and s.lower().startswith("file://"):
+        return Path(s[len("file://"):])
+    return Path(s)
+
+
+def open_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) for a URI: pyarrow's own filesystem for
+    the schemes it knows (s3, gs, abfs, hdfs, file), else fsspec's (the `s3`
+    extra installs it) wrapped for pyarrow."""
+    uri = str(uri).rstrip("/")
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowException, ValueError) as first:
+        try:
+            from fsspec.core import url_to_fs
+        except ImportError:
+            raise StorageError(f"cannot open {uri}: {first}; install fsspec "
+                               f"(pip install 'amp-postmortem[s3]') for more filesystems") from None
+        try:
+            fs, path = url_to_fs(uri)
+        except (ImportError, ValueError) as exc:
+            raise StorageError(f"cannot open {uri}: {exc}") from None
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path.rstrip("/")
+
+
+def spool_dir_for(uri: str, rank: int, base=None) -> Path:
+    """The spool of one rank of a run: under `base` (default
+    `$AMP_POSTMORTEM_SPOOL_DIR`, else the system temp directory), one folder
+    per run URI and rank, so that ranks sharing a node never share a spool
+    and a restarted job finds its leftovers."""
+    base = base or os.environ.get(SPOOL_ENV) or os.path.join(tempfile.gettempdir(), "amp-postmortem-spool")
+    key = hashlib.sha256(str(uri).rstrip("/").encode()).hexdigest()[:16]
+    return Path(base) / f"{key}-rank{int(rank)}"
+
+
+def open_run_location(location, rank: int, *, spool_dir=None,
+                      spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES) -> tuple[Path, "SpoolUploader | None"]:
+    """(directory the writer writes, uploader or None) for a run location:
+    a local path is written in place; a URI through a spool and an uploader
+    (not started yet)."""
+    if not is_uri(location):
+        return local_path(location), None
+    uri = str(location).rstrip("/")
+    uploader = SpoolUploader(uri, spool_dir_for(uri, rank, spool_dir), max_bytes=spool_max_bytes)
+    uploader.download_describing_files(rank)
+    return uploader.spool_dir, uploader
+
+
+@dataclass
+class UploadReport:
+    """What the uploader did; `pending` lists files that are only in the spool."""
+    uri: str
+    spool_dir: str
+    uploaded_files: int = 0
+    failed_attempts: int = 0
+    last_error: str | None = None
+    pending: list[str] = field(default_factory=list)
+    spool_full_steps: int = 0  # steps not written because the spool was full
+
+    def to_dict(self) -> dict:
+        return {"uri": self.uri, "spool_dir": self.spool_dir, "uploaded_files": self.uploaded_files,
+                "failed_attempts": self.failed_attempts, "last_error": self.last_error,
+                "pending": list(self.pending), "spool_full_steps": self.spool_full_steps}
+
+
+class SpoolUploader:
+    """Mirrors a local spool directory to a remote filesystem, off the
+    training path, with retries. See the module docstring."""
+
+    def __init__(self, uri: str, spool_dir: Path, *, max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+                 filesystem: pafs.FileSystem | None = None, base: str | None = None):
+        self.uri = str(uri).rstrip("/")
+        if filesystem is None:
+            filesystem, base = open_filesystem(self.uri)
+        self.fs = filesystem
+        self.base = base.rstrip("/")
+        self.spool_dir = Path(spool_dir)
+        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = int(max_bytes)
+        self.report = UploadReport(self.uri, str(self.spool_dir))
+        self._made_dirs: set[str] = set()
+        self._uploaded_versions: dict[str, tuple[int, int]] = {}  # manifests: (mtime_ns, size) sent
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        # One sweep at a time (the thread's, or close()'s once it stopped);
+        # never held by the writer thread, which only reads sizes.
+        self._sweep_lock = threading.Lock()
+        self._backoff = 0.0
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------- remote run
+    def download_describing_files(self, rank: int) -> None:
+        """Fetch the run's and this rank's manifest into an empty spool, so a
+        resumed job continues the run (same run id) written earlier."""
+        for rel in (schema.MANIFEST_FILE, f"{schema.RANK_DIR.format(rank=rank)}/{schema.MANIFEST_FILE}"):
+            local = self.spool_dir / rel
+            if local.exists():
+                continue
+            try:
+                with self.fs.open_input_stream(f"{self.base}/{rel}") as f:
+                    data = f.read()
+            except (OSError, pa.ArrowException):
+                continue  # a new run, or the store is down: a new run id then
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(data)
+            st = local.stat()
+            self._uploaded_versions[rel] = (st.st_mtime_ns, st.st_size)
+
+    def next_shard_index(self, rank: int) -> int:
+        """First free shard number of `rank` on the store (spooled shards are
+        counted by the writer itself)."""
+        d = f"{self.base}/{schema.RANK_DIR.format(rank=rank)}/{schema.STEPS_DIR}"
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(d, allow_not_found=True))
+        except (OSError, pa.ArrowException):
+            # The store is unreachable: a resumed run's shards cannot be
+            # counted, so number after any plausible count (the time in
+            # seconds) rather than risk overwriting one. Readers order
+            # shards by their step ranges, not by number.
+            return int(time.time())
+        numbers = [int(m.group(1)) for i in infos
+                   if (m := re.match(r"^part-(\d+)\.parquet$", i.base_name))]
+        return max(numbers) + 1 if numbers else 0
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="amp-postmortem-upload", daemon=True)
+        self._thread.start()
+
+    def notify(self) -> None:
+        """New files in the spool: upload soon (never blocks)."""
+        self._wake.set()
+
+    def has_room(self) -> bool:
+        """Whether the spool may take another shard (checked by the writer
+        thread before each shard; a full spool drops the shard's steps)."""
+        return self.spool_bytes() < self.max_bytes
+
+    def count_spool_full(self, steps: int) -> None:
+        self.report.spool_full_steps += int(steps)
+
+    def spool_bytes(self) -> int:
+        total = 0
+        for dirpath, _dirs, files in os.walk(self.spool_dir):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(dirpath, f))
+                except OSError:
+                    pass
+        return total
+
+    def close(self, timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S) -> UploadReport:
+        """Upload what is left, for at most `timeout_s`, stop the thread and
+        return the report (its `pending` files stayed in the spool)."""
+        deadline = time.monotonic() + max(0.0, float(timeout_s))
+        self._closing = True
+        self._backoff = 0.0  # the last round starts at once
+        self._wake.set()
+        while True:
+            if self._thread is None or not self._thread.is_alive():
+                self._sweep()
+            if not self.pending() or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
+        self.report.pending = self.pending()
+        return self.report
+
+    def pending(self) -> list[str]:
+        """Spooled files the store does not hold yet (relative paths)."""
+        out = []
+        for rel, path in self._spooled():
+            if rel in self._uploaded_versions:
+                st = path.stat()
+                if self._uploaded_versions[rel] == (st.st_mtime_ns, st.st_size):
+                    continue
+            out.append(rel)
+        return out
+
+    # ---------------------------------------------------------- upload loop
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(_POLL_S if self._backoff == 0 else self._backoff)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            self._sweep()
+
+    def _spooled(self) -> list[tuple[str, Path]]:
+        out = []
+        for dirpath, dirs, files in os.walk(self.spool_dir):
+            # Hidden names are partial files or directories being written.
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for f in files:
+                if f.startswith("."):
+                    continue
+                p = Path(dirpath) / f
+                out.append((p.relative_to(self.spool_dir).as_posix(), p))
+        # Data first, then the files that describe it; shards by name, so the
+        # tensors of a pair come before its steps (as written locally).
+        out.sort(key=lambda rp: (rp[1].name in _DESCRIBING, schema.INDEX_DIR + "/" in rp[0],
+                                 schema.STEPS_DIR + "/" in rp[0], rp[0]))
+        return out
+
+    def _sweep(self) -> None:
+        with self._sweep_lock:
+            for rel, path in self._spooled():
+                describing = path.name == schema.MANIFEST_FILE
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue  # replaced or removed meanwhile
+                version = (st.st_mtime_ns, st.st_size)
+                if describing and self._uploaded_versions.get(rel) == version:
+                    continue
+                try:
+                    self._put(rel, path)
+                except (OSError, pa.ArrowException) as exc:
+                    self.report.failed_attempts += 1
+                    self.report.last_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    # While closing, retry often: the job is waiting to end.
+                    cap = 2.0 if self._closing else BACKOFF_S[1]
+                    self._backoff = (BACKOFF_S[0] if self._backoff == 0
+                                     else min(cap, self._backoff * 2))
+                    return  # the store is failing: retry the whole sweep later
+                self._backoff = 0.0
+                self.report.uploaded_files += 1
+                if describing:
+                    self._uploaded_versions[rel] = version
+                else:
+                    try:
+                        path.unlink()
+                    except OSError:
+                        pass
+
+    def _put(self, rel: str, path: Path) -> None:
+        data = path.read_bytes()
+        target = f"{self.base}/{rel}"
+        parent = target.rpartition("/")[0]
+        if parent and parent not in self._made_dirs and self.fs.type_name in ("local", "hdfs", "py"):
+            # Object stores need no directories (creating them costs round
+            # trips); filesystems with real directories do.
+            self.fs.create_dir(parent, recursive=True)
+            self._made_dirs.add(parent)
+        # One write of the whole object: it exists on the store only once
+        # the upload completed (an object store has no rename to hide a
+        # partial one behind).
+        with self.fs.open_output_stream(target) as out:
+            out.write(data)
