@@ -187,6 +187,7 @@ def test_sharded_rows_of_one_rank_hold_its_shard(distributed_runs):
     gain = gain[gain["name"] == "gain"]
     assert gain["numel"].tolist() == [0] * STEPS and gain["nan_count"].tolist() == [0] * STEPS
     assert gain["absmax"].isna().all()
+    assert one.steps["grad_norm"].notna().all()  # this rank's own norm, said so when the steps are read
     assert any("covers only their shards" in w for w in one.warnings)
 
 
