@@ -205,3 +205,16 @@ def test_summary_says_which_rank_went_nonfinite_first(distributed_runs):
     root, _ = distributed_runs
     origin = amp_postmortem.nans(root / "ddp").origin
     assert (origin.name, origin.phase, origin.step, origin.rank) == ("<input>", "forward", NAN_STEP, NAN_RANK)
+
+
+def test_run_id_precedence_argument_env_torchrun_existing_run(tmp_path, monkeypatch):
+    from recorders.run_id import local_run_id
+    monkeypatch.delenv("AMP_POSTMORTEM_RUN_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's value without a rendezvous id
+    fresh = local_run_id(tmp_path, 0, None)
+    assert len(fresh) == 32 and fresh != local_run_id(tmp_path, 0, None)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "elastic-7")
+    assert local_run_id(tmp_path, 0, None) == "elastic-7"
+    monkeypatch.setenv("AMP_POSTMORTEM_RUN_ID", "mine")
+    assert local_run_id(tmp_path, 0, None) == "mine"
+    assert local_run_id(tmp_path, 0, "given") == "given"
