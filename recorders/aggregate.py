@@ -88,6 +88,9 @@ def merge_rows(meta: list[tuple], stats: np.ndarray) -> dict[str, np.ndarray | l
                       ("zero_share", "mean"), ("below_normal_share", "mean"),
                       ("below_subnormal_share", "mean"), ("near_overflow_share", "mean")):
         out[name] = reduce(name, how) if full else np.full(g, _NAN)
+    # Shares stay numel-weighted (each part's sample stands for its values);
+    # the sample sizes add up like numel.
+    out["share_sample_size"] = reduce("share_sample_size", "sum") if full else np.full(g, _NAN)
     # Keep the table in execution order: phase, then order.
     phase_rank = np.array([0 if p == "forward" else 1 for p in out["phase"]])
     perm = np.lexsort((out["order"], phase_rank))

@@ -15,6 +15,13 @@ through the general path, which computes the same statistics by their
 definitions. A tensor seen twice (a container module's output is its last
 child's; one gradient reaches both) is summarised once (see `_Memo`).
 
+The full tier's threshold shares (zero, below normal, below subnormal,
+near overflow) are counted on a fixed, evenly strided sample of at most
+`schema.SHARE_SAMPLE_MAX` values (`share_sample`): each share is one
+comparison pass, and over every value of every tensor they made the full
+tier cost more than twice the step. absmax, the NaN/Inf counts, min, max,
+mean and rms stay exact over every value.
+
 Layout of the vector follows `schema.CHEAP_STATS` / `schema.FULL_STATS`.
 """
 from __future__ import annotations
@@ -55,6 +62,21 @@ def iter_tensors(obj, _depth: int = 0):
     elif hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
             yield from iter_tensors(getattr(obj, name, None), _depth + 1)
+
+
+def share_sample(d: torch.Tensor) -> torch.Tensor:
+    """The values the threshold shares are counted on: all of them up to
+    `schema.SHARE_SAMPLE_MAX`, else every `stride`-th value in row-major
+    order from the first, stride = ceil(numel / SHARE_SAMPLE_MAX). The
+    positions depend on the shape only, so each step samples the same
+    ones and a share's trend compares like with like."""
+    n = d.numel()
+    if n <= schema.SHARE_SAMPLE_MAX:
+        return d
+    stride = -(-n // schema.SHARE_SAMPLE_MAX)
+    # A view of a contiguous tensor: no copy. Otherwise reshape copies,
+    # which only the full tier pays.
+    return d.reshape(-1)[::stride]
 
 
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
@@ -135,16 +157,19 @@ def _full_stats(d, finite_abs, inv, scale, near_overflow):
     nan_t = torch.full((), math.nan, dtype=torch.float64, device=x.device)
     mn = torch.where(n_fin > 0, mn, nan_t)
     mx = torch.where(n_fin > 0, mx, nan_t)
-    a = finite_abs.to(work)
+    sample = share_sample(d)
+    m = sample.numel()
+    a = share_sample(finite_abs).to(work)
     normal, sub, over = _thresholds(scale, work, near_overflow)
     nonzero = a > 0
-    zero = (d == 0).sum().to(torch.float64) / n
-    below_normal = (nonzero & (a < normal)).sum().to(torch.float64) / n
-    below_sub = (nonzero & (a < sub)).sum().to(torch.float64) / n
-    near = (a >= over).sum().to(torch.float64) / n
+    zero = (sample == 0).sum().to(torch.float64) / m
+    below_normal = (nonzero & (a < normal)).sum().to(torch.float64) / m
+    below_sub = (nonzero & (a < sub)).sum().to(torch.float64) / m
+    near = (a >= over).sum().to(torch.float64) / m
     if inv is not None:
         mn, mx, mean, rms = mn * inv, mx * inv, mean * inv, rms * inv
-    return [mn, mx, mean, rms, zero, below_normal, below_sub, near]
+    size = torch.full((), float(m), dtype=torch.float64, device=x.device)
+    return [mn, mx, mean, rms, zero, below_normal, below_sub, near, size]
 
 
 # ------------------------------------------------------------ host fast path
@@ -205,8 +230,11 @@ def _host_stats(d, full, scale, near_overflow):
     else:
         rms = float(torch.sqrt(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2 / n))
     normal, sub, over = _thresholds(scale, work, near_overflow)
-    a = x.abs()
+    a = share_sample(x).abs()
+    m = a.numel()
     absmin = float(a.amin())
+    # The extremes of every value bound the sample's: none of them near
+    # overflow means none in the sample either.
     absmax_w = max(abs(mn), abs(mx))  # exact in the working dtype
     zeros = 0 if absmin > 0 else int(torch.count_nonzero(a == 0))
 
@@ -226,7 +254,7 @@ def _host_stats(d, full, scale, near_overflow):
     if inv is not None:
         mn, mx, mean, rms = mn * inv, mx * inv, mean * inv, rms * inv
     return [absmax, 0.0, 0.0, math.nan, mn, mx, mean, rms,
-            zeros / n, below_normal / n, below_sub / n, near / n]
+            zeros / m, below_normal / m, below_sub / m, near / m, float(m)]
 
 
 def _with_input(stats, input_nonfinite, device):

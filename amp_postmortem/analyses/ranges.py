@@ -20,7 +20,10 @@ For each layer (module name and row kind: `input`, `activation`,
   wherever its input was negative), so they count only when the typical
   non-zero value (RMS over the non-zero values) lies within
   `FLUSH_MARGIN_BITS` of the normal limit: there the zeros are values the
-  float16 range flushed, not a mask. `zero_share` is reported beside it.
+  float16 range flushed, not a mask. `zero_share` is reported beside it,
+  and `share_sample_size`: how many values of the tensor the shares were
+  counted on (the recorder samples at most 65,536 per tensor; null for runs
+  recorded before the format said).
 
 Flags (float16 rows only; a bfloat16 or float32 tensor has no 65504 limit):
 - `overflow_risk`: an `input`/`activation` row with less than
@@ -61,9 +64,9 @@ MIN_TREND_POINTS = 5
 MAX_THEILSEN_POINTS = 200     # Theil-Sen is O(n^2) per layer: subsample evenly above this
 
 _COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "dtype", "absmax", "nan_count",
-            "inf_count", "zero_share", "below_normal_share", "rms"]
+            "inf_count", "zero_share", "below_normal_share", "rms", "share_sample_size"]
 LAYER_COLUMNS = ["name", "kind", "dtype", "step", "absmax", "headroom_bits", "headroom_trend_per_kstep",
-                 "overflow_forecast_step", "underflow_share", "zero_share", "flags"]
+                 "overflow_forecast_step", "underflow_share", "zero_share", "share_sample_size", "flags"]
 
 
 @dataclass
@@ -101,6 +104,10 @@ class RangesReport:
             if len(hit):
                 names = ", ".join(sorted({_display(n) for n in hit["name"]}))
                 out.append(f"{flag}: {len(hit)} row(s): {names}")
+                if flag == "underflow":
+                    worst = hit.sort_values("underflow_share", ascending=False, kind="stable").iloc[0]
+                    out.append(f"worst underflow: {_display(worst['name'])} {worst['kind']}, "
+                               f"{worst['underflow_share']:.0%} of {sampled_values(worst['share_sample_size'])}")
         if self.full_tier_steps == 0:
             out.append("no full-tier step in the window: underflow shares unknown")
         return out
@@ -123,7 +130,10 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         phase=("phase", "first"), order=("order", "min"),
         zero_share=("zero_share", "mean"), below_normal_share=("below_normal_share", "mean"),
         rms=("rms", "max"),
+        share_sample_size=("share_sample_size", "sum"), sampled_parts=("share_sample_size", "count"),
     ).reset_index().sort_values("step", kind="stable")
+    # A sum over nothing but nulls (cheap tier, or a run without the column) is unknown, not 0.
+    per_step.loc[per_step["sampled_parts"] == 0, "share_sample_size"] = np.nan
     full_steps = df.loc[df["below_normal_share"].notna(), "step"].nunique()
 
     rows = []
@@ -149,10 +159,12 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
                 forecast = int(step + math.ceil(headroom / -slope))
 
         full = g[g["below_normal_share"].notna() & ~g["bad"]]
-        underflow = zeros = None
+        underflow = zeros = sampled = None
         if len(full):
             zeros = float(full["zero_share"].median())
             underflow = float((full["below_normal_share"] + _flushed_zeros(full)).median())
+            sizes = full["share_sample_size"].dropna()
+            sampled = int(sizes.median()) if len(sizes) else None
 
         flags = []
         fp16 = latest["dtype"] == "float16"
@@ -170,14 +182,22 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         rows.append({"name": name, "kind": kind, "dtype": latest["dtype"], "step": step, "absmax": absmax,
                      "headroom_bits": headroom, "headroom_trend_per_kstep": trend,
                      "overflow_forecast_step": forecast, "underflow_share": underflow, "zero_share": zeros,
-                     "flags": flags, "_phase": 0 if latest["phase"] == "forward" else 1,
+                     "share_sample_size": sampled, "flags": flags, "_phase": 0 if latest["phase"] == "forward" else 1,
                      "_order": int(latest["order"])})
     layers = pd.DataFrame(rows).sort_values(["_phase", "_order"], kind="stable")
     layers = layers[LAYER_COLUMNS].reset_index(drop=True)
-    for col in ("step", "overflow_forecast_step"):
+    for col in ("step", "overflow_forecast_step", "share_sample_size"):
         layers[col] = layers[col].astype("Int64")  # integers with missing values
     return RangesReport(layers=layers, first_step=int(per_step["step"].min()), last_step=last,
                         full_tier_steps=int(full_steps))
+
+
+def sampled_values(size) -> str:
+    """How many values a share was counted on, for sentences: "50,000
+    sampled values", or "its values" for a run that did not record it."""
+    if size is None or pd.isna(size):
+        return "its values"
+    return f"{int(size):,} sampled values"
 
 
 def zeros_look_flushed(zero_share, rms) -> bool:

@@ -22,7 +22,7 @@ import pandas as pd
 
 from ..loader import Run
 from .nans import find_nans
-from .ranges import WINDOW, layer_ranges
+from .ranges import WINDOW, layer_ranges, sampled_values
 from .scale import scale_dynamics, underflow_phrase
 
 FINDING_KINDS = ("nonfinite", "scale_collapse", "stuck_low_scale", "grad_underflow", "overflow_risk", "healthy")
@@ -144,7 +144,8 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
         findings.append(Finding(
             "grad_underflow", "warning", int(worst["step"]), worst["name"],
             f"{len(under)} gradient(s) underflow in float16 at the recorded scale: "
-            f"{_display(worst['name'])} has {worst['underflow_share']:.0%} of its values below the normal "
+            f"{_display(worst['name'])} has {worst['underflow_share']:.0%} of "
+            f"{sampled_values(worst['share_sample_size'])} below the normal "
             f"limit 6.1e-5 (scale {scale.final_scale if scale.final_scale is not None else 'none'})",
             f"amp-postmortem ranges {target}",
             {"layers": [str(n) for n in under["name"]], "underflow_share": float(worst["underflow_share"])}))
