@@ -203,8 +203,8 @@ def _work_float_cached(value: float, work) -> float:
 
 
 def _host_stats(d, full, scale, near_overflow):
-    """Statistics of a CPU tensor with only finite values, or None when it
-    holds a NaN or an Inf. Same definitions and the same floating-point
+    """Statistics of a CPU tensor (see `_host_nonfinite_stats` for one with a
+    NaN or an Inf; None sends it to the general path). Same definitions and the same floating-point
     operations as `_device_stats`; passes whose result the extremes decide
     (every |x| above a threshold, or none) are skipped."""
     if d.dtype not in _FLOATING or d.numel() == 0:
@@ -212,7 +212,7 @@ def _host_stats(d, full, scale, near_overflow):
     mn_t, mx_t = torch.aminmax(d)
     mn, mx = float(mn_t), float(mx_t)
     if not (math.isfinite(mn) and math.isfinite(mx)):
-        return None
+        return _host_nonfinite_stats(d, full, scale)
     absmax = max(abs(mn), abs(mx))
     inv = None
     if scale is not None:
@@ -255,6 +255,34 @@ def _host_stats(d, full, scale, near_overflow):
         mn, mx, mean, rms = mn * inv, mx * inv, mean * inv, rms * inv
     return [absmax, 0.0, 0.0, math.nan, mn, mx, mean, rms,
             zeros / m, below_normal / m, below_sub / m, near / m, float(m)]
+
+
+def _host_nonfinite_stats(d, full, scale):
+    """Statistics of a CPU tensor holding a NaN or an Inf, in a few boolean
+    passes: a diverged job has NaN in nearly every tensor of every step, and
+    the general path's ~10 full passes made the recorder cost more than the
+    step. Same values as `_device_stats`. None (general path) for a full-tier
+    tensor with finite values left: its min/max/mean/rms need the
+    definitions."""
+    fin = torch.isfinite(d)
+    n_fin = int(fin.count_nonzero())
+    if full and n_fin:
+        return None
+    nan = int(torch.isnan(d).count_nonzero())
+    inf = d.numel() - n_fin - nan
+    absmax = 0.0  # no finite value: the definitions' amax over zeros
+    if n_fin:
+        absmax = float(torch.where(fin, d.abs(), torch.zeros((), dtype=d.dtype)).amax())
+        if scale is not None:
+            absmax = absmax * (1.0 / float(scale.to(torch.float64)))
+    if not full:
+        return [absmax, float(nan), float(inf), math.nan]
+    # Nothing finite: min/max/mean/rms are null, and a NaN or an Inf is
+    # neither zero, nor below a threshold, nor counted near overflow (the
+    # definitions compare the finite magnitudes, zero for these).
+    m = float(share_sample(d).numel())
+    return [absmax, float(nan), float(inf), math.nan, math.nan, math.nan, math.nan, math.nan,
+            0.0, 0.0, 0.0, 0.0, m]
 
 
 def _with_input(stats, input_nonfinite, device):

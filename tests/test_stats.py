@@ -46,6 +46,31 @@ def test_cpu_fast_path_equals_the_definitions_bit_for_bit(dtype, full, scale, un
         assert torch.equal(fast.nan_to_num(nan=-7.0), ref.nan_to_num(nan=-7.0)), label
 
 
+def _nonfinite_cases():
+    g = torch.Generator().manual_seed(1)
+    mixed = torch.randn(5000, generator=g)
+    mixed[3], mixed[9], mixed[11] = math.inf, math.nan, -math.inf
+    yield "mixed", mixed
+    yield "all nan", torch.full((300,), math.nan)
+    yield "all inf", torch.full((7,), -math.inf)
+    nan_inf = torch.full((100_000,), math.nan)
+    nan_inf[::3] = math.inf
+    yield "nan and inf, sampled", nan_inf
+    yield "scalar nan", torch.tensor(math.nan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("scale", [None, 1024.0])
+def test_cpu_nonfinite_path_equals_the_definitions_bit_for_bit(dtype, full, scale):
+    for label, x in _nonfinite_cases():
+        x = x.to(dtype)
+        s = None if scale is None else torch.tensor(scale)
+        fast = stats.tensor_stats(x, full=full, scale=s, unscale=s is not None)
+        ref = stats._device_stats(x.detach(), full, None, s, 65504.0)
+        assert torch.equal(fast.nan_to_num(nan=-7.0), ref.nan_to_num(nan=-7.0)), label
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_nonfinite_values_take_the_general_path(dtype):
     x = torch.randn(100).to(dtype)
