@@ -1,3 +1,260 @@
 """amp-postmortem analyzer: reads a recorded run on any machine and answers
-the post-mortem questions of a diverged mixed-precision training job."""
+the post-mortem questions of a diverged mixed-precision training job.
+
+This module is the Python API, and the command line mirrors it: one function
+per command, with the command's name (`scale-window` -> `scale_window`) and
+its options as keyword arguments (`--from-step` -> `from_step`). Each takes
+the run first (a path, a path string, or a `Run` from `load_run`; `compare`
+takes two) and returns the command's result, whose `to_dict()` is what the
+command prints with `--json`, `lines()` and `table()` what it prints
+without:
+
+    import amp_postmortem
+    amp_postmortem.nans("runs/exp1", from_step=1000).to_dict()
+    amp_postmortem.fix("runs/exp1", step=79, model="train.py:make_model").fix
+
+Importing it imports neither torch nor pandas: the table commands run where
+torch is absent; `replay`, `fix`, `bisect`, `load_bundle` and the replayed
+`scale_window` and `recommend` import torch when called. Errors the user can
+fix are `errors.PostmortemError`s with one-line messages.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+from .names import DEVICES, PRECISIONS, REDUCED_PRECISIONS
+
 __version__ = "0.1.0"
+
+__all__ = ["load_run", "load_bundle", "summary", "nans", "scale", "ranges", "compare", "replay", "fix",
+           "bisect", "scale_window", "recommend"]
+
+# The CLI's option defaults are read from these signatures;
+# tests/test_api.py checks them against the analyses' own defaults.
+
+
+# ------------------------------------------------------------------ loading
+def load_run(run, *, rank: int | None = None, progress=None):
+    """The validated run at `run` (a path or path string; a loaded `Run` is
+    returned as is, or re-opened for `rank`). `progress(label, done, total)`
+    is called while long scans run."""
+    from .loader import Run, load_run as load
+    if isinstance(run, Run):
+        if rank is not None and run.ranks != [int(rank)]:
+            run = load(run.path, rank=rank)
+    else:
+        run = load(run, rank=rank)
+    if progress is not None:
+        run.progress = progress
+    return run
+
+
+def load_bundle(path, *, step: int | None = None, rank: int | None = None):
+    """A replay bundle, checked (checksums, version): a bundle directory, or
+    a run directory with `step` (and `rank`; default: the lowest that saved
+    one). Imports torch."""
+    from .bundle import load_bundle as load
+    return load(_path(path), step=step, rank=rank)
+
+
+# -------------------------------------------------------- table commands
+def summary(run, *, rank: int | None = None, window: int = 1000, progress=None):
+    """Run facts and findings, most severe first (`amp-postmortem summary`).
+    `window`: the last N steps `ranges` judges (0: the whole run)."""
+    from .analyses.summary import summarize
+    r = load_run(run, rank=rank, progress=progress)
+    return _result(summarize(r, window=window), r)
+
+
+def nans(run, *, rank: int | None = None, from_step: int | None = None, to_step: int | None = None,
+         progress=None):
+    """Layers by first NaN/Inf and the origins (`amp-postmortem nans`)."""
+    from .analyses.nans import find_nans
+    r = load_run(run, rank=rank, progress=progress)
+    return _result(find_nans(r, from_step=from_step, to_step=to_step), r)
+
+
+def scale(run, *, rank: int | None = None, progress=None):
+    """Loss-scale dynamics (`amp-postmortem scale`)."""
+    from .analyses.scale import scale_dynamics
+    r = load_run(run, rank=rank, progress=progress)
+    return _result(scale_dynamics(r), r)
+
+
+def ranges(run, *, rank: int | None = None, window: int = 1000, progress=None):
+    """float16 headroom, trend and underflow per layer over the last
+    `window` steps (0: the whole run) (`amp-postmortem ranges`)."""
+    from .analyses.ranges import layer_ranges
+    r = load_run(run, rank=rank, progress=progress)
+    return _result(layer_ranges(r, window=window or None), r)
+
+
+def compare(run_a, run_b, *, rank: int | None = None, threshold: float = 0.1, persist: int = 3, progress=None):
+    """Where two runs part (`amp-postmortem compare`)."""
+    from .analyses.compare import compare_runs
+    a = load_run(run_a, rank=rank, progress=progress)
+    b = load_run(run_b, rank=rank, progress=progress)
+    return _result(compare_runs(a, b, threshold=threshold, persist=persist), a, b)
+
+
+# ------------------------------------------------------- replay commands
+# `model`: a spec (`package.module:factory` or `path/to/file.py:factory`), an
+# `nn.Module`, a no-argument factory, or None (the recorded class).
+# `loss_fn(output, micro_batch)`: a callable or a spec naming one; gives the
+# losses (and a finite backward start) when the model does not return its loss.
+
+def replay(run, *, step: int, rank: int | None = None, model=None, device: str = "cpu",
+           precisions=PRECISIONS, policy: str = "recorded", anomaly: bool = False, loss_fn=None):
+    """Replay a saved step per precision and name the culprit (`amp-postmortem
+    replay`). `run` may also be a bundle directory or a loaded `Bundle`."""
+    _check_device(device)
+    from .replay import replay as run_replay
+    from .replay.model_spec import resolve_loss_fn
+    return _result(run_replay(_source(run), step, rank=rank, model=model, device=device, precisions=precisions,
+                              policy=policy, anomaly=anomaly, loss_fn=resolve_loss_fn(loss_fn)))
+
+
+def fix(run, *, step: int, rank: int | None = None, model=None, device: str = "cpu", policy: str = "recorded",
+        precision: str | None = None, loss_fn=None, max_candidates: int = 12, max_set: int = 4, progress=None):
+    """Which module kept in float32 saves the step (`amp-postmortem fix`).
+    `precision` (fp16, bf16; default: the recorded one) asks what a step
+    recorded without autocast would do in it."""
+    _check_device(device, precision)
+    from .replay.model_spec import resolve_loss_fn
+    from .whatif.fix import find_fix
+    return _result(find_fix(_source(run), step, rank=rank, model=model, device=device, policy=policy,
+                            precision=precision, loss_fn=resolve_loss_fn(loss_fn), max_candidates=max_candidates,
+                            max_set=max_set, progress=progress))
+
+
+def bisect(run, *, step: int, rank: int | None = None, model=None, device: str = "cpu", policy: str = "recorded",
+           precision: str | None = None, loss_fn=None, keep_fp32=(), max_replays: int = 256, progress=None):
+    """Which samples of the saved batch make the step fail (`amp-postmortem
+    bisect`); `keep_fp32` replays with those modules kept in float32."""
+    _check_device(device, precision)
+    from .replay.model_spec import resolve_loss_fn
+    from .whatif.bisect import bisect_samples
+    return _result(bisect_samples(_source(run), step, rank=rank, model=model, device=device, policy=policy,
+                                  precision=precision, loss_fn=resolve_loss_fn(loss_fn),
+                                  fp32_modules=_names(keep_fp32), max_replays=max_replays, progress=progress))
+
+
+def scale_window(run, *, step: int | None = None, rank: int | None = None, model=None, device: str = "cpu",
+                 policy: str = "recorded", precision: str | None = None, loss_fn=None, scales=(-16, 40),
+                 max_underflow: float = 0.05, keep_fp32=(), progress=None):
+    """The safe loss-scale window (`amp-postmortem scale-window`): replayed
+    at every scale 2^k, k in `scales` = (min, max), when `model` is given
+    (with `step`), and estimated from the recorded statistics whenever `run`
+    is a run (no torch)."""
+    from .errors import OptionError
+    from .whatif.scale_window import ScaleWindowReport
+    lo, hi = (int(k) for k in scales)
+    if lo > hi:
+        raise OptionError(f"scales {lo}:{hi} is an empty range; give MIN:MAX with MIN <= MAX (e.g. -16:40)")
+    is_run = _is_run(run)
+    replayed = estimate = opened = None
+    if model is not None:
+        _check_device(device, precision)
+        if step is None and is_run:
+            raise OptionError("a replay (--model) needs the step of a saved bundle: give --step N")
+        from .replay.model_spec import resolve_loss_fn
+        from .whatif.scale_window import replay_scale_window
+        replayed = replay_scale_window(_source(run), step, rank=rank, model=model, device=device, policy=policy,
+                                       precision=precision, loss_fn=resolve_loss_fn(loss_fn),
+                                       fp32_modules=_names(keep_fp32), scales=(lo, hi),
+                                       max_underflow=max_underflow, progress=progress)
+    if is_run or model is None:
+        from .whatif.scale_estimate import estimate_scale_window
+        opened = load_run(run, rank=rank, progress=progress)
+        estimate = estimate_scale_window(opened, step, scales=(lo, hi), max_underflow=max_underflow)
+    return _result(ScaleWindowReport(replay=replayed, estimate=estimate), *([opened] if opened else []))
+
+
+def recommend(run, *, rank: int | None = None, model=None, step: int | None = None, device: str = "cpu",
+              policy: str = "recorded", loss_fn=None, progress=None):
+    """What to change, with evidence (`amp-postmortem recommend`): from the
+    recorded statistics, or from what-if replays of a bundle when `model`
+    is given (`step`, else `analyses.bundle_choice.pick_bundle`'s)."""
+    from .advice import recommend as advise
+    if model is not None:
+        _check_device(device)
+    r = load_run(run, rank=rank, progress=progress)
+    if loss_fn is not None:
+        from .replay.model_spec import resolve_loss_fn
+        loss_fn = resolve_loss_fn(loss_fn)
+    return _result(advise(r, model=model, step=step, rank=rank, device=device, policy=policy, loss_fn=loss_fn,
+                          progress=progress), r)
+
+
+# ----------------------------------------------------------------- helpers
+def _result(report, *runs):
+    """The command's result: the report with the loaders' `warnings`, and a
+    `to_dict()` that adds them: exactly the document `--json` prints."""
+    from recorders.plain import plain
+    warnings: list[str] = []
+    for r in runs:
+        warnings.extend(w for w in r.warnings if w not in warnings)
+    to_dict = report.to_dict
+
+    def with_warnings() -> dict:
+        doc = to_dict()
+        return plain({**doc, "warnings": report.warnings} if "warnings" not in doc else doc)
+
+    report.warnings = warnings
+    report.to_dict = with_warnings
+    return report
+
+
+def _path(run):
+    from pathlib import Path
+    return Path(getattr(run, "path", run))
+
+
+def _loaded(run, module: str, cls: str) -> bool:
+    """Whether `run` is a `cls` of `module`, without importing it (if the
+    module was never imported, `run` cannot be one)."""
+    mod = sys.modules.get(module)
+    return mod is not None and isinstance(run, getattr(mod, cls))
+
+
+def _source(run):
+    """What the replays take: a loaded bundle as is, else a directory."""
+    return run if _loaded(run, "amp_postmortem.bundle", "Bundle") else _path(run)
+
+
+def _is_run(run) -> bool:
+    from recorders import schema
+    return _loaded(run, "amp_postmortem.loader", "Run") or (_path(run) / schema.MANIFEST_FILE).is_file()
+
+
+def _check_device(device: str, precision: str | None = None) -> None:
+    """Values the replays would only fail on later, named now."""
+    from .errors import DeviceError, PrecisionError
+    if device not in DEVICES:
+        raise DeviceError(f"device {device!r} is not one of {', '.join(DEVICES)}")
+    if precision is not None and precision not in REDUCED_PRECISIONS:
+        raise PrecisionError(f"precision {precision!r} is not one of {', '.join(REDUCED_PRECISIONS)} "
+                             "(the what-ifs replay a reduced precision)")
+
+
+def _names(modules) -> tuple:
+    """Module names from a list or a comma-separated string."""
+    if isinstance(modules, str):
+        modules = modules.split(",")
+    return tuple(m.strip() for m in modules if m.strip())
+
+
+class _API(types.ModuleType):
+    """The engine package `amp_postmortem.replay` shares its name with the
+    API function `replay`: importing the package would set this module's
+    attribute `replay` to it. The function keeps the name; the package stays
+    importable by its full name (`from amp_postmortem.replay import ...`)."""
+
+    def __setattr__(self, name, value):
+        if name == "replay" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _API

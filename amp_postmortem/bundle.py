@@ -138,6 +138,8 @@ def load_bundle(path, step: int | None = None, rank: int | None = None) -> Bundl
 def _read_meta(meta_path: Path) -> dict:
     try:
         meta = json.loads(meta_path.read_bytes())
+    except OSError as exc:  # e.g. no permission: the user's to fix
+        raise BundleError(f"cannot read {meta_path} ({type(exc).__name__}: {exc.strerror or exc})") from None
     except (ValueError, UnicodeDecodeError):
         raise BundleError(f"{meta_path} is truncated or not JSON") from None
     if not isinstance(meta, dict) or meta.get("format") != schema.BUNDLE_FORMAT_NAME:
@@ -170,7 +172,11 @@ def _check_files(path: Path, meta: dict) -> None:
         size = f.stat().st_size
         if size < info["bytes"]:
             raise BundleError(f"{path}: {name} is truncated ({size} of {info['bytes']} bytes)")
-        if size != info["bytes"] or file_sha256(f) != info["sha256"]:
+        try:
+            digest = file_sha256(f) if size == info["bytes"] else None
+        except OSError as exc:  # e.g. no permission: the user's to fix
+            raise BundleError(f"cannot read {f} ({type(exc).__name__}: {exc.strerror or exc})") from None
+        if digest != info["sha256"]:
             raise BundleError(f"{path}: {name} fails its sha256 check (tampered with or damaged)")
 
 

@@ -1,12 +1,17 @@
-"""`amp-postmortem`: the command line. It holds no logic: each command parses
-its options, calls one analysis and returns the report to the shared output
-path (`output.py`).
+"""`amp-postmortem`: the command line, a thin layer over the Python API
+(`amp_postmortem/__init__.py`). Each command parses its options, calls the
+API function of the same name with them as keyword arguments, and returns
+the result to the one output path (`output.py`).
 
-Adding a command: a small function under `@main.command()`, decorated with
-`run_options` (RUN and --rank) and `output_options(...)`, that imports what
-it needs inside its body (so `--help` and the other commands never import
-torch or pay for another command's dependencies) and returns a report.
-Library errors (`PostmortemError`) become `Error: ...` and exit code 2.
+Adding a command: add its function to the API first, then a small function
+under `@main.command()`, decorated with `run_options` (RUN and --rank), its
+options (defaults read from the API function with `api_default`) and
+`output_options(...)`, that returns `api.<command>(run, **options)`.
+
+Errors: a `PostmortemError` (the user's to fix) becomes one line
+`Error: ...` and exit code 2, like click's usage errors; any other exception
+is a bug: exit code 1 with one line `Error: internal error: ...`, and the
+traceback with `--debug` (or AMP_POSTMORTEM_DEBUG=1).
 """
 from __future__ import annotations
 
@@ -14,45 +19,56 @@ import os
 
 import click
 
-from .output import open_run, output_options, run_options
+import amp_postmortem as api
+
+from .errors import PostmortemError
+from .names import FINDING_KINDS
+from .output import StderrProgress, api_default, output_options, run_options
 
 EXIT_USAGE = 2  # unusable input, like click's usage errors
+EXIT_BUG = 1    # an unexpected exception: a bug to report
 
 
 class CliError(click.ClickException):
     exit_code = EXIT_USAGE
 
 
+class InternalError(click.ClickException):
+    exit_code = EXIT_BUG
+
+
 class _Group(click.Group):
-    """Turns library errors into one `Error: ...` line and exit code 2."""
+    """Turns library errors into one `Error: ...` line (exit 2) and bugs into
+    one `Error: internal error: ...` line (exit 1)."""
 
     def invoke(self, ctx):
-        from .errors import PostmortemError
+        debug = ctx.params.get("debug") or os.environ.get("AMP_POSTMORTEM_DEBUG")
         try:
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except PostmortemError as exc:
+            if debug:
+                raise
             raise CliError(str(exc)) from None
         except BrokenPipeError:
             # `amp-postmortem nans RUN | head`: the reader left early; not an
             # error. Point stdout at /dev/null so the final flush is quiet.
             os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
             raise click.exceptions.Exit(0) from None
-        except (OSError, ValueError) as exc:
-            if os.environ.get("AMP_POSTMORTEM_DEBUG"):
+        except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback on request
+            if debug:
                 raise
-            raise CliError(f"{type(exc).__name__}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - never a traceback for a user
-            if os.environ.get("AMP_POSTMORTEM_DEBUG"):
-                raise
-            raise CliError(f"internal error: {type(exc).__name__}: {exc} "
-                           f"(set AMP_POSTMORTEM_DEBUG=1 for the traceback)") from None
+            text = (str(exc).strip().splitlines() or [""])[0]
+            raise InternalError(f"internal error: {type(exc).__name__}: {text} "
+                                f"(re-run with --debug for the traceback)") from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="amp-postmortem")
-def main():
+@click.option("--debug", is_flag=True,
+              help="Show the traceback of an error instead of one line (also AMP_POSTMORTEM_DEBUG=1).")
+def main(debug):
     """Post-mortems of mixed-precision (AMP) training runs recorded by
     `recorders.AmpRecorder`. Start with `summary`:
 
@@ -60,8 +76,10 @@ def main():
         amp-postmortem summary runs/exp1
 
     Every command takes the run directory, prints a readable table, and
-    takes --json (and --csv for tables) for machines. Exit code 0 when the
-    analysis ran, 2 for unusable input.
+    takes --json (and --csv for tables) for machines. Each is also a Python
+    function: `amp_postmortem.summary("runs/exp1").to_dict()` is what
+    `--json` prints. Exit code 0 when the analysis ran, 2 for unusable
+    input, 1 for an internal error.
     """
 
 
@@ -70,7 +88,7 @@ def main():
 @click.option("--from-step", type=int, default=None, help="Ignore steps before this one.")
 @click.option("--to-step", type=int, default=None, help="Ignore steps after this one.")
 @output_options(csv=True)
-def nans(run_dir, rank, from_step, to_step):
+def nans(run, **options):
     """Rank layers by their first NaN/Inf and name the origin.
 
     Order: by first step; within a step forward before backward, then in the
@@ -84,14 +102,13 @@ def nans(run_dir, rank, from_step, to_step):
         amp-postmortem nans runs/exp1
         amp-postmortem nans runs/exp1 --from-step 1000 --json
     """
-    from .analyses.nans import find_nans
-    return find_nans(open_run(run_dir, rank), from_step=from_step, to_step=to_step)
+    return api.nans(run, **options, progress=StderrProgress())
 
 
 @main.command()
 @run_options
 @output_options(csv=False)
-def scale(run_dir, rank):
+def scale(run, **options):
     """Loss-scale dynamics: healthy, collapse, stuck_low, growth_blocked or
     no_scaler, with the onset and rate of a collapse, skip rates before and
     after it, the longest skip streak, the step at which the scale would make
@@ -102,16 +119,15 @@ def scale(run_dir, rank):
         amp-postmortem scale runs/exp1
         amp-postmortem scale runs/exp1 --json | jq .status
     """
-    from .analyses.scale import scale_dynamics
-    return scale_dynamics(open_run(run_dir, rank))
+    return api.scale(run, **options, progress=StderrProgress())
 
 
 @main.command()
 @run_options
-@click.option("--window", type=click.IntRange(min=0), default=1000, show_default=True,
+@click.option("--window", type=click.IntRange(min=0), default=api_default(api.ranges, "window"), show_default=True,
               help="Analyse the last N recorded steps (0: the whole run).")
 @output_options(csv=True)
-def ranges(run_dir, rank, window):
+def ranges(run, **options):
     """Per layer float16 range: headroom to overflow in bits
     (log2(65504/absmax)) and its trend, the step at which the trend reaches
     zero headroom, and the share of gradient values in the float16
@@ -121,12 +137,10 @@ def ranges(run_dir, rank, window):
         amp-postmortem ranges runs/exp1
         amp-postmortem ranges runs/exp1 --window 0 --csv > ranges.csv
     """
-    from .analyses.ranges import layer_ranges
-    return layer_ranges(open_run(run_dir, rank), window=window or None)
+    return api.ranges(run, **options, progress=StderrProgress())
 
 
 def _fail_on(ctx, param, value):
-    from .analyses.summary import FINDING_KINDS
     if not value:
         return set()
     kinds = {k.strip() for k in value.split(",") if k.strip()}
@@ -139,11 +153,13 @@ def _fail_on(ctx, param, value):
 
 @main.command()
 @run_options
+@click.option("--window", type=click.IntRange(min=0), default=api_default(api.summary, "window"), show_default=True,
+              help="Judge float16 ranges over the last N recorded steps (0: the whole run), as `ranges`.")
 @click.option("--fail-on", metavar="KIND[,KIND]", callback=_fail_on, default=None,
-              help="Exit with code 1 when a finding of these kinds exists (for CI): nonfinite, "
-                   "scale_collapse, stuck_low_scale, grad_underflow, overflow_risk, healthy.")
+              help="Exit with code 1 when a finding of these kinds exists (for CI): "
+                   + ", ".join(FINDING_KINDS) + ".")
 @output_options(csv=True)
-def summary(run_dir, rank, fail_on):
+def summary(run, fail_on, **options):
     """Run facts and findings (non-finite values, loss-scale collapse, low
     scale, gradient underflow, overflow risk) most severe first, each with
     its evidence and the next command to run.
@@ -152,8 +168,7 @@ def summary(run_dir, rank, fail_on):
         amp-postmortem summary runs/exp1
         amp-postmortem summary runs/exp1 --fail-on nonfinite,scale_collapse
     """
-    from .analyses.summary import summarize
-    report = summarize(open_run(run_dir, rank))
+    report = api.summary(run, **options, progress=StderrProgress())
     failing = fail_on & report.kinds()
     return report, (1 if failing else 0)
 

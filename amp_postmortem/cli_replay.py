@@ -1,19 +1,26 @@
-"""`amp-postmortem replay`: the CLI face of `amp_postmortem.replay.replay`.
+"""`amp-postmortem replay`: the CLI face of `amp_postmortem.replay`.
 
-No logic here: parse the options, call `replay(...)`, return the result to
-the shared output path (`output.py`: a readable report and table, `--json`,
-`--csv`). Library errors become `Error: ...` and exit code 2 in `cli.main`.
+No logic here: parse the options, call the API function, return the result
+to the shared output path (`output.py`: a readable report and table,
+`--json`, `--csv`). Errors become one `Error: ...` line in `cli.main`.
 Registered in `cli.py`.
 """
 from __future__ import annotations
 
-import click
-
 from pathlib import Path
 
-from .output import output_options
+import click
 
-PRECISIONS = ("fp64", "fp32", "fp16", "bf16")
+import amp_postmortem as api
+
+from .names import DEVICES, POLICIES, PRECISIONS
+from .output import api_default, output_options
+
+MODEL_HELP = ("package.module:factory or path/to/file.py:factory returning the model "
+              "(default: the recorded class, built with no arguments).")
+LOSS_FN_HELP = ("package.module:function or path/to/file.py:function, called as loss_fn(output, micro_batch), "
+                "giving the loss when the model does not return it (and a finite backward start when the "
+                "saved gradient of the loss is NaN/Inf).")
 
 
 def _precisions(ctx, param, value):
@@ -25,25 +32,23 @@ def _precisions(ctx, param, value):
 
 
 @click.command("replay")
-@click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))
+@click.argument("run", metavar="RUN", type=click.Path(path_type=Path))
 @click.option("--rank", type=click.IntRange(min=0), default=None,
               help="The rank whose bundle to replay (default: the lowest rank that saved one).")
 @click.option("--step", type=int, required=True, help="The step whose bundle to replay.")
-@click.option("--model", "model_spec", default=None, metavar="SPEC",
-              help="package.module:factory or path/to/file.py:factory returning the model "
-                   "(default: the recorded class, built with no arguments).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+@click.option("--model", metavar="SPEC", default=None, help=MODEL_HELP)
+@click.option("--loss-fn", metavar="SPEC", default=None, help=LOSS_FN_HELP)
+@click.option("--device", type=click.Choice(DEVICES), default=api_default(api.replay, "device"), show_default=True,
               help="Where to replay.")
-@click.option("--precisions", default=",".join(PRECISIONS), show_default=True, callback=_precisions,
-              help="Comma-separated precisions; fp64, the reference, always runs.")
-@click.option("--policy", type=click.Choice(["recorded", "cuda", "cpu"]), default="recorded",
-              show_default=True,
+@click.option("--precisions", default=",".join(api_default(api.replay, "precisions")), show_default=True,
+              callback=_precisions, help="Comma-separated precisions; fp64, the reference, always runs.")
+@click.option("--policy", type=click.Choice(POLICIES), default=api_default(api.replay, "policy"), show_default=True,
               help="Autocast policy of the fp16/bf16 runs: the recording device's, CUDA's or the CPU's.")
 @click.option("--anomaly", is_flag=True,
               help="Re-run the failing precision under torch.autograd.detect_anomaly and say what it found: "
                    "the op, the first backward op holding NaN/Inf, or why anomaly mode raised nothing.")
 @output_options(csv=True)
-def replay_command(run_dir, rank, step, model_spec, device, precisions, policy, anomaly):
+def replay_command(run, **options):
     """Replay a saved step in fp64/fp32/fp16/bf16 and name the culprit: the
     first module (forward, then backward) whose own arithmetic breaks when
     fed the float64 run's inputs rounded as the precision would. Says first
@@ -53,6 +58,4 @@ def replay_command(run_dir, rank, step, model_spec, device, precisions, policy, 
         amp-postmortem replay runs/exp1 --step 1234 --model mypkg.models:build
         amp-postmortem replay runs/exp1 --step 1234 --model train.py:make_model --precisions fp16,bf16 --json
     """
-    from .replay import replay
-    return replay(run_dir, step, rank=rank, model=model_spec, device=device, precisions=precisions,
-                  policy=policy, anomaly=anomaly)
+    return api.replay(run, **options)

@@ -27,9 +27,9 @@ import pyarrow.fs  # noqa: F401  (pa.fs)
 
 from recorders import schema
 
-from .errors import CorruptRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
-from .shards import (_RANK_DIR, Shard, _check_pairs, _check_version, _rank_dirs, _read_footer, _read_steps,
-                     _shard_files, _short)
+from .errors import CorruptRunError, EmptyRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
+from .shards import (RANK_DIR, Shard, check_pairs, check_version, error_text, rank_dirs, read_footer, read_steps,
+                     shard_files)
 
 _FORMAT = ds.ParquetFileFormat()
 _LOCAL_FS = pa.fs.LocalFileSystem()
@@ -146,7 +146,7 @@ class Run:
                 scanner = frag.scanner(schema=schema.TENSOR_SCHEMA, columns=columns, filter=expr)
                 batches = list(scanner.to_batches())
             except (OSError, pa.ArrowException) as exc:
-                self.warn(f"skipped unreadable shard {self._rel(shard.path)} ({_short(exc)})")
+                self.warn(f"skipped unreadable shard {self._rel(shard.path)} ({error_text(exc)})")
                 continue
             done += shard.num_rows
             self._report(label, done, total)
@@ -179,26 +179,29 @@ def load_run(path, rank: int | None = None) -> Run:
         raise RunNotFoundError(f"run directory not found: {root}")
     if not root.is_dir():
         raise RunNotFoundError(f"{root} is not a directory; pass the run directory (the one holding manifest.json)")
-    m = _RANK_DIR.match(root.name)
+    m = RANK_DIR.match(root.name)
     if m and (root.parent / schema.MANIFEST_FILE).is_file():
         raise RunNotFoundError(f"{root} is one rank of a run: pass the run directory {root.parent} "
                                f"(with --rank {m.group(1)} for this rank only)")
     warnings: list[str] = []
 
-    rank_dirs = _rank_dirs(root)
+    try:
+        found = rank_dirs(root)
+    except OSError as exc:  # e.g. no permission to list it: the user's to fix
+        raise RunNotFoundError(f"cannot read the run directory {root} ({error_text(exc)})") from None
     top = root / schema.MANIFEST_FILE
     if top.is_file():
         manifest = _read_manifest(top)
-    elif rank_dirs and (rank_dirs[min(rank_dirs)] / schema.MANIFEST_FILE).is_file():
-        r0 = min(rank_dirs)
-        manifest = _read_manifest(rank_dirs[r0] / schema.MANIFEST_FILE)
+    elif found and (found[min(found)] / schema.MANIFEST_FILE).is_file():
+        r0 = min(found)
+        manifest = _read_manifest(found[r0] / schema.MANIFEST_FILE)
         warnings.append(f"{top} is missing; using the manifest of rank {r0}")
     else:
         raise RunNotFoundError(f"{root} is not an amp-postmortem run: no {schema.MANIFEST_FILE}")
     run_id = manifest.get("run_id")
 
     rank_manifests: dict[int, dict] = {}
-    for r, d in sorted(rank_dirs.items()):
+    for r, d in sorted(found.items()):
         mpath = d / schema.MANIFEST_FILE
         if not mpath.is_file():
             warnings.append(f"{mpath.relative_to(root)} is missing; reading rank {r} from its shards only")
@@ -209,18 +212,19 @@ def load_run(path, rank: int | None = None) -> Run:
                 f"mixed runs in {root}: rank {r} has run_id {m.get('run_id')!r}, the run manifest "
                 f"has {run_id!r}; keep one recording per directory")
         rank_manifests[r] = m
-    if not rank_dirs:
-        raise CorruptRunError(f"{root} has a manifest but no rank=<r> directories: nothing was recorded")
+    if not found:
+        raise EmptyRunError(f"{root} has a manifest but no rank=<r> directories: nothing was recorded"
+                            + _disabled([manifest]))
 
-    present = sorted(rank_dirs)
+    present = sorted(found)
     world_size = int(manifest.get("world_size") or 1)
     if rank is not None:
-        if int(rank) not in rank_dirs:
+        if int(rank) not in found:
             raise RankNotFoundError(f"rank {rank} is not in {root} (ranks on disk: {_join(present)})")
         selected = [int(rank)]
     else:
         selected = present
-        missing = [r for r in range(world_size) if r not in rank_dirs]
+        missing = [r for r in range(world_size) if r not in found]
         if missing:
             warnings.append(f"rank(s) {_join(missing)} of world_size {world_size} are missing; "
                             f"the analysis covers rank(s) {_join(present)} only")
@@ -240,35 +244,59 @@ def load_run(path, rank: int | None = None) -> Run:
 
     step_shards: list[Shard] = []
     tensor_shards: list[Shard] = []
+    found_files = 0
     for r in selected:
         for table, out in ((schema.STEPS_DIR, step_shards), (schema.TENSORS_DIR, tensor_shards)):
-            for f in _shard_files(rank_dirs[r] / table):
-                shard = _read_footer(root, f, r, table, run_id, warnings)
+            for f in shard_files(found[r] / table):
+                found_files += 1
+                shard = read_footer(root, f, r, table, run_id, warnings)
                 if shard is not None:
                     out.append(shard)
-    _check_pairs(root, step_shards, tensor_shards, warnings)
+    check_pairs(root, step_shards, tensor_shards, warnings)
 
-    steps = _read_steps(root, step_shards, warnings)
+    steps = read_steps(root, step_shards, warnings)
     run = Run(path=root, manifest=manifest, rank_manifests=rank_manifests, ranks=selected,
               steps=steps, tensor_shards=tensor_shards)
     for w in warnings:
         run.warn(w)
     if steps.empty:
-        run.warn("no steps on disk: the recorder wrote no completed shard yet")
+        raise EmptyRunError(_why_empty(root, rank, [manifest, *(rank_manifests.get(r, {}) for r in selected)],
+                                       step_shards, found_files, warnings))
     return run
+
+
+def _why_empty(root, rank, manifests, step_shards, found_files, warnings) -> str:
+    """Why a run holds no readable step, in one line."""
+    where = f"{root}" + (f" (rank {rank})" if rank is not None else "")
+    if not found_files:
+        why = "no shard written yet (the recorder writes one every steps_per_shard steps and on close)"
+    else:
+        skipped = [w for w in warnings if w.startswith("skipped")]
+        if skipped:
+            why = f"no steps shard among its {found_files} shard file(s) could be used; first: {skipped[0]}"
+        elif not step_shards:
+            why = f"none of its {found_files} shard file(s) is a steps shard"
+        else:
+            why = f"its {len(step_shards)} steps shard(s) hold no step row"
+    return f"{where} holds no readable step: {why}" + _disabled(manifests)
+
+
+def _disabled(manifests) -> str:
+    reasons = sorted({m["disabled_reason"] for m in manifests if m.get("disabled_reason")})
+    return f"; recording was switched off ({'; '.join(reasons)})" if reasons else ""
 
 
 def _read_manifest(path: Path) -> dict:
     try:
         m = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptRunError(f"{path} is not a readable manifest ({_short(exc)})") from None
+        raise CorruptRunError(f"{path} is not a readable manifest ({error_text(exc)})") from None
     if not isinstance(m, dict):
         raise CorruptRunError(f"{path} is not a run manifest (a JSON object was expected)")
     fmt = m.get("format")
     if fmt != schema.FORMAT_NAME:
         raise CorruptRunError(f"{path} has format {fmt!r}, expected {schema.FORMAT_NAME!r}: not an amp-postmortem run")
-    _check_version(m.get("schema_version"), str(path))
+    check_version(m.get("schema_version"), str(path))
     return m
 
 

@@ -1,16 +1,17 @@
 """The one output path of the CLI: options, formatting, warnings, progress.
 
 A command decorated with `run_options` and `output_options` receives the run
-directory and `--rank`, opens the run with `open_run` and returns a report
-(an object with `to_dict()`, `table()` and `lines()`; see
-`amp_postmortem.analyses`), optionally with an exit code as `(report, code)`.
-The decorator prints it as a readable table (default), one JSON document
-(`--json`) or CSV (`--csv`, where the report is a table), then the loader's
-warnings on stderr.
+directory and `--rank`, calls its API function and returns the result (an
+object with `to_dict()`, `table()` and `lines()`, and the loader's
+`warnings`; see `amp_postmortem.analyses`), optionally with an exit code as
+`(report, code)`. The decorator prints it as a readable table (default), one
+JSON document (`--json`: `to_dict()`) or CSV (`--csv`, where the report is a
+table), then the warnings on stderr.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import sys
@@ -21,6 +22,8 @@ import click
 
 from recorders.plain import plain
 
+from .names import ROOT_DISPLAY
+
 _RUNS_KEY = "amp_postmortem.runs"
 
 
@@ -29,8 +32,14 @@ def run_options(f):
     """RUN argument and --rank."""
     f = click.option("--rank", type=click.IntRange(min=0), default=None,
                      help="Analyse this rank only (default: all ranks together).")(f)
-    f = click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))(f)
+    f = click.argument("run", metavar="RUN", type=click.Path(path_type=Path))(f)
     return f
+
+
+def api_default(function, name: str):
+    """The default of keyword argument `name` of an API function: the CLI
+    option's default, so that the two never differ."""
+    return inspect.signature(function).parameters[name].default
 
 
 def output_options(*, csv: bool = True):
@@ -58,7 +67,8 @@ def output_options(*, csv: bool = True):
 
 
 def open_run(run_dir, rank=None):
-    """Load a run for a command: progress bar wired, warnings kept for `emit`."""
+    """Load a run for a command that has no API function yet: progress bar
+    wired, warnings kept for `emit`."""
     from .loader import load_run
 
     run = load_run(run_dir, rank=rank)
@@ -71,7 +81,8 @@ def open_run(run_dir, rank=None):
 
 # --------------------------------------------------------------- formatting
 def emit(report, fmt: str = "table") -> None:
-    warnings = _warnings()
+    warnings = list(getattr(report, "warnings", None) or [])
+    warnings += [w for w in _warnings() if w not in warnings]
     if fmt == "json":
         doc = report.to_dict()
         if isinstance(doc, dict) and "warnings" not in doc:
@@ -94,7 +105,7 @@ def emit(report, fmt: str = "table") -> None:
 
 def render_table(df) -> str:
     """A fixed-width table: floats to 4 significant digits, missing as "-",
-    the root module's name "" as "(model)"."""
+    the root module's name "" as `names.ROOT_DISPLAY`."""
     names = {"name", "layer", "module"}
     cols = list(df.columns)
     cells = [[_cell(v, c in names) for v in df[c]] for c in cols]
@@ -110,7 +121,7 @@ def render_table(df) -> str:
 
 def _cell(v, is_name: bool) -> str:
     if is_name and v == "":
-        return "(model)"
+        return ROOT_DISPLAY
     if v is None or v is _pandas_na() or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if isinstance(v, bool):

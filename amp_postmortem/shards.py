@@ -7,8 +7,8 @@ range, non-finite row count, format, schema version, run id), which shard
 pairs are incomplete, and how the small steps table is read with damaged
 files skipped and named. It is separate from `loader.py`, which decides
 what a run is (manifests, ranks, warnings) and scans tensor rows through
-`Run`, so that each reads in one sitting; nothing here is public API:
-callers import `load_run` and `Run` from `loader`.
+`Run`, so that each reads in one sitting. Its names serve `loader.py`;
+users open runs with `amp_postmortem.load_run`.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from recorders import schema
 
 from .errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
 
-_RANK_DIR = re.compile(r"^rank=(\d+)$")
+RANK_DIR = re.compile(r"^rank=(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -46,23 +46,23 @@ class Shard:
         return any(self.first_step <= s <= self.last_step for s in steps)
 
 
-def _rank_dirs(root: Path) -> dict[int, Path]:
+def rank_dirs(root: Path) -> dict[int, Path]:
     out = {}
     for d in root.iterdir():
-        m = _RANK_DIR.match(d.name)
+        m = RANK_DIR.match(d.name)
         if m and d.is_dir():
             out[int(m.group(1))] = d
     return out
 
 
-def _shard_files(d: Path) -> list[Path]:
+def shard_files(d: Path) -> list[Path]:
     if not d.is_dir():
         return []
     # Temporary files start with "." and never end in ".parquet": invisible.
     return sorted(p for p in d.glob("part-*.parquet") if not p.name.startswith("."))
 
 
-def _check_version(version, where: str) -> None:
+def check_version(version, where: str) -> None:
     try:
         major, _minor = schema.parse_version(version)
     except (TypeError, ValueError):
@@ -74,12 +74,12 @@ def _check_version(version, where: str) -> None:
     # A newer minor version only adds columns and keys: readable as is.
 
 
-def _read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings) -> Shard | None:
+def read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings) -> Shard | None:
     rel = path.relative_to(root)
     try:
         md = pq.read_metadata(path)
     except (OSError, pa.ArrowException) as exc:
-        warnings.append(f"skipped unreadable shard {rel} ({_short(exc)}); "
+        warnings.append(f"skipped unreadable shard {rel} ({error_text(exc)}); "
                         f"a job killed while writing it leaves such a file")
         return None
     kv = md.metadata or {}
@@ -92,9 +92,15 @@ def _read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings
     if fmt is not None and fmt != schema.FORMAT_NAME:
         warnings.append(f"skipped {rel}: format {fmt!r} is not {schema.FORMAT_NAME!r}")
         return None
+    # A file without the format's key columns is another program's Parquet:
+    # read with the run's schema it would turn into rows of nulls.
+    absent = [c for c in ("step", "rank") if c not in md.schema.names]
+    if absent:
+        warnings.append(f"skipped {rel}: not a {table} shard of this format (no column {absent[0]!r})")
+        return None
     version = get(schema.META_SCHEMA_VERSION)
     if version is not None:
-        _check_version(version, str(rel))
+        check_version(version, str(rel))
     shard_run = get(schema.META_RUN_ID)
     if shard_run is not None and run_id is not None and shard_run != run_id:
         raise MixedRunsError(
@@ -105,7 +111,7 @@ def _read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings
                  nonfinite_rows=_int(get(schema.META_NONFINITE_ROWS)))
 
 
-def _check_pairs(root, step_shards, tensor_shards, warnings) -> None:
+def check_pairs(root, step_shards, tensor_shards, warnings) -> None:
     """A shard pair covers one step range; say when one half is missing."""
     steps_names = {(s.rank, s.path.name) for s in step_shards}
     tensor_names = {(s.rank, s.path.name) for s in tensor_shards}
@@ -122,7 +128,7 @@ def _check_pairs(root, step_shards, tensor_shards, warnings) -> None:
 _STEP_COLUMNS = [c.name for c in schema.STEP_COLUMNS]
 
 
-def _read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
+def read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
     def read(paths):
         d = ds.dataset([str(p) for p in paths], format="parquet", schema=schema.STEP_SCHEMA)
         return d.to_table(columns=_STEP_COLUMNS)
@@ -138,7 +144,7 @@ def _read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
             try:
                 tables.append(read([s.path]))
             except (OSError, pa.ArrowException) as exc:
-                warnings.append(f"skipped unreadable shard {s.path.relative_to(root)} ({_short(exc)})")
+                warnings.append(f"skipped unreadable shard {s.path.relative_to(root)} ({error_text(exc)})")
     if not tables:
         return schema.STEP_SCHEMA.empty_table().append_column(
             "loss_nonfinite", pa.array([], pa.bool_())).to_pandas()
@@ -171,6 +177,6 @@ def _int(v):
         return None
 
 
-def _short(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

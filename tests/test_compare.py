@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from amp_postmortem.analyses.compare import compare_runs
 from amp_postmortem.cli import main
+from amp_postmortem.errors import OptionError
 from amp_postmortem.loader import load_run
 from conftest import record_run
 
@@ -58,7 +59,7 @@ def test_identical_runs_never_part_and_the_threshold_is_configurable(runs):
     assert same.divergence_step is None and same.table().empty and same.first_layers == []
     loose = compare_runs(load_run(a), load_run(b), threshold=100.0)
     assert loose.divergence_step is None
-    with pytest.raises(ValueError):
+    with pytest.raises(OptionError, match="threshold 0 must be a positive relative difference"):
         compare_runs(load_run(a), load_run(b), threshold=0)
 
 

@@ -1,7 +1,10 @@
 """Which saved replay bundle to replay when the user names no step."""
 from __future__ import annotations
 
-from ..loader import Run
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI's help text reads this module: keep it light
+    from ..loader import Run
 
 # Lower first: the step that went non-finite says most; a step the user asked
 # for (`rec.save_bundle()`, `bundle_steps`) comes next because the user knew
@@ -9,6 +12,14 @@ from ..loader import Run
 # skipped step after settling is often one ordinary backoff.
 BUNDLE_PRIORITY = {"nonfinite_loss": 0, "nonfinite_tensor": 0, "request": 1, "step_list": 1,
                    "scale_low": 2, "skipped": 3}
+
+
+def priority_description() -> str:
+    """`BUNDLE_PRIORITY` in words, as the recommend help, README and docs
+    say it (tests/test_api.py checks that they do)."""
+    levels = sorted(set(BUNDLE_PRIORITY.values()))
+    groups = [" or ".join(r for r, p in BUNDLE_PRIORITY.items() if p == level) for level in levels]
+    return "the earliest bundle saved for " + ", else ".join(groups)
 
 
 def pick_bundle(run: Run, rank: int | None = None) -> tuple[int, int, list] | None:

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from ..names import display_name as _display
+from ..errors import OptionError
 from ..loader import Run
 from recorders.plain import plain
 
@@ -120,7 +122,7 @@ class CompareReport:
 def compare_runs(run_a: Run, run_b: Run, *, threshold: float = THRESHOLD, persist: int = PERSIST) -> CompareReport:
     """Where run B parts from run A: the loss curve and the layers, ranked."""
     if not threshold > 0:
-        raise ValueError(f"threshold {threshold!r} must be a positive relative difference, e.g. 0.1 for 10%")
+        raise OptionError(f"threshold {threshold!r} must be a positive relative difference, e.g. 0.1 for 10%")
     persist = max(1, int(persist))
     notes = []
     la, lb = _loss_series(run_a), _loss_series(run_b)
@@ -287,7 +289,3 @@ def _num(v) -> str:
 
 def _pct(v) -> str:
     return "-" if v is None else ("inf" if not math.isfinite(v) else f"{v:.1%}")
-
-
-def _display(name: str) -> str:
-    return "(model)" if name == "" else name

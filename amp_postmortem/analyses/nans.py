@@ -29,6 +29,7 @@ import pandas as pd
 
 from recorders import schema
 
+from ..names import display_name as _display
 from ..loader import Run
 from recorders.plain import plain
 
@@ -306,9 +307,3 @@ def _range(steps: pd.DataFrame, lo, hi) -> pd.DataFrame:
     if hi is not None:
         steps = steps[steps["step"] <= hi]
     return steps
-
-
-def _display(name: str) -> str:
-    return "(model)" if name == "" else name
-
-

@@ -47,6 +47,7 @@ import pandas as pd
 
 from recorders import schema
 
+from ..names import display_name as _display
 from ..loader import Run
 from recorders.plain import plain
 from .trend import theil_sen
@@ -227,9 +228,3 @@ def _finite_or_none(v):
 
 def _empty() -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype=object) for c in LAYER_COLUMNS})
-
-
-def _display(name: str) -> str:
-    return "(model)" if name == "" else name
-
-

@@ -54,6 +54,7 @@ from scipy import stats
 from recorders import schema
 from recorders.plain import plain
 
+from ..names import display_name as _display
 from ..loader import Run
 from .nans import backward_origin, forward_origin
 from .trend import theil_sen
@@ -382,7 +383,3 @@ def _drivers(run: Run, series, skipped, steps, from_step) -> tuple[list[str], di
             counts[o.name] = counts.get(o.name, 0) + 1
     ordered = sorted(counts, key=lambda k: -counts[k])  # stable: first seen wins ties
     return ordered, {k: counts[k] for k in ordered}
-
-
-def _display(name: str) -> str:
-    return "(model)" if name == "" else name

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from ..names import FINDING_KINDS
+from ..names import display_name as _display
 from ..loader import Run
 from .nans import find_nans
 from .ranges import WINDOW, layer_ranges, sampled_values
 from .scale import scale_dynamics, underflow_phrase
 
-FINDING_KINDS = ("nonfinite", "scale_collapse", "stuck_low_scale", "grad_underflow", "overflow_risk", "healthy")
 SEVERITIES = ("critical", "error", "warning", "info")
 
 
@@ -163,6 +164,18 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
             f"amp-postmortem ranges {target}",
             {"layers": [str(n) for n in risk["name"]], "headroom_bits": float(worst["headroom_bits"])}))
 
+    disabled = _disabled_ranks(run)
+    if disabled:
+        # The steps after the failure are absent: no finding above covers them.
+        r, reason = next(iter(disabled.items()))
+        last = int(run.steps.loc[run.steps["rank"] == r, "step"].max()) if (run.steps["rank"] == r).any() else None
+        findings.append(Finding(
+            "recording_disabled", "error", last, None,
+            f"recording was switched off on rank(s) {', '.join(map(str, disabled))} after step {last} "
+            f"({reason}): later steps were not recorded and this analysis cannot see them",
+            "fix the cause (the recorder warned once in the training log), then record again",
+            {"disabled_reasons": {str(k): v for k, v in disabled.items()}, "last_recorded_step": last}))
+
     if not findings:
         findings.append(Finding(
             "healthy", "info", run.last_step, None,
@@ -177,6 +190,12 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
     findings.sort(key=lambda f: (severity[f.severity], kind[f.kind],
                                  f.step if f.step is not None else 1 << 62))
     return Summary(run=_facts(run, nans, scale, skipped), findings=findings)
+
+
+def _disabled_ranks(run: Run) -> dict:
+    """{rank: disabled_reason} of the analysed ranks whose recorder switched itself off."""
+    manifests = {r: run.rank_manifests.get(r, run.manifest if r == min(run.ranks) else {}) for r in run.ranks}
+    return {r: m["disabled_reason"] for r, m in sorted(manifests.items()) if m.get("disabled_reason")}
 
 
 def _applied_nonfinite_steps(run: Run) -> list[int]:
@@ -198,12 +217,6 @@ def _facts(run: Run, nans, scale, skipped) -> dict:
         "skipped_steps": len(skipped), "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
         "warnings": list(run.warnings),
     }
-
-
-def _display(name) -> str:
-    if name is None:
-        return "-"
-    return "(model)" if name == "" else str(name)
 
 
 def _pct(v) -> str:

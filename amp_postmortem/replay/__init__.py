@@ -22,7 +22,8 @@ import torch
 
 from recorders import schema
 
-from ..errors import BundleError, ModelSpecError
+from ..errors import BundleError, DeviceError, PolicyError, PrecisionError
+from ..names import ROOT_DISPLAY
 from . import attribution, fidelity
 from .engine import (DTYPES, POLICY_MODES, PRECISION_OF_DTYPE, PRECISIONS, ReplaySession, RunConfig,
                      StepCapture, preserved_rng)
@@ -79,11 +80,11 @@ class ReplayResult:
         out.append(f"fidelity: {verdict} ({self.fidelity.get('basis')})")
         out.extend(f"note: {n}" for n in self.notes)
         c = self.culprit
-        out.append(f"culprit: {c['name'] or '(model)'}, {c['phase']}, {c['precision']}: {c['reason']}" if c
+        out.append(f"culprit: {c['name'] or ROOT_DISPLAY}, {c['phase']}, {c['precision']}: {c['reason']}" if c
                    else "culprit: none (no module's own arithmetic is broken)")
         for prec, first in self.first_propagated.items():
             if first:
-                out.append(f"first over the threshold end to end in {prec}: {first['name'] or '(model)'}, "
+                out.append(f"first over the threshold end to end in {prec}: {first['name'] or ROOT_DISPLAY}, "
                            f"{first['phase']} ({first['reason']})")
         if self.anomaly:
             a = self.anomaly
@@ -155,7 +156,7 @@ def resolve_policy(mode: str, bundle, precision: str):
     """The AutocastPolicy of a fp16/bf16 replay: the recorded device type's
     (`recorded`), or CUDA's / CPU's when overridden; None for fp64/fp32."""
     if mode not in POLICY_MODES:
-        raise ModelSpecError(f"policy {mode!r} is not one of {', '.join(POLICY_MODES)}")
+        raise PolicyError(f"policy {mode!r} is not one of {', '.join(POLICY_MODES)}")
     if precision not in ("fp16", "bf16"):
         return None
     from .policy import get_policy
@@ -194,7 +195,7 @@ def replay(source, step: int | None = None, *, rank: int | None = None, model=No
     bundle, run_dir = _locate(source, step, rank, run_dir)
     precisions = _check_precisions(precisions)
     if device == "cuda" and not torch.cuda.is_available():
-        raise ModelSpecError("device 'cuda' requested but CUDA is not available here; use --device cpu")
+        raise DeviceError("device 'cuda' requested but CUDA is not available here; use --device cpu")
     # Building the model draws its initial weights: the caller's RNG stays as it was.
     with preserved_rng(torch.device(device)):
         return _replay(bundle, run_dir, precisions, model=model, device=device, policy=policy,
@@ -273,21 +274,21 @@ def _anomaly(session, configs, culprit, runs, order, comparisons) -> dict:
     origin = _forward_origin(culprit, runs[failing], comparisons.get(failing, []))
     first = found.get("first_nonfinite_op")
     report = {"precision": failing, **found, "forward_nonfinite": origin is not None, "forward_origin": origin}
-    where = (lambda f: f"{f['op']}" + (f" (output of {f['module'] or '(model)'})" if f.get("module") is not None
+    where = (lambda f: f"{f['op']}" + (f" (output of {f['module'] or ROOT_DISPLAY})" if f.get("module") is not None
                                        else ""))
     if origin is not None:
         shown = found.get("op") or (first or {}).get("op")
         report["explanation"] = (
             "the forward was already non-finite ("
-            + (f"made in {origin or '(model)'}, the culprit" if (culprit or {}).get("phase") == "forward"
-               and culprit.get("name") == origin else f"first in the output of {origin or '(model)'}")
+            + (f"made in {origin or ROOT_DISPLAY}, the culprit" if (culprit or {}).get("phase") == "forward"
+               and culprit.get("name") == origin else f"first in the output of {origin or ROOT_DISPLAY}")
             + "); anomaly mode "
             "checks the backward only, so the op it reports"
             + (f", {shown}," if shown else "") + " is where the NaN first reaches the backward, not where "
             "it was made")
     elif found.get("raised"):
         report["explanation"] = (f"{found.get('op')} returned NaN in the backward"
-                                 + (f" (output of {first['module'] or '(model)'})"
+                                 + (f" (output of {first['module'] or ROOT_DISPLAY})"
                                     if first and first.get("op") == found.get("op") and first.get("module")
                                     is not None else ""))
     elif first is not None:
@@ -341,7 +342,7 @@ def _module_rows(comparisons: dict) -> list:
 
 def _notes(bundle, reference, runs, primary, device, same_device) -> list:
     notes = []
-    bad = [c.name or "(model)" for c in reference.calls.values()
+    bad = [c.name or ROOT_DISPLAY for c in reference.calls.values()
            if any(not bool(torch.isfinite(t).all()) for t in c.outputs)]
     if bad:
         notes.append(f"the float64 reference itself is non-finite (first at {bad[0]}): "
@@ -372,7 +373,7 @@ def _check_precisions(precisions) -> tuple:
         precisions = [p.strip() for p in precisions.split(",") if p.strip()]
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad:
-        raise ModelSpecError(f"precision {bad[0]!r} is not one of {', '.join(PRECISIONS)}")
+        raise PrecisionError(f"precision {bad[0]!r} is not one of {', '.join(PRECISIONS)}")
     return tuple(["fp64"] + [p for p in PRECISIONS[1:] if p in precisions])
 
 

@@ -33,7 +33,7 @@ from recorders.stats import iter_tensors
 from ..errors import ModelSpecError, PostmortemError
 from .capture import AnomalyCatcher, BackwardWatch, CallRecorder, ModuleCall, StepCapture, is_floating, map_tensors
 from .model_spec import load_weights
-from .run_config import (DTYPES, POLICY_MODES, PRECISION_OF_DTYPE, PRECISIONS, RunConfig, _device_types,
+from .run_config import (DTYPES, POLICY_MODES, PRECISION_OF_DTYPE, PRECISIONS, RunConfig, autocast_device_types,
                          autocast_for, float32_region, numerics_flags, preserved_rng, set_rng)
 
 # The configuration and contexts live in run_config.py; their names stay importable from here.
@@ -213,7 +213,7 @@ class ReplaySession:
         with ExitStack() as stack:
             stack.enter_context(preserved_rng(self.device))
             stack.enter_context(numerics_flags(config))
-            stack.enter_context(fp32_modules_kept(model, config.fp32_modules, _device_types(config)))
+            stack.enter_context(fp32_modules_kept(model, config.fp32_modules, autocast_device_types(config)))
             if recorder is not None:
                 stack.enter_context(recorder)
             caught = stack.enter_context(AnomalyCatcher()) if anomaly else None
@@ -297,7 +297,7 @@ class ReplaySession:
             stack.enter_context(preserved_rng(self.device))
             stack.enter_context(numerics_flags(config))
             stack.enter_context(fp32_modules_kept(module, _within(config.fp32_modules, ref_call.name),
-                                                  _device_types(config)))
+                                                  autocast_device_types(config)))
             set_rng(ref_call.rng_state, None, self.device)
             if ref_call.cuda_rng_state is not None:
                 torch.cuda.set_rng_state(ref_call.cuda_rng_state[1], ref_call.cuda_rng_state[0])

@@ -17,34 +17,47 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelSpecError
+from ..errors import LossFnSpecError, ModelSpecError
 
 _SPEC_FORMS = "package.module:factory or path/to/file.py:factory"
 _LISTED = 8  # keys named in an error message before "and N more"
 
 
-def resolve_factory(spec: str):
-    """The callable named by `spec`."""
+def resolve_factory(spec: str, *, what: str = "model spec", error=ModelSpecError,
+                    forms: str = _SPEC_FORMS):
+    """The callable named by `spec`; `what`, `error` and `forms` word the
+    errors for the option that gave it (`--model`, `--loss-fn`)."""
     if not isinstance(spec, str) or ":" not in spec:
-        raise ModelSpecError(f"model spec {spec!r} is not of the form {_SPEC_FORMS}")
+        raise error(f"{what} {spec!r} is not of the form {forms}")
     where, _, attr = spec.rpartition(":")
     if not where or not attr:
-        raise ModelSpecError(f"model spec {spec!r} is not of the form {_SPEC_FORMS}")
+        raise error(f"{what} {spec!r} is not of the form {forms}")
+    said = (f"{what} {spec!r}", error)
     if where.endswith(".py") or os.sep in where or "/" in where:
-        module = _load_file(where, spec)
+        module = _load_file(where, said)
     else:
-        module = _import(where, spec)
-    return _getattr_path(module, attr, spec)
+        module = _import(where, said)
+    return _getattr_path(module, attr, said)
 
 
-def _load_file(path: str, spec: str):
+def resolve_loss_fn(loss_fn):
+    """`loss_fn(output, micro_batch)` however given: a callable, None, or a
+    spec like `--model`'s naming a function (`--loss-fn`)."""
+    if loss_fn is None or callable(loss_fn):
+        return loss_fn
+    return resolve_factory(loss_fn, what="loss-fn spec", error=LossFnSpecError,
+                           forms="package.module:function or path/to/file.py:function")
+
+
+def _load_file(path: str, said: tuple):
+    spec, error = said
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ModelSpecError(f"model spec {spec!r}: file {path!r} does not exist")
+        raise error(f"{spec}: file {path!r} does not exist")
     name = f"_amp_postmortem_model_{abs(hash(str(file.resolve())))}"
     loader_spec = importlib.util.spec_from_file_location(name, file)
     if loader_spec is None or loader_spec.loader is None:
-        raise ModelSpecError(f"model spec {spec!r}: {path!r} is not a Python file")
+        raise error(f"{spec}: {path!r} is not a Python file")
     module = importlib.util.module_from_spec(loader_spec)
     # Let the file import its neighbours, as it would when run as a script.
     parent = str(file.resolve().parent)
@@ -56,31 +69,33 @@ def _load_file(path: str, spec: str):
         loader_spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - the user's code may raise anything
         sys.modules.pop(name, None)
-        raise ModelSpecError(f"model spec {spec!r}: loading {path!r} failed: "
-                             f"{type(exc).__name__}: {exc}") from exc
+        raise error(f"{spec}: loading {path!r} failed: "
+                    f"{type(exc).__name__}: {exc}") from exc
     finally:
         if added:
             sys.path.remove(parent)
     return module
 
 
-def _import(module_name: str, spec: str):
+def _import(module_name: str, said: tuple):
+    spec, error = said
     try:
         return importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001
-        raise ModelSpecError(f"model spec {spec!r}: cannot import {module_name!r}: "
-                             f"{type(exc).__name__}: {exc}") from exc
+        raise error(f"{spec}: cannot import {module_name!r}: "
+                    f"{type(exc).__name__}: {exc}") from exc
 
 
-def _getattr_path(obj, dotted: str, spec: str):
+def _getattr_path(obj, dotted: str, said: tuple):
+    spec, error = said
     for part in dotted.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ModelSpecError(f"model spec {spec!r}: {part!r} not found in "
-                                 f"{getattr(obj, '__name__', obj)!r}") from None
+            raise error(f"{spec}: {part!r} not found in "
+                        f"{getattr(obj, '__name__', obj)!r}") from None
     if not callable(obj):
-        raise ModelSpecError(f"model spec {spec!r}: {dotted!r} is not callable")
+        raise error(f"{spec}: {dotted!r} is not callable")
     return obj
 
 

@@ -16,7 +16,7 @@ dtypes as on the recording device.
 Limits of the emulation, all because it sees Python-level calls only:
 - A C++ composite op that is not in the tables runs uncast, although on the
   device its inner ops would be autocast. The common ones are mapped
-  (`_CUDA_COMPOSITES`, `_ALIASES`); not mapped: RNN layers and F.pad under a
+  (`_CUDA_COMPOSITES`, `OP_ALIASES`); not mapped: RNN layers and F.pad under a
   CPU policy, and RNN layers under a CUDA bfloat16 policy.
 - Tables hold op names, not overloads. The one difference that matters: CPU
   autocast lists only the 12-argument (deprecated) torch._convolution.
@@ -43,7 +43,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..errors import PostmortemError
-from .policy_tables import _ALIASES, _TABLES
+from .policy_tables import OP_ALIASES, OP_TABLES
 # The tables' public names, re-exported: callers read them from here.
 from .policy_tables import REGISTERED_OPS, TABLES_TORCH_VERSION
 
@@ -99,19 +99,19 @@ class AutocastPolicy:
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        if (self.device_type, self.dtype) not in _TABLES:
+        if (self.device_type, self.dtype) not in OP_TABLES:
             raise _unknown_policy(self.device_type, self.dtype)
 
     @property
     def _table(self) -> dict[str, str]:
-        return _TABLES[(self.device_type, self.dtype)]
+        return OP_TABLES[(self.device_type, self.dtype)]
 
     def kind(self, op_name: str) -> str | None:
         """The detailed cast kind: "lower", "fp32", "fp32_by_dtype", "promote",
         "banned", or None for an op autocast leaves alone."""
         name = _op_name(op_name)
         table = self._table
-        return table.get(name) or table.get(_ALIASES.get(name, ""))
+        return table.get(name) or table.get(OP_ALIASES.get(name, ""))
 
     def rule(self, op_name: str) -> Rule | None:
         """"lower", "fp32", "promote", or None (also for a banned op)."""
@@ -159,7 +159,7 @@ def get_policy(device_type: str | torch.device, dtype: torch.dtype | str) -> Aut
     except (RuntimeError, TypeError):
         device = None
     resolved = _DTYPE_NAMES.get(dtype.lower()) if isinstance(dtype, str) else dtype
-    if not isinstance(resolved, torch.dtype) or (device, resolved) not in _TABLES:
+    if not isinstance(resolved, torch.dtype) or (device, resolved) not in OP_TABLES:
         raise _unknown_policy(device_type, dtype)
     return AutocastPolicy(device, resolved)
 

@@ -100,7 +100,7 @@ _CUDA_COMPOSITES = {
 _CUDA_FP16_ONLY = {name: "lower" for name in ("_cudnn_rnn", "lstm", "gru", "rnn_tanh", "rnn_relu")}
 
 # Python-visible names that are another name for a table op.
-_ALIASES = {
+OP_ALIASES = {
     "__matmul__": "matmul", "linalg_matmul": "matmul",
     "arccos": "acos", "arcsin": "asin", "arctan2": "atan2",
     "special_expm1": "expm1", "special_log1p": "log1p", "special_erfinv": "erfinv",
@@ -124,7 +124,7 @@ REGISTERED_OPS = {
     "cuda": _kinds(_CUDA_LOWER, _CUDA_FP32, _CUDA_FP32_BY_DTYPE, _CUDA_PROMOTE, _CUDA_BANNED),
     "cpu": _kinds(_CPU_LOWER, _CPU_FP32, (), _CPU_PROMOTE, ()),
 }
-_TABLES = {
+OP_TABLES = {
     ("cuda", torch.float16): {**_CUDA_COMPOSITES, **_CUDA_FP16_ONLY, **REGISTERED_OPS["cuda"]},
     ("cuda", torch.bfloat16): {**_CUDA_COMPOSITES, **REGISTERED_OPS["cuda"]},
     ("cpu", torch.float16): REGISTERED_OPS["cpu"],

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-PRECISIONS = ("fp64", "fp32", "fp16", "bf16")
+from ..names import POLICIES, PRECISIONS  # noqa: F401  (PRECISIONS: re-exported to the engine)
+
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PRECISION_OF_DTYPE = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-POLICY_MODES = ("recorded", "cuda", "cpu")
+POLICY_MODES = POLICIES
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,6 @@ def autocast_for(config: RunConfig):
     return autocast_context(config.policy or get_policy(device_type, config.dtype), device_type)
 
 
-def _device_types(config: RunConfig) -> tuple:
+def autocast_device_types(config: RunConfig) -> tuple:
     policy_device = getattr(config.policy, "device_type", None)
     return tuple(d for d in (torch.device(config.device).type, policy_device) if d)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..names import ROOT_DISPLAY
+
 # A replay "saves" the step (`judge`) when it is finite end to end, no
 # parameter gradient (one with a real gradient) is further from float64 than
 # the replay's propagated broken threshold of its precision
@@ -148,16 +150,16 @@ def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", po
     of `loss_fn` at the float64 outputs, else the `substitute_mean`."""
     import torch
 
-    from ..errors import ModelSpecError
+    from ..errors import DeviceError, PrecisionError
     from ..replay import RunConfig, ReplaySession, recorded_precision, resolve_policy
 
     bundle = load_step(source, step, rank)
     net = build(model, bundle)
     if device == "cuda" and not torch.cuda.is_available():
-        raise ModelSpecError("device 'cuda' requested but CUDA is not available here; use --device cpu")
+        raise DeviceError("device 'cuda' requested but CUDA is not available here; use --device cpu")
     precision = precision or recorded_precision(bundle)
     if precision not in ("fp16", "bf16"):
-        raise ModelSpecError(f"step {bundle.step} ran in {precision} (autocast off): nothing to replay in "
+        raise PrecisionError(f"step {bundle.step} ran in {precision} (autocast off): nothing to replay in "
                              "reduced precision; pass precision='fp16' or 'bf16' to ask what it would do")
     session = ReplaySession(bundle, net, device=device)
     notes = session.start_backward(loss_fn)
@@ -265,7 +267,7 @@ def judge(prepared, metrics: dict, reference, changes: dict) -> dict:
     culprit = attribution.find_culprit(comparisons, run.config.precision)
     if culprit is not None:
         return {"saved": False, "culprit": culprit,
-                "why": f"{culprit['name'] or '(model)'} is broken in the {culprit['phase']}: {culprit['reason']}"}
+                "why": f"{culprit['name'] or ROOT_DISPLAY} is broken in the {culprit['phase']}: {culprit['reason']}"}
     return {"saved": True, "why": None, "culprit": None}
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from recorders.plain import plain
+from ..names import display_name as _display
 from . import fmt_num, prepare, report_progress
 
 MAX_CANDIDATES = 12
@@ -255,10 +256,6 @@ def patch_lines(model, names) -> str:
     lines = ["from recorders.fp32 import keep_fp32"]
     lines += [f"keep_fp32({module_expression(model, n)})" for n in names]
     return "\n".join(lines)
-
-
-def _display(name: str) -> str:
-    return "(model)" if name == "" else name
 
 
 def not_saved_by(t: dict) -> str:

@@ -15,8 +15,9 @@ import math
 from recorders import schema
 
 from ..analyses.ranges import zeros_look_flushed
-from .scale_result import (LAYER_COLUMNS, MAX_UNDERFLOW, SCALES, ScaleWindow, _calibration, _position, _window,
-                           scaler_settings)
+from ..errors import StepNotFoundError
+from .scale_result import (LAYER_COLUMNS, MAX_UNDERFLOW, SCALES, ScaleWindow, calibration_notes, position_in_window,
+                           scaler_settings, usable_window)
 
 LOG2_MIN_NORMAL = -14         # log2(FP16_MIN_NORMAL)
 ASSUMED_LOG2_SIGMA = 3.0      # spread (bits) assumed when every value sits below the normal limit
@@ -40,7 +41,7 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
         return _empty_estimate(None, None, notes or ["no recorded step with gradient statistics"], max_underflow)
     at = steps[steps["step"] == int(step)]
     if at.empty:
-        raise ValueError(f"step {step} is not in the run (recorded steps {run.first_step}..{run.last_step})")
+        raise StepNotFoundError(f"step {step} is not in the run (recorded steps {run.first_step}..{run.last_step})")
     scale = at["loss_scale_before"].dropna()
     recorded_scale = float(scale.iloc[0]) if len(scale) else 1.0
     if not len(scale):
@@ -77,7 +78,7 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
                      f"their spread is assumed ({ASSUMED_LOG2_SIGMA:g} bits), the underflow edge is approximate")
     if not any(lay["log2_sigma"] is not None for lay in layers):
         notes.append("no full-tier statistics at this step: the underflow edge is unknown (overflow edge only)")
-    window = _window(usable)
+    window = usable_window(usable)
     if window is None:
         notes.insert(0, "the estimated overflow edge lies below the estimated underflow edge")
     settings, code = scaler_settings(window, device_type=(run.autocast or {}).get("device_type")
@@ -85,9 +86,9 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
     ranks = sorted(df["rank"].unique())
     return ScaleWindow(method="estimate", step=int(step), rank=int(ranks[0]) if len(ranks) == 1 else None,
                        recorded_scale=recorded_scale if len(scale) else None, window=window,
-                       recorded_position=_position(window, shift if len(scale) else None), settings=settings,
+                       recorded_position=position_in_window(window, shift if len(scale) else None), settings=settings,
                        code=code, rows=[{k: lay[k] for k in LAYER_COLUMNS} for lay in layers],
-                       max_underflow=max_underflow, notes=notes + _calibration(run.scaler, window),
+                       max_underflow=max_underflow, notes=notes + calibration_notes(run.scaler, window),
                        recorded_scaler=run.scaler)
 
 

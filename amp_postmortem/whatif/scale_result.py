@@ -72,7 +72,7 @@ class ScaleWindow:
 
 
 
-def _window(usable_ks) -> dict | None:
+def usable_window(usable_ks) -> dict | None:
     """The longest run of consecutive usable k (the highest on a tie)."""
     best, start, prev = None, None, None
     for k in sorted(usable_ks):
@@ -87,7 +87,7 @@ def _window(usable_ks) -> dict | None:
     return {"min_k": lo, "max_k": hi, "min_scale": 2.0 ** lo, "max_scale": 2.0 ** hi, "width_bits": hi - lo}
 
 
-def _position(window, recorded_k) -> str | None:
+def position_in_window(window, recorded_k) -> str | None:
     if window is None or recorded_k is None:
         return None
     if recorded_k > window["max_k"]:
@@ -114,7 +114,7 @@ def _literal(v) -> str:
     return repr(v)
 
 
-def _calibration(scaler, window) -> list:
+def calibration_notes(scaler, window) -> list:
     """What the recorded GradScaler configuration costs against the window."""
     if not scaler or window is None:
         return []

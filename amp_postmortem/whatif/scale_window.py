@@ -45,9 +45,11 @@ import pandas as pd
 
 from recorders import schema
 
+from ..errors import OptionError
 from . import report_progress
 from .scale_estimate import estimate_scale_window
-from .scale_result import MAX_UNDERFLOW, SCALES, ScaleWindow, _calibration, _position, _window, scaler_settings
+from .scale_result import (MAX_UNDERFLOW, SCALES, ScaleWindow, calibration_notes, position_in_window, scaler_settings,
+                           usable_window)
 
 
 @dataclass
@@ -89,7 +91,7 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
                             precision=precision, loss_fn=loss_fn)
     lo, hi = (int(k) for k in scales)
     if lo > hi:
-        raise ValueError(f"scale range {lo}..{hi} is empty; give min <= max (powers of two)")
+        raise OptionError(f"scale range {lo}:{hi} is empty; give MIN:MAX with MIN <= MAX (exponents, e.g. -16:40)")
     recorded_k = math.log2(p.loss_scale) if p.loss_scale > 0 else None
     rows, notes = [], list(p.notes)
     ks = list(range(lo, hi + 1))
@@ -102,7 +104,7 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
     if rows and all(r["underflow_share"] is None for r in rows):
         notes.append(f"no float16 gradient in the {p.precision} replay: its range is float32's, "
                      "a loss scale is not needed")
-    window = _window([r["k"] for r in rows if r["usable"]])
+    window = usable_window([r["k"] for r in rows if r["usable"]])
     if window is None:
         if rows and not any(r["forward_finite"] for r in rows):
             notes.insert(0, "the forward pass is non-finite at every scale: no loss scale helps "
@@ -112,8 +114,8 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
                             f"{max_underflow:.0%} of the gradients flushed or subnormal")
     settings, code = scaler_settings(window, device_type=_device_type(p))
     return ScaleWindow(method="replay", step=p.step, rank=p.rank, recorded_scale=p.loss_scale, window=window,
-                       recorded_position=_position(window, recorded_k), settings=settings, code=code,
-                       rows=rows, max_underflow=max_underflow, notes=notes + _calibration(p.bundle.scaler, window),
+                       recorded_position=position_in_window(window, recorded_k), settings=settings, code=code,
+                       rows=rows, max_underflow=max_underflow, notes=notes + calibration_notes(p.bundle.scaler, window),
                        recorded_scaler=p.bundle.scaler)
 
 

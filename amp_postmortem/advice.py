@@ -15,8 +15,9 @@ estimated from the recorded statistics):
   collapse driven by that forward overflow is said to be its consequence.
 
 With a model (and a replay bundle in the run), the what-if replays of one
-bundle's step decide instead (`step`, else `pick_bundle`: the earliest saved
-for a non-finite loss or tensor, else for `scale_low`, `skipped`, a request):
+bundle's step decide instead (`step`, else `pick_bundle`: the earliest bundle
+saved for nonfinite_loss or nonfinite_tensor, else request or step_list, else
+scale_low, else skipped):
 - `check_data`: the float64 replay is non-finite too, or a few samples of
   the batch fail alone (`bisect`): no precision setting is the fix;
 - `keep_fp32`: the smallest set of modules whose float32 execution makes the
@@ -38,8 +39,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..loader import Run
-from .bundle_choice import pick_bundle
+from .loader import Run
+from .names import ROOT_DISPLAY
+from .analyses.bundle_choice import pick_bundle
 
 ORDER = ("check_data", "keep_fp32", "gradient_drift", "use_bf16", "scaler_settings", "avoid_mixed_precision",
          "no_change")
@@ -101,9 +103,10 @@ class Recommendations:
 
 
 def recommend(run: Run, *, model=None, step: int | None = None, rank: int | None = None, device: str = "cpu",
-              policy: str = "recorded", progress=None) -> Recommendations:
-    """Recommendations for `run`; what-if replays when `model` is given."""
-    from .summary import summarize
+              policy: str = "recorded", loss_fn=None, progress=None) -> Recommendations:
+    """Recommendations for `run`; what-if replays when `model` is given
+    (`loss_fn(output, micro_batch)` as in `replay`)."""
+    from .analyses.summary import summarize
 
     summary = summarize(run)
     notes: list[str] = []
@@ -111,7 +114,8 @@ def recommend(run: Run, *, model=None, step: int | None = None, rank: int | None
         picked = _bundle_step(run, step, rank, notes)
         if picked is not None:
             bundle_step, bundle_rank = picked
-            recs = _replayed(run, bundle_step, bundle_rank, model, device, policy, progress, notes, summary)
+            recs = _replayed(run, bundle_step, bundle_rank, model, device, policy, loss_fn, progress, notes,
+                             summary)
             return Recommendations(run=str(run.path), step=bundle_step, replayed=True,
                                    recommendations=_sorted(recs), notes=notes)
     elif run.manifest.get("bundles"):
@@ -141,7 +145,7 @@ def _recorded(run: Run, summary) -> list:
             code=f"from recorders.fp32 import keep_fp32\nkeep_fp32(model.get_submodule({fwd.layer!r}))",
             data={"modules": [fwd.layer], "step": fwd.step}))
     if kinds & _SCALE_FINDINGS:
-        from ..whatif.scale_window import estimate_scale_window
+        from .whatif.scale_window import estimate_scale_window
         before = fwd.step if fwd is not None else None
         cited = [f"{f.kind}: {f.message}" for f in summary.findings if f.kind in _SCALE_FINDINGS]
         cited += _consequence(summary, fwd)
@@ -210,7 +214,7 @@ def window_drift(run: Run, before: int | None = None, samples: int = DRIFT_SAMPL
     "min_k", "max_k"}, ...]}."""
     import numpy as np
 
-    from ..whatif.scale_window import estimate_scale_window
+    from .whatif.scale_window import estimate_scale_window
     s = run.steps
     if before is not None:
         s = s[s["step"] < int(before)]
@@ -243,7 +247,7 @@ def _drift_recommendation(drift, summary, cited, source, extra=()) -> Recommenda
              f"{'down' if drift['direction'] == 'down' else 'up'} over the run: 2^{first['min_k']}..2^{first['max_k']} "
              f"at step {first['step']}, 2^{last['min_k']}..2^{last['max_k']} at step {last['step']}")
     if drift["direction"] == "down":
-        grows = ", ".join(d or "(model)" for d in drivers[:3]) or "the layers that overflow"
+        grows = ", ".join(d or ROOT_DISPLAY for d in drivers[:3]) or "the layers that overflow"
         action = (f"no fixed GradScaler setting fixes this: the gradients keep growing; fix what grows "
                   f"({grows}: its gradients overflow at the skipped steps)")
     else:
@@ -267,14 +271,15 @@ def _bundle_step(run: Run, step, rank, notes) -> tuple[int, int | None] | None:
     return s, (rank if rank is not None else r)
 
 
-def _replayed(run, step, rank, model, device, policy, progress, notes, summary) -> list:
-    from ..replay import resolve_policy
-    from ..whatif import prepare
-    from ..whatif.bisect import bisect_samples
-    from ..whatif.fix import find_fix
-    from ..whatif.scale_window import replay_scale_window
+def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, summary) -> list:
+    from .replay import resolve_policy
+    from .whatif import prepare
+    from .whatif.bisect import bisect_samples
+    from .whatif.fix import find_fix
+    from .whatif.scale_window import replay_scale_window
 
-    p = prepare(run.path, step, rank=rank, model=model, device=device, policy=policy, keep_inputs=True)
+    p = prepare(run.path, step, rank=rank, model=model, device=device, policy=policy, loss_fn=loss_fn,
+                keep_inputs=True)
     notes.extend(p.notes)
     recs = []
     baseline = p.trial()

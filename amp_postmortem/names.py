@@ -1,0 +1,27 @@
+"""The analyzer's vocabulary, defined once and torch-free: how the root
+module is shown, and the precisions, autocast policies and devices that the
+API accepts and the CLI offers as choices."""
+from __future__ import annotations
+
+# The recorder names the root module "" (its name in `named_modules()`);
+# people read it as this.
+ROOT_DISPLAY = "(model)"
+
+# Replay precisions, float64 (the reference) first.
+PRECISIONS = ("fp64", "fp32", "fp16", "bf16")
+# The precisions autocast runs in: what the what-ifs replay.
+REDUCED_PRECISIONS = ("fp16", "bf16")
+# Whose autocast rules a float16/bfloat16 replay follows: the recording
+# device type's, or CUDA's / the CPU's.
+POLICIES = ("recorded", "cuda", "cpu")
+DEVICES = ("cpu", "cuda")
+
+# What `summary` can find, in the order it ranks findings of equal severity
+# (a cause before its consequences); `--fail-on` takes these.
+FINDING_KINDS = ("nonfinite", "scale_collapse", "stuck_low_scale", "grad_underflow", "overflow_risk",
+                 "recording_disabled", "healthy")
+
+
+def display_name(name) -> str:
+    """A module name as people read it: the root module as `(model)`."""
+    return ROOT_DISPLAY if name == "" else str(name)

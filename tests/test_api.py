@@ -1,0 +1,288 @@
+"""`amp_postmortem` is the Python API and the CLI mirrors it: same names,
+same options (keyword arguments), `to_dict()` is `--json`, the README's
+reference lists exactly those keys; the package's layers import only
+downward; the truths the CLI shows (choices, bundle priority) have one source."""
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import amp_postmortem as api
+from amp_postmortem.cli import main
+from test_readme import README, REPO, fenced_blocks, one_torch_thread, section
+
+MODELS = "sample_runs/models.py:"
+# Switches of the CLI that are not analysis options: the output format and
+# the exit-code gate of `summary`; `progress` is how the CLI draws its bars.
+CLI_ONLY = {"fmt", "fail_on"}
+API_ONLY = {"progress"}
+
+# One invocation per command on a sample run (small replays: seconds in all).
+CALLS = {
+    "summary": ("sample_runs/attention_overflow",),
+    "nans": ("sample_runs/attention_overflow", "--from-step", "70"),
+    "scale": ("sample_runs/attention_overflow",),
+    "ranges": ("sample_runs/grad_underflow", "--window", "0"),
+    "compare": ("sample_runs/fp32_baseline", "sample_runs/attention_overflow"),
+    "replay": ("sample_runs/fp16_layernorm", "--step", "19", "--model", MODELS + "fp16_layernorm_model",
+               "--precisions", "fp16"),
+    "fix": ("sample_runs/fp16_layernorm", "--step", "19", "--model", MODELS + "fp16_layernorm_model"),
+    "bisect": ("sample_runs/bad_batch", "--step", "60", "--model", MODELS + "feature_mlp"),
+    "scale-window": ("sample_runs/scale_collapse", "--step", "45", "--model", MODELS + "multitask_mlp",
+                     "--scales", "8:12"),
+    "recommend": ("sample_runs/bad_batch", "--model", MODELS + "feature_mlp"),
+}
+
+
+def _api_function(command: str):
+    return getattr(api, command.replace("-", "_"))
+
+
+def _cli_json(argv) -> dict:
+    from test_readme import run_cli
+    code, stdout = run_cli((argv[0], *argv[1], "--json"))
+    assert code == 0, stdout
+    return json.loads(stdout)
+
+
+def _api_dict(command, argv) -> dict:
+    """The API call the CLI makes for `argv`, spelled as a user would."""
+    ctx = main.commands[command].make_context(command, list(argv))
+    params = {k: v for k, v in ctx.params.items() if k not in CLI_ONLY}
+    runs = [params.pop(k) for k in ("run", "run_a", "run_b") if k in params]
+    with one_torch_thread():
+        return _api_function(command)(*[str(REPO / r) for r in runs], **params).to_dict()
+
+
+@pytest.fixture(scope="module")
+def results():
+    """{command: (api to_dict, --json)} of CALLS, computed once."""
+    import os
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        out = {}
+        for command, argv in CALLS.items():
+            out[command] = (_api_dict(command, argv), _cli_json((command, argv)))
+        return out
+    finally:
+        os.chdir(cwd)
+
+
+def _relative(doc):
+    """Paths in a document relative to the repository (the CLI is run from it)."""
+    return json.loads(json.dumps(doc).replace(f"{REPO}/", ""))
+
+
+# ------------------------------------------------------------ the mirror
+def test_every_command_has_an_api_function_of_its_name():
+    assert {c.replace("-", "_") for c in main.commands} <= set(api.__all__)
+    assert set(CALLS) == set(main.commands)
+
+
+@pytest.mark.parametrize("command", sorted(CALLS))
+def test_every_cli_option_is_a_keyword_argument_of_the_api_function(command):
+    cli = {p.name for p in main.commands[command].params} - CLI_ONLY
+    signature = inspect.signature(_api_function(command)).parameters
+    assert cli - {"run", "run_a", "run_b"} == set(signature) - {"run", "run_a", "run_b"} - API_ONLY
+    for p in main.commands[command].params:
+        default = signature[p.name].default if p.name in signature else inspect.Parameter.empty
+        if default is not inspect.Parameter.empty and default not in (None, "", False, ()):
+            shown = ",".join(default) if p.name == "precisions" else (
+                "{}:{}".format(*default) if p.name == "scales" else default)
+            assert p.default == shown, (command, p.name)
+
+
+def test_api_defaults_are_the_analyses_defaults():
+    from amp_postmortem.analyses.compare import compare_runs
+    from amp_postmortem.analyses.ranges import WINDOW
+    from amp_postmortem.whatif.bisect import MAX_REPLAYS
+    from amp_postmortem.whatif.fix import MAX_CANDIDATES, MAX_SET
+    from amp_postmortem.whatif.scale_result import MAX_UNDERFLOW, SCALES
+
+    def default(f, name):
+        return inspect.signature(f).parameters[name].default
+
+    assert default(api.ranges, "window") == default(api.summary, "window") == WINDOW
+    assert (default(api.fix, "max_candidates"), default(api.fix, "max_set")) == (MAX_CANDIDATES, MAX_SET)
+    assert default(api.bisect, "max_replays") == MAX_REPLAYS
+    assert (tuple(default(api.scale_window, "scales")), default(api.scale_window, "max_underflow")) == \
+        (tuple(SCALES), MAX_UNDERFLOW)
+    assert (default(api.compare, "threshold"), default(api.compare, "persist")) == \
+        (default(compare_runs, "threshold"), default(compare_runs, "persist"))
+
+
+@pytest.mark.parametrize("command", sorted(CALLS))
+def test_the_api_returns_what_json_prints(results, command):
+    from_api, printed = results[command]
+    assert _relative(from_api) == printed
+
+
+def _documented_keys(command: str) -> list[str]:
+    """Top-level keys of the `JSON:` paragraph of a command's README
+    reference: the backticked names outside parentheses, up to the first
+    full stop outside them."""
+    reference = section(README, "## Command reference")
+    text = reference[reference.index(f"### `amp-postmortem {command} "):]
+    text = text[text.index("\nJSON: ") + 7:]
+    keys, depth, i = [], 0, 0
+    while i < len(text):
+        c = text[i]
+        if c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "." and depth == 0 and not text.startswith("...", i):
+            break
+        elif c == "`" and depth == 0:
+            end = text.index("`", i + 1)
+            keys.append(text[i + 1:end])
+            i = end
+        i += 1
+    return keys
+
+
+@pytest.mark.parametrize("command", sorted(CALLS))
+def test_readme_lists_exactly_the_json_keys(results, command):
+    documented = _documented_keys(command)
+    assert len(documented) == len(set(documented)), documented
+    assert set(documented) == set(results[command][0]), command
+
+
+def test_import_needs_neither_torch_nor_pandas_and_the_table_commands_no_torch():
+    code = ("import sys, amp_postmortem as a, amp_postmortem.cli; "
+            "print(sorted(m for m in ('torch', 'pandas', 'scipy') if m in sys.modules)); "
+            "run = 'sample_runs/attention_overflow'; "
+            "[f(run) for f in (a.summary, a.nans, a.scale, a.ranges, a.scale_window, a.recommend)]; "
+            "a.compare('sample_runs/fp32_baseline', run); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "False"]
+
+
+def test_replay_is_the_api_function_after_the_engine_is_imported():
+    import amp_postmortem.replay.engine  # noqa: F401
+    from amp_postmortem import replay
+    assert api.replay is replay and callable(replay) and "step" in inspect.signature(replay).parameters
+
+
+def test_a_loaded_run_is_accepted_and_reopened_for_a_rank():
+    run = api.load_run(REPO / "sample_runs/attention_overflow")
+    assert api.load_run(run) is run
+    assert api.nans(run).to_dict() == api.nans(REPO / "sample_runs/attention_overflow").to_dict()
+    assert api.load_run(run, rank=0).ranks == [0]
+
+
+def test_readme_python_api_section_runs(monkeypatch):
+    text = section(README, "## Python API")
+    blocks = [b for b in fenced_blocks(README) if b.lang == "python" and "\n".join(b.lines) in text]
+    assert blocks
+    monkeypatch.chdir(REPO)
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile("\n".join(block.lines), f"README.md:{block.line}", "exec"), namespace)
+    assert namespace["first"] == 79 and namespace["doc"] == _cli_json(("nans", ("sample_runs/attention_overflow",
+                                                                              "--from-step", "70")))
+
+
+# --------------------------------------------------------- one source
+def test_bundle_priority_reads_the_same_in_help_readme_and_docs():
+    from click.testing import CliRunner
+
+    from amp_postmortem.analyses.bundle_choice import priority_description
+    said = priority_description()
+
+    def flat(text):
+        return " ".join(text.replace("`", "").split())
+
+    help_text = CliRunner().invoke(main, ["recommend", "--help"], terminal_width=1000).output
+    assert said in flat(help_text)
+    assert said in flat(section(README, "### `amp-postmortem recommend RUN`"))
+    import amp_postmortem.advice
+    assert said in flat(amp_postmortem.advice.__doc__)
+
+
+def test_cli_choices_come_from_the_one_vocabulary():
+    from amp_postmortem.names import DEVICES, POLICIES, PRECISIONS, REDUCED_PRECISIONS
+    from amp_postmortem.replay.run_config import POLICY_MODES
+    from amp_postmortem.replay.run_config import PRECISIONS as ENGINE_PRECISIONS
+    assert (ENGINE_PRECISIONS, POLICY_MODES) == (PRECISIONS, POLICIES)
+    for command in main.commands.values():
+        for p in command.params:
+            if p.name == "policy":
+                assert tuple(p.type.choices) == POLICIES
+            if p.name == "device":
+                assert tuple(p.type.choices) == DEVICES
+            if p.name == "precision":
+                assert tuple(p.type.choices) == REDUCED_PRECISIONS
+
+
+# ----------------------------------------------------------- the layers
+LAYERS = [  # each imports only from its own layer and the ones before it
+    {"errors", "names"},
+    {"loader", "shards", "bundle"},
+    {"analyses"},
+    {"replay"},
+    {"whatif"},
+    {"advice"},
+    {"__init__"},
+    {"cli", "cli_replay", "cli_whatif", "output"},
+]
+PACKAGE = REPO / "amp_postmortem"
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[0] or "__init__"
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def _imports(path: Path):
+    """(line, imported module relative to the package) of every import of
+    amp_postmortem in the file, lazy ones inside functions included."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    package = parts[:-1]  # the package the file is in (for __init__.py: its own)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(package[:len(package) - node.level + 1])
+            if node.module:
+                yield node.lineno, ".".join(base + [node.module])
+            else:  # `from .. import bundle`: the names may be modules
+                yield from ((node.lineno, ".".join(base + [a.name])) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("amp_postmortem"):
+            yield node.lineno, node.module[len("amp_postmortem."):]
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name[len("amp_postmortem."):]) for a in node.names
+                        if a.name.split(".")[0] == "amp_postmortem")
+
+
+def test_layers_import_only_downward():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        me = _layer(".".join(rel.parts))
+        for line, module in _imports(path):
+            if _layer(module) > me:
+                wrong.append(f"{rel}:{line} imports {module or '__init__'}")
+    assert not wrong
+
+
+def test_no_private_name_is_imported_across_modules():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("amp_postmortem")):
+                wrong += [f"{path.relative_to(REPO)}:{node.lineno} {a.name}" for a in node.names
+                          if a.name.startswith("_") and a.name != "__version__"]
+    assert not wrong
+
+
+def test_the_root_module_has_one_display_name():
+    copies = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
+              if re.search(r"""["']\(model\)["']""", p.read_text())]
+    assert copies == ["amp_postmortem/names.py"]
