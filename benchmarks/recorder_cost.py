@@ -12,8 +12,9 @@ as its variants (so every figure comes from one run on one machine state):
   recorder's own functions (those defined under `recorders/`) with their
   calls and exclusive time per step, in microseconds.
 - `module_cost`: a deep stack of tiny Linear layers, so the recorder's cost
-  is its per-module work and not its statistics; the added time per watched
-  module per step, in microseconds. A model with M watched modules and V
+  is its per-module work and not its statistics; the added CPU time of the
+  training thread per watched module (with its two parameters) per step, in
+  microseconds (wall time beside it). A model with M watched modules and V
   values per step then costs about `M * us_per_module + V * ns_per_value`
   more per step.
 """
@@ -144,6 +145,12 @@ def measure_module_cost(n_layers: int, steps: int, warmup: int, seed: int, width
     x = torch.randn(batch, width)
     order = random.Random(seed)
     times = {"baseline": [], "default": []}
+    cpu = {"baseline": [], "default": []}
+    # Tiny tensors: one intra-op thread does all the work, so this thread's
+    # CPU time is the step's, and it barely moves when other jobs load the
+    # machine (wall time does).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="amp-pm-modules-") as tmp:
         models = {v: copy.deepcopy(template) for v in times}
         opts = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, m in models.items()}
@@ -153,7 +160,7 @@ def measure_module_cost(n_layers: int, steps: int, warmup: int, seed: int, width
             names = list(times)
             order.shuffle(names)
             for v in names:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 loss = models[v](x).square().mean()
                 loss.backward()
                 opts[v].step()
@@ -162,10 +169,15 @@ def measure_module_cost(n_layers: int, steps: int, warmup: int, seed: int, width
                     rec.step(loss)
                 if i >= warmup:
                     times[v].append(time.perf_counter() - t0)
+                    cpu[v].append(time.thread_time() - c0)
         rec.close()
+    torch.set_num_threads(threads)
     base, recd = common.median(times["baseline"]), common.median(times["default"])
-    per_module = (recd - base) / watched
+    cbase, crecd = common.median(cpu["baseline"]), common.median(cpu["default"])
+    per_module = (crecd - cbase) / watched
     return {"layers": n_layers, "watched_modules": watched, "width": width, "batch": batch,
             "steps": steps, "baseline_ms": 1e3 * base, "recorded_ms": 1e3 * recd,
+            "baseline_cpu_ms": 1e3 * cbase, "recorded_cpu_ms": 1e3 * crecd,
             "us_per_watched_module": 1e6 * per_module,
+            "us_per_watched_module_wall": 1e6 * (recd - base) / watched,
             "predicted_added_ms_for_10000_modules": 1e3 * per_module * 10_000}

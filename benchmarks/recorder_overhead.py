@@ -334,8 +334,8 @@ def _cost_sections(result: dict, dtypes, args, size) -> None:
         mc = recorder_cost.measure_module_cost(args.module_layers, max(args.steps, 2), args.warmup, args.seed)
         result["module_cost"] = mc
         print("\ncost per watched module (deep stack of tiny Linear layers)", file=sys.stderr)
-        common.print_table([mc], ["watched_modules", "baseline_ms", "recorded_ms", "us_per_watched_module",
-                                  "predicted_added_ms_for_10000_modules"])
+        common.print_table([mc], ["watched_modules", "baseline_cpu_ms", "recorded_cpu_ms", "us_per_watched_module",
+                                  "us_per_watched_module_wall", "predicted_added_ms_for_10000_modules"])
 
 
 if __name__ == "__main__":
