@@ -90,12 +90,15 @@ def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(d)).sum().to(torch.float64)
 
 
-def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
-                 scale: torch.Tensor | None = None, unscale: bool = False,
-                 near_overflow: float = schema.FP16_MAX) -> torch.Tensor:
-    """Statistics vector of `t`.
+def row_stats(t: torch.Tensor, *, full: bool, scale: torch.Tensor | None = None,
+              unscale: bool = False, near_overflow: float = schema.FP16_MAX):
+    """Statistics of `t` for one row, `input_nonfinite` left null (the
+    writer thread fills it from the rows that produced the inputs): a list
+    of floats when computed on the host, else a float64 device tensor.
+    `pack_rows` turns a step's rows into one tensor at once, where a tensor
+    per row cost more than the statistics of a small tensor. The result
+    may be shared with other rows (memo): never change it.
 
-    `input_nonfinite`: a 0-d device tensor (or None: recorded as null).
     `scale`/`unscale`: the gradient is multiplied by the loss scale; with
     `unscale` the value statistics are divided by it (param grads are
     reported unscaled) while the float16 threshold shares are still taken on
@@ -106,15 +109,48 @@ def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
     key = _memo.key(t, full, scale_used, near_overflow)
     cached = _memo.get(t, scale_used, key)
     if cached is not None:
-        return _with_input(cached, input_nonfinite, d.device)
-    if _on_host(d, input_nonfinite, scale_used):
+        return cached
+    if _on_host(d, None, scale_used):
         values = _host_stats(d, full, scale_used, near_overflow)
-        if values is not None:
-            _memo.put(t, scale_used, key, values)
-            return _with_input(values, input_nonfinite, d.device)
-    vec = _device_stats(d, full, input_nonfinite, scale_used, near_overflow)
+        if values is None:
+            # Host memory: the general path's result is ready to read.
+            values = _device_stats(d, full, None, scale_used, near_overflow).tolist()
+        _memo.put(t, scale_used, key, values)
+        return values
+    vec = _device_stats(d, full, None, scale_used, near_overflow)
     _memo.put(t, scale_used, key, vec)
     return vec
+
+
+def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
+                 scale: torch.Tensor | None = None, unscale: bool = False,
+                 near_overflow: float = schema.FP16_MAX) -> torch.Tensor:
+    """Statistics vector of `t` as a float64 tensor on its device, with
+    `input_nonfinite` (a 0-d tensor, or None: null) in its slot. See
+    `row_stats` for the other options."""
+    stats = row_stats(t, full=full, scale=scale, unscale=unscale, near_overflow=near_overflow)
+    return _with_input(stats, input_nonfinite, t.device)
+
+
+def pad_row(stats, width: int):
+    """A row widened to `width` with nulls (a cheap-tier row in a full-tier
+    step)."""
+    missing = width - len(stats)
+    if missing <= 0:
+        return stats
+    if isinstance(stats, list):
+        return stats + [math.nan] * missing
+    return torch.cat([stats, torch.full((missing,), math.nan, dtype=stats.dtype, device=stats.device)])
+
+
+def pack_rows(rows: list) -> torch.Tensor:
+    """A step's rows (equal widths) as one flat float64 tensor: host rows
+    in one call, device rows stacked on their device (no host round trip)."""
+    device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
+    if device is None:
+        return torch.tensor(rows, dtype=torch.float64).reshape(-1)
+    return torch.stack([r if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=torch.float64, device=device)
+                        for r in rows]).reshape(-1)
 
 
 def _device_stats(d, full, input_nonfinite, scale, near_overflow):
