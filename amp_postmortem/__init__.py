@@ -28,7 +28,7 @@ from .names import DEVICES, PRECISIONS, REDUCED_PRECISIONS
 __version__ = "0.1.0"
 
 __all__ = ["load_run", "load_bundle", "summary", "nans", "scale", "ranges", "compare", "replay", "fix",
-           "bisect", "scale_window", "recommend"]
+           "bisect", "scale_window", "recommend", "report", "export_tensorboard"]
 
 # The CLI's option defaults are read from these signatures;
 # tests/test_api.py checks them against the analyses' own defaults.
@@ -187,6 +187,29 @@ def recommend(run, *, rank: int | None = None, model=None, step: int | None = No
                           progress=progress), r)
 
 
+# ------------------------------------------------------------- pictures
+def report(run, *, rank: int | None = None, output=None, replay=None, progress=None):
+    """Write one self-contained HTML report (`amp-postmortem report`):
+    findings, loss and scale, headroom heatmaps, the first-NaN spread.
+    `output`: the HTML file (default `<run name>-report.html` here);
+    `replay`: a file written by `replay --json`, charted per module. Needs
+    the `report` extra (plotly)."""
+    from .report import report as write, require_plotly
+    require_plotly()  # before the run is read: the missing extra is the first thing to say
+    r = load_run(run, rank=rank, progress=progress)
+    return _result(write(r, output=output, replay=replay), r)
+
+
+def export_tensorboard(run, *, logdir, rank: int | None = None, progress=None):
+    """Write the run as TensorBoard scalars (`amp-postmortem export
+    tensorboard`): loss, scale, grad norm, skipped; per layer absmax and
+    headroom. Needs the `report` extra (tensorboard)."""
+    from .export import export_tensorboard as write, require_tensorboard
+    require_tensorboard()
+    r = load_run(run, rank=rank, progress=progress)
+    return _result(write(r, logdir), r)
+
+
 # ----------------------------------------------------------------- helpers
 def _result(report, *runs):
     """The command's result: the report with the loaders' `warnings`, and a
@@ -245,14 +268,19 @@ def _names(modules) -> tuple:
     return tuple(m.strip() for m in modules if m.strip())
 
 
+# Packages that share their name with an API function.
+_SHADOWED = ("replay", "report")
+
+
 class _API(types.ModuleType):
-    """The engine package `amp_postmortem.replay` shares its name with the
-    API function `replay`: importing the package would set this module's
-    attribute `replay` to it. The function keeps the name; the package stays
-    importable by its full name (`from amp_postmortem.replay import ...`)."""
+    """The packages `amp_postmortem.replay` and `amp_postmortem.report` share
+    their names with the API functions `replay` and `report`: importing a
+    package would set this module's attribute of that name to it. The
+    function keeps the name; the package stays importable by its full name
+    (`from amp_postmortem.replay import ...`)."""
 
     def __setattr__(self, name, value):
-        if name == "replay" and isinstance(value, types.ModuleType):
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)
 

@@ -174,6 +174,7 @@ def summary(run, fail_on, **options):
 
 
 from .cli_replay import replay_command; main.add_command(replay_command, "replay")  # noqa: E402,E702
+from .cli_report import export_group, report_command; main.add_command(report_command); main.add_command(export_group)  # noqa: E402,E702,E501
 from .cli_whatif import COMMANDS as _WHATIF_COMMANDS  # noqa: E402  (fix, scale-window, bisect, compare, recommend)
 for _command in _WHATIF_COMMANDS:
     main.add_command(_command)

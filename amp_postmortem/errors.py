@@ -65,3 +65,15 @@ class DeviceError(PostmortemError):
 
 class OptionError(PostmortemError):
     """An option value outside its valid range (e.g. --scales 4:2)."""
+
+
+class MissingExtraError(PostmortemError):
+    """An optional dependency (a pip extra such as `report`) is not installed."""
+
+
+class ReplayFileError(PostmortemError):
+    """`report --replay` names a file that is not the output of `replay --json`."""
+
+
+class ExportError(PostmortemError):
+    """An export cannot be written where it was asked for."""

@@ -90,7 +90,7 @@ class Job:
         rec, vocab = self.rec, self.size["vocab"]
         paused = rec.paused() if self.variant == "paused" else None
         if rec is not None and self.variant != "paused":
-            self.tiers.append("full" if rec._state.full else "cheap")
+            self.tiers.append("full" if rec.hooks.state.full else "cheap")
         t0 = time.perf_counter()
         if paused is not None:
             paused.__enter__()
@@ -106,13 +106,13 @@ class Job:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if rec is not None and self.variant != "paused":
-            self.raw_rows.append(len(rec._state.stats))
+            self.raw_rows.append(len(rec.hooks.state.stats))
             rec.step(loss)
         if paused is not None:
             paused.__exit__(None, None, None)
         dt = time.perf_counter() - t0
         if rec is not None:
-            self.max_queue = max(self.max_queue, rec._queue.qsize())
+            self.max_queue = max(self.max_queue, rec.writer.backlog)
             per_step = _writer_bytes_per_step(rec)
             if per_step:
                 self.buffer_bytes_per_step = max(self.buffer_bytes_per_step, per_step)
@@ -131,7 +131,7 @@ def _writer_bytes_per_step(rec) -> float:
     """Bytes of rows the writer holds per buffered step (0 when it holds
     none: it has just written a shard). Read from the training thread while
     the writer may append: a sample, not an exact count."""
-    w = rec._writer
+    w = rec.shards
     batches = list(w._tensor_batches)
     steps = w.pending_steps
     if not batches or not steps:
@@ -148,10 +148,10 @@ def _buffers(job) -> dict:
     (bounded by max_queue steps) and the writer's rows not yet in a shard
     (bounded by steps_per_shard steps; also written every flush_interval_s)."""
     rec = job.rec
-    w = rec._writer
+    w = rec.shards
     per_step = job.buffer_bytes_per_step
     return {
-        "queue_max_steps": rec._queue.maxsize,
+        "queue_max_steps": rec.writer.max_queue,
         "writer_steps_per_shard": w.steps_per_shard,
         "writer_buffer_bytes_per_step": round(per_step),
         "writer_buffer_bound_mib": round(per_step * w.steps_per_shard / 2**20, 2),
@@ -169,13 +169,13 @@ def measure_dtype(dtype: str, variants, steps: int, warmup: int, size: dict, see
         cpu0 = {}
         for i, batch in enumerate(batches):
             if i == warmup:
-                cpu0 = {v: common.thread_cpu_s(j.rec._thread.native_id)
+                cpu0 = {v: common.thread_cpu_s(j.rec.writer.native_id)
                         for v, j in jobs.items() if j.rec is not None}
             names = list(jobs)
             order_rng.shuffle(names)
             for v in names:
                 jobs[v].times.append(jobs[v].step(batch))
-        cpu1 = {v: common.thread_cpu_s(j.rec._thread.native_id)
+        cpu1 = {v: common.thread_cpu_s(j.rec.writer.native_id)
                 for v, j in jobs.items() if j.rec is not None}
         out = {"dtype": dtype, "steps": steps, "warmup": warmup, "variants": {}}
         base = common.median(jobs["baseline"].times[warmup:]) if "baseline" in jobs else None

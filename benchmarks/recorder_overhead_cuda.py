@@ -151,7 +151,7 @@ def profiler_sync_count(jobs, batches) -> dict:
             if any(b in name for b in _BLOCKING) or name in ("cudaMemcpy", "cudaMemcpy2D"):
                 t = by_thread.setdefault(str(getattr(e, "thread", "?")), {})
                 t[name] = t.get(name, 0) + 1
-        writer = j.rec._thread.native_id if j.rec is not None else None
+        writer = j.rec.writer.native_id if j.rec is not None else None
         per_step = {tid: {k: c / len(batches) for k, c in sorted(d.items())} for tid, d in by_thread.items()}
         training = sum(c for tid, d in per_step.items() if tid != str(writer) for c in d.values())
         out[v] = {"per_thread_per_step": per_step, "writer_thread": writer,

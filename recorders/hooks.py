@@ -2,8 +2,9 @@
 
 Every hook only enqueues device work (a statistics vector per tensor, see
 `stats.py`) and appends host-side metadata; nothing here reads a device
-value. `AmpRecorder` mixes this in and owns the lifecycle, the step and the
-writer thread.
+value. `TrainingHooks` owns the hook handles and the state of the step in
+progress (`StepState`); `AmpRecorder` owns the lifecycle and hands the
+finished step to the writer thread.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import weakref
 import torch
 
 from . import schema
+from .manifest import scaler_enabled
 from .stats import iter_tensors, is_float_tensor, nonfinite_count, tensor_stats
 
 
@@ -32,7 +34,9 @@ class _CallContext:
         self.step_id = step_id
 
 
-class _StepState:
+class StepState:
+    """What the hooks collected during one optimizer step (training thread)."""
+
     def __init__(self, step_id: int, record: bool, full: bool):
         self.step_id = step_id
         self.record = record
@@ -83,38 +87,93 @@ def _dtype_name(dtype) -> str:
     return name
 
 
-class RecorderHooks:
-    """Hook registration and the hooks themselves (mixed into AmpRecorder)."""
+class TrainingHooks:
+    """The hooks on the model, its parameters and the optimizer, and the
+    state of the step in progress.
 
-    def _register_hooks(self) -> None:
+    `guard(fn)` wraps every hook (the recorder's: an exception turns
+    recording off, never the training); `bundles` is the bundle capture
+    (its `on_*` hooks); `on_autocast(info)` is told the autocast state once,
+    at the first recorded forward.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, optimizer, scaler, watched: list[str],
+                 watch_param, near_overflow: float, guard, bundles, on_autocast):
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler if scaler_enabled(scaler) else None
+        self.watched = list(watched)
+        self.params = list(model.named_parameters())
+        self.near_overflow = near_overflow
+        self.bundles = bundles
+        self._guard = guard
+        self._watch_param = watch_param
+        self._on_autocast = on_autocast
+        self.autocast: dict | None = None  # as the first recorded forward saw it
+        self.paused = 0  # paused() depth: forward/backward passes not recorded
+        self.state = StepState(0, False, False)
+        self.handles: list = []
+        self._grad_params: list = []
+
+    def begin_step(self, step_id: int, tier: str | None) -> None:
+        """Start collecting the step `step_id` at `tier` ('full', 'cheap' or
+        None: not recorded)."""
+        self.state = StepState(step_id, tier is not None, tier == "full")
+
+    def register(self) -> None:
         by_name = dict(self.model.named_modules())
         self._root_ref = weakref.ref(self.model)
-        self._hooks.append(self.model.register_forward_pre_hook(
+        self.handles.append(self.model.register_forward_pre_hook(
             self._guard(self._on_root_pre), with_kwargs=True, prepend=True))
-        for name in self._watched:
+        for name in self.watched:
             m = by_name[name]
-            self._hooks.append(m.register_forward_pre_hook(self._guard(self._make_pre(name, m)), with_kwargs=True))
-            self._hooks.append(m.register_forward_hook(self._guard(self._make_post(name, m)), with_kwargs=True))
-        self._grad_params = []
-        for pname, p in self._params:
-            if p.requires_grad and self._param_watched(pname):
+            self.handles.append(m.register_forward_pre_hook(self._guard(self._make_pre(name, m)), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._guard(self._make_post(name, m)), with_kwargs=True))
+        watched = set(self.watched)
+        for pname, p in self.params:
+            if p.requires_grad and (pname.rpartition(".")[0] in watched or self._watch_param(pname)):
                 self._grad_params.append(p)
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._guard(self._make_param_hook(pname, p))))
+                self.handles.append(p.register_post_accumulate_grad_hook(self._guard(self._make_param_hook(pname, p))))
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
-            self._hooks.append(self.optimizer.register_step_pre_hook(self._guard(self._on_opt_pre)))
+            self.handles.append(self.optimizer.register_step_pre_hook(self._guard(self._on_opt_pre)))
 
-    def _param_watched(self, pname: str) -> bool:
-        owner = pname.rpartition(".")[0]
-        return owner in set(self._watched) or self._matches(pname)
+    def remove(self) -> None:
+        # Never called from inside a hook: removing forward hooks while
+        # torch iterates over them would break the user's forward pass.
+        for h in self.handles:
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self.handles = []
+
+    def end_step(self, loss) -> StepState:
+        """Add the rows known only at step end (gradients still awaited,
+        parameter gradients, the loss, parameter values) and return the
+        finished step's state. `loss`: the detached loss tensor or None."""
+        st = self.state
+        for ctx in st.contexts:
+            for input_idx in list(ctx.pending):
+                self._finish_grad_input(st, ctx, input_idx)
+        for pname, (order, s, sq, g) in st.param_grads.items():
+            self._add_row(st, pname, "param_grad", "backward", order, 0, g, s)
+        if st.record and loss is not None and loss.numel():
+            s = self._stats(st, loss.float())
+            self._add_row(st, schema.LOSS_NAME, "loss", "forward", st.fwd_order, 0, loss, s)
+            st.fwd_order += 1
+        for pname, info, s in st.param_values:
+            self._add_row(st, pname, "param", "forward", st.fwd_order, 0, info, s)
+            st.fwd_order += 1
+        return st
 
     # ---------------------------------------------------------------- state
-    def _active(self) -> _StepState | None:
+    def _active(self) -> StepState | None:
         """The step state when a forward hook should record: not paused, a
         recorded step, grad mode on (eval passes under no_grad are not
         training), and not inside a backward pass (activation checkpointing
         re-runs forwards there: a recomputation, not a new forward)."""
-        st = self._state
-        if self._paused or not st.record or not torch.is_grad_enabled():
+        st = self.state
+        if self.paused or not st.record or not torch.is_grad_enabled():
             return None
         if _in_backward():
             return None
@@ -147,7 +206,7 @@ class RecorderHooks:
             pass
 
     def _scale_tensor(self):
-        if not self._scaler_enabled():
+        if self.scaler is None:
             return None
         s = getattr(self.scaler, "_scale", None)
         return s if isinstance(s, torch.Tensor) else None
@@ -162,21 +221,21 @@ class RecorderHooks:
         st.bwd_order = 0
         st.calls = {}
         st.nonfinite_cache = {}
-        if self._autocast is None:
+        if self.autocast is None:
             self._note_autocast()
         tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
         if st.micro_batches == 1 and st.full:
             # Values as this forward sees them; their rows are placed after
             # the loss at step end so module orders match cheap-tier steps.
             st.param_values = [(pname, _TensorInfo(p), self._stats(st, p))
-                               for pname, p in self._params if p.numel()]
+                               for pname, p in self.params if p.numel()]
         if tensors:
             for t in tensors:
                 s = self._stats(st, t)
                 self._add_row(st, schema.INPUT_NAME, "input", "forward", st.fwd_order, 0, t, s)
                 self._remember_nonfinite(st, t, s)
             st.fwd_order += 1
-        self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs)
+        self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs, self.autocast)
 
     def _note_autocast(self):
         info = {"enabled": False, "device_type": None, "dtype": None}
@@ -189,8 +248,8 @@ class RecorderHooks:
             except (RuntimeError, TypeError, AttributeError):
                 continue
         info["cache_enabled"] = torch.is_autocast_cache_enabled()
-        self._autocast = info
-        self._submit(lambda: self._manifest.__setitem__("autocast", info))
+        self.autocast = info
+        self._on_autocast(info)
 
     def _make_pre(self, name, registered):
         # `copy.deepcopy(model)` (an EMA copy, say) copies the hooks too: they
@@ -279,7 +338,7 @@ class RecorderHooks:
 
     def _make_grad_output_hook(self, ctx, idx):
         def hook(grad):
-            st = self._state
+            st = self.state
             if st.step_id != ctx.step_id or grad is None or not st.record:
                 return
             s = self._stats(st, grad)
@@ -293,7 +352,7 @@ class RecorderHooks:
 
     def _make_node_hook(self, ctx, slots):
         def hook(grad_inputs, grad_outputs):
-            st = self._state
+            st = self.state
             if st.step_id != ctx.step_id:
                 return
             for slot, input_idx in slots:
@@ -331,8 +390,8 @@ class RecorderHooks:
 
         def hook(p):
             # Backward runs with grad mode off: check the step, not grad mode.
-            st = self._state
-            if self._paused or not st.record or p.grad is None or p is not ref():
+            st = self.state
+            if self.paused or not st.record or p.grad is None or p is not ref():
                 return
             g = p.grad
             scale = self._scale_tensor()
@@ -354,7 +413,7 @@ class RecorderHooks:
         return hook
 
     def _on_opt_pre(self, optimizer, args, kwargs):
-        st = self._state
+        st = self.state
         st.stepped = True
         if st.record:
             grads = [p.grad for p in self._grad_params if p.grad is not None]

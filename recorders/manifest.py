@@ -1,7 +1,14 @@
-"""The run manifest: what the recorder knows about the job up front, and the
-small host-side helpers that describe it as JSON."""
+"""The run manifest: what the recorder knows about the job, as JSON.
+
+`RunManifest` owns the manifest dictionary and writes it (to the rank's
+directory, and to the run directory on rank 0); after construction only the
+writer thread changes or writes it. The functions below describe the job's
+parts (device, scaler, optimizer, distributed rank) in host-side values.
+"""
 from __future__ import annotations
 
+import json
+import platform
 import time
 from pathlib import Path
 
@@ -18,80 +25,108 @@ except Exception:  # not installed (running from a source tree)
     PACKAGE_VERSION = "0+unknown"
 
 
-class ManifestMixin:
-    """Builds and writes the manifest (mixed into AmpRecorder; written only
-    by the writer thread once recording runs)."""
+class RunManifest:
+    """The manifest of one rank. `fields`: the description of the job
+    (see `describe_job`); the recording counters start empty."""
 
-    def _scaler_config(self):
-        if self.scaler is None:
-            return None
-        s = self.scaler
-        return {
-            "class": f"{type(s).__module__}.{type(s).__qualname__}",
-            "enabled": self._scaler_enabled(),
-            "init_scale": _json_float(getattr(s, "_init_scale", None)),
-            "growth_factor": _json_float(getattr(s, "_growth_factor", None)),
-            "backoff_factor": _json_float(getattr(s, "_backoff_factor", None)),
-            "growth_interval": getattr(s, "_growth_interval", None),
-        }
+    def __init__(self, run_dir: Path, rank: int, fields: dict):
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.data = {**fields, "bundles": [], "status": "open", "steps_recorded": 0,
+                     "first_step": None, "last_step": None, "dropped_steps": 0,
+                     "disabled_reason": None}
 
-    def _initial_manifest(self) -> dict:
-        modules = [{"name": n, "type": f"{type(m).__module__}.{type(m).__qualname__}",
-                    "watched": n in set(self._watched)} for m, n in self._module_names.items()]
-        device = next((p.device for _, p in self._params), torch.device("cpu"))
-        opt = None
-        if self.optimizer is not None:
-            opt = {"class": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
-                   "defaults": plain(getattr(self.optimizer, "defaults", {}), keep_nonfinite=True)}
-        return {
-            "format": schema.FORMAT_NAME,
-            "schema_version": schema.SCHEMA_VERSION,
-            "run_id": self.run_id,
-            "created_at": time.time(),
-            "package_version": PACKAGE_VERSION,
-            "torch_version": torch.__version__,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "device_type": device.type,
-            "device_name": _device_name(device),
-            "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
-            "autocast": None,
-            "scaler": self._scaler_config(),
-            "optimizer": opt,
-            "recorder": {
-                "include": list(self.include), "exclude": list(self.exclude),
-                "cheap_every": self.cheap_every, "full_every": self.full_every,
-                "full_after_event": self.full_after_event,
-                "steps_per_shard": self.steps_per_shard,
-                "near_overflow": self.near_overflow,
-                "bundles": plain(self.bundles.config, keep_nonfinite=True),
-            },
-            "modules": modules,
-            "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                        "requires_grad": bool(p.requires_grad)} for n, p in self._params],
-            "bundles": [],
-            "status": "open",
-            "steps_recorded": 0,
-            "first_step": None,
-            "last_step": None,
-            "dropped_steps": 0,
-            "disabled_reason": None,
-        }
+    def set_autocast(self, info: dict) -> None:
+        self.data["autocast"] = info
 
+    def note_step(self, step: int) -> None:
+        m = self.data
+        m["steps_recorded"] += 1
+        m["first_step"] = step if m["first_step"] is None else min(m["first_step"], step)
+        m["last_step"] = step if m["last_step"] is None else max(m["last_step"], step)
 
-    def _write_manifest(self) -> None:
-        self._manifest["bundles"] = list(self.bundles.saved)
-        atomic_write_json(self.rank_dir / schema.MANIFEST_FILE, self._manifest)
+    def set_bundles(self, saved: list, missed: list) -> None:
+        self.data["bundles"] = list(saved)
+        if missed:
+            self.data["bundles_missed"] = list(missed)
+
+    def set_recording(self, *, status: str | None = None, dropped_steps: int = 0,
+                      failure: BaseException | None = None) -> None:
+        if status is not None:
+            self.data["status"] = status
+        self.data["dropped_steps"] = dropped_steps
+        if failure is not None:
+            self.data["disabled_reason"] = f"{type(failure).__name__}: {failure}"
+
+    def write(self) -> None:
+        rank_dir = self.run_dir / schema.RANK_DIR.format(rank=self.rank)
+        atomic_write_json(rank_dir / schema.MANIFEST_FILE, self.data)
         if self.rank == 0:
-            atomic_write_json(self.run_dir / schema.MANIFEST_FILE, self._manifest)
+            atomic_write_json(self.run_dir / schema.MANIFEST_FILE, self.data)
 
 
-def _existing_run_id(run_dir: Path, rank: int) -> str | None:
+def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Module,
+                 module_names: dict, watched: list[str], params: list, optimizer, scaler,
+                 recorder_options: dict) -> dict:
+    """The manifest's description of the job, known before the first step."""
+    watched_set = set(watched)
+    device = next((p.device for _, p in params), torch.device("cpu"))
+    return {
+        "format": schema.FORMAT_NAME,
+        "schema_version": schema.SCHEMA_VERSION,
+        "run_id": run_id,
+        "created_at": time.time(),
+        "package_version": PACKAGE_VERSION,
+        "torch_version": torch.__version__,
+        "rank": rank,
+        "world_size": world_size,
+        "device_type": device.type,
+        "device_name": device_name(device),
+        "model_class": qualified_name(model),
+        "autocast": None,
+        "scaler": describe_scaler(scaler),
+        "optimizer": describe_optimizer(optimizer),
+        "recorder": recorder_options,
+        "modules": [{"name": n, "type": qualified_name(m), "watched": n in watched_set}
+                    for m, n in module_names.items()],
+        "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
+                    "requires_grad": bool(p.requires_grad)} for n, p in params],
+    }
+
+
+def qualified_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def scaler_enabled(scaler) -> bool:
+    return scaler is not None and (scaler.is_enabled() if hasattr(scaler, "is_enabled") else True)
+
+
+def describe_scaler(scaler) -> dict | None:
+    if scaler is None:
+        return None
+    return {
+        "class": qualified_name(scaler),
+        "enabled": scaler_enabled(scaler),
+        "init_scale": host_float(getattr(scaler, "_init_scale", None)),
+        "growth_factor": host_float(getattr(scaler, "_growth_factor", None)),
+        "backoff_factor": host_float(getattr(scaler, "_backoff_factor", None)),
+        "growth_interval": getattr(scaler, "_growth_interval", None),
+    }
+
+
+def describe_optimizer(optimizer) -> dict | None:
+    if optimizer is None:
+        return None
+    return {"class": qualified_name(optimizer),
+            "defaults": plain(getattr(optimizer, "defaults", {}), keep_nonfinite=True)}
+
+
+def existing_run_id(run_dir: Path, rank: int) -> str | None:
     """A job resumed into its old run directory continues that run: same
     run_id, shard numbering continued, so readers see one run."""
-    import json
-    for path in (run_dir / schema.RANK_DIR.format(rank=rank) / schema.MANIFEST_FILE,
-                 run_dir / schema.MANIFEST_FILE):
+    for path in (Path(run_dir) / schema.RANK_DIR.format(rank=rank) / schema.MANIFEST_FILE,
+                 Path(run_dir) / schema.MANIFEST_FILE):
         try:
             return json.loads(path.read_text())["run_id"]
         except (OSError, ValueError, KeyError, TypeError):
@@ -99,7 +134,8 @@ def _existing_run_id(run_dir: Path, rank: int) -> str | None:
     return None
 
 
-def _dist_rank_world() -> tuple[int, int]:
+def distributed_rank_world() -> tuple[int, int]:
+    """(rank, world size) of an initialised torch.distributed group, else (0, 1)."""
     try:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
@@ -109,17 +145,18 @@ def _dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     try:
         if device.type == "cuda":
             return torch.cuda.get_device_name(device)
     except Exception:
         pass
-    import platform
     return platform.processor() or platform.machine() or device.type
 
 
-def _json_float(v):
+def host_float(v):
+    """A float for JSON from a number or a one-element CPU tensor; None for
+    anything else (a device tensor is never read: that would synchronise)."""
     if isinstance(v, torch.Tensor):
         return float(v.item()) if v.numel() == 1 and v.device.type == "cpu" else None
     if isinstance(v, (int, float)):

@@ -4,18 +4,27 @@ Lifecycle: construct (hooks registered, manifest written), `step()` once per
 optimizer step, `flush()` (blocks until everything so far is on disk),
 `close()` (idempotent; flushes and removes every hook). Also a context manager.
 
-The training path only enqueues device work: each hook computes a small
-statistics vector on the tensor's device and appends it to a list; `step()`
-stacks the step's vectors into one tensor and starts one asynchronous copy to
-the host. Conversion, Parquet and every decision taken on values happen on
-the writer thread, one step (or more) late.
+`AmpRecorder` owns its parts and wires them; each keeps its own state:
+
+- `schedule` (`RecordSchedule`): which step is recorded at which tier;
+- `hooks` (`TrainingHooks`): the hooks and the state of the step in progress;
+- `rows` (`StepRows`): a finished step packed into one asynchronous copy,
+  and, on the writer thread, turned into table rows;
+- `manifest` (`RunManifest`): the run's manifest;
+- `shards` (`ShardWriter`): the Parquet shards;
+- `writer` (`WriterThread`): the background thread that does all the above
+  writing, in order;
+- `bundles` (`BundleCapture`): replay bundles.
+
+The training path only enqueues device work; conversion, Parquet and every
+decision taken on values happen on the writer thread, one step (or more)
+late.
 """
 from __future__ import annotations
 
 import fnmatch
-import math
+import functools
 import os
-import queue
 import threading
 import time
 import uuid
@@ -26,26 +35,69 @@ from pathlib import Path
 import torch
 
 from . import schema
-from .bundle import BundleCapture
-from .hooks import RecorderHooks, _StepState
-from .manifest import ManifestMixin, _dist_rank_world, _existing_run_id, _json_float
-from .stats import CHEAP_WIDTH, FULL_WIDTH
-from .step_rows import StepRowsMixin
+from .bundles.capture import BundleCapture
+from .bundles.triggers import TRIGGERS
+from .hooks import TrainingHooks
+from .manifest import RunManifest, describe_job, distributed_rank_world, existing_run_id
+from .plain import plain
+from .schedule import RecordSchedule
+from .step_rows import StepRows, step_events
 from .writer import ShardWriter
+from .writer_thread import WriterThread
 
 
-class _PendingStep:
-    __slots__ = ("step", "wall_time", "tier", "micro_batches", "lr", "meta", "width",
-                 "packed", "event", "host_scalars", "dev_scalar_keys", "stepped", "has_scaler")
-
-
-class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
+class AmpRecorder:
     """Record per-step scalars and per-layer statistics of a training job.
 
     >>> rec = AmpRecorder("runs/exp1", model, optimizer=opt, scaler=scaler)
     >>> ...   # training loop; after scaler.update() / optimizer.step():
     >>> rec.step(loss)
     >>> rec.close()
+
+    Args:
+        run_dir: the run directory (created; a resumed job may reuse it).
+        model: the model to watch (an `nn.Module`, DDP-wrapped or not).
+        optimizer: its optimizer; gives the learning rates, the global
+            gradient norm (pre-step hook) and the weights a bundle holds.
+        scaler: the `torch.amp.GradScaler`, if any; gives the loss scale
+            and the `skipped` flag.
+        include: glob patterns of module names to watch (`"*"`: all).
+        exclude: glob patterns of module names not to watch.
+        cheap_every: record the cheap statistics every N steps.
+        full_every: record the full statistics every N steps (0: only
+            after events).
+        full_after_event: record the full statistics for N steps after a
+            skipped step or a non-finite value.
+        steps_per_shard: steps per Parquet shard pair.
+        flush_interval_s: write a shard at least this often (seconds) even
+            when it holds fewer than `steps_per_shard` steps.
+        near_overflow: the magnitude counted as near overflow (default
+            float16's largest finite value).
+        rank: this process's rank (default: torch.distributed's, else 0).
+        world_size: the number of ranks (default: torch.distributed's, else 1).
+        run_id: the run's id (default: `$AMP_POSTMORTEM_RUN_ID`, the id of
+            a run already in `run_dir`, else a new one).
+        max_queue: steps waiting for the writer thread; beyond it steps are
+            dropped and counted, never waited for.
+        bundles: save replay bundles at all (False: nothing is held).
+        bundle_triggers: the automatic bundle triggers in force (a subset
+            of `nonfinite_loss`, `nonfinite_tensor`, `skipped`, `scale_low`).
+        bundle_steps: steps to save a bundle of in any case.
+        max_bundles: at most this many bundles per rank and run.
+        max_bundle_bytes: at most this many raw tensor bytes of bundles per
+            rank and run.
+        min_loss_scale: the `scale_low` trigger fires below this scale
+            (None: never).
+        settle_steps: consecutive optimizer steps that end the calibration
+            of a fresh GradScaler; skips before that never trigger.
+        snapshot_params: copy the weights in the optimizer pre-step hook
+            every step (True, False, or "auto": when no GradScaler is
+            enabled); at most two copies exist while the writer decides.
+        snapshot_buffers_bytes: copy the buffers at each step's first
+            forward when they total at most this many bytes.
+        hold_steps: finished steps held while the writer thread decides.
+        clone_inputs: copy the inputs instead of holding references (for
+            loops that change a batch in place after the step).
     """
 
     def __init__(self, run_dir, model: torch.nn.Module, optimizer=None, scaler=None, *,
@@ -53,89 +105,91 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
                  full_after_event: int = 20, steps_per_shard: int = 1000,
                  flush_interval_s: float = 60.0, near_overflow: float = schema.FP16_MAX,
                  rank: int | None = None, world_size: int | None = None,
-                 run_id: str | None = None, max_queue: int = 256, **bundle_options):
+                 run_id: str | None = None, max_queue: int = 256,
+                 bundles: bool = True, bundle_triggers=TRIGGERS, bundle_steps=(),
+                 max_bundles: int = 3, max_bundle_bytes: int = 64 << 30,
+                 min_loss_scale: float | None = 1.0, settle_steps: int = 10,
+                 snapshot_params="auto", snapshot_buffers_bytes: int = 64 << 20,
+                 hold_steps: int = 2, clone_inputs: bool = False):
         self.run_dir = Path(run_dir)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
         self.include = tuple([include] if isinstance(include, str) else include)
         self.exclude = tuple([exclude] if isinstance(exclude, str) else exclude)
-        self.cheap_every = max(1, int(cheap_every))
-        self.full_every = int(full_every)
-        self.full_after_event = int(full_after_event)
-        self.near_overflow = float(near_overflow)
         self.flush_interval_s = float(flush_interval_s)
-        self.steps_per_shard = max(1, int(steps_per_shard))
         if rank is None or world_size is None:
-            dist_rank, dist_world = _dist_rank_world()
+            dist_rank, dist_world = distributed_rank_world()
             rank = dist_rank if rank is None else rank
             world_size = dist_world if world_size is None else world_size
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.run_id = (run_id or os.environ.get("AMP_POSTMORTEM_RUN_ID")
-                       or _existing_run_id(self.run_dir, rank) or uuid.uuid4().hex)
+                       or existing_run_id(self.run_dir, rank) or uuid.uuid4().hex)
         self.rank_dir = self.run_dir / schema.RANK_DIR.format(rank=self.rank)
 
         self._enabled = True
         self._closed = False
         self._failure: BaseException | None = None
         self._warned = False
-        self._hooks: list = []
         self._step_counter = 0
-        self._next_step_id = 0
-        self._full_until = -1  # set by the writer thread after an event
         self._dropped_steps = 0
-        self._paused = 0
-        self._autocast = None
+        self._last_roll = time.monotonic()
         self._lock = threading.Lock()
 
-        self._module_names = {}
-        self._watched: list[str] = []
+        module_names = {}
+        watched: list[str] = []
         for name, module in model.named_modules():
-            if module in self._module_names:
+            if module in module_names:
                 continue  # a module registered twice keeps its first name
-            self._module_names[module] = name
+            module_names[module] = name
             if name == "" or self._matches(name):
-                self._watched.append(name)
-        self._params = [(n, p) for n, p in model.named_parameters()]
+                watched.append(name)
+        params = list(model.named_parameters())
 
-        self.bundles = BundleCapture(self, **bundle_options)  # a bad option raises here
-        self._manifest = self._initial_manifest()
-        self._scale_before = self._initial_scale()
-        self._state = self._new_state()
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._thread = threading.Thread(target=self._writer_loop, name="amp-postmortem-writer", daemon=True)
-        self._writer = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
-                                   world_size=self.world_size, steps_per_shard=self.steps_per_shard)
+        self.schedule = RecordSchedule(cheap_every, full_every, full_after_event)
+        options = {"include": list(self.include), "exclude": list(self.exclude), **self.schedule.config(),
+                   "steps_per_shard": max(1, int(steps_per_shard)), "near_overflow": float(near_overflow)}
+        job = describe_job(run_id=self.run_id, rank=self.rank, world_size=self.world_size, model=model,
+                           module_names=module_names, watched=watched, params=params,
+                           optimizer=optimizer, scaler=scaler, recorder_options=options)
+        self.writer = WriterThread(max_queue=max_queue, is_failed=lambda: self._failure is not None,
+                                   on_error=self._fail)
+        run_info = {k: job[k] for k in ("run_id", "rank", "world_size", "package_version",
+                                        "device_type", "device_name", "scaler")}
+        self.bundles = BundleCapture(  # a bad option raises here, before anything is written
+            model, optimizer, scaler, run_dir=self.run_dir, run_info=run_info,
+            post=self.writer.submit, on_change=self._bundles_changed, bundles=bundles,
+            bundle_triggers=bundle_triggers, bundle_steps=bundle_steps, max_bundles=max_bundles,
+            max_bundle_bytes=max_bundle_bytes, min_loss_scale=min_loss_scale, settle_steps=settle_steps,
+            snapshot_params=snapshot_params, snapshot_buffers_bytes=snapshot_buffers_bytes,
+            hold_steps=hold_steps, clone_inputs=clone_inputs)
+        job["recorder"]["bundles"] = plain(self.bundles.config, keep_nonfinite=True)
+        self.manifest = RunManifest(self.run_dir, self.rank, job)
+        self.rows = StepRows(rank=self.rank, optimizer=optimizer, scaler=scaler)
+        self.hooks = TrainingHooks(
+            model, optimizer=optimizer, scaler=scaler, watched=watched, watch_param=self._matches,
+            near_overflow=float(near_overflow), guard=self._guard, bundles=self.bundles,
+            on_autocast=lambda info: self._submit(functools.partial(self.manifest.set_autocast, info)))
+        self.hooks.begin_step(0, self.schedule.tier(0))
+        self.shards = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
+                                  world_size=self.world_size, steps_per_shard=options["steps_per_shard"])
         try:
-            self._write_manifest()
+            self.manifest.write()
         except OSError as exc:
             # An unwritable run directory must not stop the job it watches:
             # no hooks, no thread, one warning; step() and close() are no-ops.
             self._fail(exc)
             return
-        self._thread.start()
-        self._register_hooks()
+        self.writer.start()
+        self.hooks.register()
 
-    # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------ guard/fail
     def _matches(self, name: str) -> bool:
         if not any(fnmatch.fnmatchcase(name, p) for p in self.include):
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
 
-    def _scaler_enabled(self) -> bool:
-        s = self.scaler
-        return s is not None and (s.is_enabled() if hasattr(s, "is_enabled") else True)
-
-    def _initial_scale(self):
-        if not self._scaler_enabled():
-            return None
-        scale = getattr(self.scaler, "_scale", None)
-        if isinstance(scale, torch.Tensor):
-            return scale.detach().clone()
-        return float(getattr(self.scaler, "_init_scale", math.nan))
-
-    # ------------------------------------------------------------ guard/fail
     def _guard(self, fn):
         """Wrap a hook: any exception switches recording off, never the job."""
         def hook(*args, **kwargs):
@@ -160,29 +214,9 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
                           f"{type(exc).__name__}: {exc}. Training continues unrecorded.",
                           RuntimeWarning, stacklevel=2)
 
-    def _remove_hooks(self) -> None:
-        # Never called from inside a hook: removing forward hooks while
-        # torch iterates over them would break the user's forward pass.
-        for h in self._hooks:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._hooks = []
-
     @property
     def enabled(self) -> bool:
         return self._enabled
-
-    # ---------------------------------------------------------------- state
-    def _tier(self, step_id: int) -> tuple[bool, bool]:
-        record = step_id % self.cheap_every == 0
-        full = (self.full_every > 0 and step_id % self.full_every == 0) or step_id <= self._full_until
-        return record or full, full
-
-    def _new_state(self) -> _StepState:
-        record, full = self._tier(self._next_step_id)
-        return _StepState(self._next_step_id, record, full)
 
     # --------------------------------------------------------------- public
     def step(self, loss=None, step: int | None = None) -> None:
@@ -191,103 +225,26 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
         if self._closed:
             return
         if not self._enabled:
-            self._after_failure()
+            self.hooks.remove()
             return
         try:
             self._step(loss, step)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
-            self._after_failure()
+            self.hooks.remove()
 
     def _step(self, loss, step):
-        st = self._state
         step_id = self._step_counter if step is None else int(step)
-        for ctx in st.contexts:
-            for input_idx in list(ctx.pending):
-                self._finish_grad_input(st, ctx, input_idx)
-        for pname, (order, s, sq, g) in st.param_grads.items():
-            self._add_row(st, pname, "param_grad", "backward", order, 0, g, s)
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else None
-        if st.record and loss_t is not None and loss_t.numel():
-            s = self._stats(st, loss_t.float())
-            self._add_row(st, schema.LOSS_NAME, "loss", "forward", st.fwd_order, 0, loss_t, s)
-            st.fwd_order += 1
-        for pname, info, s in st.param_values:
-            self._add_row(st, pname, "param", "forward", st.fwd_order, 0, info, s)
-            st.fwd_order += 1
-
-        p = _PendingStep()
-        p.step = step_id
-        p.wall_time = time.time()
-        p.tier = "full" if st.full else "cheap"
-        p.micro_batches = st.micro_batches
-        p.lr = None
-        if self.optimizer is not None:
-            p.lr = [_json_float(g.get("lr")) for g in self.optimizer.param_groups]
-        p.meta = st.meta
-        p.width = FULL_WIDTH if st.full else CHEAP_WIDTH
-        p.stepped = st.stepped if self.optimizer is not None else None
-        p.has_scaler = self._scaler_enabled()
-        host, dev, keys = {}, [], []
-
-        def put(key, value):
-            if isinstance(value, torch.Tensor):
-                dev.append(value.detach().reshape(()).to(torch.float64))
-                keys.append(key)
-            else:
-                host[key] = math.nan if value is None else float(value)
-
-        if loss_t is not None and loss_t.numel() == 1:
-            put("loss", loss_t)
-        elif isinstance(loss, (int, float)):
-            put("loss", loss)
-        else:
-            host["loss"] = None  # no loss given: null, never a fake NaN loss
-        if p.has_scaler:
-            put("loss_scale_before", self._scale_before)
-            scale = getattr(self.scaler, "_scale", None)
-            put("loss_scale", scale if isinstance(scale, torch.Tensor) else getattr(self.scaler, "_init_scale", None))
-            tracker = getattr(self.scaler, "_growth_tracker", None)
-            put("growth_tracker", tracker if isinstance(tracker, torch.Tensor) else None)
-            # The scale the next step's backward uses; cloned because
-            # GradScaler.update() changes it in place.
-            self._scale_before = scale.detach().clone() if isinstance(scale, torch.Tensor) else self._scale_before
-        if st.grad_sqsum is not None:
-            put("grad_sqsum", st.grad_sqsum)
-        elif st.param_grads and all(v[2] is not None for v in st.param_grads.values()):
-            put("grad_sqsum", torch.stack([v[2] for v in st.param_grads.values()]).sum())
-
-        device = st.device or (dev[0].device if dev else torch.device("cpu"))
-        flat = [torch.stack(st.stats).reshape(-1)] if st.stats else []
-        flat += [d.to(device).reshape(1) for d in dev]
-        p.host_scalars = host
-        p.dev_scalar_keys = keys
-        p.event = None
-        if flat:
-            packed = torch.cat(flat) if len(flat) > 1 else flat[0]
-            if packed.device.type == "cuda":
-                # One asynchronous copy per step; the writer thread waits on
-                # the event, never the training thread.
-                p.packed = packed.to("cpu", non_blocking=True)
-                p.event = torch.cuda.Event()
-                p.event.record()
-            elif packed.device.type == "cpu":
-                p.packed = packed
-            else:
-                p.packed = packed.to("cpu", non_blocking=True)
-        else:
-            p.packed = None
-        self.bundles.on_step_end(step_id, loss=loss_t if loss_t is not None else loss, stepped=p.stepped)
-        self._submit(p)
-
+        finished = self.hooks.end_step(loss_t)
+        pending = self.rows.pack(finished, step_id, loss, loss_t)
+        self.bundles.on_step_end(step_id, loss=loss_t if loss_t is not None else loss, stepped=pending.stepped)
+        self._submit(functools.partial(self._write_step, pending))
         self._step_counter = step_id + 1
-        self._next_step_id = step_id + 1
-        self._state = self._new_state()
+        self.hooks.begin_step(step_id + 1, self.schedule.tier(step_id + 1))
 
-    def _submit(self, item) -> None:
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
+    def _submit(self, job) -> None:
+        if not self.writer.submit(job):
             # Never make the training wait for the disk: drop and count.
             self._dropped_steps += 1
 
@@ -303,35 +260,33 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
     def paused(self):
         """Forward/backward passes inside are not recorded (e.g. an eval pass
         with gradients enabled)."""
-        self._paused += 1
+        self.hooks.paused += 1
         try:
             yield self
         finally:
-            self._paused -= 1
+            self.hooks.paused -= 1
 
     def flush(self) -> None:
         """Block until every step so far is written to disk."""
-        if self._closed or not self._thread.is_alive():
+        if self._closed or not self.writer.alive:
             return
-        done = threading.Event()
-        self._queue.put(("flush", done))
-        done.wait()
+        self.writer.barrier(functools.partial(self._write_files, "open"))
         if self._enabled:
-            self.bundles.flush()
+            try:
+                self.bundles.apply_decisions()
+                self.writer.barrier()
+            except Exception as exc:  # noqa: BLE001 - flush() must not stop the training
+                self._fail(exc)
 
     def close(self) -> None:
         """Flush, write the final manifest and remove every hook. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._remove_hooks()
-        if self._thread.is_alive():
-            done = threading.Event()
-            self._queue.put(("close", done))
-            done.wait()
-            self._thread.join(timeout=60)
+        self.hooks.remove()
+        self.writer.stop(functools.partial(self._write_files, "closed"))
         try:
-            self.bundles.close()
+            self.bundles.close(write_decided=self._failure is None and not self.writer.alive)
         except Exception:
             pass
 
@@ -342,47 +297,33 @@ class AmpRecorder(RecorderHooks, ManifestMixin, StepRowsMixin):
         self.close()
         return False
 
-    def _after_failure(self):
-        if self._hooks:
-            self._remove_hooks()
-
     # --------------------------------------------------------- writer thread
-    def _writer_loop(self) -> None:
-        last_roll = time.monotonic()
-        while True:
-            item = self._queue.get()
-            try:
-                if isinstance(item, tuple) and item[0] in ("flush", "close"):
-                    if self._failure is None:
-                        self._writer.roll()
-                        self._manifest["status"] = "closed" if item[0] == "close" else "open"
-                        self._finish_manifest()
-                    item[1].set()
-                    if item[0] == "close":
-                        return
-                    continue
-                if self._failure is not None:
-                    continue
-                if callable(item):
-                    item()
-                    continue
-                self._write_step(item)
-                rolled = self._writer.pending_steps == 0
-                if not rolled and time.monotonic() - last_roll > self.flush_interval_s:
-                    self._writer.roll()
-                    rolled = True
-                if rolled:
-                    last_roll = time.monotonic()
-                    self._finish_manifest()
-            except Exception as exc:  # noqa: BLE001 - disk full, bad value, ...
-                self._fail(exc)
-                if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], threading.Event):
-                    item[1].set()
-                    if item[0] == "close":
-                        return
+    def _write_step(self, pending) -> None:
+        step_row, columns, summary = self.rows.rows(pending)
+        self.shards.add_step(step_row, columns)
+        self.manifest.note_step(pending.step)
+        events = step_events(summary)
+        if events:
+            self.schedule.note_event(pending.step, events)
+        self.bundles.on_step_summary(summary)
+        rolled = self.shards.pending_steps == 0
+        if not rolled and time.monotonic() - self._last_roll > self.flush_interval_s:
+            self.shards.roll()
+            rolled = True
+        if rolled:
+            self._last_roll = time.monotonic()
+            self._write_manifest()
 
-    def _finish_manifest(self):
-        self._manifest["dropped_steps"] = self._dropped_steps
-        if self._failure is not None:
-            self._manifest["disabled_reason"] = f"{type(self._failure).__name__}: {self._failure}"
+    def _write_files(self, status: str) -> None:
+        """flush()/close(): the buffered steps as a shard, then the manifest."""
+        self.shards.roll()
+        self.manifest.set_recording(status=status)
         self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        self.manifest.set_recording(dropped_steps=self._dropped_steps, failure=self._failure)
+        self.manifest.write()
+
+    def _bundles_changed(self, saved: list, missed: list) -> None:
+        self.manifest.set_bundles(saved, missed)
+        self.manifest.write()

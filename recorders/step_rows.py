@@ -1,17 +1,124 @@
-"""Writer thread: one finished step's copied statistics -> table rows."""
+"""One optimizer step, from the hooks' device-side statistics to table rows.
+
+`StepRows.pack` (training thread) stacks a finished step's statistics and
+scalars into one tensor and starts its one asynchronous copy to the host;
+`StepRows.rows` (writer thread) waits for that copy and turns it into the
+step's row, its tensor rows and the host-side summary the bundle triggers
+and the record schedule read.
+"""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
+import torch
 
 from .aggregate import merge_rows
+from .manifest import host_float, scaler_enabled
+from .stats import CHEAP_WIDTH, FULL_WIDTH
 
 
-class StepRowsMixin:
-    """(mixed into AmpRecorder; runs on the writer thread only)"""
+class PendingStep:
+    """A finished step on its way to the writer thread."""
 
-    def _write_step(self, p) -> None:
+    __slots__ = ("step", "wall_time", "tier", "micro_batches", "lr", "meta", "width",
+                 "packed", "event", "host_scalars", "dev_scalar_keys", "stepped", "has_scaler")
+
+
+class StepRows:
+    """`rank`: stamped on every row; `optimizer`, `scaler`: read for the
+    learning rates and the loss scale (the scale as a device tensor: never
+    read on the training thread)."""
+
+    def __init__(self, *, rank: int, optimizer=None, scaler=None):
+        self.rank = rank
+        self.optimizer = optimizer
+        self.scaler = scaler if scaler_enabled(scaler) else None
+        backoff = host_float(getattr(self.scaler, "_backoff_factor", None)) if self.scaler else None
+        self.backoff_factor = backoff or 0.5
+        self.scale_before = self._initial_scale()  # the scale the next backward uses
+
+    def _initial_scale(self):
+        if self.scaler is None:
+            return None
+        scale = getattr(self.scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor):
+            return scale.detach().clone()
+        return float(getattr(self.scaler, "_init_scale", math.nan))
+
+    # ------------------------------------------------------ training thread
+    def pack(self, st, step_id: int, loss, loss_t) -> PendingStep:
+        """`st`: the hooks' finished StepState; `loss`: as passed to
+        `rec.step()`, `loss_t` its detached tensor (or None)."""
+        p = PendingStep()
+        p.step = step_id
+        p.wall_time = time.time()
+        p.tier = "full" if st.full else "cheap"
+        p.micro_batches = st.micro_batches
+        p.lr = None
+        if self.optimizer is not None:
+            p.lr = [host_float(g.get("lr")) for g in self.optimizer.param_groups]
+        p.meta = st.meta
+        p.width = FULL_WIDTH if st.full else CHEAP_WIDTH
+        p.stepped = st.stepped if self.optimizer is not None else None
+        p.has_scaler = self.scaler is not None
+        host, dev, keys = {}, [], []
+
+        def put(key, value):
+            if isinstance(value, torch.Tensor):
+                dev.append(value.detach().reshape(()).to(torch.float64))
+                keys.append(key)
+            else:
+                host[key] = math.nan if value is None else float(value)
+
+        if loss_t is not None and loss_t.numel() == 1:
+            put("loss", loss_t)
+        elif isinstance(loss, (int, float)):
+            put("loss", loss)
+        else:
+            host["loss"] = None  # no loss given: null, never a fake NaN loss
+        if p.has_scaler:
+            put("loss_scale_before", self.scale_before)
+            scale = getattr(self.scaler, "_scale", None)
+            put("loss_scale", scale if isinstance(scale, torch.Tensor) else getattr(self.scaler, "_init_scale", None))
+            tracker = getattr(self.scaler, "_growth_tracker", None)
+            put("growth_tracker", tracker if isinstance(tracker, torch.Tensor) else None)
+            # The scale the next step's backward uses; cloned because
+            # GradScaler.update() changes it in place.
+            self.scale_before = scale.detach().clone() if isinstance(scale, torch.Tensor) else self.scale_before
+        if st.grad_sqsum is not None:
+            put("grad_sqsum", st.grad_sqsum)
+        elif st.param_grads and all(v[2] is not None for v in st.param_grads.values()):
+            put("grad_sqsum", torch.stack([v[2] for v in st.param_grads.values()]).sum())
+
+        device = st.device or (dev[0].device if dev else torch.device("cpu"))
+        flat = [torch.stack(st.stats).reshape(-1)] if st.stats else []
+        flat += [d.to(device).reshape(1) for d in dev]
+        p.host_scalars = host
+        p.dev_scalar_keys = keys
+        p.event = None
+        if flat:
+            packed = torch.cat(flat) if len(flat) > 1 else flat[0]
+            if packed.device.type == "cuda":
+                # One asynchronous copy per step; the writer thread waits on
+                # the event, never the training thread.
+                p.packed = packed.to("cpu", non_blocking=True)
+                p.event = torch.cuda.Event()
+                p.event.record()
+            elif packed.device.type == "cpu":
+                p.packed = packed
+            else:
+                p.packed = packed.to("cpu", non_blocking=True)
+        else:
+            p.packed = None
+        return p
+
+    # -------------------------------------------------------- writer thread
+    def rows(self, p: PendingStep) -> tuple[dict, dict | None, dict]:
+        """(the steps-table row, the tensor columns or None, the step's
+        host-side summary: step, skipped, loss, loss_scale,
+        loss_scale_before, growth_tracker, nonfinite_rows, columns)."""
         if p.event is not None:
             p.event.synchronize()
         values = p.packed.numpy() if p.packed is not None else np.empty(0)
@@ -25,8 +132,7 @@ class StepRowsMixin:
         skipped = False
         before, after = scalars.get("loss_scale_before"), scalars.get("loss_scale")
         if p.has_scaler:
-            backoff = (self._manifest.get("scaler") or {}).get("backoff_factor") or 0.5
-            if before is not None and after is not None and backoff < 1 and not math.isnan(before):
+            if before is not None and after is not None and self.backoff_factor < 1 and not math.isnan(before):
                 # GradScaler backs off exactly when it found Inf/NaN, i.e.
                 # when it skipped optimizer.step(); it never shrinks otherwise.
                 skipped = after < before
@@ -46,6 +152,7 @@ class StepRowsMixin:
             kinds = np.array(cols["kind"], dtype=object)
             nonfinite_params = int((bad & (kinds == "param_grad")).sum())
         sq = scalars.get("grad_sqsum")
+        tracker = scalars.get("growth_tracker", math.nan)
         step_row = {
             "step": p.step,
             "rank": self.rank,
@@ -53,35 +160,38 @@ class StepRowsMixin:
             "loss": scalars.get("loss"),
             "loss_scale": after if p.has_scaler else None,
             "loss_scale_before": before if p.has_scaler else None,
-            "growth_tracker": int(scalars["growth_tracker"]) if p.has_scaler and not math.isnan(scalars.get("growth_tracker", math.nan)) else None,
+            "growth_tracker": int(tracker) if p.has_scaler and not math.isnan(tracker) else None,
             "skipped": bool(skipped),
             "lr": p.lr,
-            "grad_norm": _grad_norm(sq, nonfinite_params),
+            "grad_norm": grad_norm(sq, nonfinite_params),
             "nonfinite_param_grads": nonfinite_params if cols is not None else None,
             "micro_batches": p.micro_batches,
             "tier": p.tier,
             "tensor_rows": len(cols["name"]) if cols is not None else 0,
         }
-        self._writer.add_step(step_row, cols)
-        m = self._manifest
-        m["steps_recorded"] += 1
-        m["first_step"] = p.step if m["first_step"] is None else min(m["first_step"], p.step)
-        m["last_step"] = p.step if m["last_step"] is None else max(m["last_step"], p.step)
-        loss = scalars.get("loss")
-        event = skipped or nonfinite_rows > 0 or (loss is not None and not math.isfinite(loss))
-        if event and self.full_after_event > 0:
-            # Read by the training thread as a plain int: detail for the
-            # next steps without any synchronisation.
-            self._full_until = max(self._full_until, p.step + self.full_after_event)
-        self.bundles.on_step_summary({
-            "step": p.step, "skipped": bool(skipped), "loss": loss,
+        summary = {
+            "step": p.step, "skipped": bool(skipped), "loss": scalars.get("loss"),
             "loss_scale": after, "loss_scale_before": before,
             "growth_tracker": step_row["growth_tracker"],
             "nonfinite_rows": nonfinite_rows, "columns": cols,
-        })
+        }
+        return step_row, cols, summary
 
 
-def _grad_norm(sq, nonfinite_params: int):
+def step_events(summary: dict) -> list[str]:
+    """What in a step's summary is an event for the record schedule."""
+    events = []
+    if summary["skipped"]:
+        events.append("skipped")
+    if summary["nonfinite_rows"] > 0:
+        events.append("nonfinite_tensor")
+    loss = summary["loss"]
+    if loss is not None and not math.isfinite(loss):
+        events.append("nonfinite_loss")
+    return events
+
+
+def grad_norm(sq, nonfinite_params: int):
     """sqrt of the recorded square sum; a skipped step, whose optimizer never
     ran (no norm taken), has an Inf norm when a gradient was non-finite."""
     if sq is not None and not (sq < 0):

@@ -1,6 +1,6 @@
 """Tensors and call arguments as plain bytes and JSON, without pickle.
 
-Shared by the bundle writer (`recorders.bundle_writer`) and the bundle loader
+Shared by the bundle writer (`recorders.bundles.directory`) and the bundle loader
 (`amp_postmortem.bundle`). A tensor travels as (dtype name, shape, raw
 little-endian bytes of the contiguous tensor). Dtypes numpy lacks (bfloat16,
 the float8 family) go through a same-width integer view, so every bit,

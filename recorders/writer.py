@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from . import schema
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -41,7 +41,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -61,7 +61,7 @@ def atomic_write_table(path: Path, table: pa.Table, row_group_size: int | None =
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _column_array(parts: list, type_: pa.DataType) -> pa.Array:

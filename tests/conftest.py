@@ -18,95 +18,24 @@ COLLAPSE_STEPS = 80
 TINY_SCALE = 2.0 ** -10    # fixed loss scale of the underflow run
 
 
-def _models():
-    import torch
-    import torch.nn as nn
-
-    class Boom(nn.Module):
-        """Multiplies its input by `gain` (1 unless a test plants more)."""
-
-        def __init__(self):
-            super().__init__()
-            self.gain = 1.0
-
-        def forward(self, x):
-            return x * self.gain
-
-    class _AmpGrad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, gain):
-            ctx.gain = gain
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * ctx.gain, None
-
-    class GradAmp(nn.Module):
-        """Identity forward; multiplies the gradient passing back by `gain`."""
-
-        def __init__(self):
-            super().__init__()
-            self.gain = 1.0
-
-        def forward(self, x):
-            return _AmpGrad.apply(x, self.gain)
-
-    class Block(nn.Module):
-        def __init__(self, d):
-            super().__init__()
-            self.fc = nn.Linear(d, d)
-            self.boom = Boom()
-            self.act = nn.ReLU()
-
-        def forward(self, x):
-            return self.act(self.boom(self.fc(x)))
-
-    class Net(nn.Module):
-        def __init__(self, d_in=4, d=8):
-            super().__init__()
-            self.inp = nn.Linear(d_in, d)
-            self.block = Block(d)
-            self.amp = GradAmp()
-            self.head = nn.Linear(d, 1)
-
-        def forward(self, x):
-            return self.head(self.amp(self.block(self.inp(x))))
-
-    return Net
-
-
 def record_run(path, *, steps, plant=None, scaler_kwargs=None, lr=0.01, fixed_batch=False,
                close=True, seed=0, **recorder_kwargs):
-    """Train `Net` for `steps` steps under the real recorder. `plant(step,
+    """Train `BoomNet` for `steps` steps under the real recorder. `plant(step,
     model, x)` may change the model or the batch before each step."""
     import torch
-    from recorders import AmpRecorder
+    from tiny_models import BoomNet, recorder_at, train
 
     torch.manual_seed(seed)
-    model = _models()()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler("cpu", **(scaler_kwargs or {}))
-    rec = AmpRecorder(path, model, optimizer=opt, scaler=scaler, **recorder_kwargs)
+    model = BoomNet()
     gen = torch.Generator().manual_seed(seed)
     x0, y0 = torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)
-    for step in range(steps):
-        x, y = (x0.clone(), y0) if fixed_batch else (torch.randn(16, 4, generator=gen),
-                                                     torch.randn(16, 1, generator=gen))
-        if plant is not None:
-            plant(step, model, x)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = ((model(x).float() - y) ** 2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        rec.step(loss)
-    if close:
-        rec.close()
-    else:
+    data = [(x0.clone(), y0) if fixed_batch else (torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen))
+            for _ in range(steps)]
+    rec = train(model, data, recorder=recorder_at(path, **recorder_kwargs), scaler=scaler_kwargs or {},
+                lr=lr, on_step=plant, close=close).rec
+    if not close:
         rec.flush()  # leaves the manifest "open", as a killed job would
-        rec._remove_hooks()
+        rec.hooks.remove()
     return Path(path)
 
 

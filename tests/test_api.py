@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import shutil
+import tempfile
+
+import click
 import pytest
 
 import amp_postmortem as api
@@ -23,6 +27,10 @@ MODELS = "sample_runs/models.py:"
 # the exit-code gate of `summary`; `progress` is how the CLI draws its bars.
 CLI_ONLY = {"fmt", "fail_on"}
 API_ONLY = {"progress"}
+
+# Where `report` and `export tensorboard` write (the API and the CLI write
+# the same file; the export directory is emptied between the two).
+OUT = Path(tempfile.mkdtemp(prefix="amp-postmortem-api-"))
 
 # One invocation per command on a sample run (small replays: seconds in all).
 CALLS = {
@@ -38,23 +46,40 @@ CALLS = {
     "scale-window": ("sample_runs/scale_collapse", "--step", "45", "--model", MODELS + "multitask_mlp",
                      "--scales", "8:12"),
     "recommend": ("sample_runs/bad_batch", "--model", MODELS + "feature_mlp"),
+    "report": ("sample_runs/attention_overflow", "-o", str(OUT / "report.html")),
+    "export tensorboard": ("sample_runs/grad_underflow", "--logdir", str(OUT / "tb")),
 }
 
 
+def _cli_commands() -> dict:
+    """Every command by what a user types: a group's commands as
+    `group command` (`export tensorboard`)."""
+    out = {}
+    for name, command in main.commands.items():
+        if isinstance(command, click.Group):
+            out.update({f"{name} {sub}": c for sub, c in command.commands.items()})
+        else:
+            out[name] = command
+    return out
+
+
+COMMANDS = _cli_commands()
+
+
 def _api_function(command: str):
-    return getattr(api, command.replace("-", "_"))
+    return getattr(api, command.replace("-", "_").replace(" ", "_"))
 
 
 def _cli_json(argv) -> dict:
     from test_readme import run_cli
-    code, stdout = run_cli((argv[0], *argv[1], "--json"))
+    code, stdout = run_cli((*argv[0].split(), *argv[1], "--json"))
     assert code == 0, stdout
     return json.loads(stdout)
 
 
 def _api_dict(command, argv) -> dict:
     """The API call the CLI makes for `argv`, spelled as a user would."""
-    ctx = main.commands[command].make_context(command, list(argv))
+    ctx = COMMANDS[command].make_context(command, list(argv))
     params = {k: v for k, v in ctx.params.items() if k not in CLI_ONLY}
     runs = [params.pop(k) for k in ("run", "run_a", "run_b") if k in params]
     with one_torch_thread():
@@ -70,7 +95,10 @@ def results():
     try:
         out = {}
         for command, argv in CALLS.items():
-            out[command] = (_api_dict(command, argv), _cli_json((command, argv)))
+            from_api = _api_dict(command, argv)
+            if command == "export tensorboard":
+                shutil.rmtree(OUT / "tb")  # an export refuses a directory that holds one
+            out[command] = (from_api, _cli_json((command, argv)))
         return out
     finally:
         os.chdir(cwd)
@@ -83,16 +111,16 @@ def _relative(doc):
 
 # ------------------------------------------------------------ the mirror
 def test_every_command_has_an_api_function_of_its_name():
-    assert {c.replace("-", "_") for c in main.commands} <= set(api.__all__)
-    assert set(CALLS) == set(main.commands)
+    assert {c.replace("-", "_").replace(" ", "_") for c in COMMANDS} <= set(api.__all__)
+    assert set(CALLS) == set(COMMANDS)
 
 
 @pytest.mark.parametrize("command", sorted(CALLS))
 def test_every_cli_option_is_a_keyword_argument_of_the_api_function(command):
-    cli = {p.name for p in main.commands[command].params} - CLI_ONLY
+    cli = {p.name for p in COMMANDS[command].params} - CLI_ONLY
     signature = inspect.signature(_api_function(command)).parameters
     assert cli - {"run", "run_a", "run_b"} == set(signature) - {"run", "run_a", "run_b"} - API_ONLY
-    for p in main.commands[command].params:
+    for p in COMMANDS[command].params:
         default = signature[p.name].default if p.name in signature else inspect.Parameter.empty
         if default is not inspect.Parameter.empty and default not in (None, "", False, ()):
             shown = ",".join(default) if p.name == "precisions" else (
@@ -121,7 +149,17 @@ def test_api_defaults_are_the_analyses_defaults():
 
 @pytest.mark.parametrize("command", sorted(CALLS))
 def test_the_api_returns_what_json_prints(results, command):
-    from_api, printed = results[command]
+    from_api, printed = json.loads(json.dumps(results[command]))  # copies: the fixture is shared
+    if command == "export tensorboard":
+        # TensorBoard names each event file with a per-process counter: the
+        # second export's names end differently; their folders are the same.
+        for doc in (from_api, printed):
+            doc["files"] = [str(Path(f).parent) for f in doc["files"]]
+    if command == "report":
+        # The page names the run as it was given: an absolute path through
+        # the API, a relative one on the command line; sizes differ by that.
+        for doc in (from_api, printed):
+            doc.pop("bytes")
     assert _relative(from_api) == printed
 
 
@@ -213,7 +251,7 @@ def test_cli_choices_come_from_the_one_vocabulary():
     from amp_postmortem.replay.run_config import POLICY_MODES
     from amp_postmortem.replay.run_config import PRECISIONS as ENGINE_PRECISIONS
     assert (ENGINE_PRECISIONS, POLICY_MODES) == (PRECISIONS, POLICIES)
-    for command in main.commands.values():
+    for command in COMMANDS.values():
         for p in command.params:
             if p.name == "policy":
                 assert tuple(p.type.choices) == POLICIES
@@ -231,8 +269,9 @@ LAYERS = [  # each imports only from its own layer and the ones before it
     {"replay"},
     {"whatif"},
     {"advice"},
+    {"report", "export"},
     {"__init__"},
-    {"cli", "cli_replay", "cli_whatif", "output"},
+    {"cli", "cli_replay", "cli_whatif", "cli_report", "output"},
 ]
 PACKAGE = REPO / "amp_postmortem"
 

@@ -13,6 +13,7 @@ sys.path.insert(0, str(BENCH))
 import analyzer_scale  # noqa: E402
 import recorder_overhead  # noqa: E402
 import recorder_overhead_cuda  # noqa: E402
+import report_scale  # noqa: E402
 
 
 def test_recorder_overhead_smoke_reports_every_dtype_and_variant(tmp_path):
@@ -70,3 +71,13 @@ def test_replay_timing_smoke_reports_a_multiple_of_a_training_step(tmp_path):
     assert replay_timing.main(["--smoke", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["train_step_s"] > 0 and doc["replay_x_train_step"] > 0
+
+
+def test_report_scale_smoke_draws_the_long_run_page_without_errors(tmp_path):
+    out = tmp_path / "report.json"
+    assert report_scale.main(["--smoke", "--run-dir", str(tmp_path / "run"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["run"]["steps"] == report_scale.SMOKE["steps"]
+    r = doc["report"]
+    assert r["downsampled"] and r["browser_state"] == "ready" and r["browser_errors"] == []
+    assert all(points > 0 for points in r["plots"].values()) and r["mib"] < 6

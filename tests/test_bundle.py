@@ -13,11 +13,12 @@ import torch.nn as nn
 from amp_postmortem.bundle import autocast_dtype, find_bundle, list_bundles, load_bundle
 from amp_postmortem.errors import BundleError
 from recorders import AmpRecorder, schema
-from recorders.bundle_triggers import BundleTriggers
-from recorders.bundle_writer import write_tensors
+from recorders.bundles.triggers import BundleTriggers
+from recorders.bundles.directory import write_tensors
 from recorders.plain import json_checksum
 from recorders.tensor_codec import host_array, tensor_from_bytes
-from tiny_models import PlantedNet, batches
+from tiny_models import PlantedNet, batches, recorder_at
+from tiny_models import train as train_loop
 
 
 class Counter(nn.Module):
@@ -49,39 +50,31 @@ class LossNet(nn.Module):
 
 def train(run, steps, *, dtype=torch.float16, scaler=True, accumulate=1, arm=(), nan_at=(),
           gain=1.0, gains=None, request=(), lr=0.05, **options):
-    """Plain AMP loop on the CPU; returns what a test compares against:
-    per step the state_dict before the step and the gradients that
-    optimizer.step() received (scaled, before unscaling)."""
+    """The tests' training loop on LossNet; returns what a test compares
+    against: per step the state_dict before the step and the gradients that
+    optimizer.step() received (scaled, before unscaling), and the recorder."""
     torch.manual_seed(0)
-    model = LossNet()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu") if scaler else None
-    rec = AmpRecorder(run, model, optimizer=opt, scaler=sc, **options)
-    data = batches(steps * accumulate)
     weights = torch.linspace(0.5, 1.5, 4)
     seen = []
-    for step in range(steps):
-        model.body.boom.armed = step in arm or step in nan_at
-        model.body.boom.gain = math.nan if step in nan_at else 1e6
-        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def plant(step, model, x):
+        model.body.boom.gain = math.nan if step in nan_at else 1e6 if step in arm else 1.0
+        seen.append({"before": {k: v.detach().clone() for k, v in model.state_dict().items()}})
+
+    def loss_fn(model, x, y, step, accumulate):
         g = (gains or {}).get(step, gain)
-        for k in range(accumulate):
-            x, y = data[step * accumulate + k]
-            with torch.autocast("cpu", dtype=dtype):
-                loss = model(x, target=y, opts={"weights": (weights, "w"), "gain": g / accumulate})
-            (sc.scale(loss) if sc else loss).backward()
-            if step in request and k == 0:
-                rec.save_bundle()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        if sc:
-            sc.step(opt)
-            sc.update()
-        else:
-            opt.step()
-        opt.zero_grad()
-        rec.step(loss)
-        seen.append({"before": before, "grads": grads})
-    rec.close()
+        return model(x, target=y, opts={"weights": (weights, "w"), "gain": g / accumulate})
+
+    def ask_for_bundle(step, micro_batch, rec):
+        if step in request and micro_batch == 0:
+            rec.save_bundle()
+
+    def grads(step, model):
+        seen[-1]["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    rec = train_loop(LossNet(), batches(steps * accumulate), recorder=recorder_at(run, **options), dtype=dtype,
+                     scaler=scaler, accumulate=accumulate, lr=lr, loss_fn=loss_fn, on_step=plant,
+                     after_backward=ask_for_bundle, before_update=grads).rec
     return seen, rec
 
 
@@ -91,11 +84,10 @@ def manifest(run):
 
 def replay(bundle, micro_batch=0, *, boom=None):
     """Forward of one micro-batch in a fresh model under the recorded
-    autocast policy; `boom`: the planted module's gain when armed."""
+    autocast policy; `boom`: the planted module's gain (None: 1)."""
     model = LossNet()
     model.load_state_dict(bundle.state_dict(), strict=True)
-    model.body.boom.armed = boom is not None
-    model.body.boom.gain = boom
+    model.body.boom.gain = 1.0 if boom is None else boom
     torch.set_rng_state(bundle.micro_batch_rng[micro_batch]["cpu"])
     args, kwargs = bundle.inputs[micro_batch]
     ac = bundle.autocast

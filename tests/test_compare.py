@@ -16,6 +16,7 @@ from amp_postmortem.cli import main
 from amp_postmortem.errors import OptionError
 from amp_postmortem.loader import load_run
 from conftest import record_run
+from tiny_models import recorder_at, train
 
 DIVERGENCE_STEP = 6
 
@@ -104,26 +105,12 @@ class ShiftNet:
 
 def _record_shift_net(path, *, amp: bool, steps: int = 8):
     import torch
-    from recorders import AmpRecorder
 
-    model = ShiftNet.build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # same weights: every difference is rounding
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if amp else None
     gen = torch.Generator().manual_seed(0)
-    with AmpRecorder(path, model, optimizer=opt, scaler=scaler, full_every=1) as rec:
-        for _ in range(steps):
-            x, y = torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)
-            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
-                loss = ((model(x).float() - y) ** 2).mean()
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            opt.zero_grad()
-            rec.step(loss)
+    data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(steps)]
+    # lr 0: same weights, so every difference between the runs is rounding
+    train(ShiftNet.build(), data, recorder=recorder_at(path, full_every=1), lr=0.0,
+          dtype=torch.float16 if amp else None, scaler={"init_scale": 2.0 ** 8} if amp else None)
     return path
 
 

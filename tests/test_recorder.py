@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,15 +14,11 @@ import pytest
 import torch
 
 from recorders import AmpRecorder, schema
-from tiny_models import FancyOutputs, PlantedNet, TinyNet, batches, train
+from tiny_models import FancyOutputs, PlantedNet, TinyNet, batches, mse, recorder_at, train
 
 
 def read(run, table, rank=0):
     return ds.dataset(run / f"rank={rank}" / table, format="parquet").to_table().to_pandas()
-
-
-def recorder(run, **kw):
-    return lambda model, opt, sc: AmpRecorder(run, model, optimizer=opt, scaler=sc, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -31,7 +28,7 @@ def test_recording_does_not_change_one_bit_of_training(tmp_path, dtype):
     plain = train(TinyNet(), data, dtype=dtype, scaler=dtype == torch.float16)
     torch.manual_seed(0)
     recorded = train(TinyNet(), data, dtype=dtype, scaler=dtype == torch.float16,
-                     recorder_factory=recorder(tmp_path / "run", full_every=2))
+                     recorder=recorder_at(tmp_path / "run", full_every=2))
     assert plain[0] == recorded[0]
     assert plain[1] == recorded[1]
     assert all(torch.equal(a, b) for a, b in zip(plain[2], recorded[2]))
@@ -41,7 +38,7 @@ def test_recording_does_not_change_one_bit_of_training(tmp_path, dtype):
 def test_every_column_round_trips_with_the_documented_types(tmp_path):
     run = tmp_path / "run"
     torch.manual_seed(0)
-    losses, scales, _, _ = train(TinyNet(), batches(4), recorder_factory=recorder(run, full_every=2))
+    losses, scales, _, _ = train(TinyNet(), batches(4), recorder=recorder_at(run, full_every=2))
     steps_file = next((run / "rank=0" / "steps").glob("*.parquet"))
     tensors_file = next((run / "rank=0" / "tensors").glob("*.parquet"))
     assert pq.read_schema(steps_file).remove_metadata() == schema.STEP_SCHEMA
@@ -82,22 +79,19 @@ def test_every_column_round_trips_with_the_documented_types(tmp_path):
 
 def test_skipped_flag_is_exact_against_a_scaler_forced_to_overflow(tmp_path):
     run = tmp_path / "run"
+    stepped = []  # the truth: whether optimizer.step() ran, per step
+
+    def recorder_and_truth(model, opt, sc):
+        opt.register_step_post_hook(lambda *a: stepped.__setitem__(-1, True))
+        return AmpRecorder(run, model, optimizer=opt, scaler=sc)
+
+    def loss_fn(model, x, y, step, accumulate):
+        stepped.append(False)
+        return mse(model, x, y, step, accumulate) * (1e4 if step == 13 else 1.0)
+
     torch.manual_seed(0)
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 21, growth_interval=3)
-    stepped = []
-    opt.register_step_post_hook(lambda *a: stepped.__setitem__(-1, True))
-    with AmpRecorder(run, model, optimizer=opt, scaler=sc) as rec:
-        for i, (x, y) in enumerate(batches(16)):
-            stepped.append(False)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = ((model(x).float() - y) ** 2).mean() * (1e4 if i == 13 else 1.0)
-            sc.scale(loss).backward()
-            sc.step(opt)
-            sc.update()
-            opt.zero_grad()
-            rec.step(loss)
+    train(TinyNet(), batches(16), recorder=recorder_and_truth, loss_fn=loss_fn, lr=0.01,
+          scaler={"init_scale": 2.0 ** 21, "growth_interval": 3})
     steps = read(run, "steps")
     truth = [not s for s in stepped]
     assert truth[0] is True  # 2**21 overflows on the very first step
@@ -109,10 +103,10 @@ def test_planted_overflow_shows_a_nonfinite_activation_at_its_step_and_order(tmp
     run = tmp_path / "run"
     torch.manual_seed(0)
 
-    def arm(step, model):
-        model.boom.armed = step >= 3
+    def arm(step, model, x):
+        model.boom.gain = 1e6 if step >= 3 else 1.0
 
-    train(PlantedNet(), batches(5), recorder_factory=recorder(run), on_step=arm)
+    train(PlantedNet(), batches(5), recorder=recorder_at(run), on_step=arm)
     t = read(run, "tensors")
     bad = t[(t.nan_count + t.inf_count > 0) & (t.phase == "forward")]
     assert bad["step"].min() == 3
@@ -129,7 +123,7 @@ def test_planted_overflow_shows_a_nonfinite_activation_at_its_step_and_order(tmp
 def test_gradient_accumulation_aggregates_micro_batches_into_one_step(tmp_path):
     run = tmp_path / "run"
     torch.manual_seed(0)
-    train(TinyNet(), batches(6), accumulate=3, recorder_factory=recorder(run, full_every=1))
+    train(TinyNet(), batches(6), accumulate=3, recorder=recorder_at(run, full_every=1))
     steps = read(run, "steps")
     assert steps["step"].tolist() == [0, 1]
     assert steps["micro_batches"].tolist() == [3, 3]
@@ -185,10 +179,10 @@ def test_a_hook_that_raises_turns_recording_off_and_training_goes_on(tmp_path, m
     monkeypatch.setattr(rr, "tensor_stats", flaky)
     torch.manual_seed(0)
     with pytest.warns(RuntimeWarning, match="recording disabled"):
-        recorded = train(TinyNet(), data, recorder_factory=recorder(tmp_path / "run"))
+        recorded = train(TinyNet(), data, recorder=recorder_at(tmp_path / "run"))
     assert recorded[0] == plain[0]
     rec = recorded[3]
-    assert not rec.enabled and rec._hooks == []
+    assert not rec.enabled and rec.hooks.handles == []
 
 
 def test_a_full_disk_turns_recording_off_and_training_goes_on(tmp_path, monkeypatch):
@@ -200,7 +194,7 @@ def test_a_full_disk_turns_recording_off_and_training_goes_on(tmp_path, monkeypa
     monkeypatch.setattr(rw, "atomic_write_table", full)
     torch.manual_seed(0)
     with pytest.warns(RuntimeWarning, match="No space left"):
-        losses, *_ = train(TinyNet(), batches(4), recorder_factory=recorder(tmp_path / "run", steps_per_shard=2))
+        losses, *_ = train(TinyNet(), batches(4), recorder=recorder_at(tmp_path / "run", steps_per_shard=2))
     assert len(losses) == 4
 
 
@@ -219,7 +213,7 @@ def test_close_is_idempotent_and_removes_every_hook(tmp_path):
 def test_include_and_exclude_patterns_choose_the_watched_modules(tmp_path):
     run = tmp_path / "run"
     torch.manual_seed(0)
-    train(TinyNet(), batches(2), recorder_factory=recorder(run, include=["blocks.*"], exclude=["*.mlp*"]))
+    train(TinyNet(), batches(2), recorder=recorder_at(run, include=["blocks.*"], exclude=["*.mlp*"]))
     names = set(read(run, "tensors").query("kind == 'activation'")["name"])
     assert "" in names and "blocks.0.attn" in names
     assert not any("mlp" in n for n in names) and "embed" not in names
@@ -264,7 +258,7 @@ def _ddp_worker(rank, world, run, port):
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    train(DDP(TinyNet()), batches(3, seed=rank), recorder_factory=recorder(run, run_id="ddp-test"))
+    train(DDP(TinyNet()), batches(3, seed=rank), recorder=recorder_at(run, run_id="ddp-test"))
     dist.destroy_process_group()
 
 
@@ -289,7 +283,7 @@ def test_ddp_with_two_ranks_writes_one_partition_per_rank(tmp_path):
 def test_a_job_resumed_into_its_run_directory_continues_the_same_run(tmp_path):
     run = tmp_path / "run"
     torch.manual_seed(0)
-    train(TinyNet(), batches(3), recorder_factory=recorder(run))
+    train(TinyNet(), batches(3), recorder=recorder_at(run))
     first_id = json.loads((run / "manifest.json").read_text())["run_id"]
     model = TinyNet()
     with AmpRecorder(run, model) as rec:
@@ -308,7 +302,7 @@ def test_an_unwritable_run_directory_warns_and_training_goes_on(tmp_path):
     blocker.write_text("a file where the run directory should be")
     torch.manual_seed(0)
     with pytest.warns(RuntimeWarning, match="recording disabled"):
-        losses, _, _, rec = train(TinyNet(), batches(3), recorder_factory=recorder(blocker / "run"))
+        losses, _, _, rec = train(TinyNet(), batches(3), recorder=recorder_at(blocker / "run"))
     assert len(losses) == 3 and not rec.enabled
 
 
@@ -322,7 +316,7 @@ def test_grad_norm_is_the_global_norm_of_the_unscaled_gradients(tmp_path):
         return AmpRecorder(tmp_path / "run", model, optimizer=opt, scaler=sc)
 
     torch.manual_seed(0)
-    train(TinyNet(), batches(3), recorder_factory=recorder_and_reference)
+    train(TinyNet(), batches(3), recorder=recorder_and_reference)
     assert read(tmp_path / "run", "steps")["grad_norm"].tolist() == pytest.approx(norms, rel=1e-5)
 
 
@@ -357,9 +351,19 @@ def test_activation_checkpointing_recomputation_is_not_recorded_as_a_new_forward
     torch.manual_seed(0)
     plain = train(Checkpointed(), data)
     torch.manual_seed(0)
-    recorded = train(Checkpointed(), data, recorder_factory=recorder(tmp_path / "run"))
+    recorded = train(Checkpointed(), data, recorder=recorder_at(tmp_path / "run"))
     assert plain[0] == recorded[0]
     t = read(tmp_path / "run", "tensors")
     attn = t[(t.step == 1) & (t.name == "blocks.0.attn")]
     assert sorted(attn["kind"]) == ["activation", "grad_input", "grad_output"]
     assert (attn["call"] == 0).all()
+
+
+def test_every_option_is_an_explicit_keyword_argument_documented_under_args():
+    import inspect
+    params = inspect.signature(AmpRecorder.__init__).parameters.values()
+    assert not [p for p in params if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    args = AmpRecorder.__doc__.split("Args:")[1]
+    documented = re.findall(r"^ {8}(\w+):", args, re.M)
+    assert documented == [p.name for p in params if p.name != "self"]
+    assert {"bundle_steps", "max_bundles", "hold_steps", "clone_inputs"} <= set(documented)

@@ -20,7 +20,8 @@ from amp_postmortem.replay import attribution
 from amp_postmortem.replay.attribution import ErrorStats
 from amp_postmortem.replay.policy import get_policy
 from recorders.stats import iter_tensors
-from tiny_models import TinyNet
+from tiny_models import (BackwardBlowup, BlowupNet, BoomNet, ConvBN, DropMLP, ScoreNet, TinyNet,
+                         recorder_at, train)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -60,77 +61,12 @@ def by_name(result, name, phase="forward"):
 
 
 # ------------------------------------------------------------------ models
-class Blowup(nn.Module):
-    """A hand-written op whose float16 result passes 65504 (fine in fp32/bf16)."""
-
-    def forward(self, x):
-        return x * 4000.0
-
-
-class PlantedNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Linear(8, 16)
-        self.block = nn.Sequential()
-        self.block.add_module("fc", nn.Linear(16, 16))
-        self.block.add_module("blowup", Blowup())
-        self.block.add_module("norm", nn.LayerNorm(16))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.block(self.embed(x))))
-
-
 def planted_bundle(**kw):
     torch.manual_seed(0)
-    model = PlantedNet()
+    model = BlowupNet()
     with torch.no_grad():
         model.block.fc.weight.mul_(60)
     return make_bundle(model, (torch.randn(16, 8),), square_loss, loss_scale=256.0, **kw)
-
-
-class SquaredScores(nn.Module):
-    """pow is float32 under CUDA autocast but stays float16 under CPU
-    autocast: 300**2 = 90000 overflows float16, then softmax turns it to NaN."""
-
-    def forward(self, x):
-        return torch.softmax(x.pow(2) / 1e4, dim=-1)
-
-
-class ScoreNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(8, 16)
-        self.scores = SquaredScores()
-        self.head = nn.Linear(16, 2)
-
-    def forward(self, x):
-        return self.head(self.scores(self.proj(x)))
-
-
-class ConvBN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                                      nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
-                                      nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.head = nn.Linear(8, 10)
-
-    def forward(self, x):
-        return self.head(self.features(x))
-
-
-class DropMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(32, 64)
-        self.act = nn.GELU()
-        self.norm = nn.LayerNorm(64)
-        self.drop = nn.Dropout(0.2)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        return self.fc2(self.drop(self.norm(self.act(self.fc1(x)))))
 
 
 def ce_loss(out):
@@ -160,7 +96,7 @@ def test_error_stats_pin_rounding_ratio_and_nonfinite():
 
 # ------------------------------------------------------------------ culprit
 def test_planted_fp16_overflow_is_the_culprit_and_its_parents_are_not():
-    result = replay(planted_bundle(), model=PlantedNet, loss_fn=lambda out, mb: square_loss(out))
+    result = replay(planted_bundle(), model=BlowupNet, loss_fn=lambda out, mb: square_loss(out))
     assert result.culprit["name"] == "block.blowup"
     assert (result.culprit["phase"], result.culprit["precision"]) == ("forward", "fp16")
     assert "NaN/Inf in float16 where float64 is finite" in result.culprit["reason"]
@@ -180,7 +116,7 @@ def test_planted_fp16_overflow_is_the_culprit_and_its_parents_are_not():
 
 
 def test_bf16_replay_of_the_fp16_overflow_shows_no_overflow():
-    result = replay(planted_bundle(), model=PlantedNet, precisions="fp64,bf16",
+    result = replay(planted_bundle(), model=BlowupNet, precisions="fp64,bf16",
                     loss_fn=lambda out, mb: square_loss(out))
     assert result.culprits == {"bf16": None} and result.culprit is None
     assert all(m["propagated"]["bf16"]["nonfinite_new"] == 0 for m in result.modules)
@@ -189,7 +125,7 @@ def test_bf16_replay_of_the_fp16_overflow_shows_no_overflow():
 
 
 def test_nan_saved_output_gradient_is_said_and_forward_culprit_still_found():
-    result = replay(planted_bundle(), model=PlantedNet, precisions=("fp64", "fp16"))
+    result = replay(planted_bundle(), model=BlowupNet, precisions=("fp64", "fp16"))
     assert any("saved output gradient holds" in n for n in result.notes)
     assert result.culprit["name"] == "block.blowup"
 
@@ -206,11 +142,11 @@ def test_overflowing_loss_scale_is_named_as_the_culprit():
 
 
 def test_anomaly_reports_the_backward_op_and_the_forward_traceback():
-    result = replay(planted_bundle(), model=PlantedNet, precisions="fp64,fp16", anomaly=True, local=False,
+    result = replay(planted_bundle(), model=BlowupNet, precisions="fp64,fp16", anomaly=True, local=False,
                     loss_fn=lambda out, mb: square_loss(out))
     assert result.anomaly["precision"] == "fp16" and result.anomaly["raised"] is True
     assert result.anomaly["op"].endswith("Backward0")
-    assert "test_replay.py" in result.anomaly["traceback"]
+    assert "tiny_models.py" in result.anomaly["traceback"]
 
 
 # ------------------------------------------------------------------ policy
@@ -312,20 +248,20 @@ def test_micro_batches_accumulate_and_shared_modules_are_seen_per_call():
 
 
 def test_what_if_replays_do_not_claim_fidelity():
-    result = replay(planted_bundle(), model=PlantedNet, precisions="fp64,fp16", local=False, batch=[0, 1],
+    result = replay(planted_bundle(), model=BlowupNet, precisions="fp64,fp16", local=False, batch=[0, 1],
                     loss_fn=lambda out, mb: square_loss(out))
     assert result.reproduced is None and "a slice of the batch" in result.fidelity["basis"]
 
 
 def test_local_replays_can_be_limited_to_named_modules():
-    result = replay(planted_bundle(), model=PlantedNet, precisions="fp64,fp16", local=["block.blowup"])
+    result = replay(planted_bundle(), model=BlowupNet, precisions="fp64,fp16", local=["block.blowup"])
     assert result.culprit["name"] == "block.blowup"
     assert by_name(result, "block")["status"]["fp16"] == "n/a"
 
 
 def test_what_if_hooks_fp32_module_loss_scale_and_batch_slice():
     bundle = planted_bundle()
-    session = ReplaySession(bundle, PlantedNet())
+    session = ReplaySession(bundle, BlowupNet())
     fp16 = RunConfig("fp16", policy=get_policy("cpu", "fp16"), loss_scale=256.0)
     assert not session.run(fp16).finite
     kept = session.run(fp16.replace(fp32_modules=("block.blowup",)))
@@ -343,14 +279,14 @@ def test_global_state_is_restored_after_a_replay():
     torch.manual_seed(123)
     rng = torch.get_rng_state()
     precision = torch.get_float32_matmul_precision()
-    replay(bundle, model=PlantedNet, precisions="fp64,fp32,fp16", local=False)
+    replay(bundle, model=BlowupNet, precisions="fp64,fp32,fp16", local=False)
     assert torch.equal(torch.get_rng_state(), rng)
     assert torch.get_float32_matmul_precision() == precision
     assert not torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda")
 
 
 def test_json_contract():
-    result = replay(planted_bundle(), model=PlantedNet, precisions="fp64,fp16")
+    result = replay(planted_bundle(), model=BlowupNet, precisions="fp64,fp16")
     d = result.to_dict()
     for key in ("step", "rank", "device", "policy", "reproduced", "culprit", "modules", "loss", "param_grads"):
         assert key in d
@@ -370,7 +306,7 @@ def _record_with_bundle(path, gain_in_replay):
     recorder and build the bundle of step 7 from a plant hook; the replayed
     model's Boom gain is `gain_in_replay` (the training set it outside the
     state dict, so a plain factory replays with gain 1)."""
-    from conftest import OVERFLOW_STEP, _models, record_run
+    from conftest import OVERFLOW_STEP, record_run
     saved = {}
 
     def plant(step, model, x):
@@ -397,7 +333,7 @@ def _record_with_bundle(path, gain_in_replay):
                     optimizer=None, env={"device_type": "cpu"}, reason="nonfinite_loss")
 
     def factory():
-        net = _models()()
+        net = BoomNet()
         net.block.boom.gain = gain_in_replay
         return net
     return run, bundle, factory
@@ -428,12 +364,12 @@ def test_a_step_that_does_not_reproduce_says_so(tmp_path):
 def test_sample_run_bundle_reproduces_when_bundles_are_saved(overflow_run):
     """The recorder's own bundle of the overflow run (once the bundle writer
     saves them)."""
-    from conftest import OVERFLOW_STEP, _models
+    from conftest import OVERFLOW_STEP
     if not (overflow_run / "bundles").is_dir():
         pytest.skip("the recorder does not save bundles yet")
 
     def factory():
-        net = _models()()
+        net = BoomNet()
         net.block.boom.gain = 1e6
         return net
     result = replay(overflow_run, step=OVERFLOW_STEP, model=factory, precisions="fp64,fp16")
@@ -478,29 +414,20 @@ def saved_run(tmp_path_factory):
     """A run by the real recorder with bundles at step 2 (asked for) and at
     step 3, where `boom` multiplies by 1e6 and float16 overflows."""
     import importlib.util
-    from recorders import AmpRecorder
     root = tmp_path_factory.mktemp("replay_cli")
     (root / "planted_model.py").write_text(MODEL_FILE)
     spec = importlib.util.spec_from_file_location("planted_model_rec", root / "planted_model.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     torch.manual_seed(0)
-    model = mod.Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=10 ** 6)
-    rec = AmpRecorder(root / "run", model, optimizer=opt, scaler=scaler, bundle_steps=[2], hold_steps=3)
     gen = torch.Generator().manual_seed(0)
-    for step in range(5):
-        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+    data = [(torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(5)]
+
+    def plant(step, model, x):
         model.boom.gain = 1e6 if step == 3 else 1.0
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = ((model(x).float() - y) ** 2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        rec.step(loss)
-    rec.close()
+
+    rec = train(mod.Net(), data, recorder=recorder_at(root / "run", bundle_steps=[2], hold_steps=3), lr=0.01,
+                scaler={"init_scale": 2.0 ** 8, "growth_interval": 10 ** 6}, on_step=plant).rec
     assert [b["step"] for b in rec.bundles.saved] == [2, 3]
     return root
 
@@ -557,23 +484,23 @@ def test_nonfinite_saved_gradient_starts_every_backward_from_one_documented_subs
     from amp_postmortem.whatif import prepare
     bundle = planted_bundle()  # square_loss of a fp16 NaN output: NaN saved gradient
     assert not all(bool(torch.isfinite(g).all()) for mb in bundle.grad_outputs for g in mb)
-    session = ReplaySession(bundle, PlantedNet())
+    session = ReplaySession(bundle, BlowupNet())
     assert session.backward_start == "substitute_mean" and session.grad_outputs_nonfinite == 0
     saved, start = bundle.grad_outputs[0][0], session.grad_outputs[0][0]
     bad = ~torch.isfinite(saved)
     assert torch.equal(start[~bad], saved[~bad]) and bool((start[bad] == 1.0 / saved.numel()).all())
-    result = replay(bundle, model=PlantedNet, precisions="fp64,fp32,fp16")
+    result = replay(bundle, model=BlowupNet, precisions="fp64,fp32,fp16")
     assert result.backward_start == "substitute_mean" == result.to_dict()["backward_start"]
     assert any("backward_start: substitute_mean" in n and "not from the step's true gradient" in n
                for n in result.notes)
     # From a finite start, float32's backward is plain float32 rounding: no artefacts.
     assert all(m["status"]["fp32"] == "ok" for m in result.modules if m["phase"] == "backward")
     assert "(backward from the substitute_mean start)" in "\n".join(result.lines())
-    p = prepare(bundle, model=PlantedNet)
+    p = prepare(bundle, model=BlowupNet)
     assert p.backward_start == "substitute_mean"
     assert torch.equal(p.session.grad_outputs[0][0], start)
     # A real loss_fn replaces the substitute, and says so.
-    with_loss = replay(bundle, model=PlantedNet, precisions="fp64,fp16", local=False,
+    with_loss = replay(bundle, model=BlowupNet, precisions="fp64,fp16", local=False,
                        loss_fn=lambda out, mb: square_loss(out))
     assert with_loss.backward_start == "loss_fn"
 
@@ -587,7 +514,7 @@ def test_finite_saved_gradient_is_used_as_saved():
 
 
 def test_loss_line_says_when_the_model_returns_no_loss():
-    result = replay(planted_bundle(), model=PlantedNet, precisions="fp64,fp16", local=False)
+    result = replay(planted_bundle(), model=BlowupNet, precisions="fp64,fp16", local=False)
     assert result.loss["fp64"] is None
     line = next(x for x in result.lines() if x.startswith("loss:"))
     assert line.startswith("loss: recorded nan; the model returns outputs, not a loss")
@@ -596,27 +523,15 @@ def test_loss_line_says_when_the_model_returns_no_loss():
 
 def test_anomaly_after_a_nonfinite_forward_points_at_the_forward_culprit():
     import os
-    result = replay(planted_bundle(), model=PlantedNet, precisions="fp64,fp16", anomaly=True)
+    result = replay(planted_bundle(), model=BlowupNet, precisions="fp64,fp16", anomaly=True)
     a = result.anomaly
     assert a["precision"] == "fp16" and a["forward_nonfinite"] is True
     assert a["forward_origin"] == "block.blowup" == result.culprit["name"]
     assert "anomaly mode checks the backward only" in a["explanation"]
     assert "made in block.blowup" in a["explanation"]
     # Tracebacks hold the model's frames, relative to the current directory.
-    assert "tests/test_replay.py" in a["traceback"] and os.getcwd() not in a["traceback"]
+    assert "tests/tiny_models.py" in a["traceback"] and os.getcwd() not in a["traceback"]
     assert "torch/nn/modules" not in a["traceback"]
-
-
-class BackwardBlowup(nn.Module):
-    """Finite forward; the weight gradient of `fc` sums 64 positive
-    products of ~1e5 in float16 at loss scale 2**10: an Inf, never a NaN."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.fc(x)
 
 
 def test_anomaly_on_a_backward_overflow_says_why_it_raised_nothing():

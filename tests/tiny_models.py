@@ -1,7 +1,12 @@
-"""Tiny CPU models shared by the recorder tests."""
+"""The tests' tiny CPU models and their one training loop (`train`).
+
+Every test that records a run trains through `train` (CPU autocast, an
+optional `torch.amp.GradScaler("cpu")`, SGD), changing only the model, the
+data, the loss and what its callbacks plant."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import torch
 import torch.nn as nn
@@ -47,16 +52,63 @@ class TinyNet(nn.Module):
 
 
 class Boom(nn.Module):
-    """Multiplies by `gain` from step `at` on: an overflow planted in a
-    known module (fp16 turns 1e6 x into Inf)."""
+    """Multiplies its input by `gain`: 1 is harmless; a test plants more
+    (float16 turns 1e6 x into Inf) or NaN at the steps it chooses."""
 
-    def __init__(self, gain: float = 1e6):
+    def __init__(self, gain: float = 1.0):
         super().__init__()
         self.gain = gain
-        self.armed = False
 
     def forward(self, x):
-        return x * self.gain if self.armed else x
+        return x * self.gain
+
+
+class _AmpGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gain):
+        ctx.gain = gain
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.gain, None
+
+
+class GradAmp(nn.Module):
+    """Identity forward; multiplies the gradient passing back by `gain`."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = 1.0
+
+    def forward(self, x):
+        return _AmpGrad.apply(x, self.gain)
+
+
+class BoomBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.boom = Boom()
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.boom(self.fc(x)))
+
+
+class BoomNet(nn.Module):
+    """The analyzer fixtures' model (conftest): `block.boom` and `amp` are
+    where faults are planted, in the forward and in the backward."""
+
+    def __init__(self, d_in=4, d=8):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.block = BoomBlock(d)
+        self.amp = GradAmp()
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.amp(self.block(self.inp(x))))
 
 
 class PlantedNet(nn.Module):
@@ -104,27 +156,149 @@ class SplitHead(nn.Module):
         return {"a": self.a(h), "b": (self.b(h), 3)}
 
 
+# Models of the replay tests (test_replay.py): bundles built from them by hand.
+class Blowup(nn.Module):
+    """A hand-written op whose float16 result passes 65504 (fine in fp32/bf16)."""
+
+    def forward(self, x):
+        return x * 4000.0
+
+
+class BlowupNet(nn.Module):
+    """`block.blowup` overflows float16 once `block.fc` is scaled up."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.block = nn.Sequential()
+        self.block.add_module("fc", nn.Linear(16, 16))
+        self.block.add_module("blowup", Blowup())
+        self.block.add_module("norm", nn.LayerNorm(16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.block(self.embed(x))))
+
+
+class SquaredScores(nn.Module):
+    """pow is float32 under CUDA autocast but stays float16 under CPU
+    autocast: 300**2 = 90000 overflows float16, then softmax turns it to NaN."""
+
+    def forward(self, x):
+        return torch.softmax(x.pow(2) / 1e4, dim=-1)
+
+
+class ScoreNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        self.scores = SquaredScores()
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.scores(self.proj(x)))
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                                      nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+class DropMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm(64)
+        self.drop = nn.Dropout(0.2)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.norm(self.act(self.fc1(x)))))
+
+
+class BackwardBlowup(nn.Module):
+    """Finite forward; the weight gradient of `fc` sums 64 positive
+    products of ~1e5 in float16 at loss scale 2**10: an Inf, never a NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
 def batches(n: int, d_in: int = 8, d_out: int = 4, seed: int = 1, shape=(4, 5)):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(*shape, d_in, generator=g), torch.randn(*shape, d_out, generator=g)) for _ in range(n)]
 
 
-def train(model, data, *, recorder_factory=None, dtype=torch.float16, scaler=True,
-          accumulate: int = 1, lr: float = 0.05, on_step=None):
-    """A plain AMP loop on the CPU. Returns (losses, scales, final params, rec)."""
+def mse(model, x, y, step: int, accumulate: int):
+    """The default loss: mean squared error of the logits, shared over the
+    step's micro-batches."""
+    out = model(x)
+    logits = out.logits if isinstance(out, Out) else out
+    return ((logits.float() - y) ** 2).mean() / accumulate
+
+
+def recorder_at(run, **options):
+    """A `recorder` for `train`: the real AmpRecorder writing to `run`."""
+    from recorders import AmpRecorder
+    return lambda model, opt, sc: AmpRecorder(run, model, optimizer=opt, scaler=sc, **options)
+
+
+class Trained(typing.NamedTuple):
+    losses: list
+    scales: list
+    params: list
+    rec: typing.Any
+
+
+def train(model, data, *, recorder=None, dtype=torch.float16, scaler=True, accumulate: int = 1,
+          lr: float = 0.05, loss_fn=mse, on_step=None, after_backward=None, before_update=None,
+          close: bool = True) -> Trained:
+    """The one AMP training loop of the tests, on the CPU.
+
+    data: the micro-batches, `accumulate` per optimizer step ((x, y) pairs);
+    recorder(model, opt, scaler): builds the recorder (see `recorder_at`);
+    dtype: the autocast dtype (None or float32: autocast off);
+    scaler: True (a default GradScaler("cpu")), a dict of its options, a
+    GradScaler, or None/False;
+    loss_fn(model, x, y, step, accumulate): the loss to backpropagate;
+    on_step(step, model, x): before the step (plant a fault, change x);
+    after_backward(step, micro_batch, rec): after each micro-batch's backward;
+    before_update(step, model): after the backward passes, before the update;
+    close: close the recorder at the end (False: leave it open).
+    Returns the losses (as passed to rec.step), the scales after each step,
+    the final parameters and the recorder."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu") if scaler is True else (scaler or None)
-    rec = recorder_factory(model, opt, sc) if recorder_factory else None
+    if scaler is True or isinstance(scaler, dict):
+        sc = torch.amp.GradScaler("cpu", **(scaler if isinstance(scaler, dict) else {}))
+    else:
+        sc = scaler or None
+    rec = recorder(model, opt, sc) if recorder else None
+    autocast = dtype not in (None, torch.float32)
     losses, scales = [], []
-    for i in range(0, len(data), accumulate):
+    for step in range(len(data) // accumulate):
+        micro = data[step * accumulate:(step + 1) * accumulate]
         if on_step:
-            on_step(i // accumulate, model)
-        for x, y in data[i:i + accumulate]:
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                out = model(x)
-                logits = out.logits if isinstance(out, Out) else out
-                loss = ((logits.float() - y) ** 2).mean() / accumulate
+            on_step(step, model, micro[0][0])
+        for k, (x, y) in enumerate(micro):
+            with torch.autocast("cpu", dtype=dtype if autocast else torch.float16, enabled=autocast):
+                loss = loss_fn(model, x, y, step, accumulate)
             (sc.scale(loss) if sc else loss).backward()
+            if after_backward:
+                after_backward(step, k, rec)
+        if before_update:
+            before_update(step, model)
         if sc:
             sc.step(opt)
             sc.update()
@@ -135,6 +309,6 @@ def train(model, data, *, recorder_factory=None, dtype=torch.float16, scaler=Tru
             rec.step(loss)
         losses.append(loss.item())
         scales.append(sc.get_scale() if sc else None)
-    if rec:
+    if rec and close:
         rec.close()
-    return losses, scales, [p.detach().clone() for p in model.parameters()], rec
+    return Trained(losses, scales, [p.detach().clone() for p in model.parameters()], rec)

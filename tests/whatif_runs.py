@@ -102,21 +102,14 @@ def batch(step: int, *, bad_step=None, seed: int = 0):
 
 
 def record(path, model, *, steps, batch_fn=batch, init_scale=RECORDED_SCALE, lr=0.0, **recorder_kwargs):
-    from recorders import AmpRecorder
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=10 ** 6)
-    with AmpRecorder(path, model, optimizer=opt, scaler=scaler, **recorder_kwargs) as rec:
-        for step in range(steps):
-            x, y = batch_fn(step)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = ((model(x).float() - y) ** 2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            rec.step(loss)
+    from tiny_models import recorder_at, train
+    rec = train(model, [batch_fn(step) for step in range(steps)], recorder=recorder_at(path, **recorder_kwargs),
+                scaler={"init_scale": init_scale, "growth_interval": 10 ** 6}, lr=lr, close=False).rec
+    try:
         rec.flush()
         assert rec.enabled, f"the recorder failed: {rec._failure!r}"
+    finally:
+        rec.close()
     return Path(path)
 
 

@@ -83,7 +83,11 @@ class Summary:
             f"  {f.severity.upper():<8}  {f.kind}  step {'-' if f.step is None else f.step}  "
             f"layer {_display(f.layer)}",
             f"            {f.message}",
-            f"            next: {f.next_command}")]
+            f"            next: {f.next_command}")] + [
+            "",
+            # The pictures of the same run (`report`, `export`: the report extra).
+            f"plots: amp-postmortem report {shlex.quote(str(r['path']))}",
+            f"       amp-postmortem export tensorboard {shlex.quote(str(r['path']))} --logdir DIR"]
 
 
 def summarize(run: Run, *, window: int | None = None) -> Summary:

@@ -22,10 +22,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from . import schema
-from .plain import file_sha256, json_checksum, plain
-from .tensor_codec import dtype_name, host_array
-from .writer import _fsync_dir
+from .. import schema
+from ..plain import file_sha256, json_checksum, plain
+from ..tensor_codec import dtype_name, host_array
+from ..writer import fsync_dir
 
 ROW_GROUP_BYTES = 64 << 20
 
@@ -148,14 +148,14 @@ def write_bundle(final_dir: Path, records, meta: dict) -> dict:
             f.write(json.dumps(meta, indent=2, allow_nan=True).encode())
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final_dir.exists():
             # A resumed job saving the same step again: the newer bundle wins.
             old = final_dir.parent / f".{final_dir.name}.old-{uuid.uuid4().hex[:12]}"
             os.rename(final_dir, old)
             shutil.rmtree(old, ignore_errors=True)
         os.rename(tmp, final_dir)
-        _fsync_dir(final_dir.parent)
+        fsync_dir(final_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

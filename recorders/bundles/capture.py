@@ -15,11 +15,11 @@ What happens around step N (training thread unless said otherwise):
   get a copy before the update overwrites them;
 - `rec.step()`: the capture joins the held ones (at most `hold_steps`);
 - writer thread, one step late: `on_step_summary(N)` evaluates the triggers
-  (`bundle_triggers`) on N's copied statistics and records a decision (the
-  writer-thread methods live in `bundle_decide`);
+  (`triggers`) on N's copied statistics and records a decision (the
+  writer-thread part, `BundleDecisions`, lives in `decisions`);
 - next training-thread hook: a "no" releases the capture; a "yes" queues
   device-side copies of whatever is still live and hands the bundle to the
-  writer thread, which copies it to the host and writes it (`bundle_writer`).
+  writer thread, which copies it to the host and writes it (`directory`).
 
 Nothing on the training path reads a device value: decisions use host-side
 statistics, version counters and what the scaler already synchronised.
@@ -27,23 +27,30 @@ statistics, version counters and what the scaler already synchronised.
 from __future__ import annotations
 
 import functools
-import queue
-import threading
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
-from .bundle_decide import BundleDecisions
-from .bundle_state import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now
-from .bundle_triggers import TRIGGERS, BundleTriggers
-from .bundle_writer import precision_flags
-from .plain import plain
-from .stats import iter_tensors
-from .tensor_codec import clone_tree, encode_tree
+from ..manifest import scaler_enabled
+from ..plain import plain
+from ..stats import iter_tensors
+from ..tensor_codec import clone_tree, encode_tree
+from .decisions import BundleDecisions
+from .directory import precision_flags
+from .held import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now
+from .triggers import TRIGGERS, BundleTriggers
 
 
-class BundleCapture(BundleDecisions):
-    """Decides when to save a replay bundle and writes it.
+class BundleCapture:
+    """Holds what recent steps need for a replay and saves a bundle when
+    the writer thread's `BundleDecisions` says so.
+
+    `run_dir`: where `bundles/` goes; `run_info`: the run's identity for
+    bundle.json (run_id, rank, world_size, package_version, device_type,
+    device_name, scaler); `post(job) -> bool`: hand a job to the writer
+    thread without waiting; `on_change(saved, missed)`: the lists of saved
+    and missed bundles changed (writer thread).
 
     Options (keyword arguments of `AmpRecorder`):
     - `bundles=True`: master switch (False: nothing is held or saved);
@@ -62,36 +69,35 @@ class BundleCapture(BundleDecisions):
     - `clone_inputs=False`: copy the inputs instead of holding references.
     """
 
-    def __init__(self, recorder, *, bundles: bool = True, bundle_triggers=TRIGGERS,
+    def __init__(self, model: torch.nn.Module, optimizer=None, scaler=None, *, run_dir: Path,
+                 run_info: dict, post, on_change, bundles: bool = True, bundle_triggers=TRIGGERS,
                  bundle_steps=(), max_bundles: int = 3, max_bundle_bytes: int = 64 << 30,
                  min_loss_scale: float | None = 1.0, settle_steps: int = 10,
                  snapshot_params="auto", snapshot_buffers_bytes: int = 64 << 20,
                  hold_steps: int = 2, clone_inputs: bool = False):
         if snapshot_params not in ("auto", True, False):
             raise ValueError(f"snapshot_params={snapshot_params!r} (valid: 'auto', True, False)")
-        has_scaler = recorder._scaler_enabled()
-        self.recorder = recorder
+        has_scaler = scaler_enabled(scaler)
+        self.model = model
+        self.optimizer = optimizer
         self.enabled = bool(bundles)
-        self.triggers = BundleTriggers(bundle_triggers, has_scaler=has_scaler, max_bundles=max_bundles,
-                                       min_loss_scale=min_loss_scale, settle_steps=settle_steps)
+        triggers = BundleTriggers(bundle_triggers, has_scaler=has_scaler, max_bundles=max_bundles,
+                                  min_loss_scale=min_loss_scale, settle_steps=settle_steps)
         self.steps = frozenset(int(s) for s in bundle_steps)
-        self.max_bundle_bytes = int(max_bundle_bytes)
         self.hold_steps = max(1, int(hold_steps))
         self.clone_inputs = bool(clone_inputs)
-        opt = recorder.optimizer
+        opt = optimizer
         if snapshot_params == "auto":
             snapshot_params = not has_scaler and opt is not None and hasattr(opt, "register_step_pre_hook")
         self.config = {
-            "bundles": self.enabled, "bundle_triggers": list(self.triggers.triggers),
-            "bundle_steps": sorted(self.steps), "max_bundles": self.triggers.max_bundles,
-            "max_bundle_bytes": self.max_bundle_bytes, "min_loss_scale": min_loss_scale,
-            "settle_steps": self.triggers.settle_steps, "snapshot_params": bool(snapshot_params),
+            "bundles": self.enabled, "bundle_triggers": list(triggers.triggers),
+            "bundle_steps": sorted(self.steps), "max_bundles": triggers.max_bundles,
+            "max_bundle_bytes": int(max_bundle_bytes), "min_loss_scale": min_loss_scale,
+            "settle_steps": triggers.settle_steps, "snapshot_params": bool(snapshot_params),
             "snapshot_buffers_bytes": int(snapshot_buffers_bytes), "hold_steps": self.hold_steps,
             "clone_inputs": self.clone_inputs,
         }
-        self.saved: list[dict] = []
-        self.missed: list[dict] = []
-        self.inventory = inv = ModelInventory(recorder.model)
+        self.inventory = inv = ModelInventory(model)
         self._param_pool = SnapshotPool(inv.params, 2) if snapshot_params and inv.params else None
         self._buffer_pool = None
         if inv.buffers and inv.buffer_bytes() <= snapshot_buffers_bytes:
@@ -105,30 +111,35 @@ class BundleCapture(BundleDecisions):
         self._opt_steps = 0
         self._request_pending = False
         self._unposted: list = []
+        self._post_to_writer = post
         self._closing = False
         self._closed = False
-        # shared, under the lock
-        self._lock = threading.Lock()
-        self._decisions: dict[int, dict | None] = {}
-        self._explicit: dict[int, list[str]] = {}
-        self._no_loss: set[int] = set()
-        # writer thread
-        self._bytes_saved = 0
-        self._warned = False
-        tracker = getattr(recorder.scaler, "_growth_tracker", None) if has_scaler else None
+        tracker = getattr(scaler, "_growth_tracker", None) if has_scaler else None
         # A fresh scaler creates its tracker lazily (at 0); a CUDA one is
         # not read here (that would synchronise).
-        self._tracker = 0 if tracker is None else (int(tracker.item()) if tracker.device.type == "cpu" else None)
+        tracker = 0 if tracker is None else (int(tracker.item()) if tracker.device.type == "cpu" else None)
+        # writer thread (and the lock-guarded hand-over of its decisions)
+        self.decisions = BundleDecisions(
+            triggers, inventory=inv, run_dir=run_dir, run_info=dict(run_info, has_scaler=has_scaler, recorder=self.config),
+            max_bundle_bytes=max_bundle_bytes, growth_tracker=tracker, on_change=on_change)
+
+    @property
+    def saved(self) -> list[dict]:
+        return self.decisions.saved
+
+    @property
+    def missed(self) -> list[dict]:
+        return self.decisions.missed
 
     # ------------------------------------------------------ training thread
-    def on_micro_batch_start(self, step: int, micro_batch: int, args, kwargs) -> None:
+    def on_micro_batch_start(self, step: int, micro_batch: int, args, kwargs, autocast: dict | None) -> None:
         if not self.enabled:
             return
         if micro_batch == 0 or self._current is None:
             self._service()
             if self._current is not None:
                 self._release(self._current)  # a step that never reached rec.step()
-            self._current = self._new_capture(step)
+            self._current = self._new_capture(step, autocast)
         if self.clone_inputs:
             args, kwargs = clone_tree(args), clone_tree(kwargs)
         rng = {"cpu": torch.get_rng_state()}
@@ -137,15 +148,15 @@ class BundleCapture(BundleDecisions):
         versions = [(t, t._version) for t in iter_tensors((args, kwargs))]
         self._current.micro_batches.append(MicroBatch(args, kwargs, versions, rng))
 
-    def _new_capture(self, step: int) -> StepCapture:
+    def _new_capture(self, step: int, autocast: dict | None) -> StepCapture:
         cap = StepCapture(step)
         cap.param_versions = self.inventory.param_versions()
         cap.buffer_versions = self.inventory.buffer_versions()
         cap.opt_steps = self._opt_steps
         cap.buffers = self._buffer_pool.take() if self._buffer_pool is not None else None
-        cap.autocast = dict(self.recorder._autocast or {})
+        cap.autocast = dict(autocast or {})
         cap.precision = precision_flags()
-        cap.training = bool(self.recorder.model.training)
+        cap.training = bool(self.model.training)
         if self._request_pending:
             cap.explicit.append("request")
             self._request_pending = False
@@ -177,7 +188,7 @@ class BundleCapture(BundleDecisions):
                 self._secure(cap, snap, "pre_step_snapshot", pooled=True)
             elif cap.explicit or cap.step in self.steps:
                 self._secure(cap, clone_now(self.inventory.params), "pre_step_snapshot")
-            opt = self.recorder.optimizer
+            opt = self.optimizer
             if opt is not None:  # as this step used them: a scheduler may change them later
                 cap.optimizer_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         self._opt_steps += 1
@@ -202,11 +213,8 @@ class BundleCapture(BundleDecisions):
             self._request_pending = False
         if step in self.steps and "step_list" not in explicit:
             explicit.append("step_list")
-        with self._lock:
-            if explicit:
-                self._explicit[step] = list(explicit)
-            if loss is None:  # the summary then says NaN: not a non-finite loss
-                self._no_loss.add(step)
+        # loss None: the summary then says NaN, which is not a non-finite loss
+        self.decisions.note_step(step, explicit, no_loss=loss is None)
         if cap is not None:
             cap.step, cap.stepped = step, stepped
             old = self._held.pop(step, None)
@@ -247,9 +255,7 @@ class BundleCapture(BundleDecisions):
 
     def _service(self) -> None:
         """Apply the writer thread's decisions."""
-        with self._lock:
-            decisions, self._decisions = self._decisions, {}
-        for step, order in decisions.items():
+        for step, order in self.decisions.take().items():
             cap = self._held.pop(step, None)
             if order is None:
                 if cap is not None:
@@ -257,9 +263,9 @@ class BundleCapture(BundleDecisions):
             elif cap is None:
                 why = ("the writer decided after the step was released (raise hold_steps)"
                        if step in self._evicted else "the step was not captured (not recorded, or no forward)")
-                self._post(functools.partial(self._miss, step, order["reasons"], why, refund=True))
+                self._post(functools.partial(self.decisions.miss, step, order["reasons"], why, refund=True))
             else:
-                self._post(functools.partial(self._write, self._finalize(cap, order)))
+                self._post(functools.partial(self.decisions.write, self._finalize(cap, order)))
         if self._unposted:
             jobs, self._unposted = self._unposted, []
             for job in jobs:
@@ -301,7 +307,7 @@ class BundleCapture(BundleDecisions):
             p.specs.append({"args": encode_tree(tuple(mb.args), name_tensor, "args"),
                             "kwargs": encode_tree(dict(mb.kwargs or {}), name_tensor, "kwargs")})
             p.inputs.append(tensors)
-        opt = self.recorder.optimizer
+        opt = self.optimizer
         optimizer = None
         if opt is not None:
             hyper = cap.optimizer_groups or [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -323,40 +329,32 @@ class BundleCapture(BundleDecisions):
 
     def _post(self, job) -> None:
         """Hand a job to the writer thread (run inline once close() has it)."""
-        rec = self.recorder
         if self._closing:
             job()
-        elif rec._thread.is_alive():
-            try:
-                rec._queue.put_nowait(job)
-            except queue.Full:  # never wait on the training path: retry at the next hook
-                self._unposted.append(job)
+        elif not self._post_to_writer(job):
+            # never wait on the training path: retry at the next hook
+            self._unposted.append(job)
 
     # ------------------------------------------------------------ lifecycle
-    def flush(self) -> None:
-        """After the recorder's flush: write the bundles decided so far."""
-        if not self.enabled:
-            return
-        rec = self.recorder
-        try:
+    def apply_decisions(self) -> None:
+        """Hand the bundles decided so far to the writer thread (the
+        recorder's flush, which then waits for that thread)."""
+        if self.enabled:
             self._service()
-            if rec._thread.is_alive():
-                done = threading.Event()
-                rec._queue.put(done.set)
-                while not done.wait(0.2):
-                    if rec._failure is not None or not rec._thread.is_alive():
-                        break
-        except Exception as exc:  # noqa: BLE001 - flush() must not stop the training
-            rec._fail(exc)
 
-    def close(self) -> None:
+    def on_step_summary(self, summary: dict) -> None:
+        """Writer thread: a recorded step's host-side summary."""
+        if self.enabled:
+            self.decisions.on_step_summary(summary)
+
+    def close(self, *, write_decided: bool) -> None:
         """Called by the recorder after its writer thread has finished:
-        write what was decided (inline), then drop every reference."""
+        write what was decided (inline, when `write_decided`), then drop
+        every reference."""
         if not self.enabled or self._closed:
             return
         self._closed = True
-        rec = self.recorder
-        if rec._failure is None and not rec._thread.is_alive():
+        if write_decided:
             self._closing = True
             self._service()
         for cap in list(self._held.values()) + ([self._current] if self._current else []):

@@ -1,0 +1,62 @@
+"""`amp-postmortem report` and `amp-postmortem export tensorboard`: the CLI
+faces of `amp_postmortem.report` and `amp_postmortem.export_tensorboard`. No logic here; registered in
+`cli.py`. Both need the `report` extra (plotly, tensorboard), imported only
+when a command runs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+import amp_postmortem as api
+
+from .output import output_options, run_options
+
+
+@click.command("report")
+@run_options
+@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The HTML file to write (default: <run name>-report.html here).")
+@click.option("--replay", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              metavar="FILE.json", help="Output of `replay --json`: chart its per-module error per precision.")
+@output_options(csv=False)
+def report_command(run, rank, output, replay):
+    """One self-contained HTML file to look at: findings (each linking to its
+    plot), loss and loss scale with skipped and NaN steps, per-layer headroom
+    heatmaps (forward and backward), the first-NaN spread, gradient norm and
+    underflow, the run's facts. Opens offline; long runs are downsampled for
+    display. Needs `pip install 'amp-postmortem[report]'`.
+
+    \b
+        amp-postmortem report runs/exp1 -o exp1.html
+        amp-postmortem report runs/exp1 --replay replay-1234.json --json
+    """
+    return api.report(run, rank=rank, output=output, replay=replay)
+
+
+@click.group("export")
+def export_group():
+    """Export a run to other tools.
+
+    \b
+        amp-postmortem export tensorboard runs/exp1 --logdir tb/exp1 [--rank R] [--json]
+    """
+
+
+@export_group.command("tensorboard")
+@run_options
+@click.option("--logdir", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="TensorBoard log directory to write the event file into.")
+@output_options(csv=False)
+def tensorboard_command(run, rank, logdir):
+    """Write the run as TensorBoard scalars: loss, loss scale, grad norm and
+    skipped flags per step, and per layer its absmax and its headroom to its
+    dtype's overflow limit (one tag per layer). One event file per rank.
+    Needs `pip install 'amp-postmortem[report]'`.
+
+    \b
+        amp-postmortem export tensorboard runs/exp1 --logdir tb/exp1
+        tensorboard --logdir tb
+    """
+    return api.export_tensorboard(run, rank=rank, logdir=logdir)

@@ -1,0 +1,275 @@
+"""The HTML report (`amp_postmortem.report`): what it gathers from real runs,
+how it downsamples, its CLI, and each sample run's page drawn in a real
+browser (headless chromium) with data in every plot and no console error."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from amp_postmortem.cli import main
+from amp_postmortem.loader import load_run
+from amp_postmortem.report import report
+from amp_postmortem.report.data import gather
+from amp_postmortem.report.downsample import marked_steps, minmax_line
+from conftest import OVERFLOW_STEP
+from report_browser import check_page
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = sorted(p.name for p in (REPO / "sample_runs").iterdir() if (p / "manifest.json").is_file())
+BENCH = REPO / "benchmarks"
+
+
+def external_resources(page: str) -> list[str]:
+    """src/href attributes of the page's elements that point outside it (a
+    parser: text inside <script> is not markup)."""
+    from html.parser import HTMLParser
+
+    found = []
+
+    class Parser(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            found.extend(v for k, v in attrs if k in ("src", "href") and v and not v.startswith("#"))
+
+    Parser().feed(page)
+    return found
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+# ------------------------------------------------------------ downsampling
+def test_minmax_line_keeps_every_bucket_extreme_so_a_one_step_spike_survives():
+    steps = np.arange(1_000_000)
+    values = np.sin(steps / 1000.0)
+    values[654_321] = 50.0   # a one-step spike
+    values[123_456] = -50.0  # and a dip
+    values[777] = np.nan     # non-finite points are the markers' business
+    x, y = minmax_line(steps, values, first=0, last=999_999, buckets=1000)
+    assert len(x) <= 2000 and np.all(np.diff(x) > 0)
+    assert 654_321 in x and y[list(x).index(654_321)] == 50.0
+    assert 123_456 in x and y[list(x).index(123_456)] == -50.0
+    assert np.all(np.isfinite(y))
+
+
+def test_minmax_line_keeps_short_series_whole():
+    x, y = minmax_line([3, 1, 2], [30.0, 10.0, float("inf")], first=1, last=3)
+    assert x.tolist() == [1, 3] and y.tolist() == [10.0, 30.0]
+
+
+def test_marked_steps_are_kept_one_by_one_up_to_the_cap_then_grouped_with_counts():
+    few = marked_steps([5, 9, 9, 2], first=0, last=10)
+    assert few.steps.tolist() == [2, 5, 9] and few.counts.tolist() == [1, 1, 1] and not few.grouped
+    many = marked_steps(np.arange(0, 100_000, 2), first=0, last=99_999, cap=100)
+    assert len(many.steps) == 100 and many.counts.sum() == 50_000 and many.grouped
+    assert many.steps[0] == 0 and many.steps[1] == 1000  # the first marked step of each bucket
+
+
+# ---------------------------------------------------------------- gather
+@pytest.fixture(scope="module")
+def attention_overflow():
+    return gather(load_run(REPO / "sample_runs" / "attention_overflow"))
+
+
+def test_attention_overflow_marks_every_skipped_and_nonfinite_loss_step(attention_overflow):
+    s = attention_overflow.series
+    assert (s.steps, s.first_step, s.last_step, s.downsampled) == (130, 0, 129, False)
+    assert s.skipped.steps.tolist()[:4] == [32, 74, 79, 92] and len(s.skipped.steps) == 23
+    assert s.nonfinite_loss.steps.tolist()[:3] == [79, 92, 93] and len(s.nonfinite_loss.steps) == 21
+    # Skip markers sit on the scale in force during the skipped step.
+    assert s.skipped_log2_scale[0] == 17.0  # step 32 ran at 2^17
+    assert len(s.loss[0].steps) == 130 - 21  # every finite loss, nothing downsampled
+    assert s.log2_scale.values[-1] == -4.0   # final scale 0.0625
+    assert (attention_overflow.first_nonfinite_step, attention_overflow.first_nonfinite_loss_step) == (32, 79)
+    assert attention_overflow.scale["status"] == "collapse" and attention_overflow.scale["onset_step"] == 88
+
+
+def test_attention_overflow_heatmaps_hold_every_layer_in_execution_order(attention_overflow):
+    fwd, bwd = attention_overflow.heatmaps
+    assert (fwd.phase, bwd.phase) == ("forward", "backward")
+    assert fwd.layers[:4] == ["tok_emb", "pos_emb", "blocks.0.ln1", "blocks.0.attn.q_proj"]
+    assert fwd.layers[-1] == "(model)" and len(fwd.layers) == 29
+    assert fwd.headroom.shape == (29, 130) and fwd.column_width == 1
+    attn = fwd.layers.index("blocks.1.attn")
+    assert fwd.nonfinite[attn, 79] and fwd.headroom[attn, 79] == 0.0
+    assert not fwd.nonfinite[attn, :79].any()
+    assert np.isfinite(fwd.headroom[attn, :79]).all() and (fwd.headroom[attn, :79] > 0).all()
+    assert int(fwd.nonfinite.sum()) == 231 and int(bwd.nonfinite.sum()) == 622
+    assert fwd.dtypes == ["float16", "float32"]
+
+
+def test_attention_overflow_spread_starts_at_each_phase_origin(attention_overflow):
+    (spread,) = attention_overflow.spreads  # one rank: the run-wide view only
+    fwd = spread.layers[spread.layers["phase"] == "forward"]
+    assert spread.origins["forward"]["name"] == "blocks.1.attn"
+    assert fwd["origin"].tolist().count(True) == 1
+    assert fwd.iloc[0]["name"] == "blocks.1.attn.out_proj" and fwd.iloc[1]["name"] == "blocks.1.attn"
+    assert set(fwd["first_step"]) == {79}
+
+
+def test_headroom_is_measured_against_the_tensor_dtype_limit(overflow_run):
+    data = gather(load_run(overflow_run))
+    fwd = data.heatmaps[0]
+    boom = fwd.layers.index("block.boom")
+    assert fwd.nonfinite[boom, OVERFLOW_STEP] and fwd.headroom[boom, OVERFLOW_STEP] == 0.0
+    rows = load_run(overflow_run).scan_tensors(["step", "name", "kind", "absmax"], steps=[3],
+                                               kinds=["activation"])
+    absmax = float(rows.loc[rows["name"] == "block.fc", "absmax"].max())
+    assert fwd.headroom[fwd.layers.index("block.fc"), 3] == pytest.approx(math.log2(65504.0 / absmax))
+
+
+def test_multi_rank_run_has_a_loss_line_and_a_spread_view_per_rank(two_rank_run):
+    data = gather(load_run(two_rank_run))
+    assert sorted(data.series.loss) == [0, 1]
+    assert [s.rank for s in data.spreads] == [None, 0, 1]
+
+
+# ------------------------------------------------------------------- CLI
+def test_report_json_names_the_file_its_size_and_every_plot_with_points(overflow_run, tmp_path):
+    out = tmp_path / "r.html"
+    result = invoke("report", overflow_run, "-o", out, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["path"] == str(out) and doc["bytes"] == out.stat().st_size
+    assert [p["id"] for p in doc["plots"]] == ["loss-scale", "headroom", "first-nan", "grad-underflow"]
+    assert all(p["points"] > 0 for p in doc["plots"])
+    assert (doc["steps"], doc["downsampled"], doc["replay"], doc["warnings"]) == (12, False, None, [])
+    text = out.read_text()
+    assert external_resources(text) == []  # nothing fetched at view time: plotly.js is inline
+    assert '<a href="#first-nan">' in text  # the nonfinite finding links to its plot
+
+
+def test_report_function_mirrors_the_command(overflow_run, tmp_path):
+    result = report(overflow_run, output=tmp_path / "f.html")
+    assert result.to_dict()["plots"][0] == {"id": "loss-scale", "title": "Loss and loss scale",
+                                           "points": result.plots[0]["points"]}
+    assert result.lines()[0].startswith(f"wrote {tmp_path / 'f.html'} (")
+
+
+def test_report_refuses_a_replay_file_that_is_not_replay_json(overflow_run, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"step": 1}')
+    result = invoke("report", overflow_run, "-o", tmp_path / "r.html", "--replay", bad)
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"Error: {bad} is not the output of `amp-postmortem replay --json` (no 'modules' list and 'precisions')"]
+    missing = invoke("report", overflow_run, "--replay", tmp_path / "nope.json")
+    assert missing.exit_code == 2 and "replay file not found" in missing.output
+
+
+_WITHOUT = ("import sys\n"
+            "sys.modules[{module!r}] = None  # as if the extra were not installed\n"
+            "from amp_postmortem.cli import main\n"
+            "main({argv!r})\n")
+
+
+@pytest.mark.parametrize("module,argv,message", [
+    ("plotly", ["report", "RUN", "-o", "OUT"],
+     "Error: the HTML report needs plotly: pip install 'amp-postmortem[report]'"),
+    ("tensorboard", ["export", "tensorboard", "RUN", "--logdir", "OUT"],
+     "Error: the TensorBoard export needs tensorboard: pip install 'amp-postmortem[report]'"),
+])
+def test_a_missing_report_extra_is_one_error_line_and_exit_2(module, argv, message, overflow_run, tmp_path):
+    argv = [str(overflow_run) if a == "RUN" else str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    out = subprocess.run([sys.executable, "-c", _WITHOUT.format(module=module, argv=argv)],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [message]
+
+
+def test_the_analysis_commands_import_neither_plotly_nor_tensorboard(overflow_run):
+    code = ("import sys\n"
+            "from amp_postmortem.cli import main\n"
+            "for cmd in ('summary', 'nans', 'scale', 'ranges'):\n"
+            "    try:\n"
+            f"        main([cmd, {str(overflow_run)!r}, '--json'])\n"
+            "    except SystemExit as e:\n"
+            "        assert e.code == 0, (cmd, e.code)\n"
+            "print(sorted(m for m in ('plotly', 'tensorboard') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_report_and_export_run_without_torch(overflow_run, tmp_path):
+    code = ("import sys\n"
+            "from amp_postmortem.cli import main\n"
+            f"for argv in (['report', {str(overflow_run)!r}, '-o', {str(tmp_path / 'r.html')!r}],\n"
+            f"             ['export', 'tensorboard', {str(overflow_run)!r}, '--logdir', {str(tmp_path / 'tb')!r}]):\n"
+            "    try:\n"
+            "        main(argv)\n"
+            "    except SystemExit as e:\n"
+            "        assert e.code == 0, (argv, e.code)\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+# --------------------------------------------------------------- browser
+@pytest.fixture(scope="module")
+def replay_json(overflow_run, tmp_path_factory):
+    """`replay --json` of the overflow run's saved step, through the real replay."""
+    from amp_postmortem.replay import replay
+    from conftest import _models
+
+    doc = replay(overflow_run, OVERFLOW_STEP, model=_models(), precisions=("fp64", "fp32", "fp16")).to_dict()
+    path = tmp_path_factory.mktemp("replay") / "replay.json"
+    from recorders.plain import plain
+    path.write_text(json.dumps(plain(doc)))
+    return path
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_sample_run_report_draws_every_plot_with_data_in_chromium(sample, tmp_path):
+    html = tmp_path / f"{sample}.html"
+    result = report(REPO / "sample_runs" / sample, output=html)
+    page = check_page(html, tmp_path / f"{sample}.png")
+    assert page["state"] == "ready" and page["errors"] == []
+    assert page["divs"] == len(result.plots) == len(page["plots"])
+    for drawn, made in zip(page["plots"], result.plots):
+        assert drawn["id"] == f"plot-{made['id']}"
+        assert drawn["points"] == drawn["declared"] == made["points"] > 0, drawn
+        assert drawn["marks"] > 0, drawn  # SVG marks really drawn, not only data held
+    png = (tmp_path / f"{sample}.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_report_with_replay_charts_each_module_error_in_chromium(overflow_run, replay_json, tmp_path):
+    html = tmp_path / "with_replay.html"
+    result = report(overflow_run, output=html, replay=replay_json)
+    doc = json.loads(replay_json.read_text())
+    chart = result.plots[-1]
+    assert chart["id"] == "replay"
+    assert chart["points"] == len(doc["modules"]) * 2  # one bar per module and precision (fp32, fp16)
+    page = check_page(html, tmp_path / "with_replay.png")
+    assert page["state"] == "ready" and page["errors"] == []
+    assert page["plots"][-1]["id"] == "plot-replay" and page["plots"][-1]["points"] == chart["points"]
+
+
+def test_a_long_run_report_stays_small_and_downsampled(tmp_path):
+    """Smoke size of benchmarks/report_scale.py (the million-step figure is
+    in benchmarks/RESULTS.md)."""
+    sys.path.insert(0, str(BENCH))
+    import report_scale
+
+    run = tmp_path / "run"
+    facts = report_scale.write_run(run, steps=30_000, steps_per_shard=10_000)
+    result = report(run, output=tmp_path / "long.html")
+    assert result.downsampled and result.steps == 30_000
+    points = {p["id"]: p["points"] for p in result.plots}
+    assert points["loss-scale"] <= 2 * 2000 * 2 + 5000  # loss and scale lines, plus markers
+    assert result.bytes < 6 * 2**20
+    data = gather(load_run(run))
+    # Spikes and marked steps survive the downsampling.
+    assert set(facts["loss_spikes"]) <= set(data.series.loss[0].steps.tolist())
+    assert len(data.series.skipped.steps) == facts["skipped_steps"]
+    assert data.series.nonfinite_loss.steps[0] == facts["nan_at"]
+    assert data.heatmaps[0].headroom.shape[1] == 400
