@@ -79,6 +79,20 @@ def share_sample(d: torch.Tensor) -> torch.Tensor:
     return d.reshape(-1)[::stride]
 
 
+def float_tensors(obj) -> list:
+    """The non-empty floating-point tensors of `iter_tensors(obj)`, as a
+    list; the usual call arguments (a tuple of tensors, no keywords) without
+    the generator's recursion."""
+    if type(obj) is tuple and len(obj) == 2 and type(obj[1]) is dict and not obj[1] \
+            and type(obj[0]) is tuple:
+        obj = obj[0]  # (args, {}) from a forward pre-hook
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.dtype in _FLOATING and obj.numel() > 0 else []
+    if type(obj) is tuple and all(isinstance(v, torch.Tensor) for v in obj):
+        return [v for v in obj if v.dtype in _FLOATING and v.numel() > 0]
+    return [t for t in iter_tensors(obj) if is_float_tensor(t)]
+
+
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     """Count of NaN/Inf values as a 0-d float64 device tensor."""
     d = t.detach()

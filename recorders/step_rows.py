@@ -16,7 +16,7 @@ import torch
 
 from .aggregate import merge_rows
 from .manifest import host_float, scaler_enabled
-from .stats import CHEAP_WIDTH, FULL_WIDTH
+from .stats import CHEAP_WIDTH, FULL_WIDTH, pack_rows
 
 
 class PendingStep:
@@ -93,7 +93,7 @@ class StepRows:
             put("grad_sqsum", torch.stack([v[2] for v in st.param_grads.values()]).sum())
 
         device = st.device or (dev[0].device if dev else torch.device("cpu"))
-        flat = [torch.stack(st.stats).reshape(-1)] if st.stats else []
+        flat = [pack_rows(st.stats)] if st.stats else []
         flat += [d.to(device).reshape(1) for d in dev]
         p.host_scalars = host
         p.dev_scalar_keys = keys

@@ -168,7 +168,7 @@ def test_a_hook_that_raises_turns_recording_off_and_training_goes_on(tmp_path, m
     torch.manual_seed(0)
     plain = train(TinyNet(), data)
     calls = {"n": 0}
-    real = rr.tensor_stats
+    real = rr.row_stats
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -176,7 +176,7 @@ def test_a_hook_that_raises_turns_recording_off_and_training_goes_on(tmp_path, m
             raise RuntimeError("boom inside a hook")
         return real(*a, **k)
 
-    monkeypatch.setattr(rr, "tensor_stats", flaky)
+    monkeypatch.setattr(rr, "row_stats", flaky)
     torch.manual_seed(0)
     with pytest.warns(RuntimeWarning, match="recording disabled"):
         recorded = train(TinyNet(), data, recorder=recorder_at(tmp_path / "run"))
