@@ -66,8 +66,13 @@ class AmpRecorder:
         cheap_every: record the cheap statistics every N steps.
         full_every: record the full statistics every N steps (0: only
             after events).
-        full_after_event: record the full statistics for N steps after a
-            skipped step or a non-finite value.
+        full_after_event: record the full statistics for a burst of N
+            steps after the first event of each kind (a skipped step, a
+            NaN/Inf in the forward pass, in the gradients of a step that
+            was not skipped, in the loss); later events of a kind seen
+            before leave the schedule at `full_every`. Steps in
+            `bundle_steps`, a step whose bundle `save_bundle()` asks for
+            before its forward, and `request_full()` are full in any case.
         steps_per_shard: steps per Parquet shard pair.
         flush_interval_s: write a shard at least this often (seconds) even
             when it holds fewer than `steps_per_shard` steps.
@@ -148,6 +153,8 @@ class AmpRecorder:
         params = list(model.named_parameters())
 
         self.schedule = RecordSchedule(cheap_every, full_every, full_after_event)
+        for s in (bundle_steps if bundles else ()):  # a bundle asked for up front: its step in full
+            self.schedule.request(int(s))
         options = {"include": list(self.include), "exclude": list(self.exclude), **self.schedule.config(),
                    "steps_per_shard": max(1, int(steps_per_shard)), "near_overflow": float(near_overflow)}
         job = describe_job(run_id=self.run_id, rank=self.rank, world_size=self.world_size, model=model,
@@ -249,12 +256,21 @@ class AmpRecorder:
             self._dropped_steps += 1
 
     def save_bundle(self) -> None:
-        """Ask for a replay bundle of the current step."""
+        """Ask for a replay bundle of the current step (recorded at the full
+        tier too when its forward has not begun)."""
         if self._enabled:
             try:
                 self.bundles.request()
+                self.hooks.raise_to_full()
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
+
+    def request_full(self) -> None:
+        """Record the current step at the full tier, or the next one when the
+        current step's forward has begun; whatever the schedule."""
+        if self._enabled and not self.hooks.raise_to_full():
+            current = self.hooks.state.step_id
+            self.schedule.request(current + 1, current=current)
 
     @contextmanager
     def paused(self):

@@ -179,12 +179,22 @@ class StepRows:
 
 
 def step_events(summary: dict) -> list[str]:
-    """What in a step's summary is an event for the record schedule."""
+    """What in a step's summary is an event for the record schedule (see
+    `schedule.EVENT_KINDS`). Non-finite gradients of a skipped step are that
+    skip (a loss scaler's growth probe makes them on purpose), not a kind of
+    their own; a NaN born in the forward pass is."""
     events = []
-    if summary["skipped"]:
+    skipped = summary["skipped"]
+    if skipped:
         events.append("skipped")
-    if summary["nonfinite_rows"] > 0:
-        events.append("nonfinite_tensor")
+    cols = summary.get("columns")
+    if summary["nonfinite_rows"] > 0 and cols is not None:
+        bad = (cols["nan_count"] > 0) | (cols["inf_count"] > 0)
+        forward = np.array([p == "forward" for p in cols["phase"]], dtype=bool)
+        if (bad & forward).any():
+            events.append("nonfinite_forward")
+        if not skipped and (bad & ~forward).any():
+            events.append("nonfinite_gradient")
     loss = summary["loss"]
     if loss is not None and not math.isfinite(loss):
         events.append("nonfinite_loss")
