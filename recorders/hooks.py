@@ -124,13 +124,13 @@ class TrainingHooks:
         self.state = StepState(step_id, tier is not None, tier == "full")
 
     def raise_to_full(self) -> bool:
-        """Record the step in progress at the full tier, when nothing of it
-        has been recorded yet; False when its forward has begun (a full
-        step needs full rows from its first hook on)."""
+        """Record the step in progress at the full tier, when it is recorded
+        and nothing of it has been yet; False when its forward has begun (a
+        full step needs full rows from its first hook on)."""
         st = self.state
         if st.micro_batches or st.meta:
             return False
-        st.record = st.full = True
+        st.full = st.record
         return True
 
     def register(self) -> None:

@@ -47,13 +47,15 @@ class RecordSchedule:
     def tier(self, step: int) -> str | None:
         """'full', 'cheap' or None (the step is not recorded)."""
         first, last = self.full_window
-        if ((self.full_every > 0 and step % self.full_every == 0) or first <= step <= last
-                or step in self._requested):
+        if (self.full_every > 0 and step % self.full_every == 0) or first <= step <= last:
             return FULL
-        return CHEAP if step % self.cheap_every == 0 else None
+        if step % self.cheap_every:
+            return None  # a request raises a recorded step's tier; it records no other step
+        return FULL if step in self._requested else CHEAP
 
     def request(self, step: int, current: int | None = None) -> None:
-        """Record `step` at the full tier whatever the period and the bursts.
+        """Record `step` at the full tier when it is recorded at all (every
+        `cheap_every` steps), whatever the period and the bursts.
         `current`: the step in progress; requests before it are forgotten
         (they are never asked about again)."""
         kept = self._requested if current is None else {s for s in self._requested if s >= current}

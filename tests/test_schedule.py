@@ -33,10 +33,12 @@ def test_the_first_event_of_a_kind_opens_a_burst_of_full_after_event_steps():
 def test_requested_steps_are_full_whatever_the_period_and_the_bursts():
     s = RecordSchedule(cheap_every=2, full_every=4, full_after_event=2)
     s.request(6)
-    s.request(3)
-    assert tiers(s, 9) == "F.cFF.F.F"
+    s.request(2)
+    assert tiers(s, 9) == "F.F.F.F.F"
     s.request(10, current=5)  # forgets the requests before the step in progress
     assert tiers(s, 11) == "F.c.F.F.F.F"
+    s.request(9)  # a step the schedule does not record stays unrecorded
+    assert s.tier(9) is None
 
 
 def test_no_window_when_full_after_event_is_zero():
