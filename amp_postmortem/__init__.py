@@ -163,7 +163,7 @@ def scale_window(run, *, step: int | None = None, rank: int | None = None, model
         replayed = replay_scale_window(_source(run), step, rank=rank, model=model, device=device, policy=policy,
                                        precision=precision, loss_fn=resolve_loss_fn(loss_fn),
                                        fp32_modules=_names(keep_fp32), scales=(lo, hi),
-                                       max_underflow=max_underflow, progress=progress)
+                                       max_underflow=max_underflow, progress=progress, verify=True)
     if is_run or model is None:
         from .whatif.scale_estimate import estimate_scale_window
         opened = load_run(run, rank=rank, progress=progress)

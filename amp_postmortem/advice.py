@@ -1,8 +1,12 @@
 """What to change, each recommendation with its evidence.
 
 From the recorded run alone (`summary`'s findings and the loss-scale window
-estimated from the recorded statistics):
+estimated from the recorded statistics; `keep_fp32`, `scaler_settings` and
+`gradient_drift` are then marked not `verified`, with `why`):
 - `check_data`: the forward origin is the model's input (`<input>`);
+- `training_instability`: `summary` found it: the only recommendation
+  (learning rate, warm-up, clipping, the layer whose weights grew), since
+  keep_fp32 or a loss scale would only postpone the failure;
 - `keep_fp32` (a candidate): the module named as the forward origin of a
   non-finite step, to be confirmed by `fix` (a replay);
 - `gradient_drift`: the scale collapses, sits low or gradients underflow,
@@ -15,9 +19,11 @@ estimated from the recorded statistics):
   collapse driven by that forward overflow is said to be its consequence.
 
 With a model (and a replay bundle in the run), the what-if replays of one
-bundle's step decide instead (`step`, else `pick_bundle`: the earliest bundle
-saved for nonfinite_loss or nonfinite_tensor, else request or step_list, else
-scale_low, else skipped):
+bundle's step decide instead, each remedy also tried on the run's other
+saved bundles (`fix`'s saved and not saved steps, the scale window lowered
+until every saved step a scale can save is finite) (`step`, else
+`pick_bundle`: the earliest bundle saved for nonfinite_loss or
+nonfinite_tensor, else request or step_list, else scale_low, else skipped):
 - `check_data`: the float64 replay is non-finite too, or a few samples of
   the batch fail alone (`bisect`): no precision setting is the fix;
 - `keep_fp32`: the smallest set of modules whose float32 execution makes the
@@ -29,8 +35,14 @@ scale_low, else skipped):
 - `gradient_drift` / `scaler_settings`: the replayed loss-scale window (with
   the `keep_fp32` modules applied) and GradScaler settings inside it, unless
   the recorded window moves;
+- `training_instability`: the run's loss rose and its values grew before
+  it failed (`instability`), or the loss rose and the float64 replay of the
+  step is itself beyond float16's range: the training is the fix (learning
+  rate, warm-up, clipping), not keep_fp32, which is then only evidence;
 - `avoid_mixed_precision`: no tried configuration (as recorded, any loss
-  scale, modules kept in float32, bfloat16) keeps the step finite.
+  scale, modules kept in float32, bfloat16) keeps the step finite; or no
+  float16 one does (then float16 is not advisable: bfloat16, or the
+  instability first).
 - `no_change`: nothing to recommend (a healthy run).
 """
 from __future__ import annotations
@@ -43,7 +55,7 @@ from .loader import Run
 from .names import ROOT_DISPLAY
 from .analyses.bundle_choice import pick_bundle
 
-ORDER = ("check_data", "keep_fp32", "gradient_drift", "use_bf16", "scaler_settings", "avoid_mixed_precision",
+ORDER = ("check_data", "training_instability", "keep_fp32", "gradient_drift", "use_bf16", "scaler_settings", "avoid_mixed_precision",
          "no_change")
 _SCALE_FINDINGS = {"scale_collapse", "stuck_low_scale", "grad_underflow"}
 DRIFT_BITS = 4        # the window "moves" when its overflow edge shifts by more than this
@@ -58,10 +70,13 @@ class Recommendation:
     source: str                    # "replay" | "recorded"
     code: str | None = None
     data: dict = field(default_factory=dict)
+    # Checked by replaying the run's saved steps; else `why` not.
+    verified: bool = False
+    why: str | None = None
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "action": self.action, "evidence": self.evidence, "source": self.source,
-                "code": self.code, "data": self.data}
+                "code": self.code, "data": self.data, "verified": self.verified, "why": self.why}
 
 
 @dataclass
@@ -85,9 +100,9 @@ class Recommendations:
                       "recommendations": [r.to_dict() for r in self.recommendations], "notes": self.notes})
 
     def table(self) -> pd.DataFrame:
-        return pd.DataFrame([{"kind": r.kind, "source": r.source, "action": r.action,
+        return pd.DataFrame([{"kind": r.kind, "source": r.source, "verified": r.verified, "action": r.action,
                               "evidence": " | ".join(r.evidence)} for r in self.recommendations],
-                            columns=["kind", "source", "action", "evidence"])
+                            columns=["kind", "source", "verified", "action", "evidence"])
 
     def lines(self) -> list[str]:
         head = (f"recommendations for {self.run}" +
@@ -95,6 +110,8 @@ class Recommendations:
         out = [head]
         for i, r in enumerate(self.recommendations, 1):
             out += ["", f"{i}. [{r.kind}] {r.action}"]
+            if not r.verified and r.why:
+                out.append(f"   (estimate, not verified: {r.why})")
             out += [f"   evidence ({r.source}): {e}" for e in r.evidence]
             if r.code:
                 out += ["   " + line for line in r.code.splitlines()]
@@ -130,9 +147,38 @@ def _sorted(recs):
 
 # ---------------------------------------------------------------- recorded
 def _recorded(run: Run, summary) -> list:
+    from .whatif.scale_estimate import unverified_why
+    recs = _recorded_advice(run, summary)
+    checks = {"keep_fp32": "replay the saved steps with the module in float32 (`fix`)",
+              "scaler_settings": "replay the saved steps at the window's edges",
+              "gradient_drift": "replay the saved steps at the window's edges (the drift is estimated from "
+                                "steps spread over the run)"}
+    for r in recs:
+        if r.kind in checks:
+            r.why = unverified_why(run, checks[r.kind])
+    return recs
+
+
+def _instability_recommendation(unstable, source: str, extra=(), verified: bool = False) -> Recommendation:
+    """Instability: what helps it (learning rate, warm-up, clipping, the
+    layer whose weights grew), never keep_fp32 or the loss scale."""
+    return Recommendation(
+        "training_instability",
+        "fix the training, not the precision: " + "; ".join(unstable.remedies())
+        + ". Float32 would fail too: keeping modules in float32 or changing the loss scale only postpones it",
+        list(unstable.evidence) + list(extra), source, data=unstable.to_dict(), verified=verified,
+        why=None if verified else "from the recorded statistics; compare with a float32 run of the job "
+                                  "(`amp-postmortem compare FP32_RUN RUN`) to confirm")
+
+
+def _recorded_advice(run: Run, summary) -> list:
     recs = []
     kinds = summary.kinds()
     fwd = _forward_finding(summary)
+    unstable = next((f for f in summary.findings if f.kind == "training_instability"), None)
+    if unstable is not None and not (fwd is not None and fwd.layer == "<input>"):
+        from .analyses.instability import find_instability
+        return [_instability_recommendation(find_instability(run), "recorded")]
     if fwd is not None and fwd.layer == "<input>":
         recs.append(Recommendation(
             "check_data", f"check the data of step {fwd.step}: the non-finite values came in with the batch",
@@ -293,14 +339,34 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                 (f": samples {', '.join(map(str, b.bad_samples))} of the batch" if b.kind == "data" else ""),
                 [b.message] + (["the float64 replay is non-finite too: no precision setting fixes it"]
                                if ref_bad else []), "replay", data={"bad_samples": b.bad_samples, "kind": b.kind}))
+    from .analyses.instability import LOSS_RISE, find_instability, replay_evidence
+    unstable = find_instability(run)
+    beyond = replay_evidence(run, p.reference, step) if not ref_bad else None
+    rose = bool(unstable.loss_rise) and unstable.loss_rise["ratio"] >= LOSS_RISE
+    # The float64 replay beyond float16's range is instability only with a
+    # rising loss: a model whose exact values exceed 65504 while it trains
+    # well (attention logits) is float16's problem, which keep_fp32 solves.
+    is_unstable = unstable.unstable or (beyond is not None and rose)
+    fix_lines = []
     if fix is not None and fix.fix:
         t = next(t for t in fix.trials if sorted(t["modules"]) == sorted(fix.fix))
-        recs.append(Recommendation(
-            "keep_fp32", f"keep {', '.join(fix.fix)} in float32",
-            [f"step {step} in {p.precision} as recorded: {_state(fix.baseline)}",
-             f"with {', '.join(fix.fix)} in float32: {_state(t)}, gradient error vs float64 "
-             f"{_pct(t['grad_rel_err'])} ({len(fix.trials)} trials, {fix.search} search)" + _substitute(p)],
-            "replay", code=fix.patch, data={"modules": fix.fix, "trial": t}))
+        fix_lines = [f"with {', '.join(fix.fix)} in float32 step {step} replays {_state(t)}, gradient error vs "
+                     f"float64 {_pct(t['grad_rel_err'])} ({len(fix.trials)} trials, {fix.search} search)"
+                     + _substitute(p)] + _saved_steps_lines(fix)
+        if not is_unstable:
+            partial = fix.not_saved_steps
+            recs.append(Recommendation(
+                "keep_fp32", f"keep {', '.join(fix.fix)} in float32" + (
+                    f": it saves step(s) {', '.join(map(str, fix.saved_steps))} but NOT "
+                    f"{', '.join(map(str, partial))} of the saved steps" if partial else ""),
+                [f"step {step} in {p.precision} as recorded: {_state(fix.baseline)}"] + fix_lines,
+                "replay", code=fix.patch, data={"modules": fix.fix, "trial": t, "saved_steps": fix.saved_steps,
+                                                "not_saved_steps": partial}, verified=True))
+    elif fix is not None and not baseline["saved"]:
+        fix_lines = [f"no set of up to {len(fix.candidates)} candidate modules kept in float32 saves step {step}"]
+    if is_unstable:
+        recs.append(_instability_recommendation(
+            unstable, "replay", extra=([beyond] if beyond else []) + fix_lines, verified=beyond is not None))
     scale_findings = bool(summary.kinds() & _SCALE_FINDINGS)
     if p.precision == "fp16" and (not baseline["saved"] or scale_findings):
         bf16 = p.trial(backoff=False, precision="bf16", loss_scale=1.0,
@@ -323,7 +389,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     kept = tuple(fix.fix) if fix is not None and fix.fix else ()
     window = None
     if p.precision == "fp16" and not ref_bad:
-        sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress)
+        sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress, verify=True)
         window = sw.window
         own = [n for n in sw.notes if n not in p.notes and not n.startswith("replayed with")]
         drift = window_drift(run, _forward_step(summary)) if scale_findings else {"moves": False}
@@ -333,17 +399,36 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                 "recorded", extra=[f"step {step} replayed: usable 2^{window['min_k']}..2^{window['max_k']} at "
                                    "this step only"]))
         elif window and (sw.recorded_position != "inside" or scale_findings or kept):
+            checked = [f"saved step {c['step']}: " + (f"finite at 2^{c['max_finite_k']}" if c["finite_at_max"]
+                                                      else c["why"]) for c in sw.checked_steps]
             recs.append(Recommendation(
                 "scaler_settings", f"keep the loss scale within 2^{window['min_k']}..2^{window['max_k']}",
                 [f"step {step} replayed at 2^{sw.rows[0]['k']}..2^{sw.rows[-1]['k']}"
                  + (f" with {', '.join(kept)} in float32" if kept else "")
                  + f": usable 2^{window['min_k']}..2^{window['max_k']}; the recorded scale "
-                   f"{sw.recorded_scale:g} is {sw.recorded_position}"] + own,
-                "replay", code=sw.code, data={"window": window, "settings": sw.settings}))
+                   f"{sw.recorded_scale:g} is {sw.recorded_position}"] + checked + own,
+                "replay", code=sw.code, data={"window": window, "settings": sw.settings,
+                                              "checked_steps": sw.checked_steps}, verified=True))
     fp16_ok = baseline["saved"] or (fix is not None and bool(fix.fix)) or window is not None
     data_problem = any(r.kind == "check_data" for r in recs)
     bf16_ok = any(r.kind == "use_bf16" and r.data["avoids"] for r in recs)
-    if not ref_bad and not data_problem and not fp16_ok and not bf16_ok:
+    if is_unstable and not ref_bad and not data_problem and not fp16_ok:
+        recs.append(Recommendation(
+            "avoid_mixed_precision",
+            "float16 mixed precision is not advisable for this job as it trains now: no float16 configuration "
+            f"keeps step {step} finite; fix the instability first (above)",
+            [f"{p.precision} as recorded: {_state(baseline)}",
+             f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
+             "no loss scale makes it finite"] + ([beyond] if beyond else []), "replay", verified=True))
+    elif not ref_bad and not data_problem and not fp16_ok and bf16_ok and p.precision == "fp16":
+        recs.append(Recommendation(
+            "avoid_mixed_precision",
+            f"float16 mixed precision is not advisable for this job: no float16 configuration keeps step {step} "
+            "finite; use bfloat16 instead (use_bf16 above)",
+            [f"{p.precision} as recorded: {_state(baseline)}",
+             f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
+             "no loss scale makes it finite", f"bfloat16: {_state(bf16)}"], "replay", verified=True))
+    elif not ref_bad and not data_problem and not fp16_ok and not bf16_ok:
         recs.append(Recommendation(
             "avoid_mixed_precision",
             "do not use mixed precision for this model as written: train it in float32 (or move the failing "
@@ -351,14 +436,30 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
             [f"{p.precision} as recorded: {_state(baseline)}",
              f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
              "no loss scale makes it finite",
-             f"bfloat16: {_state(bf16) if bf16 else 'not tried'}"], "replay"))
+             f"bfloat16: {_state(bf16) if bf16 else 'not tried'}"], "replay", verified=True))
+    for r in recs:
+        if r.source == "replay" and r.kind != "training_instability":
+            r.verified = True  # each rests on replays of the saved steps
+        elif r.kind == "gradient_drift":
+            r.why = "the window's drift is estimated from the recorded statistics of steps spread over the run"
     if not recs:
         inside = (f"; the recorded loss scale {p.loss_scale:g} is inside the replayed window "
                   f"2^{window['min_k']}..2^{window['max_k']}" if window else "")
         recs.append(Recommendation("no_change", f"step {step} replays finite as recorded: nothing to change",
                                    [f"{p.precision} as recorded: {_state(baseline)}{inside}"] +
-                                   [f.message for f in summary.findings if f.kind == "healthy"], "replay"))
+                                   [f.message for f in summary.findings if f.kind == "healthy"], "replay",
+                                   verified=True))
     return recs
+
+
+def _saved_steps_lines(fix) -> list:
+    """What the fix does to the run's other saved steps."""
+    if len(fix.saved_steps_check) < 2:
+        return []
+    out = [f"tried on every saved step of the run: saves {', '.join(map(str, fix.saved_steps))}"
+           + (f"; does NOT save {', '.join(map(str, fix.not_saved_steps))}" if fix.not_saved_steps else "")]
+    out += [f"step {c['step']}: {c['why']}" for c in fix.saved_steps_check if not c["saved"]]
+    return out
 
 
 def bf16_verdict(trial: dict, backward_start: str = "saved") -> tuple[bool, bool, str | None]:

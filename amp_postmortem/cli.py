@@ -160,9 +160,10 @@ def _fail_on(ctx, param, value):
                    + ", ".join(FINDING_KINDS) + ".")
 @output_options(csv=True)
 def summary(run, fail_on, **options):
-    """Run facts and findings (non-finite values, loss-scale collapse, low
-    scale, gradient underflow, overflow risk) most severe first, each with
-    its evidence and the next command to run.
+    """Run facts and findings (non-finite values, training instability,
+    loss-scale collapse, low scale, gradient underflow, overflow risk,
+    recording stopped) most severe first, each with its evidence and the
+    next command to run.
 
     \b
         amp-postmortem summary runs/exp1

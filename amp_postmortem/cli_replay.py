@@ -16,8 +16,9 @@ import amp_postmortem as api
 from .names import DEVICES, POLICIES, PRECISIONS
 from .output import api_default, output_options
 
-MODEL_HELP = ("package.module:factory or path/to/file.py:factory returning the model "
-              "(default: the recorded class, built with no arguments).")
+MODEL_HELP = ("package.module:factory or path/to/file.py:factory returning the model, or a "
+              "transformers class such as transformers:AutoModelForCausalLM (built from the config "
+              "saved with the run) (default: the recorded class).")
 LOSS_FN_HELP = ("package.module:function or path/to/file.py:function, called as loss_fn(output, micro_batch), "
                 "giving the loss when the model does not return it (and a finite backward start when the "
                 "saved gradient of the loss is NaN/Inf).")

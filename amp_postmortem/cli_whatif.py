@@ -92,8 +92,10 @@ def scale_window(run, **options):
     gradients neither overflow (NaN/Inf) nor underflow (more than
     --max-underflow flushed or subnormal), where the recorded scale stood,
     and GradScaler settings that stay inside it. With --model (and --step)
-    the step is replayed at every scale; the estimate from the recorded
-    statistics alone (no replay) is always given when RUN is a run.
+    the step is replayed at every scale, and the run's other saved steps at
+    the window's top (lowered until they are finite too); the estimate from
+    the recorded statistics alone (no replay: marked "estimate, not
+    verified") is always given when RUN is a run.
 
     \b
         amp-postmortem scale-window runs/exp1

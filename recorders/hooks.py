@@ -45,6 +45,8 @@ class StepState:
         self.record = record
         self.full = full
         self.micro_batches = 0
+        self.forward_open = False  # a micro-batch's forward ran, its backward not yet
+        self.opened_by_child = False  # ... and a submodule, not the root, opened it
         self.meta: list[tuple] = []
         self.stats: list = []  # host lists or device vectors (stats.row_stats)
         self.fwd_order = 0
@@ -73,6 +75,20 @@ class _TensorInfo:
         return self._numel
 
 
+def _read_autocast() -> dict:
+    info = {"enabled": False, "device_type": None, "dtype": None}
+    for dev in ("cuda", "cpu", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                info = {"enabled": True, "device_type": dev,
+                        "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
+                break
+        except (RuntimeError, TypeError, AttributeError):
+            continue
+    info["cache_enabled"] = torch.is_autocast_cache_enabled()
+    return info
+
+
 def _in_backward() -> bool:
     try:
         return torch._C._current_graph_task_id() != -1
@@ -96,8 +112,9 @@ class TrainingHooks:
 
     `guard(fn)` wraps every hook (the recorder's: an exception turns
     recording off, never the training); `bundles` is the bundle capture
-    (its `on_*` hooks); `on_autocast(info)` is told the autocast state once,
-    at the first recorded forward.
+    (its `on_*` hooks); `on_autocast(info)` is told the autocast state at
+    the first recorded forward, and again if the root's children run under
+    an autocast the root did not see.
     """
 
     def __init__(self, model: torch.nn.Module, *, optimizer, scaler, watched: list[str],
@@ -113,6 +130,9 @@ class TrainingHooks:
         self._watch_param = watch_param
         self._on_autocast = on_autocast
         self.autocast: dict | None = None  # as the first recorded forward saw it
+        self._autocast_from_child = False  # the root's children have told what ran
+        self._children_ran = False  # ... in the step in progress
+        self._root_runs = False  # the root's own forward has run (it opens micro-batches)
         self.paused = 0  # paused() depth: forward/backward passes not recorded
         self.state = StepState(0, False, False)
         self.handles: list = []
@@ -138,6 +158,11 @@ class TrainingHooks:
         self._root_ref = weakref.ref(self.model)
         self.handles.append(self.model.register_forward_pre_hook(
             self._guard(self._on_root_pre), with_kwargs=True, prepend=True))
+        # What autocast really ran is read where the model's modules run:
+        # Accelerate wraps the root's `forward` in autocast *after* the
+        # root's pre-hooks, and Lightning's root forward never runs.
+        for child in self.model.children():
+            self.handles.append(child.register_forward_pre_hook(self._guard(self._on_child_pre)))
         for name in self.watched:
             m = by_name[name]
             self.handles.append(m.register_forward_pre_hook(self._guard(self._make_pre(name, m)), with_kwargs=True))
@@ -165,6 +190,8 @@ class TrainingHooks:
         parameter gradients, the loss, parameter values) and return the
         finished step's state. `loss`: the detached loss tensor or None."""
         st = self.state
+        if self._children_ran:  # a whole step of child calls saw no autocast
+            self._autocast_from_child = True
         for ctx in st.contexts:
             for input_idx in list(ctx.pending):
                 self._finish_grad_input(st, ctx, input_idx)
@@ -239,38 +266,67 @@ class TrainingHooks:
         st = self._active()
         if st is None or module is not self._root_ref():
             return  # not recording, or a deepcopy of the model carrying our hooks
+        self._root_runs = True
+        if st.forward_open and st.opened_by_child:
+            # The loop called a submodule just before the model's first
+            # forward (an embedding looked up first): the same micro-batch.
+            st.opened_by_child = False
+            self._model_input_rows(st, args, kwargs)
+            self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs, self.autocast)
+            return
+        self._start_micro_batch(st, args, kwargs, from_root=True)
+
+    def _start_micro_batch(self, st, args, kwargs, from_root):
+        """A micro-batch starts at the root's forward or, when the root's
+        forward never runs (a LightningModule whose `training_step` calls
+        `self.net(x)`), at the first watched module called after the last
+        backward; its inputs are then that module's arguments. Once the
+        root's forward has run, only it opens micro-batches: a submodule the
+        loop calls outside it (an embedding looked up first) is no new one."""
         st.micro_batches += 1
+        st.forward_open = True
+        st.opened_by_child = not from_root
         st.fwd_order = 0
         st.bwd_order = 0
         st.calls = {}
         st.producers = {}
         if self.autocast is None:
-            self._note_autocast()
-        tensors = float_tensors((args, kwargs))
+            self._note_autocast(_read_autocast())
         if st.micro_batches == 1 and st.full:
             # Values as this forward sees them; their rows are placed after
             # the loss at step end so module orders match cheap-tier steps.
             st.param_values = [(pname, _TensorInfo(p), self._stats(st, p))
                                for pname, p in self.params if p.numel()]
+        self._model_input_rows(st, args, kwargs)
+        if from_root:  # a bundle replays the root's call: no root call, no bundle
+            self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs, self.autocast)
+
+    def _model_input_rows(self, st, args, kwargs):
+        tensors = float_tensors((args, kwargs))
         if tensors:
             for t in tensors:
                 s = self._stats(st, t)
                 self._note_producer(st, t, self._add_row(st, schema.INPUT_NAME, "input", "forward",
                                                          st.fwd_order, 0, t, s))
             st.fwd_order += 1
-        self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs, self.autocast)
 
-    def _note_autocast(self):
-        info = {"enabled": False, "device_type": None, "dtype": None}
-        for dev in ("cuda", "cpu", "xpu", "mps"):
-            try:
-                if torch.is_autocast_enabled(dev):
-                    info = {"enabled": True, "device_type": dev,
-                            "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
-                    break
-            except (RuntimeError, TypeError, AttributeError):
-                continue
-        info["cache_enabled"] = torch.is_autocast_cache_enabled()
+    def _on_child_pre(self, module, args):
+        if self._autocast_from_child or self._active() is None:
+            return
+        self._children_ran = True
+        info = _read_autocast()
+        if not info["enabled"]:
+            # A child called outside the autocast region (an embedding
+            # looked up before it) is not the last word: every child call
+            # of the step is asked (end_step stops asking).
+            return
+        self._autocast_from_child = True
+        # Only "on" overrides: a child may run in float32 on purpose.
+        if not (self.autocast or {}).get("enabled"):
+            self._note_autocast(info)
+            self.bundles.on_autocast(info)  # the step's capture began at the root
+
+    def _note_autocast(self, info: dict):
         self.autocast = info
         self._on_autocast(info)
 
@@ -283,6 +339,8 @@ class TrainingHooks:
             st = self._active()
             if st is None or module is not ref():
                 return
+            if not st.forward_open and not self._root_runs:
+                self._start_micro_batch(st, args, kwargs, from_root=False)
             call = st.calls.get(name, 0)
             st.calls[name] = call + 1
             tensors = float_tensors((args, kwargs))
@@ -364,6 +422,7 @@ class TrainingHooks:
             st = self.state
             if st.step_id != ctx.step_id or grad is None or not st.record:
                 return
+            st.forward_open = False
             s = self._stats(st, grad)
             row = self._add_row(st, ctx.name, "grad_output", "backward", st.bwd_order, ctx.call, grad, s)
             st.bwd_order += 1
@@ -419,6 +478,7 @@ class TrainingHooks:
             st = self.state
             if self.paused or not st.record or p.grad is None or p is not ref():
                 return
+            st.forward_open = False
             g = p.grad
             scale = self._scale_tensor()
             s = self._stats(st, g, scale=scale, unscale=scale is not None)

@@ -70,6 +70,13 @@ def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Mod
                  recorder_options: dict) -> dict:
     """The manifest's description of the job, known before the first step."""
     watched_set = set(watched)
+    # Tied parameters (one tensor under several names, e.g. an embedding and
+    # the output projection) are recorded once, under their first name; the
+    # analyzer needs the other names to attribute a gradient overflow to the
+    # module whose operation made it.
+    shared: dict[int, list] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(n)
     device = next((p.device for _, p in params), torch.device("cpu"))
     return {
         "format": schema.FORMAT_NAME,
@@ -83,6 +90,7 @@ def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Mod
         "device_type": device.type,
         "device_name": device_name(device),
         "model_class": qualified_name(model),
+        "model_config": model_config(model),
         "autocast": None,
         "scaler": describe_scaler(scaler),
         "optimizer": describe_optimizer(optimizer),
@@ -90,7 +98,7 @@ def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Mod
         "modules": [{"name": n, "type": qualified_name(m), "watched": n in watched_set}
                     for m, n in module_names.items()],
         "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                    "requires_grad": bool(p.requires_grad)} for n, p in params],
+                    "requires_grad": bool(p.requires_grad), **tied_aliases(n, p, shared)} for n, p in params],
     }
 
 
@@ -120,6 +128,42 @@ def describe_optimizer(optimizer) -> dict | None:
         return None
     return {"class": qualified_name(optimizer),
             "defaults": plain(getattr(optimizer, "defaults", {}), keep_nonfinite=True)}
+
+
+def model_config(model) -> dict | None:
+    """The JSON of a Hugging Face-style `model.config` (one with
+    `to_json_string()` or `to_dict()`), so that a replay can rebuild the model
+    from its class and this config without downloading anything; None for
+    other models. The attention implementation (eager, sdpa) is not part of
+    a transformers config's JSON, yet decides where attention logits are
+    materialised in half precision: it is kept as `_attn_implementation`."""
+    import json
+    inner = getattr(model, "module", model)  # DataParallel / DDP
+    config = getattr(inner, "config", None)
+    try:
+        if callable(getattr(config, "to_json_string", None)):
+            try:
+                out = json.loads(config.to_json_string(use_diff=False))
+            except TypeError:  # not transformers' signature
+                out = json.loads(config.to_json_string())
+        elif callable(getattr(config, "to_dict", None)):
+            out = plain(config.to_dict(), keep_nonfinite=True)
+        else:
+            return None
+    except Exception:  # noqa: BLE001 - a config that cannot say itself: the replay needs --model
+        return None
+    if not isinstance(out, dict):
+        return None
+    attn = getattr(config, "_attn_implementation", None)
+    if isinstance(attn, str):
+        out["_attn_implementation"] = attn
+    return out
+
+
+def tied_aliases(name: str, p, shared: dict) -> dict:
+    """`{"aliases": [other names of p]}` for a tied parameter, else {}."""
+    others = [n for n in shared.get(id(p), []) if n != name]
+    return {"aliases": others} if others else {}
 
 
 def existing_run_id(run_dir: Path, rank: int) -> str | None:

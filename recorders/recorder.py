@@ -14,7 +14,9 @@ optimizer step, `flush()` (blocks until everything so far is on disk),
 - `shards` (`ShardWriter`): the Parquet shards;
 - `writer` (`WriterThread`): the background thread that does all the above
   writing, in order;
-- `bundles` (`BundleCapture`): replay bundles.
+- `bundles` (`BundleCapture`): replay bundles;
+- `losses` (`MicroBatchLosses`) and `loss_tap` (`ScaleTap` or
+  `OutputLossTap`): every micro-batch's loss.
 
 The training path only enqueues device work; conversion, Parquet and every
 decision taken on values happen on the writer thread, one step (or more)
@@ -38,10 +40,12 @@ from . import schema
 from .bundles.capture import BundleCapture
 from .bundles.triggers import TRIGGERS
 from .hooks import TrainingHooks
+from .loss_tap import MicroBatchLosses, OutputLossTap, ScaleTap, step_loss
 from .manifest import RunManifest, describe_job, distributed_rank_world, existing_run_id
 from .plain import plain
 from .schedule import RecordSchedule
 from .step_rows import StepRows, step_events
+from .unwrap import unwrap_optimizer
 from .writer import ShardWriter
 from .writer_thread import WriterThread
 
@@ -56,9 +60,11 @@ class AmpRecorder:
 
     Args:
         run_dir: the run directory (created; a resumed job may reuse it).
-        model: the model to watch (an `nn.Module`, DDP-wrapped or not).
+        model: the model to watch (an `nn.Module`, DDP-wrapped or not, or
+            as Accelerate prepared it).
         optimizer: its optimizer; gives the learning rates, the global
             gradient norm (pre-step hook) and the weights a bundle holds.
+            Accelerate's and Lightning's wrappers are unwrapped.
         scaler: the `torch.amp.GradScaler`, if any; gives the loss scale
             and the `skipped` flag.
         include: glob patterns of module names to watch (`"*"`: all).
@@ -103,6 +109,12 @@ class AmpRecorder:
         hold_steps: finished steps held while the writer thread decides.
         clone_inputs: copy the inputs instead of holding references (for
             loops that change a batch in place after the step).
+        capture_loss: capture every micro-batch's loss: where the loop
+            scales it (`scaler.scale`, wrapped on that scaler object until
+            `close()`; the step's loss is their sum) or, without a scaler,
+            from the model's outputs (a `"loss"`, `.loss`, or the one 0-d
+            tensor of a tuple; their mean). A loss passed to `step()` wins
+            unless a captured one is NaN/Inf. False: only the loss passed.
     """
 
     def __init__(self, run_dir, model: torch.nn.Module, optimizer=None, scaler=None, *,
@@ -115,9 +127,12 @@ class AmpRecorder:
                  max_bundles: int = 3, max_bundle_bytes: int = 64 << 30,
                  min_loss_scale: float | None = 1.0, settle_steps: int = 10,
                  snapshot_params="auto", snapshot_buffers_bytes: int = 64 << 20,
-                 hold_steps: int = 2, clone_inputs: bool = False):
+                 hold_steps: int = 2, clone_inputs: bool = False, capture_loss: bool = True):
         self.run_dir = Path(run_dir)
         self.model = model
+        # AcceleratedOptimizer inherits register_step_pre_hook without the
+        # state it writes to: hook the torch optimizer that really steps.
+        optimizer = unwrap_optimizer(optimizer)
         self.optimizer = optimizer
         self.scaler = scaler
         self.include = tuple([include] if isinstance(include, str) else include)
@@ -179,6 +194,9 @@ class AmpRecorder:
             near_overflow=float(near_overflow), guard=self._guard, bundles=self.bundles,
             on_autocast=lambda info: self._submit(functools.partial(self.manifest.set_autocast, info)))
         self.hooks.begin_step(0, self.schedule.tier(0))
+        self.capture_loss = bool(capture_loss)
+        self.losses = MicroBatchLosses()
+        self.loss_tap = None
         self.shards = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
                                   world_size=self.world_size, steps_per_shard=options["steps_per_shard"])
         try:
@@ -190,6 +208,23 @@ class AmpRecorder:
             return
         self.writer.start()
         self.hooks.register()
+        if self.capture_loss:
+            self.loss_tap = self._loss_tap(scaler)
+
+    def _loss_tap(self, scaler):
+        # Any scaler object, enabled or not, sees the loss as backpropagated
+        # (nanoGPT scales through a disabled one under bf16); without one,
+        # the model may return its loss (Hugging Face models with labels=).
+        active = lambda: self._enabled and not self.hooks.paused  # noqa: E731
+        if scaler is not None and callable(getattr(scaler, "scale", None)):
+            return ScaleTap(scaler, self.losses, active)
+        return OutputLossTap(self.model, self.losses, lambda: active() and torch.is_grad_enabled())
+
+    def _unhook(self) -> None:
+        self.hooks.remove()
+        if self.loss_tap is not None:
+            self.loss_tap.remove()
+            self.loss_tap = None
 
     # ------------------------------------------------------------ guard/fail
     def _matches(self, name: str) -> bool:
@@ -232,16 +267,23 @@ class AmpRecorder:
         if self._closed:
             return
         if not self._enabled:
-            self.hooks.remove()
+            self._unhook()
             return
         try:
             self._step(loss, step)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
-            self.hooks.remove()
+            self._unhook()
+
+    def add_loss(self, loss) -> None:
+        """Add one micro-batch's loss as backpropagated (for a framework
+        hook that is handed it); summed into the step's loss at `step()`."""
+        if self._enabled and not self._closed and not self.hooks.paused:
+            self.losses.add(loss)
 
     def _step(self, loss, step):
         step_id = self._step_counter if step is None else int(step)
+        loss = step_loss(self.losses.take(), loss)
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else None
         finished = self.hooks.end_step(loss_t)
         pending = self.rows.pack(finished, step_id, loss, loss_t)
@@ -299,7 +341,7 @@ class AmpRecorder:
         if self._closed:
             return
         self._closed = True
-        self.hooks.remove()
+        self._unhook()
         self.writer.stop(functools.partial(self._write_files, "closed"))
         try:
             self.bundles.close(write_decided=self._failure is None and not self.writer.alive)

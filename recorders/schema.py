@@ -64,7 +64,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("step", pa.int64(), "step", "Optimizer step index: counts `rec.step()` calls from 0, or the caller's own step number.", False),
     Column("rank", pa.int32(), "-", "Rank of the process that recorded the row (0 without torch.distributed).", False),
     Column("wall_time", pa.float64(), "s", "Unix time when `rec.step()` was called."),
-    Column("loss", pa.float64(), "-", "The loss passed to `rec.step()` (unscaled, as computed); NaN/Inf kept as is."),
+    Column("loss", pa.float64(), "-", "The loss passed to `rec.step()` (unscaled, as computed), or the micro-batches' captured losses (the sum as backpropagated through the scaler, else the mean the model returned) when none is passed or when one of them was NaN/Inf; NaN/Inf kept as is."),
     Column("loss_scale", pa.float64(), "-", "Loss scale after `scaler.update()`, i.e. the scale the next step uses. Null without an enabled scaler."),
     Column("loss_scale_before", pa.float64(), "-", "Loss scale in force during this step's backward (before `update()`). Null without an enabled scaler."),
     Column("growth_tracker", pa.int64(), "steps", "GradScaler growth tracker after `update()`: clean steps since the last growth or backoff."),
@@ -72,7 +72,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("lr", pa.list_(pa.float64()), "-", "Learning rate of each optimizer parameter group, in group order. Null without an optimizer."),
     Column("grad_norm", pa.float64(), "-", "Global L2 norm of the unscaled parameter gradients recorded this step (Inf/NaN when any gradient is non-finite)."),
     Column("nonfinite_param_grads", pa.int32(), "params", "Number of parameters whose gradient holds a NaN or Inf."),
-    Column("micro_batches", pa.int32(), "-", "Forward passes of the model (in grad mode) aggregated into this step."),
+    Column("micro_batches", pa.int32(), "-", "Forward passes of the model (in grad mode) aggregated into this step; without a root forward, passes between two backwards."),
     Column("tier", pa.string(), "-", "`cheap` or `full`: which statistics the tensor rows of this step carry."),
     Column("tensor_rows", pa.int32(), "rows", "Number of rows this step wrote to the tensors table."),
 )

@@ -19,9 +19,10 @@ TINY_SCALE = 2.0 ** -10    # fixed loss scale of the underflow run
 
 
 def record_run(path, *, steps, plant=None, scaler_kwargs=None, lr=0.01, fixed_batch=False,
-               close=True, seed=0, **recorder_kwargs):
-    """Train `BoomNet` for `steps` steps under the real recorder. `plant(step,
-    model, x)` may change the model or the batch before each step."""
+               close=True, seed=0, autocast_dtype="float16", **recorder_kwargs):
+    """Train `BoomNet` for `steps` steps under the real recorder (CPU
+    autocast to `autocast_dtype`). `plant(step, model, x)` may change the
+    model or the batch before each step."""
     import torch
     from tiny_models import BoomNet, recorder_at, train
 
@@ -32,7 +33,7 @@ def record_run(path, *, steps, plant=None, scaler_kwargs=None, lr=0.01, fixed_ba
     data = [(x0.clone(), y0) if fixed_batch else (torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen))
             for _ in range(steps)]
     rec = train(model, data, recorder=recorder_at(path, **recorder_kwargs), scaler=scaler_kwargs or {},
-                lr=lr, on_step=plant, close=close).rec
+                lr=lr, dtype=getattr(torch, autocast_dtype), on_step=plant, close=close).rec
     if not close:
         rec.flush()  # leaves the manifest "open", as a killed job would
         rec.hooks.remove()

@@ -52,7 +52,7 @@ def test_nans_outputs(overflow_run):
 
 def test_ranges_and_summary_csv(underflow_run):
     rows = invoke("ranges", underflow_run, "--csv").stdout.splitlines()
-    assert rows[0].startswith("name,kind,dtype,step,absmax,headroom_bits,headroom_trend_per_kstep,")
+    assert rows[0].startswith("name,kind,dtype,range_dtype,step,absmax,headroom_bits,headroom_trend_per_kstep,")
     assert any(r.startswith("inp,grad_output,") and r.endswith(",underflow") for r in rows)
     rows = invoke("summary", underflow_run, "--csv").stdout.splitlines()
     assert rows[0] == "severity,kind,step,layer,message,next"
@@ -63,7 +63,7 @@ def test_scale_has_no_csv(collapse_run):
     result = invoke("scale", collapse_run, "--csv")
     assert result.exit_code == 2 and "No such option" in result.output
     doc = json.loads(invoke("scale", collapse_run, "--json").stdout)
-    assert doc["status"] == "collapse" and doc["onset_step"] == 41
+    assert doc["status"] == "collapse" and doc["onset_step"] == 42
 
 
 def test_fail_on(overflow_run, healthy_run):

@@ -157,3 +157,25 @@ def test_fix_judges_by_the_same_rule_as_the_replay(finite_but_broken_run):
     assert rep.culprit is not None and rep.culprit["name"] == "norm"
     assert t["finite"] and not t["saved"]
     assert (t["culprit"] or {}).get("name") == "norm" or t["params_off"]
+
+
+# ------------------------------------------- the fix tried on every saved step
+def test_fix_tells_saved_from_not_saved_steps():
+    """spike_a overflows at step 1, spike_b at step 3: spike_a in float32
+    saves step 1 and not step 3, and the report says so."""
+    import advice_runs as A
+    r = find_fix(A.moving_overflow_run(), 1, model=A.branch_net)
+    assert r.fix == ["spike_a"]
+    assert (r.saved_steps, r.not_saved_steps) == ([1], [3])
+    step3 = r.saved_steps_check[1]
+    assert step3["step"] == 3 and step3["why"].startswith("with spike_a in float32: NaN/Inf in the forward")
+    assert "does NOT save step(s) 3" in "\n".join(r.lines())
+    d = r.to_dict()
+    assert (d["saved_steps"], d["not_saved_steps"]) == ([1], [3])
+
+
+def test_fix_of_a_one_module_job_saves_every_saved_step():
+    import advice_runs as A
+    r = find_fix(A.fp32_module_run(), 1, model=A.branch_net)
+    assert r.fix == ["spike_a"]
+    assert (r.saved_steps, r.not_saved_steps) == ([1, 3], [])

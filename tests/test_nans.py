@@ -117,3 +117,32 @@ def test_forward_origin_rules():
     assert forward_origin(rows).name == "emb"   # no float inputs: inputs count as finite
     rows = _rows(("<loss>", "loss", "forward", 9, 0, 1, 0, None))
     assert forward_origin(rows).name == "<loss>"
+
+
+def test_tied_parameter_overflow_is_the_module_that_made_it():
+    """The tiny GPT's output projection shares the embedding's weight: the
+    first backward overflow is lm_head's float16 weight-gradient matmul,
+    recorded under the parameter's first name `wte.weight`."""
+    import advice_runs as A
+    run = load_run(A.diverging_gpt_run())
+    params = {p["name"]: p for p in run.manifest["params"]}
+    assert params["wte.weight"]["aliases"] == ["lm_head.weight"] and "lm_head.weight" not in params
+    rep = find_nans(run)
+    b = rep.origins["backward"]
+    assert (b.name, b.kind, b.tensor, b.step, b.aliases) == ("lm_head", "param_grad", "wte.weight", 1,
+                                                             ("wte.weight",))
+    line = next(x for x in rep.lines() if x.startswith("backward origin"))
+    assert "lm_head (its weight gradient; a tied parameter, also named wte.weight)" in line
+    # the scale's drivers name the same module
+    from amp_postmortem.analyses.scale import scale_dynamics
+    drivers = scale_dynamics(run).driver_steps
+    assert drivers == {"proj": 8, "lm_head": 1}
+    # step 0 was clean: step 1's skip is no calibration and is not called one
+    assert rep.backward_scaler_handled and not rep.backward_calibration and "calibration" not in line
+
+
+def test_calibration_only_for_the_scalers_leading_skips():
+    import advice_runs as A
+    rep = find_nans(load_run(A.lower_scale_run()))
+    assert rep.origins["backward"].step == 0 and rep.backward_calibration
+    assert "a calibration skip" in next(x for x in rep.lines() if x.startswith("backward origin"))

@@ -1,4 +1,4 @@
-"""Per-layer float16 headroom, trend, forecast and underflow."""
+"""Per-layer headroom, trend, forecast and underflow, against each row's own dtype's limits."""
 import math
 
 import pandas as pd
@@ -85,6 +85,57 @@ def test_zeros_count_as_flushed_only_when_the_surviving_values_are_tiny():
     assert zeros_look_flushed(0.98, 1e-6)
     assert zeros_look_flushed(1.0, 0.0)
     assert not zeros_look_flushed(0.0, 0.0)
+    # all zeros in a wider dtype came from upstream, not from its own range
+    assert not zeros_look_flushed(1.0, 0.0, min_normal=1.1754943508222875e-38)
+    assert not zeros_look_flushed(0.98, 1e-6, min_normal=1.1754943508222875e-38)
+
+
+@pytest.fixture(scope="module")
+def bf16_rising_run(tmp_path_factory):
+    """rising_run's growth (block.boom doubles every 2 steps) under bfloat16 autocast."""
+    from conftest import _rising, record_run
+    return record_run(tmp_path_factory.mktemp("runs") / "bf16_activation_growing", steps=20, plant=_rising,
+                      scaler_kwargs={"init_scale": 2.0 ** 4}, lr=0.0, fixed_batch=True,
+                      autocast_dtype="bfloat16")
+
+
+def test_bfloat16_rows_use_bfloat16_limits_not_float16s(bf16_rising_run):
+    rep = layer_ranges(load_run(bf16_rising_run))
+    boom = _row(rep, "block.boom", "activation")
+    assert (boom["dtype"], boom["range_dtype"]) == ("bfloat16", "bfloat16")
+    bf16_max = 3.3895313892515355e38
+    assert boom["headroom_bits"] == pytest.approx(math.log2(bf16_max / boom["absmax"]))
+    assert boom["headroom_bits"] == pytest.approx(117.95, abs=0.01)
+    # The same growth: half a bit per step, now 118 bits from bfloat16's limit,
+    # not 6 bits from float16's: far away, and no alarm.
+    assert boom["headroom_trend_per_kstep"] == pytest.approx(-500.0)
+    assert boom["overflow_forecast_step"] == 19 + math.ceil(boom["headroom_bits"] / 0.5)
+    assert boom["flags"] == []
+    assert not rep.flagged("overflow_risk").size
+    assert "limits: bfloat16 (max 3.38953e+38)" in rep.lines()[1]
+
+
+def test_float16_run_says_which_limits_each_row_had(rising_run):
+    rep = layer_ranges(load_run(rising_run))
+    boom = _row(rep, "block.boom", "activation")
+    assert (boom["dtype"], boom["range_dtype"]) == ("float16", "float16")
+    # The batch enters as float32: its headroom is float32's, its forecast none.
+    x = _row(rep, "<input>", "input")
+    assert (x["dtype"], x["range_dtype"]) == ("float32", "float32")
+    assert x["headroom_bits"] == pytest.approx(math.log2(3.4028234663852886e38 / x["absmax"]))
+    assert x["headroom_bits"] == pytest.approx(126.23, abs=0.01) and x["flags"] == []
+    d = layer_ranges(load_run(rising_run)).to_dict()
+    assert {r["range_dtype"] for r in d["layers"]} == {"float16", "float32"}
+    assert d["thresholds"]["dtype_limits"]["float16"] == {"max": 65504.0, "min_normal": 6.103515625e-05}
+
+
+def test_wider_dtypes_underflow_share_is_known_only_when_nothing_is_below_float16_subnormal():
+    import numpy as np
+    from amp_postmortem.analyses.ranges import _below_normal
+    full = pd.DataFrame({"below_normal_share": [0.5, 0.5], "below_subnormal_share": [0.0, 0.1]})
+    assert list(_below_normal(full, "float16")) == [0.5, 0.5]
+    got = _below_normal(full, "bfloat16")
+    assert got.iloc[0] == 0.0 and np.isnan(got.iloc[1])
 
 
 def test_shares_are_reported_with_the_number_of_values_they_were_counted_on(underflow_run):

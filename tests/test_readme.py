@@ -30,7 +30,7 @@ README = REPO / "README.md"
 
 # The two commands a new user runs (README "Start here"); `.ci/run` runs the
 # second one's parts, and other tools copy them from the README verbatim.
-INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[dev]'"
+INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[dev,hf,lightning,report,s3,dask]'"
 SETUP_COMMANDS = (
     f"{INSTALL} && amp-postmortem summary sample_runs/attention_overflow",
     f"{INSTALL} && python -m pytest",

@@ -161,3 +161,59 @@ def test_a_drifting_gradient_range_is_not_fixed_by_scaler_settings(collapse_run)
     rec = r.get("gradient_drift")
     assert rec.action.startswith("no fixed GradScaler setting fixes this") and "amp" in rec.action
     assert rec.data["drivers"][0] == "amp"
+
+
+# ---------------------------------------------- verified against the saved steps
+def test_recommended_scaler_settings_keep_every_saved_step_finite():
+    """`out`'s float16 weight gradient overflows at the recorded scale 2^8:
+    the printed GradScaler settings are replayed on both saved steps."""
+    import advice_runs as A
+    from amp_postmortem.whatif import prepare
+    r = recommend(load_run(A.lower_scale_run()), model=A.wide_head)
+    s = r.get("scaler_settings")
+    assert s.verified and s.why is None
+    assert s.data["window"]["max_k"] == 6 and s.data["settings"]["init_scale"] == 2.0 ** 5
+    assert [c["step"] for c in s.data["checked_steps"]] == [2]
+    for step in A.LOWER_SCALE_BUNDLES:
+        p = prepare(A.lower_scale_run(), step, model=A.wide_head)
+        assert p.run(loss_scale=s.data["settings"]["init_scale"], capture=False).finite
+        # step 0 overflowed at its recorded scale 2^8 (step 2 ran at 2^6 and did not)
+        assert p.run(loss_scale=p.loss_scale, capture=False).finite == (step == 2)
+    assert "training_instability" not in r.kinds() and "keep_fp32" not in r.kinds()
+
+
+def test_keep_fp32_of_a_one_module_job_is_verified_on_every_saved_step():
+    import advice_runs as A
+    r = recommend(load_run(A.fp32_module_run()), model=A.branch_net)
+    keep = r.get("keep_fp32")
+    assert keep.verified and keep.data["modules"] == ["spike_a"]
+    assert (keep.data["saved_steps"], keep.data["not_saved_steps"]) == ([1, 3], [])
+    assert keep.action == "keep spike_a in float32"
+
+
+def test_advice_from_recorded_statistics_is_marked_estimate_not_verified(copy_run, edit_manifest):
+    import advice_runs as A
+    r = recommend(load_run(A.fp32_module_run()))
+    keep = r.get("keep_fp32")
+    assert not keep.verified and keep.why.startswith("no --model given")
+    assert "   (estimate, not verified: no --model given" in "\n".join(r.lines())
+    assert r.to_dict()["recommendations"][0]["verified"] is False
+    # without a bundle there is nothing to replay, and it says so
+    bare = copy_run(A.fp32_module_run(), "no_bundles")
+    edit_manifest(bare / "manifest.json", bundles=[])
+    keep = recommend(load_run(bare)).get("keep_fp32")
+    assert keep.why.startswith("the run holds no replay bundle")
+
+
+def test_no_float16_configuration_saves_it_so_float16_is_not_advisable():
+    """The model's own forward overflows float16 (nothing keep_fp32 can
+    wrap, no loss scale helps a forward): float16 is not advisable, with
+    why; bfloat16's range holds the values."""
+    import advice_runs as A
+    r = recommend(load_run(A.root_matmul_run()), model=A.root_matmul)
+    assert r.kinds() == ["use_bf16", "avoid_mixed_precision"]
+    avoid = r.get("avoid_mixed_precision")
+    assert avoid.verified and avoid.action.startswith("float16 mixed precision is not advisable for this job")
+    assert avoid.evidence[1:] == ["no set of up to 1 candidate modules kept in float32 saves it",
+                                  "no loss scale makes it finite", "bfloat16: finite"]
+    assert "training_instability" not in r.kinds()

@@ -88,7 +88,7 @@ def test_attention_overflow_marks_every_skipped_and_nonfinite_loss_step(attentio
     assert len(s.loss[0].steps) == 130 - 21  # every finite loss, nothing downsampled
     assert s.log2_scale.values[-1] == -4.0   # final scale 0.0625
     assert (attention_overflow.first_nonfinite_step, attention_overflow.first_nonfinite_loss_step) == (32, 79)
-    assert attention_overflow.scale["status"] == "collapse" and attention_overflow.scale["onset_step"] == 88
+    assert attention_overflow.scale["status"] == "collapse" and attention_overflow.scale["onset_step"] == 92
 
 
 def test_attention_overflow_heatmaps_hold_every_layer_in_execution_order(attention_overflow):
@@ -218,9 +218,9 @@ def test_report_and_export_run_without_torch(overflow_run, tmp_path):
 def replay_json(overflow_run, tmp_path_factory):
     """`replay --json` of the overflow run's saved step, through the real replay."""
     from amp_postmortem.replay import replay
-    from conftest import _models
+    from tiny_models import BoomNet
 
-    doc = replay(overflow_run, OVERFLOW_STEP, model=_models(), precisions=("fp64", "fp32", "fp16")).to_dict()
+    doc = replay(overflow_run, OVERFLOW_STEP, model=BoomNet, precisions=("fp64", "fp32", "fp16")).to_dict()
     path = tmp_path_factory.mktemp("replay") / "replay.json"
     from recorders.plain import plain
     path.write_text(json.dumps(plain(doc)))

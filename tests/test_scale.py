@@ -13,15 +13,16 @@ def test_collapse_with_known_onset(collapse_run):
     rep = scale_dynamics(load_run(collapse_run))
     assert rep.status == "collapse"
     assert abs(rep.onset_step - COLLAPSE_ONSET) <= 3
-    assert rep.onset_step == 41
+    # the first step whose scale fell (41 grew, 42 backed off): the data's onset
+    assert rep.onset_step == 42
     # the gradient through `amp` doubles every 2 steps: one halving per 2 steps
     assert rep.halvings_per_kstep == pytest.approx(500.0)
     assert rep.drivers[0] == "amp" and rep.driver_steps["amp"] == 18
     assert rep.final_scale == 0.5
     assert (rep.skipped_steps, rep.longest_skip_streak, rep.growths, rep.backoffs) == (21, 1, 4, 21)
-    # before the onset only growth probes skip (2 of 41 steps), after it every other step
-    assert rep.skip_rate_before_onset == pytest.approx(2 / 41)
-    assert rep.skip_rate_after_onset == pytest.approx(19 / 39)
+    # before the onset only growth probes skip (2 of 42 steps), after it every other step
+    assert rep.skip_rate_before_onset == pytest.approx(2 / 42)
+    assert rep.skip_rate_after_onset == pytest.approx(19 / 38)
     assert rep.projected_underflow_step == 99
     assert rep.underflow_scale < rep.final_scale
 

@@ -146,3 +146,39 @@ def test_estimate_from_flushed_gradients_raises_the_scale_above_the_tiny_recorde
     assert est.recorded_scale == 2.0 ** -10
     assert est.window is not None and est.window["min_k"] > -10
     assert est.recorded_position == "below"
+
+
+# ------------------------------------------------ verified against replays
+def _finite_at(run_dir, step, k):
+    import advice_runs as A
+    from amp_postmortem.whatif import prepare
+    p = prepare(run_dir, step, model=A.wide_head)
+    return p.run(loss_scale=2.0 ** k, capture=False).finite
+
+
+def test_estimate_counts_float16_weight_gradients_and_says_it_is_not_verified():
+    """`out`'s weight gradient is 7 bits above its output gradient: the
+    module rows alone put the overflow edge at 2^13, the weight-gradient
+    matmul at 2^6."""
+    import advice_runs as A
+    est = estimate_scale_window(load_run(A.lower_scale_run()))
+    rows = {r["name"]: r for r in est.rows}
+    assert rows["out"]["overflow_k"] == 13 and rows["out.weight"]["overflow_k"] == 6
+    assert est.window["max_k"] == 6
+    assert est.verified is False and "no --model" in est.why
+    assert "estimate, not verified" in est.lines()[0]
+    assert est.to_dict()["verified"] is False
+
+
+def test_replayed_window_edges_replay_finite_and_one_past_does_not():
+    import advice_runs as A
+    run = A.lower_scale_run()
+    sw = replay_scale_window(run, 0, model=A.wide_head, scales=(-4, 10), verify=True)
+    assert sw.verified and sw.window["max_k"] == 6
+    top = sw.window["max_k"]
+    assert _finite_at(run, 0, top) and not _finite_at(run, 0, top + 1)
+    # the other saved step was checked at the top, and the printed
+    # GradScaler settings keep every saved step finite
+    assert [c["step"] for c in sw.checked_steps] == [2] and sw.checked_steps[0]["finite_at_max"]
+    k = int(math.log2(sw.settings["init_scale"]))
+    assert all(_finite_at(run, s, k) for s in A.LOWER_SCALE_BUNDLES)

@@ -27,7 +27,7 @@ def test_collapse(collapse_run):
     # skipped-step overflows are the scaler's business: no `nonfinite` finding
     assert _kinds(s)[0] == "scale_collapse" and "nonfinite" not in _kinds(s)
     f = s.findings[0]
-    assert (f.severity, f.step, f.layer) == ("critical", 41, "amp")
+    assert (f.severity, f.step, f.layer) == ("critical", 42, "amp")
     assert "scale" in f.next_command
 
 
@@ -46,7 +46,12 @@ def test_underflow_at_a_tiny_scale(underflow_run):
 def test_overflow_risk(rising_run):
     s = summarize(load_run(rising_run))
     assert _kinds(s) == ["overflow_risk"]
-    assert (s.findings[0].layer, s.findings[0].step) == ("block.boom", 31)
+    # the finding's step is the step measured; the forecast carries its own
+    # step, past the run's last (19): projected, and said so
+    f = s.findings[0]
+    assert (f.layer, f.step) == ("block.boom", 19)
+    assert (f.evidence["forecast_step"], f.evidence["forecast_projected"]) == (31, True)
+    assert "forecast to overflow at step 31 (projected, after the run's last step 19)" in f.message
 
 
 def test_json_contract(overflow_run):

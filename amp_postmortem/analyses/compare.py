@@ -74,6 +74,10 @@ class CompareReport:
     loss: dict                      # at the divergence step: {"a", "b", "rel_diff", "one_side_nonfinite"}
     layers: pd.DataFrame            # LAYER_COLUMNS, parted layers first (ranked), then the rest
     notes: list = field(default_factory=list)
+    # With one run in float32 and the other with autocast: the float32 run
+    # confirms or refutes the AMP run's training instability
+    # (`instability.baseline_verdict`); None otherwise.
+    instability: dict | None = None
 
     @property
     def first_layers(self) -> list[dict]:
@@ -91,7 +95,7 @@ class CompareReport:
                 "last_common_step": self.last_common_step, "divergence_step": self.divergence_step,
                 "loss": {k: plain(v) for k, v in self.loss.items()},
                 "first_layer": self.first_layers[0] if self.first_layers else None,
-                "layers": rows, "notes": self.notes}
+                "layers": rows, "notes": self.notes, "instability": self.instability}
 
     def table(self) -> pd.DataFrame:
         return self.layers[self.layers["parted_step"].notna()].reset_index(drop=True)
@@ -115,6 +119,9 @@ class CompareReport:
             out.append(f"first to part, at step {step}: {names}")
         else:
             out.append("no layer statistic parts by more than the threshold")
+        v = self.instability
+        if v is not None and v["verdict"] is not None:
+            out.append(f"training instability of the AMP run {v['verdict'].upper()} by the float32 run: {v['why']}")
         out += [f"note: {n}" for n in self.notes]
         return out
 
@@ -143,7 +150,18 @@ def compare_runs(run_a: Run, run_b: Run, *, threshold: float = THRESHOLD, persis
     return CompareReport(run_a=_facts(run_a), run_b=_facts(run_b), threshold=threshold, persist=persist,
                          common_steps=len(common), first_common_step=int(common.min()) if len(common) else None,
                          last_common_step=int(common.max()) if len(common) else None, divergence_step=div,
-                         loss=loss, layers=layers, notes=notes)
+                         loss=loss, layers=layers, notes=notes, instability=_instability(run_a, run_b))
+
+
+def _instability(run_a: Run, run_b: Run) -> dict | None:
+    """The float32 run's word on the AMP run's instability, when one of the
+    two ran without autocast and the other with it."""
+    from .instability import baseline_verdict
+    on = [bool((r.autocast or {}).get("enabled")) for r in (run_a, run_b)]
+    if on[0] == on[1]:
+        return None
+    amp, fp32 = (run_b, run_a) if on[1] else (run_a, run_b)
+    return baseline_verdict(amp, fp32)
 
 
 def _loss_series(run: Run) -> pd.Series:
@@ -162,8 +180,8 @@ def _rel_diff(a: np.ndarray, b: np.ndarray, floor=0.0) -> np.ndarray:
     both = fa & fb
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         denom = np.maximum(np.maximum(np.abs(a), floor), np.finfo(float).tiny)
-        d = np.abs(b - a) / denom
-    d = np.where((np.abs(b - a) == 0) | (np.maximum(np.abs(a), np.abs(b)) < floor), 0.0, d)
+        diff = np.abs(b - a)  # NaN where both are Inf: only `both` (finite) is read
+        d = np.where((diff == 0) | (np.maximum(np.abs(a), np.abs(b)) < floor), 0.0, diff / denom)
     out[both] = d[both]
     out[fa != fb] = np.inf
     return out

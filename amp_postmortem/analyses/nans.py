@@ -19,10 +19,18 @@ Origins, per phase, in the first step where that phase has a non-finite row
   the model (the root module's `grad_output`); otherwise the first module, in
   backward order, whose `grad_input` (or one of its own parameters'
   `param_grad`) is non-finite while its `grad_output` was finite.
+  A tied parameter (the manifest lists its other names as `aliases`, e.g.
+  an embedding shared with the output projection) is recorded under its
+  first name only, but its gradient is the sum of what every module using
+  it computed: the origin is the module among its users whose operation
+  made the value (`attribute_shared`): one whose output gradient was finite
+  and travelled in float16 (its weight-gradient matmul ran in float16; an
+  embedding's float32 gradient cannot overflow there), the one with the
+  largest such gradient when several did; `aliases` lists the others.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -50,10 +58,12 @@ class Origin:
     order: int | None
     tensor: str      # name of that row (a parameter name for param_grad)
     certain: bool = True  # False: no row met the rule, the first non-finite row is named
+    aliases: tuple = ()   # a tied parameter's other names (param_grad origins)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "phase": self.phase, "kind": self.kind, "step": self.step,
-                "rank": self.rank, "order": self.order, "tensor": self.tensor, "certain": self.certain}
+                "rank": self.rank, "order": self.order, "tensor": self.tensor, "certain": self.certain,
+                "aliases": list(self.aliases)}
 
 
 @dataclass
@@ -65,6 +75,7 @@ class NanReport:
     nonfinite_loss_steps: list[int] = field(default_factory=list)
     skipped_steps: int = 0
     backward_scaler_handled: bool = False  # the backward origin's step was skipped with a finite forward
+    backward_calibration: bool = False     # ...and it is one of the scaler's leading calibration skips
     shards_scanned: int = 0
     shards_total: int = 0
 
@@ -79,6 +90,7 @@ class NanReport:
             "first_nonfinite_loss_step": self.nonfinite_loss_steps[0] if self.nonfinite_loss_steps else None,
             "skipped_steps": self.skipped_steps,
             "backward_scaler_handled": self.backward_scaler_handled,
+            "backward_calibration": self.backward_calibration,
             "shards_scanned": self.shards_scanned,
             "shards_total": self.shards_total,
         }
@@ -97,10 +109,19 @@ class NanReport:
             if o is None:
                 out.append(f"{phase} origin: none (every {phase} tensor finite)")
                 continue
-            where = _display(o.name) + (f" ({o.tensor})" if o.tensor not in (o.name, "") else "")
+            where = _display(o.name) + (f" ({o.tensor})" if o.tensor not in (o.name, "") and not o.aliases
+                                        else "")
+            if o.aliases:
+                where += f" (its weight gradient; a tied parameter, also named {', '.join(o.aliases)})"
             guess = "" if o.certain else " [no row met the rule: first non-finite row shown]"
-            absorbed = (" (a step the loss scaler skipped: calibration, normal in small numbers)"
-                        if phase == "backward" and self.backward_scaler_handled else "")
+            absorbed = ""
+            if phase == "backward" and self.backward_scaler_handled:
+                # "Calibration" only for what the scaler really calibrated:
+                # the leading skips of a run that starts at its init_scale.
+                absorbed = (" (a calibration skip: the scaler's first steps, backing off from its init_scale)"
+                            if self.backward_calibration else
+                            " (a step the loss scaler skipped and backed off on; the forward and loss were "
+                            "finite)")
             out.append(f"{phase} origin: {where}, {o.kind}, step {o.step}, rank {o.rank}{guess}{absorbed}")
         if self.nonfinite_loss_steps:
             out.append(f"non-finite loss in {len(self.nonfinite_loss_steps)} step(s), "
@@ -125,6 +146,8 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
             origins[phase] = forward_origin(rows) if phase == "forward" else backward_origin(rows)
     candidates = [o for o in origins.values() if o is not None]
     steps = _range(run.steps, from_step, to_step)
+    if origins["backward"] is not None:
+        origins["backward"] = attribute_shared(run, origins["backward"])
     handled = _scaler_handled(origins["backward"], origins["forward"], steps)
     # The headline origin is the first of the two, except that a backward
     # overflow the loss scaler absorbed (a skipped step whose forward and loss
@@ -144,6 +167,7 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
     bad_loss = steps.loc[steps["loss_nonfinite"], "step"]
     return NanReport(
         origin=origin, origins=origins, layers=layers[LAYER_COLUMNS], backward_scaler_handled=handled,
+        backward_calibration=handled and origins["backward"].step in calibration_steps(run),
         first_nonfinite_step=int(layers["first_step"].min()) if len(layers) else None,
         nonfinite_loss_steps=sorted({int(s) for s in bad_loss}),
         skipped_steps=int(steps.drop_duplicates("step")["skipped"].sum()) if len(steps) else 0,
@@ -216,7 +240,71 @@ def backward_origins(run: Run, steps) -> dict[int, Origin]:
         o = backward_origin(g[g["rank"] == rank])
         if o is not None:
             out[int(step)] = o
+    return attribute_shared_all(run, out)
+
+
+def attribute_shared_all(run: Run, origins: dict) -> dict:
+    """`attribute_shared` for many steps' origins, reading the users'
+    rows of every step concerned in one scan."""
+    aliases = tied_aliases(run)
+    tied = sorted({o.step for o in origins.values() if o.kind == "param_grad" and o.tensor in aliases})
+    if not tied:
+        return origins
+    rows = run.scan_tensors(_USER_COLUMNS, steps=tied, kinds=["grad_output"], label="reading tied parameters' users")
+    return {k: attribute_shared(run, o, rows) for k, o in origins.items()}
+
+
+def calibration_steps(run: Run) -> set[int]:
+    """The scaler's calibration skips: the leading run of skipped steps of a
+    run whose first recorded scale is the scaler's `init_scale` (a fresh
+    GradScaler backing off until the gradients fit)."""
+    s = run.steps
+    init = (run.scaler or {}).get("init_scale")
+    if s.empty or init is None:
+        return set()
+    per_step = s.groupby("step", sort=True).agg(skipped=("skipped", "any"),
+                                                 scale=("loss_scale_before", "first"))
+    if per_step.empty or per_step["scale"].iloc[0] != init:
+        return set()
+    out = set()
+    for step, row in per_step.iterrows():
+        if not row["skipped"]:
+            break
+        out.add(int(step))
     return out
+
+
+def tied_aliases(run: Run) -> dict[str, list[str]]:
+    """{recorded parameter name: its other names} for tied parameters."""
+    return {p["name"]: list(p["aliases"]) for p in run.manifest.get("params") or [] if p.get("aliases")}
+
+
+_USER_COLUMNS = ["step", "rank", "name", "kind", "dtype", "absmax", "nan_count", "inf_count"]
+
+
+def attribute_shared(run: Run, o: Origin, rows: pd.DataFrame | None = None) -> Origin:
+    """A `param_grad` origin of a tied parameter, moved to the module among
+    its users whose operation made the value (see the module docstring).
+    `rows`: the `grad_output` rows of its step when already read."""
+    aliases = tied_aliases(run).get(o.tensor) if o.kind == "param_grad" else None
+    if not aliases:
+        return o
+    names = [o.tensor] + list(aliases)
+    users = {n.rpartition(".")[0]: n for n in names}
+    if rows is None:
+        rows = run.scan_tensors(_USER_COLUMNS, steps=[o.step], kinds=["grad_output"],
+                                label="reading a tied parameter's users")
+    rows = rows[(rows["step"] == o.step) & (rows["rank"] == o.rank) & rows["name"].isin(list(users))]
+    best, best_key = None, None
+    for name, g in rows.groupby("name", sort=False):
+        if ((g["nan_count"] + g["inf_count"]) > 0).any():
+            continue  # it received a non-finite gradient: it only carried one
+        key = ((g["dtype"] == "float16").any(), float(g["absmax"].max()))
+        if best_key is None or key > best_key:
+            best, best_key = name, key
+    if best is None:
+        best = o.name
+    return replace(o, name=best, aliases=tuple(n for n in names if users.get(best) != n))
 
 
 # ------------------------------------------------------------------ helpers

@@ -1,9 +1,13 @@
-"""Per-layer float16 range: headroom to overflow, its trend, and underflow.
+"""Per-layer range: headroom to overflow, its trend, and underflow, each
+against the limits of the dtype the tensor really had (`range_dtype`, from
+the recorded `dtype` column: 65504 for float16; bfloat16 has float32's
+exponent range, so its headroom is to 3.39e38; float16's limits when the
+dtype is not a known float).
 
 For each layer (module name and row kind: `input`, `activation`,
 `grad_output`, `grad_input`) over the last `window` recorded steps:
 
-- `headroom_bits` = log2(65504 / absmax) at the latest recorded step (ranks
+- `headroom_bits` = log2(max / absmax) at the latest recorded step (ranks
   and repeated calls merged by their maximum). Gradient rows hold the
   *scaled* values that really travel in float16, so their headroom is the
   real one. 0 when the latest row already holds Inf/NaN; null when the
@@ -16,6 +20,10 @@ For each layer (module name and row kind: `input`, `activation`,
 - `underflow_share`: median over the window's full-tier rows of the share
   of values in the float16 subnormal range (non-zero, below 6.1e-5: they
   lose precision) plus, when the zeros look flushed, the exact zeros.
+  The recorder counts against float16's limits; a wider dtype's smallest
+  normal (1.2e-38 for bfloat16 and float32) lies below float16's subnormal
+  limit (6e-8), so its share is 0 where the recorded share below 6e-8 is 0,
+  and unknown (null) otherwise.
   Exact zeros are also structural (the gradient behind a ReLU is zero
   wherever its input was negative), so they count only when the typical
   non-zero value (RMS over the non-zero values) lies within
@@ -25,7 +33,7 @@ For each layer (module name and row kind: `input`, `activation`,
   counted on (the recorder samples at most 65,536 per tensor; null for runs
   recorded before the format said).
 
-Flags (float16 rows only; a bfloat16 or float32 tensor has no 65504 limit):
+Flags (each row against its own dtype's limits):
 - `overflow_risk`: an `input`/`activation` row with less than
   `OVERFLOW_RISK_BITS` of headroom, or a significant fall forecast to reach
   zero within `FORECAST_IMMINENT` steps, or within `FORECAST_HORIZON` steps
@@ -64,10 +72,20 @@ ALPHA = 0.01
 MIN_TREND_POINTS = 5
 MAX_THEILSEN_POINTS = 200     # Theil-Sen is O(n^2) per layer: subsample evenly above this
 
+# (largest finite value, smallest normal) per dtype; float16's when the dtype is unknown.
+DTYPE_LIMITS = {
+    "float16": (schema.FP16_MAX, schema.FP16_MIN_NORMAL),
+    "bfloat16": (3.3895313892515355e38, 1.1754943508222875e-38),
+    "float32": (3.4028234663852886e38, 1.1754943508222875e-38),
+    "float64": (1.7976931348623157e308, 2.2250738585072014e-308),
+}
+FALLBACK_DTYPE = "float16"
+
 _COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "dtype", "absmax", "nan_count",
-            "inf_count", "zero_share", "below_normal_share", "rms", "share_sample_size"]
-LAYER_COLUMNS = ["name", "kind", "dtype", "step", "absmax", "headroom_bits", "headroom_trend_per_kstep",
-                 "overflow_forecast_step", "underflow_share", "zero_share", "share_sample_size", "flags"]
+            "inf_count", "zero_share", "below_normal_share", "below_subnormal_share", "rms", "share_sample_size"]
+LAYER_COLUMNS = ["name", "kind", "dtype", "range_dtype", "step", "absmax", "headroom_bits",
+                 "headroom_trend_per_kstep", "overflow_forecast_step", "underflow_share", "zero_share",
+                 "share_sample_size", "flags"]
 
 
 @dataclass
@@ -86,7 +104,9 @@ class RangesReport:
                 "thresholds": {"overflow_risk_bits": OVERFLOW_RISK_BITS, "forecast_horizon": FORECAST_HORIZON,
                                "forecast_risk_bits": FORECAST_RISK_BITS, "forecast_imminent": FORECAST_IMMINENT,
                                "underflow_share": UNDERFLOW_SHARE,
-                               "flush_margin_bits": FLUSH_MARGIN_BITS}}
+                               "flush_margin_bits": FLUSH_MARGIN_BITS,
+                               "dtype_limits": {d: {"max": mx, "min_normal": mn}
+                                                for d, (mx, mn) in DTYPE_LIMITS.items()}}}
 
     def table(self) -> pd.DataFrame:
         t = self.layers.copy()
@@ -100,6 +120,9 @@ class RangesReport:
         if self.first_step is None:
             return ["No tensor rows recorded."]
         out = [f"steps {self.first_step}-{self.last_step} ({self.full_tier_steps} with full-tier statistics)"]
+        used = self.layers["range_dtype"].value_counts()
+        out.append("limits: " + ", ".join(f"{d} (max {DTYPE_LIMITS[d][0]:.6g}) for {n} row(s)"
+                                          for d, n in sorted(used.items())))
         for flag in ("nonfinite", "overflow_risk", "underflow"):
             hit = self.flagged(flag)
             if len(hit):
@@ -130,6 +153,7 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         absmax=("absmax", "max"), bad=("bad", "any"), dtype=("dtype", "first"),
         phase=("phase", "first"), order=("order", "min"),
         zero_share=("zero_share", "mean"), below_normal_share=("below_normal_share", "mean"),
+        below_subnormal_share=("below_subnormal_share", "mean"),
         rms=("rms", "max"),
         share_sample_size=("share_sample_size", "sum"), sampled_parts=("share_sample_size", "count"),
     ).reset_index().sort_values("step", kind="stable")
@@ -141,19 +165,21 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
     for (name, kind), g in per_step.groupby(["name", "kind"], sort=False):
         latest = g.iloc[-1]
         step = int(latest["step"])
+        limit = range_dtype(latest["dtype"])
         absmax = float(latest["absmax"]) if pd.notna(latest["absmax"]) else None
         if latest["bad"]:
             headroom = 0.0
         elif absmax is None or absmax <= 0:
             headroom = None
         else:
-            headroom = math.log2(schema.FP16_MAX / absmax)
+            headroom = math.log2(DTYPE_LIMITS[limit][0] / absmax)
 
         ok = g[~g["bad"] & (g["absmax"] > 0)]
         trend = forecast = None
         if ok["step"].nunique() >= MIN_TREND_POINTS:
             x = ok["step"].to_numpy(float)
-            h = np.log2(schema.FP16_MAX / ok["absmax"].to_numpy(float))
+            top = np.array([DTYPE_LIMITS[range_dtype(d)][0] for d in ok["dtype"]])
+            h = np.log2(top / ok["absmax"].to_numpy(float))
             slope, lo_s, hi_s = theil_sen(x, h, alpha=ALPHA, max_points=MAX_THEILSEN_POINTS)
             trend = slope * 1000
             if hi_s < 0 and headroom is not None and headroom > 0:
@@ -163,24 +189,26 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         underflow = zeros = sampled = None
         if len(full):
             zeros = float(full["zero_share"].median())
-            underflow = float((full["below_normal_share"] + _flushed_zeros(full)).median())
+            shares = underflow_share_of_rows(full, limit)
+            if shares.notna().all():
+                underflow = float(shares.median())
             sizes = full["share_sample_size"].dropna()
             sampled = int(sizes.median()) if len(sizes) else None
 
         flags = []
-        fp16 = latest["dtype"] == "float16"
         if latest["bad"]:
             flags.append("nonfinite")
-        if fp16 and kind in ("input", "activation") and not latest["bad"]:
+        if kind in ("input", "activation") and not latest["bad"]:
             near = headroom is not None and headroom < OVERFLOW_RISK_BITS
             soon = forecast is not None and (
                 forecast - step <= FORECAST_IMMINENT
                 or (forecast - step <= FORECAST_HORIZON and headroom < FORECAST_RISK_BITS))
             if near or soon:
                 flags.append("overflow_risk")
-        if fp16 and kind == "grad_output" and underflow is not None and underflow >= UNDERFLOW_SHARE:
+        if kind == "grad_output" and underflow is not None and underflow >= UNDERFLOW_SHARE:
             flags.append("underflow")
-        rows.append({"name": name, "kind": kind, "dtype": latest["dtype"], "step": step, "absmax": absmax,
+        rows.append({"name": name, "kind": kind, "dtype": latest["dtype"], "range_dtype": limit,
+                     "step": step, "absmax": absmax,
                      "headroom_bits": headroom, "headroom_trend_per_kstep": trend,
                      "overflow_forecast_step": forecast, "underflow_share": underflow, "zero_share": zeros,
                      "share_sample_size": sampled, "flags": flags, "_phase": 0 if latest["phase"] == "forward" else 1,
@@ -201,21 +229,47 @@ def sampled_values(size) -> str:
     return f"{int(size):,} sampled values"
 
 
-def zeros_look_flushed(zero_share, rms) -> bool:
-    """Whether a gradient's exact zeros are values the float16 range flushed
-    (its non-zero values are tiny: RMS over them within FLUSH_MARGIN_BITS of
-    the normal limit) rather than a structural mask such as a ReLU's."""
+def range_dtype(dtype) -> str:
+    """The dtype whose limits apply to a row of recorded `dtype`."""
+    return dtype if isinstance(dtype, str) and dtype in DTYPE_LIMITS else FALLBACK_DTYPE
+
+
+def zeros_look_flushed(zero_share, rms, min_normal: float = schema.FP16_MIN_NORMAL) -> bool:
+    """Whether a gradient's exact zeros are values the range flushed (its
+    non-zero values are tiny: RMS over them within FLUSH_MARGIN_BITS of the
+    normal limit `min_normal`, float16's by default) rather than a
+    structural mask such as a ReLU's. All zeros count as flushed against
+    float16's limit only: a wider dtype holding nothing but zeros got them
+    from upstream (a float16 gradient flushed before it), not from its own
+    range."""
     if zero_share is None or not zero_share > 0:
         return False
     nonzero = 1.0 - zero_share
     if nonzero <= 0 or rms is None or not math.isfinite(rms):
-        return True
-    return rms / math.sqrt(nonzero) < schema.FP16_MIN_NORMAL * 2 ** FLUSH_MARGIN_BITS
+        return min_normal >= schema.FP16_MIN_NORMAL
+    return rms / math.sqrt(nonzero) < min_normal * 2 ** FLUSH_MARGIN_BITS
 
 
-def _flushed_zeros(full: pd.DataFrame) -> pd.Series:
+def underflow_share_of_rows(full: pd.DataFrame, limit: str = "float16") -> pd.Series:
+    """Per full-tier row: the share `underflow_share` counts against
+    `limit`'s range (values below its smallest normal plus zeros that look
+    flushed), before the median over steps; NaN where the recorded float16
+    shares cannot tell."""
+    return _below_normal(full, limit) + _flushed_zeros(full, DTYPE_LIMITS[limit][1])
+
+
+def _below_normal(full: pd.DataFrame, limit: str) -> pd.Series:
+    """Per row: the share of non-zero values below `limit`'s smallest normal,
+    NaN where the recorded float16 shares cannot tell (see the module doc)."""
+    if limit == "float16":
+        return full["below_normal_share"]
+    none_below_fp16_subnormal = full["below_subnormal_share"] == 0
+    return pd.Series(np.where(none_below_fp16_subnormal, 0.0, np.nan), index=full.index)
+
+
+def _flushed_zeros(full: pd.DataFrame, min_normal: float = schema.FP16_MIN_NORMAL) -> pd.Series:
     """Per row: the zero share when those zeros look flushed, else 0."""
-    flushed = [zeros_look_flushed(_finite_or_none(z), _finite_or_none(r))
+    flushed = [zeros_look_flushed(_finite_or_none(z), _finite_or_none(r), min_normal)
                for z, r in zip(full["zero_share"], full["rms"])]
     return full["zero_share"].where(pd.Series(flushed, index=full.index), 0.0)
 

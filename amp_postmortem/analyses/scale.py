@@ -8,8 +8,9 @@ of backoffs. The steps:
    leading run of skipped steps of a run that starts at the scaler's
    `init_scale` is that calibration: counted, but left out of the trend.
 2. Onset: the best two-segment piecewise-linear least-squares fit of
-   log2(scale) over step (exact, over every break, with cumulative sums);
-   the second segment starts at the onset. When that segment is not a
+   log2(scale) over step (exact, over every break, with cumulative sums)
+   finds the break; the onset is the first step whose scale fell there (the
+   first back-off of the decline, never a clean step before it). When that segment is not a
    collapse, the fit is repeated on it (binary segmentation), since a
    collapse is a decline that lasts until the end of the run.
 3. Trend after the onset: Kendall's tau (significance `ALPHA`) and the
@@ -56,7 +57,7 @@ from recorders.plain import plain
 
 from ..names import display_name as _display
 from ..loader import Run
-from .nans import backward_origin, forward_origin
+from .nans import attribute_shared_all, backward_origin, forward_origin
 from .trend import theil_sen
 
 ALPHA = 0.01                  # significance level of the trend test
@@ -171,6 +172,7 @@ def scale_dynamics(run: Run) -> ScaleReport:
         collapse = _collapse(x, yy, grew[calib:], shrank[calib:])
     if collapse is not None:
         k, slope, lo, hi, tau, p, drop = collapse
+        k = _first_fall(shrank[calib:], k)
         onset = int(x[k])
         seg_skips = skipped[calib:]
         report.status = "collapse"
@@ -301,6 +303,19 @@ def _collapse_at(x, y, grew, shrank, k):
 
 
 
+def _first_fall(shrank, k: int) -> int:
+    """The onset as the data has it: the first step whose scale fell. The
+    fitted break can land on a clean step just before the first back-off
+    (or just after one): back over falls that directly precede it, then
+    forward to the first fall."""
+    j = k
+    while j > 0 and shrank[j - 1]:
+        j -= 1
+    while j < len(shrank) - 1 and not shrank[j]:
+        j += 1
+    return j
+
+
 def _real_skips(skipped, grew, shrank) -> tuple[float, int]:
     """Share and number of steps skipped on an overflow that is not a growth
     probe (a skip right after the scale grew is how the scaler finds its
@@ -361,7 +376,7 @@ def underflow_phrase(report: ScaleReport, lead: str = "") -> str:
                 f"{report.underflow_reached_step}")
     if report.projected_underflow_step is not None:
         return (f"{lead}at this rate it reaches the gradient underflow level {report.underflow_scale:.3g} at "
-                f"step {report.projected_underflow_step}")
+                f"step {report.projected_underflow_step} (projected, after the run's last step {report.last_step})")
     return ""
 
 
@@ -375,11 +390,14 @@ def _drivers(run: Run, series, skipped, steps, from_step) -> tuple[list[str], di
     cols = ["step", "rank", "name", "kind", "phase", "order", "call", "nan_count", "inf_count",
             "input_nonfinite"]
     rows = run.scan_tensors(cols, steps=picked, nonfinite_only=True, label="reading skipped steps")
-    counts: dict[str, int] = {}
-    for _, g in rows.groupby("step", sort=True):
+    origins = {}
+    for step, g in rows.groupby("step", sort=True):
         g = g[g["rank"] == g["rank"].min()]
         o = forward_origin(g) or backward_origin(g)
         if o is not None:
-            counts[o.name] = counts.get(o.name, 0) + 1
+            origins[int(step)] = o
+    counts: dict[str, int] = {}
+    for o in attribute_shared_all(run, origins).values():
+        counts[o.name] = counts.get(o.name, 0) + 1
     ordered = sorted(counts, key=lambda k: -counts[k])  # stable: first seen wins ties
     return ordered, {k: counts[k] for k in ordered}

@@ -5,6 +5,10 @@ Findings (kind, severity):
   becomes NaN/Inf from there), or non-finite gradients reached a step the
   optimizer applied. Non-finite gradients in steps the scaler skipped are how
   a loss scaler calibrates; they are covered by the scale findings.
+- `training_instability` (critical): the values ran away before float16
+  failed (`instability`: the loss rose and
+  activations or weights grew): float32 would fail too; fix the training
+  (learning rate, warm-up, clipping), not the precision.
 - `scale_collapse` (critical): the loss scale is collapsing (`scale`).
 - `stuck_low_scale` (error): the scale is pinned low, or never grows
   (`stuck_low`, `growth_blocked`).
@@ -23,8 +27,9 @@ import pandas as pd
 from ..names import FINDING_KINDS
 from ..names import display_name as _display
 from ..loader import Run
+from .instability import find_instability
 from .nans import find_nans
-from .ranges import WINDOW, layer_ranges, sampled_values
+from .ranges import DTYPE_LIMITS, WINDOW, layer_ranges, sampled_values
 from .scale import scale_dynamics, underflow_phrase
 
 SEVERITIES = ("critical", "error", "warning", "info")
@@ -122,6 +127,15 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
             f"amp-postmortem nans {target}",
             {"applied_steps": len(applied_bad), "origin": where.to_dict() if where else None}))
 
+    unstable = find_instability(run)
+    if unstable.unstable:
+        findings.append(Finding(
+            "training_instability", "critical", unstable.failure_step, unstable.grown_layer,
+            "training instability, not a precision problem: float32 would fail too: "
+            + "; ".join(unstable.evidence) + ". Fix the training: " + "; ".join(unstable.remedies())
+            + " (keeping modules in float32 or another loss scale only postpones it)",
+            f"amp-postmortem recommend {target}", unstable.to_dict()))
+
     if scale.status == "collapse":
         drivers = ", ".join(_display(d) for d in scale.drivers[:3]) or "unknown"
         proj = underflow_phrase(scale, "; ")
@@ -146,27 +160,32 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
     under = ranges.flagged("underflow")
     if len(under):
         worst = under.sort_values("underflow_share", ascending=False).iloc[0]
+        where = underflow_measured(run, str(worst["name"]), ranges.first_step, limit=worst["range_dtype"])
         findings.append(Finding(
             "grad_underflow", "warning", int(worst["step"]), worst["name"],
-            f"{len(under)} gradient(s) underflow in float16 at the recorded scale: "
+            f"{len(under)} gradient(s) underflow in {worst['range_dtype']} at the recorded scale: "
             f"{_display(worst['name'])} has {worst['underflow_share']:.0%} of "
             f"{sampled_values(worst['share_sample_size'])} below the normal "
-            f"limit 6.1e-5 (scale {scale.final_scale if scale.final_scale is not None else 'none'})",
+            f"limit {_normal_limit(worst['range_dtype'])} ({where['phrase']})",
             f"amp-postmortem ranges {target}",
-            {"layers": [str(n) for n in under["name"]], "underflow_share": float(worst["underflow_share"])}))
+            {"layers": [str(n) for n in under["name"]], "underflow_share": float(worst["underflow_share"]),
+             **{k: v for k, v in where.items() if k != "phrase"}}))
 
     risk = ranges.flagged("overflow_risk")
     if len(risk):
         worst = risk.sort_values("headroom_bits", na_position="last").iloc[0]
-        forecast = worst["overflow_forecast_step"]
+        forecast = int(worst["overflow_forecast_step"]) if pd.notna(worst["overflow_forecast_step"]) else None
+        beyond = forecast is not None and run.last_step is not None and forecast > run.last_step
         findings.append(Finding(
-            "overflow_risk", "warning",
-            int(forecast) if pd.notna(forecast) else int(worst["step"]), worst["name"],
-            f"{len(risk)} activation(s) near float16 overflow: {_display(worst['name'])} has "
+            "overflow_risk", "warning", int(worst["step"]), worst["name"],
+            f"{len(risk)} activation(s) near {worst['range_dtype']} overflow: {_display(worst['name'])} has "
             f"{worst['headroom_bits']:.3g} bit(s) of headroom at step {int(worst['step'])}"
-            + (f", forecast to overflow at step {int(forecast)}" if pd.notna(forecast) else ""),
+            + (f", forecast to overflow at step {forecast}"
+               + (f" (projected, after the run's last step {run.last_step})" if beyond else "")
+               if forecast is not None else ""),
             f"amp-postmortem ranges {target}",
-            {"layers": [str(n) for n in risk["name"]], "headroom_bits": float(worst["headroom_bits"])}))
+            {"layers": [str(n) for n in risk["name"]], "headroom_bits": float(worst["headroom_bits"]),
+             "measured_step": int(worst["step"]), "forecast_step": forecast, "forecast_projected": beyond}))
 
     disabled = _disabled_ranks(run)
     if disabled:
@@ -202,6 +221,39 @@ def _disabled_ranks(run: Run) -> dict:
     return {r: m["disabled_reason"] for r, m in sorted(manifests.items()) if m.get("disabled_reason")}
 
 
+def underflow_measured(run: Run, name: str, from_step: int | None, limit: str = "float16") -> dict:
+    """Where a layer's underflow share was measured: its full-tier
+    `grad_output` rows from `from_step` on (the `ranges` window), the loss
+    scales they ran at, and the share at the last of them, with a phrase
+    for sentences (a median over steps at several scales is said to be one)."""
+    from .ranges import underflow_share_of_rows
+    rows = run.scan_tensors(["step", "rank", "name", "kind", "nan_count", "inf_count", "zero_share",
+                             "below_normal_share", "below_subnormal_share", "rms"], kinds=["grad_output"],
+                            step_range=(from_step, None),
+                            label="reading underflow shares")
+    rows = rows[(rows["name"] == name) & rows["below_normal_share"].notna()
+                & ((rows["nan_count"] + rows["inf_count"]) == 0)]
+    if rows.empty:
+        return {"phrase": "no full-tier step measured it"}
+    share = underflow_share_of_rows(rows, limit)
+    per_step = pd.DataFrame({"step": rows["step"], "share": share}).groupby("step")["share"].mean()
+    scales = run.steps.drop_duplicates("step").set_index("step")["loss_scale_before"]
+    at = [float(scales.get(s)) if pd.notna(scales.get(s)) else None for s in per_step.index]
+    known = [a for a in at if a is not None]
+    steps = [int(s) for s in per_step.index]
+    last_scale = at[-1]
+    scale_txt = ("no loss scale" if not known else f"scale {known[0]:g}" if min(known) == max(known)
+                 else f"scales {max(known):g} to {min(known):g}")
+    if len(steps) == 1:
+        phrase = f"at step {steps[0]}, {scale_txt}"
+    else:
+        phrase = (f"median over {len(steps)} full-tier steps {steps[0]}-{steps[-1]} at {scale_txt}; "
+                  f"{float(per_step.iloc[-1]):.1%} at step {steps[-1]}"
+                  + (f", scale {last_scale:g}" if last_scale is not None else ""))
+    return {"phrase": phrase, "measured_steps": steps, "measured_scales": at,
+            "share_at_last_step": float(per_step.iloc[-1]), "last_step_scale": last_scale}
+
+
 def _applied_nonfinite_steps(run: Run) -> list[int]:
     """Steps whose non-finite parameter gradients were not skipped (no scaler, or it missed them)."""
     s = run.steps
@@ -225,3 +277,8 @@ def _facts(run: Run, nans, scale, skipped) -> dict:
 
 def _pct(v) -> str:
     return "n/a" if v is None else f"{v:.0%}"
+
+
+def _normal_limit(dtype: str) -> str:
+    """The smallest normal of `dtype`, as `6.1e-5` (float16)."""
+    return f"{DTYPE_LIMITS[dtype][1]:.2g}".replace("e-0", "e-")

@@ -297,7 +297,7 @@ def compare_run(session, reference, run, *, local: bool = True, modules=None) ->
 
 
 def _compare_local(session, ref_config, config, ref_call, run_call, fwd, bwd, scale):
-    from .engine import is_floating
+    from .capture import is_floating, round_to
     from recorders.stats import iter_tensors
     floats = [t for t in iter_tensors(ref_call.inputs) if is_floating(t)]
     dtypes = list(run_call.input_dtypes)
@@ -323,7 +323,7 @@ def _compare_local(session, ref_config, config, ref_call, run_call, fwd, bwd, sc
             bwd.local_error = fwd.local_error
         return
     fwd.local_done = True
-    fwd.local_input_nonfinite += sum(int((torch.isfinite(t) & ~torch.isfinite(t.to(d))).sum())
+    fwd.local_input_nonfinite += sum(int((torch.isfinite(t) & ~torch.isfinite(round_to(t, d))).sum())
                                      for t, d in zip(floats, dtypes))
     for x, r in zip(out_run, out_ref):
         fwd.local.add(x, r, dtype=config.dtype)

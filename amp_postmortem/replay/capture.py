@@ -26,26 +26,85 @@ def is_floating(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in _FLOATING
 
 
-def map_tensors(obj, fn, _depth: int = 0):
+def round_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` rounded to `dtype` for a module replayed alone, its own dtype's
+    largest values (the "minus infinity" of attention masks, built as
+    `torch.finfo(dtype).min` in each run's own dtype) mapped to `dtype`'s
+    instead of overflowing: a mask is not an overflow. Any other value too
+    large for `dtype` still becomes Inf."""
+    out = t.to(dtype)
+    if t.dtype in _FLOATING and dtype in _FLOATING and torch.finfo(dtype).max < torch.finfo(t.dtype).max:
+        big, small = torch.finfo(t.dtype).max, torch.finfo(dtype).max
+        out = torch.where(t == big, small, torch.where(t == -big, -small, out))
+    return out
+
+
+def map_tensors(obj, fn, _depth: int = 0, *, other=None):
     """Rebuild `obj` with every tensor replaced by `fn(tensor)`, visiting
-    tensors in `iter_tensors` order (lists, tuples, dicts, dataclasses)."""
+    tensors in `iter_tensors` order (lists, tuples, dicts, dataclasses);
+    `other(value)`, when given, replaces every other leaf."""
     if _depth > 8:
         return obj
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    again = lambda v: map_tensors(v, fn, _depth + 1, other=other)  # noqa: E731
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(map_tensors(v, fn, _depth + 1) for v in obj))
+        return type(obj)(*(again(v) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn, _depth + 1) for v in obj)
+        return type(obj)(again(v) for v in obj)
     if isinstance(obj, dict):
         out = copy.copy(obj)  # keeps OrderedDict / ModelOutput types
         for k, v in obj.items():
-            out[k] = map_tensors(v, fn, _depth + 1)
+            out[k] = again(v)
         return out
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn, _depth + 1)
+        return dataclasses.replace(obj, **{f.name: again(getattr(obj, f.name))
                                            for f in dataclasses.fields(obj) if f.init})
-    return obj
+    return obj if other is None else other(obj)
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.nn.Module, type)
+
+
+def stateful_copy(obj):
+    """A copy of an object argument that a call may change (a Hugging Face
+    `Cache`, which each attention layer's call appends its keys and values
+    to), its tensors detached: a module replayed alone gets it as it was
+    before the call, every time. Plain values, modules and callables pass
+    as they are. `copy.deepcopy` will not do: it refuses tensors that are
+    part of the autograd graph (an earlier layer's cached keys)."""
+    if isinstance(obj, _PLAIN) or callable(obj) or not hasattr(obj, "__dict__"):
+        return obj
+    return _copy_state(obj, {}, 0)
+
+
+def _copy_state(obj, memo: dict, depth: int):
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, torch.Tensor):
+        out = obj.detach().clone()
+    elif depth > 8 or isinstance(obj, _PLAIN) or callable(obj):
+        return obj
+    elif isinstance(obj, list):
+        out = [_copy_state(v, memo, depth + 1) for v in obj]
+    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        out = tuple(_copy_state(v, memo, depth + 1) for v in obj)
+    elif isinstance(obj, dict):
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _copy_state(v, memo, depth + 1)
+    elif hasattr(obj, "__dict__"):
+        try:
+            out = copy.copy(obj)
+        except Exception:  # noqa: BLE001 - an object that cannot be copied is shared, as the call shared it
+            return obj
+        memo[id(obj)] = out
+        for k, v in vars(obj).items():
+            out.__dict__[k] = _copy_state(v, memo, depth + 1)
+    else:
+        return obj
+    memo[id(obj)] = out
+    return out
 
 
 @dataclass
@@ -150,7 +209,8 @@ class CallRecorder:
                              input_requires_grad=[bool(t.requires_grad) for t in floats])
             if self.keep_inputs:
                 snap = lambda t: t.detach().clone()  # noqa: E731
-                rec.inputs = (map_tensors(tuple(args), snap), map_tensors(dict(kwargs), snap))
+                rec.inputs = (map_tensors(tuple(args), snap, other=stateful_copy),
+                              map_tensors(dict(kwargs), snap, other=stateful_copy))
                 rec.rng_state = torch.get_rng_state()
                 if floats and floats[0].is_cuda:
                     rec.cuda_rng_state = (floats[0].device, torch.cuda.get_rng_state(floats[0].device))

@@ -14,7 +14,9 @@ Precision semantics (`RunConfig.precision`):
   device type, emulated otherwise (see `policy.py`). The backward starts from
   the bundle's gradients of the loss w.r.t. the outputs times the loss scale,
   because the scaled gradient is what travelled in training; captured
-  gradients stay scaled and `StepCapture.loss_scale` says by how much.
+  gradients stay scaled and `StepCapture.loss_scale` says by how much. Only
+  the outputs no other output was computed from are seeds (`outputs.py`: a
+  loss computed inside the model is the one start, as in training).
 
 What-if replays change a `RunConfig`, not the engine: `fp32_modules` runs
 the named modules in float32 (inputs cast up, autocast and its emulation off
@@ -31,8 +33,10 @@ import torch
 from recorders.stats import iter_tensors
 
 from ..errors import ModelSpecError, PostmortemError
-from .capture import AnomalyCatcher, BackwardWatch, CallRecorder, ModuleCall, StepCapture, is_floating, map_tensors
+from .capture import (AnomalyCatcher, BackwardWatch, CallRecorder, ModuleCall, StepCapture, is_floating, map_tensors,
+                      round_to, stateful_copy)
 from .model_spec import load_weights
+from .outputs import backward_roots, find_loss
 from .run_config import (DTYPES, POLICY_MODES, PRECISION_OF_DTYPE, PRECISIONS, RunConfig, autocast_device_types,
                          autocast_for, float32_region, numerics_flags, preserved_rng, set_rng)
 
@@ -92,7 +96,7 @@ class ReplaySession:
         self.training = bool(bundle.meta.get("training", True)) if isinstance(bundle.meta, dict) else True
         # Where every backward starts: d(loss)/d(outputs), unscaled, per micro-batch.
         self.grad_outputs = list(bundle.grad_outputs)
-        self.saved_grad_nonfinite = self.grad_outputs_nonfinite
+        self.saved_grad_nonfinite = self.grad_outputs_nonfinite and self._nonfinite_at_roots()
         self.backward_start = "saved"
         if self.saved_grad_nonfinite:
             self.grad_outputs = substitute_mean(self.grad_outputs)
@@ -102,6 +106,31 @@ class ReplaySession:
     def grad_outputs_nonfinite(self) -> int:
         """NaN/Inf values in the output gradients the backward starts from."""
         return sum(int((~torch.isfinite(g)).sum()) for mb in self.grad_outputs for g in mb if g is not None)
+
+    def _nonfinite_at_roots(self) -> int:
+        """NaN/Inf values in the saved gradients of the outputs a backward
+        starts from (`backward_roots`): the NaN logits gradient of a model
+        whose own loss is NaN does not matter when the loss, whose gradient
+        is the loss scale, is the start. Finds the roots with one float64
+        forward; a model that fails it counts every output (the run says why)."""
+        config = RunConfig("fp64", device=str(self.device))
+        model = self.model(torch.float64)
+        bad = 0
+        try:
+            with preserved_rng(self.device), numerics_flags(config):
+                for mb, (args, kwargs, grads) in enumerate(self.micro_batches(config)):
+                    self._restore_rng(mb)
+                    with torch.enable_grad():
+                        output = model(*args, **kwargs)
+                    wanting = [t for t in iter_tensors(output) if is_floating(t) and t.requires_grad]
+                    if len(wanting) != len(grads):
+                        return self.grad_outputs_nonfinite
+                    seeded = [(t, g) for t, g in zip(wanting, grads) if g is not None]
+                    roots = backward_roots([t for t, _ in seeded])
+                    bad += sum(int((~torch.isfinite(g)).sum()) for (_, g), root in zip(seeded, roots) if root)
+        except Exception:  # noqa: BLE001 - the user's model may raise anything; run() reports it
+            return self.grad_outputs_nonfinite
+        return bad
 
     def start_backward(self, loss_fn=None) -> list:
         """The one rule for where every precision's backward starts (replay,
@@ -230,7 +259,7 @@ class ReplaySession:
                             output = model(*args, **kwargs)
                         outs = [t for t in iter_tensors(output) if is_floating(t)]
                         result.outputs.append([t.detach().clone() for t in outs])
-                        result.losses.append(_loss_value(output, outs, mb, loss_fn))
+                        result.losses.append(_loss_value(output, mb, loss_fn))
                         if watch is not None:
                             watch.watch(outs)
                         _backward(outs, grads, config)
@@ -285,14 +314,16 @@ class ReplaySession:
         def feed(t):
             if not is_floating(t):
                 return t
-            rounded = t.detach().to(next(dtypes, None) or config.dtype)
+            rounded = round_to(t.detach(), next(dtypes, None) or config.dtype)
             if reference:
                 rounded = rounded.to(torch.float64)
             leaf = rounded.requires_grad_(bool(next(flags, False) and grads is not None))
             leaves.append(leaf)
             # A non-leaf copy, so an in-place op of the module on its input is allowed.
             return leaf.clone() if leaf.requires_grad else leaf
-        args, kwargs = map_tensors(args, feed), map_tensors(kwargs, feed)
+        # The kept objects stay as they were before the call (a cache the call appends to).
+        args = map_tensors(args, feed, other=stateful_copy)
+        kwargs = map_tensors(kwargs, feed, other=stateful_copy)
         with ExitStack() as stack:
             stack.enter_context(preserved_rng(self.device))
             stack.enter_context(numerics_flags(config))
@@ -312,7 +343,10 @@ class ReplaySession:
 
 
 def _local_grads(module, leaves, outs, grads) -> dict:
-    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    # A module output computed from another of its outputs already holds
+    # that one's share of the gradient (see outputs.backward_roots).
+    pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+    pairs = [pair for pair, root in zip(pairs, backward_roots([o for o, _ in pairs])) if root]
     targets = {f"input:{i}": t for i, t in enumerate(leaves) if t.requires_grad}
     targets.update({f"param:{n}": p for n, p in module.named_parameters() if p.requires_grad})
     if not pairs or not targets:
@@ -353,14 +387,13 @@ def _slice(t: torch.Tensor, batch, size):
     return t.index_select(0, index)
 
 
-def _loss_value(output, outs, mb, loss_fn):
+def _loss_value(output, mb, loss_fn):
     if loss_fn is not None:
         with torch.no_grad():
             value = loss_fn(output, mb)
         return float(value.detach().double()) if isinstance(value, torch.Tensor) else float(value)
-    if len(outs) == 1 and outs[0].dim() == 0:
-        return float(outs[0].detach().double())
-    return None
+    loss = find_loss(output)
+    return None if loss is None else float(loss.detach().double())
 
 
 def substitute_mean(grad_outputs: list) -> list:
@@ -380,18 +413,20 @@ def substitute_mean(grad_outputs: list) -> list:
 
 def _backward(outs, grads, config: RunConfig):
     """Start the backward from the bundle's output gradients (times the scale
-    for reduced precision), cast to each output's dtype as autograd would."""
+    for reduced precision), cast to each output's dtype as autograd would,
+    at the outputs with a gradient that no other such output was computed
+    from (`backward_roots`: a loss computed inside the model is the one
+    start, as in training; a loss_fn on the logits alone seeds the logits)."""
     wanting = [t for t in outs if t.requires_grad]
     if len(grads) != len(wanting):
         raise ModelSpecError(f"the bundle holds {len(grads)} output gradients but the model returned "
                              f"{len(wanting)} floating outputs requiring grad; is this the model the run trained?")
-    pairs = []
-    for t, g in zip(wanting, grads):
-        if g is None:
-            continue
+    seeded = [(t, g) for t, g in zip(wanting, grads) if g is not None]
+    for t, g in seeded:
         if tuple(g.shape) != tuple(t.shape):
             raise ModelSpecError(f"the bundle's output gradient has shape {tuple(g.shape)} but the "
                                  f"model's output has shape {tuple(t.shape)}; is this the model the run trained?")
-        pairs.append((t, (g * config.backward_scale).to(t.dtype)))
+    pairs = [(t, (g * config.backward_scale).to(t.dtype))
+             for (t, g), root in zip(seeded, backward_roots([t for t, _ in seeded])) if root]
     if pairs:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])

@@ -3,7 +3,10 @@
 `--model SPEC` names a factory: `package.module:factory` (imported) or
 `path/to/file.py:factory` (loaded from the file); the factory is called with
 no arguments and must return an `nn.Module`. Without a spec, the recorded
-class path is tried with a no-argument constructor. Weights load strictly: a
+class path is tried with a no-argument constructor. A transformers model
+class or auto class (`transformers:AutoModelForCausalLM`) is built instead
+from the config the recorder saved in the manifest (`model_config`), with
+random weights: nothing is downloaded. Weights load strictly: a
 key the model lacks or a model key the bundle lacks is an error that lists
 them, never a silent partial load.
 """
@@ -16,6 +19,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from recorders import schema
 
 from ..errors import LossFnSpecError, ModelSpecError
 
@@ -118,9 +123,13 @@ def _recorded_class(class_path: str):
     return None
 
 
-def build_model(spec: str | None, model_class: str | None = None) -> torch.nn.Module:
-    """Call the factory named by `spec` (or the recorded class with no
-    arguments when `spec` is None) and check that it returns a module."""
+def build_model(spec: str | None, model_class: str | None = None, model_config: dict | None = None
+                ) -> torch.nn.Module:
+    """Call the factory named by `spec` (or the recorded class when `spec` is
+    None) and check that it returns a module. A Hugging Face model class or
+    auto class (`transformers:AutoModelForCausalLM`) is built from
+    `model_config`, the config the recorder saved with the run; anything
+    else is called with no arguments."""
     if spec is not None:
         factory = resolve_factory(spec)
         what = f"model spec {spec!r}"
@@ -132,15 +141,54 @@ def build_model(spec: str | None, model_class: str | None = None) -> torch.nn.Mo
         if factory is None:
             raise ModelSpecError(f"cannot import the recorded model class {model_class!r}; {hint}")
         what = f"recorded model class {model_class!r}"
-    try:
-        model = factory()
-    except Exception as exc:  # noqa: BLE001
-        extra = "" if spec is not None else f"; {hint}"
-        raise ModelSpecError(f"{what} could not be built with no arguments: "
-                             f"{type(exc).__name__}: {exc}{extra}") from exc
+    if _builds_from_config(factory) and (model_config is not None
+                                         or type(factory).__module__.startswith("transformers")
+                                         or factory.__module__.startswith("transformers")):
+        if model_config is None:
+            raise ModelSpecError(f"{what} is built from a config, and the run saved none (a recorder older than "
+                                 "the model_config manifest key, or a bundle away from its run directory); "
+                                 f"pass --model {_SPEC_FORMS} (a function that returns the model)")
+        model = _from_config(factory, model_config, what)
+    else:
+        try:
+            model = factory()
+        except Exception as exc:  # noqa: BLE001
+            extra = "" if spec is not None else f"; {hint}"
+            raise ModelSpecError(f"{what} could not be built with no arguments: "
+                                 f"{type(exc).__name__}: {exc}{extra}") from exc
     if not isinstance(model, torch.nn.Module):
         raise ModelSpecError(f"{what} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _builds_from_config(factory) -> bool:
+    """A transformers auto class (`from_config`) or model class (`config_class`)."""
+    return isinstance(factory, type) and (callable(getattr(factory, "from_config", None))
+                                          or (getattr(factory, "config_class", None) is not None
+                                              and callable(getattr(factory, "_from_config", None))))
+
+
+def _from_config(cls, saved: dict, what: str) -> torch.nn.Module:
+    """`cls` built from the saved config JSON: the model's own config class
+    when `cls` names one, else transformers' `AutoConfig` by `model_type`.
+    The weights are random here (no download); the bundle's replace them."""
+    fields = dict(saved)
+    attn = fields.pop("_attn_implementation", None)
+    kwargs = {"attn_implementation": attn} if attn else {}
+    try:
+        config_class = getattr(cls, "config_class", None)
+        if config_class is not None:
+            config = config_class.from_dict(fields)
+        else:
+            from transformers import AutoConfig
+            config = AutoConfig.for_model(**fields)
+        builder = getattr(cls, "from_config", None)
+        if not callable(builder):
+            builder = cls._from_config
+        return builder(config, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - transformers may raise anything on a config it cannot use
+        raise ModelSpecError(f"{what} could not be built from the run's saved config "
+                             f"(model_type {saved.get('model_type')!r}): {type(exc).__name__}: {exc}") from exc
 
 
 def _listed(keys) -> str:
@@ -200,17 +248,39 @@ def _storage_key(t: torch.Tensor):
         return id(t)
 
 
-def resolve_model(model, model_class: str | None) -> torch.nn.Module:
+def resolve_model(model, model_class: str | None, model_config: dict | None = None) -> torch.nn.Module:
     """The user's model, however given: an `nn.Module`, a spec string
-    (`pkg.mod:factory` or `file.py:factory`), a no-argument factory, or
-    None (the recorded class, built with no arguments)."""
+    (`pkg.mod:factory`, `file.py:factory`, or a transformers class such as
+    `transformers:AutoModelForCausalLM`, built from `model_config`), a
+    no-argument factory, or None (the recorded class)."""
     if isinstance(model, torch.nn.Module):
         return model
     if model is None or isinstance(model, str):
-        return build_model(model, model_class)
+        return build_model(model, model_class, model_config)
     if callable(model):
         built = model()
         if not isinstance(built, torch.nn.Module):
             raise ModelSpecError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
         return built
     raise ModelSpecError(f"model {model!r} is not a spec, a module or a factory")
+
+
+def saved_model_config(bundle, run_dir=None) -> dict | None:
+    """The model config the recorder saved with the run (`model_config` in
+    the rank's manifest, else the run's), found from `run_dir` or from the
+    bundle's place inside its run (`bundles/step=N/rank=R`); None when
+    there is none."""
+    import json
+    roots = [Path(run_dir)] if run_dir is not None else []
+    if getattr(bundle, "path", None):
+        roots.append(Path(bundle.path).parent.parent.parent)
+    for root in roots:
+        for manifest in (root / schema.RANK_DIR.format(rank=bundle.rank) / schema.MANIFEST_FILE,
+                         root / schema.MANIFEST_FILE):
+            try:
+                config = json.loads(manifest.read_text()).get("model_config")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(config, dict):
+                return config
+    return None

@@ -11,7 +11,8 @@ what-if hooks (`RunConfig.fp32_modules`, `loss_scale`, `batch`). This module
 holds the plumbing they share: opening a step (`prepare`), measuring one
 trial against the float64 reference (`trial_metrics`) and the one judgement
 of whether a trial saves the step (`judge`, used by fix, bisect and
-recommend through `Prepared.trial`). Nothing here imports torch at import
+recommend through `Prepared.trial`), and the run's other saved steps a
+remedy found on one is tried on (`other_bundles`, `prepare_like`). Nothing here imports torch at import
 time, so `scale-window` without a model stays torch-free.
 """
 from __future__ import annotations
@@ -130,10 +131,42 @@ def load_step(source, step=None, rank=None):
     return bundles.load_bundle(path, step=step, rank=rank)
 
 
+def other_bundles(prepared) -> list:
+    """(step, path) of the run's other saved bundles of the same rank, by
+    step: what a remedy found on one step is tried on (`fix`, the scale
+    window). Empty when the bundle does not sit in a run directory."""
+    from pathlib import Path
+
+    from .. import bundle as bundles
+    path = Path(prepared.bundle.path)
+    if len(path.parents) < 3 or path.parents[1].name != "bundles":
+        return []
+    run_dir = path.parents[2]
+    return [(s, p) for s, r, p in bundles.list_bundles(run_dir) if r == prepared.rank and s != prepared.step]
+
+
+def prepare_like(prepared, path, **options) -> "Prepared":
+    """Another bundle opened the way `prepared` was (its model class, device,
+    policy and precision): the run's steps are tried alike."""
+    from ..replay import ReplaySession, RunConfig
+    bundle = load_step(path)
+    session = ReplaySession(bundle, prepared.session._base, device=str(prepared.session.device))
+    notes = session.start_backward(options.get("loss_fn"))
+    config = prepared.config.replace(loss_scale=float(bundle.loss_scale or 1.0),
+                                     precision_flags=dict(bundle.precision_flags or {}))
+    reference = session.run(RunConfig("fp64", device=prepared.config.device),
+                            keep_inputs=options.get("keep_inputs", False))
+    if not _finite(reference.outputs):
+        notes.append("the float64 reference is itself non-finite: this is not a precision problem "
+                     "(check the data: `bisect`)")
+    return Prepared(bundle=bundle, session=session, precision=prepared.precision, config=config,
+                    reference=reference, notes=notes, backward_start=session.backward_start)
+
+
 def build(model, bundle):
     """The user's model (see `replay.model_spec.resolve_model`)."""
-    from ..replay.model_spec import resolve_model
-    return resolve_model(model, bundle.model_class)
+    from ..replay.model_spec import resolve_model, saved_model_config
+    return resolve_model(model, bundle.model_class, saved_model_config(bundle))
 
 
 def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", policy: str = "recorded",

@@ -27,6 +27,9 @@
    saves the step or `max_set` modules are in it; a found set is then pruned
    of members it does not need.
 5. The patch: one `keep_fp32(model.<name>)` line per module of the set.
+6. The fix is tried on every other saved step of the run (`saved_steps`,
+   `not_saved_steps`): one that saves this step and not the next only
+   moves the failure.
 """
 from __future__ import annotations
 
@@ -61,11 +64,24 @@ class FixReport:
     patch: str | None
     notes: list = field(default_factory=list)
     backward_start: str = "saved"   # engine.ReplaySession.start_backward
+    # The fix tried on every saved step of the run (this one first):
+    # [{"step", "saved", "saved_as_recorded", "why"}]
+    saved_steps_check: list = field(default_factory=list)
+
+    @property
+    def saved_steps(self) -> list:
+        return sorted(c["step"] for c in self.saved_steps_check if c["saved"])
+
+    @property
+    def not_saved_steps(self) -> list:
+        return sorted(c["step"] for c in self.saved_steps_check if not c["saved"])
 
     def to_dict(self) -> dict:
         return plain({"step": self.step, "rank": self.rank, "precision": self.precision, "policy": self.policy,
                       "loss_scale": self.loss_scale, "baseline": self.baseline, "candidates": self.candidates,
                       "trials": self.trials, "fix": self.fix, "search": self.search, "patch": self.patch,
+                      "saved_steps_check": self.saved_steps_check, "saved_steps": self.saved_steps,
+                      "not_saved_steps": self.not_saved_steps,
                       "notes": self.notes, "backward_start": self.backward_start,
                       "thresholds": _thresholds()})
 
@@ -98,6 +114,12 @@ class FixReport:
         else:
             out.append(f"no set of up to {MAX_SET} modules kept in float32 saves the step "
                        "(see `recommend` for bf16 and the loss scale)")
+        if len(self.saved_steps_check) > 1:
+            out.append(f"tried on every saved step of the run: saves step(s) "
+                       f"{', '.join(map(str, self.saved_steps)) or 'none'}"
+                       + (f"; does NOT save step(s) {', '.join(map(str, self.not_saved_steps))}"
+                          if self.not_saved_steps else ""))
+            out += [f"  step {c['step']}: {c['why']}" for c in self.saved_steps_check if not c["saved"]]
         return out
 
 
@@ -156,7 +178,31 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
         position = {name: i for i, (name, _) in enumerate(net.named_modules())}
         report.fix = sorted(report.fix, key=lambda n: position.get(n, len(position)))  # model order
         report.patch = patch_lines(net, report.fix)
+        report.saved_steps_check = try_on_saved_steps(p, report.fix, progress)
     return report
+
+
+def try_on_saved_steps(p, modules, progress=None) -> list:
+    """The fix tried on every saved step of the run (the replayed one
+    first): a fix found on one step that leaves another non-finite only
+    moves the failure. Each step is judged as the fix search judges
+    (`whatif.judge`), as recorded and with `modules` in float32."""
+    from . import other_bundles, prepare_like
+    out = [{"step": p.step, "saved": True, "saved_as_recorded": False, "why": None}]
+    others = other_bundles(p)
+    for i, (step, path) in enumerate(others):
+        q = prepare_like(p, path, keep_inputs=True)
+        as_recorded = q.trial()
+        t = q.trial(fp32_modules=tuple(modules)) if not as_recorded["saved"] else as_recorded
+        why = None
+        if not t["saved"]:
+            ref_bad = any(n.startswith("the float64 reference") for n in q.notes)
+            why = ("the float64 replay is non-finite too: no precision setting saves it" if ref_bad else
+                   f"with {', '.join(modules)} in float32: {t['why']}")
+        out.append({"step": step, "saved": bool(t["saved"]), "saved_as_recorded": bool(as_recorded["saved"]),
+                    "why": why})
+        report_progress(progress, "trying the fix on the saved steps", i + 1, len(others))
+    return out
 
 
 def rank_candidates(comparisons, limit: int = MAX_CANDIDATES) -> list:

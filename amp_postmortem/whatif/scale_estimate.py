@@ -14,6 +14,7 @@ import math
 
 from recorders import schema
 
+from ..analyses.nans import tied_aliases
 from ..analyses.ranges import zeros_look_flushed
 from ..errors import StepNotFoundError
 from .scale_result import (LAYER_COLUMNS, MAX_UNDERFLOW, SCALES, ScaleWindow, calibration_notes, position_in_window,
@@ -61,6 +62,8 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
     for (name, _), g in df.groupby(["name", "rank"], sort=False):
         r = g.iloc[0]
         layers.append(_fit_layer(name, r, shift, norm))
+    layers += _weight_gradients(run, int(step), set(df["name"]),
+                                int(math.ceil(shift)) if len(scale) else None)
     lo_k, hi_k = int(scales[0]), int(scales[1])
     overflow_k = min((lay["overflow_k"] for lay in layers if lay["overflow_k"] is not None), default=None)
     usable = []
@@ -71,6 +74,8 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
         if share is None or share <= max_underflow:
             usable.append(k)
     for lay in layers:
+        if lay.get("weight_gradient"):
+            continue
         lay["underflow_k"] = next((k for k in range(lo_k, hi_k + 1)
                                    if (_estimated_share([lay], k, norm) or 0.0) <= max_underflow), None)
     if any(lay.get("assumed_spread") for lay in layers):
@@ -89,7 +94,46 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
                        recorded_position=position_in_window(window, shift if len(scale) else None), settings=settings,
                        code=code, rows=[{k: lay[k] for k in LAYER_COLUMNS} for lay in layers],
                        max_underflow=max_underflow, notes=notes + calibration_notes(run.scaler, window),
-                       recorded_scaler=run.scaler)
+                       recorded_scaler=run.scaler, verified=False, why=unverified_why(run))
+
+
+def unverified_why(run, check: str = "replay the saved steps at the window's edges") -> str:
+    """Why advice from recorded statistics is not verified by a replay:
+    no bundle to replay, or no model to replay it with (`check` says what
+    the replay would have done)."""
+    if not run.manifest.get("bundles"):
+        return (f"the run holds no replay bundle to {check} (AmpRecorder saves one on a non-finite step, or on "
+                "request: bundle_steps)")
+    return f"no --model given to {check}"
+
+
+def _weight_gradients(run, step: int, fp16_modules: set, scale_k: int | None) -> list:
+    """Overflow edges of the weight gradients computed in float16: the
+    parameters of modules whose output gradient travelled in float16 (their
+    weight-gradient matmul ran in float16 too), a tied parameter when any
+    module using it did. `param_grad` rows hold the unscaled gradient: at
+    scale 2^k the matmul's result is that times 2^k, and overflows above
+    65504. Overflow edge only: a parameter gradient's distribution is not
+    what the scale shifts into the subnormal range (the module gradients
+    are)."""
+    aliases = tied_aliases(run)
+    df = run.scan_tensors(["step", "rank", "name", "kind", "numel", "absmax", "nan_count", "inf_count"],
+                          steps=[step], kinds=["param_grad"], label="reading weight gradients")
+    out = []
+    for name, g in df.groupby("name", sort=False):
+        users = [n.rpartition(".")[0] for n in [name] + aliases.get(name, [])]
+        if not any(u in fp16_modules for u in users):
+            continue
+        absmax = _num(g["absmax"].max())
+        edge = int(math.floor(math.log2(schema.FP16_MAX / absmax))) if absmax and absmax > 0 else None
+        if ((g["nan_count"] + g["inf_count"]) > 0).any() and scale_k is not None:
+            edge = scale_k - 1 if edge is None else min(edge, scale_k - 1)
+        if edge is None:
+            continue
+        out.append({"name": name, "numel": int(g["numel"].max() or 0), "nonzero": 0, "below_normal_share": None,
+                    "zero_share": None, "absmax_unscaled": absmax, "overflow_k": edge, "underflow_k": None,
+                    "log2_mu": None, "log2_sigma": None, "weight_gradient": True})
+    return out
 
 
 def _estimate_step(run, before: int | None = None):
@@ -118,10 +162,17 @@ def _fit_layer(name, r, shift, norm) -> dict:
     out = {"name": name, "numel": numel, "nonzero": nonzero, "below_normal_share": below, "zero_share": zero,
            "absmax_unscaled": absmax / 2 ** shift if absmax else absmax, "overflow_k": None,
            "underflow_k": None, "log2_mu": None, "log2_sigma": None}
+    # A gradient that overflowed at the recorded scale 2^shift says so
+    # itself, whatever its finite values: the edge lies below that scale.
+    overflowed = (_num(r.get("inf_count")) or 0) + (_num(r.get("nan_count")) or 0) > 0
+    cap = int(math.ceil(shift)) - 1 if overflowed else None
+    out["overflow_k"] = cap
     if not absmax or absmax <= 0:
         return out
     a = math.log2(absmax)
     out["overflow_k"] = int(math.floor(math.log2(schema.FP16_MAX) - (a - shift)))
+    if cap is not None:
+        out["overflow_k"] = min(out["overflow_k"], cap)
     # Share of the fitted values below the float16 normal limit at the
     # recorded scale. Zeros the float16 range flushed are such values too
     # (censored, not absent): then the fit covers every value, not only the
@@ -174,7 +225,7 @@ def _estimated_share(layers, k, norm):
 def _empty_estimate(step, scale, notes, max_underflow) -> ScaleWindow:
     return ScaleWindow(method="estimate", step=step, rank=None, recorded_scale=scale, window=None,
                        recorded_position=None, settings=None, code=None, rows=[], max_underflow=max_underflow,
-                       notes=notes)
+                       notes=notes, verified=False, why="no recorded statistics to estimate from")
 
 
 def _num(v):

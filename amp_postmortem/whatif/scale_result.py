@@ -41,9 +41,17 @@ class ScaleWindow:
     max_underflow: float = MAX_UNDERFLOW
     notes: list = field(default_factory=list)
     recorded_scaler: dict | None = None
+    # Replayed: every scale was run, forward and backward, so the edges are
+    # facts of the saved step. Estimated: `why` it could not be checked.
+    verified: bool = False
+    why: str | None = None
+    # Replayed with `verify_window`: the other saved steps at the window's
+    # top ([{"step", "finite_at_max", "max_finite_k", "why"}]).
+    checked_steps: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return plain({"method": self.method, "step": self.step, "rank": self.rank,
+                      "verified": self.verified, "why": self.why, "checked_steps": self.checked_steps,
                       "recorded_scale": self.recorded_scale, "window": self.window,
                       "recorded_position": self.recorded_position, "settings": self.settings, "code": self.code,
                       "max_underflow": self.max_underflow, "recorded_scaler": self.recorded_scaler,
@@ -54,7 +62,9 @@ class ScaleWindow:
         return pd.DataFrame(self.rows, columns=cols)
 
     def lines(self) -> list[str]:
-        what = "replayed" if self.method == "replay" else "estimated from recorded statistics"
+        what = ("replayed" if self.method == "replay" else
+                f"estimated from recorded statistics (estimate, not verified: {self.why})" if self.why else
+                "estimated from recorded statistics (estimate, not verified)")
         out = [f"loss-scale window, {what}: step {self.step}"
                + (f", rank {self.rank}" if self.rank is not None else "")
                + (f", recorded scale {self.recorded_scale:g}" if self.recorded_scale else "")]
@@ -66,6 +76,9 @@ class ScaleWindow:
                        f"{w['width_bits']} bits); the recorded scale is {self.recorded_position or 'unknown'}")
         if self.code:
             out.append(f"GradScaler settings that stay inside it: {self.code}")
+        for c in self.checked_steps:
+            out.append(f"saved step {c['step']}: " + (f"finite at 2^{c['max_finite_k']}" if c["finite_at_max"]
+                                                      else c["why"]))
         out += [f"note: {n}" for n in self.notes[(1 if w is None and self.notes else 0):]]
         return out
 

@@ -12,14 +12,21 @@ float16 at every scale 2^k, k in `scales` (default -16..40). At each:
   zeros in float64 too and do not count.
 A scale is usable when it does not overflow and its underflow share is at
 most `max_underflow` (default 5%, the `ranges` underflow flag). The window is
-the longest run of consecutive usable scales.
+the longest run of consecutive usable scales. `verify_window` then replays
+the run's other saved steps at its top and lowers it until they are finite
+too, so the printed settings keep every saved step finite that a scale can.
 
 Estimated (`estimate_scale_window`, no replay, no torch): from one recorded
 step's float16 `grad_output` rows (a clean full-tier step by default), at the
 scale S that step ran with:
 - overflow edge: 2^k with k = floor(log2(65504 / max unscaled absmax)),
-  where the unscaled absmax of a layer is its recorded absmax / S. An upper
-  bound: an op inside a module may overflow before its output gradient does;
+  where the unscaled absmax of a layer is its recorded absmax / S, over the
+  float16 module gradients and the weight gradients computed in float16
+  (`param_grad` rows, unscaled, of the parameters of modules whose gradient
+  travelled in float16: the weight-gradient matmul's result is that gradient
+  times the scale; a tied parameter counts when any module using it ran in
+  float16). Still an upper bound: an op inside a module may overflow before
+  its output gradient does, so the estimate is marked not verified;
 - underflow edge: per layer, log2|g| of the non-zero values is modelled as
   normal, fitted through the recorded points of its distribution: the share
   below 2^-14 (`below_normal_share`) and the largest value (absmax, taken as
@@ -59,6 +66,10 @@ class ScaleWindowReport:
     replay: ScaleWindow | None
     estimate: ScaleWindow | None
 
+    def __post_init__(self):
+        if self.replay is not None and self.estimate is not None:
+            self.estimate.why = f"the replay of step {self.replay.step} is the verified window"
+
     @property
     def main(self) -> ScaleWindow:
         return self.replay or self.estimate
@@ -74,7 +85,7 @@ class ScaleWindowReport:
         out = self.main.lines()
         if self.replay and self.estimate:
             e = self.estimate
-            out.append("estimate from the recorded statistics alone: " + (
+            out.append("estimate from the recorded statistics alone (not verified; the replay above is): " + (
                 f"2^{e.window['min_k']} .. 2^{e.window['max_k']}" if e.window else "no usable scale"))
         return out
 
@@ -83,8 +94,9 @@ class ScaleWindowReport:
 def replay_scale_window(source, step=None, *, rank=None, model=None, device: str = "cpu",
                         policy: str = "recorded", precision: str | None = None, loss_fn=None,
                         fp32_modules=(), scales=SCALES, max_underflow: float = MAX_UNDERFLOW,
-                        progress=None, prepared=None) -> ScaleWindow:
-    """Replay the step's backward at every scale 2^k and find the window."""
+                        progress=None, prepared=None, verify: bool = False) -> ScaleWindow:
+    """Replay the step's backward at every scale 2^k and find the window;
+    with `verify`, check it on the run's other saved steps (`verify_window`)."""
     from . import prepare
 
     p = prepared or prepare(source, step, rank=rank, model=model, device=device, policy=policy,
@@ -113,10 +125,66 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
             notes.insert(0, f"every scale from 2^{lo} to 2^{hi} overflows or leaves more than "
                             f"{max_underflow:.0%} of the gradients flushed or subnormal")
     settings, code = scaler_settings(window, device_type=_device_type(p))
-    return ScaleWindow(method="replay", step=p.step, rank=p.rank, recorded_scale=p.loss_scale, window=window,
-                       recorded_position=position_in_window(window, recorded_k), settings=settings, code=code,
-                       rows=rows, max_underflow=max_underflow, notes=notes + calibration_notes(p.bundle.scaler, window),
-                       recorded_scaler=p.bundle.scaler)
+    sw = ScaleWindow(method="replay", step=p.step, rank=p.rank, recorded_scale=p.loss_scale, window=window,
+                     recorded_position=position_in_window(window, recorded_k), settings=settings, code=code,
+                     rows=rows, max_underflow=max_underflow, notes=notes + calibration_notes(p.bundle.scaler, window),
+                     recorded_scaler=p.bundle.scaler, verified=True)
+    return verify_window(sw, p, fp32_modules=fp32_modules, progress=progress) if verify else sw
+
+
+def verify_window(sw: ScaleWindow, prepared, *, fp32_modules=(), progress=None) -> ScaleWindow:
+    """The replayed window checked on every other saved step of the run:
+    each is replayed at the window's top scale 2^max_k (forward and
+    backward, every float16 tensor including the parameter gradients) and,
+    when that overflows, one scale lower at a time down to 2^min_k for the
+    highest at which it is finite; the window's top becomes the lowest such
+    scale, so the GradScaler settings printed from it keep every saved step
+    finite that any scale in the window can keep finite. A step whose
+    forward is non-finite at the bottom of the window is one no loss scale
+    saves (`fix` or `recommend` say what does); it does not narrow it."""
+    import dataclasses
+
+    from . import other_bundles, prepare_like
+    others = other_bundles(prepared)
+    if sw.window is None or not others:
+        return sw
+    lo, hi = sw.window["min_k"], sw.window["max_k"]
+    top, checked, notes = hi, [], list(sw.notes)
+    modules = tuple(fp32_modules)
+    for i, (step, path) in enumerate(others):
+        q = prepare_like(prepared, path)
+        row = {"step": step, "finite_at_max": True, "max_finite_k": hi, "why": None}
+        if not q.run(loss_scale=2.0 ** hi, fp32_modules=modules, capture=False).finite:
+            row.update(finite_at_max=False, max_finite_k=None)
+            for k in range(hi - 1, lo - 1, -1):
+                run = q.run(loss_scale=2.0 ** k, fp32_modules=modules, capture=False)
+                if run.finite:
+                    row["max_finite_k"] = k
+                    break
+            if row["max_finite_k"] is not None:
+                top = min(top, row["max_finite_k"])
+                row["why"] = (f"overflows at 2^{hi}; finite up to 2^{row['max_finite_k']}: the window's top "
+                              "is lowered to keep it finite")
+            else:
+                fwd = _forward_finite(run)
+                row["why"] = ("its forward is non-finite at every scale of the window: no loss scale saves it"
+                              if not fwd else f"non-finite at every scale from 2^{lo} to 2^{hi}")
+        checked.append(row)
+        report_progress(progress, "checking the window on the saved steps", i + 1, len(others))
+    window = usable_window(range(lo, top + 1)) if top >= lo else None
+    if window is None:
+        notes.insert(0, f"no scale keeps every saved step finite: the top of the window falls below 2^{lo}")
+    elif top < hi:
+        notes.append(f"narrowed from 2^{lo}..2^{hi} (step {sw.step} alone) to keep the other saved steps finite")
+    settings, code = scaler_settings(window, device_type=_device_type(prepared))
+    return dataclasses.replace(sw, window=window, settings=settings, code=code, notes=notes, checked_steps=checked,
+                               recorded_position=position_in_window(window, math.log2(sw.recorded_scale)
+                                                           if sw.recorded_scale else None))
+
+
+def _forward_finite(run) -> bool:
+    import torch
+    return run.error is None and all(bool(torch.isfinite(t).all()) for mb in run.outputs for t in mb)
 
 
 def _scale_row(k, run, reference, max_underflow, recorded_k) -> dict:
@@ -158,4 +226,4 @@ def _device_type(p) -> str:
     return ac.get("device_type") or (p.bundle.env or {}).get("device_type") or "cuda"
 
 
-__all__ = ["replay_scale_window", "estimate_scale_window", "scaler_settings", "ScaleWindow", "ScaleWindowReport"]
+__all__ = ["replay_scale_window", "verify_window", "estimate_scale_window", "scaler_settings", "ScaleWindow", "ScaleWindowReport"]

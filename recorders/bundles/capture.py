@@ -162,6 +162,12 @@ class BundleCapture:
             self._request_pending = False
         return cap
 
+    def on_autocast(self, info: dict) -> None:
+        """Autocast as the model's modules saw it, noted after this step's
+        capture began (Accelerate enters it inside the root's forward)."""
+        if self._current is not None:
+            self._current.autocast = dict(info)
+
     def on_model_outputs(self, micro_batch: int, count: int) -> None:
         cap = self._current
         if self.enabled and cap is not None and micro_batch < len(cap.micro_batches):

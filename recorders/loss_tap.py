@@ -1,0 +1,153 @@
+"""Every micro-batch's loss, captured where the job scales or returns it.
+
+A job with gradient accumulation backpropagates several losses per optimizer
+step; the loss a user hands to `rec.step(loss)` is at best the last one, and a
+framework callback gets none. `MicroBatchLosses` collects each micro-batch's
+loss as a device tensor (a detached reference: no copy, no sync); at
+`rec.step()` `step_loss()` combines them on the device, so one NaN
+micro-batch makes the step's loss NaN. Two taps feed it:
+
+- `ScaleTap` wraps `scaler.scale` on the scaler *instance* (removed on close):
+  every loop that uses a GradScaler (plain, Accelerate, Trainer, Lightning
+  16-mixed) passes its loss through it, after any accumulation division. A
+  disabled scaler still passes it through (nanoGPT's bf16 path).
+- `OutputLossTap`: a forward hook on the model that takes the loss a model
+  returns (Hugging Face models called with `labels=`; a `(logits, loss)`
+  tuple), for jobs without a scaler.
+
+Frameworks that hand the loss to a hook (Lightning's `on_before_backward`)
+call `AmpRecorder.add_loss`.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+
+class MicroBatchLosses:
+    """The losses of the current optimizer step's micro-batches, as
+    backpropagated (`add`: through the scaler, or handed over by a
+    framework, after any accumulation division) or as the model returned
+    them (`add_returned`: before the loop divides them)."""
+
+    def __init__(self):
+        self._backpropagated: list[torch.Tensor] = []
+        self._returned: list[torch.Tensor] = []
+
+    def add(self, loss) -> None:
+        if _usable(loss):
+            self._backpropagated.append(loss.detach())
+
+    def add_returned(self, loss) -> None:
+        if _usable(loss):
+            self._returned.append(loss.detach())
+
+    def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        taken = self._backpropagated, self._returned
+        self._backpropagated, self._returned = [], []
+        return taken
+
+
+def _usable(loss) -> bool:
+    return isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel() > 0
+
+
+def step_loss(taken, explicit=None):
+    """The loss to record for a step (`taken`: `MicroBatchLosses.take()`),
+    on the device, never read here.
+
+    The sum of the losses as backpropagated (the objective whose gradient
+    the step took: with `loss / accum` per micro-batch, the mean loss), else
+    the mean of the losses the model returned (one micro-batch's loss
+    each, as a replay of the step computes them); float64 accumulation.
+    A loss the user passes wins while every captured loss is finite; when one
+    is not, the captured non-finite value is recorded instead, so the step
+    counts as a non-finite-loss step whichever micro-batch it was."""
+    backpropagated, returned = taken
+    losses = backpropagated or returned
+    if not losses:
+        return explicit
+    device = losses[0].device
+    total = torch.stack([t.to(device=device, dtype=torch.float64).sum() for t in losses]).sum()
+    if not backpropagated:
+        total = total / len(losses)
+    if isinstance(explicit, torch.Tensor) and explicit.numel() == 1:
+        explicit = explicit.detach().reshape(())
+        return torch.where(torch.isfinite(total.to(explicit.device)), explicit,
+                           total.to(device=explicit.device, dtype=explicit.dtype))
+    if isinstance(explicit, (int, float)):
+        # A fill on the device: no host-to-device copy on the training path.
+        return torch.where(torch.isfinite(total), torch.full_like(total, float(explicit)), total)
+    # float32 at least: a sum of float16 losses may overflow where none did.
+    dtype = torch.promote_types(losses[0].dtype, torch.float32)
+    return total.to(dtype)
+
+
+class ScaleTap:
+    """Wraps `scaler.scale` on the instance; returns the scaler's own result,
+    so the training is bit-identical. `remove()` restores the class method."""
+
+    def __init__(self, scaler, losses: MicroBatchLosses, active):
+        self._scaler = scaler
+        original = scaler.scale  # bound now: a later wrap by someone else stays theirs
+
+        def scale(outputs):
+            if active():
+                for t in _tensors(outputs):
+                    losses.add(t)
+            return original(outputs)
+
+        self._wrapper = scale
+        scaler.scale = scale
+
+    def remove(self) -> None:
+        if self._scaler.__dict__.get("scale") is self._wrapper:
+            del self._scaler.__dict__["scale"]
+
+
+class OutputLossTap:
+    """Takes the loss among a model's outputs in a forward hook."""
+
+    def __init__(self, module: torch.nn.Module, losses: MicroBatchLosses, active):
+        # A deepcopy of the model (an EMA copy) carries this hook too.
+        ref = weakref.ref(module)
+
+        def hook(mod, args, output):
+            if mod is ref() and active():
+                losses.add_returned(find_loss(output))
+
+        self._handle = module.register_forward_hook(hook)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def find_loss(output):
+    """The loss a model returned, or None: a mapping's (or Hugging Face
+    ModelOutput's) `"loss"`, an object's `.loss`, else the one 0-d floating
+    tensor with a gradient among a tuple's elements (nanoGPT's
+    `(logits, loss)`); None when that is ambiguous."""
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, (tuple, list)):
+        scalars = [t for t in output if _is_loss(t)]
+        loss = scalars[0] if len(scalars) == 1 else None
+    else:
+        loss = getattr(output, "loss", None)
+    return loss if _is_loss(loss) else None
+
+
+def _is_loss(t) -> bool:
+    # 0-d: a reduced loss, never a prediction of a batch of one.
+    return (isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()
+            and t.requires_grad)
+
+
+def _tensors(outputs):
+    if isinstance(outputs, torch.Tensor):
+        yield outputs
+    elif isinstance(outputs, (tuple, list)):
+        for o in outputs:
+            yield from _tensors(o)

@@ -1,0 +1,173 @@
+"""recorders.loss_tap: every micro-batch's loss, captured where the job
+scales it (GradScaler.scale) or where the model returns it, combined with a
+loss passed to `rec.step()`."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from framework_runs import read_table
+from recorders import AmpRecorder
+from recorders.loss_tap import find_loss
+from recorders.unwrap import unwrap_optimizer
+
+ACCUM, STEPS = 2, 3
+
+
+class LossNet(nn.Module):
+    """Returns `(logits, loss)`, nanoGPT's convention."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        logits = self.fc(x)
+        return logits, ((logits.float() - y) ** 2).mean()
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(STEPS * ACCUM)]
+
+
+def loop(run=None, *, scaler=True, pass_loss=False, nan_micro_batch=None, **options):
+    """fp16 CPU autocast, ACCUM micro-batches per step, each loss divided by
+    ACCUM before scaling. Returns (the losses as backpropagated per step, the
+    model, the scaler)."""
+    model = LossNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+    rec = AmpRecorder(run, model, optimizer=opt, scaler=sc, **options) if run else None
+    backpropagated = []
+    for i, (x, y) in enumerate(_data()):
+        if i == nan_micro_batch:
+            x = x.clone()
+            x[0, 0] = math.nan
+        with torch.autocast("cpu", dtype=torch.float16):
+            _, loss = model(x, y)
+        loss = loss / ACCUM
+        backpropagated.append(loss.item())
+        (sc.scale(loss) if sc else loss).backward()
+        if (i + 1) % ACCUM:
+            continue
+        if sc:
+            sc.step(opt)
+            sc.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        if rec:
+            rec.step(loss) if pass_loss else rec.step()
+    if rec:
+        rec.close()
+    per_step = [backpropagated[i:i + ACCUM] for i in range(0, len(backpropagated), ACCUM)]
+    return per_step, model, sc
+
+
+def _losses(run):
+    return read_table(run, "steps").sort_values("step")["loss"].tolist()
+
+
+def test_scale_tap_records_the_sum_of_every_micro_batch_loss_bit_identically(tmp_path):
+    per_step, recorded, scaler = loop(tmp_path / "run")
+    _, plain, _ = loop()
+    assert all(torch.equal(a, b) for a, b in zip(recorded.parameters(), plain.parameters()))
+    # float64 sum of the float32 losses, recorded as float32
+    expected = [float(torch.tensor(math.fsum(s), dtype=torch.float32)) for s in per_step]
+    assert _losses(tmp_path / "run") == pytest.approx(expected, rel=1e-7)
+    assert "scale" not in scaler.__dict__  # close() restored the class's method
+
+
+def test_a_nan_in_an_earlier_micro_batch_wins_over_the_finite_loss_passed(tmp_path):
+    per_step, _, _ = loop(tmp_path / "run", pass_loss=True, nan_micro_batch=2)
+    losses = _losses(tmp_path / "run")
+    # Step 1's first micro-batch was NaN, its last (the one passed) finite.
+    assert math.isfinite(per_step[1][1]) and math.isnan(losses[1])
+    # Otherwise the loss passed wins: the last micro-batch's, as before.
+    assert losses[0] == pytest.approx(per_step[0][1], rel=1e-7)
+    assert losses[2] == pytest.approx(per_step[2][1], rel=1e-7)
+
+
+def test_without_a_scaler_the_mean_of_the_losses_the_model_returns_is_captured(tmp_path):
+    per_step, _, _ = loop(tmp_path / "run", scaler=False)
+    # The model returns ACCUM * (the loss backpropagated); the mean of its
+    # micro-batches' losses, as a replay computes it.
+    assert _losses(tmp_path / "run") == pytest.approx([math.fsum(ACCUM * v for v in s) / ACCUM
+                                                       for s in per_step], rel=1e-6)
+
+
+def test_a_disabled_scaler_still_hands_over_every_loss(tmp_path):
+    """nanoGPT's bf16 path scales through GradScaler(enabled=False)."""
+    model = LossNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    passed = []
+    with AmpRecorder(tmp_path / "run", model, optimizer=opt, scaler=scaler, bundles=False) as rec:
+        for i, (x, y) in enumerate(_data()[:4]):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(x * math.nan if i == 2 else x, y)
+            scaler.scale(loss / ACCUM).backward()
+            if i % ACCUM:
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                rec.step(loss)
+                passed.append(loss.item())
+    losses = _losses(tmp_path / "run")
+    # Micro-batch 2 opens step 1; the loss passed, micro-batch 3's, was finite.
+    assert all(math.isfinite(v) for v in passed)
+    assert math.isfinite(losses[0]) and math.isnan(losses[1])
+    assert "scale" not in scaler.__dict__
+
+
+def test_capture_loss_off_leaves_an_unpassed_loss_null(tmp_path):
+    loop(tmp_path / "run", capture_loss=False)
+    assert all(v is None or math.isnan(v) for v in _losses(tmp_path / "run"))
+
+
+def test_add_loss_feeds_the_step_loss(tmp_path):
+    model = nn.Linear(2, 1)
+    with AmpRecorder(tmp_path / "run", model, capture_loss=False, bundles=False) as rec:
+        rec.add_loss(torch.tensor(0.25))
+        rec.add_loss(torch.tensor(0.5))
+        rec.step()
+        rec.add_loss(torch.tensor(math.inf))
+        rec.step(torch.tensor(1.0))
+    assert _losses(tmp_path / "run") == [0.75, math.inf]
+
+
+def test_find_loss_takes_the_loss_a_model_returns():
+    loss = torch.tensor(1.0, requires_grad=True) * 2
+    logits = torch.ones(2, 3, requires_grad=True) * 2
+    assert find_loss({"loss": loss, "logits": logits}) is loss
+    assert find_loss((logits, loss)) is loss
+    assert find_loss(type("Out", (), {"loss": loss})()) is loss
+    assert find_loss((loss, loss * 2)) is None          # two candidates: ambiguous
+    assert find_loss(logits) is None
+    assert find_loss({"loss": loss.detach()}) is None   # no gradient: not a training loss
+    assert find_loss((torch.ones(1, 1, requires_grad=True) * 2,)) is None  # a prediction of one sample
+
+
+def test_unwrap_optimizer_reaches_the_torch_optimizer_under_wrappers():
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+
+    class Wrapper:  # Accelerate's AcceleratedOptimizer keeps it in .optimizer
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    class Private:  # Lightning's LightningOptimizer keeps it in ._optimizer
+        def __init__(self, inner):
+            self._optimizer = inner
+
+        def __getattr__(self, name):  # ... and forwards what it lacks
+            return getattr(self._optimizer, name)
+
+    assert unwrap_optimizer(Wrapper(Private(opt))) is opt
+    assert unwrap_optimizer(opt) is opt
+    odd = object()
+    assert unwrap_optimizer(odd) is odd
