@@ -314,11 +314,14 @@ def _host_nonfinite_stats(d, full, scale):
     step. Same values as `_device_stats`. None (general path) for a full-tier
     tensor with finite values left: its min/max/mean/rms need the
     definitions."""
-    fin = torch.isfinite(d)
-    n_fin = int(fin.count_nonzero())
-    if full and n_fin:
-        return None
     nan = int(torch.isnan(d).count_nonzero())
+    if nan == d.numel():  # all NaN, as in a diverged job: one pass decides everything
+        fin, n_fin = None, 0
+    else:
+        fin = torch.isfinite(d)
+        n_fin = int(fin.count_nonzero())
+        if full and n_fin:
+            return None
     inf = d.numel() - n_fin - nan
     absmax = 0.0  # no finite value: the definitions' amax over zeros
     if n_fin:
