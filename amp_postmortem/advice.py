@@ -14,8 +14,8 @@ estimated from the recorded statistics; `keep_fp32`, `scaler_settings` and
   (`window_drift`): no fixed GradScaler setting fixes it; the layers whose
   overflows drive the backoffs (`scale`'s drivers) are what grows;
 - `scaler_settings`: otherwise, for those findings, GradScaler settings
-  inside the window estimated at the last clean step before the first
-  non-finite forward (after it the statistics describe the failure); a
+  inside the window estimated at the last clean full-tier step (the one
+  with threshold shares) before the first non-finite forward (after it the statistics describe the failure); a
   collapse driven by that forward overflow is said to be its consequence.
 
 With a model (and a replay bundle in the run), the what-if replays of one
@@ -203,7 +203,7 @@ def _recorded_advice(run: Run, summary) -> list:
         w = est.window
         first = "once the forward overflow is fixed (keep_fp32 above), " if fwd is not None else ""
         if w:
-            where = (f"step {est.step}, the last clean step before the forward overflow at step {before}"
+            where = (f"step {est.step}, the last clean full-tier step before the forward overflow at step {before}"
                      if before is not None else f"step {est.step}")
             recs.append(Recommendation(
                 "scaler_settings", f"{first}use GradScaler settings inside the estimated window "

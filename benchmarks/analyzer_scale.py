@@ -206,6 +206,8 @@ def generate(run_dir: Path, *, steps: int, rows: int, steps_per_shard: int, full
             "below_normal_share": np.where(full, 0.002, nanf).ravel(),
             "below_subnormal_share": np.where(full, 0.0, nanf).ravel(),
             "near_overflow_share": np.where(full, 0.0, nanf).ravel(),
+            # The recorder counts shares on at most 65,536 values per tensor.
+            "share_sample_size": np.where(full, np.minimum(layout.numel, 65_536)[None, :], nanf).ravel(),
         }
         for j, s in enumerate(idx):
             step_row = {

@@ -87,6 +87,7 @@ def generate(run_dir: Path, *, ranks: int, steps: int, tensors: int, steps_per_s
             "below_normal_share": np.where(full, 0.002, nanf).ravel(),
             "below_subnormal_share": np.where(full, 0.0, nanf).ravel(),
             "near_overflow_share": np.where(full, 0.0, nanf).ravel(),
+            "share_sample_size": np.where(full, np.minimum(layout.numel, 65_536)[None, :], nanf).ravel(),
         }
         shards.append((idx, cols))
     for rank in range(ranks):

@@ -25,6 +25,11 @@ alone in a child process.
     python benchmarks/recorder_overhead.py --dtypes fp32,bf16 --steps 30
     python benchmarks/recorder_overhead.py --smoke        # seconds; CI keeps it working
 
+In the same invocation (see `recorder_cost.py`): a diverging job (learning
+rate 1e4: NaN from step 2) with and without the default recorder, its ratio
+over the whole run; a cProfile of the recorder's hooks per step; and the
+added time per watched module on a deep stack of tiny layers.
+
 Prints one JSON document on stdout (figures) and a table on stderr.
 """
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import recorder_cost  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16")
 VARIANTS = ("baseline", "default", "full", "paused")
@@ -55,13 +61,14 @@ def _torch_dtype(name):
 class Job:
     """One variant: its own model, optimizer, scaler and (maybe) recorder."""
 
-    def __init__(self, variant: str, model, dtype: str, run_dir: Path | None, size: dict):
+    def __init__(self, variant: str, model, dtype: str, run_dir: Path | None, size: dict,
+                 lr: float = 1e-3):
         import torch
         self.variant = variant
         self.model = model
         self.dtype = _torch_dtype(dtype)
         self.size = size
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
         self.scaler = torch.amp.GradScaler("cpu") if dtype == "fp16" else None
         self.rec = None
         if variant != "baseline":
@@ -230,6 +237,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--memory-steps", type=int, default=4,
                     help="steps of each child process measuring peak RSS (0: skip)")
+    ap.add_argument("--diverging-steps", type=int, default=150,
+                    help="steps of the diverging job, whole-run ratio (0: skip)")
+    ap.add_argument("--diverging-lr", type=float, default=1e4)
+    ap.add_argument("--profile-steps", type=int, default=5, help="cProfiled recorded steps (0: skip)")
+    ap.add_argument("--module-layers", type=int, default=400,
+                    help="layers of the deep stack measuring the cost per watched module (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CI)")
@@ -241,6 +254,9 @@ def main(argv=None) -> int:
     if args.smoke:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
         args.memory_steps = min(args.memory_steps, 1)
+        args.diverging_steps = min(args.diverging_steps, 4)
+        args.profile_steps = min(args.profile_steps, 1)
+        args.module_layers = min(args.module_layers, 8)
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -288,8 +304,38 @@ def main(argv=None) -> int:
                           "same_bits": row.get("losses_identical_to_baseline")})
     common.print_table(table, ["dtype", "variant", "median_ms", "p90_ms", "ratio", "writer_ms",
                                "charged", "tiers", "peak_rss_mib", "same_bits"])
+    _cost_sections(result, dtypes, args, size)
     common.write_json(result, args.json_path)
     return 0
+
+
+def _cost_sections(result: dict, dtypes, args, size) -> None:
+    """The diverging job, the hook profile and the per-module cost."""
+    if args.diverging_steps > 0:
+        result["diverging"] = {}
+        rows = []
+        for dtype in (d for d in dtypes if d != "fp16"):
+            r = recorder_cost.measure_diverging(Job, dtype, _batches(args.diverging_steps, size, args.seed),
+                                                args.diverging_lr, size, args.seed)
+            result["diverging"][dtype] = r
+            rows.append({"dtype": dtype, "steps": r["steps"], "first_nan": r["first_nonfinite_loss_step"],
+                         "ratio_whole_run": r["ratio_whole_run"], "tiers": r["tiers"],
+                         "same_bits": r["losses_identical_to_baseline"]})
+        print("\ndiverging job (target <= 1.15 over the whole run)", file=sys.stderr)
+        common.print_table(rows, ["dtype", "steps", "first_nan", "ratio_whole_run", "tiers", "same_bits"])
+    if args.profile_steps > 0:
+        dtype = "bf16" if "bf16" in dtypes else dtypes[0]
+        prof = recorder_cost.profile_hooks(Job, dtype, _batches(args.profile_steps + 1, size, args.seed),
+                                           size, args.seed)
+        result["hook_profile"] = prof
+        print(f"\nrecorder functions per step ({dtype}, cProfile, exclusive time)", file=sys.stderr)
+        common.print_table(prof["top_functions"], ["function", "calls_per_step", "us_per_step"])
+    if args.module_layers > 0:
+        mc = recorder_cost.measure_module_cost(args.module_layers, max(args.steps, 2), args.warmup, args.seed)
+        result["module_cost"] = mc
+        print("\ncost per watched module (deep stack of tiny Linear layers)", file=sys.stderr)
+        common.print_table([mc], ["watched_modules", "baseline_cpu_ms", "recorded_cpu_ms", "us_per_watched_module",
+                                  "us_per_watched_module_wall", "predicted_added_ms_for_10000_modules"])
 
 
 if __name__ == "__main__":

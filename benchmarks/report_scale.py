@@ -101,6 +101,8 @@ def write_run(run_dir: Path, *, steps: int, steps_per_shard: int = 10_000, full_
             "zero_share": np.where(full, 0.01, np.nan).ravel(), "below_normal_share": share.ravel(),
             "below_subnormal_share": (share * 0.1).ravel(),
             "near_overflow_share": np.where(full, 0.0, np.nan).ravel(),
+            # Every value counted (at most 65,536 per tensor): null in the cheap tier.
+            "share_sample_size": pa.array(np.minimum(numel, 65_536), pa.int64(), mask=~full.ravel()),
         }
         tensors = pa.Table.from_arrays([pa.array(cols[c.name], c.type) if not isinstance(cols[c.name], pa.Array)
                                         else cols[c.name] for c in schema.TENSOR_COLUMNS],

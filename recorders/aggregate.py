@@ -13,11 +13,37 @@ from . import schema
 
 _NAN = float("nan")
 
+# Kind of a raw row that only counts a tensor's NaN/Inf for another row's
+# `input_nonfinite` (an input no watched row produced); never written.
+COUNT_KIND = "_count"
+_NONFINITE = (schema.CHEAP_STATS.index("nan_count"), schema.CHEAP_STATS.index("inf_count"))
+_INPUT = schema.CHEAP_STATS.index("input_nonfinite")
+
+
+def fill_input_nonfinite(meta: list[tuple], stats: np.ndarray):
+    """Fill each raw row's `input_nonfinite` from the rows that hold its
+    inputs (`meta[i][7]`: row indices, or None for null) and drop the
+    count-only rows. The hooks record where a module's inputs came from
+    instead of adding counts on the device: no tensor op per module."""
+    if not meta or len(meta[0]) < 8:
+        return meta, stats
+    bad = stats[:, _NONFINITE[0]] + stats[:, _NONFINITE[1]]
+    for i, m in enumerate(meta):
+        sources = m[7]
+        if sources is not None:
+            stats[i, _INPUT] = bad[list(sources)].sum() if sources else 0.0
+    keep = [i for i, m in enumerate(meta) if m[1] != COUNT_KIND]
+    if len(keep) == len(meta):
+        return meta, stats
+    return [meta[i] for i in keep], stats[keep]
+
 
 def merge_rows(meta: list[tuple], stats: np.ndarray) -> dict[str, np.ndarray | list]:
-    """`meta[i]` = (name, kind, phase, order, call, dtype, numel); `stats[i]`
-    the statistics vector of that row. Returns the non-constant columns of
-    the tensors table (everything but step and rank), one row per key."""
+    """`meta[i]` = (name, kind, phase, order, call, dtype, numel[, inputs]);
+    `stats[i]` the statistics vector of that row. Returns the non-constant
+    columns of the tensors table (everything but step and rank), one row
+    per key."""
+    meta, stats = fill_input_nonfinite(meta, stats)
     n, width = stats.shape if len(meta) else (0, len(schema.FULL_STATS))
     keys: dict[tuple, int] = {}
     first: list[int] = []
@@ -88,6 +114,9 @@ def merge_rows(meta: list[tuple], stats: np.ndarray) -> dict[str, np.ndarray | l
                       ("zero_share", "mean"), ("below_normal_share", "mean"),
                       ("below_subnormal_share", "mean"), ("near_overflow_share", "mean")):
         out[name] = reduce(name, how) if full else np.full(g, _NAN)
+    # Shares stay numel-weighted (each part's sample stands for its values);
+    # the sample sizes add up like numel.
+    out["share_sample_size"] = reduce("share_sample_size", "sum") if full else np.full(g, _NAN)
     # Keep the table in execution order: phase, then order.
     phase_rank = np.array([0 if p == "forward" else 1 for p in out["phase"]])
     perm = np.lexsort((out["order"], phase_rank))

@@ -2,7 +2,9 @@
 
 Every hook only enqueues device work (a statistics vector per tensor, see
 `stats.py`) and appends host-side metadata; nothing here reads a device
-value. `TrainingHooks` owns the hook handles and the state of the step in
+value. A row's `input_nonfinite` is not computed here: the row notes which
+rows hold its inputs (their NaN/Inf counts) and the writer thread adds
+them up, so a module costs no tensor op beyond its own statistics. `TrainingHooks` owns the hook handles and the state of the step in
 progress (`StepState`); `AmpRecorder` owns the lifecycle and hands the
 finished step to the writer thread.
 """
@@ -17,20 +19,21 @@ import torch
 from . import schema
 from .layout import local, unwrap
 from .manifest import scaler_enabled
-from .stats import iter_tensors, is_float_tensor, nonfinite_count, tensor_stats
+from .aggregate import COUNT_KIND
+from .stats import CHEAP_WIDTH, FULL_WIDTH, float_tensors, pad_row, row_stats
 
 
 class _CallContext:
     """One forward call of a watched module, kept alive by its backward hooks."""
 
-    __slots__ = ("name", "call", "input_nonfinite", "grad_out_nonfinite", "pending",
+    __slots__ = ("name", "call", "input_rows", "grad_out_rows", "pending",
                  "is_root", "micro_batch", "step_id", "no_grad")
 
-    def __init__(self, name, call, input_nonfinite, is_root, micro_batch, step_id):
+    def __init__(self, name, call, input_rows, is_root, micro_batch, step_id):
         self.name = name
         self.call = call
-        self.input_nonfinite = input_nonfinite
-        self.grad_out_nonfinite = None
+        self.input_rows = input_rows  # rows holding the inputs' NaN/Inf counts (None: no input)
+        self.grad_out_rows = None  # rows of the gradients that reached the outputs so far
         self.pending = {}  # input index -> [expected, arrived, parts]
         self.is_root = is_root
         self.micro_batch = micro_batch
@@ -51,7 +54,7 @@ class StepState:
         self.forward_open = False  # a micro-batch's forward ran, its backward not yet
         self.opened_by_child = False  # ... and a submodule, not the root, opened it
         self.meta: list[tuple] = []
-        self.stats: list[torch.Tensor] = []
+        self.stats: list = []  # host lists or device vectors (stats.row_stats)
         self.fwd_order = 0
         self.bwd_order = 0
         self.calls: dict[str, int] = {}
@@ -59,7 +62,7 @@ class StepState:
         self.recompute_stacks: dict[str, list] = {}  # reentrant recomputation: (context, input edges)
         self.param_grads: dict[str, list] = {}  # name -> [order, stats, sqnorm, dtype, numel]
         self.contexts: list[_CallContext] = []
-        self.nonfinite_cache: dict[int, tuple] = {}
+        self.producers: dict[int, tuple] = {}  # id(tensor) -> (weakref, row of its statistics)
         self.stepped = False
         self.grad_sqsum = None  # square sum of this rank's unscaled gradients (local shards), on the device
         self.sharded_sqsum = None  # its part from the local shards of sharded gradients
@@ -173,6 +176,16 @@ class TrainingHooks:
         None: not recorded)."""
         self.state = StepState(step_id, tier is not None, tier == "full")
 
+    def raise_to_full(self) -> bool:
+        """Record the step in progress at the full tier, when it is recorded
+        and nothing of it has been yet; False when its forward has begun (a
+        full step needs full rows from its first hook on)."""
+        st = self.state
+        if st.micro_batches or st.meta:
+            return False
+        st.full = st.record
+        return True
+
     def register(self) -> None:
         by_name = self.modules
         self._root_ref = weakref.ref(self.model)
@@ -253,29 +266,39 @@ class TrainingHooks:
             return None
         return st
 
-    def _add_row(self, st, name, kind, phase, order, call, t, stats):
-        st.meta.append((name, kind, phase, order, call, _dtype_name(t.dtype), local(t).numel()))
+    def _add_row(self, st, name, kind, phase, order, call, t, stats, inputs=None) -> int:
+        """Append a row; `inputs`: the rows whose NaN/Inf counts add up to
+        its `input_nonfinite` (None: null). Returns the row's index."""
+        st.meta.append((name, kind, phase, order, call, _dtype_name(t.dtype), local(t).numel(), inputs))
         st.stats.append(stats)
-        if st.device is None:
+        if st.device is None and not isinstance(stats, list):
             st.device = stats.device
+        return len(st.stats) - 1
 
     def _stats(self, st, t, **kw):
-        return tensor_stats(t, full=st.full, near_overflow=self.near_overflow, **kw)
+        return row_stats(t, full=st.full, near_overflow=self.near_overflow, **kw)
 
-    def _input_nonfinite(self, st, tensors):
-        total = None
+    def _input_rows(self, st, tensors) -> tuple:
+        """The rows holding each input's NaN/Inf count: the row that
+        produced it (a watched module's output, the model's input), else a
+        count-only row of its own (the cheap statistics; not written)."""
+        rows = []
         for t in tensors:
-            cached = st.nonfinite_cache.get(id(t))
-            if cached is not None and cached[0]() is t:
-                c = cached[1]
-            else:
-                c = nonfinite_count(t)
-            total = c if total is None else total + c
-        return total
+            hit = st.producers.get(id(t))
+            if hit is not None and hit[0]() is t:
+                rows.append(hit[1])
+                continue
+            s = row_stats(t, full=False, near_overflow=self.near_overflow)
+            row = self._add_row(st, "", COUNT_KIND, "forward", -1, 0, t,
+                                pad_row(s, FULL_WIDTH if st.full else CHEAP_WIDTH))
+            self._note_producer(st, t, row)
+            rows.append(row)
+        return tuple(rows)
 
-    def _remember_nonfinite(self, st, t, stats):
+    @staticmethod
+    def _note_producer(st, t, row):
         try:
-            st.nonfinite_cache[id(t)] = (weakref.ref(t), stats[1] + stats[2])
+            st.producers[id(t)] = (weakref.ref(t), row)
         except TypeError:
             pass
 
@@ -301,7 +324,7 @@ class TrainingHooks:
             # The loop called a submodule just before the model's first
             # forward (an embedding looked up first): the same micro-batch.
             st.opened_by_child = False
-            self._input_rows(st, args, kwargs)
+            self._model_input_rows(st, args, kwargs)
             self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs, self.autocast)
             return
         self._start_micro_batch(st, args, kwargs, from_root=True)
@@ -319,7 +342,7 @@ class TrainingHooks:
         st.fwd_order = 0
         st.bwd_order = 0
         st.calls = {}
-        st.nonfinite_cache = {}
+        st.producers = {}
         if self.autocast is None:
             self._note_autocast(_read_autocast())
         if st.micro_batches == 1 and st.full:
@@ -327,17 +350,17 @@ class TrainingHooks:
             # the loss at step end so module orders match cheap-tier steps.
             st.param_values = [(pname, _TensorInfo(p), self._stats(st, p))
                                for pname, p in self.params if local(p).numel() or id(p) in self._sharded]
-        self._input_rows(st, args, kwargs)
+        self._model_input_rows(st, args, kwargs)
         if from_root:  # a bundle replays the root's call: no root call, no bundle
             self.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs, self.autocast)
 
-    def _input_rows(self, st, args, kwargs):
-        tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
+    def _model_input_rows(self, st, args, kwargs):
+        tensors = float_tensors((args, kwargs))
         if tensors:
             for t in tensors:
                 s = self._stats(st, t)
-                self._add_row(st, schema.INPUT_NAME, "input", "forward", st.fwd_order, 0, t, s)
-                self._remember_nonfinite(st, t, s)
+                self._note_producer(st, t, self._add_row(st, schema.INPUT_NAME, "input", "forward",
+                                                         st.fwd_order, 0, t, s))
             st.fwd_order += 1
 
     def _on_child_pre(self, module, args):
@@ -377,9 +400,9 @@ class TrainingHooks:
                 self._start_micro_batch(st, args, kwargs, from_root=False)
             call = st.calls.get(name, 0)
             st.calls[name] = call + 1
-            tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
-            inp = self._input_nonfinite(st, tensors) if tensors else None
-            ctx = _CallContext(name, call, inp, name == "", st.micro_batches - 1, st.step_id)
+            tensors = float_tensors((args, kwargs))
+            inputs = self._input_rows(st, tensors) if tensors else None
+            ctx = _CallContext(name, call, inputs, name == "", st.micro_batches - 1, st.step_id)
             # Inputs whose gradient this module's backward produces: the
             # autograd edges (grad_fn, output_nr) that point at them.
             keys = {}
@@ -404,13 +427,13 @@ class TrainingHooks:
             if not stack:
                 return
             ctx, keys = stack.pop()
-            outs = [t for t in iter_tensors(output) if is_float_tensor(t)]
+            outs = float_tensors(output)
             order = st.fwd_order
             st.fwd_order += 1
             for t in outs:
-                s = self._stats(st, t, input_nonfinite=ctx.input_nonfinite)
-                self._add_row(st, name, "activation", "forward", order, ctx.call, t, s)
-                self._remember_nonfinite(st, t, s)
+                s = self._stats(st, t)
+                self._note_producer(st, t, self._add_row(st, name, "activation", "forward", order,
+                                                         ctx.call, t, s, ctx.input_rows))
             grad_outs = [t for t in outs if t.requires_grad]
             for idx, t in enumerate(grad_outs):
                 t.register_hook(self._guard(self._make_grad_output_hook(ctx, idx)))
@@ -443,7 +466,7 @@ class TrainingHooks:
         if ctx is None:
             return
         ctx.no_grad = False  # matched
-        tensors = [t for t in iter_tensors((args, kwargs)) if is_float_tensor(t)]
+        tensors = float_tensors((args, kwargs))
         keys = {}
         for i, t in enumerate(tensors):
             if t.requires_grad and t.grad_fn is not None:
@@ -456,7 +479,7 @@ class TrainingHooks:
         if not stack:
             return
         ctx, keys = stack.pop()
-        outs = [t for t in iter_tensors(output) if is_float_tensor(t) and t.requires_grad]
+        outs = [t for t in float_tensors(output) if t.requires_grad]
         for idx, t in enumerate(outs):
             t.register_hook(self._guard(self._make_grad_output_hook(ctx, idx)))
         if keys and outs:
@@ -503,10 +526,11 @@ class TrainingHooks:
                 return
             st.forward_open = False
             s = self._stats(st, grad)
-            self._add_row(st, ctx.name, "grad_output", "backward", st.bwd_order, ctx.call, grad, s)
+            row = self._add_row(st, ctx.name, "grad_output", "backward", st.bwd_order, ctx.call, grad, s)
             st.bwd_order += 1
-            nf = s[1] + s[2]
-            ctx.grad_out_nonfinite = nf if ctx.grad_out_nonfinite is None else ctx.grad_out_nonfinite + nf
+            if ctx.grad_out_rows is None:
+                ctx.grad_out_rows = []
+            ctx.grad_out_rows.append(row)
             if ctx.is_root:
                 self.bundles.on_model_output_grad(ctx.micro_batch, idx, grad)
                 self._await_backward_end(st)
@@ -539,8 +563,10 @@ class TrainingHooks:
         total = parts[0]
         for p in parts[1:]:
             total = total + p
-        s = self._stats(st, total, input_nonfinite=ctx.grad_out_nonfinite)
-        self._add_row(st, ctx.name, "grad_input", "backward", st.bwd_order, ctx.call, total, s)
+        s = self._stats(st, total)
+        # The gradients that reached the outputs by now, as before this sum.
+        inputs = tuple(ctx.grad_out_rows) if ctx.grad_out_rows is not None else None
+        self._add_row(st, ctx.name, "grad_input", "backward", st.bwd_order, ctx.call, total, s, inputs)
         st.bwd_order += 1
 
     def _make_param_hook(self, pname, registered):

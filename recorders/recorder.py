@@ -89,8 +89,13 @@ class AmpRecorder:
         cheap_every: record the cheap statistics every N steps.
         full_every: record the full statistics every N steps (0: only
             after events).
-        full_after_event: record the full statistics for N steps after a
-            skipped step or a non-finite value.
+        full_after_event: record the full statistics for a burst of N
+            steps after the first event of each kind (a skipped step, a
+            NaN/Inf in the forward pass, in the gradients of a step that
+            was not skipped, in the loss); later events of a kind seen
+            before leave the schedule at `full_every`. Steps in
+            `bundle_steps`, a step whose bundle `save_bundle()` asks for
+            before its forward, and `request_full()` are full in any case.
         steps_per_shard: steps per Parquet shard pair.
         flush_interval_s: write a shard at least this often (seconds) even
             when it holds fewer than `steps_per_shard` steps.
@@ -253,6 +258,9 @@ class AmpRecorder:
             self._bundles_off = "sharded parameters (a bundle would hold one rank's shards only)"
 
         self.schedule = RecordSchedule(cheap_every, full_every, full_after_event)
+        for s in (bundle_options["bundle_steps"] if bundle_options["bundles"] else ()):
+            # a bundle asked for up front: its step in full
+            self.schedule.request(int(s))
         options = {"include": list(self.include), "exclude": list(self.exclude), **self.schedule.config(),
                    "steps_per_shard": max(1, int(steps_per_shard)), "near_overflow": float(near_overflow),
                    "eager_full_steps": self.eager_full_steps}
@@ -455,12 +463,21 @@ class AmpRecorder:
             self._dropped_steps += 1
 
     def save_bundle(self) -> None:
-        """Ask for a replay bundle of the current step."""
+        """Ask for a replay bundle of the current step (recorded at the full
+        tier too when its forward has not begun)."""
         if self._enabled:
             try:
                 self.bundles.request()
+                self.hooks.raise_to_full()
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
+
+    def request_full(self) -> None:
+        """Record the current step at the full tier, or the next one when the
+        current step's forward has begun; whatever the schedule."""
+        if self._enabled and not self.hooks.raise_to_full():
+            current = self.hooks.state.step_id
+            self.schedule.request(current + 1, current=current)
 
     @contextmanager
     def paused(self):

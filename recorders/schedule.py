@@ -1,16 +1,24 @@
 """The record schedule: which step is recorded at which tier.
 
 Like `torch.profiler.schedule`, a step -> tier decision that can be tested
-alone. A step is recorded at the `full` tier every `full_every` steps and
-for `full_after_event` steps after an event (a skipped step, a non-finite
-value); otherwise at the `cheap` tier every `cheap_every` steps; otherwise
-not at all (`None`).
+alone. A step is recorded at the `full` tier every `full_every` steps, for a
+burst of `full_after_event` steps after the *first* event of each kind (a
+skipped step, a non-finite value in the forward pass, in the gradients, in
+the loss), and when asked for (`request`: a bundle, `rec.request_full()`);
+otherwise at the `cheap` tier every `cheap_every` steps; otherwise not at
+all (`None`).
+
+Why only the first event of a kind: a diverging job has an event in nearly
+every step, and when each event extended the burst, the full tier (1.5x to
+2x a step) ran for the rest of the job. The first burst shows how the
+failure starts; after it the job is back at `full_every`, with the cheap
+tier's exact NaN/Inf counts on every step.
 
 The training thread asks `tier(step)`; the writer thread, which sees the
 values one step late, reports events with `note_event(step, kinds)`. The
-only state shared between the two is one tuple (`full_window`), replaced
-whole by one thread and read by the other without a lock: a late read only
-shifts the window by a step.
+state shared between the two is one tuple (`full_window`), replaced whole
+by one thread and read by the other without a lock (a late read only
+shifts the burst by a step), and the set of requested steps.
 """
 from __future__ import annotations
 
@@ -18,36 +26,51 @@ CHEAP = "cheap"
 FULL = "full"
 
 # What `note_event` may be told (a step can be several at once).
-EVENT_KINDS = ("skipped", "nonfinite_tensor", "nonfinite_loss")
+EVENT_KINDS = ("skipped", "nonfinite_forward", "nonfinite_gradient", "nonfinite_loss")
 
 
 class RecordSchedule:
     """cheap_every: record the cheap statistics every N steps (min 1);
     full_every: the full statistics every N steps (0: never by period);
-    full_after_event: the full statistics for N steps after an event."""
+    full_after_event: the full statistics for N steps after the first event
+    of each kind (0: never after events)."""
 
     def __init__(self, cheap_every: int = 1, full_every: int = 100, full_after_event: int = 20):
         self.cheap_every = max(1, int(cheap_every))
         self.full_every = int(full_every)
         self.full_after_event = int(full_after_event)
-        # (first, last) step of the full-tier window after the latest events
+        # (first, last) step of the full-tier burst after the latest new kind
         self.full_window = (0, -1)
+        self.kinds_seen: set[str] = set()  # writer thread only
+        self._requested: set[int] = set()
 
     def tier(self, step: int) -> str | None:
         """'full', 'cheap' or None (the step is not recorded)."""
         first, last = self.full_window
         if (self.full_every > 0 and step % self.full_every == 0) or first <= step <= last:
             return FULL
-        return CHEAP if step % self.cheap_every == 0 else None
+        if step % self.cheap_every:
+            return None  # a request raises a recorded step's tier; it records no other step
+        return FULL if step in self._requested else CHEAP
 
-    def note_event(self, step: int, kinds=()) -> None:
-        """An event was seen at `step` (writer thread): the `full_after_event`
-        steps after it are recorded at the full tier. `kinds` names the event
-        (see EVENT_KINDS); the window does not depend on the kind yet."""
-        if self.full_after_event <= 0:
+    def request(self, step: int, current: int | None = None) -> None:
+        """Record `step` at the full tier when it is recorded at all (every
+        `cheap_every` steps), whatever the period and the bursts.
+        `current`: the step in progress; requests before it are forgotten
+        (they are never asked about again)."""
+        kept = self._requested if current is None else {s for s in self._requested if s >= current}
+        self._requested = kept | {int(step)}
+
+    def note_event(self, step: int, kinds=("event",)) -> None:
+        """Events were seen at `step` (writer thread). A kind not seen
+        before opens (or extends) a burst over the `full_after_event` steps
+        after `step`; a kind already seen changes nothing."""
+        new = set(kinds or ("event",)) - self.kinds_seen
+        if not new or self.full_after_event <= 0:
             return
+        self.kinds_seen |= new
         first, last = self.full_window
-        if step + 1 > last + 1:  # apart from the current window: a new one
+        if step + 1 > last + 1:  # apart from the current burst: a new one
             first = step + 1
         self.full_window = (first, max(last, step + self.full_after_event))
 

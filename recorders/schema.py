@@ -20,12 +20,16 @@ SCHEMA_VERSION = "1.1"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"
-BUNDLE_SCHEMA_VERSION = "1.0"
+BUNDLE_SCHEMA_VERSION = "1.1"
 
 # float16 limits the statistics are measured against (IEEE binary16).
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05  # 2**-14
 FP16_MIN_SUBNORMAL = 5.960464477539063e-08  # 2**-24
+
+# The full tier's threshold shares are counted on at most this many values
+# per tensor (an evenly strided sample, the same positions every step).
+SHARE_SAMPLE_MAX = 65_536
 
 # Names of the pseudo-tensors that are not module outputs.
 INPUT_NAME = "<input>"
@@ -96,6 +100,7 @@ TENSOR_COLUMNS: tuple[Column, ...] = (
     Column("below_normal_share", pa.float64(), "fraction", "Full tier: share of non-zero finite values with abs(x) < 6.1035e-5 (float16 subnormal or flushed)."),
     Column("below_subnormal_share", pa.float64(), "fraction", "Full tier: share of non-zero finite values with abs(x) < 5.96e-8 (round to zero in float16)."),
     Column("near_overflow_share", pa.float64(), "fraction", "Full tier: share of finite values with abs(x) >= the recorder's near-overflow threshold (default 65504: would be Inf in float16)."),
+    Column("share_sample_size", pa.int64(), "values", "Full tier: number of values the four `*_share` columns were counted on: every value of a tensor up to 65,536, else an evenly strided sample of 65,536 or fewer (the same positions every step); summed like `numel`. Null in the cheap tier and in runs recorded before schema 1.1 (there the shares cover every value)."),
 )
 
 # Statistic columns filled from the device-side statistic vector, in order.
@@ -103,6 +108,7 @@ CHEAP_STATS = ("absmax", "nan_count", "inf_count", "input_nonfinite")
 FULL_STATS = CHEAP_STATS + (
     "min", "max", "mean", "rms", "zero_share",
     "below_normal_share", "below_subnormal_share", "near_overflow_share",
+    "share_sample_size",
 )
 
 BUNDLE_TENSOR_COLUMNS: tuple[Column, ...] = (

@@ -15,6 +15,13 @@ through the general path, which computes the same statistics by their
 definitions. A tensor seen twice (a container module's output is its last
 child's; one gradient reaches both) is summarised once (see `_Memo`).
 
+The full tier's threshold shares (zero, below normal, below subnormal,
+near overflow) are counted on a fixed, evenly strided sample of at most
+`schema.SHARE_SAMPLE_MAX` values (`share_sample`): each share is one
+comparison pass, and over every value of every tensor they made the full
+tier cost more than twice the step. absmax, the NaN/Inf counts, min, max,
+mean and rms stay exact over every value.
+
 Layout of the vector follows `schema.CHEAP_STATS` / `schema.FULL_STATS`.
 """
 from __future__ import annotations
@@ -58,6 +65,35 @@ def iter_tensors(obj, _depth: int = 0):
             yield from iter_tensors(getattr(obj, name, None), _depth + 1)
 
 
+def share_sample(d: torch.Tensor) -> torch.Tensor:
+    """The values the threshold shares are counted on: all of them up to
+    `schema.SHARE_SAMPLE_MAX`, else every `stride`-th value in row-major
+    order from the first, stride = ceil(numel / SHARE_SAMPLE_MAX). The
+    positions depend on the shape only, so each step samples the same
+    ones and a share's trend compares like with like."""
+    n = d.numel()
+    if n <= schema.SHARE_SAMPLE_MAX:
+        return d
+    stride = -(-n // schema.SHARE_SAMPLE_MAX)
+    # A view of a contiguous tensor: no copy. Otherwise reshape copies,
+    # which only the full tier pays.
+    return d.reshape(-1)[::stride]
+
+
+def float_tensors(obj) -> list:
+    """The non-empty floating-point tensors of `iter_tensors(obj)`, as a
+    list; the usual call arguments (a tuple of tensors, no keywords) without
+    the generator's recursion."""
+    if type(obj) is tuple and len(obj) == 2 and type(obj[1]) is dict and not obj[1] \
+            and type(obj[0]) is tuple:
+        obj = obj[0]  # (args, {}) from a forward pre-hook
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.dtype in _FLOATING and obj.numel() > 0 else []
+    if type(obj) is tuple and all(isinstance(v, torch.Tensor) for v in obj):
+        return [v for v in obj if v.dtype in _FLOATING and v.numel() > 0]
+    return [t for t in iter_tensors(obj) if is_float_tensor(t)]
+
+
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     """Count of NaN/Inf values as a 0-d float64 device tensor."""
     d = local(t.detach())
@@ -69,12 +105,15 @@ def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(d)).sum().to(torch.float64)
 
 
-def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
-                 scale: torch.Tensor | None = None, unscale: bool = False,
-                 near_overflow: float = schema.FP16_MAX) -> torch.Tensor:
-    """Statistics vector of `t`.
+def row_stats(t: torch.Tensor, *, full: bool, scale: torch.Tensor | None = None,
+              unscale: bool = False, near_overflow: float = schema.FP16_MAX):
+    """Statistics of `t` for one row, `input_nonfinite` left null (the
+    writer thread fills it from the rows that produced the inputs): a list
+    of floats when computed on the host, else a float64 device tensor.
+    `pack_rows` turns a step's rows into one tensor at once, where a tensor
+    per row cost more than the statistics of a small tensor. The result
+    may be shared with other rows (memo): never change it.
 
-    `input_nonfinite`: a 0-d device tensor (or None: recorded as null).
     `scale`/`unscale`: the gradient is multiplied by the loss scale; with
     `unscale` the value statistics are divided by it (param grads are
     reported unscaled) while the float16 threshold shares are still taken on
@@ -86,31 +125,62 @@ def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
     t = local(t)
     d = t.detach()
     if d.numel() == 0:
-        return _empty_stats(full, input_nonfinite, d.device)
+        return _empty_stats(full, d.device)
     scale_used = scale if unscale else None
     key = _memo.key(t, full, scale_used, near_overflow)
     cached = _memo.get(t, scale_used, key)
     if cached is not None:
-        return _with_input(cached, input_nonfinite, d.device)
-    if _on_host(d, input_nonfinite, scale_used):
+        return cached
+    if _on_host(d, None, scale_used):
         values = _host_stats(d, full, scale_used, near_overflow)
-        if values is not None:
-            _memo.put(t, scale_used, key, values)
-            return _with_input(values, input_nonfinite, d.device)
-    vec = _device_stats(d, full, input_nonfinite, scale_used, near_overflow)
+        if values is None:
+            # Host memory: the general path's result is ready to read.
+            values = _device_stats(d, full, None, scale_used, near_overflow).tolist()
+        _memo.put(t, scale_used, key, values)
+        return values
+    vec = _device_stats(d, full, None, scale_used, near_overflow)
     _memo.put(t, scale_used, key, vec)
     return vec
 
 
-def _empty_stats(full, input_nonfinite, device):
+def _empty_stats(full, device):
     """An empty tensor (a rank's empty shard of an unevenly sharded one):
     no NaN, no Inf, every magnitude and share null."""
     vec = torch.full((FULL_WIDTH if full else CHEAP_WIDTH,), math.nan, dtype=torch.float64, device=device)
     vec[1] = 0.0
     vec[2] = 0.0
-    if input_nonfinite is not None:
-        vec[_INPUT_NONFINITE] = input_nonfinite.to(device=device, dtype=torch.float64)
     return vec
+
+
+def tensor_stats(t: torch.Tensor, *, full: bool, input_nonfinite=None,
+                 scale: torch.Tensor | None = None, unscale: bool = False,
+                 near_overflow: float = schema.FP16_MAX) -> torch.Tensor:
+    """Statistics vector of `t` as a float64 tensor on its device, with
+    `input_nonfinite` (a 0-d tensor, or None: null) in its slot. See
+    `row_stats` for the other options."""
+    stats = row_stats(t, full=full, scale=scale, unscale=unscale, near_overflow=near_overflow)
+    return _with_input(stats, input_nonfinite, t.device)
+
+
+def pad_row(stats, width: int):
+    """A row widened to `width` with nulls (a cheap-tier row in a full-tier
+    step)."""
+    missing = width - len(stats)
+    if missing <= 0:
+        return stats
+    if isinstance(stats, list):
+        return stats + [math.nan] * missing
+    return torch.cat([stats, torch.full((missing,), math.nan, dtype=stats.dtype, device=stats.device)])
+
+
+def pack_rows(rows: list) -> torch.Tensor:
+    """A step's rows (equal widths) as one flat float64 tensor: host rows
+    in one call, device rows stacked on their device (no host round trip)."""
+    device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
+    if device is None:
+        return torch.tensor(rows, dtype=torch.float64).reshape(-1)
+    return torch.stack([r if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=torch.float64, device=device)
+                        for r in rows]).reshape(-1)
 
 
 def _device_stats(d, full, input_nonfinite, scale, near_overflow):
@@ -153,16 +223,19 @@ def _full_stats(d, finite_abs, inv, scale, near_overflow):
     nan_t = torch.full((), math.nan, dtype=torch.float64, device=x.device)
     mn = torch.where(n_fin > 0, mn, nan_t)
     mx = torch.where(n_fin > 0, mx, nan_t)
-    a = finite_abs.to(work)
+    sample = share_sample(d)
+    m = sample.numel()
+    a = share_sample(finite_abs).to(work)
     normal, sub, over = _thresholds(scale, work, near_overflow)
     nonzero = a > 0
-    zero = (d == 0).sum().to(torch.float64) / n
-    below_normal = (nonzero & (a < normal)).sum().to(torch.float64) / n
-    below_sub = (nonzero & (a < sub)).sum().to(torch.float64) / n
-    near = (a >= over).sum().to(torch.float64) / n
+    zero = (sample == 0).sum().to(torch.float64) / m
+    below_normal = (nonzero & (a < normal)).sum().to(torch.float64) / m
+    below_sub = (nonzero & (a < sub)).sum().to(torch.float64) / m
+    near = (a >= over).sum().to(torch.float64) / m
     if inv is not None:
         mn, mx, mean, rms = mn * inv, mx * inv, mean * inv, rms * inv
-    return [mn, mx, mean, rms, zero, below_normal, below_sub, near]
+    size = torch.full((), float(m), dtype=torch.float64, device=x.device)
+    return [mn, mx, mean, rms, zero, below_normal, below_sub, near, size]
 
 
 # ------------------------------------------------------------ host fast path
@@ -196,8 +269,8 @@ def _work_float_cached(value: float, work) -> float:
 
 
 def _host_stats(d, full, scale, near_overflow):
-    """Statistics of a CPU tensor with only finite values, or None when it
-    holds a NaN or an Inf. Same definitions and the same floating-point
+    """Statistics of a CPU tensor (see `_host_nonfinite_stats` for one with a
+    NaN or an Inf; None sends it to the general path). Same definitions and the same floating-point
     operations as `_device_stats`; passes whose result the extremes decide
     (every |x| above a threshold, or none) are skipped."""
     if d.dtype not in _FLOATING or d.numel() == 0:
@@ -205,7 +278,7 @@ def _host_stats(d, full, scale, near_overflow):
     mn_t, mx_t = torch.aminmax(d)
     mn, mx = float(mn_t), float(mx_t)
     if not (math.isfinite(mn) and math.isfinite(mx)):
-        return None
+        return _host_nonfinite_stats(d, full, scale)
     absmax = max(abs(mn), abs(mx))
     inv = None
     if scale is not None:
@@ -223,8 +296,11 @@ def _host_stats(d, full, scale, near_overflow):
     else:
         rms = float(torch.sqrt(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2 / n))
     normal, sub, over = _thresholds(scale, work, near_overflow)
-    a = x.abs()
+    a = share_sample(x).abs()
+    m = a.numel()
     absmin = float(a.amin())
+    # The extremes of every value bound the sample's: none of them near
+    # overflow means none in the sample either.
     absmax_w = max(abs(mn), abs(mx))  # exact in the working dtype
     zeros = 0 if absmin > 0 else int(torch.count_nonzero(a == 0))
 
@@ -244,7 +320,38 @@ def _host_stats(d, full, scale, near_overflow):
     if inv is not None:
         mn, mx, mean, rms = mn * inv, mx * inv, mean * inv, rms * inv
     return [absmax, 0.0, 0.0, math.nan, mn, mx, mean, rms,
-            zeros / n, below_normal / n, below_sub / n, near / n]
+            zeros / m, below_normal / m, below_sub / m, near / m, float(m)]
+
+
+def _host_nonfinite_stats(d, full, scale):
+    """Statistics of a CPU tensor holding a NaN or an Inf, in a few boolean
+    passes: a diverged job has NaN in nearly every tensor of every step, and
+    the general path's ~10 full passes made the recorder cost more than the
+    step. Same values as `_device_stats`. None (general path) for a full-tier
+    tensor with finite values left: its min/max/mean/rms need the
+    definitions."""
+    nan = int(torch.isnan(d).count_nonzero())
+    if nan == d.numel():  # all NaN, as in a diverged job: one pass decides everything
+        fin, n_fin = None, 0
+    else:
+        fin = torch.isfinite(d)
+        n_fin = int(fin.count_nonzero())
+        if full and n_fin:
+            return None
+    inf = d.numel() - n_fin - nan
+    absmax = 0.0  # no finite value: the definitions' amax over zeros
+    if n_fin:
+        absmax = float(torch.where(fin, d.abs(), torch.zeros((), dtype=d.dtype)).amax())
+        if scale is not None:
+            absmax = absmax * (1.0 / float(scale.to(torch.float64)))
+    if not full:
+        return [absmax, float(nan), float(inf), math.nan]
+    # Nothing finite: min/max/mean/rms are null, and a NaN or an Inf is
+    # neither zero, nor below a threshold, nor counted near overflow (the
+    # definitions compare the finite magnitudes, zero for these).
+    m = float(share_sample(d).numel())
+    return [absmax, float(nan), float(inf), math.nan, math.nan, math.nan, math.nan, math.nan,
+            0.0, 0.0, 0.0, 0.0, m]
 
 
 def _with_input(stats, input_nonfinite, device):

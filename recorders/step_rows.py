@@ -16,7 +16,7 @@ import torch
 
 from .aggregate import merge_rows
 from .manifest import host_float, scaler_enabled
-from .stats import CHEAP_WIDTH, FULL_WIDTH
+from .stats import CHEAP_WIDTH, FULL_WIDTH, pack_rows
 
 
 class PendingStep:
@@ -97,7 +97,7 @@ class StepRows:
             put("grad_sqsum", torch.stack([v[2] for v in st.param_grads.values()]).sum())
 
         device = st.device or (dev[0].device if dev else torch.device("cpu"))
-        flat = [torch.stack(st.stats).reshape(-1)] if st.stats else []
+        flat = [pack_rows(st.stats)] if st.stats else []
         flat += [d.to(device).reshape(1) for d in dev]
         p.host_scalars = host
         p.dev_scalar_keys = keys
@@ -184,12 +184,22 @@ class StepRows:
 
 
 def step_events(summary: dict) -> list[str]:
-    """What in a step's summary is an event for the record schedule."""
+    """What in a step's summary is an event for the record schedule (see
+    `schedule.EVENT_KINDS`). Non-finite gradients of a skipped step are that
+    skip (a loss scaler's growth probe makes them on purpose), not a kind of
+    their own; a NaN born in the forward pass is."""
     events = []
-    if summary["skipped"]:
+    skipped = summary["skipped"]
+    if skipped:
         events.append("skipped")
-    if summary["nonfinite_rows"] > 0:
-        events.append("nonfinite_tensor")
+    cols = summary.get("columns")
+    if summary["nonfinite_rows"] > 0 and cols is not None:
+        bad = (cols["nan_count"] > 0) | (cols["inf_count"] > 0)
+        forward = np.array([p == "forward" for p in cols["phase"]], dtype=bool)
+        if (bad & forward).any():
+            events.append("nonfinite_forward")
+        if not skipped and (bad & ~forward).any():
+            events.append("nonfinite_gradient")
     loss = summary["loss"]
     if loss is not None and not math.isfinite(loss):
         events.append("nonfinite_loss")

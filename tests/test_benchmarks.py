@@ -30,6 +30,14 @@ def test_recorder_overhead_smoke_reports_every_dtype_and_variant(tmp_path):
         assert r["variants"]["full"]["tiers"] == {"full": 2}
         assert r["variants"]["default"]["buffers"]["queue_max_steps"] > 0
         assert r["variants"]["default"]["buffers"]["writer_buffer_bytes_per_step"] > 0
+    # The same run measures the diverging job, the hook profile and the cost per module.
+    assert set(doc["diverging"]) == {"fp32", "bf16"}  # fp16 takes ~12 s a step here: left out
+    for d in doc["diverging"].values():
+        assert d["first_nonfinite_loss_step"] == 2 and d["ratio_whole_run"] > 0
+        assert sum(d["tiers"].values()) == d["steps"] == 4
+        assert d["losses_identical_to_baseline"] is True
+    assert any(f["function"].startswith("hooks.py") for f in doc["hook_profile"]["top_functions"])
+    assert doc["module_cost"]["watched_modules"] == 9 and "us_per_watched_module" in doc["module_cost"]
 
 
 def test_recorder_overhead_memory_child_reports_peak_rss():

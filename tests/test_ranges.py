@@ -136,3 +136,24 @@ def test_wider_dtypes_underflow_share_is_known_only_when_nothing_is_below_float1
     assert list(_below_normal(full, "float16")) == [0.5, 0.5]
     got = _below_normal(full, "bfloat16")
     assert got.iloc[0] == 0.0 and np.isnan(got.iloc[1])
+
+
+def test_shares_are_reported_with_the_number_of_values_they_were_counted_on(underflow_run):
+    rep = layer_ranges(load_run(underflow_run))
+    # Small tensors are counted whole: every value of the (16, 8) gradient.
+    assert _row(rep, "inp", "grad_output")["share_sample_size"] == 128
+    assert rep.to_dict()["layers"][0]["share_sample_size"] is not None
+    assert "worst underflow: inp grad_output, 100% of 128 sampled values" in rep.lines()
+
+
+def test_a_run_recorded_before_the_sample_size_column_still_reads(copy_run, underflow_run):
+    import pyarrow.parquet as pq
+    run = copy_run(underflow_run)
+    for shard in run.glob("rank=*/tensors/*.parquet"):
+        table = pq.read_table(shard)
+        pq.write_table(table.drop_columns(["share_sample_size"]).replace_schema_metadata(
+            table.schema.metadata), shard)
+    rep = layer_ranges(load_run(run))
+    row = _row(rep, "inp", "grad_output")
+    assert row["underflow_share"] == pytest.approx(1.0) and pd.isna(row["share_sample_size"])
+    assert "worst underflow: inp grad_output, 100% of its values" in rep.lines()

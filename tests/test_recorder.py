@@ -168,7 +168,7 @@ def test_a_hook_that_raises_turns_recording_off_and_training_goes_on(tmp_path, m
     torch.manual_seed(0)
     plain = train(TinyNet(), data)
     calls = {"n": 0}
-    real = rr.tensor_stats
+    real = rr.row_stats
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -176,7 +176,7 @@ def test_a_hook_that_raises_turns_recording_off_and_training_goes_on(tmp_path, m
             raise RuntimeError("boom inside a hook")
         return real(*a, **k)
 
-    monkeypatch.setattr(rr, "tensor_stats", flaky)
+    monkeypatch.setattr(rr, "row_stats", flaky)
     torch.manual_seed(0)
     with pytest.warns(RuntimeWarning, match="recording disabled"):
         recorded = train(TinyNet(), data, recorder=recorder_at(tmp_path / "run"))
@@ -210,7 +210,7 @@ def test_a_failing_hook_writes_its_reason_at_once(tmp_path, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("no statistics today")
 
-    monkeypatch.setattr(rh, "tensor_stats", broken)
+    monkeypatch.setattr(rh, "row_stats", broken)
     with pytest.warns(RuntimeWarning, match="recording disabled"):
         trained = train(TinyNet(), batches(3), recorder=recorder_at(tmp_path / "run"), close=False)
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())  # before close()
@@ -454,3 +454,52 @@ def test_every_option_is_an_explicit_keyword_argument_documented_under_args():
     documented = re.findall(r"^ {8}(\w+):", args, re.M)
     assert documented == [p.name for p in params if p.name != "self"]
     assert {"bundle_steps", "max_bundles", "hold_steps", "clone_inputs"} <= set(documented)
+
+
+def _tier_string(run):
+    steps = read(run, "steps").sort_values("step")
+    return "".join("F" if t == "full" else "c" for t in steps["tier"])
+
+
+def test_a_diverging_run_gets_one_burst_of_full_steps_then_the_period(tmp_path):
+    run = tmp_path / "run"
+
+    def diverge(step, model, x):
+        if step == 3:  # NaN weights: NaN in every forward, loss and gradient from here on
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = float("nan")
+
+    def settle(step, micro_batch, rec):
+        rec.flush()  # the writer has seen every earlier step: the tiers do not depend on timing
+
+    losses = train(TinyNet(), batches(25), dtype=torch.bfloat16, scaler=None, on_step=diverge,
+                   after_backward=settle,
+                   recorder=recorder_at(run, full_every=10, full_after_event=4, bundles=False)).losses
+    assert all(math.isnan(x) for x in losses[3:]) and not any(math.isnan(x) for x in losses[:3])
+    # Step 3's events (forward, gradient, loss) reach the writer while step 4
+    # runs: steps 5-7 finish the 4-step burst; later NaN steps are events of
+    # kinds seen before, so the period (every 10th) rules again.
+    assert _tier_string(run) == "FccccFFFccFcccccccccFcccc"
+
+
+def test_a_bundle_or_an_explicit_request_still_gets_a_full_step(tmp_path):
+    run = tmp_path / "run"
+    made = []
+
+    def factory(model, opt, sc):
+        made.append(AmpRecorder(run, model, optimizer=opt, scaler=sc, full_every=0,
+                                full_after_event=0, bundle_steps=[5]))
+        return made[0]
+
+    def before_forward(step, model, x):
+        if step == 7:
+            made[0].save_bundle()  # before the forward: this very step
+
+    def mid_step(step, micro_batch, rec):
+        if step == 2:
+            rec.request_full()  # the forward has run: the next step
+
+    train(TinyNet(), batches(10), dtype=torch.bfloat16, scaler=None, on_step=before_forward,
+          after_backward=mid_step, recorder=factory)
+    assert _tier_string(run) == "cccFcFcFcc"
+    assert sorted(b["step"] for b in json.loads((run / "manifest.json").read_text())["bundles"]) == [5, 7]

@@ -24,6 +24,11 @@ def _cases():
     yield "scalar", torch.tensor(3.5)
     yield "noncontiguous", torch.randn(64, 33, generator=g)[:, ::2]
     yield "constant", torch.full((50,), -2.0)
+    # Above SHARE_SAMPLE_MAX: the shares come from a strided sample.
+    big = torch.randn(150_001, generator=g) * 1e-4
+    big[::5] = 0
+    yield "sampled", big
+    yield "sampled noncontiguous", torch.randn(400, 400, generator=g)[:, ::2] * 1e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -38,6 +43,31 @@ def test_cpu_fast_path_equals_the_definitions_bit_for_bit(dtype, full, scale, un
         fast = stats.tensor_stats(x, full=full, input_nonfinite=inp, scale=s, unscale=unscale,
                                   near_overflow=near_overflow)
         ref = stats._device_stats(x.detach(), full, inp, s if unscale else None, near_overflow)
+        assert torch.equal(fast.nan_to_num(nan=-7.0), ref.nan_to_num(nan=-7.0)), label
+
+
+def _nonfinite_cases():
+    g = torch.Generator().manual_seed(1)
+    mixed = torch.randn(5000, generator=g)
+    mixed[3], mixed[9], mixed[11] = math.inf, math.nan, -math.inf
+    yield "mixed", mixed
+    yield "all nan", torch.full((300,), math.nan)
+    yield "all inf", torch.full((7,), -math.inf)
+    nan_inf = torch.full((100_000,), math.nan)
+    nan_inf[::3] = math.inf
+    yield "nan and inf, sampled", nan_inf
+    yield "scalar nan", torch.tensor(math.nan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("scale", [None, 1024.0])
+def test_cpu_nonfinite_path_equals_the_definitions_bit_for_bit(dtype, full, scale):
+    for label, x in _nonfinite_cases():
+        x = x.to(dtype)
+        s = None if scale is None else torch.tensor(scale)
+        fast = stats.tensor_stats(x, full=full, scale=s, unscale=s is not None)
+        ref = stats._device_stats(x.detach(), full, None, s, 65504.0)
         assert torch.equal(fast.nan_to_num(nan=-7.0), ref.nan_to_num(nan=-7.0)), label
 
 
@@ -66,3 +96,36 @@ def test_the_same_tensor_is_summarised_once_but_in_place_changes_are_seen(monkey
     assert len(calls) == 2 and c[0] == 2 * a[0]
     stats.tensor_stats(x, full=True)
     assert len(calls) == 3  # another tier is another entry
+
+
+FULL = {name: i for i, name in enumerate(stats.schema.FULL_STATS)}
+
+
+@pytest.mark.parametrize("path", ["host", "definitions"])
+def test_shares_come_from_an_evenly_strided_sample_while_the_rest_is_exact(path):
+    x = torch.ones(200_000)
+    x[::4] = 0.0           # exactly the sampled positions (stride ceil(200000/65536) = 4)
+    x[1] = 70_000.0        # off the sample: near overflow, but counted by absmax and max
+    x[2] = 2.0 ** -20        # off the sample: below normal (exact in float32)
+    v = (stats.tensor_stats(x, full=True) if path == "host"
+         else stats._device_stats(x, True, None, None, stats.schema.FP16_MAX))
+    assert v[FULL["share_sample_size"]] == 50_000
+    assert v[FULL["zero_share"]] == 1.0
+    assert v[FULL["near_overflow_share"]] == 0.0 and v[FULL["below_normal_share"]] == 0.0
+    assert v[FULL["absmax"]] == 70_000.0 and v[FULL["max"]] == 70_000.0 and v[FULL["min"]] == 0.0
+    assert v[FULL["mean"]] == (149_998 + 70_000.0 + 2.0 ** -20) / 200_000
+
+
+def test_tensors_up_to_the_sample_limit_count_every_value():
+    x = torch.zeros(stats.schema.SHARE_SAMPLE_MAX)
+    x[-1] = 1.0
+    v = stats.tensor_stats(x, full=True)
+    assert v[FULL["share_sample_size"]] == 65_536
+    assert v[FULL["zero_share"]] == 65_535 / 65_536
+
+
+def test_the_sample_positions_depend_on_the_shape_only():
+    a = stats.share_sample(torch.arange(131_073.0))
+    assert a.numel() == 43_691 and a[:3].tolist() == [0.0, 3.0, 6.0]  # stride 3
+    t = torch.arange(131_073.0 * 2).reshape(2, 131_073)[:, :]
+    assert torch.equal(stats.share_sample(t.t().contiguous().t()), stats.share_sample(t))

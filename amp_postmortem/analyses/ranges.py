@@ -28,7 +28,10 @@ For each layer (module name and row kind: `input`, `activation`,
   wherever its input was negative), so they count only when the typical
   non-zero value (RMS over the non-zero values) lies within
   `FLUSH_MARGIN_BITS` of the normal limit: there the zeros are values the
-  float16 range flushed, not a mask. `zero_share` is reported beside it.
+  float16 range flushed, not a mask. `zero_share` is reported beside it,
+  and `share_sample_size`: how many values of the tensor the shares were
+  counted on (the recorder samples at most 65,536 per tensor; null for runs
+  recorded before the format said).
 
 Flags (each row against its own dtype's limits):
 - `overflow_risk`: an `input`/`activation` row with less than
@@ -81,9 +84,10 @@ DTYPE_LIMITS = {
 FALLBACK_DTYPE = "float16"
 
 _COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "dtype", "absmax", "nan_count",
-            "inf_count", "zero_share", "below_normal_share", "below_subnormal_share", "rms"]
+            "inf_count", "zero_share", "below_normal_share", "below_subnormal_share", "rms", "share_sample_size"]
 LAYER_COLUMNS = ["name", "kind", "dtype", "range_dtype", "step", "absmax", "headroom_bits",
-                 "headroom_trend_per_kstep", "overflow_forecast_step", "underflow_share", "zero_share", "flags"]
+                 "headroom_trend_per_kstep", "overflow_forecast_step", "underflow_share", "zero_share",
+                 "share_sample_size", "flags"]
 
 
 @dataclass
@@ -126,6 +130,10 @@ class RangesReport:
             if len(hit):
                 names = ", ".join(sorted({_display(n) for n in hit["name"]}))
                 out.append(f"{flag}: {len(hit)} row(s): {names}")
+                if flag == "underflow":
+                    worst = hit.sort_values("underflow_share", ascending=False, kind="stable").iloc[0]
+                    out.append(f"worst underflow: {_display(worst['name'])} {worst['kind']}, "
+                               f"{worst['underflow_share']:.0%} of {sampled_values(worst['share_sample_size'])}")
         if self.full_tier_steps == 0:
             out.append("no full-tier step in the window: underflow shares unknown")
         return out
@@ -167,12 +175,14 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
                 forecast = int(step + math.ceil(headroom / -slope))
 
         full = g[g["below_normal_share"].notna() & ~g["bad"]]
-        underflow = zeros = None
+        underflow = zeros = sampled = None
         if len(full):
             zeros = float(full["zero_share"].median())
             shares = underflow_share_of_rows(full, limit)
             if shares.notna().all():
                 underflow = float(shares.median())
+            sizes = full["share_sample_size"].dropna()
+            sampled = int(sizes.median()) if len(sizes) else None
 
         flags = []
         if latest["bad"]:
@@ -190,11 +200,11 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
                      "step": step, "absmax": absmax,
                      "headroom_bits": headroom, "headroom_trend_per_kstep": trend,
                      "overflow_forecast_step": forecast, "underflow_share": underflow, "zero_share": zeros,
-                     "flags": flags, "_phase": 0 if latest["phase"] == "forward" else 1,
+                     "share_sample_size": sampled, "flags": flags, "_phase": 0 if latest["phase"] == "forward" else 1,
                      "_order": int(latest["order"])})
     layers = pd.DataFrame(rows).sort_values(["_phase", "_order"], kind="stable")
     layers = layers[LAYER_COLUMNS].reset_index(drop=True)
-    for col in ("step", "overflow_forecast_step"):
+    for col in ("step", "overflow_forecast_step", "share_sample_size"):
         layers[col] = layers[col].astype("Int64")  # integers with missing values
     return RangesReport(layers=layers, first_step=int(per_step["step"].min()), last_step=last,
                         full_tier_steps=int(full_steps))
@@ -207,10 +217,13 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
 # memory is bounded by window x layers (plus the full-tier rows), not by
 # ranks x window x layers.
 _KEYS = ["name", "kind", "step"]
-_MERGED = {"absmax": "max", "bad": "any", "dtype": "first", "phase": "first", "order": "min", "rms": "max"}
+# share_sample_size: the values the shares were counted on, summed over
+# ranks and calls (Arrow's sum over nothing but nulls is null: unknown).
+_MERGED = {"absmax": "max", "bad": "any", "dtype": "first", "phase": "first", "order": "min", "rms": "max",
+           "share_sample_size": "sum"}
 _MEANS = ["zero_share", "below_normal_share", "below_subnormal_share"]
 _PER_STEP = _KEYS + ["absmax", "bad", "dtype", "phase", "order", "zero_share", "below_normal_share",
-                     "below_subnormal_share", "rms"]
+                     "below_subnormal_share", "rms", "share_sample_size"]
 _CONSOLIDATE_ROWS = 1 << 20
 
 
@@ -267,6 +280,14 @@ def _per_step(run: Run, lo) -> tuple[pd.DataFrame | None, int]:
     means = full_rows.groupby(_KEYS, sort=False)[_MEANS].mean().reset_index()
     per_step = merged.to_pandas().merge(means, on=_KEYS, how="left")
     return per_step[_PER_STEP], len(full_steps)
+
+
+def sampled_values(size) -> str:
+    """How many values a share was counted on, for sentences: "50,000
+    sampled values", or "its values" for a run that did not record it."""
+    if size is None or pd.isna(size):
+        return "its values"
+    return f"{int(size):,} sampled values"
 
 
 def range_dtype(dtype) -> str:

@@ -29,7 +29,7 @@ from ..names import display_name as _display
 from ..loader import Run
 from .instability import find_instability
 from .nans import find_nans
-from .ranges import DTYPE_LIMITS, WINDOW, layer_ranges
+from .ranges import DTYPE_LIMITS, WINDOW, layer_ranges, sampled_values
 from .scale import scale_dynamics, underflow_phrase
 
 SEVERITIES = ("critical", "error", "warning", "info")
@@ -164,7 +164,8 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
         findings.append(Finding(
             "grad_underflow", "warning", int(worst["step"]), worst["name"],
             f"{len(under)} gradient(s) underflow in {worst['range_dtype']} at the recorded scale: "
-            f"{_display(worst['name'])} has {worst['underflow_share']:.0%} of its values below the normal "
+            f"{_display(worst['name'])} has {worst['underflow_share']:.0%} of "
+            f"{sampled_values(worst['share_sample_size'])} below the normal "
             f"limit {_normal_limit(worst['range_dtype'])} ({where['phrase']})",
             f"amp-postmortem ranges {target}",
             {"layers": [str(n) for n in under["name"]], "underflow_share": float(worst["underflow_share"]),
