@@ -41,16 +41,24 @@ def _wrapper_attr(module: torch.nn.Module) -> str | None:
     return None
 
 
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The innermost module under a chain of pure wrappers."""
+def wrapper_chain(module: torch.nn.Module):
+    """The module, then the module each pure wrapper wraps, outermost first
+    (a cycle of wrappers ends the chain)."""
     seen = set()
     while id(module) not in seen:
         seen.add(id(module))
+        yield module
         attr = _wrapper_attr(module)
         inner = getattr(module, attr, None) if attr else None
         if not isinstance(inner, torch.nn.Module):
-            return module
+            return
         module = inner
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The innermost module under a chain of pure wrappers."""
+    for module in wrapper_chain(module):
+        pass
     return module
 
 
@@ -127,18 +135,8 @@ def is_compiled(model: torch.nn.Module) -> bool:
     user called `module.compile()` on it."""
     mod = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(mod, "OptimizedModule", None) if mod is not None else None
-    m = model
-    for _ in range(16):
-        if getattr(m, "_compiled_call_impl", None) is not None:
-            return True
-        if optimized is not None and isinstance(m, optimized):
-            return True
-        attr = _wrapper_attr(m)
-        inner = getattr(m, attr, None) if attr else None
-        if not isinstance(inner, torch.nn.Module):
-            return False
-        m = inner
-    return False
+    return any(getattr(m, "_compiled_call_impl", None) is not None
+               or (optimized is not None and isinstance(m, optimized)) for m in wrapper_chain(model))
 
 
 # ------------------------------------------------------------------ shards
