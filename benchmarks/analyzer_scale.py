@@ -92,6 +92,25 @@ class Layout:
         self.nan_row = int(np.flatnonzero(self.is_act)[len(self.modules) * 3 // 4])
 
 
+def full_tier_columns(layout: Layout, absmax, full) -> dict:
+    """The full-tier statistics columns of steps x rows `absmax` (null
+    where `full` is False), flattened as a shard stores them."""
+    nanf = np.full(absmax.shape, np.nan)
+    return {
+        "min": np.where(full, -absmax, nanf).ravel(),
+        "max": np.where(full, absmax, nanf).ravel(),
+        "mean": np.where(full, absmax * 1e-3, nanf).ravel(),
+        "rms": np.where(full, absmax * 0.2, nanf).ravel(),
+        "zero_share": np.where(full, 0.01, nanf).ravel(),
+        "below_normal_share": np.where(full, 0.002, nanf).ravel(),
+        "below_subnormal_share": np.where(full, 0.0, nanf).ravel(),
+        "near_overflow_share": np.where(full, 0.0, nanf).ravel(),
+        # The recorder counts shares on at most schema.SHARE_SAMPLE_MAX values per tensor.
+        "share_sample_size": np.where(full, np.minimum(layout.numel, schema.SHARE_SAMPLE_MAX)[None, :],
+                                      nanf).ravel(),
+    }
+
+
 def scale_series(steps: int, collapse_at: int, growth_interval: int):
     """Loss scale before/after each step, growth tracker and skipped flags,
     as GradScaler would produce them: growth after `growth_interval` clean
@@ -183,7 +202,6 @@ def generate(run_dir: Path, *, steps: int, rows: int, steps_per_shard: int, full
         # grad_input rows: NaN/Inf in the gradient the module received.
         input_nonfinite[:, layout.is_grad] = 0.0
         full = (idx % full_every == 0)[:, None] & np.ones((1, n), dtype=bool)
-        nanf = np.full((k, n), np.nan)
         cols = {
             "step": step_col,
             "rank": np.zeros(k * n, dtype=np.int32),
@@ -198,16 +216,7 @@ def generate(run_dir: Path, *, steps: int, rows: int, steps_per_shard: int, full
             "nan_count": nan_count.ravel(),
             "inf_count": inf_count.ravel(),
             "input_nonfinite": input_nonfinite.ravel(),
-            "min": np.where(full, -absmax, nanf).ravel(),
-            "max": np.where(full, absmax, nanf).ravel(),
-            "mean": np.where(full, absmax * 1e-3, nanf).ravel(),
-            "rms": np.where(full, absmax * 0.2, nanf).ravel(),
-            "zero_share": np.where(full, 0.01, nanf).ravel(),
-            "below_normal_share": np.where(full, 0.002, nanf).ravel(),
-            "below_subnormal_share": np.where(full, 0.0, nanf).ravel(),
-            "near_overflow_share": np.where(full, 0.0, nanf).ravel(),
-            # The recorder counts shares on at most 65,536 values per tensor.
-            "share_sample_size": np.where(full, np.minimum(layout.numel, 65_536)[None, :], nanf).ravel(),
+            **full_tier_columns(layout, absmax, full),
         }
         for j, s in enumerate(idx):
             step_row = {

@@ -74,20 +74,13 @@ def generate(run_dir: Path, *, ranks: int, steps: int, tensors: int, steps_per_s
         inf_count[np.ix_(skipped[idx], layout.driver_rows)] = 7
         inp = np.where(layout.is_act | layout.is_grad, 0.0, np.nan)
         full = (idx % full_every == 0)[:, None] & np.ones((1, n), dtype=bool)
-        nanf = np.full((k, n), np.nan)
         cols = {
             "step": np.repeat(idx.astype(np.int64), n), "name": layout.names * k, "kind": layout.kinds * k,
             "phase": layout.phases * k, "order": np.tile(layout.order, k), "call": np.zeros(k * n, np.int32),
             "dtype": ["float16"] * (k * n), "numel": np.tile(layout.numel, k), "absmax": absmax.ravel(),
             "nan_count": np.zeros(k * n, np.int64), "inf_count": inf_count.ravel(),
             "input_nonfinite": np.broadcast_to(inp, (k, n)).ravel().copy(),
-            "min": np.where(full, -absmax, nanf).ravel(), "max": np.where(full, absmax, nanf).ravel(),
-            "mean": np.where(full, absmax * 1e-3, nanf).ravel(), "rms": np.where(full, absmax * 0.2, nanf).ravel(),
-            "zero_share": np.where(full, 0.01, nanf).ravel(),
-            "below_normal_share": np.where(full, 0.002, nanf).ravel(),
-            "below_subnormal_share": np.where(full, 0.0, nanf).ravel(),
-            "near_overflow_share": np.where(full, 0.0, nanf).ravel(),
-            "share_sample_size": np.where(full, np.minimum(layout.numel, 65_536)[None, :], nanf).ravel(),
+            **analyzer_scale.full_tier_columns(layout, absmax, full),
         }
         shards.append((idx, cols))
     for rank in range(ranks):
