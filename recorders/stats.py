@@ -20,7 +20,10 @@ near overflow) are counted on a fixed, evenly strided sample of at most
 `schema.SHARE_SAMPLE_MAX` values (`share_sample`): each share is one
 comparison pass, and over every value of every tensor they made the full
 tier cost more than twice the step. absmax, the NaN/Inf counts, min, max,
-mean and rms stay exact over every value.
+mean and rms cover every value; mean and rms are summed in the working
+dtype (float32 for 16-bit tensors), over the values divided by their
+largest magnitude when their squares could overflow (`_mean_rms`: a tenth
+of the cost of float64 sums on the CPU; relative error ~1e-6).
 
 Layout of the vector follows `schema.CHEAP_STATS` / `schema.FULL_STATS`.
 """
@@ -216,9 +219,10 @@ def _full_stats(d, finite_abs, inv, scale, near_overflow):
     inf_t = torch.full((), math.inf, dtype=work, device=x.device)
     mn = torch.where(fin, x, inf_t).amin().to(torch.float64)
     mx = torch.where(fin, x, -inf_t).amax().to(torch.float64)
-    mean = xf.sum(dtype=torch.float64) / n_fin
-    rms = torch.sqrt((xf.to(torch.float64) ** 2).sum() / n_fin) if work == torch.float64 else \
-        torch.sqrt(torch.linalg.vector_norm(xf, dtype=torch.float64) ** 2 / n_fin)
+    top = finite_abs.amax().to(work)  # exact: a value of d
+    one = torch.ones((), dtype=work, device=x.device)
+    top = torch.where(top.to(torch.float64) ** 2 * n > _SQUARES_SAFE, top, one)
+    mean, rms = _mean_rms(xf, top, n_fin, scratch=True)
     # No finite value: min/max would be +-inf; report NaN (null) instead.
     nan_t = torch.full((), math.nan, dtype=torch.float64, device=x.device)
     mn = torch.where(n_fin > 0, mn, nan_t)
@@ -236,6 +240,33 @@ def _full_stats(d, finite_abs, inv, scale, near_overflow):
         mn, mx, mean, rms = mn * inv, mx * inv, mean * inv, rms * inv
     size = torch.full((), float(m), dtype=torch.float64, device=x.device)
     return [mn, mx, mean, rms, zero, below_normal, below_sub, near, size]
+
+
+# n * absmax**2 at most this: the float32 sums of x and x**2 cannot overflow
+# (float32 ends near 2**128), so x is summed as it is.
+_SQUARES_SAFE = 2.0 ** 120
+
+
+def _mean_rms(x, top, n, *, scratch: bool, divide: bool = True):
+    """Mean and root mean square of `x` (finite values only; `n` of them,
+    an int or a float64 0-d tensor), from sums in the working dtype over
+    `x / top`, `top` a 0-d tensor of it: 1 when the squares cannot overflow
+    (`_divisor`), else the largest magnitude. float32 sums cost a tenth of
+    float64 ones on the CPU (converting every value), which made the full
+    tier cost more than the step. `scratch`: `x` is a temporary of the
+    caller's that may be overwritten (a large buffer fewer: allocating them
+    cost as much as the sums); `divide=False` (top is 1, `x` contiguous):
+    x / 1 is x, bit for bit, so the pass is skipped. Both paths
+    (definitions and host) get equal contiguous operands here, hence the
+    same bits."""
+    y = x if not divide else x.div_(top) if scratch else x / top
+    t = top.to(torch.float64)
+    mean = y.sum().to(torch.float64) * t / n
+    # Squares summed by the CPU's cascade summation (relative error ~1e-7);
+    # vector_norm and dot accumulate plainly in float32 (~1e-5 at 10^5 values).
+    sq = y.mul_(y) if scratch else y * y
+    rms = torch.sqrt(sq.sum().to(torch.float64) / n) * t
+    return mean, rms
 
 
 # ------------------------------------------------------------ host fast path
@@ -287,21 +318,19 @@ def _host_stats(d, full, scale, near_overflow):
     if not full:
         return [absmax, 0.0, 0.0, math.nan]
     work = torch.float64 if d.dtype == torch.float64 else torch.float32
-    x = d.to(work)
+    x = d.to(work)  # a copy unless d is in the working dtype already
     n = d.numel()
-    mean = float(x.sum(dtype=torch.float64)) / n
-    # torch's sqrt, not math.sqrt: the two can differ in the last bit.
-    if work == torch.float64:
-        rms = float(torch.sqrt((x ** 2).sum() / n))
-    else:
-        rms = float(torch.sqrt(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2 / n))
+    absmax_w = max(abs(mn), abs(mx))  # exact in the working dtype
+    big = absmax_w * absmax_w * n > _SQUARES_SAFE
+    top = torch.tensor(absmax_w if big else 1.0, dtype=work)
+    mean, rms = (float(v) for v in _mean_rms(x, top, n, scratch=x is not d,
+                                             divide=big or not x.is_contiguous()))
     normal, sub, over = _thresholds(scale, work, near_overflow)
-    a = share_sample(x).abs()
+    a = share_sample(d).to(work).abs()  # x is overwritten; upcasting is exact
     m = a.numel()
     absmin = float(a.amin())
     # The extremes of every value bound the sample's: none of them near
     # overflow means none in the sample either.
-    absmax_w = max(abs(mn), abs(mx))  # exact in the working dtype
     zeros = 0 if absmin > 0 else int(torch.count_nonzero(a == 0))
 
     def below(threshold):
@@ -323,17 +352,47 @@ def _host_stats(d, full, scale, near_overflow):
             zeros / m, below_normal / m, below_sub / m, near / m, float(m)]
 
 
+# Floating dtype -> (integer dtype of its size, mask of all bits but the
+# sign, the exponent's bits): a NaN's bits (sign dropped) exceed them.
+_NAN_BITS = {
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+}
+
+
+def _all_nan(d) -> bool:
+    """Every value of the CPU tensor `d` is a NaN, read off its bit
+    patterns as integers: one `aminmax` pass, no allocation, when the NaNs
+    share a sign (computed NaNs are negative on x86), else the smallest
+    pattern without the sign. The boolean passes (`isnan` and a count)
+    cost ~8 times as much here, on every tensor of every step once a job
+    has diverged."""
+    spec = _NAN_BITS.get(d.dtype)
+    if spec is None:
+        return bool(torch.isnan(d).all())
+    itype, mask, exponent = spec
+    bits = d.view(itype)
+    lo, hi = (int(v) for v in torch.aminmax(bits))
+    if lo >= 0:  # every sign bit clear: positive NaNs lie above +Inf's pattern
+        return lo > exponent
+    if hi < 0:  # every sign bit set: negative NaNs lie above -Inf's, as signed integers
+        return lo > exponent - (mask + 1)
+    return int((bits & mask).amin()) > exponent
+
+
 def _host_nonfinite_stats(d, full, scale):
-    """Statistics of a CPU tensor holding a NaN or an Inf, in a few boolean
-    passes: a diverged job has NaN in nearly every tensor of every step, and
+    """Statistics of a CPU tensor holding a NaN or an Inf, in a few passes
+    (two integer ones when all are NaN): a diverged job has NaN in nearly
+    every tensor of every step, and
     the general path's ~10 full passes made the recorder cost more than the
     step. Same values as `_device_stats`. None (general path) for a full-tier
     tensor with finite values left: its min/max/mean/rms need the
     definitions."""
-    nan = int(torch.isnan(d).count_nonzero())
-    if nan == d.numel():  # all NaN, as in a diverged job: one pass decides everything
-        fin, n_fin = None, 0
+    if _all_nan(d):  # as in a diverged job: everything is decided
+        nan, fin, n_fin = d.numel(), None, 0
     else:
+        nan = int(torch.isnan(d).count_nonzero())
         fin = torch.isfinite(d)
         n_fin = int(fin.count_nonzero())
         if full and n_fin:

@@ -195,6 +195,23 @@ def test_bf16_without_a_scaler_saves_the_weights_before_the_update(tmp_path):
     assert math.isnan(replay(b, boom=math.nan).item())
 
 
+def test_clean_cpu_steps_copy_no_weights_and_the_nonfinite_step_still_does(tmp_path, monkeypatch):
+    # Without a scaler the weights are copied before each update that may
+    # need a bundle; on the CPU a step whose statistics are all finite cannot.
+    from recorders.bundles import held
+    copies = []
+    real = held.SnapshotPool.take
+    monkeypatch.setattr(held.SnapshotPool, "take", lambda self: copies.append(self) or real(self))
+    run = tmp_path / "run"
+    seen, rec = train(run, 6, dtype=torch.bfloat16, scaler=False, nan_at={3})
+    # Step 3 (NaN planted), then 4 and 5, whose weights the update made NaN
+    # (close() drops the pools: the parameters' pool is the one over them).
+    n_params = len(list(rec.model.parameters()))
+    assert sum(len(pool.src) == n_params for pool in copies) == 3
+    b = load_bundle(run, step=3)
+    assert b.meta["params"]["source"] == "pre_step_snapshot" and b.meta["params"]["exact"]
+
+
 @pytest.fixture(scope="module")
 def saved_bundle(tmp_path_factory):
     run = tmp_path_factory.mktemp("bundle") / "run"

@@ -57,6 +57,22 @@ def _nonfinite_cases():
     nan_inf[::3] = math.inf
     yield "nan and inf, sampled", nan_inf
     yield "scalar nan", torch.tensor(math.nan)
+    yield "negative nan", -torch.full((64,), math.nan)  # sign bit set: still all NaN
+    both = torch.full((64,), math.nan)
+    both[::2] = -both[::2]
+    yield "nan of both signs", both
+    neg = -torch.full((64,), math.nan)
+    neg[7] = -math.inf
+    yield "negative nan and -inf", neg
+    neg_finite = -torch.full((64,), math.nan)
+    neg_finite[3] = -2.0
+    yield "negative nan and a negative number", neg_finite
+    one_inf = torch.full((1000,), math.nan)
+    one_inf[500] = -math.inf
+    yield "nan and one inf", one_inf
+    one_zero = torch.full((1000,), math.nan)
+    one_zero[999] = 0.0
+    yield "nan and one zero", one_zero
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -113,7 +129,20 @@ def test_shares_come_from_an_evenly_strided_sample_while_the_rest_is_exact(path)
     assert v[FULL["zero_share"]] == 1.0
     assert v[FULL["near_overflow_share"]] == 0.0 and v[FULL["below_normal_share"]] == 0.0
     assert v[FULL["absmax"]] == 70_000.0 and v[FULL["max"]] == 70_000.0 and v[FULL["min"]] == 0.0
-    assert v[FULL["mean"]] == (149_998 + 70_000.0 + 2.0 ** -20) / 200_000
+    # Summed in float32 (see stats._mean_rms): exact to float32's precision.
+    assert float(v[FULL["mean"]]) == pytest.approx((149_998 + 70_000.0 + 2.0 ** -20) / 200_000, rel=1e-6)
+
+
+@pytest.mark.parametrize("path", ["host", "definitions"])
+def test_mean_and_rms_of_values_too_large_to_square_in_float32_stay_finite(path):
+    # 1e30 squared overflows float32 (3.4e38): the sums run over x / absmax.
+    x = torch.full((100_000,), 1e30)
+    x[::2] = -3e30
+    v = (stats.tensor_stats(x, full=True) if path == "host"
+         else stats._device_stats(x, True, None, None, stats.schema.FP16_MAX))
+    exact = x.double()
+    assert float(v[FULL["mean"]]) == pytest.approx(float(exact.mean()), rel=1e-6)
+    assert float(v[FULL["rms"]]) == pytest.approx(float((exact ** 2).mean().sqrt()), rel=1e-6)
 
 
 def test_tensors_up_to_the_sample_limit_count_every_value():

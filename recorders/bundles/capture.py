@@ -10,7 +10,9 @@ What happens around step N (training thread unless said otherwise):
   scaled values that travelled);
 - optimizer pre-step: a device-side copy of the parameters, taken into
   preallocated buffers, when there is no GradScaler (or N was asked for up
-  front), so the bundle holds the weights the forward used; held steps still
+  front), so the bundle holds the weights the forward used (on the CPU,
+  not when every statistic of the step so far is finite: nothing can ask
+  for its bundle but a non-finite loss of finite gradients); held steps still
   undecided whose weights are still those of their forward (skipped steps)
   get a copy before the update overwrites them;
 - `rec.step()`: the capture joins the held ones (at most `hold_steps`);
@@ -178,7 +180,11 @@ class BundleCapture:
         if self.enabled and cap is not None and micro_batch < len(cap.micro_batches):
             cap.micro_batches[micro_batch].grads[index] = grad
 
-    def on_optimizer_pre_step(self) -> None:
+    def on_optimizer_pre_step(self, clean_on_host: bool = False) -> None:
+        """`clean_on_host`: the step's statistics so far are host values
+        without a NaN or an Inf, so no automatic trigger but a non-finite
+        loss with finite gradients can ask for it: its weights are not
+        copied (a bundle of such a step says `copy_after_update`)."""
         if not self.enabled:
             return
         self._service()
@@ -189,10 +195,11 @@ class BundleCapture:
                 self._secure(cap, clone_now(self.inventory.params), "copy_before_next_update")
         cap = self._current
         if cap is not None and cap.params is None:
-            snap = self._param_pool.take() if self._param_pool is not None else None
+            wanted = cap.explicit or cap.step in self.steps
+            snap = self._param_pool.take() if self._param_pool is not None and (wanted or not clean_on_host) else None
             if snap is not None:
                 self._secure(cap, snap, "pre_step_snapshot", pooled=True)
-            elif cap.explicit or cap.step in self.steps:
+            elif wanted:
                 self._secure(cap, clone_now(self.inventory.params), "pre_step_snapshot")
             opt = self.optimizer
             if opt is not None:  # as this step used them: a scheduler may change them later
