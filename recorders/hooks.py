@@ -63,6 +63,11 @@ class StepState:
         self.param_grads: dict[str, list] = {}  # name -> [order, stats, sqnorm, dtype, numel]
         self.contexts: list[_CallContext] = []
         self.producers: dict[int, tuple] = {}  # id(tensor) -> (weakref, row of its statistics)
+        # output node of a watched module's call -> (its walk's boundary, the
+        # edges that left its walk): see _hook_grad_inputs. Held for one
+        # forward (node objects, not their saved tensors).
+        self.walks: dict = {}
+        self.last_sum = None  # (weak refs to the parts, their sum): the last grad_input summed
         self.stepped = False
         self.grad_sqsum = None  # square sum of this rank's unscaled gradients (local shards), on the device
         self.sharded_sqsum = None  # its part from the local shards of sharded gradients
@@ -130,7 +135,9 @@ def _grad_norms(grads: list) -> torch.Tensor:
     memory."""
     if grads[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
-    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).to(torch.float64)
+    # float64 gradients (a float64 model) keep float64: nothing to convert.
+    work = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=work)).to(torch.float64)
     overflow = torch.isinf(norms)
     if overflow.any():
         for i in overflow.nonzero().flatten().tolist():
@@ -334,6 +341,8 @@ class TrainingHooks:
         st = self.state
         if module is self._root_ref() and st.in_forward:
             st.in_forward -= 1
+            if not st.in_forward:
+                st.walks = {}  # the forward is over: let its graph go with the backward
 
     def _on_root_pre(self, module, args, kwargs):
         st = self._active(root=True)
@@ -364,6 +373,7 @@ class TrainingHooks:
         st.bwd_order = 0
         st.calls = {}
         st.producers = {}
+        st.walks = {}
         if self.autocast is None:
             self._note_autocast(_read_autocast())
         if st.micro_batches == 1 and st.full:
@@ -510,30 +520,56 @@ class TrainingHooks:
         """Hook the autograd nodes inside the module that hand gradients to
         its inputs. `register_full_backward_hook` would insert identity nodes
         and change the order gradient contributions are summed in, hence the
-        training's bits; node hooks observe without reshaping the graph."""
+        training's bits; node hooks observe without reshaping the graph.
+
+        The walk goes from the outputs' nodes towards the inputs and stops
+        at nodes created before the inputs (the model around the module).
+        A watched module inside this one has walked its own part already
+        (its post-hook runs first): where this walk reaches that module's
+        output node, it takes the edges that left that walk instead of
+        walking the same nodes again. Every container would otherwise walk
+        its whole subtree once more per level of nesting."""
+        st = self.state
         boundary = max(g._sequence_nr() for g, _ in keys)
         edges: dict = {}
         seen = set()
-        todo = [t.grad_fn for t in outs if t.grad_fn is not None]
+        roots = [t.grad_fn for t in outs if t.grad_fn is not None]
+        # The edges leaving this walk, for an enclosing module's walk; only
+        # for one output node (an enclosing module may use one output only).
+        exits = [] if len(roots) == 1 else None
+        todo = list(roots)
+
+        def follow(node, slot, nxt, nr):
+            key = (nxt, nr)
+            if key in keys:
+                slots = edges.setdefault(node, [])
+                if (slot, keys[key]) not in slots:
+                    slots.append((slot, keys[key]))
+            elif nxt in seen:
+                return
+            # Nodes created before the module's inputs belong to the
+            # model around it, not to this module.
+            elif nxt._sequence_nr() > boundary:
+                todo.append(nxt)
+                return
+            if exits is not None:
+                exits.append((node, slot, nxt, nr))
+
         while todo:
             node = todo.pop()
             if node in seen:
                 continue
             seen.add(node)
+            inner = st.walks.get(node)
+            if inner is not None and inner[0] >= boundary:
+                for edge in inner[1]:
+                    follow(*edge)
+                continue
             for slot, (nxt, nr) in enumerate(node.next_functions):
-                if nxt is None:
-                    continue
-                key = (nxt, nr)
-                if key in keys:
-                    edges.setdefault(node, []).append((slot, keys[key]))
-                    continue
-                if type(nxt).__name__ == "AccumulateGrad" or nxt in seen:
-                    continue
-                # Nodes created before the module's inputs belong to the
-                # model around it, not to this module.
-                if nxt._sequence_nr() <= boundary:
-                    continue
-                todo.append(nxt)
+                if nxt is not None and type(nxt).__name__ != "AccumulateGrad":
+                    follow(node, slot, nxt, nr)
+        if exits is not None:
+            st.walks[roots[0]] = (boundary, exits)
         for node, slots in edges.items():
             for _, input_idx in slots:
                 acc = ctx.pending.setdefault(input_idx, [0, 0, []])
@@ -582,8 +618,17 @@ class TrainingHooks:
         # Sum in the gradient's own dtype, in arrival order, as autograd's
         # input buffer does: an fp16 overflow can be born in this sum.
         total = parts[0]
-        for p in parts[1:]:
-            total = total + p
+        if len(parts) > 1:
+            last = st.last_sum
+            if last is not None and len(last[0]) == len(parts) and all(r() is p for r, p in zip(last[0], parts)):
+                # The same parts in the same order as the sum just taken (a
+                # container whose input only its first child uses): the
+                # same tensor, which the statistics' memo then knows.
+                total = last[1]
+            else:
+                for p in parts[1:]:
+                    total = total + p
+                st.last_sum = ([weakref.ref(p) for p in parts], total)
         s = self._stats(st, total)
         # The gradients that reached the outputs by now, as before this sum.
         inputs = tuple(ctx.grad_out_rows) if ctx.grad_out_rows is not None else None
@@ -638,6 +683,7 @@ class TrainingHooks:
         if self.state is not st or self.paused or not st.record:
             return
         st.backward_passes += 1
+        st.last_sum = None  # its gradient need not outlive the pass
         for pname, p, hook in self._late_params:
             hook(p)
         scale = self._scale_tensor()

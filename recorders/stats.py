@@ -281,9 +281,9 @@ def _thresholds(scale, work, near_overflow):
 
 
 def _on_host(d, input_nonfinite, scale) -> bool:
-    return (d.device.type == "cpu"
-            and (input_nonfinite is None or input_nonfinite.device.type == "cpu")
-            and (scale is None or scale.device.type == "cpu"))
+    return (d.is_cpu
+            and (input_nonfinite is None or input_nonfinite.is_cpu)
+            and (scale is None or scale.is_cpu))
 
 
 def _work_float(value, work) -> float:

@@ -2,8 +2,10 @@
 modules run, not only at the root's forward."""
 from __future__ import annotations
 
+import copy
 import json
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -115,3 +117,64 @@ def test_a_child_called_outside_autocast_does_not_hide_the_autocast_inside(tmp_p
     assert manifest["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "bfloat16",
                                     "cache_enabled": True}
     assert read_table(tmp_path / "run", "steps")["micro_batches"].tolist() == [1, 1]
+
+
+class _Residual(nn.Module):
+    """Its input feeds a child and a skip connection: two gradient parts."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class _Nested(nn.Module):
+    """Containers inside containers, a module called twice, an input that
+    only the first child uses (the Sequential) and one two children use."""
+
+    def __init__(self, width=6):
+        super().__init__()
+        self.entry = nn.Linear(width, width)
+        self.stack = nn.Sequential(_Residual(width), _Residual(width))
+        self.shared = nn.Linear(width, width)
+        self.side = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.stack(self.entry(x))
+        h = self.shared(torch.tanh(self.shared(h))) + self.side(h)
+        return h
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_grad_input_rows_equal_what_each_module_call_hands_its_inputs(tmp_path):
+    # Nested modules' walks reuse their children's (hooks._hook_grad_inputs):
+    # every module call's grad_input must still be the gradient its own
+    # backward hands its input, as a full backward hook reports it.
+    torch.manual_seed(0)
+    model = _Nested().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 6, dtype=torch.float64)
+
+    expected, calls = {}, {}
+    for name, m in reference.named_modules():
+        def hook(module, grad_in, grad_out, name=name):
+            call = calls[name] = calls.get(name, -1) + 1  # backward runs calls last first
+            if grad_in[0] is not None:  # None: the model's input, which needs no gradient
+                expected[(name, call)] = float(grad_in[0].abs().max())
+        m.register_full_backward_hook(hook)
+    reference(x).square().sum().backward()
+
+    rec = AmpRecorder(tmp_path / "run", model)
+    model(x).square().sum().backward()
+    rec.step()
+    rec.close()
+    rows = read_table(tmp_path / "run", "tensors")
+    got = rows[rows["kind"] == "grad_input"]
+    n_calls = {name: int((got["name"] == name).sum()) for name in set(got["name"])}
+    recorded = {(r.name, n_calls[r.name] - 1 - int(r.call)): float(r.absmax) for r in got.itertuples()}
+    assert set(recorded) == set(expected) and len(expected) == 16
+    for key, value in expected.items():
+        assert recorded[key] == pytest.approx(value, rel=1e-12), key

@@ -368,6 +368,22 @@ def test_grad_norm_is_the_global_norm_of_the_unscaled_gradients(tmp_path):
     assert read(tmp_path / "run", "steps")["grad_norm"].tolist() == pytest.approx(norms, rel=1e-5)
 
 
+def test_grad_norm_of_gradients_too_large_to_square_in_float32_is_finite(tmp_path):
+    # On the CPU the norms are taken in float32 (hooks._grad_norms); squares
+    # of 1e25 overflow there, so those norms are taken again in float64.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    rec = AmpRecorder(tmp_path / "run", model, optimizer=opt)
+    (model(torch.randn(3, 4)) * 1e25).sum().backward()
+    expected = float(torch.linalg.vector_norm(torch.cat([p.grad.double().reshape(-1) for p in model.parameters()])))
+    opt.step()
+    rec.step()
+    rec.close()
+    assert read(tmp_path / "run", "steps")["grad_norm"].tolist() == pytest.approx([expected], rel=1e-6)
+    assert expected > 1e25
+
+
 def test_grad_norm_is_the_norm_before_the_users_clipping(tmp_path):
     seen = []
 
