@@ -31,7 +31,8 @@ def _json(args):
     return json.loads(res.stdout)
 
 
-@pytest.mark.parametrize("fixture", ["overflow_run", "collapse_run", "two_rank_run", "underflow_run"])
+@pytest.mark.parametrize("fixture", ["overflow_run", "collapse_run", "two_rank_run", "underflow_run",
+                                     "uneven_ranks_run"])
 def test_every_scan_command_gives_identical_json_on_dask_and_locally(cluster, fixture, request):
     address, client = cluster
     run = str(request.getfixturevalue(fixture))
