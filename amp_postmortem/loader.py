@@ -15,6 +15,7 @@ in one directory are refused.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from .engines.local import LocalEngine
 from .engines.scan import NONFINITE_FILTER, ShardScan, scan_shard
 from .errors import CorruptRunError, EmptyRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
 from .index import read_indexes, shard_from_index
-from .step_facts import StepFacts, from_indexes, from_table
+from .step_facts import StepFacts, from_indexes, from_series, from_table
 from . import step_series
 from .step_series import StepSeries
 from .store import StorePath, filesystem_of, fs_path, run_location
@@ -92,7 +93,8 @@ class Run:
     def step_facts(self, first_step: int | None = None, last_step: int | None = None) -> StepFacts:
         """Non-finite loss steps, skipped step count and single step rows in
         [first_step, last_step], from the indexes when the steps table is not
-        read yet and they stand in for it exactly, else from the table."""
+        read yet and they stand in for it exactly, else from the step series
+        (a run without indexes), else from the table."""
         if "steps" not in self.__dict__ and self.step_shards:
             docs: dict[int, list] = {}
             for s in self.step_shards:
@@ -104,7 +106,23 @@ class Run:
                 facts = from_indexes(docs, first_step, last_step)
                 if facts is not None:
                     return facts
+            series = self.step_series()  # from the shards, unless only the table can say
+            if "steps" not in self.__dict__:
+                return from_series(series.steps, self._step_row, first_step, last_step)
         return from_table(self.steps, first_step, last_step)
+
+    def _step_row(self, step: int, rank: int) -> tuple[bool, bool] | None:
+        """(skipped, loss_nonfinite) of one step row, read from the one
+        steps shard that holds it (no rank's shards overlap here)."""
+        for s in self.step_shards:
+            if s.rank == rank and s.num_rows and s.first_step <= step <= s.last_step:
+                task = self._scan_task(s, ["step", "skipped", "loss"], False, [step], None, None, None,
+                                       table=schema.STEPS_DIR)
+                part = scan_shard(task)
+                if part.error is None and part.table is not None and part.table.num_rows:
+                    loss = part.table.column("loss")[0].as_py()
+                    return bool(part.table.column("skipped")[0].as_py()), loss is not None and not math.isfinite(loss)
+        return None
 
     def step_series(self) -> StepSeries:
         """One row per step across the ranks (`step_series.StepSeries`): the

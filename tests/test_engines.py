@@ -83,3 +83,24 @@ def test_the_map_is_one_shard_in_one_partial_out(overflow_run):
     assert part.table.column_names == ["step", "name", "nan_count", "inf_count"]
     clean = [s for s in run.tensor_shards if s.nonfinite_rows == 0][0]
     assert scan_shard(ShardScan(path=str(clean.path), nonfinite_only=True)).table is None  # pruned unread
+
+
+def test_the_python_api_takes_the_engine_and_scheduler(cluster, uneven_ranks_run):
+    import amp_postmortem
+    address, _ = cluster
+    for command in (amp_postmortem.scale, amp_postmortem.summary):
+        on_dask = command(str(uneven_ranks_run), engine="dask", scheduler=address).to_dict()
+        assert on_dask == command(str(uneven_ranks_run)).to_dict()
+
+
+def test_a_steps_shard_is_reduced_where_it_is_read(uneven_ranks_run):
+    """The steps map ships like the tensors map: a plain task, a small partial."""
+    from distributed.protocol import deserialize, serialize
+    from amp_postmortem import step_series
+    from recorders import schema
+    shard = load_run(uneven_ranks_run).step_shards[0]
+    task = ShardScan(path=str(shard.path), columns=tuple(step_series.READ_COLUMNS),
+                     reduce=step_series.shard_partial, table=schema.STEPS_DIR)
+    part = scan_shard(deserialize(*serialize(task)))
+    assert part.error is None and part.table is None
+    assert part.result.table.column("step").to_pylist() == [0, 1, 2] and part.result.rank_last_steps == {0: 2}

@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 import amp_postmortem.loader as loader
-from amp_postmortem import step_series
+from amp_postmortem import step_facts, step_series
+from amp_postmortem.analyses.nans import find_nans
 from amp_postmortem.analyses.scale import scale_dynamics
 from amp_postmortem.analyses.summary import summarize
 from amp_postmortem.cli import main
@@ -106,3 +107,23 @@ def test_a_run_with_one_rank_reads_its_shards_too(overflow_run, monkeypatch):
     s = run.step_series().steps
     assert s["step"].tolist() == list(range(12)) and s.loc[s["skipped_any"], "step"].tolist() == [7]
     assert math.isnan(s.loc[7, "loss"]) and s["loss_nonfinite_any"].sum() == 1
+
+
+@pytest.mark.parametrize("fixture", ["uneven_ranks_run", "collapse_run", "overflow_run"])
+@pytest.mark.parametrize("window", [(None, None), (3, 8), (45, None)])
+def test_a_run_without_indexes_takes_its_step_facts_from_the_series(fixture, window, copy_run, request,
+                                                                    monkeypatch):
+    """A run recorded before the indexes: `nans` still never reads the table."""
+    run_dir = copy_run(request.getfixturevalue(fixture))
+    for index_dir in run_dir.glob(f"rank=*/{schema.INDEX_DIR}"):
+        shutil.rmtree(index_dir)
+    slow = step_facts.from_table(load_run(run_dir).steps, *window)
+    monkeypatch.setattr(loader, "read_steps", lambda *a, **k: pytest.fail("the steps table was read"))
+    run = load_run(run_dir)
+    assert run.shard_indexes == {}
+    fast = run.step_facts(*window)
+    assert (fast.nonfinite_loss_steps, fast.skipped_steps) == (slow.nonfinite_loss_steps, slow.skipped_steps)
+    for step in range(0, 80, 3):
+        for rank in run.ranks:
+            assert fast.row(step, rank) == slow.row(step, rank)
+    find_nans(run)  # and the whole analysis
