@@ -65,6 +65,16 @@ def test_no_cluster_is_one_error_line(overflow_run, monkeypatch):
     assert res.exit_code == 2 and res.output.splitlines() == ["Error: --scheduler needs --engine dask"]
 
 
+@pytest.mark.parametrize("address, why", [("foo://10.0.0.5:8786", "unknown address scheme 'foo'"),
+                                          ("tcp://10.0.0.5:port", "invalid literal for int()"),
+                                          ("inproc://10.0.0.5/1/1", "an inproc:// address works only in")])
+def test_a_malformed_scheduler_address_is_one_error_line(overflow_run, address, why):
+    res = CliRunner().invoke(main, ["nans", str(overflow_run), "--engine", "dask", "--scheduler", address])
+    assert res.exit_code == 2
+    lines = res.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: invalid Dask scheduler address {address!r}: {why}")
+
+
 def test_unknown_engine_is_a_named_error():
     with pytest.raises(EngineError, match="unknown engine 'ray'; valid: local, dask"):
         get_engine("ray")
