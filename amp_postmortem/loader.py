@@ -1,11 +1,13 @@
 """The one place that reads a run directory.
 
 `load_run(path)` validates the manifests (format, schema version, run id),
-discovers the ranks, reads every shard's footer (never its data) and loads
-the small steps table. The large tensors table stays on disk as a
-`pyarrow.dataset`; analyses read it through `Run.scan_tensors`, which prunes
-shards by the step range and non-finite row count stamped in their footers
-and row groups by their Parquet statistics, and projects columns.
+discovers the ranks and reads every shard's index, or its footer (never its
+data). The steps table is read on first use; the analyses that need one row
+per step take `Run.step_series`, reduced shard by shard, instead. The large
+tensors table stays on disk as a `pyarrow.dataset`; analyses read it
+through `Run.scan_tensors`, which prunes shards by the step range and
+non-finite row count stamped in their footers and row groups by their
+Parquet statistics, and projects columns.
 
 Damage becomes warnings (`Run.warnings`) or named errors, never a silently
 wrong answer: an unreadable shard is skipped and named, missing ranks and a
@@ -121,7 +123,8 @@ class Run:
                 part = scan_shard(task)
                 if part.error is None and part.table is not None and part.table.num_rows:
                     loss = part.table.column("loss")[0].as_py()
-                    return bool(part.table.column("skipped")[0].as_py()), loss is not None and not math.isfinite(loss)
+                    nonfinite = loss is not None and not math.isfinite(loss)  # null: no loss passed
+                    return bool(part.table.column("skipped")[0].as_py()), nonfinite
         return None
 
     def step_series(self) -> StepSeries:

@@ -56,8 +56,10 @@ def from_series(per_step: pd.DataFrame, lookup, lo=None, hi=None) -> StepFacts:
     if hi is not None:
         s = s[s["step"] <= hi]
     bad = [int(v) for v in s.loc[s["loss_nonfinite_any"], "step"]]
-    inside = lambda step, rank: lookup(step, rank) if ((lo is None or step >= lo)  # noqa: E731
-                                                       and (hi is None or step <= hi)) else None
+
+    def inside(step, rank):
+        return lookup(step, rank) if (lo is None or step >= lo) and (hi is None or step <= hi) else None
+
     # `skipped` is the lowest rank's, as the table's first row of each step.
     return StepFacts(bad, int(s["skipped"].sum()), {}, inside)
 

@@ -49,9 +49,7 @@ class DaskEngine:
             try:
                 resolve_address(address)  # a malformed address is the user's to fix, not a bug
                 return cls(Client(address, timeout="10s", set_as_default=False), owned=True)
-            except ValueError as exc:
-                # e.g. an unknown scheme, a port that is not a number, or an
-                # inproc:// address of another process
+            except ValueError as exc:  # e.g. an unknown scheme, a port that is not a number
                 raise EngineError(f"invalid Dask scheduler address {address!r}: {exc}") from None
             except (OSError, TimeoutError) as exc:
                 raise EngineError(f"cannot reach the Dask scheduler at {address}: "
