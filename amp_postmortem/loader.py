@@ -1,11 +1,13 @@
 """The one place that reads a run directory.
 
 `load_run(path)` validates the manifests (format, schema version, run id),
-discovers the ranks, reads every shard's footer (never its data) and loads
-the small steps table. The large tensors table stays on disk as a
-`pyarrow.dataset`; analyses read it through `Run.scan_tensors`, which prunes
-shards by the step range and non-finite row count stamped in their footers
-and row groups by their Parquet statistics, and projects columns.
+discovers the ranks and reads every shard's index, or its footer (never its
+data). The steps table is read on first use; the analyses that need one row
+per step take `Run.step_series`, reduced shard by shard, instead. The large
+tensors table stays on disk as a `pyarrow.dataset`; analyses read it
+through `Run.scan_tensors`, which prunes shards by the step range and
+non-finite row count stamped in their footers and row groups by their
+Parquet statistics, and projects columns.
 
 Damage becomes warnings (`Run.warnings`) or named errors, never a silently
 wrong answer: an unreadable shard is skipped and named, missing ranks and a
@@ -15,6 +17,7 @@ in one directory are refused.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +36,9 @@ from .engines.local import LocalEngine
 from .engines.scan import NONFINITE_FILTER, ShardScan, scan_shard
 from .errors import CorruptRunError, EmptyRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
 from .index import read_indexes, shard_from_index
-from .step_facts import StepFacts, from_indexes, from_table
+from .step_facts import StepFacts, from_indexes, from_series, from_table
+from . import step_series
+from .step_series import StepSeries
 from .store import StorePath, filesystem_of, fs_path, run_location
 from .shards import (RANK_DIR, Shard, check_pairs, check_version, error_text, rank_dirs, read_footer, read_steps,
                      shard_files)
@@ -90,7 +95,8 @@ class Run:
     def step_facts(self, first_step: int | None = None, last_step: int | None = None) -> StepFacts:
         """Non-finite loss steps, skipped step count and single step rows in
         [first_step, last_step], from the indexes when the steps table is not
-        read yet and they stand in for it exactly, else from the table."""
+        read yet and they stand in for it exactly, else from the step series
+        (a run without indexes), else from the table."""
         if "steps" not in self.__dict__ and self.step_shards:
             docs: dict[int, list] = {}
             for s in self.step_shards:
@@ -102,7 +108,75 @@ class Run:
                 facts = from_indexes(docs, first_step, last_step)
                 if facts is not None:
                     return facts
+            series = self.step_series()  # from the shards, unless only the table can say
+            if "steps" not in self.__dict__:
+                return from_series(series.steps, self._step_row, first_step, last_step)
         return from_table(self.steps, first_step, last_step)
+
+    def _step_row(self, step: int, rank: int) -> tuple[bool, bool] | None:
+        """(skipped, loss_nonfinite) of one step row, read from the one
+        steps shard that holds it (no rank's shards overlap here)."""
+        for s in self.step_shards:
+            if s.rank == rank and s.num_rows and s.first_step <= step <= s.last_step:
+                task = self._scan_task(s, ["step", "skipped", "loss"], False, [step], None, None, None,
+                                       table=schema.STEPS_DIR)
+                part = scan_shard(task)
+                if part.error is None and part.table is not None and part.table.num_rows:
+                    loss = part.table.column("loss")[0].as_py()
+                    nonfinite = loss is not None and not math.isfinite(loss)  # null: no loss passed
+                    return bool(part.table.column("skipped")[0].as_py()), nonfinite
+        return None
+
+    def step_series(self) -> StepSeries:
+        """One row per step across the ranks (`step_series.StepSeries`): the
+        lowest rank's scale and loss, what any rank saw. Reduced shard by
+        shard through the run's engine, so the steps table never reaches
+        pandas; from the table when it is already read, or when the shards
+        cannot stand in for it (a rank's shards overlap, a shard without a
+        step range, an unreadable shard: the table names and skips it)."""
+        cached = self.__dict__.get("_step_series")
+        if cached is None:
+            cached = None if "steps" in self.__dict__ else self._reduce_step_shards()
+            if cached is None:
+                cached = step_series.from_table(self.steps)
+            self.__dict__["_step_series"] = cached
+        return cached
+
+    def _reduce_step_shards(self) -> StepSeries | None:
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for s in self.step_shards:
+            if s.num_rows and (s.first_step is None or s.last_step is None):
+                return None
+            if s.num_rows:
+                spans.setdefault(s.rank, []).append((s.first_step, s.last_step))
+        for rank_spans in spans.values():
+            rank_spans.sort()
+            if any(a[1] >= b[0] for a, b in zip(rank_spans, rank_spans[1:])):
+                return None  # a step recorded twice: the table keeps the last copy
+        shards = [s for s in self.step_shards if s.num_rows]
+        failed = []
+
+        def partials():
+            total, done = sum(s.num_rows for s in shards), 0
+            self._report("reading steps", 0, total)
+            tasks = [self._scan_task(s, step_series.READ_COLUMNS, False, None, None, None, None,
+                                     step_series.shard_partial, table=schema.STEPS_DIR) for s in shards]
+            for shard, part in zip(shards, self.engine.map(scan_shard, tasks)):
+                if part.error is not None:
+                    failed.append(shard)
+                    return
+                done += shard.num_rows
+                self._report("reading steps", done, total)
+                if part.result is not None:
+                    yield part.result
+
+        merged = step_series.merge(partials())
+        if failed or merged.duplicated:
+            return None
+        series = step_series.finish(merged)
+        if series.sharded_grads and len(self.ranks) < self.world_size:
+            self.warn(sharded_norm_warning(self.ranks, self.world_size))  # as when the table is read
+        return series
 
     # ------------------------------------------------------------ run facts
     @property
@@ -125,11 +199,13 @@ class Run:
 
     @property
     def first_step(self) -> int | None:
-        return int(self.steps["step"].min()) if len(self.steps) else None
+        steps = self.steps["step"] if "steps" in self.__dict__ else self.step_series().steps["step"]
+        return int(steps.min()) if len(steps) else None
 
     @property
     def last_step(self) -> int | None:
-        return int(self.steps["step"].max()) if len(self.steps) else None
+        steps = self.steps["step"] if "steps" in self.__dict__ else self.step_series().steps["step"]
+        return int(steps.max()) if len(steps) else None
 
     def warn(self, message: str) -> None:
         if message not in self.warnings:
@@ -197,14 +273,15 @@ class Run:
             self._report(label, done, total)
             yield part.table if reduce is None else part.result
 
-    def _scan_task(self, shard: Shard, columns, nonfinite_only, steps, kinds, lo, hi, reduce=None) -> ShardScan:
+    def _scan_task(self, shard: Shard, columns, nonfinite_only, steps, kinds, lo, hi, reduce=None,
+                   table: str = schema.TENSORS_DIR) -> ShardScan:
         remote = isinstance(shard.path, StorePath)
         return ShardScan(
             path=fs_path(shard.path) if remote else os.path.abspath(shard.path),
             root_uri=str(self.path) if remote else None,
             columns=None if columns is None else tuple(columns), nonfinite_only=nonfinite_only,
             steps=None if steps is None else tuple(steps), kinds=None if kinds is None else tuple(kinds),
-            first_step=lo, last_step=hi, reduce=reduce)
+            first_step=lo, last_step=hi, reduce=reduce, table=table)
 
     def scan_tensors(self, columns: list[str] | None = None, **options) -> pd.DataFrame:
         """`iter_tensor_batches` gathered into one DataFrame (the same
@@ -303,8 +380,7 @@ def global_grad_norm(steps: pd.DataFrame, ranks: list[int], world_size: int, war
     if "sharded_grad_sqsum" not in steps or steps["sharded_grad_sqsum"].isna().all():
         return steps
     if len(ranks) < world_size:
-        warnings.append(f"gradients are sharded across {world_size} ranks: grad_norm of rank(s) "
-                        f"{_join(ranks)} covers only their shards (load every rank for the global norm)")
+        warnings.append(sharded_norm_warning(ranks, world_size))
         return steps
     sq = steps["grad_norm"].astype("float64") ** 2
     sharded = steps["sharded_grad_sqsum"].astype("float64").fillna(0.0)
@@ -318,6 +394,11 @@ def global_grad_norm(steps: pd.DataFrame, ranks: list[int], world_size: int, war
     steps = steps.copy()
     steps.loc[complete, "grad_norm"] = steps.loc[complete, "step"].map(total ** 0.5)
     return steps
+
+
+def sharded_norm_warning(ranks: list[int], world_size: int) -> str:
+    return (f"gradients are sharded across {world_size} ranks: grad_norm of rank(s) "
+            f"{_join(ranks)} covers only their shards (load every rank for the global norm)")
 
 
 # ---------------------------------------------------------------- loading

@@ -1,6 +1,7 @@
 """The few facts about steps that `nans` needs (which steps had a
 non-finite loss, how many were skipped, one step's row), from the steps
-table or, without reading it, from the per-shard indexes.
+table or, without reading it, from the per-shard indexes or (a run
+recorded before the indexes) from the per-step reduction across ranks.
 
 At 1,000 ranks the steps table is millions of rows; its indexes say the same
 in a few kilobytes. Both sources give the same answer: the index path is
@@ -44,6 +45,23 @@ def from_table(steps: pd.DataFrame, lo=None, hi=None) -> StepFacts:
         return bool(row["skipped"].iloc[0]), bool(row["loss_nonfinite"].iloc[0])
 
     return StepFacts(sorted({int(s) for s in bad_loss}), skipped, {}, lookup)
+
+
+def from_series(per_step: pd.DataFrame, lookup, lo=None, hi=None) -> StepFacts:
+    """The same facts from the per-step reduction across ranks
+    (`step_series.StepSeries.steps`); `lookup(step, rank)` reads one row."""
+    s = per_step
+    if lo is not None:
+        s = s[s["step"] >= lo]
+    if hi is not None:
+        s = s[s["step"] <= hi]
+    bad = [int(v) for v in s.loc[s["loss_nonfinite_any"], "step"]]
+
+    def inside(step, rank):
+        return lookup(step, rank) if (lo is None or step >= lo) and (hi is None or step <= hi) else None
+
+    # `skipped` is the lowest rank's, as the table's first row of each step.
+    return StepFacts(bad, int(s["skipped"].sum()), {}, inside)
 
 
 def from_indexes(docs_by_rank: dict[int, list[dict]], lo=None, hi=None) -> StepFacts | None:

@@ -105,6 +105,22 @@ def two_rank_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def uneven_ranks_run(tmp_path_factory):
+    """Three ranks that disagree: rank 0 stops after 8 steps (steps 8-11 have
+    no rank-0 row); rank 1 runs without a loss scaler (no scale: the
+    optimizer applies its non-finite gradients from step 7 on); rank 2
+    overflows at step 7 and skips it. Shards of 3, 4 and 5 steps."""
+    path = tmp_path_factory.mktemp("runs") / "uneven_ranks"
+    common = dict(world_size=3, run_id="uneven-ranks", full_every=4)
+    record_run(path, steps=8, seed=0, rank=0, steps_per_shard=3, scaler_kwargs={"init_scale": 2.0 ** 8}, **common)
+    record_run(path, steps=12, seed=1, rank=1, steps_per_shard=4, plant=_overflow,
+               scaler_kwargs={"enabled": False}, **common)
+    record_run(path, steps=12, seed=2, rank=2, steps_per_shard=5, plant=_overflow,
+               scaler_kwargs={"init_scale": 2.0 ** 10, "growth_interval": 3}, **common)
+    return path
+
+
+@pytest.fixture(scope="session")
 def open_run(tmp_path_factory):
     """The recorder was never closed (the job was killed after a flush)."""
     return record_run(tmp_path_factory.mktemp("runs") / "never_closed", steps=4, close=False)

@@ -31,7 +31,8 @@ def _json(args):
     return json.loads(res.stdout)
 
 
-@pytest.mark.parametrize("fixture", ["overflow_run", "collapse_run", "two_rank_run", "underflow_run"])
+@pytest.mark.parametrize("fixture", ["overflow_run", "collapse_run", "two_rank_run", "underflow_run",
+                                     "uneven_ranks_run"])
 def test_every_scan_command_gives_identical_json_on_dask_and_locally(cluster, fixture, request):
     address, client = cluster
     run = str(request.getfixturevalue(fixture))
@@ -64,6 +65,16 @@ def test_no_cluster_is_one_error_line(overflow_run, monkeypatch):
     assert res.exit_code == 2 and res.output.splitlines() == ["Error: --scheduler needs --engine dask"]
 
 
+@pytest.mark.parametrize("address, why", [("foo://10.0.0.5:8786", "unknown address scheme 'foo'"),
+                                          ("tcp://10.0.0.5:port", "invalid literal for int()"),
+                                          ("inproc://10.0.0.5/1/1", "an inproc:// address works only in")])
+def test_a_malformed_scheduler_address_is_one_error_line(overflow_run, address, why):
+    res = CliRunner().invoke(main, ["nans", str(overflow_run), "--engine", "dask", "--scheduler", address])
+    assert res.exit_code == 2
+    lines = res.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: invalid Dask scheduler address {address!r}: {why}")
+
+
 def test_unknown_engine_is_a_named_error():
     with pytest.raises(EngineError, match="unknown engine 'ray'; valid: local, dask"):
         get_engine("ray")
@@ -82,3 +93,24 @@ def test_the_map_is_one_shard_in_one_partial_out(overflow_run):
     assert part.table.column_names == ["step", "name", "nan_count", "inf_count"]
     clean = [s for s in run.tensor_shards if s.nonfinite_rows == 0][0]
     assert scan_shard(ShardScan(path=str(clean.path), nonfinite_only=True)).table is None  # pruned unread
+
+
+def test_the_python_api_takes_the_engine_and_scheduler(cluster, uneven_ranks_run):
+    import amp_postmortem
+    address, _ = cluster
+    for command in (amp_postmortem.scale, amp_postmortem.summary):
+        on_dask = command(str(uneven_ranks_run), engine="dask", scheduler=address).to_dict()
+        assert on_dask == command(str(uneven_ranks_run)).to_dict()
+
+
+def test_a_steps_shard_is_reduced_where_it_is_read(uneven_ranks_run):
+    """The steps map ships like the tensors map: a plain task, a small partial."""
+    from distributed.protocol import deserialize, serialize
+    from amp_postmortem import step_series
+    from recorders import schema
+    shard = load_run(uneven_ranks_run).step_shards[0]
+    task = ShardScan(path=str(shard.path), columns=tuple(step_series.READ_COLUMNS),
+                     reduce=step_series.shard_partial, table=schema.STEPS_DIR)
+    part = scan_shard(deserialize(*serialize(task)))
+    assert part.error is None and part.table is None
+    assert part.result.table.column("step").to_pylist() == [0, 1, 2] and part.result.rank_last_steps == {0: 2}

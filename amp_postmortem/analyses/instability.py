@@ -76,8 +76,8 @@ class InstabilityReport:
 
 def failure_step(run: Run) -> int | None:
     """The first step whose loss or forward activations were non-finite."""
-    s = run.steps
-    bad = s.loc[s["loss_nonfinite"].astype(bool), "step"] if "loss_nonfinite" in s else s.iloc[0:0]["step"]
+    s = run.step_series().steps
+    bad = s.loc[s["loss_nonfinite_any"], "step"]
     first = int(bad.min()) if len(bad) else None
     acts = run.scan_tensors(["step", "kind", "phase", "nan_count", "inf_count"], nonfinite_only=True,
                             kinds=["input", "activation"], label="reading non-finite forwards")
@@ -90,7 +90,7 @@ def failure_step(run: Run) -> int | None:
 def find_instability(run: Run) -> InstabilityReport:
     """The recorded evidence for training instability (module docstring)."""
     fail = failure_step(run)
-    s = run.steps.drop_duplicates("step").sort_values("step")
+    s = run.step_series().steps  # the lowest rank's row of each step
     before = s[s["step"] < fail] if fail is not None else s
     before = before.iloc[-WINDOW:]
     if before.empty:

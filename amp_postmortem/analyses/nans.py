@@ -256,12 +256,12 @@ def calibration_steps(run: Run) -> set[int]:
     """The scaler's calibration skips: the leading run of skipped steps of a
     run whose first recorded scale is the scaler's `init_scale` (a fresh
     GradScaler backing off until the gradients fit)."""
-    s = run.steps
+    s = run.step_series().steps
     init = (run.scaler or {}).get("init_scale")
     if s.empty or init is None:
         return set()
-    per_step = s.groupby("step", sort=True).agg(skipped=("skipped", "any"),
-                                                 scale=("loss_scale_before", "first"))
+    per_step = pd.DataFrame({"skipped": s["skipped_any"].to_numpy(),
+                             "scale": s["loss_scale_before_first"].to_numpy()}, index=s["step"])
     if per_step.empty or per_step["scale"].iloc[0] != init:
         return set()
     out = set()

@@ -218,13 +218,15 @@ def scale_dynamics(run: Run) -> ScaleReport:
 
 # ------------------------------------------------------------------ pieces
 def _series(run: Run) -> pd.DataFrame:
-    """One row per step: the scale of the lowest rank, skipped on any rank."""
-    s = run.steps
+    """One row per step that the lowest rank recorded: its scale, skipped
+    on any rank (from the run's per-step reduction across ranks)."""
+    s = run.step_series().steps
     if s.empty:
         return pd.DataFrame(columns=["step", "loss_scale_before", "loss_scale", "skipped"])
-    lowest = s[s["rank"] == s["rank"].min()][["step", "loss_scale_before", "loss_scale"]]
-    skipped = s.groupby("step", sort=True)["skipped"].any().rename("skipped").reset_index()
-    return lowest.merge(skipped, on="step", how="inner").sort_values("step").reset_index(drop=True)
+    lowest = s[s["rank"] == s["rank"].min()]
+    return pd.DataFrame({"step": lowest["step"], "loss_scale_before": lowest["loss_scale_before"],
+                         "loss_scale": lowest["loss_scale"],
+                         "skipped": lowest["skipped_any"]}).reset_index(drop=True)
 
 
 def _longest_streak(flags, steps) -> tuple[int, int | None]:
@@ -334,8 +336,8 @@ def _real_skips(skipped, grew, shrank) -> tuple[float, int]:
 
 
 def _underflow_scale(run: Run, series: pd.DataFrame) -> float | None:
-    st = run.steps
-    clean = st[(~st["skipped"]) & (st["tensor_rows"].fillna(0) > 0)]
+    st = run.step_series().steps
+    clean = st[st["clean_recorded_any"]]  # a rank's row not skipped, with tensor rows
     if clean.empty:
         return None
     step = int(clean["step"].max())

@@ -105,7 +105,8 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
 
     fwd = nans.origins.get("forward")
     bwd = nans.origins.get("backward")
-    skipped = set(run.steps.loc[run.steps["skipped"], "step"].astype(int))
+    per_step = run.step_series().steps  # never the whole steps table: millions of rows at 1,000 ranks
+    skipped = set(per_step.loc[per_step["skipped_any"], "step"].astype(int))
     applied_bad = _applied_nonfinite_steps(run)
     if fwd is not None:
         findings.append(Finding(
@@ -191,7 +192,7 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
     if disabled:
         # The steps after the failure are absent: no finding above covers them.
         r, reason = next(iter(disabled.items()))
-        last = int(run.steps.loc[run.steps["rank"] == r, "step"].max()) if (run.steps["rank"] == r).any() else None
+        last = run.step_series().rank_last_steps.get(r)
         findings.append(Finding(
             "recording_disabled", "error", last, None,
             f"recording was switched off on rank(s) {', '.join(map(str, disabled))} after step {last} "
@@ -237,7 +238,7 @@ def underflow_measured(run: Run, name: str, from_step: int | None, limit: str = 
         return {"phrase": "no full-tier step measured it"}
     share = underflow_share_of_rows(rows, limit)
     per_step = pd.DataFrame({"step": rows["step"], "share": share}).groupby("step")["share"].mean()
-    scales = run.steps.drop_duplicates("step").set_index("step")["loss_scale_before"]
+    scales = run.step_series().steps.set_index("step")["loss_scale_before"]  # the lowest rank's
     at = [float(scales.get(s)) if pd.notna(scales.get(s)) else None for s in per_step.index]
     known = [a for a in at if a is not None]
     steps = [int(s) for s in per_step.index]
@@ -256,16 +257,15 @@ def underflow_measured(run: Run, name: str, from_step: int | None, limit: str = 
 
 def _applied_nonfinite_steps(run: Run) -> list[int]:
     """Steps whose non-finite parameter gradients were not skipped (no scaler, or it missed them)."""
-    s = run.steps
-    bad = s[(s["nonfinite_param_grads"].fillna(0) > 0) & ~s["skipped"]]
-    return sorted({int(v) for v in bad["step"]})
+    s = run.step_series().steps
+    return [int(v) for v in s.loc[s["applied_nonfinite_any"], "step"]]
 
 
 def _facts(run: Run, nans, scale, skipped) -> dict:
     m = run.manifest
     return {
         "path": str(run.path), "run_id": run.run_id, "status": m.get("status"),
-        "steps": int(run.steps["step"].nunique()), "first_step": run.first_step, "last_step": run.last_step,
+        "steps": len(run.step_series().steps), "first_step": run.first_step, "last_step": run.last_step,
         "ranks": run.ranks, "world_size": run.world_size,
         "device_type": m.get("device_type"), "device_name": m.get("device_name"),
         "model_class": m.get("model_class"), "autocast": run.autocast, "dtype": run.autocast.get("dtype"),

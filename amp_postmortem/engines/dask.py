@@ -40,8 +40,17 @@ class DaskEngine:
         address = (scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
                    or dask.config.get("scheduler-address", None))
         if address:
+            from distributed.comm import resolve_address
+            if address.startswith("inproc://") and address.split("/")[3:4] != [str(os.getpid())]:
+                # Checked here: a Client given it fails half-built, and its
+                # clean-up then hangs for 20 s.
+                raise EngineError(f"invalid Dask scheduler address {address!r}: an inproc:// address works only "
+                                  f"in the process that started the cluster; pass its tcp:// address")
             try:
+                resolve_address(address)  # a malformed address is the user's to fix, not a bug
                 return cls(Client(address, timeout="10s", set_as_default=False), owned=True)
+            except ValueError as exc:  # e.g. an unknown scheme, a port that is not a number
+                raise EngineError(f"invalid Dask scheduler address {address!r}: {exc}") from None
             except (OSError, TimeoutError) as exc:
                 raise EngineError(f"cannot reach the Dask scheduler at {address}: "
                                   f"{type(exc).__name__}: {exc}") from None

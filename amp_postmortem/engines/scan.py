@@ -1,5 +1,5 @@
-"""The engine-neutral map: read one tensor shard, keep the rows that pass
-the filter, project the columns. Runs wherever the engine puts it, so a
+"""The engine-neutral map: read one shard (tensors, or steps), keep the rows
+that pass the filter, project the columns. Runs wherever the engine puts it, so a
 task holds only plain values (the filter is rebuilt on the worker)."""
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class ShardScan:
     # Optional per-shard reduction run where the shard is read (a top-level
     # function of the rows, so that it pickles): only its result travels.
     reduce: Callable | None = None
+    table: str = schema.TENSORS_DIR  # or schema.STEPS_DIR
 
     def expression(self):
         expr = NONFINITE_FILTER if self.nonfinite_only else None
@@ -57,16 +58,17 @@ class ShardPartial:
 
 
 def scan_shard(task: ShardScan) -> ShardPartial:
+    table_schema = schema.STEP_SCHEMA if task.table == schema.STEPS_DIR else schema.TENSOR_SCHEMA
     try:
         fs = _filesystem(task.root_uri)
         frag = _FORMAT.make_fragment(task.path, filesystem=fs)
         expr = task.expression()
         if expr is not None:
-            frag = frag.subset(filter=expr, schema=schema.TENSOR_SCHEMA)
+            frag = frag.subset(filter=expr, schema=table_schema)
             if frag.num_row_groups == 0:  # statistics rule every row group out
                 return ShardPartial(None)
         columns = list(task.columns) if task.columns is not None else None
-        table = frag.scanner(schema=schema.TENSOR_SCHEMA, columns=columns, filter=expr).to_table()
+        table = frag.scanner(schema=table_schema, columns=columns, filter=expr).to_table()
         if task.reduce is not None:
             return ShardPartial(None, result=task.reduce(table))
         return ShardPartial(table)
