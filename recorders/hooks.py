@@ -122,7 +122,7 @@ def _eager(fn):
     return fn
 
 
-def _grad_norms(grads: list) -> torch.Tensor:
+def _grad_norms(grads: list, on_host: bool | None = None) -> torch.Tensor:
     """The L2 norm of each gradient, as a float64 vector on their device.
 
     On a GPU: one fused pass in float64 (a scaled float16 gradient's norm
@@ -132,8 +132,11 @@ def _grad_norms(grads: list) -> torch.Tensor:
     are taken in float32 (relative error ~1e-5) and only a norm that
     overflowed there (Inf from finite values too large to square in float32)
     is taken again in float64; reading that flag costs nothing in host
-    memory."""
-    if grads[0].device.type != "cpu":
+    memory. `on_host`: None reads it off the gradients' device (a test
+    runs the device path on the CPU)."""
+    if on_host is None:
+        on_host = grads[0].device.type == "cpu"
+    if not on_host:
         return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
     # float64 gradients (a float64 model) keep float64: nothing to convert.
     work = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32

@@ -185,3 +185,15 @@ def test_the_sample_positions_depend_on_the_shape_only():
     assert a.numel() == 43_691 and a[:3].tolist() == [0.0, 3.0, 6.0]  # stride 3
     t = torch.arange(131_073.0 * 2).reshape(2, 131_073)[:, :]
     assert torch.equal(stats.share_sample(t.t().contiguous().t()), stats.share_sample(t))
+
+
+def test_gradient_norms_on_the_host_match_the_device_path_and_survive_float32_overflow():
+    from recorders.hooks import _grad_norms
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(300, 7, generator=g), torch.randn(5, generator=g).to(torch.bfloat16),
+             torch.full((10,), 1e25), torch.tensor([math.inf, 1.0]), torch.tensor([math.nan])]
+    host, device = _grad_norms(grads, on_host=True), _grad_norms(grads, on_host=False)
+    assert host.dtype == device.dtype == torch.float64
+    assert host[:3].tolist() == pytest.approx(device[:3].tolist(), rel=1e-6)
+    assert host[2] > 1e25  # float32 squares overflow: taken again in float64
+    assert host[3] == math.inf and math.isnan(host[4])
