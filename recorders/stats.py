@@ -12,9 +12,8 @@ they return, so reading a value back waits for nothing. On the CPU,
 known without the counting passes, and the full tier skips the threshold
 counts that the extremes prove to be zero. A tensor with a NaN or Inf goes
 through the general path, which computes the same statistics by their
-definitions. Values seen twice (a container module's output is its last
-child's; one gradient reaches both, maybe as a view) are summarised once
-(see `_Memo`).
+definitions. A tensor seen twice (a container module's output is its last
+child's; one gradient reaches both) is summarised once (see `_Memo`).
 
 The full tier's threshold shares (zero, below normal, below subnormal,
 near overflow) are counted on a fixed, evenly strided sample of at most
@@ -430,18 +429,15 @@ def _with_input(stats, input_nonfinite, device):
 
 
 class _Memo:
-    """The last few tensors summarised, so that the same values reaching
+    """The last few tensors summarised, so that the same tensor reaching
     several hooks (a container's output is its last child's output; the
-    same gradient reaches both, often as another tensor object viewing the
-    same memory: a reshape, a detach) are summarised once.
+    same gradient reaches both) is summarised once.
 
-    A key is the memory a tensor views (device, address, dtype, shape,
-    strides) at its `_version`. An entry holds a weak reference to the
-    tensor it summarised: a hit needs that tensor alive (so its memory
-    holds no other tensor) at the same version (an in-place change through
-    any view bumps the counter they share: a miss), with the same options
-    and the same live scale tensor at the same version. Bounded, so it
-    holds no memory beyond a few small vectors."""
+    An entry holds weak references: a hit needs the very same live tensor
+    object (an `id` alone could be reused once it is freed) at the same
+    `_version` (an in-place change misses), with the same options and the
+    same live scale tensor at the same version. Bounded, so it holds no
+    memory beyond a few small vectors."""
 
     def __init__(self, size: int = 16):
         self.size = size
@@ -451,9 +447,8 @@ class _Memo:
     def key(t, full, scale, near_overflow):
         try:
             scale_key = None if scale is None else (id(scale), scale._version)
-            return (t.device, t.data_ptr(), t.dtype, t.shape, t.stride(), t._version,
-                    bool(full), scale_key, float(near_overflow))
-        except RuntimeError:  # inference tensors have no version counter, some layouts no address
+            return (id(t), t._version, bool(full), scale_key, float(near_overflow))
+        except RuntimeError:  # inference tensors have no version counter
             return None
 
     def get(self, t, scale, key):
@@ -461,8 +456,7 @@ class _Memo:
         if hit is None:
             return None
         ref, scale_ref, stats = hit
-        held = ref()
-        if held is None or held._version != key[5] or (scale_ref is not None and scale_ref() is not scale):
+        if ref() is not t or (scale_ref is not None and scale_ref() is not scale):
             del self.entries[key]
             return None
         return stats
