@@ -251,7 +251,7 @@ def _mean_rms(x, top, n, *, scratch: bool, divide: bool = True):
     """Mean and root mean square of `x` (finite values only; `n` of them,
     an int or a float64 0-d tensor), from sums in the working dtype over
     `x / top`, `top` a 0-d tensor of it: 1 when the squares cannot overflow
-    (`_divisor`), else the largest magnitude. float32 sums cost a tenth of
+    (`_SQUARES_SAFE`), else the largest magnitude. float32 sums cost a tenth of
     float64 ones on the CPU (converting every value), which made the full
     tier cost more than the step. `scratch`: `x` is a temporary of the
     caller's that may be overwritten (a large buffer fewer: allocating them
@@ -383,10 +383,9 @@ def _all_nan(d) -> bool:
 
 def _host_nonfinite_stats(d, full, scale):
     """Statistics of a CPU tensor holding a NaN or an Inf, in a few passes
-    (two integer ones when all are NaN): a diverged job has NaN in nearly
-    every tensor of every step, and
-    the general path's ~10 full passes made the recorder cost more than the
-    step. Same values as `_device_stats`. None (general path) for a full-tier
+    (integer ones when all are NaN): a diverged job has NaN in nearly every
+    tensor of every step, and the general path's ~10 full passes made the
+    recorder cost more than the step. Same values as `_device_stats`. None (general path) for a full-tier
     tensor with finite values left: its min/max/mean/rms need the
     definitions."""
     if _all_nan(d):  # as in a diverged job: everything is decided
