@@ -199,13 +199,18 @@ class Run:
 
     @property
     def first_step(self) -> int | None:
-        steps = self.steps["step"] if "steps" in self.__dict__ else self.step_series().steps["step"]
+        steps = self._step_numbers()
         return int(steps.min()) if len(steps) else None
 
     @property
     def last_step(self) -> int | None:
-        steps = self.steps["step"] if "steps" in self.__dict__ else self.step_series().steps["step"]
+        steps = self._step_numbers()
         return int(steps.max()) if len(steps) else None
+
+    def _step_numbers(self) -> pd.Series:
+        """The recorded steps: from the table when it is read, else from the
+        step series (never reading the table for two numbers)."""
+        return self.steps["step"] if "steps" in self.__dict__ else self.step_series().steps["step"]
 
     def warn(self, message: str) -> None:
         if message not in self.warnings:

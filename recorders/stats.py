@@ -194,7 +194,8 @@ def _device_stats(d, full, input_nonfinite, scale, near_overflow):
     # NaN/Inf are counted separately; the magnitude statistics describe the
     # finite values so that headroom stays meaningful in a step with one Inf.
     finite_abs = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
-    absmax = finite_abs.amax().to(torch.float64)
+    top = finite_abs.amax()  # in d's dtype; the full tier's mean and rms reuse it
+    absmax = top.to(torch.float64)
     inv = None
     if scale is not None:
         inv = scale.to(torch.float64).reciprocal()
@@ -205,11 +206,11 @@ def _device_stats(d, full, input_nonfinite, scale, near_overflow):
         inp = input_nonfinite.to(device=d.device, dtype=torch.float64)
     parts = [absmax, nan.to(torch.float64), inf.to(torch.float64), inp]
     if full:
-        parts.extend(_full_stats(d, finite_abs, inv, scale, near_overflow))
+        parts.extend(_full_stats(d, finite_abs, top, inv, scale, near_overflow))
     return torch.stack(parts)
 
 
-def _full_stats(d, finite_abs, inv, scale, near_overflow):
+def _full_stats(d, finite_abs, top, inv, scale, near_overflow):
     work = torch.float64 if d.dtype == torch.float64 else torch.float32
     x = d.to(work)
     fin = torch.isfinite(x)
@@ -219,7 +220,7 @@ def _full_stats(d, finite_abs, inv, scale, near_overflow):
     inf_t = torch.full((), math.inf, dtype=work, device=x.device)
     mn = torch.where(fin, x, inf_t).amin().to(torch.float64)
     mx = torch.where(fin, x, -inf_t).amax().to(torch.float64)
-    top = finite_abs.amax().to(work)  # exact: a value of d
+    top = top.to(work)  # exact: a value of d
     one = torch.ones((), dtype=work, device=x.device)
     top = torch.where(top.to(torch.float64) ** 2 * n > _SQUARES_SAFE, top, one)
     mean, rms = _mean_rms(xf, top, n_fin, scratch=True)
@@ -310,7 +311,8 @@ def _host_stats(d, full, scale, near_overflow):
     mn, mx = float(mn_t), float(mx_t)
     if not (math.isfinite(mn) and math.isfinite(mx)):
         return _host_nonfinite_stats(d, full, scale)
-    absmax = max(abs(mn), abs(mx))
+    absmax_w = max(abs(mn), abs(mx))  # exact in the working dtype
+    absmax = absmax_w
     inv = None
     if scale is not None:
         inv = 1.0 / float(scale.to(torch.float64))
@@ -320,7 +322,6 @@ def _host_stats(d, full, scale, near_overflow):
     work = torch.float64 if d.dtype == torch.float64 else torch.float32
     x = d.to(work)  # a copy unless d is in the working dtype already
     n = d.numel()
-    absmax_w = max(abs(mn), abs(mx))  # exact in the working dtype
     big = absmax_w * absmax_w * n > _SQUARES_SAFE
     top = torch.tensor(absmax_w if big else 1.0, dtype=work)
     mean, rms = (float(v) for v in _mean_rms(x, top, n, scratch=x is not d,
