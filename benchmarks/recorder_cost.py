@@ -129,6 +129,48 @@ def profile_hooks(job_cls, dtype: str, batches: list, size: dict, seed: int, top
             "note": "cProfile inflates Python time; read the shares, not the absolute figures"}
 
 
+def measure_reductions(job_cls, dtype: str, batches: list, size: dict, seed: int) -> dict:
+    """Time inside the statistics' reductions on recorded cheap-tier steps
+    (the first batch is a full-tier warm-up step, not counted): the one
+    `aminmax` pass that each distinct tensor of the step needs for exact
+    absmax and NaN/Inf detection. Whatever the hooks' Python costs, the
+    default configuration cannot cost less than this share of the step on
+    this machine. `torch.aminmax` is wrapped with a timer while it runs
+    (the benchmark's model calls no aminmax of its own)."""
+    import torch
+    torch.manual_seed(seed)
+    model = common.gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+    real = torch.aminmax
+    spent, calls, values = [0.0], [0], [0]
+
+    def timed(x, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real(x, *args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+            calls[0] += 1
+            values[0] += x.numel()
+
+    times = []
+    with tempfile.TemporaryDirectory(prefix="amp-pm-reductions-") as tmp:
+        job = job_cls("default", model, dtype, Path(tmp), size)
+        job.step(batches[0])
+        torch.aminmax = timed
+        try:
+            for batch in batches[1:]:
+                times.append(job.step(batch))
+        finally:
+            torch.aminmax = real
+        tiers = job.tiers[1:]
+        job.rec.close()
+    steps = len(batches) - 1
+    return {"dtype": dtype, "steps": steps, "tiers": {k: tiers.count(k) for k in set(tiers)},
+            "recorded_step_ms": 1e3 * common.median(times),
+            "reduction_ms_per_step": 1e3 * spent[0] / steps,
+            "reductions_per_step": calls[0] / steps, "values_per_step": values[0] / steps}
+
+
 def deep_stack(n_layers: int, width: int):
     import torch.nn as nn
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(n_layers)])

@@ -186,6 +186,11 @@ def measure_dtype(dtype: str, variants, steps: int, warmup: int, size: dict, see
             row = {"median_s": s["median"], "p10_s": s["p10"], "p90_s": s["p90"], "mean_s": s["mean"]}
             if base:
                 row["ratio"] = s["median"] / base
+                # The same variant against the baseline of the same round:
+                # the machine's speed drifts between rounds (other jobs, clock),
+                # and pairing takes that drift out of the spread.
+                row["ratio_paired"] = common.median(
+                    [a / b for a, b in zip(t, jobs["baseline"].times[warmup:])])
             if j.rec is not None:
                 w0, w1 = cpu0.get(v), cpu1.get(v)
                 if w0 is not None and w1 is not None:
@@ -241,6 +246,8 @@ def main(argv=None) -> int:
                     help="steps of the diverging job, whole-run ratio (0: skip)")
     ap.add_argument("--diverging-lr", type=float, default=1e4)
     ap.add_argument("--profile-steps", type=int, default=5, help="cProfiled recorded steps (0: skip)")
+    ap.add_argument("--reduction-steps", type=int, default=8,
+                    help="recorded steps timing the statistics' reductions alone (0: skip)")
     ap.add_argument("--module-layers", type=int, default=400,
                     help="layers of the deep stack measuring the cost per watched module (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
@@ -256,6 +263,7 @@ def main(argv=None) -> int:
         args.memory_steps = min(args.memory_steps, 1)
         args.diverging_steps = min(args.diverging_steps, 4)
         args.profile_steps = min(args.profile_steps, 1)
+        args.reduction_steps = min(args.reduction_steps, 1)
         args.module_layers = min(args.module_layers, 8)
     import torch
     if args.threads:
@@ -297,12 +305,13 @@ def main(argv=None) -> int:
         for v, row in r["variants"].items():
             table.append({"dtype": dtype, "variant": v, "median_ms": 1e3 * row["median_s"],
                           "p90_ms": 1e3 * row["p90_s"], "ratio": row.get("ratio"),
+                          "paired": row.get("ratio_paired"),
                           "writer_ms": 1e3 * row["writer_cpu_s_per_step"] if "writer_cpu_s_per_step" in row else None,
                           "charged": row.get("ratio_charged"),
                           "tiers": row.get("tiers"),
                           "peak_rss_mib": r.get("peak_rss_mib", {}).get(v),
                           "same_bits": row.get("losses_identical_to_baseline")})
-    common.print_table(table, ["dtype", "variant", "median_ms", "p90_ms", "ratio", "writer_ms",
+    common.print_table(table, ["dtype", "variant", "median_ms", "p90_ms", "ratio", "paired", "writer_ms",
                                "charged", "tiers", "peak_rss_mib", "same_bits"])
     _cost_sections(result, dtypes, args, size)
     common.write_json(result, args.json_path)
@@ -330,6 +339,23 @@ def _cost_sections(result: dict, dtypes, args, size) -> None:
         result["hook_profile"] = prof
         print(f"\nrecorder functions per step ({dtype}, cProfile, exclusive time)", file=sys.stderr)
         common.print_table(prof["top_functions"], ["function", "calls_per_step", "us_per_step"])
+    if args.reduction_steps > 0:
+        result["reductions"] = {}
+        rows = []
+        for dtype in dtypes:
+            r = recorder_cost.measure_reductions(Job, dtype, _batches(args.reduction_steps + 1, size, args.seed),
+                                                 size, args.seed)
+            base = result["dtypes"].get(dtype, {}).get("variants", {}).get("baseline", {}).get("median_s")
+            if base:
+                # The floor of the default configuration's ratio on this machine.
+                r["reduction_share_of_baseline_step"] = r["reduction_ms_per_step"] / (1e3 * base)
+            result["reductions"][dtype] = r
+            rows.append({"dtype": dtype, "reductions_per_step": r["reductions_per_step"],
+                         "values_per_step": r["values_per_step"], "reduction_ms": r["reduction_ms_per_step"],
+                         "share_of_baseline": r.get("reduction_share_of_baseline_step")})
+        print("\nthe statistics' reductions alone (one aminmax per distinct tensor, cheap tier)", file=sys.stderr)
+        common.print_table(rows, ["dtype", "reductions_per_step", "values_per_step", "reduction_ms",
+                                  "share_of_baseline"])
     if args.module_layers > 0:
         mc = recorder_cost.measure_module_cost(args.module_layers, max(args.steps, 2), args.warmup, args.seed)
         result["module_cost"] = mc

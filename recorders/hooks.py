@@ -140,13 +140,22 @@ def _grad_norms(grads: list, on_host: bool | None = None) -> torch.Tensor:
         return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
     # float64 gradients (a float64 model) keep float64: nothing to convert.
     work = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=work)).to(torch.float64)
+    if all(g.dtype == work for g in grads):
+        # The usual float32 master gradients: no `dtype`, whose conversion
+        # path cost a fifth more here for the same sums.
+        norms = torch._foreach_norm(grads, 2)
+    else:
+        norms = torch._foreach_norm(grads, 2, dtype=work)
+    norms = torch.stack(norms).to(torch.float64)
     overflow = torch.isinf(norms)
     if overflow.any():
         for i in overflow.nonzero().flatten().tolist():
             norms[i] = torch.linalg.vector_norm(grads[i], dtype=torch.float64)
     return norms
 
+
+# The node that accumulates into a leaf's `.grad`: where a walk ends.
+_ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
 
 _DTYPE_NAMES: dict = {}
 
@@ -569,7 +578,7 @@ class TrainingHooks:
                     follow(*edge)
                 continue
             for slot, (nxt, nr) in enumerate(node.next_functions):
-                if nxt is not None and type(nxt).__name__ != "AccumulateGrad":
+                if nxt is not None and type(nxt) is not _ACCUMULATE_GRAD:
                     follow(node, slot, nxt, nr)
         if exits is not None:
             st.walks[roots[0]] = (boundary, exits)

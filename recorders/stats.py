@@ -126,7 +126,9 @@ def row_stats(t: torch.Tensor, *, full: bool, scale: torch.Tensor | None = None,
     an empty shard has count 0 and NaN (null) extremes.
     """
     t = local(t)
-    d = t.detach()
+    # Detached only where autograd would record the reduction (a forward
+    # output); a gradient seen in backward needs no new tensor object.
+    d = t.detach() if t.requires_grad else t
     if d.numel() == 0:
         return _empty_stats(full, d.device)
     scale_used = scale if unscale else None

@@ -23,7 +23,7 @@ class PendingStep:
     """A finished step on its way to the writer thread."""
 
     __slots__ = ("step", "wall_time", "tier", "micro_batches", "lr", "meta", "width",
-                 "packed", "event", "host_scalars", "dev_scalar_keys", "stepped", "has_scaler")
+                 "packed", "host_rows", "event", "host_scalars", "dev_scalar_keys", "stepped", "has_scaler")
 
 
 class StepRows:
@@ -97,7 +97,15 @@ class StepRows:
             put("grad_sqsum", torch.stack([v[2] for v in st.param_grads.values()]).sum())
 
         device = st.device or (dev[0].device if dev else torch.device("cpu"))
-        flat = [pack_rows(st.stats)] if st.stats else []
+        p.host_rows = None
+        if st.device is None and device.type == "cpu":
+            # Every row is a list of host floats (the CPU): handed over as
+            # they are, the writer thread makes the array. Building a tensor
+            # from them here cost the training thread ~0.1 ms a step.
+            p.host_rows = st.stats
+            flat = []
+        else:
+            flat = [pack_rows(st.stats)] if st.stats else []
         flat += [d.to(device).reshape(1) for d in dev]
         p.host_scalars = host
         p.dev_scalar_keys = keys
@@ -127,10 +135,16 @@ class StepRows:
             p.event.synchronize()
         values = p.packed.numpy() if p.packed is not None else np.empty(0)
         n = len(p.meta)
-        rows = values[: n * p.width].reshape(n, p.width) if n else np.empty((0, p.width))
+        if p.host_rows is not None:
+            rows = np.asarray(p.host_rows, dtype=np.float64).reshape(n, p.width) if n \
+                else np.empty((0, p.width))
+            offset = 0  # `packed` holds the device scalars only
+        else:
+            rows = values[: n * p.width].reshape(n, p.width) if n else np.empty((0, p.width))
+            offset = n * p.width
         scalars = dict(p.host_scalars)
         for i, k in enumerate(p.dev_scalar_keys):
-            scalars[k] = float(values[n * p.width + i])
+            scalars[k] = float(values[offset + i])
         cols = merge_rows(p.meta, rows) if n else None
 
         skipped = False

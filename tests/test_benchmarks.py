@@ -38,6 +38,10 @@ def test_recorder_overhead_smoke_reports_every_dtype_and_variant(tmp_path):
         assert d["losses_identical_to_baseline"] is True
     assert any(f["function"].startswith("hooks.py") for f in doc["hook_profile"]["top_functions"])
     assert doc["module_cost"]["watched_modules"] == 9 and "us_per_watched_module" in doc["module_cost"]
+    # ... and the statistics' reductions alone: one per distinct tensor of a cheap-tier step.
+    for dtype, r in doc["reductions"].items():
+        assert r["tiers"] == {"cheap": 1} and r["reductions_per_step"] > 0 and r["values_per_step"] > 0
+        assert 0 < r["reduction_share_of_baseline_step"] < 1
 
 
 def test_recorder_overhead_memory_child_reports_peak_rss():
