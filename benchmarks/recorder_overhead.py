@@ -10,7 +10,9 @@ optimizer and scaler, so the baseline carries no hooks at all:
   step, full tier every 100 steps);
 - `full`:     AmpRecorder(full_every=1): the full tier on every step;
 - `paused`:   a recorder attached but every step inside `rec.paused()`,
-  i.e. what hooks that do nothing cost.
+  i.e. what hooks that do nothing cost;
+- `leaves` (only with `--variants`): the default with the container
+  modules excluded (every module with children but the model itself).
 
 Every round runs one step of each variant on the same batch, in a shuffled
 order (A B C D, interleaved), so that drifts of the machine hit every
@@ -27,8 +29,13 @@ alone in a child process.
 
 In the same invocation (see `recorder_cost.py`): a diverging job (learning
 rate 1e4: NaN from step 2) with and without the default recorder, its ratio
-over the whole run; a cProfile of the recorder's hooks per step; and the
-added time per watched module on a deep stack of tiny layers.
+over the whole run; a cProfile of the recorder's hooks per step; the time
+inside the statistics' reductions alone (one `aminmax` per distinct tensor:
+the floor of the default configuration's cost, whatever the hooks' Python
+costs); and the added time per watched module on a deep stack of tiny
+layers. `ratio_paired` is the median of per-round ratios (each variant
+against the baseline of the same round), a check on `ratio` that drifts of
+the machine between rounds do not move.
 
 Prints one JSON document on stdout (figures) and a table on stderr.
 """
@@ -48,6 +55,8 @@ import recorder_cost  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16")
 VARIANTS = ("baseline", "default", "full", "paused")
+# Also measurable (--variants): `leaves`, the default with every container
+# module but the root excluded (only modules without children watched).
 
 FULL_SIZE = dict(vocab=2048, d_model=256, n_layers=4, n_heads=4, seq=128, batch=16)
 SMOKE_SIZE = dict(vocab=64, d_model=32, n_layers=1, n_heads=2, seq=16, batch=2)
@@ -74,6 +83,8 @@ class Job:
         if variant != "baseline":
             from recorders import AmpRecorder
             kw = {"full_every": 1} if variant == "full" else {}
+            if variant == "leaves":
+                kw["exclude"] = [n for n, m in model.named_modules() if n and next(m.children(), None) is not None]
             self.rec = AmpRecorder(run_dir / variant, model, optimizer=self.opt,
                                    scaler=self.scaler, **kw)
         self.times: list[float] = []

@@ -44,6 +44,16 @@ def test_recorder_overhead_smoke_reports_every_dtype_and_variant(tmp_path):
         assert 0 < r["reduction_share_of_baseline_step"] < 1
 
 
+def test_recorder_overhead_leaves_variant_watches_no_container(tmp_path):
+    out = tmp_path / "leaves.json"
+    assert recorder_overhead.main(["--smoke", "--dtypes", "fp32", "--variants", "baseline,default,leaves",
+                                   "--memory-steps", "0", "--diverging-steps", "0", "--profile-steps", "0",
+                                   "--reduction-steps", "0", "--module-layers", "0", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["dtypes"]["fp32"]["variants"]
+    assert rows["leaves"]["losses_identical_to_baseline"] is True
+    assert 0 < rows["leaves"]["raw_rows_per_step"] < rows["default"]["raw_rows_per_step"]
+
+
 def test_recorder_overhead_memory_child_reports_peak_rss():
     r = recorder_overhead.memory_child("fp32", "default", 1, recorder_overhead.SMOKE_SIZE, 0)
     assert r["peak_rss_mib"] > 0
