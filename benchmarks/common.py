@@ -171,6 +171,12 @@ def gpt(vocab: int = 2048, d_model: int = 256, n_layers: int = 4, n_heads: int =
     return GPT()
 
 
+def gpt_of(size: dict):
+    """`gpt()` with the model's dimensions taken from a benchmark's size dict
+    (which also holds the batch size)."""
+    return gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+
+
 def write_json(obj, path: str | os.PathLike | None) -> None:
     text = json.dumps(obj, indent=2, default=str)
     if path:

@@ -45,7 +45,7 @@ class Job:
         import torch
         torch.manual_seed(seed)
         self.variant, self.size = variant, size
-        model = common.gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+        model = common.gpt_of(size)
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
         self.rec = None

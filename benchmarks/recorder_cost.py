@@ -51,7 +51,7 @@ def measure_diverging(job_cls, dtype: str, batches: list, lr: float, size: dict,
     (`job_cls`: recorder_overhead.Job; one step per batch)."""
     import torch
     torch.manual_seed(seed)
-    template = common.gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+    template = common.gpt_of(size)
     steps = len(batches)
     order = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="amp-pm-diverging-") as tmp:
@@ -88,7 +88,7 @@ def profile_hooks(job_cls, dtype: str, batches: list, size: dict, seed: int, top
     is an unprofiled warm-up step): the recorder's functions per step."""
     import torch
     torch.manual_seed(seed)
-    model = common.gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+    model = common.gpt_of(size)
     steps = len(batches) - 1
     with tempfile.TemporaryDirectory(prefix="amp-pm-profile-") as tmp:
         job = job_cls("default", model, dtype, Path(tmp), size)
@@ -139,7 +139,7 @@ def measure_reductions(job_cls, dtype: str, batches: list, size: dict, seed: int
     (the benchmark's model calls no aminmax of its own)."""
     import torch
     torch.manual_seed(seed)
-    model = common.gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+    model = common.gpt_of(size)
     real = torch.aminmax
     spent, calls, values = [0.0], [0], [0]
 

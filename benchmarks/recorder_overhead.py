@@ -172,7 +172,7 @@ def _buffers(job) -> dict:
 def measure_dtype(dtype: str, variants, steps: int, warmup: int, size: dict, seed: int) -> dict:
     import torch
     torch.manual_seed(seed)
-    template = common.gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+    template = common.gpt_of(size)
     batches = _batches(warmup + steps, size, seed)
     order_rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="amp-pm-overhead-") as tmp:
@@ -234,7 +234,7 @@ def memory_child(dtype: str, variant: str, steps: int, size: dict, seed: int) ->
     """Train one variant alone and report this process's peak RSS."""
     import torch
     torch.manual_seed(seed)
-    model = common.gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+    model = common.gpt_of(size)
     with tempfile.TemporaryDirectory(prefix="amp-pm-mem-") as tmp:
         job = Job(variant, model, dtype, Path(tmp), size)
         for batch in _batches(steps, size, seed):

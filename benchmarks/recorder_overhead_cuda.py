@@ -202,7 +202,7 @@ def main(argv=None) -> int:
               "gpu": torch.cuda.get_device_name(), "size": size,
               "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
               "targets": {"default_ratio_max": 1.03, "added_syncs_per_step": 0}}
-    template = common.gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+    template = common.gpt_of(size)
     with tempfile.TemporaryDirectory(prefix="amp-pm-cuda-") as tmp:
         jobs = {v: Job(v, copy.deepcopy(template).cuda(), Path(tmp), size) for v in VARIANTS}
         batches = _batches(args.warmup + args.steps, size, args.seed)
