@@ -17,7 +17,9 @@ optimizer and scaler, so the baseline carries no hooks at all:
 Every round runs one step of each variant on the same batch, in a shuffled
 order (A B C D, interleaved), so that drifts of the machine hit every
 variant alike. Reported: median step time over the measured rounds after
-warm-up, its ratio to the baseline, the writer thread's CPU time per step
+warm-up, its ratio to the baseline (and the ratio of the means, which
+counts the rare slow step: a full garbage collection), Python's garbage
+collections during each variant's steps, the writer thread's CPU time per step
 (work done off the training thread; on a 2-core machine it competes with
 torch's intra-op threads, so `ratio_charged` adds it to the step as an upper
 bound), the recorder's own buffers, and peak RSS of each variant trained
@@ -169,6 +171,42 @@ def _buffers(job) -> dict:
     }
 
 
+class GcTally:
+    """Python's garbage collections during each variant's measured steps:
+    how many of each generation, and their time. The objects a recorder's
+    hooks allocate and keep through a step trigger them; the training
+    itself allocates almost none."""
+
+    def __init__(self):
+        self.variant = None
+        self.counts: dict = {}
+        self.seconds: dict = {}
+        self._t0 = None
+
+    def start(self):
+        import gc
+        gc.callbacks.append(self._callback)
+
+    def stop(self):
+        import gc
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        if self._t0 is None or self.variant is None:
+            return
+        key = (self.variant, info["generation"])
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.seconds[self.variant] = self.seconds.get(self.variant, 0.0) + time.perf_counter() - self._t0
+
+    def per_step(self, variant, steps: int) -> dict:
+        return {"collections_per_step": {str(g): self.counts.get((variant, g), 0) / steps for g in (0, 1, 2)},
+                "ms_per_step": 1e3 * self.seconds.get(variant, 0.0) / steps}
+
+
 def measure_dtype(dtype: str, variants, steps: int, warmup: int, size: dict, seed: int) -> dict:
     import torch
     torch.manual_seed(seed)
@@ -178,14 +216,20 @@ def measure_dtype(dtype: str, variants, steps: int, warmup: int, size: dict, see
     with tempfile.TemporaryDirectory(prefix="amp-pm-overhead-") as tmp:
         jobs = {v: Job(v, copy.deepcopy(template), dtype, Path(tmp), size) for v in variants}
         cpu0 = {}
-        for i, batch in enumerate(batches):
-            if i == warmup:
-                cpu0 = {v: common.thread_cpu_s(j.rec.writer.native_id)
-                        for v, j in jobs.items() if j.rec is not None}
-            names = list(jobs)
-            order_rng.shuffle(names)
-            for v in names:
-                jobs[v].times.append(jobs[v].step(batch))
+        collector = GcTally()
+        try:
+            for i, batch in enumerate(batches):
+                if i == warmup:
+                    cpu0 = {v: common.thread_cpu_s(j.rec.writer.native_id)
+                            for v, j in jobs.items() if j.rec is not None}
+                    collector.start()
+                names = list(jobs)
+                order_rng.shuffle(names)
+                for v in names:
+                    collector.variant = v
+                    jobs[v].times.append(jobs[v].step(batch))
+        finally:
+            collector.stop()
         cpu1 = {v: common.thread_cpu_s(j.rec.writer.native_id)
                 for v, j in jobs.items() if j.rec is not None}
         out = {"dtype": dtype, "steps": steps, "warmup": warmup, "variants": {}}
@@ -202,6 +246,11 @@ def measure_dtype(dtype: str, variants, steps: int, warmup: int, size: dict, see
                 # and pairing takes that drift out of the spread.
                 row["ratio_paired"] = common.median(
                     [a / b for a, b in zip(t, jobs["baseline"].times[warmup:])])
+                # Means: what a whole run pays, the rare slow step included (a
+                # full garbage collection, ~150 ms here, every few hundred
+                # steps), which the median leaves out.
+                row["ratio_mean"] = s["mean"] / common.summarize(jobs["baseline"].times[warmup:])["mean"]
+            row["gc"] = collector.per_step(v, steps)
             if j.rec is not None:
                 w0, w1 = cpu0.get(v), cpu1.get(v)
                 if w0 is not None and w1 is not None:
@@ -316,13 +365,14 @@ def main(argv=None) -> int:
         for v, row in r["variants"].items():
             table.append({"dtype": dtype, "variant": v, "median_ms": 1e3 * row["median_s"],
                           "p90_ms": 1e3 * row["p90_s"], "ratio": row.get("ratio"),
-                          "paired": row.get("ratio_paired"),
+                          "paired": row.get("ratio_paired"), "mean_ratio": row.get("ratio_mean"),
+                          "gc_ms": row["gc"]["ms_per_step"],
                           "writer_ms": 1e3 * row["writer_cpu_s_per_step"] if "writer_cpu_s_per_step" in row else None,
                           "charged": row.get("ratio_charged"),
                           "tiers": row.get("tiers"),
                           "peak_rss_mib": r.get("peak_rss_mib", {}).get(v),
                           "same_bits": row.get("losses_identical_to_baseline")})
-    common.print_table(table, ["dtype", "variant", "median_ms", "p90_ms", "ratio", "paired", "writer_ms",
+    common.print_table(table, ["dtype", "variant", "median_ms", "p90_ms", "ratio", "paired", "mean_ratio", "gc_ms", "writer_ms",
                                "charged", "tiers", "peak_rss_mib", "same_bits"])
     _cost_sections(result, dtypes, args, size)
     common.write_json(result, args.json_path)

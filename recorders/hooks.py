@@ -179,7 +179,7 @@ class TrainingHooks:
     """
 
     def __init__(self, model: torch.nn.Module, *, optimizer, scaler, watched: list[str],
-                 watch_param, near_overflow: float, guard, bundles, on_autocast,
+                 watch_param, near_overflow: float, guard, bundles, on_autocast, guard_call=None,
                  modules: dict | None = None, params: list | None = None, sharded=frozenset(),
                  late_grads=frozenset()):
         self.model = model
@@ -199,6 +199,10 @@ class TrainingHooks:
         self.near_overflow = near_overflow
         self.bundles = bundles
         self._guard = guard
+        # guard_call(fn, a, b): the hooks made per module call and step.
+        self._guard_call = guard_call or (lambda fn, a, b: guard(functools.partial(fn, a, b)))
+        self._grad_output_hook = self._on_grad_output  # bound once, not per hook
+        self._node_hook = self._on_node_grads
         self._watch_param = watch_param
         self._on_autocast = on_autocast
         self.autocast: dict | None = None  # as the first recorded forward saw it
@@ -479,7 +483,7 @@ class TrainingHooks:
                                                          ctx.call, t, s, ctx.input_rows))
             grad_outs = [t for t in outs if t.requires_grad]
             for idx, t in enumerate(grad_outs):
-                t.register_hook(self._guard(self._make_grad_output_hook(ctx, idx)))
+                t.register_hook(self._guard_call(self._grad_output_hook, ctx, idx))
             if ctx.is_root:
                 self.bundles.on_model_outputs(ctx.micro_batch, len(grad_outs))
             if keys and grad_outs:
@@ -524,7 +528,7 @@ class TrainingHooks:
         ctx, keys = stack.pop()
         outs = [t for t in float_tensors(output) if t.requires_grad]
         for idx, t in enumerate(outs):
-            t.register_hook(self._guard(self._make_grad_output_hook(ctx, idx)))
+            t.register_hook(self._guard_call(self._grad_output_hook, ctx, idx))
         if keys and outs:
             self._hook_grad_inputs(ctx, keys, outs)
 
@@ -586,41 +590,37 @@ class TrainingHooks:
             for _, input_idx in slots:
                 acc = ctx.pending.setdefault(input_idx, [0, 0, []])
                 acc[0] += 1
-            node.register_hook(self._guard(self._make_node_hook(ctx, slots)))
+            node.register_hook(self._guard_call(self._node_hook, ctx, slots))
 
-    def _make_grad_output_hook(self, ctx, idx):
-        def hook(grad):
-            st = self.state
-            if st.step_id != ctx.step_id or grad is None or not st.record:
-                return
-            st.forward_open = False
-            s = self._stats(st, grad)
-            row = self._add_row(st, ctx.name, "grad_output", "backward", st.bwd_order, ctx.call, grad, s)
-            st.bwd_order += 1
-            if ctx.grad_out_rows is None:
-                ctx.grad_out_rows = []
-            ctx.grad_out_rows.append(row)
-            if ctx.is_root:
-                self.bundles.on_model_output_grad(ctx.micro_batch, idx, grad)
-                self._await_backward_end(st)
-        return hook
+    def _on_grad_output(self, ctx, idx, grad):
+        st = self.state
+        if st.step_id != ctx.step_id or grad is None or not st.record:
+            return
+        st.forward_open = False
+        s = self._stats(st, grad)
+        row = self._add_row(st, ctx.name, "grad_output", "backward", st.bwd_order, ctx.call, grad, s)
+        st.bwd_order += 1
+        if ctx.grad_out_rows is None:
+            ctx.grad_out_rows = []
+        ctx.grad_out_rows.append(row)
+        if ctx.is_root:
+            self.bundles.on_model_output_grad(ctx.micro_batch, idx, grad)
+            self._await_backward_end(st)
 
-    def _make_node_hook(self, ctx, slots):
-        def hook(grad_inputs, grad_outputs):
-            st = self.state
-            if st.step_id != ctx.step_id:
-                return
-            for slot, input_idx in slots:
-                acc = ctx.pending.get(input_idx)
-                if acc is None:
-                    continue
-                acc[1] += 1
-                g = grad_inputs[slot] if slot < len(grad_inputs) else None
-                if g is not None:
-                    acc[2].append(g)
-                if acc[1] >= acc[0]:
-                    self._finish_grad_input(st, ctx, input_idx)
-        return hook
+    def _on_node_grads(self, ctx, slots, grad_inputs, grad_outputs):
+        st = self.state
+        if st.step_id != ctx.step_id:
+            return
+        for slot, input_idx in slots:
+            acc = ctx.pending.get(input_idx)
+            if acc is None:
+                continue
+            acc[1] += 1
+            g = grad_inputs[slot] if slot < len(grad_inputs) else None
+            if g is not None:
+                acc[2].append(g)
+            if acc[1] >= acc[0]:
+                self._finish_grad_input(st, ctx, input_idx)
 
     def _finish_grad_input(self, st, ctx, input_idx):
         acc = ctx.pending.pop(input_idx, None)

@@ -287,7 +287,8 @@ class AmpRecorder:
             model, optimizer=optimizer, scaler=scaler, watched=watched, modules=dict(modules),
             params=params, sharded=sharded, late_grads=fsdp1_sharded_params(model, sharded_only=False),
             watch_param=self._matches,
-            near_overflow=float(near_overflow), guard=self._guard, bundles=self.bundles,
+            near_overflow=float(near_overflow), guard=self._guard, guard_call=self._guard_call,
+            bundles=self.bundles,
             on_autocast=lambda info: self._submit(functools.partial(self.manifest.set_autocast, info)))
         self.compiled = is_compiled(model)
         self._note_compiled()
@@ -349,6 +350,15 @@ class AmpRecorder:
             return None
         hook.__wrapped__ = fn
         return hook
+
+    def _guard_call(self, fn, a, b):
+        """`_guard` for the backward hooks made anew for every module call
+        of every step: `fn(a, b, *args)` as one small object, where a
+        wrapper closure around a hook closure made eleven (cells, closure
+        tuples, functions, their `__dict__`). They were most of what the
+        recorder allocated in a step, and each of Python's garbage
+        collections had to visit them."""
+        return _GuardedCall(self, fn, a, b)
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -582,3 +592,25 @@ class AmpRecorder:
     def _bundles_changed(self, saved: list, missed: list) -> None:
         self.manifest.set_bundles(saved, missed)
         self.manifest.write()
+
+
+class _GuardedCall:
+    """A traced hook under the recorder's guard (see `AmpRecorder._guard`):
+    `fn(a, b, *args)`, returning None."""
+
+    __slots__ = ("rec", "fn", "a", "b")
+
+    def __init__(self, rec, fn, a, b):
+        self.rec = rec
+        self.fn = fn
+        self.a = a
+        self.b = b
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling() or not self.rec._enabled:
+            return None
+        try:
+            self.fn(self.a, self.b, *args)
+        except Exception as exc:  # noqa: BLE001 - the training must go on
+            self.rec._fail(exc)
+        return None
