@@ -125,6 +125,10 @@ def row_stats(t: torch.Tensor, *, full: bool, scale: torch.Tensor | None = None,
     A sharded tensor (DTensor) is summarised as this rank's local shard;
     an empty shard has count 0 and NaN (null) extremes.
     """
+    if not full and scale is None and type(t) in _PLAIN_TENSORS and t.is_cpu:
+        values = _cheap_host_stats(t, near_overflow)
+        if values is not None:
+            return values
     t = local(t)
     # Detached only where autograd would record the reduction (a forward
     # output); a gradient seen in backward needs no new tensor object.
@@ -146,6 +150,35 @@ def row_stats(t: torch.Tensor, *, full: bool, scale: torch.Tensor | None = None,
     vec = _device_stats(d, full, None, scale_used, near_overflow)
     _memo.put(t, scale_used, key, vec)
     return vec
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _cheap_host_stats(t, near_overflow):
+    """`row_stats` of the usual row: the cheap tier of a plain CPU tensor,
+    no loss scale. The same values, memo and definitions as the general
+    path (`_host_stats`), without its calls and checks: this runs for
+    most of the ~200 rows of a step. None: take the general path (an
+    inference tensor, an empty or a non-float one)."""
+    try:
+        key = (id(t), t._version, False, None, near_overflow)
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+    hit = _memo.entries.get(key)
+    if hit is not None and hit[0]() is t:
+        return hit[2]
+    d = t.detach() if t.requires_grad else t
+    if d.dtype not in _FLOATING or d.numel() == 0:
+        return None
+    mn_t, mx_t = torch.aminmax(d)
+    mn, mx = float(mn_t), float(mx_t)
+    if math.isfinite(mn) and math.isfinite(mx):
+        values = [max(abs(mn), abs(mx)), 0.0, 0.0, math.nan]
+    else:
+        values = _host_nonfinite_stats(d, False, None)  # never None at the cheap tier
+    _memo.put(t, None, key, values)
+    return values
 
 
 def _empty_stats(full, device):
