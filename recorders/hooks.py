@@ -172,14 +172,15 @@ class TrainingHooks:
     state of the step in progress.
 
     `guard(fn)` wraps every hook (the recorder's: an exception turns
-    recording off, never the training); `bundles` is the bundle capture
+    recording off, never the training), `guard_call(fn, a, b)` the
+    backward hooks set anew for every module call; `bundles` is the bundle capture
     (its `on_*` hooks); `on_autocast(info)` is told the autocast state at
     the first recorded forward, and again if the root's children run under
     an autocast the root did not see.
     """
 
     def __init__(self, model: torch.nn.Module, *, optimizer, scaler, watched: list[str],
-                 watch_param, near_overflow: float, guard, bundles, on_autocast, guard_call=None,
+                 watch_param, near_overflow: float, guard, guard_call, bundles, on_autocast,
                  modules: dict | None = None, params: list | None = None, sharded=frozenset(),
                  late_grads=frozenset()):
         self.model = model
@@ -199,8 +200,9 @@ class TrainingHooks:
         self.near_overflow = near_overflow
         self.bundles = bundles
         self._guard = guard
-        # guard_call(fn, a, b): the hooks made per module call and step.
-        self._guard_call = guard_call or (lambda fn, a, b: guard(functools.partial(fn, a, b)))
+        # guard_call(fn, a, b): `guard` for the hooks made per module call
+        # and step, as one object each (see AmpRecorder._guard_call).
+        self._guard_call = guard_call
         self._grad_output_hook = self._on_grad_output  # bound once, not per hook
         self._node_hook = self._on_node_grads
         self._watch_param = watch_param

@@ -145,12 +145,12 @@ def is_dtensor(t) -> bool:
     return isinstance(t, torch.Tensor) and hasattr(t, "to_local") and hasattr(t, "placements")
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def local(t):
     """This rank's local part of `t` (a DTensor's local shard), else `t`."""
-    if type(t) in _PLAIN_TENSORS:  # the usual case, several hundred times a step
+    if type(t) in PLAIN_TENSORS:  # the usual case, several hundred times a step
         return t
     return t.to_local() if is_dtensor(t) else t
 

@@ -37,7 +37,7 @@ from collections import OrderedDict
 import torch
 
 from . import schema
-from .layout import local
+from .layout import PLAIN_TENSORS, local
 
 CHEAP_WIDTH = len(schema.CHEAP_STATS)
 FULL_WIDTH = len(schema.FULL_STATS)
@@ -125,7 +125,7 @@ def row_stats(t: torch.Tensor, *, full: bool, scale: torch.Tensor | None = None,
     A sharded tensor (DTensor) is summarised as this rank's local shard;
     an empty shard has count 0 and NaN (null) extremes.
     """
-    if not full and scale is None and type(t) in _PLAIN_TENSORS and t.is_cpu:
+    if not full and scale is None and type(t) in PLAIN_TENSORS and t.is_cpu:
         values = _cheap_host_stats(t, near_overflow)
         if values is not None:
             return values
@@ -150,9 +150,6 @@ def row_stats(t: torch.Tensor, *, full: bool, scale: torch.Tensor | None = None,
     vec = _device_stats(d, full, None, scale_used, near_overflow)
     _memo.put(t, scale_used, key, vec)
     return vec
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _cheap_host_stats(t, near_overflow):
