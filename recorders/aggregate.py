@@ -27,11 +27,19 @@ def fill_input_nonfinite(meta: list[tuple], stats: np.ndarray):
     instead of adding counts on the device: no tensor op per module."""
     if not meta or len(meta[0]) < 8:
         return meta, stats
-    bad = stats[:, _NONFINITE[0]] + stats[:, _NONFINITE[1]]
+    # Python floats: a numpy sum per row cost more than the step's other
+    # writer work (the counts are whole numbers, so the order of the
+    # additions changes nothing).
+    bad = (stats[:, _NONFINITE[0]] + stats[:, _NONFINITE[1]]).tolist()
+    inputs = stats[:, _INPUT].tolist()
     for i, m in enumerate(meta):
         sources = m[7]
         if sources is not None:
-            stats[i, _INPUT] = bad[list(sources)].sum() if sources else 0.0
+            total = 0.0
+            for j in sources:
+                total += bad[j]
+            inputs[i] = total
+    stats[:, _INPUT] = inputs
     keep = [i for i, m in enumerate(meta) if m[1] != COUNT_KIND]
     if len(keep) == len(meta):
         return meta, stats
@@ -59,10 +67,13 @@ def merge_rows(meta: list[tuple], stats: np.ndarray) -> dict[str, np.ndarray | l
     numel_rows = np.array([m[6] for m in meta], dtype=np.float64)
     order_rows = np.array([m[3] for m in meta], dtype=np.int64)
 
-    numel = np.zeros(g)
-    np.add.at(numel, inverse, numel_rows)
-    order = np.full(g, np.iinfo(np.int64).max, dtype=np.int64)
-    np.minimum.at(order, inverse, order_rows)
+    if g == n:  # keys in first-seen order: row i is key i
+        numel, order = numel_rows, order_rows
+    else:
+        numel = np.zeros(g)
+        np.add.at(numel, inverse, numel_rows)
+        order = np.full(g, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(order, inverse, order_rows)
 
     out: dict[str, np.ndarray | list] = {
         "name": [meta[i][0] for i in first],
@@ -74,9 +85,15 @@ def merge_rows(meta: list[tuple], stats: np.ndarray) -> dict[str, np.ndarray | l
         "numel": numel.astype(np.int64),
     }
     col = {name: idx for idx, name in enumerate(schema.FULL_STATS[:width])}
+    # Every key once (one micro-batch, one output tensor per module: the
+    # usual step): each merge below would return its one part (a NaN
+    # part stays null), so the columns are taken as they are.
+    single = g == n
 
     def reduce(name, how):
         v = stats[:, col[name]]
+        if single:
+            return v.copy()
         if how == "max":
             r = np.full(g, -np.inf)
             np.fmax.at(r, inverse, v)
