@@ -595,8 +595,10 @@ class AmpRecorder:
 
 
 class _GuardedCall:
-    """A traced hook under the recorder's guard (see `AmpRecorder._guard`):
-    `fn(a, b, *args)`, returning None."""
+    """A traced hook under the recorder's guard: `fn(a, b, *args)`,
+    returning None. The same checks as `AmpRecorder._guard`'s wrapper,
+    which stays a function for the long-lived hooks (`torch.compiler.disable`
+    wraps some of them); this one is for the hooks made per step."""
 
     __slots__ = ("rec", "fn", "a", "b")
 

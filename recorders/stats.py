@@ -159,7 +159,7 @@ def _cheap_host_stats(t, near_overflow):
     most of the ~200 rows of a step. None: take the general path (an
     inference tensor, an empty or a non-float one)."""
     try:
-        key = (id(t), t._version, False, None, near_overflow)
+        key = (id(t), t._version, False, None, near_overflow)  # as `_Memo.key` makes it
     except RuntimeError:  # inference tensors have no version counter
         return None
     hit = _memo.entries.get(key)
