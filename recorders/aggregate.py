@@ -67,7 +67,12 @@ def merge_rows(meta: list[tuple], stats: np.ndarray) -> dict[str, np.ndarray | l
     numel_rows = np.array([m[6] for m in meta], dtype=np.float64)
     order_rows = np.array([m[3] for m in meta], dtype=np.int64)
 
-    if g == n:  # keys in first-seen order: row i is key i
+    # Every key once (one micro-batch, one output tensor per module: the
+    # usual step): keys are in first-seen order, so row i is key i, and
+    # each merge below would return its one part (a NaN part stays null):
+    # the columns are taken as they are.
+    single = g == n
+    if single:
         numel, order = numel_rows, order_rows
     else:
         numel = np.zeros(g)
@@ -85,10 +90,6 @@ def merge_rows(meta: list[tuple], stats: np.ndarray) -> dict[str, np.ndarray | l
         "numel": numel.astype(np.int64),
     }
     col = {name: idx for idx, name in enumerate(schema.FULL_STATS[:width])}
-    # Every key once (one micro-batch, one output tensor per module: the
-    # usual step): each merge below would return its one part (a NaN
-    # part stays null), so the columns are taken as they are.
-    single = g == n
 
     def reduce(name, how):
         v = stats[:, col[name]]
