@@ -115,7 +115,9 @@ def compare(run_a, run_b, *, rank: int | None = None, threshold: float = 0.1, pe
 
 # ------------------------------------------------------- replay commands
 # `model`: a spec (`package.module:factory` or `path/to/file.py:factory`), an
-# `nn.Module`, a no-argument factory, or None (the recorded class).
+# `nn.Module`, a no-argument factory, or "recorded" (the recorded class, from
+# installed code only). None is an error saying so: a run's data never picks
+# the code a replay runs.
 # `loss_fn(output, micro_batch)`: a callable or a spec naming one; gives the
 # losses (and a finite backward start) when the model does not return its loss.
 

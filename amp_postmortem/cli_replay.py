@@ -18,7 +18,9 @@ from .output import RUN_LOCATION, api_default, output_options
 
 MODEL_HELP = ("package.module:factory or path/to/file.py:factory returning the model, or a "
               "transformers class such as transformers:AutoModelForCausalLM (built from the config "
-              "saved with the run) (default: the recorded class).")
+              "saved with the run), or 'recorded': import and build the class the run recorded, from "
+              "installed code only (never the working directory or the run). Required: a run's data "
+              "never chooses the code a replay runs.")
 LOSS_FN_HELP = ("package.module:function or path/to/file.py:function, called as loss_fn(output, micro_batch), "
                 "giving the loss when the model does not return it (and a finite backward start when the "
                 "saved gradient of the loss is NaN/Inf).")

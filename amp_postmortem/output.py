@@ -10,10 +10,12 @@ table), then the warnings on stderr.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -73,7 +75,8 @@ def output_options(*, csv: bool = True):
     def decorate(f):
         @functools.wraps(f)
         def command(*args, fmt: str, **kwargs):
-            result = f(*args, **kwargs)
+            with stdout_to_stderr():
+                result = f(*args, **kwargs)
             code = 0
             if isinstance(result, tuple):
                 result, code = result
@@ -90,6 +93,33 @@ def output_options(*, csv: bool = True):
                                help="Print a readable table (the default).")(command)
         return command
     return decorate
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Whatever runs inside prints on stderr: stdout holds the command's
+    output alone, so `--json` stays one JSON document even when a `--model`
+    factory or a model's `__init__` prints (nanoGPT's GPT prints its
+    parameter count). Both Python's `sys.stdout` and, when it is the real
+    one, file descriptor 1 (for prints from native code) are redirected."""
+    sys.stdout.flush()
+    saved_fd = None
+    try:
+        if sys.stdout.fileno() == 1 and sys.stderr.fileno() == 2:
+            saved_fd = os.dup(1)
+            os.dup2(2, 1)
+    except (AttributeError, OSError, ValueError):  # a captured stream (tests, notebooks): no descriptor
+        saved_fd = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        try:
+            sys.stderr.flush()
+        finally:
+            if saved_fd is not None:
+                os.dup2(saved_fd, 1)
+                os.close(saved_fd)
 
 
 def open_run(run_dir, rank=None):
@@ -191,24 +221,36 @@ def _warnings() -> list[str]:
 # ----------------------------------------------------------------- progress
 class StderrProgress:
     """Progress callback for `Run.progress`: draws a bar on stderr only when
-    a scan is still running after `delay` seconds, so quick commands stay
-    quiet and stdout stays clean for --json/--csv."""
+    a scan is still running after `delay` seconds and stderr is a terminal
+    (`tty_only`), so quick commands stay quiet, logs and captured output
+    hold no bar, and stdout stays clean for --json/--csv."""
 
-    def __init__(self, delay: float = 1.0, file=None):
+    def __init__(self, delay: float = 1.0, file=None, tty_only: bool = True):
         self.delay = delay
         self.file = file
+        self.tty_only = tty_only
         self._start = None
         self._label = None
         self._bar = None
         self._shown = 0
+
+    def _shows(self, stream) -> bool:
+        if not self.tty_only:
+            return True
+        try:
+            return bool(stream.isatty())
+        except (AttributeError, ValueError):
+            return False
 
     def __call__(self, label: str, done: int, total: int) -> None:
         now = time.monotonic()
         if done == 0 or label != self._label:
             self._finish()
             self._start, self._label, self._shown = now, label, 0
-        if self._bar is None and total and done < total and now - (self._start or now) >= self.delay:
-            self._bar = click.progressbar(length=total, label=label, file=self.file or sys.stderr)
+        stream = self.file or sys.stderr
+        if (self._bar is None and total and done < total and now - (self._start or now) >= self.delay
+                and self._shows(stream)):
+            self._bar = click.progressbar(length=total, label=label, file=stream)
             self._bar.__enter__()
         if self._bar is not None:
             self._bar.update(done - self._shown)

@@ -48,6 +48,11 @@ class Job:
     recorder_options: dict = field(default_factory=dict)
     needs_inputs: bool = False  # loss_fn reads the batch's inputs (loss_fn.inputs)
     watch_norm: bool = False    # ask for a bundle where model.norm's variance first overflows
+    # End the job this many steps after its first non-finite loss (None: run
+    # every step). The step of a trajectory-born NaN moves with the CPU's
+    # float16 kernels (79 on one machine, 99 on another), so a short schedule
+    # runs until the fault appears instead of for a fixed count.
+    stop_after_nonfinite: int | None = None
 
 
 # ----------------------------------------------------------------- data
@@ -86,9 +91,9 @@ def healthy(short: bool) -> Job:
 def attention_overflow(short: bool) -> Job:
     torch.manual_seed(0)
     model = models.attention_overflow_gpt()
-    return Job(model, gpt_optimizer(model, 1e-2, qk_lr=0.5), copy_task(0), 85 if short else 130, lm_loss,
+    return Job(model, gpt_optimizer(model, 1e-2, qk_lr=0.5), copy_task(0), 130, lm_loss,
                scaler=torch.amp.GradScaler("cpu", growth_interval=20),
-               recorder_options={"full_every": 10})
+               recorder_options={"full_every": 10}, stop_after_nonfinite=2 if short else None)
 
 
 def fp32_baseline(short: bool) -> Job:
@@ -212,10 +217,14 @@ def record(run_dir: Path, job: Job, run_id: str) -> dict:
             opt.zero_grad(set_to_none=True)
             rec.step(loss)
             losses.append(loss.item())
+            first_bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+            if job.stop_after_nonfinite is not None and first_bad is not None \
+                    and step >= first_bad + job.stop_after_nonfinite:
+                break
     if job.watch_norm:
         hook.remove()
     first_nan = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
-    return {"steps": job.steps, "first_nonfinite_loss": first_nan,
+    return {"steps": len(losses), "first_nonfinite_loss": first_nan,
             "first_norm_overflow": overflow_steps[0] if overflow_steps else None,
             "norm_overflow_steps": len(overflow_steps),
             "final_loss": losses[-1], "final_scale": scales[-1] if scales else None}

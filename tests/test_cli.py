@@ -1,5 +1,6 @@
 """The command line: formats, exit codes, bad inputs, no torch."""
 import io
+import os
 import json
 import subprocess
 import sys
@@ -150,12 +151,51 @@ def test_progress_bar_only_after_the_delay():
     p("scan", 0, 10), p("scan", 5, 10), p("scan", 10, 10)
     assert quiet.getvalue() == ""
     shown = io.StringIO()
-    p = StderrProgress(delay=0, file=shown)
+    p = StderrProgress(delay=0, file=shown, tty_only=False)
     p("scan", 0, 10), p("scan", 5, 10), p("scan", 10, 10)
     assert "scan" in shown.getvalue()
+
+
+def test_progress_bar_never_on_a_stream_that_is_no_terminal():
+    # A log file, a pipe, a test's captured stderr: no bar, ever.
+    captured = io.StringIO()
+    p = StderrProgress(delay=0, file=captured)
+    p("scan", 0, 10), p("scan", 5, 10), p("scan", 10, 10)
+    assert captured.getvalue() == ""
 
 
 def test_render_table_names_the_root_model():
     import pandas as pd
     text = render_table(pd.DataFrame({"name": ["", "fc"], "absmax": [1.23456, None]}))
     assert text.splitlines()[1].startswith("(model)") and text.splitlines()[2].rstrip().endswith("-")
+
+
+NOISY_FACTORY = """
+import os
+import sys
+sys.path.insert(0, {tests!r})
+import whatif_runs as W
+
+
+def build():
+    print("number of parameters: 0.01M")          # nanoGPT's GPT does this in __init__
+    os.write(1, b"native code printing on fd 1\\n")  # and native code may write to the descriptor
+    return W.AttnNet()
+"""
+
+
+@pytest.mark.parametrize("command", [["scale-window", "--step", "1", "--model"], ["recommend", "--model"],
+                                     ["replay", "--step", "1", "--model"]], ids=lambda c: c[0])
+def test_json_is_only_json_when_user_code_prints(tmp_path, command):
+    import whatif_runs as W
+    factory = tmp_path / "noisy.py"
+    factory.write_text(NOISY_FACTORY.format(tests=str(Path(__file__).resolve().parent)))
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    code = "import sys; from amp_postmortem.cli import main; sys.exit(main())"
+    out = subprocess.run([sys.executable, "-c", code, command[0], str(W.bad_samples_run()), *command[1:],
+                          f"{factory}:build", "--json"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    json.loads(out.stdout)  # the whole of stdout is one JSON document
+    assert "number of parameters" in out.stderr and "native code printing" in out.stderr

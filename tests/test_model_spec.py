@@ -63,14 +63,12 @@ def test_factory_must_return_a_module_and_errors_are_wrapped(model_file):
         build_model(f"{model_file}:needs_args")
 
 
-def test_recorded_class_fallback_and_what_to_pass():
-    assert isinstance(build_model(None, "torch.nn.modules.linear.Identity"), nn.Identity)
+def test_no_spec_is_an_error_that_says_what_to_pass():
+    # Never a fallback to the recorded class: a bundle must not pick the code.
     with pytest.raises(ModelSpecError) as err:
-        build_model(None, "torch.nn.modules.linear.Linear")  # needs in/out features
-    assert "could not be built with no arguments" in str(err.value)
+        build_model(None, model_class="torch.nn.modules.linear.Identity")
     assert "pass --model package.module:factory or path/to/file.py:factory" in str(err.value)
-    with pytest.raises(ModelSpecError, match="cannot import the recorded model class 'gone.pkg.Net'"):
-        build_model(None, "gone.pkg.Net")
+    assert "--model recorded" in str(err.value)
 
 
 def test_weights_load_strictly_with_missing_and_unexpected_keys_listed():

@@ -111,7 +111,7 @@ def test_run_saves_the_model_config_and_the_auto_class_rebuilds_the_model(bf16_r
         ("gpt2", 2, 32, "sdpa")
     by_auto = replay(path, step=1, model="transformers:AutoModelForCausalLM", precisions="fp64,bf16",
                      local=False)
-    by_class = replay(path, step=1, precisions="fp64,bf16", local=False)  # the recorded class
+    by_class = replay(path, step=1, model="recorded", precisions="fp64,bf16", local=False)  # the recorded class
     direct = replay(path, step=1, model=gpt2, precisions="fp64,bf16", local=False)
     assert by_auto.reproduced is by_class.reproduced is True
     assert by_auto.loss == by_class.loss == direct.loss

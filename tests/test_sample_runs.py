@@ -42,13 +42,21 @@ def test_short_healthy_has_nothing_non_finite(short_runs):
     assert steps.loss.notna().all() and _nonfinite(tensors).empty
 
 
-def test_short_attention_overflow_is_born_in_blocks_1_attn_at_step_79(short_runs):
+def test_short_attention_overflow_is_born_in_an_attention_and_bundled(short_runs):
+    # The story, not the step: where the NaN first appears moves with the
+    # CPU's float16 kernels (step 79 on one machine, 99 on another), so the
+    # short schedule runs until it appears and the test pins what it is.
     steps, tensors = _tables(short_runs / "attention_overflow")
-    assert steps.loss.isna().idxmax() == 79 and steps.loss[:79].notna().all()
-    forward = _nonfinite(tensors[(tensors.phase == "forward") & (tensors.step == 79)]).sort_values("order")
-    assert forward.name.tolist()[:2] == ["blocks.1.attn.out_proj", "blocks.1.attn"]
-    assert forward.input_nonfinite.tolist()[:2] == [16, 0]  # out_proj propagates, attn makes it
-    assert (short_runs / "attention_overflow" / "bundles" / "step=79" / "rank=0" / "bundle.json").exists()
+    assert steps.loss.isna().any(), "the attention logits never overflowed in 130 steps"
+    first = int(steps.step[steps.loss.isna()].min())
+    assert steps.loss[steps.step < first].notna().all()
+    forward = _nonfinite(tensors[(tensors.phase == "forward") & (tensors.step == first)]).sort_values("order")
+    out_proj, attn = forward.name.tolist()[:2]
+    # The attention makes it (finite inputs), its out_proj only propagates it.
+    assert attn.endswith(".attn") and attn.startswith("blocks.") and out_proj == f"{attn}.out_proj"
+    made, propagated = forward.input_nonfinite.tolist()[1], forward.input_nonfinite.tolist()[0]
+    assert made == 0 and propagated > 0
+    assert (short_runs / "attention_overflow" / "bundles" / f"step={first}" / "rank=0" / "bundle.json").exists()
 
 
 def test_short_fp32_baseline_stays_finite_with_the_same_start(short_runs):
@@ -93,7 +101,7 @@ def _cli(*args):
     from amp_postmortem.cli import main
     result = CliRunner().invoke(main, [*args, "--json"])
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)  # stdout alone: warnings and progress go to stderr
 
 
 @pytest.mark.parametrize("run, name, step", [

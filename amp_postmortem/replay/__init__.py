@@ -27,7 +27,7 @@ from ..names import ROOT_DISPLAY
 from . import attribution, fidelity
 from .engine import (DTYPES, POLICY_MODES, PRECISION_OF_DTYPE, PRECISIONS, ReplaySession, RunConfig,
                      StepCapture, preserved_rng)
-from .model_spec import resolve_model, saved_model_config
+from .model_spec import bundle_folders, resolve_model, saved_model_config
 
 __all__ = ["replay", "ReplayResult", "ReplaySession", "RunConfig", "StepCapture", "PRECISIONS",
            "resolve_policy", "recorded_precision"]
@@ -205,7 +205,8 @@ def replay(source, step: int | None = None, *, rank: int | None = None, model=No
 
 def _replay(bundle, run_dir, precisions, *, model, device, policy, anomaly, local, loss_fn, fp32_modules,
             loss_scale, batch) -> ReplayResult:
-    net = resolve_model(model, bundle.model_class, saved_model_config(bundle, run_dir))
+    net = resolve_model(model, bundle.model_class, saved_model_config(bundle, run_dir),
+                        forbidden=bundle_folders(bundle, run_dir))
     session = ReplaySession(bundle, net, device=device)
     notes = session.start_backward(loss_fn)
     primary = recorded_precision(bundle)

@@ -2,19 +2,27 @@
 
 `--model SPEC` names a factory: `package.module:factory` (imported) or
 `path/to/file.py:factory` (loaded from the file); the factory is called with
-no arguments and must return an `nn.Module`. Without a spec, the recorded
-class path is tried with a no-argument constructor. A transformers model
-class or auto class (`transformers:AutoModelForCausalLM`) is built instead
-from the config the recorder saved in the manifest (`model_config`), with
-random weights: nothing is downloaded. Weights load strictly: a
-key the model lacks or a model key the bundle lacks is an error that lists
-them, never a silent partial load.
+no arguments and must return an `nn.Module`. A transformers model class or
+auto class (`transformers:AutoModelForCausalLM`) is built instead from the
+config the recorder saved in the manifest (`model_config`), with random
+weights: nothing is downloaded.
+
+Nothing a run's data names is imported or called unless the user asks for
+it: without `--model` a replay stops with an error that says how to pass a
+factory. `--model recorded` builds the class the run recorded, and only
+when it is an `nn.Module` subclass of code installed on this machine: the
+working directory, the run and the bundle are taken off the import path,
+a module found there is refused, and what is imported is said on stderr.
+Weights load strictly: a key the model lacks or a model key the bundle
+lacks is an error that lists them, never a silent partial load.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -104,14 +112,46 @@ def _getattr_path(obj, dotted: str, said: tuple):
     return obj
 
 
-def _recorded_class(class_path: str):
-    """Import `package.module.Class` (or a nested `Outer.Inner`) by trying the
-    longest importable module prefix."""
+# `--model recorded`: build the class the run recorded (asked for by name,
+# never a default: a bundle from another machine must not choose code to run).
+RECORDED = "recorded"
+_NO_MODEL_HINT = (f"pass --model {_SPEC_FORMS} (a function with no arguments that returns the model), "
+                  f"or --model {RECORDED} to import and build the recorded class from installed code")
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+\Z", re.ASCII)
+
+
+def missing_model_error(model_class: str | None) -> ModelSpecError:
+    """What a replay without a model says: how to pass one."""
+    recorded = f" (the run recorded {model_class!r})" if isinstance(model_class, str) and model_class else ""
+    return ModelSpecError(f"the replay needs the model{recorded}: {_NO_MODEL_HINT}")
+
+
+def recorded_class(class_path, *, forbidden=(), announce=None):
+    """The `nn.Module` subclass `package.module.Class` (or a nested
+    `Outer.Inner`) that a run recorded, imported from installed code only.
+
+    The name must be a dotted Python identifier path; the longest prefix
+    that is an importable module is imported with the working directory and
+    every `forbidden` folder (the run, the bundle) off `sys.path`, and its
+    top-level package must not live in any of them; the object found must
+    be a class deriving from `torch.nn.Module` (checked before it is ever
+    called). `announce(text)` is told what is imported (the CLI: stderr)."""
+    what = f"the recorded model class {class_path!r}"
+    if not isinstance(class_path, str) or not _DOTTED.match(class_path):
+        raise ModelSpecError(f"{what} is not a dotted Python name (package.module.Class); "
+                             f"pass --model {_SPEC_FORMS}")
+    cwd = _real(os.getcwd())
+    blocked = [_real(p) for p in forbidden if p]
     parts = class_path.split(".")
     for cut in range(len(parts) - 1, 0, -1):
-        try:
-            module = importlib.import_module(".".join(parts[:cut]))
-        except Exception:  # noqa: BLE001 - try a shorter prefix
+        module_name = ".".join(parts[:cut])
+        origin = _installed_origin(module_name, cwd, blocked, what)
+        if origin is None:
+            continue
+        if announce is not None:
+            announce(f"--model {RECORDED}: importing {module_name!r} from {origin} for {class_path!r}")
+        module = _import_off_path(module_name, cwd, blocked, what)
+        if module is None:
             continue
         obj = module
         try:
@@ -119,28 +159,98 @@ def _recorded_class(class_path: str):
                 obj = getattr(obj, p)
         except AttributeError:
             continue
+        if not (isinstance(obj, type) and issubclass(obj, torch.nn.Module)):
+            raise ModelSpecError(f"{what} names {type(obj).__name__} {obj!r}, not a torch.nn.Module "
+                                 f"class; pass --model {_SPEC_FORMS}")
         return obj
-    return None
+    raise ModelSpecError(f"cannot import {what} from installed code; pass --model {_SPEC_FORMS}")
 
 
-def build_model(spec: str | None, model_class: str | None = None, model_config: dict | None = None
-                ) -> torch.nn.Module:
-    """Call the factory named by `spec` (or the recorded class when `spec` is
-    None) and check that it returns a module. A Hugging Face model class or
-    auto class (`transformers:AutoModelForCausalLM`) is built from
-    `model_config`, the config the recorder saved with the run; anything
-    else is called with no arguments."""
-    if spec is not None:
+def _real(path) -> str:
+    return os.path.realpath(os.fspath(path))
+
+
+def _inside(path: str, folders: list[str]) -> bool:
+    path = _real(path)
+    return any(path == f or path.startswith(f.rstrip(os.sep) + os.sep) for f in folders)
+
+
+def _off_path(cwd: str, blocked: list[str]) -> list[str]:
+    # "" and "." are the working directory, as is the script folder of
+    # `python -m`; a virtual environment inside it stays (installed code).
+    return [p for p in sys.path
+            if p not in ("", ".") and _real(p) != cwd and not _inside(p, blocked)]
+
+
+def _installed_origin(module_name: str, cwd: str, blocked: list[str], what: str) -> str | None:
+    """Where the top-level package of `module_name` comes from (found
+    without importing anything, the working directory and `blocked` off
+    the path), or None when it is not installed. A package that sits in the
+    working directory or anywhere in the run or the bundle is refused."""
+    top = module_name.split(".")[0]
+    loaded = sys.modules.get(top)
+    if loaded is not None:
+        spec = getattr(loaded, "__spec__", None)
+    else:
+        saved = list(sys.path)
+        sys.path[:] = _off_path(cwd, blocked)
+        try:
+            spec = importlib.util.find_spec(top)  # a top-level name: imports nothing
+        except (ImportError, ValueError):
+            spec = None
+        finally:
+            sys.path[:] = saved
+    if spec is None:
+        try:  # found only where it must not come from: say so rather than "not installed"
+            spec = importlib.machinery.PathFinder.find_spec(top, [cwd, *blocked])
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None:
+            raise ModelSpecError(f"{what}: refusing to import {top!r} from {spec.origin or cwd} (the working "
+                                 f"directory, the run or the bundle); pass --model {_SPEC_FORMS}")
+        return None
+    places = list(getattr(spec, "submodule_search_locations", None) or ())
+    if spec.origin and spec.origin not in ("built-in", "frozen"):
+        places.append(spec.origin)
+    for place in places:
+        real = _real(place)
+        # The package folder or module file itself, directly in the working directory.
+        beside_cwd = os.path.dirname(real) == cwd or os.path.dirname(os.path.dirname(real)) == cwd \
+            and os.path.basename(real) == "__init__.py"
+        if beside_cwd or _inside(real, blocked):
+            raise ModelSpecError(f"{what}: refusing to import {top!r} from {place} (the working directory, "
+                                 f"the run or the bundle); pass --model {_SPEC_FORMS}")
+    return spec.origin if spec.origin not in (None, "frozen") else (places[0] if places else "built-in")
+
+
+def _import_off_path(module_name: str, cwd: str, blocked: list[str], what: str):
+    saved = list(sys.path)
+    sys.path[:] = _off_path(cwd, blocked)
+    try:
+        return importlib.import_module(module_name)
+    except ImportError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - an installed module may raise anything on import
+        raise ModelSpecError(f"{what}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path[:] = saved
+
+
+def build_model(spec: str, model_config: dict | None = None, *, model_class: str | None = None,
+                forbidden=(), announce=None) -> torch.nn.Module:
+    """Call the factory named by `spec` (`--model recorded`: the recorded
+    class, see `recorded_class`) and check that it returns a module. A
+    Hugging Face model class or auto class (`transformers:AutoModelForCausalLM`)
+    is built from `model_config`, the config the recorder saved with the run;
+    anything else is called with no arguments."""
+    if spec is None:
+        raise missing_model_error(model_class)
+    if spec == RECORDED:
+        factory = recorded_class(model_class, forbidden=forbidden, announce=announce)
+        what = f"recorded model class {model_class!r}"
+    else:
         factory = resolve_factory(spec)
         what = f"model spec {spec!r}"
-    else:
-        hint = f"pass --model {_SPEC_FORMS} (a function that returns the model)"
-        if not model_class:
-            raise ModelSpecError(f"the bundle records no model class; {hint}")
-        factory = _recorded_class(model_class)
-        if factory is None:
-            raise ModelSpecError(f"cannot import the recorded model class {model_class!r}; {hint}")
-        what = f"recorded model class {model_class!r}"
     if _builds_from_config(factory) and (model_config is not None
                                          or type(factory).__module__.startswith("transformers")
                                          or factory.__module__.startswith("transformers")):
@@ -153,9 +263,8 @@ def build_model(spec: str | None, model_class: str | None = None, model_config: 
         try:
             model = factory()
         except Exception as exc:  # noqa: BLE001
-            extra = "" if spec is not None else f"; {hint}"
             raise ModelSpecError(f"{what} could not be built with no arguments: "
-                                 f"{type(exc).__name__}: {exc}{extra}") from exc
+                                 f"{type(exc).__name__}: {exc}; pass --model {_SPEC_FORMS}") from exc
     if not isinstance(model, torch.nn.Module):
         raise ModelSpecError(f"{what} returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -248,21 +357,47 @@ def _storage_key(t: torch.Tensor):
         return id(t)
 
 
-def resolve_model(model, model_class: str | None, model_config: dict | None = None) -> torch.nn.Module:
+def say_on_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def resolve_model(model, model_class: str | None, model_config: dict | None = None, *,
+                  forbidden=(), announce=say_on_stderr) -> torch.nn.Module:
     """The user's model, however given: an `nn.Module`, a spec string
-    (`pkg.mod:factory`, `file.py:factory`, or a transformers class such as
-    `transformers:AutoModelForCausalLM`, built from `model_config`), a
-    no-argument factory, or None (the recorded class)."""
+    (`pkg.mod:factory`, `file.py:factory`, a transformers class such as
+    `transformers:AutoModelForCausalLM`, built from `model_config`, or
+    `"recorded"`: the recorded class from installed code, with `forbidden`
+    folders and the working directory off the import path), or a no-argument
+    factory. None is an error that says how to pass one: the run's data
+    never chooses the code a replay runs."""
     if isinstance(model, torch.nn.Module):
         return model
-    if model is None or isinstance(model, str):
-        return build_model(model, model_class, model_config)
+    if model is None:
+        raise missing_model_error(model_class)
+    if isinstance(model, str):
+        return build_model(model, model_config, model_class=model_class, forbidden=forbidden, announce=announce)
     if callable(model):
         built = model()
         if not isinstance(built, torch.nn.Module):
             raise ModelSpecError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
         return built
     raise ModelSpecError(f"model {model!r} is not a spec, a module or a factory")
+
+
+def bundle_folders(bundle, run_dir=None) -> list[str]:
+    """The folders a replay of `bundle` must never import from: the bundle's
+    own, the run holding it when it sits at `bundles/step=N/rank=R`, and
+    `run_dir` (a local one)."""
+    out = []
+    if getattr(bundle, "path", None):
+        here = Path(bundle.path)
+        out.append(here)
+        if (here.name.startswith("rank=") and here.parent.name.startswith("step=")
+                and here.parent.parent.name == schema.BUNDLES_DIR):
+            out.append(here.parent.parent.parent)
+    if run_dir is not None and "://" not in str(run_dir):
+        out.append(Path(run_dir))
+    return [str(p) for p in out if str(p)]
 
 
 def saved_model_config(bundle, run_dir=None) -> dict | None:

@@ -165,8 +165,8 @@ def prepare_like(prepared, path, **options) -> "Prepared":
 
 def build(model, bundle):
     """The user's model (see `replay.model_spec.resolve_model`)."""
-    from ..replay.model_spec import resolve_model, saved_model_config
-    return resolve_model(model, bundle.model_class, saved_model_config(bundle))
+    from ..replay.model_spec import bundle_folders, resolve_model, saved_model_config
+    return resolve_model(model, bundle.model_class, saved_model_config(bundle), forbidden=bundle_folders(bundle))
 
 
 def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", policy: str = "recorded",
