@@ -465,7 +465,9 @@ def test_cli_healthy_requested_step(saved_run):
 @pytest.mark.parametrize("args, message", [
     (("--step", 9), "no bundle for step 9"),
     (("--step", 3, "--model", "no_such_module_xyz:build"), "cannot import 'no_such_module_xyz'"),
-    (("--step", 3), "cannot import the recorded model class 'planted_model_rec.Net'; pass --model"),
+    (("--step", 3), "the replay needs the model (the run recorded 'planted_model_rec.Net'): pass --model"),
+    (("--step", 3, "--model", "recorded"), "cannot import the recorded model class 'planted_model_rec.Net' from "
+                                           "installed code; pass --model"),
     (("--step", 3, "--precisions", "fp8"), "'fp8' is not one of"),
 ])
 def test_cli_errors_are_one_line(saved_run, args, message):
