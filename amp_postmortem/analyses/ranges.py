@@ -153,7 +153,7 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
     top_of = np.array([DTYPE_LIMITS[range_dtype(d)][0] for d in per_step.dtypes]
                       + [DTYPE_LIMITS[FALLBACK_DTYPE][0]])  # code -1: no dtype recorded
     full_all = per_step.full[per_step.full["below_normal_share"].notna() & ~per_step.full["bad"]]
-    full_of = {lid: g for lid, g in full_all.groupby("lid", sort=False)}
+    full_of = full_all.groupby("lid", sort=False).indices  # row positions per layer, not 1,000s of frames
     shares_by_limit: dict = {}
 
     rows = []
@@ -184,7 +184,8 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
             if hi_s < 0 and headroom is not None and headroom > 0:
                 forecast = int(step + math.ceil(headroom / -slope))
 
-        full = full_of.get(lid)
+        at = full_of.get(lid)
+        full = full_all.iloc[at] if at is not None else None
         underflow = zeros = sampled = None
         if full is not None and len(full):
             zeros = float(full["zero_share"].median())
