@@ -30,6 +30,15 @@ does not fit in memory; the figure is scaled to the run and marked so).
 
 Generation time is reported but is not the benchmark; an existing run of
 the same size is reused unless `--regenerate`.
+
+`--memory` measures instead the peak RSS of `ranges` and `summary` (CLI in a
+child) on two runs of the same row count: a wide one (`--wide`, default
+2,000 tensors x 1,000 steps: one shard of 2M rows) and a long one
+(`--long`, default 10 tensors x 200,000 steps), and prints each peak and
+the wide/long ratio: memory bounded by the shard, not by modules x steps,
+keeps the wide run under `MEMORY_TARGET_MIB`.
+
+    python benchmarks/analyzer_scale.py --memory --run-dir /tmp/amp-pm-mem --keep
 """
 from __future__ import annotations
 
@@ -53,6 +62,8 @@ from recorders import schema  # noqa: E402
 from recorders.writer import ShardWriter, atomic_write_json  # noqa: E402
 
 COMMANDS = ("nans", "scale", "ranges", "summary")
+MEMORY_COMMANDS = ("ranges", "summary")
+MEMORY_TARGET_MIB = 500  # issue 28: ranges and summary on 2,000 modules x 1,000 steps
 _PARTS = ("ln1", "attn.qkv", "attn.proj", "ln2", "mlp.fc")
 _KIND_PHASE = (("activation", "forward"), ("grad_output", "backward"),
                ("grad_input", "backward"), ("param_grad", "backward"))
@@ -337,6 +348,52 @@ def naive_child(run_dir: str, shards: int) -> dict:
             "peak_rss_mib": round(common.peak_rss_mib(), 1)}
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """TENSORSxSTEPS, e.g. 2000x1000."""
+    tensors, _, steps = text.lower().partition("x")
+    return int(tensors), int(steps)
+
+
+def memory(args) -> dict:
+    """Peak RSS of `ranges` and `summary` on the wide and the long run."""
+    base = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="amp-pm-mem-"))
+    result = {"benchmark": "analyzer_scale --memory", "machine": common.machine_info(),
+              "target_peak_rss_mib": MEMORY_TARGET_MIB, "runs": {}}
+    table = []
+    for label, shape in (("wide", args.wide), ("long", args.long)):
+        tensors, steps = _shape(shape)
+        run_dir = base / label
+        facts_file = run_dir / "synthetic.json"
+        params = dict(steps=steps, rows=tensors, steps_per_shard=args.steps_per_shard,
+                      full_every=args.full_every, collapse_at=int(steps * 0.9), nan_at=int(steps * 0.995),
+                      growth_interval=args.growth_interval)
+        facts = json.loads(facts_file.read_text()) if facts_file.exists() and not args.regenerate else None
+        if facts is None or (facts["steps"], facts["tensors_per_step"]) != (steps, tensors) \
+                or facts["steps_per_shard"] != args.steps_per_shard:
+            facts = generate(run_dir, **params)
+        entry = {"tensors_per_step": tensors, "steps": steps, "tensor_rows": facts["tensor_rows"],
+                 "shards": facts["shards"]}
+        for command in MEMORY_COMMANDS:
+            r = run_cli_in_process(command, run_dir) if args.in_process else \
+                run_measured(cli(command) + [str(run_dir), "--json"])
+            if r["rc"] != 0:
+                raise RuntimeError(f"amp-postmortem {command} failed ({r['rc']}): {r['stderr'][-2000:]}")
+            json.loads(r["stdout"])  # the answer is JSON
+            entry[command] = {"wall_s": r["wall_s"], "peak_rss_mib": r["peak_rss_mib"]}
+            table.append({"what": f"{command} {label} ({tensors} x {steps})", "wall_s": r["wall_s"],
+                          "peak_rss_mib": r["peak_rss_mib"]})
+        result["runs"][label] = entry
+    for command in MEMORY_COMMANDS:
+        wide, long = (result["runs"][k][command]["peak_rss_mib"] for k in ("wide", "long"))
+        result[f"{command}_wide_over_long"] = round(wide / long, 2)
+        result[f"{command}_within_target"] = wide < MEMORY_TARGET_MIB
+        table.append({"what": f"{command} wide/long", "wall_s": "", "peak_rss_mib": f"x{wide / long:.2f}"})
+    common.print_table(table, ["what", "wall_s", "peak_rss_mib"])
+    if not args.run_dir and not args.keep:
+        shutil.rmtree(base, ignore_errors=True)
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", default=None, help="where the synthetic run goes (default: a folder in /tmp)")
@@ -356,6 +413,10 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny run (CI); implies --in-process")
     ap.add_argument("--in-process", action="store_true",
                     help="run the CLI and the analyses in this process (no child processes)")
+    ap.add_argument("--memory", action="store_true",
+                    help="peak RSS of ranges and summary on a wide and a long run of as many rows")
+    ap.add_argument("--wide", default="2000x1000", help="--memory: the wide run, TENSORSxSTEPS")
+    ap.add_argument("--long", default="10x200000", help="--memory: the long run, TENSORSxSTEPS")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--functions-child", help=argparse.SUPPRESS)
     ap.add_argument("--naive-child", help=argparse.SUPPRESS)
@@ -370,6 +431,10 @@ def main(argv=None) -> int:
     if args.smoke:
         args.steps, args.tensors, args.steps_per_shard, args.full_every = 400, 41, 100, 20
         args.naive_shards, args.in_process = 0, True
+        args.wide, args.long = "200x40", "10x800"
+    if args.memory:
+        common.write_json(memory(args), args.json_path)
+        return 0
     collapse_at = args.collapse_at if args.collapse_at is not None else int(args.steps * 0.9)
     nan_at = args.nan_at if args.nan_at is not None else int(args.steps * 0.995)
     tmp = None

@@ -82,6 +82,16 @@ def test_analyzer_scale_smoke_finds_the_planted_nan_and_reads_few_shards(tmp_pat
     assert doc["naive_pandas"]["rows"] == run["tensor_rows"]
 
 
+def test_analyzer_scale_memory_smoke_measures_ranges_and_summary_on_a_wide_and_a_long_run(tmp_path):
+    out = tmp_path / "memory.json"
+    assert analyzer_scale.main(["--memory", "--smoke", "--run-dir", str(tmp_path), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    wide, long = doc["runs"]["wide"], doc["runs"]["long"]
+    assert wide["tensor_rows"] == long["tensor_rows"] == 8_000 and wide["shards"] < long["shards"]
+    for command in ("ranges", "summary"):
+        assert wide[command]["peak_rss_mib"] > 0 and doc[f"{command}_wide_over_long"] > 0
+
+
 def test_synthetic_scale_series_collapses_late_and_probes_when_it_grows():
     before, after, tracker, skipped = analyzer_scale.scale_series(10_000, 9_000, 2_000)
     assert skipped[:9_000].sum() == 4  # a probe overflow after each growth

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import pyarrow.compute as pc
 
 from recorders import schema
 from recorders.plain import plain
@@ -137,14 +138,27 @@ def _loss_rise(before: pd.DataFrame) -> dict | None:
 def _growth(run: Run, lo: int, hi: int) -> list:
     """Per (layer, activation | param): growth in bits from `lo` to `hi`,
     largest first; only layers still near their peak at the end."""
-    df = run.scan_tensors(["step", "rank", "name", "kind", "absmax", "nan_count", "inf_count"],
-                          kinds=["activation", "param"], step_range=(lo, hi), label="reading growth")
-    if df.empty:
-        return []
-    df = df[((df["nan_count"] + df["inf_count"]) == 0) & (df["absmax"] > 0)]
-    per = df.groupby(["name", "kind", "step"], sort=False)["absmax"].max().reset_index().sort_values("step")
+    if len(run.ranks) > 1 and run.sharded_params:
+        # FSDP: the ranks' shards of a parameter are merged into one row
+        # before the finite filter (scan_tensors), so every row is needed.
+        df = run.scan_tensors(["step", "rank", "name", "kind", "absmax", "nan_count", "inf_count"],
+                              kinds=["activation", "param"], step_range=(lo, hi), label="reading growth")
+        if df.empty:
+            return []
+        df = df[((df["nan_count"] + df["inf_count"]) == 0) & (df["absmax"] > 0)]
+        per = df.groupby(["name", "kind", "step"], sort=False)["absmax"].max().reset_index().sort_values("step")
+        keys = ["name", "kind"]
+        layer = lambda key: key  # noqa: E731
+    else:
+        per, layers = _per_step_peaks(run, lo, hi)
+        if per is None:
+            return []
+        per = per.sort_values("step")
+        keys = "lid"
+        layer = layers.__getitem__
     out = []
-    for (name, kind), g in per.groupby(["name", "kind"], sort=False):
+    for key, g in per.groupby(keys, sort=False):
+        name, kind = layer(key)
         if len(g) < 2:
             continue
         first, last, peak = (float(g["absmax"].iloc[0]), float(g["absmax"].iloc[-1]),
@@ -156,6 +170,62 @@ def _growth(run: Run, lo: int, hi: int) -> list:
                     "to_step": int(g["step"].iloc[-1]), "to": last, "bits": bits})
     out.sort(key=lambda g: -g["bits"])
     return out
+
+
+def _per_step_peaks(run: Run, lo: int, hi: int) -> tuple[pd.DataFrame | None, list]:
+    """The finite, non-zero absmax of each (layer, step) of activations and
+    weights from `lo` to `hi`, merged over ranks and calls: (lid, step,
+    absmax) rows in order of their first row read, as a groupby over every
+    row gives them, and the (name, kind) of each lid. Shard by shard: only
+    a shard's rows and the window's layers x steps of numbers are held."""
+    layers: dict = {}
+    parts = []
+    for part_layers, peaks in run.map_tensor_shards(
+            _growth_shard, ["step", "name", "kind", "absmax", "nan_count", "inf_count"],
+            kinds=["activation", "param"], step_range=(lo, hi), label="reading growth"):
+        if not len(peaks["lid"]):
+            continue
+        ids = np.array([layers.setdefault(k, len(layers)) for k in part_layers], dtype=np.int32)
+        parts.append({**peaks, "lid": ids[peaks["lid"]]})
+    if not parts:
+        return None, []
+    merged = _peaks(*(np.concatenate([p[c] for p in parts]) for c in ("lid", "step", "absmax")))
+    return pd.DataFrame(merged), list(layers)
+
+
+def _growth_shard(rows) -> tuple[list, dict]:
+    """The per-shard map of `_growth`: the finite, non-zero rows merged per
+    (layer, step) by their maximum, groups in order of their first row, a
+    layer as an id into the (name, kind) list returned."""
+    rows = rows.filter(pc.and_(pc.equal(pc.add(rows["nan_count"], rows["inf_count"]), 0),
+                               pc.greater(rows["absmax"], 0)))
+    n = pc.dictionary_encode(rows["name"].combine_chunks())
+    k = pc.dictionary_encode(rows["kind"].combine_chunks())
+    key = n.indices.to_numpy().astype(np.int64) * max(1, len(k.dictionary)) + k.indices.to_numpy()
+    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    by_first = np.argsort(first, kind="stable")  # ids in order of first row
+    ids = np.empty(len(uniq), dtype=np.int32)
+    ids[by_first] = np.arange(len(uniq), dtype=np.int32)
+    names, kinds = n.dictionary.to_pylist(), k.dictionary.to_pylist()
+    nk = max(1, len(kinds))
+    layers = [(names[uniq[i] // nk], kinds[uniq[i] % nk]) for i in by_first]
+    return layers, _peaks(ids[inverse.ravel()], rows["step"].to_numpy(), rows["absmax"].to_numpy())
+
+
+def _peaks(lid: np.ndarray, step: np.ndarray, absmax: np.ndarray) -> dict:
+    """Rows of equal (lid, step) merged by their maximum absmax, groups in
+    order of their first row (as pandas' groupby(sort=False) gives them):
+    a stable sort, then the groups put back in order of first row."""
+    if not len(lid):
+        return {"lid": lid.astype(np.int32), "step": step.astype(np.int64), "absmax": absmax.astype(float)}
+    srt = np.lexsort((step, lid))
+    l, st = lid[srt], step[srt]
+    new = np.ones(len(l), dtype=bool)
+    new[1:] = (l[1:] != l[:-1]) | (st[1:] != st[:-1])
+    starts = np.flatnonzero(new)
+    back = np.argsort(srt[starts], kind="stable")
+    return {"lid": l[starts][back], "step": st[starts][back],
+            "absmax": np.maximum.reduceat(absmax[srt], starts)[back]}
 
 
 def replay_evidence(run: Run, reference, step: int) -> str | None:

@@ -59,6 +59,7 @@ from recorders import schema
 
 from ..names import display_name as _display
 from ..loader import Run
+from ..engines.scan import reduces_batches
 from recorders.plain import plain
 from .trend import theil_sen
 
@@ -145,49 +146,61 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
     if last is None:
         return RangesReport(layers=_empty(), first_step=None, last_step=None)
     lo = None if not window else max(run.first_step, last - int(window) + 1)
-    per_step, full_steps = _per_step(run, lo)
+    per_step = _per_step(run, lo)
     if per_step is None:
         return RangesReport(layers=_empty(), first_step=lo, last_step=last)
-    per_step = per_step.sort_values("step", kind="stable")
+    cols, bounds = per_step.cols, per_step.bounds
+    top_of = np.array([DTYPE_LIMITS[range_dtype(d)][0] for d in per_step.dtypes]
+                      + [DTYPE_LIMITS[FALLBACK_DTYPE][0]])  # code -1: no dtype recorded
+    full_all = per_step.full[per_step.full["below_normal_share"].notna() & ~per_step.full["bad"]]
+    full_of = full_all.groupby("lid", sort=False).indices  # row positions per layer, not 1,000s of frames
+    shares_by_limit: dict = {}
 
     rows = []
-    for (name, kind), g in per_step.groupby(["name", "kind"], sort=False):
-        latest = g.iloc[-1]
-        step = int(latest["step"])
-        limit = range_dtype(latest["dtype"])
-        absmax = float(latest["absmax"]) if pd.notna(latest["absmax"]) else None
-        if latest["bad"]:
+    for lid in per_step.order:
+        name, kind = per_step.layers[lid]
+        s = slice(bounds[lid], bounds[lid + 1])
+        g_step, g_absmax, g_bad, g_dtype = cols["step"][s], cols["absmax"][s], cols["bad"][s], cols["dtype"][s]
+        step = int(g_step[-1])
+        dtype = per_step.dtypes[g_dtype[-1]] if g_dtype[-1] >= 0 else None
+        limit = range_dtype(dtype)
+        absmax = float(g_absmax[-1]) if pd.notna(g_absmax[-1]) else None
+        bad = bool(g_bad[-1])
+        if bad:
             headroom = 0.0
         elif absmax is None or absmax <= 0:
             headroom = None
         else:
             headroom = math.log2(DTYPE_LIMITS[limit][0] / absmax)
 
-        ok = g[~g["bad"] & (g["absmax"] > 0)]
+        with np.errstate(invalid="ignore"):
+            ok = ~g_bad & (g_absmax > 0)
         trend = forecast = None
-        if ok["step"].nunique() >= MIN_TREND_POINTS:
-            x = ok["step"].to_numpy(float)
-            top = np.array([DTYPE_LIMITS[range_dtype(d)][0] for d in ok["dtype"]])
-            h = np.log2(top / ok["absmax"].to_numpy(float))
+        if int(ok.sum()) >= MIN_TREND_POINTS:  # one row per step: the count of distinct steps
+            x = g_step[ok].astype(float)
+            h = np.log2(top_of[g_dtype[ok]] / g_absmax[ok].astype(float))
             slope, lo_s, hi_s = theil_sen(x, h, alpha=ALPHA, max_points=MAX_THEILSEN_POINTS)
             trend = slope * 1000
             if hi_s < 0 and headroom is not None and headroom > 0:
                 forecast = int(step + math.ceil(headroom / -slope))
 
-        full = g[g["below_normal_share"].notna() & ~g["bad"]]
+        at = full_of.get(lid)
+        full = full_all.iloc[at] if at is not None else None
         underflow = zeros = sampled = None
-        if len(full):
+        if full is not None and len(full):
             zeros = float(full["zero_share"].median())
-            shares = underflow_share_of_rows(full, limit)
+            if limit not in shares_by_limit:  # a share per row: computed once per limit
+                shares_by_limit[limit] = underflow_share_of_rows(full_all, limit)
+            shares = shares_by_limit[limit].loc[full.index]
             if shares.notna().all():
                 underflow = float(shares.median())
             sizes = full["share_sample_size"].dropna()
             sampled = int(sizes.median()) if len(sizes) else None
 
         flags = []
-        if latest["bad"]:
+        if bad:
             flags.append("nonfinite")
-        if kind in ("input", "activation") and not latest["bad"]:
+        if kind in ("input", "activation") and not bad:
             near = headroom is not None and headroom < OVERFLOW_RISK_BITS
             soon = forecast is not None and (
                 forecast - step <= FORECAST_IMMINENT
@@ -196,90 +209,220 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
                 flags.append("overflow_risk")
         if kind == "grad_output" and underflow is not None and underflow >= UNDERFLOW_SHARE:
             flags.append("underflow")
-        rows.append({"name": name, "kind": kind, "dtype": latest["dtype"], "range_dtype": limit,
+        rows.append({"name": name, "kind": kind, "dtype": dtype, "range_dtype": limit,
                      "step": step, "absmax": absmax,
                      "headroom_bits": headroom, "headroom_trend_per_kstep": trend,
                      "overflow_forecast_step": forecast, "underflow_share": underflow, "zero_share": zeros,
-                     "share_sample_size": sampled, "flags": flags, "_phase": 0 if latest["phase"] == "forward" else 1,
-                     "_order": int(latest["order"])})
+                     "share_sample_size": sampled, "flags": flags, "_phase": 0 if cols["fwd"][s][-1] == 1 else 1,
+                     "_order": int(cols["order"][s][-1])})
     layers = pd.DataFrame(rows).sort_values(["_phase", "_order"], kind="stable")
     layers = layers[LAYER_COLUMNS].reset_index(drop=True)
     for col in ("step", "overflow_forecast_step", "share_sample_size"):
         layers[col] = layers[col].astype("Int64")  # integers with missing values
-    return RangesReport(layers=layers, first_step=int(per_step["step"].min()), last_step=last,
-                        full_tier_steps=int(full_steps))
+    return RangesReport(layers=layers, first_step=int(cols["step"].min()), last_step=last,
+                        full_tier_steps=per_step.full_steps)
 
 
 # One value per layer and step: ranks and repeated calls merged. Max, any,
 # min and first merge shard by shard exactly; the means (full-tier columns,
 # null in cheap-tier rows) are taken at the end over the full-tier rows
-# only, in the order read, which is the same sum as over every row: so the
-# memory is bounded by window x layers (plus the full-tier rows), not by
-# ranks x window x layers.
-_KEYS = ["name", "kind", "step"]
-# share_sample_size: the values the shares were counted on, summed over
-# ranks and calls (Arrow's sum over nothing but nulls is null: unknown).
-_MERGED = {"absmax": "max", "bad": "any", "dtype": "first", "phase": "first", "order": "min", "rms": "max",
-           "share_sample_size": "sum"}
+# only, in the order read, which is the same sum as over every row. A shard
+# is reduced batch by batch as it is read (`scan.reduces_batches`), a layer
+# travels as an integer id (its name and kind once per shard) and the
+# merged table as a few numpy columns merged by sorting (an Arrow group-by
+# holds several times its input): so the memory is bounded by a batch of
+# rows plus window x layers of a few numbers (and the full-tier rows), not
+# by the shard's rows nor by ranks x window x layers of strings.
+_KEYS = ["lid", "step"]
+# The merged columns: absmax (max; NaN: none recorded), bad (any), dtype (a
+# code into the dtypes seen, the first recorded; -1: none), fwd (1 for a
+# forward row: first), order (min).
+_MERGED = ["absmax", "bad", "dtype", "fwd", "order"]
 _MEANS = ["zero_share", "below_normal_share", "below_subnormal_share"]
-_PER_STEP = _KEYS + ["absmax", "bad", "dtype", "phase", "order", "zero_share", "below_normal_share",
-                     "below_subnormal_share", "rms", "share_sample_size"]
+# share_sample_size: the values the shares were counted on, summed over
+# ranks and calls (a sum over nothing but nulls is null: unknown).
+_FULL = _KEYS + _MEANS + ["rms", "share_sample_size"]
 _CONSOLIDATE_ROWS = 1 << 20
 
 
 @dataclass
 class ShardRanges:
     """One shard's part of the per-step table (see `reduce_shard`)."""
-    merged: pa.Table   # _KEYS + _MERGED, one row per layer and step, in order of first row
-    full: pa.Table     # _KEYS + _MEANS, the full-tier rows as read
+    layers: list       # (name, kind) of each layer id of this shard
+    dtypes: list       # the dtype of each dtype code of this shard
+    merged: dict       # _KEYS + _MERGED + pos numpy columns, one row per layer and step (see `_merge`)
+    full: pa.Table     # _FULL, the full-tier rows as read
     full_steps: set
     rows: int
 
 
-def reduce_shard(rows: pa.Table) -> ShardRanges:
-    """The per-shard map of `ranges` (runs where the shard is read). In
-    Arrow: at 1,000 ranks it runs once per shard of the window."""
-    bad = pc.greater(pc.add(rows["nan_count"], rows["inf_count"]), 0)
-    rows = rows.append_column("bad", bad)
-    has_full = pc.or_kleene(pc.or_kleene(pc.is_valid(rows["zero_share"]), pc.is_valid(rows["below_normal_share"])),
-                            pc.is_valid(rows["below_subnormal_share"]))
-    full = rows.filter(has_full).select(_KEYS + _MEANS)
-    steps = pc.unique(rows.filter(pc.is_valid(rows["below_normal_share"]))["step"]).to_pylist()
-    return ShardRanges(_merge(rows.select(_KEYS + list(_MERGED))), full, set(steps), rows.num_rows)
+@reduces_batches
+def reduce_shard(batches) -> ShardRanges:
+    """The per-shard map of `ranges` (runs where the shard is read): the
+    shard's record batches (or one table) in, one partial bounded by its
+    layers x steps out. In Arrow and numpy: at 1,000 ranks it runs once per
+    shard of the window."""
+    if isinstance(batches, pa.Table):
+        batches = batches.to_batches()
+    layers: dict = {}
+    dtypes: dict = {}
+    merged: list[dict] = []
+    full: list[pa.Table] = []
+    full_steps: set = set()
+    rows = 0
+    for batch in batches:
+        if not batch.num_rows:
+            continue
+        rows += batch.num_rows
+        t = pa.Table.from_batches([batch])
+        lid = _codes(t["name"], t["kind"], layers)
+        has_full = pc.or_kleene(pc.or_kleene(pc.is_valid(t["zero_share"]), pc.is_valid(t["below_normal_share"])),
+                                pc.is_valid(t["below_subnormal_share"]))
+        # With the rows that carry only an RMS or a sample size: their
+        # maximum and sum are over every row of the layer and step.
+        keep = pc.or_kleene(has_full, pc.or_kleene(pc.is_valid(t["rms"]), pc.is_valid(t["share_sample_size"])))
+        full.append(t.append_column("lid", pa.array(lid, pa.int32())).filter(keep).select(_FULL))
+        full_steps.update(pc.unique(t.filter(pc.is_valid(t["below_normal_share"]))["step"]).to_pylist())
+        merged.append(_merge([{
+            "lid": lid, "step": t["step"].to_numpy(), "pos": np.arange(rows - batch.num_rows, rows),
+            "absmax": t["absmax"].to_numpy().astype(float),  # null: NaN
+            "bad": pc.greater(pc.add(t["nan_count"], t["inf_count"]), 0).to_numpy(),
+            "dtype": _dtype_codes(t["dtype"], dtypes),
+            "fwd": pc.equal(t["phase"], "forward").to_numpy().astype(np.int8),
+            "order": t["order"].to_numpy()}]))
+    return ShardRanges(list(layers), list(dtypes), _merge(merged),
+                       pa.concat_tables(full) if full else _EMPTY_FULL, full_steps, rows)
 
 
-def _merge(table: pa.Table) -> pa.Table:
-    """Rows of equal (name, kind, step) merged, groups in order of their
-    first row (a single-threaded Arrow group-by keeps that order)."""
-    out = table.group_by(_KEYS, use_threads=False).aggregate([(c, f) for c, f in _MERGED.items()])
-    return pa.table({**{k: out[k] for k in _KEYS}, **{c: out[f"{c}_{f}"] for c, f in _MERGED.items()}})
+def _codes(names: pa.ChunkedArray, kinds: pa.ChunkedArray, seen: dict) -> np.ndarray:
+    """Per row, the id of its (name, kind) in `seen` (new pairs added, ids in
+    order of first row): one dictionary lookup per distinct pair."""
+    n = pc.dictionary_encode(names.combine_chunks())
+    k = pc.dictionary_encode(kinds.combine_chunks())
+    nk = len(k.dictionary)
+    key = n.indices.to_numpy().astype(np.int64) * nk + k.indices.to_numpy()
+    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    ids = np.empty(len(uniq), dtype=np.int32)
+    names_d, kinds_d = n.dictionary.to_pylist(), k.dictionary.to_pylist()
+    for i in np.argsort(first, kind="stable"):  # new ids in order of first row
+        ids[i] = seen.setdefault((names_d[uniq[i] // nk], kinds_d[uniq[i] % nk]), len(seen))
+    return ids[inverse.ravel()]
 
 
-def _per_step(run: Run, lo) -> tuple[pd.DataFrame | None, int]:
-    merged = None
-    pending: list[pa.Table] = []
+def _dtype_codes(dtype: pa.ChunkedArray, seen: dict) -> np.ndarray:
+    """Per row, the code of its dtype in `seen` (new ones added; -1 where none recorded)."""
+    d = pc.dictionary_encode(dtype.combine_chunks())
+    table = np.array([seen.setdefault(v, len(seen)) for v in d.dictionary.to_pylist()] + [-1], dtype=np.int32)
+    return table[pc.fill_null(d.indices, len(table) - 1).to_numpy()]
+
+
+def _merge(parts: list[dict]) -> dict:
+    """The rows of `parts` (in the order read) with equal (layer, step)
+    merged, sorted by (layer, step); `pos` is each group's first row (its
+    position in the order read). A stable sort keeps each group's rows in
+    the order read, so `first` is the first recorded. It consumes `parts`
+    (their columns are moved out one by one) and works column by column, so
+    that beside the rows only the sort and one sorted column are held."""
+    if not parts:
+        return {c: np.zeros(0, dtype=t) for c, t in _DTYPES.items()}
+    cols = {c: np.concatenate([p.pop(c) for p in parts]) for c in _DTYPES}
+    n = len(cols["lid"])
+    if not n:
+        return cols
+    srt = np.lexsort((cols["step"], cols["lid"]))
+    lid, step = cols.pop("lid")[srt], cols.pop("step")[srt]
+    new = np.ones(n, dtype=bool)
+    new[1:] = (lid[1:] != lid[:-1]) | (step[1:] != step[:-1])
+    starts = np.flatnonzero(new)
+    del new
+    out = {"lid": lid[starts], "step": step[starts]}
+    del lid, step
+    for c, how in (("absmax", np.fmax), ("bad", np.logical_or), ("order", np.minimum), ("pos", np.minimum)):
+        out[c] = how.reduceat(cols.pop(c)[srt], starts)  # fmax: NaN only when all are
+    out["fwd"] = cols.pop("fwd")[srt[starts]]
+    dtype = cols.pop("dtype")[srt]
+    first_known = np.minimum.reduceat(np.where(dtype >= 0, np.arange(n), n), starts)
+    out["dtype"] = np.where(first_known < n, dtype[np.minimum(first_known, n - 1)], -1).astype(np.int32)
+    return out
+
+
+_DTYPES = {"lid": np.int32, "step": np.int64, "absmax": np.float64, "bad": np.bool_, "dtype": np.int32,
+           "fwd": np.int8, "order": np.int32, "pos": np.int64}
+_EMPTY_FULL = pa.table({"lid": pa.array([], pa.int32()), "step": pa.array([], pa.int64()),
+                        **{c: pa.array([], pa.float64()) for c in _MEANS + ["rms"]},
+                        "share_sample_size": pa.array([], pa.int64())})
+
+
+@dataclass
+class _PerStep:
+    """The merged per-step table of the window, as numpy columns sorted by
+    (layer, step), plus its full-tier rows (means taken)."""
+    layers: list       # (name, kind) per layer id
+    dtypes: list       # dtype string (or None) per code
+    cols: dict         # _KEYS + _MERGED columns, sorted by (lid, step)
+    bounds: np.ndarray  # layer i's rows: cols[...][bounds[i]:bounds[i + 1]]
+    order: list        # layer ids in the order their group first appears in the step-sorted table
+    full: pd.DataFrame  # one row per (lid, step) with full-tier rows: means, rms max, sample sizes summed, bad
+    full_steps: int
+
+
+def _per_step(run: Run, lo) -> _PerStep | None:
+    layers: dict = {}
+    dtypes: dict = {}
+    merged: list[dict] = []
     full: list[pa.Table] = []
     full_steps: set = set()
     rows = 0
     for part in run.map_tensor_shards(reduce_shard, _COLUMNS, kinds=KINDS, step_range=(lo, None),
                                       label="reading ranges"):
         rows += part.rows
-        pending.append(part.merged)
-        full.append(part.full)
+        # The shard's ids and codes as the run's.
+        lids = np.array([layers.setdefault(key, len(layers)) for key in part.layers] + [0], dtype=np.int32)
+        codes = np.array([dtypes.setdefault(d, len(dtypes)) for d in part.dtypes] + [-1], dtype=np.int32)
+        m = dict(part.merged)
+        # A shard whose ids are already the run's (the first one read) keeps
+        # its columns as they are, still sorted: no copy of the window.
+        same_ids = np.array_equal(lids[:-1], np.arange(len(lids) - 1))
+        if not same_ids:
+            m["lid"] = lids[m["lid"]]
+        if not np.array_equal(codes[:-1], np.arange(len(codes) - 1)):
+            m["dtype"] = codes[m["dtype"]]  # code -1 stays -1
+        if rows > part.rows:
+            m["pos"] = m["pos"] + (rows - part.rows)  # the position in the whole read
+        merged.append(m)
+        if len(part.full):
+            full.append(part.full.set_column(0, "lid", pa.array(lids[part.full["lid"].to_numpy()], pa.int32())))
         full_steps |= part.full_steps
-        if sum(p.num_rows for p in pending) >= _CONSOLIDATE_ROWS:
-            merged = _merge(pa.concat_tables(([merged] if merged is not None else []) + pending))
-            pending = []
+        del part
+        if sum(len(p["lid"]) for p in merged[1:]) >= _CONSOLIDATE_ROWS:
+            merged = [_merge(merged)]
+            same_ids = True
     if not rows:
-        return None, 0
-    if pending:
-        merged = _merge(pa.concat_tables(([merged] if merged is not None else []) + pending))
+        return None
+    # One part merged and sorted already (one shard, or all consolidated) is the table.
+    cols = merged[0] if len(merged) == 1 and same_ids else _merge(merged)
+    del merged
+    bounds = np.searchsorted(cols["lid"], np.arange(len(layers) + 1))
+    # The layers in the order their groups first appear in the table sorted
+    # by step: by earliest step, then by the first row read of that step.
+    heads = bounds[:-1]
+    order = [int(i) for i in np.lexsort((cols["pos"][heads], cols["step"][heads]))]
     # The means in pandas, as one pass over the full-tier rows in the order
     # read (pandas' compensated sum: the same value as over every row).
-    full_rows = pa.concat_tables(full).to_pandas()
-    means = full_rows.groupby(_KEYS, sort=False)[_MEANS].mean().reset_index()
-    per_step = merged.to_pandas().merge(means, on=_KEYS, how="left")
-    return per_step[_PER_STEP], len(full_steps)
+    full_rows = (pa.concat_tables(full) if full else _EMPTY_FULL).to_pandas()
+    g = full_rows.groupby(_KEYS, sort=False)
+    means = g[_MEANS].mean()
+    means["rms"] = g["rms"].max()
+    means["share_sample_size"] = g["share_sample_size"].sum(min_count=1)
+    means = means.reset_index()
+    # Each full-tier (layer, step) finds its merged row: keys (layer, rank
+    # of the step) are sorted as the columns are.
+    steps = np.unique(cols["step"])
+    key = cols["lid"].astype(np.int64) * len(steps) + np.searchsorted(steps, cols["step"])
+    at = np.searchsorted(key, means["lid"].to_numpy().astype(np.int64) * len(steps)
+                         + np.searchsorted(steps, means["step"].to_numpy()))
+    means["bad"] = cols["bad"][at]
+    return _PerStep([*layers], [*dtypes], cols, bounds, order, means, len(full_steps))
 
 
 def sampled_values(size) -> str:

@@ -227,11 +227,19 @@ def underflow_measured(run: Run, name: str, from_step: int | None, limit: str = 
     `grad_output` rows from `from_step` on (the `ranges` window), the loss
     scales they ran at, and the share at the last of them, with a phrase
     for sentences (a median over steps at several scales is said to be one)."""
+    import functools
+
+    import pyarrow as pa
+
     from .ranges import underflow_share_of_rows
-    rows = run.scan_tensors(["step", "rank", "name", "kind", "nan_count", "inf_count", "zero_share",
-                             "below_normal_share", "below_subnormal_share", "rms"], kinds=["grad_output"],
-                            step_range=(from_step, None),
-                            label="reading underflow shares")
+    columns = ["step", "rank", "name", "kind", "nan_count", "inf_count", "zero_share",
+               "below_normal_share", "below_subnormal_share", "rms"]
+    # Only this layer's rows leave each shard: the memory is bounded by a
+    # shard, not by every layer's rows of the window.
+    parts = list(run.map_tensor_shards(functools.partial(_full_tier_rows_of, name=name), columns,
+                                       kinds=["grad_output"], step_range=(from_step, None),
+                                       label="reading underflow shares"))
+    rows = pa.concat_tables(parts).to_pandas() if parts else pd.DataFrame(columns=columns)
     rows = rows[(rows["name"] == name) & rows["below_normal_share"].notna()
                 & ((rows["nan_count"] + rows["inf_count"]) == 0)]
     if rows.empty:
@@ -253,6 +261,15 @@ def underflow_measured(run: Run, name: str, from_step: int | None, limit: str = 
                   + (f", scale {last_scale:g}" if last_scale is not None else ""))
     return {"phrase": phrase, "measured_steps": steps, "measured_scales": at,
             "share_at_last_step": float(per_step.iloc[-1]), "last_step_scale": last_scale}
+
+
+def _full_tier_rows_of(rows, name: str):
+    """The per-shard map of `underflow_measured`: `name`'s full-tier rows
+    without NaN/Inf (a top-level function, so that it pickles for an engine)."""
+    import pyarrow.compute as pc
+    keep = pc.and_(pc.and_(pc.equal(rows["name"], name), pc.is_valid(rows["below_normal_share"])),
+                   pc.equal(pc.add(rows["nan_count"], rows["inf_count"]), 0))
+    return rows.filter(keep)
 
 
 def _applied_nonfinite_steps(run: Run) -> list[int]:

@@ -19,6 +19,17 @@ _filesystems: dict[str, object] = {}
 _lock = threading.Lock()
 
 
+BATCH_ROWS = 1 << 16  # rows per batch given to a `reduces_batches` reducer
+
+
+def reduces_batches(fn: Callable) -> Callable:
+    """Mark a per-shard reduction as one that takes an iterator of the
+    shard's record batches rather than the whole shard as one table: its
+    memory is then bounded by a batch plus what it keeps, not by the shard."""
+    fn.reduces_batches = True
+    return fn
+
+
 @dataclass(frozen=True)
 class ShardScan:
     """One shard to read: `path` inside the filesystem named by `root_uri`
@@ -68,6 +79,14 @@ def scan_shard(task: ShardScan) -> ShardPartial:
             if frag.num_row_groups == 0:  # statistics rule every row group out
                 return ShardPartial(None)
         columns = list(task.columns) if task.columns is not None else None
+        if getattr(task.reduce, "reduces_batches", False):
+            # The shard's rows in batches, one row group read at a time (a
+            # scanner of the whole file reads ahead as far as the consumer
+            # lags: most of the shard): never the whole shard in memory.
+            batches = (b for rg in frag.split_by_row_group(filter=expr, schema=table_schema)
+                       for b in rg.scanner(schema=table_schema, columns=columns, filter=expr,
+                                           batch_size=BATCH_ROWS, use_threads=False).to_batches())
+            return ShardPartial(None, result=task.reduce(batches))
         table = frag.scanner(schema=table_schema, columns=columns, filter=expr).to_table()
         if task.reduce is not None:
             return ShardPartial(None, result=task.reduce(table))
