@@ -117,17 +117,16 @@ class Journal:
         now = time.monotonic()
         if self._unsynced_since is None:
             self._unsynced_since = now
-        # Half the interval here, because the next chance may come up to
-        # `idle_sync_s` later (the next step, or the writer's idle wake-up).
-        if urgent or now - self._unsynced_since >= self.durable_interval_s / 2:
+        # `idle_sync_s` short of the interval: the next chance to sync (the
+        # next step, or the writer's idle wake-up) may come that much later.
+        if urgent or now - self._unsynced_since >= self.durable_interval_s - self.idle_sync_s:
             self.sync()
 
     @property
     def idle_sync_s(self) -> float:
-        """How long the writer thread may sit idle before it calls `sync`:
-        with the half interval above, every write is fsynced within
-        `durable_interval_s`."""
-        return max(0.01, min(1.0, self.durable_interval_s / 2))
+        """How long the writer thread may sit idle before it calls `sync`
+        (at most 10 wake-ups a second, whatever the interval)."""
+        return max(0.1, min(1.0, self.durable_interval_s / 2))
 
     def sync(self) -> None:
         """fsync what was written since the last sync (tensors, then steps,

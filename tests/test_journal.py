@@ -26,6 +26,7 @@ from amp_postmortem.loader import load_run
 from recorders import schema
 from recorders.journal import Journal, journal_path
 from recorders.step_rows import StepRows
+from recorders.writer import ShardWriter
 from recorders.storage import SpoolUploader
 from tiny_models import PlantedNet, TinyNet, batches, recorder_at, train
 
@@ -145,54 +146,58 @@ def test_a_nonfinite_step_is_on_disk_at_once(killed_jobs):
     assert found["first_nonfinite_step"] == INF_STEP and found["origin"]["name"] == "boom"
 
 
-def _spy_syncs(monkeypatch) -> list[int]:
-    """The step last journaled at each fsync of a journal."""
-    synced, last = [], []
-    append, sync = Journal.append, Journal.sync
+def _spy_syncs(monkeypatch) -> tuple[list[int], list[int]]:
+    """(the steps whose append fsynced the journal, the last step journaled
+    at each fsync of an idle writer)."""
+    on_append, on_idle, last = [], [], []
+    append, sync_journal = Journal.append, ShardWriter.sync_journal
 
     def spy_append(self, index, tensors, steps, urgent=False):
         last.append(steps.column("step")[0].as_py())
+        before = self.syncs
         append(self, index, tensors, steps, urgent)
+        if self.syncs > before:
+            on_append.append(last[-1])
 
-    def spy_sync(self):
-        if self._unsynced_since is not None:
-            synced.append(last[-1])
-        sync(self)
+    def spy_idle(self):
+        before = self.journal.syncs
+        sync_journal(self)
+        if self.journal.syncs > before:
+            on_idle.append(last[-1])
 
     monkeypatch.setattr(Journal, "append", spy_append)
-    monkeypatch.setattr(Journal, "sync", spy_sync)
-    return synced
+    monkeypatch.setattr(ShardWriter, "sync_journal", spy_idle)
+    return on_append, on_idle
 
 
 def test_a_skipped_or_nonfinite_step_is_fsynced_at_once_the_others_by_the_interval(tmp_path, monkeypatch):
-    synced = _spy_syncs(monkeypatch)
-    monkeypatch.setattr(Journal, "idle_sync_s", property(lambda self: 3600.0))
+    on_append, _ = _spy_syncs(monkeypatch)
 
     def plant(step, model, x):
         model.boom.gain = float("inf") if step == 3 else 1.0
 
     torch.manual_seed(0)
-    rec = train(PlantedNet(), batches(6), recorder=recorder_at(tmp_path / "run", durable_interval_s=3600),
-                scaler={"init_scale": 2.0 ** 8}, on_step=plant, close=False).rec
-    rec.writer.barrier()
-    assert synced == [3]
-    rec.close()
-    # Every step fsynced: an interval of 0.
-    synced.clear()
+    train(PlantedNet(), batches(6), recorder=recorder_at(tmp_path / "run", durable_interval_s=3600),
+          scaler={"init_scale": 2.0 ** 8}, on_step=plant)
+    assert on_append == [3]
+    # An interval of 0: every step fsynced as it is written.
+    on_append.clear()
     torch.manual_seed(0)
     train(TinyNet(), batches(3), recorder=recorder_at(tmp_path / "run0", durable_interval_s=0))
-    assert synced == [0, 1, 2]
+    assert on_append == [0, 1, 2]
 
 
 def test_an_idle_writer_fsyncs_what_it_wrote(tmp_path, monkeypatch):
-    synced = _spy_syncs(monkeypatch)
+    _, on_idle = _spy_syncs(monkeypatch)
     torch.manual_seed(0)
-    rec = train(TinyNet(), batches(2), recorder=recorder_at(tmp_path / "run", durable_interval_s=0.2),
+    rec = train(TinyNet(), batches(2), recorder=recorder_at(tmp_path / "run", durable_interval_s=3600),
                 close=False).rec
+    # Nothing comes after step 1: the writer's idle wake-up (1 s at most)
+    # fsyncs it, long before the interval.
     deadline = time.time() + 10
-    while synced[-1:] != [1] and time.time() < deadline:
+    while on_idle[-1:] != [1] and time.time() < deadline:
         time.sleep(0.02)
-    assert synced[-1:] == [1]
+    assert on_idle[-1:] == [1]
     rec.close()
 
 
@@ -207,7 +212,7 @@ def test_a_recorder_fault_at_step_30_leaves_steps_0_to_29_on_disk(tmp_path, monk
     monkeypatch.setattr(StepRows, "rows", failing)
     torch.manual_seed(0)
     with pytest.warns(RuntimeWarning, match="planted writer fault"):
-        train(TinyNet(), batches(40), recorder=recorder_at(tmp_path / "run"))
+        train(TinyNet(blocks=1), batches(40), recorder=recorder_at(tmp_path / "run"))
     run = load_run(tmp_path / "run")
     assert run.steps["step"].tolist() == list(range(30))
     assert sorted(run.scan_tensors(["step"])["step"].unique()) == list(range(30))
