@@ -184,10 +184,18 @@ class Journal:
 def read_journal(rank_dir, index: int) -> tuple[dict, pa.Table, pa.Table] | None:
     """(steps metadata, steps table, tensors table) of a journal's intact
     prefix, each table in its stream's own schema; None without a step."""
-    steps_schema, steps = read_prefix(str(journal_path(rank_dir, schema.STEPS_DIR, index)))
+    steps_schema, steps = _read_file(journal_path(rank_dir, schema.STEPS_DIR, index))
     if not steps:
         return None
-    tensors_schema, tensors = read_prefix(str(journal_path(rank_dir, schema.TENSORS_DIR, index)))
+    tensors_schema, tensors = _read_file(journal_path(rank_dir, schema.TENSORS_DIR, index))
     tensors = tensors[:len(steps)]
     tensors_table = pa.Table.from_batches(tensors, schema=tensors_schema or schema.TENSOR_SCHEMA)
     return dict(steps_schema.metadata or {}), pa.Table.from_batches(steps, schema=steps_schema), tensors_table
+
+
+def _read_file(path: Path) -> tuple[pa.Schema | None, list[pa.RecordBatch]]:
+    try:
+        with pa.OSFile(str(path)) as f:
+            return read_prefix(f)
+    except FileNotFoundError:
+        return None, []

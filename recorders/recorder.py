@@ -203,6 +203,7 @@ class AmpRecorder:
         self._step_counter = 0
         self._dropped_steps = 0
         self._last_roll = time.monotonic()
+        self._journaled_first_step = False  # the manifest rewritten after it (see _write_step)
         self._lock = threading.Lock()
         self.manifest = None
         self.hooks = None
@@ -586,6 +587,11 @@ class AmpRecorder:
             rolled = True
         if rolled:
             self._last_roll = time.monotonic()
+        if rolled or not self._journaled_first_step:
+            # Also after the first step: what its forward taught the
+            # manifest (autocast) is on disk for a job killed before its
+            # first shard, whose steps are in the journal.
+            self._journaled_first_step = True
             self._write_manifest()
 
     def _write_files(self, status: str) -> None:

@@ -321,3 +321,25 @@ def test_a_journal_scan_ships_to_a_dask_worker(tmp_path):
     task = ShardScan(path=str(shard.path), columns=("step", "name"), steps=(2, 4))
     part = scan_shard(deserialize(*serialize(task)))
     assert part.error is None and sorted(set(part.table.column("step").to_pylist())) == [2, 4]
+
+
+@pytest.mark.parametrize("command", ["summary", "nans", "scale", "ranges"])
+def test_every_analysis_reads_a_journal_as_the_shard_it_becomes(tmp_path, command):
+    """The same steps, once journaled (the job killed) and once published
+    (closed): every analysis gives the same answer, but the run's path and
+    status and the warning that the recorder was not closed."""
+    journaled = _journaled_run(tmp_path, steps=12, full_every=4)
+    published = tmp_path / "live"  # the same recorder, closed: one shard pair
+
+    def answer(run):
+        res = CliRunner().invoke(main, [command, str(run), "--json"])
+        assert res.exit_code == 0, res.output
+        text = res.stdout.replace(str(run), "RUN")
+        doc = json.loads(text)
+        for d in (doc, doc.get("run", {})):
+            d.pop("warnings", None)
+            d.pop("status", None)
+        return doc
+
+    assert list(published.glob("rank=0/steps/*.parquet")) and not list(journaled.glob("rank=0/steps/*"))
+    assert answer(journaled) == answer(published)

@@ -86,6 +86,8 @@ def _scan_journal(task: ShardScan, fs) -> ShardPartial:
     expr = task.expression()
     if expr is not None:
         table = table.filter(expr)
+    if table.num_rows == 0:
+        return ShardPartial(None)  # as a shard whose statistics rule it out
     if task.columns is not None:
         table = table.select(list(task.columns))
     return ShardPartial(None, result=task.reduce(table)) if task.reduce is not None else ShardPartial(table)
