@@ -36,6 +36,7 @@ from .engines.local import LocalEngine
 from .engines.scan import NONFINITE_FILTER, ShardScan, scan_shard
 from .errors import CorruptRunError, EmptyRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
 from .index import read_indexes, shard_from_index
+from .journal import is_journal, location, read_journal_table, with_journals
 from .step_facts import StepFacts, from_indexes, from_series, from_table
 from . import step_series
 from .step_series import StepSeries
@@ -220,8 +221,12 @@ class Run:
     @property
     def tensors(self) -> ds.Dataset:
         """All readable tensor shards as one dataset (for DuckDB-style use)."""
-        return ds.dataset([fs_path(s.path) for s in self.tensor_shards], format="parquet",
-                          schema=schema.TENSOR_SCHEMA, filesystem=filesystem_of(self.path))
+        fs = filesystem_of(self.path)
+        shards = ds.dataset([fs_path(s.path) for s in self.tensor_shards if not is_journal(s.path)],
+                            format="parquet", schema=schema.TENSOR_SCHEMA, filesystem=fs)
+        journals = [read_journal_table(location(s.path), schema.TENSORS_DIR, fs)
+                    for s in self.tensor_shards if is_journal(s.path)]
+        return ds.dataset([shards, ds.dataset(journals, schema=schema.TENSOR_SCHEMA)]) if journals else shards
 
     def select_shards(self, *, steps: Iterable[int] | None = None,
                       nonfinite_only: bool = False) -> list[Shard]:
@@ -496,6 +501,9 @@ def load_run(path, rank: int | None = None) -> Run:
                          or read_footer(root, f, r, table, run_id, warnings))
                 if shard is not None:
                     out.append(shard)
+    # The steps not in a shard yet (a killed job, a recorder that failed).
+    step_shards, tensor_shards = with_journals(root, {r: found[r] for r in selected}, run_id,
+                                               step_shards, tensor_shards, warnings)
     check_pairs(root, step_shards, tensor_shards, warnings)
 
     run = Run(path=root, manifest=manifest, rank_manifests=rank_manifests, ranks=selected,

@@ -12,6 +12,7 @@ users open runs with `amp_postmortem.load_run`.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,16 +137,25 @@ def read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
                        filesystem=filesystem_of(paths[0]))
         return d.to_table(columns=_STEP_COLUMNS)
 
+    def read_run(group):
+        # Journals (recorders/journal.py) one by one, consecutive Parquet
+        # shards as one dataset: the file order is kept.
+        if group[0].path.name.endswith(schema.JOURNAL_SUFFIX):
+            from .journal import location, read_journal_table  # it imports this module
+            return [read_journal_table(location(s.path), schema.STEPS_DIR, filesystem_of(s.path)).select(_STEP_COLUMNS)
+                    for s in group]
+        return [read([s.path for s in group])]
+
     tables = []
     try:
-        if shards:
-            tables.append(read([s.path for s in shards]))
+        for _, group in itertools.groupby(shards, key=lambda s: s.path.name.endswith(schema.JOURNAL_SUFFIX)):
+            tables += read_run(list(group))
     except (OSError, pa.ArrowException):
         # Find the damaged file(s) one by one; keep the rest.
         tables = []
         for s in shards:
             try:
-                tables.append(read([s.path]))
+                tables += read_run([s])
             except (OSError, pa.ArrowException) as exc:
                 warnings.append(f"skipped unreadable shard {s.path.relative_to(root)} ({error_text(exc)})")
     if not tables:

@@ -11,7 +11,7 @@ optimizer step, `flush()` (blocks until everything so far is on disk),
 - `rows` (`StepRows`): a finished step packed into one asynchronous copy,
   and, on the writer thread, turned into table rows;
 - `manifest` (`RunManifest`): the run's manifest;
-- `shards` (`ShardWriter`): the Parquet shards;
+- `shards` (`ShardWriter`): the Parquet shards and the per-step journal;
 - `writer` (`WriterThread`): the background thread that does all the above
   writing, in order;
 - `bundles` (`BundleCapture`): replay bundles;
@@ -38,6 +38,7 @@ from . import schema
 from .bundles.capture import BundleCapture
 from .bundles.triggers import TRIGGERS
 from .hooks import TrainingHooks
+from .journal import DEFAULT_DURABLE_INTERVAL_S
 from .layout import (canonical_modules, canonical_parameters, fsdp1_shapes, fsdp1_sharded_params, is_compiled,
                      sharded_param_ids, user_class)
 from .loss_tap import MicroBatchLosses, OutputLossTap, ScaleTap, step_loss
@@ -99,6 +100,12 @@ class AmpRecorder:
         steps_per_shard: steps per Parquet shard pair.
         flush_interval_s: write a shard at least this often (seconds) even
             when it holds fewer than `steps_per_shard` steps.
+        durable_interval_s: until its shard is written, every step is in
+            the rank's journal (`rank=R/journal/`), handed to the OS as the
+            writer thread takes the step (a killed job loses only the steps
+            the writer had not taken) and fsynced at least this often
+            (seconds), so that a node failure loses at most this much; a
+            step with a NaN/Inf or a skip is fsynced at once.
         near_overflow: the magnitude counted as near overflow (default
             float16's largest finite value).
         rank: this process's rank (default: torch.distributed's, else 0).
@@ -152,7 +159,8 @@ class AmpRecorder:
     def __init__(self, run_dir, model: torch.nn.Module, optimizer=None, scaler=None, *,
                  include=("*",), exclude=(), cheap_every: int = 1, full_every: int = 100,
                  full_after_event: int = 20, steps_per_shard: int = 1000,
-                 flush_interval_s: float = 60.0, near_overflow: float = schema.FP16_MAX,
+                 flush_interval_s: float = 60.0, durable_interval_s: float = DEFAULT_DURABLE_INTERVAL_S,
+                 near_overflow: float = schema.FP16_MAX,
                  rank: int | None = None, world_size: int | None = None,
                  run_id: str | None = None, max_queue: int = 256,
                  bundles: bool = True, bundle_triggers=TRIGGERS, bundle_steps=(),
@@ -178,6 +186,7 @@ class AmpRecorder:
         self.include = tuple([include] if isinstance(include, str) else include)
         self.exclude = tuple([exclude] if isinstance(exclude, str) else exclude)
         self.flush_interval_s = float(flush_interval_s)
+        self.durable_interval_s = float(durable_interval_s)
         self.eager_full_steps = bool(eager_full_steps)
         self._enabled = True
         self._closed = False
@@ -194,6 +203,7 @@ class AmpRecorder:
         self._step_counter = 0
         self._dropped_steps = 0
         self._last_roll = time.monotonic()
+        self._journaled_first_step = False  # the manifest rewritten after it (see _write_step)
         self._lock = threading.Lock()
         self.manifest = None
         self.hooks = None
@@ -297,7 +307,9 @@ class AmpRecorder:
         self.shards = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
                                   world_size=self.world_size, steps_per_shard=options["steps_per_shard"],
                                   first_index=up.next_shard_index(self.rank) if up else 0,
-                                  has_room=up.has_room if up else None)
+                                  has_room=up.has_room if up else None,
+                                  durable_interval_s=self.durable_interval_s)
+        self.writer.when_idle(self.shards.sync_journal, self.shards.journal.idle_sync_s)
         if up is not None:
             self.manifest.data["storage"] = {"uri": self.run_location, "spool_dropped_steps": 0}
         self.manifest.write()
@@ -575,6 +587,11 @@ class AmpRecorder:
             rolled = True
         if rolled:
             self._last_roll = time.monotonic()
+        if rolled or not self._journaled_first_step:
+            # Also after the first step: what its forward taught the
+            # manifest (autocast) is on disk for a job killed before its
+            # first shard, whose steps are in the journal.
+            self._journaled_first_step = True
             self._write_manifest()
 
     def _write_files(self, status: str) -> None:

@@ -188,6 +188,14 @@ TENSORS_DIR = "tensors"
 SHARD_FILE = "part-{index:06d}.parquet"
 INDEX_DIR = "index"
 INDEX_FILE = "part-{index:06d}.json"
+# The per-step journal of the shard pair not written yet (see
+# recorders/journal.py): `rank=<r>/journal/steps/part-N.arrows` and
+# `rank=<r>/journal/tensors/part-N.arrows`, Arrow IPC streams with the steps
+# and tensors schemas, one record batch per step; N is the number the pair
+# will have. The two halves share a file name, as a shard pair does.
+JOURNAL_DIR = "journal"
+JOURNAL_SUFFIX = ".arrows"
+JOURNAL_FILE = "part-{index:06d}" + JOURNAL_SUFFIX
 BUNDLES_DIR = "bundles"
 BUNDLE_DIR = "step={step}/rank={rank}"
 BUNDLE_MANIFEST_FILE = "bundle.json"

@@ -267,8 +267,10 @@ class SpoolUploader:
     def _spooled(self) -> list[tuple[str, Path]]:
         out = []
         for dirpath, dirs, files in os.walk(self.spool_dir):
-            # Hidden names are partial files or directories being written.
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            # Hidden names are partial files or directories being written;
+            # a journal is appended to until its pair replaces it, so it
+            # stays in the spool (its pair is what gets uploaded).
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d != schema.JOURNAL_DIR]
             for f in files:
                 if f.startswith("."):
                     continue

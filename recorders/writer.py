@@ -4,7 +4,9 @@ Runs on the recorder's background thread only; the training thread never
 waits for it. Partial files are invisible to readers: they are written under a
 hidden `.`-prefixed name that does not end in `.parquet` and renamed on
 completion (rename is atomic on POSIX), so a job killed mid-write leaves every
-completed shard readable and no torn one.
+completed shard readable and no torn one. Every step also goes to the
+journal of its pair (`journal.py`) as it arrives, so a job killed before
+the pair is written loses seconds of steps, not the pair.
 """
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schema
 from .index import shard_index
+from .journal import DEFAULT_DURABLE_INTERVAL_S, Journal, empty_batch, journal_indexes, read_journal
 
 
 def fsync_dir(path: Path) -> None:
@@ -78,16 +82,25 @@ def _column_array(parts: list, type_: pa.DataType) -> pa.Array:
     return pa.array(values, type=type_, from_pandas=values.dtype.kind == "f")
 
 
+def _nonfinite(v) -> bool:
+    return v is not None and not np.isfinite(v)
+
+
 class ShardWriter:
     """Buffers the rows of one rank and writes them as step-aligned shards.
 
     A shard pair (`steps/part-N.parquet`, `tensors/part-N.parquet`) covers a
-    contiguous range of steps; both files are complete or absent.
+    contiguous range of steps; both files are complete or absent. Until the
+    pair is written its steps are in its journal (`journal.Journal`, fsynced
+    at least every `durable_interval_s`), which is removed once the pair and
+    its index are published; a journal left by a killed process is turned
+    into its pair by the first write of the next writer on the rank.
     """
 
     def __init__(self, rank_dir: Path, *, run_id: str, rank: int, world_size: int,
                  steps_per_shard: int, row_group_rows: int = 1 << 16,
-                 first_index: int = 0, has_room=None):
+                 first_index: int = 0, has_room=None,
+                 durable_interval_s: float = DEFAULT_DURABLE_INTERVAL_S):
         # ~64k rows per row group: small enough that step and non-finite
         # filters can skip most of a shard by its column statistics.
         self.rank_dir = Path(rank_dir)
@@ -97,7 +110,8 @@ class ShardWriter:
         self.steps_per_shard = max(1, int(steps_per_shard))
         self.row_group_rows = row_group_rows
         self._step_rows: list[dict] = []
-        self._tensor_batches: list[dict[str, np.ndarray | list]] = []
+        self._step_batches: list[pa.RecordBatch] = []
+        self._tensor_batches: list[pa.RecordBatch] = []
         self._tensor_rows = 0
         self._nonfinite_rows = 0
         # `first_index`: shards already published elsewhere (a remote store
@@ -107,86 +121,144 @@ class ShardWriter:
         self.has_room = has_room
         self.shards_written = 0
         self.dropped_steps = 0  # steps not written because has_room() said no
+        self.journal = Journal(self.rank_dir, durable_interval_s=durable_interval_s,
+                               metadata=lambda table: self._metadata(table, None, None, None))
+        # Journals of earlier processes, made into shards off the training
+        # path: by the writer thread's first write.
+        self._orphans = journal_indexes(self.rank_dir)
 
     def _next_index(self) -> int:
-        # Continue numbering after existing shards so a resumed job (same run
-        # directory) never overwrites what an earlier process wrote.
+        # Continue numbering after existing shards and journals so a resumed
+        # job (same run directory) never overwrites what an earlier process
+        # wrote.
         existing = sorted((self.rank_dir / schema.STEPS_DIR).glob("part-*.parquet"))
-        if not existing:
-            return 0
-        return int(existing[-1].stem.split("-")[1]) + 1
+        numbers = [int(p.stem.split("-")[1]) for p in existing[-1:]] + journal_indexes(self.rank_dir)[-1:]
+        return max(numbers) + 1 if numbers else 0
 
     @property
     def pending_steps(self) -> int:
         return len(self._step_rows)
 
     def add_step(self, step_row: dict, tensor_columns: dict | None) -> None:
-        self._step_rows.append(step_row)
+        if self._orphans:
+            self.compact_orphans()
+        steps_batch = pa.RecordBatch.from_pylist([step_row], schema=schema.STEP_SCHEMA)
+        nonfinite = 0
         if tensor_columns is not None and len(tensor_columns["step"]):
-            self._tensor_batches.append(tensor_columns)
-            n = len(tensor_columns["step"])
-            self._tensor_rows += n
+            # Arrow arrays built once, here: the journal writes them, the
+            # pair is their concatenation.
+            tensors_batch = pa.RecordBatch.from_arrays(
+                [_column_array([tensor_columns[c.name]], c.type) for c in schema.TENSOR_COLUMNS],
+                schema=schema.TENSOR_SCHEMA)
+            self._tensor_batches.append(tensors_batch)
+            self._tensor_rows += tensors_batch.num_rows
             nf = (np.asarray(tensor_columns["nan_count"]) > 0) | (np.asarray(tensor_columns["inf_count"]) > 0)
-            self._nonfinite_rows += int(nf.sum())
+            nonfinite = int(nf.sum())
+            self._nonfinite_rows += nonfinite
+        else:
+            tensors_batch = self._empty_tensors
+        # A step with a NaN/Inf or a skip is what a post-mortem needs: on
+        # disk before the writer takes the next step, whatever kills the job.
+        urgent = bool(nonfinite or step_row.get("skipped") or _nonfinite(step_row.get("loss"))
+                      or _nonfinite(step_row.get("grad_norm")))
+        self.journal.append(self.shard_index, tensors_batch, steps_batch, urgent=urgent)
+        self._step_rows.append(step_row)
+        self._step_batches.append(steps_batch)
         if len(self._step_rows) >= self.steps_per_shard:
             self.roll()
 
-    def _metadata(self, table: str, first: int, last: int, nonfinite: int) -> dict:
-        return {
+    _empty_tensors = empty_batch(schema.TENSORS_DIR)
+
+    def sync_journal(self) -> None:
+        """fsync what the journal holds unsynced (the writer thread, idle)."""
+        self.journal.sync()
+
+    def _metadata(self, table: str, first, last, nonfinite, run_id: str | None = None,
+                  world_size=None) -> dict:
+        meta = {
             schema.META_FORMAT: schema.FORMAT_NAME.encode(),
             schema.META_SCHEMA_VERSION: schema.SCHEMA_VERSION.encode(),
-            schema.META_RUN_ID: self.run_id.encode(),
+            schema.META_RUN_ID: (run_id or self.run_id).encode(),
             schema.META_RANK: str(self.rank).encode(),
-            schema.META_WORLD_SIZE: str(self.world_size).encode(),
+            schema.META_WORLD_SIZE: str(world_size or self.world_size).encode(),
             schema.META_TABLE: table.encode(),
             schema.META_FIRST_STEP: str(first).encode(),
             schema.META_LAST_STEP: str(last).encode(),
             schema.META_NONFINITE_ROWS: str(nonfinite).encode(),
         }
+        if first is None:  # a journal: the step range is not known while writing
+            for key in (schema.META_FIRST_STEP, schema.META_LAST_STEP, schema.META_NONFINITE_ROWS):
+                del meta[key]
+        return meta
 
     def roll(self) -> None:
         """Write the buffered steps as one shard pair (tensors first, so a
-        steps shard never points at missing tensor rows)."""
+        steps shard never points at missing tensor rows), then remove its
+        journal."""
+        if self._orphans:
+            self.compact_orphans()
         if not self._step_rows:
             return
         if self.has_room is not None and not self.has_room():
             self.dropped_steps += len(self._step_rows)
+            self.journal.discard(self.shard_index)
             self._reset()
             return
-        steps = [r["step"] for r in self._step_rows]
-        first, last = min(steps), max(steps)
-        name = schema.SHARD_FILE.format(index=self.shard_index)
+        tensors = pa.Table.from_batches(self._tensor_batches, schema=schema.TENSOR_SCHEMA)
+        step_table = pa.Table.from_batches(self._step_batches, schema=schema.STEP_SCHEMA)
+        self._publish(self.shard_index, self._step_rows, step_table, tensors, self._nonfinite_rows)
+        self.journal.discard(self.shard_index)
+        self.shard_index += 1
+        self.shards_written += 1
+        self._reset()
 
-        cols = {c.name: [] for c in schema.TENSOR_COLUMNS}
-        for batch in self._tensor_batches:
-            for c in cols:
-                cols[c].append(batch[c])
-        arrays = []
-        for c in schema.TENSOR_COLUMNS:
-            parts = cols[c.name]
-            arrays.append(_column_array(parts, c.type))
-        tensors = pa.Table.from_arrays(arrays, schema=schema.TENSOR_SCHEMA).replace_schema_metadata(
-            self._metadata("tensors", first, last, self._nonfinite_rows))
-        index = shard_index(run_id=self.run_id, rank=self.rank, shard=name, step_rows=self._step_rows,
-                            tensors=tensors, nonfinite_rows=self._nonfinite_rows)
+    def _publish(self, number: int, step_rows: list[dict], step_table: pa.Table, tensors: pa.Table,
+                 nonfinite_rows: int, run_id: str | None = None, world_size=None) -> None:
+        steps = [r["step"] for r in step_rows]
+        first, last = min(steps), max(steps)
+        name = schema.SHARD_FILE.format(index=number)
+        tensors = tensors.replace_schema_metadata(
+            self._metadata("tensors", first, last, nonfinite_rows, run_id, world_size))
+        index = shard_index(run_id=run_id or self.run_id, rank=self.rank, shard=name, step_rows=step_rows,
+                            tensors=tensors, nonfinite_rows=nonfinite_rows)
         atomic_write_table(self.rank_dir / schema.TENSORS_DIR / name, tensors, self.row_group_rows)
 
-        step_table = pa.Table.from_pylist(self._step_rows, schema=schema.STEP_SCHEMA).replace_schema_metadata(
-            self._metadata("steps", first, last, 0))
+        step_table = step_table.replace_schema_metadata(self._metadata("steps", first, last, 0, run_id, world_size))
         atomic_write_table(self.rank_dir / schema.STEPS_DIR / name, step_table)
         # Last: an index names only a complete pair, with the sizes that let
         # a reader tell it from a file damaged or replaced since.
         index["step_bytes"] = os.path.getsize(self.rank_dir / schema.STEPS_DIR / name)
         index["tensor_bytes"] = os.path.getsize(self.rank_dir / schema.TENSORS_DIR / name)
-        atomic_write_json(self.rank_dir / schema.INDEX_DIR / schema.INDEX_FILE.format(index=self.shard_index),
-                          index)
+        atomic_write_json(self.rank_dir / schema.INDEX_DIR / schema.INDEX_FILE.format(index=number), index)
 
-        self.shard_index += 1
-        self.shards_written += 1
-        self._reset()
+    def compact_orphans(self) -> None:
+        """Turn the journals an earlier process left into shard pairs with
+        their numbers (its run id and world size kept), and remove them. A
+        journal this version cannot turn into a pair (another schema, a
+        damaged file) stays for the analyzer, which reads it as it is."""
+        orphans, self._orphans = self._orphans, []
+        for number in orphans:
+            if (self.rank_dir / schema.STEPS_DIR / schema.SHARD_FILE.format(index=number)).exists():
+                self.journal.discard(number)  # killed between publishing the pair and removing this
+                continue
+            try:
+                found = read_journal(self.rank_dir, number)
+                if found is not None:
+                    meta, step_table, tensors = found
+                    step_table = step_table.cast(schema.STEP_SCHEMA)
+                    tensors = tensors.cast(schema.TENSOR_SCHEMA)
+                    bad = pc.sum(pc.or_(pc.greater(tensors["nan_count"], 0),
+                                        pc.greater(tensors["inf_count"], 0))).as_py() or 0
+                    self._publish(number, step_table.to_pylist(), step_table, tensors, int(bad),
+                                  run_id=meta.get(schema.META_RUN_ID, b"").decode() or None,
+                                  world_size=meta.get(schema.META_WORLD_SIZE, b"").decode() or None)
+            except (OSError, ValueError, pa.ArrowException):
+                continue
+            self.journal.discard(number)
 
     def _reset(self) -> None:
         self._step_rows = []
+        self._step_batches = []
         self._tensor_batches = []
         self._tensor_rows = 0
         self._nonfinite_rows = 0

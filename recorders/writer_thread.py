@@ -6,6 +6,8 @@ retries); `barrier` blocks until every job submitted before it has run,
 then runs its own job there; `stop` does the same and ends the thread.
 Once `is_failed()` says so, ordinary jobs are skipped (a barrier still
 releases its caller); a job that raises is reported to `on_error`.
+`when_idle(job, interval_s)` runs `job()` whenever the queue stayed empty
+for `interval_s` (the journal's fsync of what the last steps wrote).
 """
 from __future__ import annotations
 
@@ -29,6 +31,13 @@ class WriterThread:
         self._is_failed = is_failed
         self._on_error = on_error
         self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
+        self._idle_job = None
+        self._idle_s: float | None = None
+
+    def when_idle(self, job, interval_s: float) -> None:
+        """Run `job()` on the thread after `interval_s` without a job (set
+        before `start`)."""
+        self._idle_job, self._idle_s = job, max(0.01, float(interval_s))
 
     def start(self) -> None:
         self._thread.start()
@@ -80,7 +89,15 @@ class WriterThread:
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self._idle_s)
+            except queue.Empty:
+                if self._idle_job is not None and not self._is_failed():
+                    try:
+                        self._idle_job()
+                    except Exception as exc:  # noqa: BLE001
+                        self._on_error(exc)
+                continue
             if isinstance(item, _Barrier):
                 try:
                     if item.job is not None and not self._is_failed():

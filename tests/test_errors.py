@@ -17,12 +17,14 @@ from amp_postmortem.cli import main
 from amp_postmortem.errors import (DeviceError, EmptyRunError, LossFnSpecError, OptionError, PolicyError,
                                    PostmortemError, PrecisionError, RunNotFoundError)
 from conftest import record_run
+from recorders.journal import Journal
 
 DISK_FULL = "No space left on device"
 
 
 def _failing_writes(monkeypatch, allowed: int):
-    """Parquet writes fail after `allowed` succeed: a disk that fills up."""
+    """Parquet writes fail after `allowed` succeed, and the journal's from
+    then on: a disk that fills up."""
     real = pq.write_table
     calls = {"n": 0}
 
@@ -32,7 +34,15 @@ def _failing_writes(monkeypatch, allowed: int):
             raise OSError(28, DISK_FULL)
         return real(*args, **kwargs)
 
+    append = Journal.append
+
+    def journal_append(self, *args, **kwargs):
+        if calls["n"] >= allowed:
+            raise OSError(28, DISK_FULL)
+        return append(self, *args, **kwargs)
+
     monkeypatch.setattr(pq, "write_table", write_table)
+    monkeypatch.setattr(Journal, "append", journal_append)
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,8 @@ def scan_shard(task: ShardScan) -> ShardPartial:
     table_schema = schema.STEP_SCHEMA if task.table == schema.STEPS_DIR else schema.TENSOR_SCHEMA
     try:
         fs = _filesystem(task.root_uri)
+        if task.path.endswith(schema.JOURNAL_SUFFIX):
+            return _scan_journal(task, fs)
         frag = _FORMAT.make_fragment(task.path, filesystem=fs)
         expr = task.expression()
         if expr is not None:
@@ -94,6 +96,20 @@ def scan_shard(task: ShardScan) -> ShardPartial:
     except (OSError, pa.ArrowException) as exc:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return ShardPartial(None, f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+
+
+def _scan_journal(task: ShardScan, fs) -> ShardPartial:
+    """A journal (no statistics to prune by): its intact prefix, filtered."""
+    from ..journal import read_journal_table
+    table = read_journal_table(task.path, task.table, fs)
+    expr = task.expression()
+    if expr is not None:
+        table = table.filter(expr)
+    if table.num_rows == 0:
+        return ShardPartial(None)  # as a shard whose statistics rule it out
+    if task.columns is not None:
+        table = table.select(list(task.columns))
+    return ShardPartial(None, result=task.reduce(table)) if task.reduce is not None else ShardPartial(table)
 
 
 def _filesystem(root_uri: str | None):

@@ -1,0 +1,345 @@
+"""The per-step journal: a job killed at any moment, or a recorder that
+fails, leaves its steps on disk (at most the last 5 s lost), and the
+analyzer reads them as it reads shards, once each."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+from click.testing import CliRunner
+
+import amp_postmortem
+from amp_postmortem.cli import main
+from amp_postmortem.errors import EmptyRunError
+from amp_postmortem.loader import load_run
+from recorders import schema
+from recorders.journal import Journal, journal_path
+from recorders.step_rows import StepRows
+from recorders.writer import ShardWriter
+from recorders.storage import SpoolUploader
+from tiny_models import PlantedNet, TinyNet, batches, recorder_at, train
+
+TESTS = os.path.dirname(__file__)
+INF_STEP = 5
+RUN_ID = "journal-test"
+
+# A real job: the real recorder with its defaults (1,000 steps per shard,
+# 60 s: no shard is written in the test's lifetime), ~30 ms steps, a side
+# log that says when each rec.step() returned. `boom` returns Inf at one
+# step when asked to.
+CHILD = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {tests!r})
+    torch.set_num_threads(1)
+    from recorders import AmpRecorder
+    from tiny_models import PlantedNet, batches
+    torch.manual_seed(0)
+    model = PlantedNet(); opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    rec = AmpRecorder({run!r}, model, optimizer=opt, scaler=sc)
+    log = open({log!r}, "a")
+    data = batches(8)
+    for i in range(100_000):
+        t0 = time.time()
+        x, y = data[i % 8]
+        model.boom.gain = float("inf") if i == {inf_step} else 1.0
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ((model(x).float() - y) ** 2).mean()
+        sc.scale(loss).backward(); sc.step(opt); sc.update(); opt.zero_grad()
+        rec.step(loss)
+        print(f"step {{i}} done at {{time.time()!r}}", file=log, flush=True)
+        time.sleep(max(0.0, 0.03 - (time.time() - t0)))
+""")
+
+
+class Job:
+    def __init__(self, tmp_path: Path, name: str, inf_step: int = -1):
+        self.run, self.log = tmp_path / name, tmp_path / f"{name}.log"
+        self.log.touch()
+        script = CHILD.format(tests=TESTS, run=str(self.run), log=str(self.log), inf_step=inf_step)
+        self.stderr = open(tmp_path / f"{name}.stderr", "w")
+        self.proc = subprocess.Popen([sys.executable, "-c", script], stderr=self.stderr)
+        self.killed_at = None
+
+    def done(self) -> dict[int, float]:
+        out = {}
+        for line in self.log.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 5 and parts[0] == "step":
+                out[int(parts[1])] = float(parts[4])
+        return out
+
+    def wait_for_step(self, step: int, timeout: float = 60) -> float:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            t = self.done().get(step)
+            if t is not None:
+                return t
+            assert self.proc.poll() is None, (self.run / "..").resolve()
+            time.sleep(0.005)
+        raise AssertionError(f"the job did not reach step {step} in {timeout} s")
+
+    def kill(self) -> None:
+        self.killed_at = time.time()
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.stderr.close()
+        assert self.proc.returncode == -signal.SIGKILL
+
+
+@pytest.fixture(scope="module")
+def killed_jobs(tmp_path_factory):
+    """Three real jobs started at once (their imports overlap): two killed
+    at random moments 5-6.5 s into training, one killed 0.3 s after it
+    reported the step whose `boom` returned Inf."""
+    tmp_path = tmp_path_factory.mktemp("killed")
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    jobs = [Job(tmp_path, f"job{i}") for i in range(2)]
+    inf = Job(tmp_path, "inf", inf_step=INF_STEP)
+    inf.wait_for_step(INF_STEP)
+    time.sleep(0.3)  # the writer thread's turn: far under the 5 s bound
+    inf.kill()
+    kills = sorted(((j.wait_for_step(0) + rng.uniform(5.1, 6.5), i) for i, j in enumerate(jobs)))
+    for when, i in kills:
+        time.sleep(max(0.0, when - time.time()))
+        jobs[i].kill()
+    return seed, jobs, inf
+
+
+def test_kill_9_at_random_moments_loses_at_most_the_last_5_seconds(killed_jobs):
+    seed, jobs, _ = killed_jobs
+    for job in jobs:
+        done = job.done()
+        promised = {s for s, t in done.items() if t < job.killed_at - 5.0}
+        assert promised, f"seed {seed}: no step was 5 s old at the kill"
+        run = load_run(job.run)
+        steps = run.steps["step"].tolist()
+        # A prefix of the job, each step once: all the promised ones, and
+        # at most the step rec.step() had returned from without its log line.
+        assert steps == list(range(len(steps))), f"seed {seed}"
+        assert promised <= set(steps) and len(steps) <= max(done) + 2, f"seed {seed}"
+        assert len(run.scan_tensors(["step"])["step"].unique()) == len(steps)
+        assert list(job.run.glob("rank=0/steps/*.parquet")) == []  # all of it from the journal
+    res = CliRunner().invoke(main, ["summary", str(jobs[0].run), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["run"]["last_step"] == len(load_run(jobs[0].run).steps) - 1
+
+
+def test_a_nonfinite_step_is_on_disk_at_once(killed_jobs):
+    job = killed_jobs[2]
+    run = load_run(job.run)
+    row = run.steps.set_index("step").loc[INF_STEP]
+    assert bool(row["skipped"])
+    found = amp_postmortem.nans(str(job.run)).to_dict()
+    assert found["first_nonfinite_step"] == INF_STEP and found["origin"]["name"] == "boom"
+
+
+def _spy_syncs(monkeypatch) -> tuple[list[int], list[int]]:
+    """(the steps whose append fsynced the journal, the last step journaled
+    at each fsync of an idle writer)."""
+    on_append, on_idle, last = [], [], []
+    append, sync_journal = Journal.append, ShardWriter.sync_journal
+
+    def spy_append(self, index, tensors, steps, urgent=False):
+        last.append(steps.column("step")[0].as_py())
+        before = self.syncs
+        append(self, index, tensors, steps, urgent)
+        if self.syncs > before:
+            on_append.append(last[-1])
+
+    def spy_idle(self):
+        before = self.journal.syncs
+        sync_journal(self)
+        if self.journal.syncs > before:
+            on_idle.append(last[-1])
+
+    monkeypatch.setattr(Journal, "append", spy_append)
+    monkeypatch.setattr(ShardWriter, "sync_journal", spy_idle)
+    return on_append, on_idle
+
+
+def test_a_skipped_or_nonfinite_step_is_fsynced_at_once_the_others_by_the_interval(tmp_path, monkeypatch):
+    on_append, _ = _spy_syncs(monkeypatch)
+
+    def plant(step, model, x):
+        model.boom.gain = float("inf") if step == 3 else 1.0
+
+    torch.manual_seed(0)
+    train(PlantedNet(), batches(6), recorder=recorder_at(tmp_path / "run", durable_interval_s=3600),
+          scaler={"init_scale": 2.0 ** 8}, on_step=plant)
+    assert on_append == [3]
+    # An interval of 0: every step fsynced as it is written.
+    on_append.clear()
+    torch.manual_seed(0)
+    train(TinyNet(), batches(3), recorder=recorder_at(tmp_path / "run0", durable_interval_s=0))
+    assert on_append == [0, 1, 2]
+
+
+def test_an_idle_writer_fsyncs_what_it_wrote(tmp_path, monkeypatch):
+    _, on_idle = _spy_syncs(monkeypatch)
+    torch.manual_seed(0)
+    rec = train(TinyNet(), batches(2), recorder=recorder_at(tmp_path / "run", durable_interval_s=3600),
+                close=False).rec
+    # Nothing comes after step 1: the writer's idle wake-up (1 s at most)
+    # fsyncs it, long before the interval.
+    deadline = time.time() + 10
+    while on_idle[-1:] != [1] and time.time() < deadline:
+        time.sleep(0.02)
+    assert on_idle[-1:] == [1]
+    rec.close()
+
+
+def test_a_recorder_fault_at_step_30_leaves_steps_0_to_29_on_disk(tmp_path, monkeypatch):
+    rows = StepRows.rows
+
+    def failing(self, pending):
+        if pending.step == 30:
+            raise OSError("planted writer fault")
+        return rows(self, pending)
+
+    monkeypatch.setattr(StepRows, "rows", failing)
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="planted writer fault"):
+        train(TinyNet(blocks=1), batches(40), recorder=recorder_at(tmp_path / "run"))
+    run = load_run(tmp_path / "run")
+    assert run.steps["step"].tolist() == list(range(30))
+    assert sorted(run.scan_tensors(["step"])["step"].unique()) == list(range(30))
+    assert run.rank_manifests[0]["disabled_at_step"] == 30
+
+
+def _journaled_run(tmp_path, steps=6, **options) -> Path:
+    """A copy of a run whose recorder journaled `steps` steps and wrote no
+    shard (as a killed job leaves it)."""
+    torch.manual_seed(0)
+    rec = train(TinyNet(), batches(steps), recorder=recorder_at(tmp_path / "live", run_id=RUN_ID, **options),
+                close=False).rec
+    rec.writer.barrier()
+    shutil.copytree(tmp_path / "live", tmp_path / "killed")
+    rec.close()
+    return tmp_path / "killed"
+
+
+def test_a_truncated_journal_reads_its_intact_prefix(tmp_path):
+    src = _journaled_run(tmp_path)
+    steps_file = journal_path(src / "rank=0", schema.STEPS_DIR, 0)
+    tensors_file = journal_path(src / "rank=0", schema.TENSORS_DIR, 0)
+    for victim in (steps_file, tensors_file):
+        size = victim.stat().st_size
+        for cut in (1, 9, 200, 700, 3000, size // 2):
+            run = tmp_path / f"cut-{victim.parent.name}-{cut}"
+            shutil.copytree(src, run)
+            os.truncate(run / victim.relative_to(src), size - cut)
+            try:
+                loaded = load_run(run)
+            except EmptyRunError:  # every step message torn
+                assert victim is steps_file
+                continue
+            steps = loaded.steps["step"].tolist()
+            assert steps == list(range(len(steps))) and len(steps) <= 6
+            if victim is steps_file:
+                assert len(steps) < 6
+            tensor_steps = sorted(loaded.scan_tensors(["step"])["step"].unique())
+            assert set(tensor_steps) <= set(steps)
+            assert tensor_steps == list(range(len(tensor_steps)))
+            if victim is tensors_file:
+                assert len(steps) == 6 and len(tensor_steps) < 6
+
+
+def test_a_journal_beside_its_published_pair_adds_no_row(tmp_path):
+    src = _journaled_run(tmp_path)
+    journal = {p: p.read_bytes() for p in (src / "rank=0" / schema.JOURNAL_DIR).rglob("*.arrows")}
+    torch.manual_seed(0)
+    train(TinyNet(), batches(6), recorder=recorder_at(tmp_path / "published", run_id=RUN_ID))
+    rows = len(load_run(tmp_path / "published").scan_tensors(["step"]))
+    for p, data in journal.items():  # killed between publishing the pair and removing its journal
+        target = tmp_path / "published" / p.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    run = load_run(tmp_path / "published")
+    assert run.steps["step"].tolist() == list(range(6)) and run.warnings == []
+    assert len(run.scan_tensors(["step"])) == rows and all(p.suffix == ".parquet" for p in run.scanned_files)
+    # Killed between the tensors and the steps shard: the journal stands in
+    # for the pair, the lone tensors shard is not read twice.
+    (tmp_path / "published" / "rank=0" / schema.STEPS_DIR / "part-000000.parquet").unlink()
+    (tmp_path / "published" / "rank=0" / schema.INDEX_DIR / "part-000000.json").unlink()
+    run = load_run(tmp_path / "published")
+    assert run.steps["step"].tolist() == list(range(6)) and run.warnings == []
+    assert len(run.scan_tensors(["step"])) == rows
+    assert [p.suffix for p in run.scanned_files] == [".arrows"]
+
+
+def test_a_resumed_job_turns_the_dead_jobs_journal_into_its_shard(tmp_path):
+    run = _journaled_run(tmp_path)
+    before = load_run(run)
+    assert before.steps["step"].tolist() == list(range(6))
+    torch.manual_seed(1)
+    train(TinyNet(), batches(3), recorder=recorder_at(run))
+    assert list((run / "rank=0" / schema.JOURNAL_DIR).rglob("*.arrows")) == []
+    names = sorted(p.name for p in (run / "rank=0" / schema.STEPS_DIR).iterdir())
+    assert names == ["part-000000.parquet", "part-000001.parquet"]  # never the dead job's number
+    after = load_run(run)
+    assert after.steps["step"].tolist() == list(range(6))
+    assert any("recorded twice" in w for w in after.warnings)  # steps 0-2 again: the resumed job's kept
+    old = before.steps.set_index("step")["loss"]
+    new = after.steps.set_index("step")["loss"]
+    assert new.loc[3:].tolist() == old.loc[3:].tolist() and new.loc[:2].tolist() != old.loc[:2].tolist()
+
+
+def test_a_remote_runs_journal_stays_in_the_spool(tmp_path):
+    spool = tmp_path / "spool"
+    shard = spool / "rank=0" / schema.STEPS_DIR / "part-000000.parquet"
+    journal = journal_path(spool / "rank=0", schema.STEPS_DIR, 1)
+    for p in (shard, journal):
+        p.parent.mkdir(parents=True)
+        p.write_bytes(b"x")
+    (tmp_path / "store").mkdir()
+    up = SpoolUploader("file://store", spool, filesystem=pafs.LocalFileSystem(), base=str(tmp_path / "store"))
+    report = up.close(timeout_s=5)
+    assert (tmp_path / "store" / shard.relative_to(spool)).exists() and not shard.exists()
+    assert journal.exists() and not (tmp_path / "store" / journal.relative_to(spool)).exists()
+    assert report.pending == []
+
+
+def test_a_journal_scan_ships_to_a_dask_worker(tmp_path):
+    pytest.importorskip("distributed")
+    from distributed.protocol import deserialize, serialize
+    from amp_postmortem.engines.scan import ShardScan, scan_shard
+    run = load_run(_journaled_run(tmp_path))
+    shard = run.tensor_shards[0]
+    task = ShardScan(path=str(shard.path), columns=("step", "name"), steps=(2, 4))
+    part = scan_shard(deserialize(*serialize(task)))
+    assert part.error is None and sorted(set(part.table.column("step").to_pylist())) == [2, 4]
+
+
+@pytest.mark.parametrize("command", ["summary", "nans", "scale", "ranges"])
+def test_every_analysis_reads_a_journal_as_the_shard_it_becomes(tmp_path, command):
+    """The same steps, once journaled (the job killed) and once published
+    (closed): every analysis gives the same answer, but the run's path and
+    status and the warning that the recorder was not closed."""
+    journaled = _journaled_run(tmp_path, steps=12, full_every=4)
+    published = tmp_path / "live"  # the same recorder, closed: one shard pair
+
+    def answer(run):
+        res = CliRunner().invoke(main, [command, str(run), "--json"])
+        assert res.exit_code == 0, res.output
+        text = res.stdout.replace(str(run), "RUN")
+        doc = json.loads(text)
+        for d in (doc, doc.get("run", {})):
+            d.pop("warnings", None)
+            d.pop("status", None)
+        return doc
+
+    assert list(published.glob("rank=0/steps/*.parquet")) and not list(journaled.glob("rank=0/steps/*"))
+    assert answer(journaled) == answer(published)
