@@ -12,7 +12,7 @@ users open runs with `amp_postmortem.load_run`.
 """
 from __future__ import annotations
 
-import re
+import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +26,8 @@ import pyarrow.parquet as pq
 from recorders import schema
 
 from .errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
+from .files.safe import RANK_DIR, check_entry, check_inside, listed, rank_of
 from .store import filesystem_of, fs_path
-
-RANK_DIR = re.compile(r"^rank=(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -48,20 +47,33 @@ class Shard:
         return any(self.first_step <= s <= self.last_step for s in steps)
 
 
-def rank_dirs(root: Path) -> dict[int, Path]:
+def rank_dirs(root: Path, warnings: list | None = None) -> dict[int, Path]:
+    """{rank: directory}; a name like `rank=00` or `rank=٠` (it would read
+    as rank 0) or a linked rank directory is refused (CorruptRunError)."""
     out = {}
-    for d in root.iterdir():
-        m = RANK_DIR.match(d.name)
-        if m and d.is_dir():
-            out[int(m.group(1))] = d
+    for d in listed(root, warnings):
+        r = rank_of(d.name, d, CorruptRunError)
+        if r is None:
+            continue
+        check_inside(d, root, CorruptRunError)
+        if d.is_dir():
+            out[r] = d
     return out
 
 
-def shard_files(d: Path) -> list[Path]:
+def shard_files(d: Path, root: Path | None = None, warnings: list | None = None) -> list[Path]:
+    """The shard files of a `steps/` or `tensors/` directory; one that is
+    not a regular file (a FIFO would hang its reader, a link leads out of
+    the run) is refused (CorruptRunError)."""
+    check_inside(d, root, CorruptRunError)
     if not d.is_dir():
         return []
     # Temporary files start with "." and never end in ".parquet": invisible.
-    return sorted(p for p in d.glob("part-*.parquet") if not p.name.startswith("."))
+    found = sorted(p for p in listed(d, warnings)
+                   if fnmatch.fnmatchcase(p.name, "part-*.parquet") and not p.name.startswith("."))
+    for p in found:
+        check_entry(p, root, CorruptRunError)
+    return found
 
 
 def check_version(version, where: str) -> None:

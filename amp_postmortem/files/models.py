@@ -1,0 +1,247 @@
+"""One declared model per JSON file kind the analyzer reads: the run and
+rank manifests, the per-shard index, bundle.json and its argument trees.
+
+pydantic (v2) validates them: a wrong type anywhere is one message naming
+the field's path (`world_size`, `micro_batches.0.args.items.2`) and what is
+valid, instead of a TypeError deep in an analysis. Every model allows keys
+it does not know (the format's evolution rule: readers ignore unknown
+fields) and types only the fields the analyzer uses; strict types, so
+`"2"` is not a rank and `true` is not a count.
+"""
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from .limits import MAX_WORLD_SIZE
+from .safe import shown
+
+Number = Union[StrictInt, StrictFloat]  # NaN and Infinity included: the recorder keeps them
+Count = Annotated[StrictInt, Field(ge=0)]
+Rank = Annotated[StrictInt, Field(ge=0, lt=MAX_WORLD_SIZE)]
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+# ------------------------------------------------------------ manifests
+class _Autocast(_Open):
+    enabled: StrictBool | None = None
+    device_type: StrictStr | None = None
+    dtype: StrictStr | None = None
+
+
+class _Scaler(_Open):
+    enabled: StrictBool | None = None
+
+
+class _Param(_Open):
+    name: StrictStr
+    sharded: StrictBool | None = None
+    aliases: list[StrictStr] | None = None
+
+
+class _Module(_Open):
+    name: StrictStr
+    watched: StrictBool | None = None
+
+
+class _BundleEntry(_Open):
+    step: StrictInt | None = None
+
+
+class _Storage(_Open):
+    spool_dropped_steps: Count | None = None
+
+
+class RunManifest(_Open):
+    """manifest.json of a run or of one rank (docs/FORMAT.md, "Manifest")."""
+    format: StrictStr | None = None
+    schema_version: StrictStr | None = None
+    run_id: StrictStr | None = None
+    rank: Rank | None = None
+    world_size: Annotated[StrictInt, Field(ge=0, le=MAX_WORLD_SIZE)] | None = None
+    status: StrictStr | None = None
+    dropped_steps: Count | None = None
+    disabled_reason: StrictStr | None = None
+    disabled_at_step: StrictInt | None = None
+    storage: _Storage | None = None
+    autocast: _Autocast | None = None
+    scaler: _Scaler | None = None
+    params: list[_Param] | None = None
+    modules: list[_Module] | None = None
+    bundles: list[_BundleEntry] | None = None
+    model_class: StrictStr | None = None
+    model_config_: dict | None = Field(default=None, alias="model_config")
+    device_type: StrictStr | None = None
+
+
+# ---------------------------------------------------------- shard index
+class _FirstNonfinite(_Open):
+    name: StrictStr
+    kind: StrictStr
+    phase: StrictStr | None = None
+    first_step: StrictInt
+    last_step: StrictInt
+    steps: Count
+
+
+class ShardIndex(_Open):
+    """index/part-N.json (docs/FORMAT.md, "Table: shard index"); `format`
+    and `rank` are checked by the reader first (another file's JSON is
+    ignored, not refused)."""
+    schema_version: StrictStr
+    run_id: StrictStr | None = None
+    shard: StrictStr
+    first_step: StrictInt
+    last_step: StrictInt
+    step_rows: Count
+    tensor_rows: Count
+    nonfinite_rows: Count
+    step_bytes: Count
+    tensor_bytes: Count
+    skipped_steps: list[StrictInt] | None = None
+    nonfinite_loss_steps: list[StrictInt] | None = None
+    applied_nonfinite_steps: list[StrictInt] | None = None
+    loss_scale_first: Number | None = None
+    loss_scale_last: Number | None = None
+    loss_scale_min: Number | None = None
+    loss_scale_max: Number | None = None
+    scale_backoffs: Count | None = None
+    first_nonfinite: list[_FirstNonfinite] | None = None
+
+
+# ------------------------------------------------------- argument trees
+# The devices a replay can put a tensor on; anything else ("cuda:banana",
+# "xla:0") is refused here, not by torch's parser halfway through a replay.
+# (pydantic's regex engine is Rust's: `$` is the end of the text only.)
+DEVICE_PATTERN = r"^(cpu|cuda|mps|xpu|meta)(:(0|[1-9][0-9]{0,3}))?$"
+
+
+class _TensorNode(_Open):
+    kind: Literal["tensor"]
+    name: StrictStr
+
+
+class _ValueNode(_Open):
+    kind: Literal["value"]
+    value: StrictBool | StrictInt | StrictFloat | StrictStr | None = None
+
+
+class _DtypeNode(_Open):
+    kind: Literal["dtype"]
+    value: StrictStr
+
+
+class _DeviceNode(_Open):
+    kind: Literal["device"]
+    value: Annotated[StrictStr, Field(pattern=DEVICE_PATTERN)]
+
+
+class _SequenceNode(_Open):
+    kind: Literal["list", "tuple"]
+    items: list["ArgNode"]
+
+
+class _DictNode(_Open):
+    kind: Literal["dict"]
+    items: list[tuple[StrictBool | StrictInt | StrictFloat | StrictStr | None, "ArgNode"]]
+
+
+class _UnsupportedNode(_Open):
+    kind: Literal["unsupported"]
+
+
+ArgNode = Annotated[Union[_TensorNode, _ValueNode, _DtypeNode, _DeviceNode, _SequenceNode, _DictNode,
+                          _UnsupportedNode], Field(discriminator="kind")]
+_SequenceNode.model_rebuild()
+_DictNode.model_rebuild()
+
+
+# ----------------------------------------------------------- bundle.json
+class _Rng(_Open):
+    cpu: StrictStr
+    cuda: list[StrictStr] = []
+
+
+class _MicroBatch(_Open):
+    args: ArgNode
+    kwargs: ArgNode
+    grad_outputs: list[StrictStr | None]
+    rng: _Rng
+
+
+class _Params(_Open):
+    names: list[StrictStr]
+    aliases: dict[str, StrictStr] = {}
+    exact: StrictBool
+
+
+class _Buffers(_Open):
+    names: list[StrictStr]
+    non_persistent: list[StrictStr] = []
+    exact: StrictBool
+
+
+class _File(_Open):
+    bytes: Count
+    sha256: StrictStr
+
+
+class BundleMeta(_Open):
+    """bundle.json (docs/FORMAT.md, "`bundle.json`"); `format`, `version`
+    and `checksum` are checked by the reader first."""
+    run_id: StrictStr | None = None
+    step: StrictInt
+    rank: Rank
+    world_size: Annotated[StrictInt, Field(ge=0, le=MAX_WORLD_SIZE)] | None = None
+    reason: StrictStr
+    reasons: list[StrictStr] | None = None
+    loss: Number | None = None
+    loss_scale: Number | None = None
+    grad_outputs_scaled: StrictBool | None = None
+    training: StrictBool | None = None
+    micro_batches: list[_MicroBatch]
+    params: _Params
+    buffers: _Buffers
+    inputs_exact: StrictBool
+    autocast: _Autocast | None = None
+    precision_flags: dict | None = None
+    scaler: dict | None = None
+    model_class: StrictStr
+    optimizer: dict | None = None
+    env: dict | None = None
+    files: dict[str, _File]
+
+
+def validate(model: type[BaseModel], doc, where, error) -> dict:
+    """`doc` itself when it fits `model`; else `error` with one line:
+    `<file>: <field>: <what is wrong, what is valid>`."""
+    try:
+        model.model_validate(doc)
+    except ValidationError as exc:
+        raise error(describe(exc, where)) from None
+    return doc
+
+
+def describe(exc: ValidationError, where) -> str:
+    e = exc.errors(include_url=False)[0]
+    # A union adds the member's type to the path (`loss.int`): left out.
+    loc = [str(p) for p in e["loc"] if not (isinstance(p, str) and p in _UNION_MEMBERS)] or ["(top level)"]
+    field = ".".join(loc).replace("model_config_", "model_config")
+    got = e.get("input")
+    got = "" if e["type"] == "missing" else f", got {_short(got)}"
+    return f"{shown(where)}: {field}: {e['msg']}{got}"
+
+
+_UNION_MEMBERS = {"bool", "int", "float", "str", "none", "function-after", "constrained-str"}
+
+
+def _short(value) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
