@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from .limits import MAX_WORLD_SIZE
 from .safe import shown
@@ -148,7 +148,8 @@ class _SequenceNode(_Open):
 
 class _DictNode(_Open):
     kind: Literal["dict"]
-    items: list[tuple[StrictBool | StrictInt | StrictFloat | StrictStr | None, "ArgNode"]]
+    # [key, node] pairs: JSON has lists, not tuples (hence the pair alone lax).
+    items: list[Annotated[tuple[StrictBool | StrictInt | StrictFloat | StrictStr | None, "ArgNode"], Strict(False)]]
 
 
 class _UnsupportedNode(_Open):
