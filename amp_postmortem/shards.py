@@ -112,6 +112,11 @@ def read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings)
     if absent:
         warnings.append(f"skipped {rel}: not a {table} shard of this format (no column {absent[0]!r})")
         return None
+    nulls = _key_nulls(md)
+    if nulls:
+        warnings.append(f"skipped {rel}: column {nulls!r} holds nulls or does not say it holds none "
+                        f"(valid: step and rank in every row); not a shard this format writes")
+        return None
     version = get(schema.META_SCHEMA_VERSION)
     if version is not None:
         check_version(version, str(rel))
@@ -123,6 +128,22 @@ def read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings)
     return Shard(path=path, rank=rank, table=table, num_rows=md.num_rows,
                  first_step=_int(get(schema.META_FIRST_STEP)), last_step=_int(get(schema.META_LAST_STEP)),
                  nonfinite_rows=_int(get(schema.META_NONFINITE_ROWS)))
+
+
+def _key_nulls(md) -> str | None:
+    """The first key column (`step`, `rank`) that may hold a null: the
+    recorder writes them as required columns; a nullable one must say, in
+    every row group's statistics, that it holds none (a file of nulls would
+    otherwise reach the analyses as rows without a step)."""
+    for i in range(md.num_columns):
+        col = md.schema.column(i)
+        if col.path not in ("step", "rank") or col.max_definition_level == 0:
+            continue
+        for g in range(md.num_row_groups):
+            stats = md.row_group(g).column(i).statistics
+            if stats is None or not stats.has_null_count or stats.null_count:
+                return col.path
+    return None
 
 
 def check_pairs(root, step_shards, tensor_shards, warnings) -> None:
@@ -164,6 +185,12 @@ def read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
         return schema.STEP_SCHEMA.empty_table().append_column(
             "loss_nonfinite", pa.array([], pa.bool_())).to_pandas()
     table = pa.concat_tables(tables)
+    if table.column("step").null_count or table.column("rank").null_count:
+        # Only a shard that hides its nulls from its footer gets here.
+        keep = pc.and_(pc.is_valid(table.column("step")), pc.is_valid(table.column("rank")))
+        warnings.append(f"skipped {table.num_rows - pc.sum(keep.cast('int64')).as_py()} step row(s) without "
+                        f"a step or rank (valid: both in every row)")
+        table = table.filter(keep)
     # Sorted and de-duplicated in Arrow, before pandas: at 1,000 ranks the
     # table has millions of rows (the stable sort keeps file order, so the
     # last-written copy of a twice-recorded row is the one kept).

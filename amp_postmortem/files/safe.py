@@ -39,9 +39,11 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISLN
 
 
 def shown(path) -> str:
-    """`path` as text that can always be printed: bytes that are not UTF-8
-    (kept by Python as surrogates) become \\x.. escapes."""
-    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+    """`path` as text that can always be printed on one line: bytes that are
+    not UTF-8 (kept by Python as surrogates) become \\x.. escapes, and so do
+    control characters (a newline in a name would split the message)."""
+    text = os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def is_utf8(name: str) -> bool:
