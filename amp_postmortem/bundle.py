@@ -129,7 +129,7 @@ def load_bundle(path, step: int | None = None, rank: int | None = None) -> Bundl
     if not path.exists():
         raise BundleError(f"bundle not found: {path}")
     meta_path = path / schema.BUNDLE_MANIFEST_FILE
-    if not meta_path.is_file():
+    if not (meta_path.is_file() or os.path.lexists(meta_path)):  # a FIFO or link: refused when read
         if (path / schema.BUNDLES_DIR).is_dir() or (path / schema.MANIFEST_FILE).is_file():
             raise BundleError(f"{path} is a run directory: pass step= (and rank=) or a bundle directory")
         raise BundleError(f"not a replay bundle: {meta_path} is missing")

@@ -296,14 +296,18 @@ def test_a_step_directory_that_would_alias_a_step_is_refused(run, name):
     _error(_replay(run), "not canonical", repr(name))
 
 
-def test_a_fifo_in_a_bundle_never_hangs(run):
-    f = _bundle(run) / schema.BUNDLE_TENSORS_FILE
-    f.unlink()
+@pytest.mark.parametrize("where", [f"bundles/step={STEP}/rank=0/{schema.BUNDLE_TENSORS_FILE}",
+                                   f"bundles/step={STEP}/rank=0/bundle.json",
+                                   "rank=0/tensors/part-000001.parquet"])  # read by the replay's fidelity check
+def test_a_fifo_never_hangs_a_replay(run, where):
+    f = run / where
+    if f.exists():
+        f.unlink()
     os.mkfifo(f)
     result = _cli_in_subprocess("replay", run, "--step", STEP, "--model", MODEL)
     assert result.returncode == 2, result.stderr
     line, = result.stderr.strip().splitlines()
-    assert line.startswith("Error: ") and "tensors.parquet" in line and "FIFO" in line
+    assert line.startswith("Error: ") and f.name in line and "FIFO" in line
 
 
 # ------------------------------------------------- the valid run still

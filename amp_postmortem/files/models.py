@@ -50,7 +50,10 @@ class _Module(_Open):
 
 
 class _BundleEntry(_Open):
-    step: StrictInt | None = None
+    step: StrictInt
+    rank: Rank | None = None
+    reason: StrictStr | None = None
+    reasons: list[StrictStr] | None = None
 
 
 class _Storage(_Open):
