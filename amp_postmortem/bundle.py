@@ -236,14 +236,18 @@ def _read_tensors(file: Path, root: Path | None = None) -> dict:
     file cannot inflate into gigabytes."""
     fh = open_regular(file, root, BundleError)
     try:
-        return _read_tensor_rows(file, fh)
+        # pyarrow reads the descriptor that was checked (on Linux, through
+        # /proc: no second lookup of the name); a Python file object would
+        # be read from pyarrow's threads, which can abort at exit.
+        proc = f"/proc/self/fd/{fh.fileno()}"
+        return _read_tensor_rows(file, proc if os.path.exists(proc) else str(file))
     finally:
         fh.close()
 
 
-def _read_tensor_rows(file: Path, fh) -> dict:
+def _read_tensor_rows(file: Path, source: str) -> dict:
     try:
-        pf = pq.ParquetFile(fh)
+        pf = pq.ParquetFile(source)
         got = pf.schema_arrow
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
         raise BundleError(f"{file} is not readable Parquet: {exc}") from None

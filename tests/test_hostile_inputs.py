@@ -224,11 +224,22 @@ def test_a_bundle_that_disagrees_with_its_place_or_run_is_refused(run, key, valu
     _error(_replay(run), "bundle.json", f"{key}: {value!r}")
 
 
-def test_a_bundle_field_of_the_wrong_type_names_the_field(run):
+@pytest.mark.parametrize("field, change", [
+    ("params.exact", lambda m: m["params"].update(exact="yes")),
+    # what the replay runs the step under: each would replay another step
+    ("autocast.device_type", lambda m: m["autocast"].update(device_type="banana")),
+    ("autocast.dtype", lambda m: m["autocast"].update(dtype="float99")),
+    ("loss_scale", lambda m: m.update(loss_scale=-1.0)),
+    ("scaler.scale", lambda m: m["scaler"].update(scale="x")),
+    ("micro_batches", lambda m: m.update(micro_batches=[])),
+    ("files.tensors.parquet.bytes", lambda m: m["files"]["tensors.parquet"].update(bytes=True)),
+])
+def test_a_bundle_field_of_the_wrong_type_names_the_field(run, field, change):
     b = _bundle(run)
-    _edit_json(b / "bundle.json", lambda m: m["params"].update(exact="yes"))
-    _reseal(b)
-    _error(_replay(run), "bundle.json", "params.exact")
+    _edit_json(b / "bundle.json", change)
+    _reseal(b) if field != "files.tensors.parquet.bytes" else _edit_json(
+        b / "bundle.json", lambda m: m.update(checksum=json_checksum(m)))
+    _error(_replay(run), "bundle.json", field + ":")
 
 
 def _rewrite_tensors(bundle: Path, change) -> None:

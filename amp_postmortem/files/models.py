@@ -190,6 +190,55 @@ class _Buffers(_Open):
     exact: StrictBool
 
 
+# What a replay takes from a bundle to run the step as it ran: an autocast
+# device type or dtype it cannot enter, or a loss scale that is not a
+# positive number, would otherwise replay a different step without a word.
+AutocastDevice = Literal["cpu", "cuda", "mps", "xpu", "hpu", "xla"]
+AutocastDtype = Literal["float16", "bfloat16", "float32"]
+Positive = Annotated[Number, Field(gt=0, allow_inf_nan=False)]
+
+
+class _BundleAutocast(_Open):
+    enabled: StrictBool
+    device_type: AutocastDevice | None = None
+    dtype: AutocastDtype | None = None
+    cache_enabled: StrictBool | None = None
+
+
+class _BundleScaler(_Open):
+    enabled: StrictBool | None = None
+    scale: Positive | None = None
+    scale_after: Positive | None = None
+    init_scale: Positive | None = None
+    growth_factor: Positive | None = None
+    backoff_factor: Positive | None = None
+    growth_interval: Count | None = None
+    growth_tracker: Count | None = None
+    growth_tracker_after: Count | None = None
+
+
+class _PrecisionFlags(_Open):
+    allow_tf32_matmul: StrictBool | None = None
+    allow_tf32_cudnn: StrictBool | None = None
+    fp16_reduced_precision_reduction: StrictBool | None = None
+    bf16_reduced_precision_reduction: StrictBool | None = None
+    float32_matmul_precision: Literal["highest", "high", "medium"] | None = None
+    deterministic_algorithms: StrictBool | None = None
+    deterministic_warn_only: StrictBool | None = None
+    cudnn_enabled: StrictBool | None = None
+    cudnn_benchmark: StrictBool | None = None
+    cudnn_deterministic: StrictBool | None = None
+
+
+class _ParamGroup(_Open):
+    params: list[StrictStr] | None = None
+
+
+class _Optimizer(_Open):
+    defaults: dict | None = None
+    param_groups: list[_ParamGroup] | None = None
+
+
 class _File(_Open):
     bytes: Count
     sha256: StrictStr
@@ -205,18 +254,18 @@ class BundleMeta(_Open):
     reason: StrictStr
     reasons: list[StrictStr] | None = None
     loss: Number | None = None
-    loss_scale: Number | None = None
+    loss_scale: Positive | None = None
     grad_outputs_scaled: StrictBool | None = None
     training: StrictBool | None = None
-    micro_batches: list[_MicroBatch]
+    micro_batches: Annotated[list[_MicroBatch], Field(min_length=1)]  # a saved step ran at least one forward
     params: _Params
     buffers: _Buffers
     inputs_exact: StrictBool
-    autocast: _Autocast | None = None
-    precision_flags: dict | None = None
-    scaler: dict | None = None
+    autocast: _BundleAutocast | None = None
+    precision_flags: _PrecisionFlags | None = None
+    scaler: _BundleScaler | None = None
     model_class: StrictStr
-    optimizer: dict | None = None
+    optimizer: _Optimizer | None = None
     env: dict | None = None
     files: dict[str, _File]
 
