@@ -11,9 +11,10 @@ fields) and types only the fields the analyzer uses; strict types, so
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from .limits import MAX_WORLD_SIZE
 from .safe import shown
@@ -120,8 +121,14 @@ class ShardIndex(_Open):
 # ------------------------------------------------------- argument trees
 # The devices a replay can put a tensor on; anything else ("cuda:banana",
 # "xla:0") is refused here, not by torch's parser halfway through a replay.
-# (pydantic's regex engine is Rust's: `$` is the end of the text only.)
-DEVICE_PATTERN = r"^(cpu|cuda|mps|xpu|meta)(:(0|[1-9][0-9]{0,3}))?$"
+DEVICE = re.compile(r"(cpu|cuda|mps|xpu|meta)(:(0|[1-9][0-9]{0,3}))?", re.ASCII)
+
+
+def _device(value: str) -> str:
+    if not DEVICE.fullmatch(value):
+        raise ValueError("not a device a replay can use (valid: cpu, cuda, mps, xpu or meta, "
+                         "optionally with :<index>, e.g. cuda:0)")
+    return value
 
 
 class _TensorNode(_Open):
@@ -141,7 +148,7 @@ class _DtypeNode(_Open):
 
 class _DeviceNode(_Open):
     kind: Literal["device"]
-    value: Annotated[StrictStr, Field(pattern=DEVICE_PATTERN)]
+    value: Annotated[StrictStr, AfterValidator(_device)]
 
 
 class _SequenceNode(_Open):
@@ -287,7 +294,8 @@ def describe(exc: ValidationError, where) -> str:
     field = ".".join(loc).replace("model_config_", "model_config")
     got = e.get("input")
     got = "" if e["type"] == "missing" else f", got {_short(got)}"
-    return f"{shown(where)}: {field}: {e['msg']}{got}"
+    msg = e["msg"].removeprefix("Value error, ")
+    return f"{shown(where)}: {field}: {msg}{got}"
 
 
 _UNION_MEMBERS = {"bool", "int", "float", "str", "none", "function-after", "constrained-str"}

@@ -152,13 +152,19 @@ def json_depth(data: bytes) -> int:
     """How deeply the arrays and objects of the JSON text `data` nest,
     counted without recursion (a `json.loads` of 200,000 levels would
     exhaust the stack first)."""
-    a = np.frombuffer(_STRING.sub(b'""', data), dtype=np.uint8)
-    opens = (a == ord("[")) | (a == ord("{"))
-    closes = (a == ord("]")) | (a == ord("}"))
-    at = np.flatnonzero(opens | closes)
-    if not at.size:
-        return 0
-    return int(np.cumsum(np.where(opens[at], 1, -1), dtype=np.int64).max())
+    text = _STRING.sub(b'""', data)
+    deepest = depth = 0
+    for start in range(0, len(text), _CHUNK):  # bounded temporaries for a 64 MiB file
+        a = np.frombuffer(text, dtype=np.uint8, count=min(_CHUNK, len(text) - start), offset=start)
+        opens = (a == ord("[")) | (a == ord("{"))
+        at = np.flatnonzero(opens | (a == ord("]")) | (a == ord("}")))
+        if at.size:
+            levels = depth + np.cumsum(np.where(opens[at], 1, -1), dtype=np.int64)
+            deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
+    return deepest
+
+
+_CHUNK = 1 << 22
 
 
 class Damaged(Exception):
