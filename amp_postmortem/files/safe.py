@@ -27,10 +27,10 @@ import numpy as np
 from ..store import StorePath
 from .limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
 
-# fullmatch, [0-9] and re.ASCII: `\d` matches any Unicode digit and `$`
-# matches before a trailing newline.
-RANK_DIR = re.compile(r"rank=(0|[1-9][0-9]*)", re.ASCII)
-STEP_DIR = re.compile(r"step=(0|-?[1-9][0-9]*)", re.ASCII)
+# [0-9], re.ASCII and \Z: `\d` matches any Unicode digit and `$` matches
+# before a trailing newline (anchored, so `.match` is as safe as `.fullmatch`).
+RANK_DIR = re.compile(r"rank=(0|[1-9][0-9]*)\Z", re.ASCII)
+STEP_DIR = re.compile(r"step=(0|-?[1-9][0-9]*)\Z", re.ASCII)
 CANONICAL_RANK = "valid: rank=<r> with r in ASCII digits and no leading zero or sign, e.g. rank=0, rank=12"
 CANONICAL_STEP = "valid: step=<n> with n in ASCII digits and no leading zero or plus sign, e.g. step=0, step=120"
 
