@@ -6,8 +6,9 @@ is ever imported.
 """
 from __future__ import annotations
 
-import json
-import re
+import hashlib
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,10 +16,13 @@ import pyarrow.parquet as pq
 import torch
 
 from recorders import schema
-from recorders.plain import file_sha256, json_checksum
-from recorders.tensor_codec import decode_tree, parse_dtype, tensor_from_bytes
+from recorders.plain import json_checksum
+from recorders.tensor_codec import decode_tree, itemsize, parse_dtype, tensor_from_bytes
 
-from .errors import BundleError
+from .errors import BundleError, PostmortemError
+from .files import limits
+from .files.models import BundleMeta, validate
+from .files.safe import Damaged, check_inside, listed, open_regular, parse_json, rank_of, read_bytes, shown, step_of
 
 
 @dataclass
@@ -66,23 +70,28 @@ class Bundle:
         return {**self.params, **self.buffers}
 
 
-_BUNDLE_PART = re.compile(r"^step=(-?\d+)$")
-_RANK_PART = re.compile(r"^rank=(\d+)$")
-
-
 def list_bundles(run_dir) -> list[tuple[int, int, Path]]:
-    """(step, rank, path) of every complete bundle under `run_dir/bundles`."""
+    """(step, rank, path) of every complete bundle under `run_dir/bundles`.
+    A `step=`/`rank=` name that is not canonical (`rank=00` would alias
+    rank 0) or a linked directory is refused (BundleError)."""
     root = Path(run_dir) / schema.BUNDLES_DIR
+    check_inside(root, run_dir, BundleError)
     found = []
     if root.is_dir():
-        for sdir in root.iterdir():
-            m = _BUNDLE_PART.match(sdir.name)
-            if not m or not sdir.is_dir():
+        for sdir in listed(root, None):
+            step = step_of(sdir.name, sdir, BundleError)
+            if step is None:
                 continue  # hidden temporary directories included
-            for rdir in sdir.iterdir():
-                r = _RANK_PART.match(rdir.name)
-                if r and rdir.is_dir():
-                    found.append((int(m.group(1)), int(r.group(1)), rdir))
+            check_inside(sdir, run_dir, BundleError)
+            if not sdir.is_dir():
+                continue
+            for rdir in listed(sdir, None):
+                rank = rank_of(rdir.name, rdir, BundleError)
+                if rank is None:
+                    continue
+                check_inside(rdir, run_dir, BundleError)
+                if rdir.is_dir():
+                    found.append((step, rank, rdir))
     return sorted(found)
 
 
@@ -120,13 +129,14 @@ def load_bundle(path, step: int | None = None, rank: int | None = None) -> Bundl
     if not path.exists():
         raise BundleError(f"bundle not found: {path}")
     meta_path = path / schema.BUNDLE_MANIFEST_FILE
-    if not meta_path.is_file():
+    if not (meta_path.is_file() or os.path.lexists(meta_path)):  # a FIFO or link: refused when read
         if (path / schema.BUNDLES_DIR).is_dir() or (path / schema.MANIFEST_FILE).is_file():
             raise BundleError(f"{path} is a run directory: pass step= (and rank=) or a bundle directory")
         raise BundleError(f"not a replay bundle: {meta_path} is missing")
-    meta = _read_meta(meta_path)
+    meta = _read_meta(meta_path, path)
+    _check_place(path, meta_path, meta)
     _check_files(path, meta)
-    tensors = _read_tensors(path / schema.BUNDLE_TENSORS_FILE)
+    tensors = _read_tensors(path / schema.BUNDLE_TENSORS_FILE, path)
     try:
         return _assemble(path, meta, tensors)
     except BundleError:
@@ -135,13 +145,12 @@ def load_bundle(path, step: int | None = None, rank: int | None = None) -> Bundl
         raise BundleError(f"malformed bundle {path}: {type(exc).__name__}: {exc}") from None
 
 
-def _read_meta(meta_path: Path) -> dict:
+def _read_meta(meta_path: Path, root: Path) -> dict:
+    data = read_bytes(meta_path, root, BundleError, limits.MAX_JSON_BYTES)
     try:
-        meta = json.loads(meta_path.read_bytes())
-    except OSError as exc:  # e.g. no permission: the user's to fix
-        raise BundleError(f"cannot read {meta_path} ({type(exc).__name__}: {exc.strerror or exc})") from None
-    except (ValueError, UnicodeDecodeError):
-        raise BundleError(f"{meta_path} is truncated or not JSON") from None
+        meta = parse_json(data, meta_path, BundleError)
+    except Damaged as exc:
+        raise BundleError(f"{meta_path} is truncated or not JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != schema.BUNDLE_FORMAT_NAME:
         fmt = meta.get("format") if isinstance(meta, dict) else None
         raise BundleError(f"{meta_path}: format {fmt!r} is not {schema.BUNDLE_FORMAT_NAME!r}")
@@ -156,7 +165,32 @@ def _read_meta(meta_path: Path) -> dict:
                           f"reads ({schema.BUNDLE_SCHEMA_VERSION}); upgrade amp-postmortem")
     if meta.get("checksum") != json_checksum(meta):
         raise BundleError(f"{meta_path} fails its checksum (edited or damaged)")
-    return meta
+    return validate(BundleMeta, meta, meta_path, BundleError)
+
+
+def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
+    """A bundle inside a run (`bundles/step=N/rank=R`) must say the step,
+    rank and run id of its place: a replay of another step's data under
+    this step's name would be a wrong answer without a word."""
+    if path.parent.parent.name != schema.BUNDLES_DIR:
+        return  # a bundle copied out of its run: nothing to compare with
+    run = path.parent.parent.parent
+    for key, place in (("step", step_of(path.parent.name, path.parent, BundleError)),
+                       ("rank", rank_of(path.name, path, BundleError))):
+        if place is not None and meta[key] != place:
+            raise BundleError(f"{shown(meta_path)}: {key}: {meta[key]!r} is not the {key} of its place "
+                              f"({shown(path.relative_to(run))}: {key} {place})")
+    manifest = run / schema.MANIFEST_FILE
+    if not (manifest.exists() or os.path.lexists(manifest)):
+        return
+    from .loader import read_manifest
+    try:
+        run_id = read_manifest(manifest, run).get("run_id")
+    except PostmortemError as exc:
+        raise BundleError(str(exc)) from None
+    if run_id is not None and meta.get("run_id") is not None and meta["run_id"] != run_id:
+        raise BundleError(f"{shown(meta_path)}: run_id: {meta['run_id']!r} is not the run's "
+                          f"({run_id!r} in {shown(manifest)}); a bundle of another run was put here")
 
 
 def _check_files(path: Path, meta: dict) -> None:
@@ -165,34 +199,85 @@ def _check_files(path: Path, meta: dict) -> None:
         raise BundleError(f"{path}: bundle.json lists no {schema.BUNDLE_TENSORS_FILE}")
     for name, info in files.items():
         f = path / name
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise BundleError(f"{path}: bundle.json names a file outside the bundle: {name!r}")
-        if not f.is_file():
+        # A plain name in the bundle directory: no path, no hidden name.
+        if name != Path(name).name or name.startswith(".") or "\\" in name:
+            raise BundleError(f"{path}: bundle.json: files: names a file outside the bundle: {name!r} "
+                              f"(valid: a file name inside the bundle directory)")
+        if not (f.exists() or os.path.lexists(f)):
             raise BundleError(f"{path}: {name} is missing")
-        size = f.stat().st_size
-        if size < info["bytes"]:
-            raise BundleError(f"{path}: {name} is truncated ({size} of {info['bytes']} bytes)")
-        try:
-            digest = file_sha256(f) if size == info["bytes"] else None
-        except OSError as exc:  # e.g. no permission: the user's to fix
-            raise BundleError(f"cannot read {f} ({type(exc).__name__}: {exc.strerror or exc})") from None
+        with open_regular(f, path, BundleError) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size < info["bytes"]:
+                raise BundleError(f"{path}: {name} is truncated ({size} of {info['bytes']} bytes)")
+            try:
+                digest = _sha256(fh) if size == info["bytes"] else None
+            except OSError as exc:  # e.g. no permission: the user's to fix
+                raise BundleError(f"cannot read {f} ({type(exc).__name__}: {exc.strerror or exc})") from None
         if digest != info["sha256"]:
             raise BundleError(f"{path}: {name} fails its sha256 check (tampered with or damaged)")
 
 
-def _read_tensors(file: Path) -> dict:
-    """{(role, name, micro_batch): tensor} from tensors.parquet."""
+def _sha256(f) -> str:
+    """sha256 of an open file's bytes (`recorders.plain.file_sha256`'s rule)."""
+    h = hashlib.sha256()
+    for block in iter(lambda: f.read(1 << 22), b""):
+        h.update(block)
+    return h.hexdigest()
+
+
+_INDEX_COLUMNS = [c.name for c in schema.BUNDLE_TENSOR_COLUMNS if c.name != "data"]
+
+
+def _read_tensors(file: Path, root: Path | None = None) -> dict:
+    """{(role, name, micro_batch): tensor} from tensors.parquet. Sizes are
+    checked before the raw bytes are decompressed: every shape against the
+    element limit, and each row group's decompressed `data` (Parquet
+    metadata) against what its rows' shapes and dtypes declare, so a small
+    file cannot inflate into gigabytes."""
+    fh = open_regular(file, root, BundleError)
     try:
-        pf = pq.ParquetFile(file)
+        # pyarrow reads the descriptor that was checked (on Linux, through
+        # /proc: no second lookup of the name); a Python file object would
+        # be read from pyarrow's threads, which can abort at exit.
+        proc = f"/proc/self/fd/{fh.fileno()}"
+        return _read_tensor_rows(file, proc if os.path.exists(proc) else str(file))
+    finally:
+        fh.close()
+
+
+def _read_tensor_rows(file: Path, source: str) -> dict:
+    try:
+        pf = pq.ParquetFile(source)
         got = pf.schema_arrow
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
         raise BundleError(f"{file} is not readable Parquet: {exc}") from None
     for c in schema.BUNDLE_TENSOR_COLUMNS:
         if c.name not in got.names or got.field(c.name).type != c.type:
             raise BundleError(f"{file}: column {c.name!r} missing or not {c.type}")
-    table = pf.read(columns=[c.name for c in schema.BUNDLE_TENSOR_COLUMNS])
-    cols = {n: table.column(n).to_pylist() for n in table.column_names if n != "data"}
-    data_col = table.column("data")
+    md = pf.metadata
+    names = [md.schema.column(i).path.split(".")[0] for i in range(md.num_columns)]
+    data_bytes, index_bytes = [], 0
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        sizes = [(names[i], rg.column(i).total_uncompressed_size) for i in range(rg.num_columns)]
+        data_bytes.append(sum(n for c, n in sizes if c == "data"))
+        index_bytes += sum(n for c, n in sizes if c != "data")
+    if index_bytes > limits.MAX_BUNDLE_INDEX_BYTES:
+        raise BundleError(f"{file}: names, dtypes and shapes decompress to {index_bytes} bytes, more than "
+                          f"the {limits.MAX_BUNDLE_INDEX_BYTES} a bundle may have")
+    try:
+        table = pf.read(columns=_INDEX_COLUMNS)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
+        raise BundleError(f"{file} is not readable Parquet: {exc}") from None
+    for n in table.column_names:
+        if table.column(n).null_count:
+            raise BundleError(f"{file}: column {n!r} holds nulls (valid: a value in every row)")
+    cols = {n: table.column(n).to_pylist() for n in table.column_names}
+    _check_sizes(file, cols, data_bytes, [md.row_group(g).num_rows for g in range(md.num_row_groups)])
+    try:
+        data_col = pf.read(columns=["data"]).column("data")
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
+        raise BundleError(f"{file} is not readable Parquet: {exc}") from None
     chunks: dict[tuple, list] = {}
     for i, key in enumerate(zip(cols["role"], cols["name"], cols["micro_batch"])):
         chunks.setdefault(key, []).append(i)
@@ -219,6 +304,46 @@ def _read_tensors(file: Path) -> dict:
             t.requires_grad_(True)
         out[key] = t
     return out
+
+
+def _check_sizes(file: Path, cols: dict, data_bytes: list[int], group_rows: list[int]) -> None:
+    """Every row's declared tensor (dtype, shape) within the limits, and each
+    row group's decompressed raw bytes no more than its rows can hold (a
+    row holds at most its tensor's bytes from its offset on)."""
+    declared: dict[tuple, int] = {}
+    row_room, sizes = [], {}
+    for i, (role, name, mb, dtype, shape, offset) in enumerate(zip(
+            cols["role"], cols["name"], cols["micro_batch"], cols["dtype"], cols["shape"], cols["offset"])):
+        where = f"{shown(file)}: tensor {role} {name!r}"
+        if dtype not in sizes:
+            try:
+                sizes[dtype] = itemsize(parse_dtype(dtype))
+            except ValueError as exc:
+                raise BundleError(f"{where}: dtype: {exc}") from None
+        size = sizes[dtype]
+        if any(d is None or d < 0 for d in shape):
+            raise BundleError(f"{where}: shape: negative dimension in {shape} (valid: sizes >= 0)")
+        numel = math.prod(shape)  # a Python int: never wraps round like an int64 product
+        if numel > limits.MAX_TENSOR_ELEMENTS:
+            raise BundleError(f"{where}: shape: {numel} elements, more than the {limits.MAX_TENSOR_ELEMENTS} "
+                              f"a bundle tensor may have")
+        nbytes = numel * size
+        if not 0 <= offset <= max(nbytes - 1, 0):
+            raise BundleError(f"{where}: offset: {offset} is outside its {nbytes} bytes")
+        declared[(role, name, mb)] = nbytes
+        row_room.append(nbytes - offset)
+    total = sum(declared.values())
+    if total > limits.MAX_BUNDLE_BYTES:
+        raise BundleError(f"{shown(file)}: its tensors declare {total} bytes, more than the "
+                          f"{limits.MAX_BUNDLE_BYTES} a bundle may have")
+    start = 0
+    for g, (got, rows) in enumerate(zip(data_bytes, group_rows)):
+        room = sum(row_room[start:start + rows])
+        start += rows
+        allowed = room + rows * limits.PARQUET_SLACK_PER_ROW + limits.PARQUET_SLACK_BYTES
+        if got > allowed:
+            raise BundleError(f"{shown(file)}: data: row group {g} decompresses to {got} bytes, more than "
+                              f"the {room} bytes its rows' dtypes and shapes declare")
 
 
 def _assemble(path: Path, meta: dict, tensors: dict) -> Bundle:

@@ -9,13 +9,16 @@ read from its footer, as before.
 """
 from __future__ import annotations
 
-import json
+import fnmatch
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 from recorders import schema
 
-from .errors import MixedRunsError
+from .errors import CorruptRunError, MixedRunsError
+from .files.limits import MAX_JSON_BYTES
+from .files.models import ShardIndex, validate
+from .files.safe import Damaged, check_entry, listed, parse_json, read_bytes
 from .shards import Shard, check_version
 from .store import StorePath
 
@@ -24,22 +27,32 @@ from .store import StorePath
 _READERS = 16
 
 
-def read_indexes(root, rank_dirs: dict, run_id) -> dict[tuple[int, str], dict]:
+def read_indexes(root, rank_dirs: dict, run_id, warnings: list | None = None) -> dict[tuple[int, str], dict]:
     """{(rank, shard file name): index} for every readable index of the
-    given ranks. A damaged index is ignored (its shard's footer is read)."""
+    given ranks. A damaged index (not JSON) is ignored (its shard's footer
+    is read); one that is not a regular file, too large or too deeply
+    nested, or of this format with a field of the wrong type, is refused
+    (CorruptRunError): no writer leaves such a file."""
     files = []
     for rank, d in sorted(rank_dirs.items()):
         idir = d / schema.INDEX_DIR
+        check_entry(d, root, CorruptRunError, directory=True)
         if idir.is_dir():
-            files += [(rank, f) for f in sorted(idir.glob("part-*.json")) if not f.name.startswith(".")]
+            check_entry(idir, root, CorruptRunError, directory=True)
+            names = sorted(f for f in listed(idir, warnings)
+                           if fnmatch.fnmatchcase(f.name, "part-*.json") and not f.name.startswith("."))
+            for f in names:
+                check_entry(f, root, CorruptRunError)
+            files += [(rank, f) for f in names]
     if not files:
         return {}
     with ThreadPoolExecutor(max_workers=min(_READERS, len(files))) as pool:
-        docs = list(pool.map(lambda rf: _read(rf[1]), files))
+        docs = list(pool.map(lambda rf: _read(rf[1], root), files))
     out = {}
     for (rank, f), doc in zip(files, docs):
         if doc is None or doc.get("format") != schema.INDEX_FORMAT_NAME or doc.get("rank") != rank:
             continue
+        validate(ShardIndex, doc, f, CorruptRunError)
         check_version(doc.get("schema_version"), str(f.relative_to(root)))
         if run_id is not None and doc.get("run_id") != run_id:
             raise MixedRunsError(
@@ -73,9 +86,9 @@ def file_size(path) -> int | None:
         return None
 
 
-def _read(path) -> dict | None:
+def _read(path, root) -> dict | None:
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        doc = parse_json(read_bytes(path, root, CorruptRunError, MAX_JSON_BYTES), path, CorruptRunError)
+    except Damaged:
         return None
     return doc if isinstance(doc, dict) else None

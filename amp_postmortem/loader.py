@@ -16,7 +16,6 @@ in one directory are refused.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -35,6 +34,8 @@ from .engines import Engine
 from .engines.local import LocalEngine
 from .engines.scan import NONFINITE_FILTER, ShardScan, scan_shard
 from .errors import CorruptRunError, EmptyRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
+from .files.models import RunManifest, validate
+from .files.safe import read_json
 from .index import read_indexes, shard_from_index
 from .journal import is_journal, location, read_journal_table, with_journals
 from .step_facts import StepFacts, from_indexes, from_series, from_table
@@ -419,22 +420,22 @@ def load_run(path, rank: int | None = None) -> Run:
         raise RunNotFoundError(f"run directory not found: {root}")
     if not root.is_dir():
         raise RunNotFoundError(f"{root} is not a directory; pass the run directory (the one holding manifest.json)")
-    m = RANK_DIR.match(root.name)
+    m = RANK_DIR.fullmatch(root.name)
     if m and (root.parent / schema.MANIFEST_FILE).is_file():
         raise RunNotFoundError(f"{root} is one rank of a run: pass the run directory {root.parent} "
                                f"(with --rank {m.group(1)} for this rank only)")
     warnings: list[str] = []
 
     try:
-        found = rank_dirs(root)
+        found = rank_dirs(root, warnings)
     except OSError as exc:  # e.g. no permission to list it: the user's to fix
         raise RunNotFoundError(f"cannot read the run directory {root} ({error_text(exc)})") from None
     top = root / schema.MANIFEST_FILE
-    if top.is_file():
-        manifest = _read_manifest(top)
-    elif found and (found[min(found)] / schema.MANIFEST_FILE).is_file():
+    if _present(top):
+        manifest = _read_manifest(top, root)
+    elif found and _present(found[min(found)] / schema.MANIFEST_FILE):
         r0 = min(found)
-        manifest = _read_manifest(found[r0] / schema.MANIFEST_FILE)
+        manifest = _read_manifest(found[r0] / schema.MANIFEST_FILE, root)
         warnings.append(f"{top} is missing; using the manifest of rank {r0}")
     else:
         raise RunNotFoundError(f"{root} is not an amp-postmortem run: no {schema.MANIFEST_FILE}")
@@ -443,10 +444,10 @@ def load_run(path, rank: int | None = None) -> Run:
     rank_manifests: dict[int, dict] = {}
     for r, d in sorted(found.items()):
         mpath = d / schema.MANIFEST_FILE
-        if not mpath.is_file():
+        if not _present(mpath):
             warnings.append(f"{mpath.relative_to(root)} is missing; reading rank {r} from its shards only")
             continue
-        m = _read_manifest(mpath)
+        m = _read_manifest(mpath, root)
         if m.get("run_id") != run_id and (rank is None or int(rank) == r):
             # With --rank, only that rank must belong to the run: the ranks
             # of an older recorder (each its own id) stay readable one by one.
@@ -467,10 +468,10 @@ def load_run(path, rank: int | None = None) -> Run:
         selected = [int(rank)]
     else:
         selected = present
-        missing = [r for r in range(world_size) if r not in found]
+        missing = missing_ranks(present, world_size)
         if missing:
-            warnings.append(f"rank(s) {_join(missing)} of world_size {world_size} are missing; "
-                            f"the analysis covers rank(s) {_join(present)} only")
+            warnings.append(f"rank(s) {_spans(missing)} of world_size {world_size} are missing; "
+                            f"the analysis covers rank(s) {_spans(present)} only")
 
     open_ranks = [r for r in selected if rank_manifests.get(r, {}).get("status", "closed") == "open"]
     if open_ranks:
@@ -492,10 +493,10 @@ def load_run(path, rank: int | None = None) -> Run:
     step_shards: list[Shard] = []
     tensor_shards: list[Shard] = []
     found_files = 0
-    indexes = read_indexes(root, {r: found[r] for r in selected}, run_id)
+    indexes = read_indexes(root, {r: found[r] for r in selected}, run_id, warnings)
     for r in selected:
         for table, out in ((schema.STEPS_DIR, step_shards), (schema.TENSORS_DIR, tensor_shards)):
-            for f in shard_files(found[r] / table):
+            for f in shard_files(found[r] / table, root, warnings):
                 found_files += 1
                 shard = (shard_from_index(f, r, table, indexes.get((r, f.name)))
                          or read_footer(root, f, r, table, run_id, warnings))
@@ -543,13 +544,23 @@ def _disabled(manifests) -> str:
     return f"; recording was switched off ({'; '.join(reasons)})" if reasons else ""
 
 
-def _read_manifest(path: Path) -> dict:
-    try:
-        m = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptRunError(f"{path} is not a readable manifest ({error_text(exc)})") from None
+def _present(path) -> bool:
+    """A name on disk, whatever it is (a FIFO or a dangling link is refused
+    by the reader, with a message, rather than taken for a missing file)."""
+    return path.exists() or (not isinstance(path, StorePath) and os.path.lexists(path))
+
+
+def read_manifest(path, root=None) -> dict:
+    """A manifest.json (of the run or a rank), read safely (files.safe)
+    and validated (files.models.RunManifest): CorruptRunError otherwise."""
+    m = read_json(path, root, CorruptRunError, "manifest")
     if not isinstance(m, dict):
         raise CorruptRunError(f"{path} is not a run manifest (a JSON object was expected)")
+    return validate(RunManifest, m, path, CorruptRunError)
+
+
+def _read_manifest(path: Path, root=None) -> dict:
+    m = read_manifest(path, root)
     fmt = m.get("format")
     if fmt != schema.FORMAT_NAME:
         raise CorruptRunError(f"{path} has format {fmt!r}, expected {schema.FORMAT_NAME!r}: not an amp-postmortem run")
@@ -559,3 +570,33 @@ def _read_manifest(path: Path) -> dict:
 
 def _join(values) -> str:
     return ", ".join(str(v) for v in values)
+
+
+def missing_ranks(present: list[int], world_size: int) -> list[tuple[int, int]]:
+    """The ranks in range(world_size) not in `present`, as (first, last)
+    spans: counted from the gaps, never by listing a million ranks."""
+    spans, start = [], 0
+    for r in sorted(r for r in set(present) if r < world_size) + [world_size]:
+        if r > start:
+            spans.append((start, r - 1))
+        start = r + 1
+    return spans
+
+
+# A warning names at most this many spans of ranks, then counts the rest.
+_SPANS_SHOWN = 8
+
+
+def _spans(values) -> str:
+    """Ranks as `0, 2-5, 9`: spans (first, last) or single ranks."""
+    spans = []
+    for v in values:
+        a, b = v if isinstance(v, tuple) else (v, v)
+        if spans and isinstance(spans[-1], list) and spans[-1][1] + 1 == a:
+            spans[-1][1] = b
+        else:
+            spans.append([a, b])
+    text = [str(a) if a == b else f"{a}-{b}" for a, b in spans[:_SPANS_SHOWN]]
+    if len(spans) > _SPANS_SHOWN:
+        text.append(f"and {len(spans) - _SPANS_SHOWN} more span(s)")
+    return ", ".join(text)

@@ -12,6 +12,7 @@ users open runs with `amp_postmortem.load_run`.
 """
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import re
 from dataclasses import dataclass
@@ -27,9 +28,8 @@ import pyarrow.parquet as pq
 from recorders import schema
 
 from .errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
+from .files.safe import RANK_DIR, check_entry, check_inside, listed, rank_of
 from .store import filesystem_of, fs_path
-
-RANK_DIR = re.compile(r"^rank=(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -49,20 +49,33 @@ class Shard:
         return any(self.first_step <= s <= self.last_step for s in steps)
 
 
-def rank_dirs(root: Path) -> dict[int, Path]:
+def rank_dirs(root: Path, warnings: list | None = None) -> dict[int, Path]:
+    """{rank: directory}; a name like `rank=00` or `rank=٠` (it would read
+    as rank 0) or a linked rank directory is refused (CorruptRunError)."""
     out = {}
-    for d in root.iterdir():
-        m = RANK_DIR.match(d.name)
-        if m and d.is_dir():
-            out[int(m.group(1))] = d
+    for d in listed(root, warnings):
+        r = rank_of(d.name, d, CorruptRunError)
+        if r is None:
+            continue
+        check_inside(d, root, CorruptRunError)
+        if d.is_dir():
+            out[r] = d
     return out
 
 
-def shard_files(d: Path) -> list[Path]:
+def shard_files(d: Path, root: Path | None = None, warnings: list | None = None) -> list[Path]:
+    """The shard files of a `steps/` or `tensors/` directory; one that is
+    not a regular file (a FIFO would hang its reader, a link leads out of
+    the run) is refused (CorruptRunError)."""
+    check_inside(d, root, CorruptRunError)
     if not d.is_dir():
         return []
     # Temporary files start with "." and never end in ".parquet": invisible.
-    return sorted(p for p in d.glob("part-*.parquet") if not p.name.startswith("."))
+    found = sorted(p for p in listed(d, warnings)
+                   if fnmatch.fnmatchcase(p.name, "part-*.parquet") and not p.name.startswith("."))
+    for p in found:
+        check_entry(p, root, CorruptRunError)
+    return found
 
 
 def check_version(version, where: str) -> None:
@@ -101,6 +114,11 @@ def read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings)
     if absent:
         warnings.append(f"skipped {rel}: not a {table} shard of this format (no column {absent[0]!r})")
         return None
+    nulls = _key_nulls(md)
+    if nulls:
+        warnings.append(f"skipped {rel}: column {nulls!r} holds nulls or does not say it holds none "
+                        f"(valid: step and rank in every row); not a shard this format writes")
+        return None
     version = get(schema.META_SCHEMA_VERSION)
     if version is not None:
         check_version(version, str(rel))
@@ -112,6 +130,22 @@ def read_footer(root: Path, path: Path, rank: int, table: str, run_id, warnings)
     return Shard(path=path, rank=rank, table=table, num_rows=md.num_rows,
                  first_step=_int(get(schema.META_FIRST_STEP)), last_step=_int(get(schema.META_LAST_STEP)),
                  nonfinite_rows=_int(get(schema.META_NONFINITE_ROWS)))
+
+
+def _key_nulls(md) -> str | None:
+    """The first key column (`step`, `rank`) that may hold a null: the
+    recorder writes them as required columns; a nullable one must say, in
+    every row group's statistics, that it holds none (a file of nulls would
+    otherwise reach the analyses as rows without a step)."""
+    for i in range(md.num_columns):
+        col = md.schema.column(i)
+        if col.path not in ("step", "rank") or col.max_definition_level == 0:
+            continue
+        for g in range(md.num_row_groups):
+            stats = md.row_group(g).column(i).statistics
+            if stats is None or not stats.has_null_count or stats.null_count:
+                return col.path
+    return None
 
 
 def check_pairs(root, step_shards, tensor_shards, warnings) -> None:
@@ -162,6 +196,12 @@ def read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
         return schema.STEP_SCHEMA.empty_table().append_column(
             "loss_nonfinite", pa.array([], pa.bool_())).to_pandas()
     table = pa.concat_tables(tables)
+    if table.column("step").null_count or table.column("rank").null_count:
+        # Only a shard that hides its nulls from its footer gets here.
+        keep = pc.and_(pc.is_valid(table.column("step")), pc.is_valid(table.column("rank")))
+        warnings.append(f"skipped {table.num_rows - pc.sum(keep.cast('int64')).as_py()} step row(s) without "
+                        f"a step or rank (valid: both in every row)")
+        table = table.filter(keep)
     # Sorted and de-duplicated in Arrow, before pandas: at 1,000 ranks the
     # table has millions of rows (the stable sort keeps file order, so the
     # last-written copy of a twice-recorded row is the one kept).

@@ -197,6 +197,13 @@ def local_copy(location) -> Path:
         from .errors import RunNotFoundError
         raise RunNotFoundError(f"run directory not found: {root}")
     files = [p for p, k in kinds.items() if k == "file"]
+    for path in files:
+        # An object key is any string: one that climbs out ("..") would be
+        # written outside the cache folder.
+        rel = path[len(root.path):]
+        if not rel.startswith("/") or any(p in ("", ".", "..") for p in rel[1:].split("/")):
+            from .errors import CorruptRunError
+            raise CorruptRunError(f"{root}: object {path!r} is not a plain path inside the run")
 
     def fetch(path: str) -> None:
         dest = target / path[len(root.path):].lstrip("/")

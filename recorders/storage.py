@@ -194,7 +194,7 @@ class SpoolUploader:
             # shards by their step ranges, not by number.
             return int(time.time())
         numbers = [int(m.group(1)) for i in infos
-                   if (m := re.match(r"^part-(\d+)\.parquet$", i.base_name))]
+                   if (m := re.fullmatch(r"part-([0-9]+)\.parquet", i.base_name))]
         return max(numbers) + 1 if numbers else 0
 
     # ------------------------------------------------------------ lifecycle

@@ -12,6 +12,7 @@ can name code to run.
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -77,7 +78,7 @@ def tensor_from_bytes(data, dtype: str | torch.dtype, shape) -> torch.Tensor:
     shape = [int(s) for s in shape]
     if any(s < 0 for s in shape):
         raise ValueError(f"negative dimension in shape {shape}")
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    numel = math.prod(shape)  # a Python int: an int64 product would wrap round
     storage = _VIEW.get(dt, dt)
     np_dtype = np.dtype(_NUMPY[storage]).newbyteorder("<")
     if len(data) != numel * np_dtype.itemsize:

@@ -264,7 +264,7 @@ def test_cli_choices_come_from_the_one_vocabulary():
 # ----------------------------------------------------------- the layers
 LAYERS = [  # each imports only from its own layer and the ones before it
     {"errors", "names"},
-    {"loader", "shards", "bundle", "store", "index", "step_facts", "step_series", "engines", "journal"},
+    {"loader", "shards", "bundle", "store", "index", "step_facts", "step_series", "engines", "journal", "files"},
     {"analyses"},
     {"replay"},
     {"whatif"},

@@ -52,9 +52,12 @@ def pick_bundle(run: Run, rank: int | None = None) -> tuple[int, int, list] | No
 
 
 def _bundle_reasons(path) -> list:
-    import json
-    try:
-        meta = json.loads((path / "bundle.json").read_text())
-    except (OSError, ValueError):
+    from ..errors import BundleError
+    from ..files.safe import read_json
+    try:  # read safely: a FIFO named bundle.json must not hang the choice
+        meta = read_json(path / "bundle.json", path, BundleError, "bundle.json")
+    except BundleError:
+        return []
+    if not isinstance(meta, dict):
         return []
     return list(meta.get("reasons") or ([meta["reason"]] if meta.get("reason") else []))

@@ -25,6 +25,8 @@ import torch
 
 from recorders import schema
 
+from ..shards import shard_files
+
 ABSMAX_REL_TOL = 0.05    # CPU emulation of a CUDA step moves absmax by ~1e-3
 ABSMAX_AGREE_SHARE = 0.9
 LOSS_REL_TOL = 0.01
@@ -39,7 +41,8 @@ def recorded_rows(run_dir, step: int, rank: int) -> list[dict] | None:
     if not folder.is_dir():
         return None
     rows = []
-    for shard in sorted(folder.glob("*.parquet")):
+    # Regular files only (a FIFO would hang the read), none through a link.
+    for shard in shard_files(folder, Path(run_dir)):
         try:
             meta = pq.ParquetFile(shard).schema_arrow.metadata or {}
             first = int(meta.get(schema.META_FIRST_STEP, b"-1"))

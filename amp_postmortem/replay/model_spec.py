@@ -405,17 +405,17 @@ def saved_model_config(bundle, run_dir=None) -> dict | None:
     the rank's manifest, else the run's), found from `run_dir` or from the
     bundle's place inside its run (`bundles/step=N/rank=R`); None when
     there is none."""
-    import json
+    import os
+    from ..loader import read_manifest
     roots = [Path(run_dir)] if run_dir is not None else []
     if getattr(bundle, "path", None):
         roots.append(Path(bundle.path).parent.parent.parent)
     for root in roots:
         for manifest in (root / schema.RANK_DIR.format(rank=bundle.rank) / schema.MANIFEST_FILE,
                          root / schema.MANIFEST_FILE):
-            try:
-                config = json.loads(manifest.read_text()).get("model_config")
-            except (OSError, ValueError, AttributeError):
+            if not os.path.lexists(manifest):
                 continue
+            config = read_manifest(manifest, root).get("model_config")  # CorruptRunError when unusable
             if isinstance(config, dict):
                 return config
     return None
