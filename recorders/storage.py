@@ -53,7 +53,7 @@ BACKOFF_S = (0.5, 30.0)
 _POLL_S = 1.0
 # Uploaded last: the files that describe the others (a reader that finds a
 # manifest or a bundle.json finds what it names).
-_DESCRIBING = (schema.MANIFEST_FILE, schema.BUNDLE_MANIFEST_FILE)
+_DESCRIBING = (schema.MANIFEST_FILE, schema.BUNDLE_MANIFEST_FILE, schema.STATUS_FILE)
 
 
 class StorageError(ValueError):
@@ -283,7 +283,10 @@ class SpoolUploader:
     def _sweep(self) -> None:
         with self._sweep_lock:
             for rel, path in self._spooled():
-                describing = path.name == schema.MANIFEST_FILE
+                # Kept and sent again when rewritten: manifests and the
+                # status slot (overwritten in place; never unlinked under
+                # the recorder that holds it open).
+                describing = path.name in (schema.MANIFEST_FILE, schema.STATUS_FILE)
                 try:
                     st = path.stat()
                 except OSError:
