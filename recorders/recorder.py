@@ -253,11 +253,26 @@ class AmpRecorder:
         self.run_dir, self.uploader = open_run_location(run_dir, self.rank, spool_dir=spool_dir,
                                                         spool_max_bytes=spool_max_bytes)
         self.rank_dir = self.run_dir / schema.RANK_DIR.format(rank=self.rank)
-        # Before anything else can fail: every rank waits for rank 0's id.
+        # Before anything is written: one writer per rank directory.
+        held = None
+        try:
+            self.lease = RankLease(self.rank_dir)
+        except LeaseHeldError as exc:
+            held = exc
+        first_shard = 0
+        if self.uploader is not None and held is None:
+            # The store's round trips run on the upload thread; the run
+            # waits for its answer (a resumed run's id and shard count) a
+            # bounded moment, never for a store that is down.
+            self.uploader.start(resume_rank=self.rank)
+            self._uploading = True
+            first_shard = self.uploader.resume_run(self.rank)
+        # Before anything else can fail: every rank waits for rank 0's id
+        # (a refused rank too, or the others would wait for it).
         self.run_id = shared_run_id(self.run_dir, self.rank, run_id)
-        # Before anything is written: one writer per rank directory; then
-        # the space of the stop record, taken while the disk has room.
-        self.lease = RankLease(self.rank_dir)
+        if held is not None:
+            raise held
+        # The space of the stop record, taken while the disk has room.
         self.status = StatusSlot(self.rank_dir, run_id=self.run_id, rank=self.rank)
 
         # Names as the user's model gives them, whatever wraps it (compile,
@@ -314,15 +329,12 @@ class AmpRecorder:
         up = self.uploader
         self.shards = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
                                   world_size=self.world_size, steps_per_shard=options["steps_per_shard"],
-                                  first_index=up.next_shard_index(self.rank) if up else 0,
+                                  first_index=first_shard,
                                   has_room=up.has_room if up else None)
         if up is not None:
             self.manifest.data["storage"] = {"uri": self.run_location, "spool_dropped_steps": 0}
         self.manifest.write()
         self.writer.start()
-        if self.uploader is not None:
-            self.uploader.start()
-            self._uploading = True
         self.hooks.register()
         if self.capture_loss:
             self.loss_tap = self._loss_tap(scaler)
@@ -580,7 +592,7 @@ class AmpRecorder:
         """Upload what the spool holds; report (never drop) what the store
         did not take."""
         report = self.uploader.close(self.upload_timeout_s)
-        report.spool_full_steps = self.shards.dropped_steps
+        report.spool_full_steps = self.shards.dropped_steps if self.shards is not None else 0
         self.upload_report = report
         if report.pending or report.spool_full_steps:
             lost = (f"; {report.spool_full_steps} step(s) were not recorded because the spool was full"
