@@ -39,9 +39,11 @@ class LeaseHeldError(RuntimeError):
     def __init__(self, path: Path, holder: dict):
         self.path = path
         self.holder = holder
+        mine = holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
         super().__init__(
             f"{path.parent} is being written by another recorder (host {holder.get('host', '?')}, "
-            f"pid {holder.get('pid', '?')}, started {_when(holder.get('started_at'))})")
+            f"pid {holder.get('pid', '?')}, started {_when(holder.get('started_at'))}"
+            + ("; an earlier recorder of this process: close() it first" if mine else "") + ")")
 
 
 class RankLease:
@@ -71,10 +73,14 @@ class RankLease:
             self.flock = False
             self._take_without_flock()
             return
+        try:
+            # Ours now: the previous holder's text goes (it was a dead process).
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(self.holder).encode(), 0)
+        except BaseException:
+            os.close(fd)  # the lock goes with it
+            raise
         self._fd = fd
-        # Ours now: the previous holder's text goes (it was a dead process).
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(self.holder).encode(), 0)
 
     def _take_without_flock(self) -> None:
         holder = _read_path(self.path)
@@ -96,9 +102,16 @@ class RankLease:
             except OSError:
                 pass
 
+    def __del__(self):
+        # A recorder dropped without close(): its descriptor, hence the
+        # lock, goes with it rather than with the process.
+        self.release()
+
     def release(self) -> None:
         """Give the lease back (idempotent). With flock the lock goes with
         the descriptor; without, the file is removed if it is still ours."""
+        if not hasattr(self, "_stop"):
+            return  # failed before it held anything
         self._stop.set()
         fd, self._fd = self._fd, None
         if fd is not None:

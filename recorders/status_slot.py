@@ -87,8 +87,11 @@ class StatusSlot:
         self.fallback_path = write_fallback(self.path, self.fields) or self.fallback_path
         return self.fallback_path
 
+    def __del__(self):
+        self.close()
+
     def close(self) -> None:
-        fd, self._fd = self._fd, None
+        fd, self._fd = getattr(self, "_fd", None), None
         if fd is not None:
             try:
                 os.close(fd)
