@@ -455,7 +455,9 @@ def load_run(path, rank: int | None = None) -> Run:
                 f"mixed runs in {root}: rank {r} has run_id {m.get('run_id')!r}, the run manifest "
                 f"has {run_id!r}; keep one recording per directory")
         if m.get("run_id") == run_id:
-            rank_manifests[r] = m
+            rank_manifests[r] = with_status_slot(m, d / schema.STATUS_FILE, warnings)
+            if r == min(found):  # the run manifest is this rank's copy
+                manifest = with_status_slot(manifest, d / schema.STATUS_FILE, [])
     if not found:
         raise EmptyRunError(f"{root} has a manifest but no rank=<r> directories: nothing was recorded"
                             + _disabled([manifest]))
@@ -566,6 +568,44 @@ def _read_manifest(path: Path, root=None) -> dict:
         raise CorruptRunError(f"{path} has format {fmt!r}, expected {schema.FORMAT_NAME!r}: not an amp-postmortem run")
     check_version(m.get("schema_version"), str(path))
     return m
+
+
+# A status slot is one page; anything much larger is not one.
+_STATUS_MAX_BYTES = 1 << 16
+
+
+def with_status_slot(manifest: dict, path, warnings: list[str]) -> dict:
+    """The manifest with the recorder's status slot (`rank=R/status.json`)
+    laid over it: the slot took the stop record where the manifest's rewrite
+    failed (a full disk), so its `status`, `disabled_reason` and
+    `disabled_at_step` win. A missing slot (a run recorded before slots
+    existed) changes nothing; an unusable one is named in a warning."""
+    if not path.is_file():
+        return manifest
+    try:
+        size = path.size() if hasattr(path, "size") and callable(path.size) else path.stat().st_size
+        if size is not None and size > _STATUS_MAX_BYTES:
+            raise ValueError(f"{size} bytes, more than a status slot's {_STATUS_MAX_BYTES}")
+        slot = json.loads(path.read_text())
+        if not isinstance(slot, dict) or slot.get("format") != schema.STATUS_FORMAT:
+            raise ValueError(f"not a status slot (format {schema.STATUS_FORMAT!r} expected)")
+        if slot.get("run_id") != manifest.get("run_id"):
+            raise ValueError(f"run_id {slot.get('run_id')!r} is not the manifest's")
+        status, reason, at = slot.get("status"), slot.get("disabled_reason"), slot.get("disabled_at_step")
+        if status not in ("open", "closed") or not isinstance(reason, (str, type(None))) \
+                or not (at is None or (isinstance(at, int) and not isinstance(at, bool))):
+            raise ValueError("its status, disabled_reason or disabled_at_step has the wrong type")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        warnings.append(f"ignored {path}: {error_text(exc) if isinstance(exc, OSError) else exc}")
+        return manifest
+    out = dict(manifest)
+    if status == "closed" or out.get("status") is None:
+        out["status"] = status
+    if reason is not None:
+        out["disabled_reason"] = reason
+        if at is not None:
+            out["disabled_at_step"] = at
+    return out
 
 
 def _join(values) -> str:

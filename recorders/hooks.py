@@ -53,6 +53,7 @@ class StepState:
         self.micro_batches = 0
         self.forward_open = False  # a micro-batch's forward ran, its backward not yet
         self.opened_by_child = False  # ... and a submodule, not the root, opened it
+        self.micro_batch_start = None  # (rows, contexts) before the micro-batch in progress
         self.meta: list[tuple] = []
         self.stats: list = []  # host lists or device vectors (stats.row_stats)
         self.fwd_order = 0
@@ -361,6 +362,29 @@ class TrainingHooks:
             st.in_forward -= 1
             if not st.in_forward:
                 st.walks = {}  # the forward is over: let its graph go with the backward
+                # always_call runs this hook with no output when the forward
+                # raised (the exception is in flight here).
+                if output is None and sys.exc_info()[0] is not None:
+                    self._abort_micro_batch(st)
+
+    def _abort_micro_batch(self, st) -> None:
+        """The forward raised and the loop moved on: the micro-batch's rows,
+        calls and bundle inputs go, so that they never merge into the next
+        micro-batch (of this step or the next) as a doubled one."""
+        if st.micro_batch_start is None:
+            return
+        rows, contexts = st.micro_batch_start
+        del st.meta[rows:]
+        del st.stats[rows:]
+        del st.contexts[contexts:]
+        st.micro_batch_start = None
+        st.micro_batches -= 1
+        st.forward_open = st.opened_by_child = False
+        # Pre-hooks whose post-hooks never ran left their calls on the stacks.
+        st.stacks, st.producers, st.calls = {}, {}, {}
+        if st.micro_batches == 0:
+            st.param_values = []
+        self.bundles.on_micro_batch_aborted()
 
     def _on_root_pre(self, module, args, kwargs):
         st = self._active(root=True)
@@ -384,6 +408,7 @@ class TrainingHooks:
         backward; its inputs are then that module's arguments. Once the
         root's forward has run, only it opens micro-batches: a submodule the
         loop calls outside it (an embedding looked up first) is no new one."""
+        st.micro_batch_start = (len(st.meta), len(st.contexts))
         st.micro_batches += 1
         st.forward_open = True
         st.opened_by_child = not from_root

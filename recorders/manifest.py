@@ -64,7 +64,7 @@ class RunManifest:
             self.data["status"] = status
         self.data["dropped_steps"] = dropped_steps
         if failure is not None:
-            self.data["disabled_reason"] = f"{type(failure).__name__}: {failure}"
+            self.data["disabled_reason"] = failure_reason(failure)
         if failed_at_step is not None:
             self.data["disabled_at_step"] = failed_at_step
 
@@ -75,6 +75,11 @@ class RunManifest:
             atomic_write_json(rank_dir / schema.MANIFEST_FILE, data)
             if self.rank == 0:
                 atomic_write_json(self.run_dir / schema.MANIFEST_FILE, data)
+
+
+def failure_reason(failure: BaseException) -> str:
+    """`disabled_reason` as the manifest and the status slot say it."""
+    return f"{type(failure).__name__}: {failure}"
 
 
 def bare_manifest(run_dir: Path, rank: int, world_size: int, run_id: str | None) -> RunManifest:

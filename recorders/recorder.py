@@ -39,13 +39,15 @@ from .bundles.capture import BundleCapture
 from .bundles.triggers import TRIGGERS
 from .hooks import TrainingHooks
 from .journal import DEFAULT_DURABLE_INTERVAL_S
+from .lease import LeaseHeldError, RankLease
 from .layout import (canonical_modules, canonical_parameters, fsdp1_shapes, fsdp1_sharded_params, is_compiled,
                      sharded_param_ids, user_class)
 from .loss_tap import MicroBatchLosses, OutputLossTap, ScaleTap, step_loss
-from .manifest import RunManifest, bare_manifest, describe_job, distributed_rank_world
+from .manifest import RunManifest, bare_manifest, describe_job, distributed_rank_world, failure_reason
 from .plain import plain
 from .run_id import shared_run_id
 from .schedule import RecordSchedule
+from .status_slot import StatusSlot, write_fallback
 from .step_rows import StepRows, step_events
 from .storage import DEFAULT_SPOOL_MAX_BYTES, DEFAULT_UPLOAD_TIMEOUT_S, open_run_location
 from .unwrap import unwrap_optimizer
@@ -174,6 +176,9 @@ class AmpRecorder:
         self.upload_timeout_s = float(upload_timeout_s)
         self.upload_report = None  # storage.UploadReport after close() of a URI run
         self.run_dir = None  # the local directory written (a URI run's spool), once opened
+        self.rank_dir = None
+        self.lease = None  # RankLease: this recorder is the rank directory's one writer
+        self.status = None  # StatusSlot: the stop record, with its space reserved
         self.uploader = None
         self._uploading = False
         self.shards = None
@@ -225,6 +230,15 @@ class AmpRecorder:
                             hold_steps=hold_steps, clone_inputs=clone_inputs))
         except OptionError:
             raise  # a bad option is the caller's to fix, before the job starts
+        except LeaseHeldError as exc:
+            # Another live recorder writes this rank directory: touch none
+            # of its files (manifest included), record nothing.
+            self._enabled = False
+            self._warned = True
+            self._unhook()
+            warnings.warn(f"amp-postmortem: not recording: {exc}; one recorder per run directory and "
+                          f"rank (pass another run directory for this job). Training continues unrecorded.",
+                          RuntimeWarning, stacklevel=2)
         except Exception as exc:  # noqa: BLE001 - the training must go on
             # Whatever broke (an unwritable run directory, a model the
             # recorder does not understand): no hooks, no thread, one
@@ -249,8 +263,27 @@ class AmpRecorder:
         self.run_dir, self.uploader = open_run_location(run_dir, self.rank, spool_dir=spool_dir,
                                                         spool_max_bytes=spool_max_bytes)
         self.rank_dir = self.run_dir / schema.RANK_DIR.format(rank=self.rank)
-        # Before anything else can fail: every rank waits for rank 0's id.
+        # Before anything is written: one writer per rank directory.
+        held = None
+        try:
+            self.lease = RankLease(self.rank_dir)
+        except LeaseHeldError as exc:
+            held = exc
+        first_shard = 0
+        if self.uploader is not None and held is None:
+            # The store's round trips run on the upload thread; the run
+            # waits for its answer (a resumed run's id and shard count) a
+            # bounded moment, never for a store that is down.
+            self.uploader.start(resume_rank=self.rank)
+            self._uploading = True
+            first_shard = self.uploader.resume_run(self.rank)
+        # Before anything else can fail: every rank waits for rank 0's id
+        # (a refused rank too, or the others would wait for it).
         self.run_id = shared_run_id(self.run_dir, self.rank, run_id)
+        if held is not None:
+            raise held
+        # The space of the stop record, taken while the disk has room.
+        self.status = StatusSlot(self.rank_dir, run_id=self.run_id, rank=self.rank)
 
         # Names as the user's model gives them, whatever wraps it (compile,
         # DDP, FSDP, checkpoint wrappers); hooks go on the wrapped modules,
@@ -306,7 +339,7 @@ class AmpRecorder:
         up = self.uploader
         self.shards = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
                                   world_size=self.world_size, steps_per_shard=options["steps_per_shard"],
-                                  first_index=up.next_shard_index(self.rank) if up else 0,
+                                  first_index=first_shard,
                                   has_room=up.has_room if up else None,
                                   durable_interval_s=self.durable_interval_s)
         self.writer.when_idle(self.shards.sync_journal, self.shards.journal.idle_sync_s)
@@ -314,9 +347,6 @@ class AmpRecorder:
             self.manifest.data["storage"] = {"uri": self.run_location, "spool_dropped_steps": 0}
         self.manifest.write()
         self.writer.start()
-        if self.uploader is not None:
-            self.uploader.start()
-            self._uploading = True
         self.hooks.register()
         if self.capture_loss:
             self.loss_tap = self._loss_tap(scaler)
@@ -383,28 +413,43 @@ class AmpRecorder:
                 self._failed_at_step = self._writing_step if on_writer and self._writing_step is not None \
                     else self._step_counter
             self._enabled = False
+        # On disk at once, not through the writer thread (which may be
+        # what failed, and skips its jobs from now on).
+        where = self._write_disabled() if first else None
         if not self._warned:
             self._warned = True
+            aside = (f" The reason is recorded in {where} (the run directory took no write)."
+                     if where is not None and where != getattr(self.status, "path", None) else "")
             warnings.warn(f"amp-postmortem: recording disabled after an internal error: "
-                          f"{type(exc).__name__}: {exc}. Training continues unrecorded.",
+                          f"{type(exc).__name__}: {exc}. Training continues unrecorded.{aside}",
                           RuntimeWarning, stacklevel=2)
-        if first:
-            # On disk at once, not through the writer thread (which may be
-            # what failed, and skips its jobs from now on).
-            self._write_disabled()
 
-    def _write_disabled(self, status: str | None = None) -> None:
-        """The manifest with `disabled_reason` and `disabled_at_step`,
-        written from the calling thread; best effort (the disk may be what
-        failed)."""
-        if self.manifest is None:
-            return
-        try:
-            self.manifest.set_recording(status=status, dropped_steps=self._dropped_steps,
-                                        failure=self._failure, failed_at_step=self._failed_at_step)
-            self.manifest.write()
-        except Exception:  # noqa: BLE001 - nothing more can be done without a disk
-            pass
+    def _write_disabled(self, status: str | None = None):
+        """The stop record (`disabled_reason`, `disabled_at_step`), written
+        from the calling thread: first in the reserved status slot, which a
+        full disk still takes (else a fallback file), then in the manifest,
+        best effort (the disk may be what failed). Returns the file that
+        holds the record (None: none could be written)."""
+        reason = failure_reason(self._failure) if self._failure is not None else None
+        if self.status is not None:
+            where = self.status.record(status=status, disabled_reason=reason,
+                                       disabled_at_step=self._failed_at_step)
+        elif self.rank_dir is not None and reason is not None:
+            # Failed before the slot was reserved (the disk was full already).
+            where = write_fallback(self.rank_dir / schema.STATUS_FILE, {
+                "format": schema.STATUS_FORMAT, "run_id": self.run_id, "rank": self.rank,
+                "status": status or "open", "disabled_reason": reason,
+                "disabled_at_step": self._failed_at_step})
+        else:
+            where = None
+        if self.manifest is not None:
+            try:
+                self.manifest.set_recording(status=status, dropped_steps=self._dropped_steps,
+                                            failure=self._failure, failed_at_step=self._failed_at_step)
+                self.manifest.write()
+            except Exception:  # noqa: BLE001 - nothing more can be done without a disk
+                pass
+        return where
 
     @property
     def enabled(self) -> bool:
@@ -541,6 +586,8 @@ class AmpRecorder:
             # The writer skips its jobs once recording is off: the final
             # manifest, with the reason, goes to disk from here.
             self._write_disabled(status="closed")
+        elif self.status is not None:
+            self.status.record(status="closed")
         try:
             if self.bundles is not None:
                 self.bundles.close(write_decided=self._failure is None and not self.writer.alive)
@@ -548,12 +595,16 @@ class AmpRecorder:
             pass
         if self.uploader is not None and self._uploading:
             self._close_uploads()
+        if self.status is not None:
+            self.status.close()
+        if self.lease is not None:
+            self.lease.release()  # last: the spool's uploads are this writer's too
 
     def _close_uploads(self) -> None:
         """Upload what the spool holds; report (never drop) what the store
         did not take."""
         report = self.uploader.close(self.upload_timeout_s)
-        report.spool_full_steps = self.shards.dropped_steps
+        report.spool_full_steps = self.shards.dropped_steps if self.shards is not None else 0
         self.upload_report = report
         if report.pending or report.spool_full_steps:
             lost = (f"; {report.spool_full_steps} step(s) were not recorded because the spool was full"

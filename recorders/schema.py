@@ -200,3 +200,8 @@ BUNDLES_DIR = "bundles"
 BUNDLE_DIR = "step={step}/rank={rank}"
 BUNDLE_MANIFEST_FILE = "bundle.json"
 BUNDLE_TENSORS_FILE = "tensors.parquet"
+# The recorder's status slot (reserved at start, overwritten in place) and
+# its lease (one writer per rank directory; hidden: readers ignore it).
+STATUS_FILE = "status.json"
+STATUS_FORMAT = "amp-postmortem-status"
+LEASE_FILE = ".writer.lock"

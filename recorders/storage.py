@@ -51,9 +51,14 @@ DEFAULT_UPLOAD_TIMEOUT_S = 120.0
 # to the last value.
 BACKOFF_S = (0.5, 30.0)
 _POLL_S = 1.0
+# How long the constructor waits for the store to say what it holds of the
+# run (its manifests, its shard count): a store that answers takes tens of
+# milliseconds; one that is down is waited for no longer than this (its
+# client's own retries take ~6 s a request), and the run starts without.
+STORE_WAIT_S = 0.5
 # Uploaded last: the files that describe the others (a reader that finds a
 # manifest or a bundle.json finds what it names).
-_DESCRIBING = (schema.MANIFEST_FILE, schema.BUNDLE_MANIFEST_FILE)
+_DESCRIBING = (schema.MANIFEST_FILE, schema.BUNDLE_MANIFEST_FILE, schema.STATUS_FILE)
 
 
 class StorageError(ValueError):
@@ -110,12 +115,11 @@ def open_run_location(location, rank: int, *, spool_dir=None,
                       spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES) -> tuple[Path, "SpoolUploader | None"]:
     """(directory the writer writes, uploader or None) for a run location:
     a local path is written in place; a URI through a spool and an uploader
-    (not started yet)."""
+    (not started yet; no round trip to the store is made here)."""
     if not is_uri(location):
         return local_path(location), None
     uri = str(location).rstrip("/")
     uploader = SpoolUploader(uri, spool_dir_for(uri, rank, spool_dir), max_bytes=spool_max_bytes)
-    uploader.download_describing_files(rank)
     return uploader.spool_dir, uploader
 
 
@@ -162,43 +166,69 @@ class SpoolUploader:
         self._backoff = 0.0
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._resume_rank: int | None = None
+        self._store_read = threading.Event()
+        self._store_run: tuple[dict, int] | None = None  # (describing files, next shard number)
 
     # ----------------------------------------------------------- remote run
-    def download_describing_files(self, rank: int) -> None:
-        """Fetch the run's and this rank's manifest into an empty spool, so a
-        resumed job continues the run (same run id) written earlier."""
+    def resume_run(self, rank: int, wait_s: float = STORE_WAIT_S) -> int:
+        """What the store holds of the run, as the uploader thread read it
+        (`start(resume_rank=rank)`), waited for at most `wait_s`: its and
+        this rank's manifest put into an empty spool, so that a resumed job
+        continues the run (same run id); returns the first shard number for
+        the writer. A store that did not answer in time: nothing is put,
+        and the shards are numbered after any plausible count (the time in
+        seconds) rather than risk overwriting one; readers order shards by
+        their step ranges, not by number. A late answer is dropped."""
+        if not self._store_read.wait(max(0.0, wait_s)) or self._store_run is None:
+            return int(time.time())
+        files, next_index = self._store_run
+        with self._sweep_lock:
+            for rel, data in files.items():
+                local = self.spool_dir / rel
+                if local.exists():
+                    continue
+                local.parent.mkdir(parents=True, exist_ok=True)
+                local.write_bytes(data)
+                st = local.stat()
+                self._uploaded_versions[rel] = (st.st_mtime_ns, st.st_size)
+        return next_index
+
+    def _read_store_run(self, rank: int) -> tuple[dict, int]:
+        """(the run's and `rank`'s manifests the store holds, the next shard
+        number of `rank` there); raises when the store does not answer."""
+        next_index = self._count_shards(rank)
+        files = {}
         for rel in (schema.MANIFEST_FILE, f"{schema.RANK_DIR.format(rank=rank)}/{schema.MANIFEST_FILE}"):
-            local = self.spool_dir / rel
-            if local.exists():
-                continue
             try:
                 with self.fs.open_input_stream(f"{self.base}/{rel}") as f:
-                    data = f.read()
-            except (OSError, pa.ArrowException):
-                continue  # a new run, or the store is down: a new run id then
-            local.parent.mkdir(parents=True, exist_ok=True)
-            local.write_bytes(data)
-            st = local.stat()
-            self._uploaded_versions[rel] = (st.st_mtime_ns, st.st_size)
+                    files[rel] = f.read()
+            except FileNotFoundError:
+                continue  # a new run
+        return files, next_index
 
     def next_shard_index(self, rank: int) -> int:
         """First free shard number of `rank` on the store (spooled shards are
-        counted by the writer itself)."""
-        d = f"{self.base}/{schema.RANK_DIR.format(rank=rank)}/{schema.STEPS_DIR}"
+        counted by the writer itself); the time in seconds when the store
+        is unreachable (see `resume_run`). Makes round trips: never on the
+        training thread."""
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(d, allow_not_found=True))
+            return self._count_shards(rank)
         except (OSError, pa.ArrowException):
-            # The store is unreachable: a resumed run's shards cannot be
-            # counted, so number after any plausible count (the time in
-            # seconds) rather than risk overwriting one. Readers order
-            # shards by their step ranges, not by number.
             return int(time.time())
+
+    def _count_shards(self, rank: int) -> int:
+        d = f"{self.base}/{schema.RANK_DIR.format(rank=rank)}/{schema.STEPS_DIR}"
+        infos = self.fs.get_file_info(pafs.FileSelector(d, allow_not_found=True))
         numbers = [int(m.group(1)) for i in infos
                    if (m := re.fullmatch(r"part-([0-9]+)\.parquet", i.base_name))]
         return max(numbers) + 1 if numbers else 0
 
     # ------------------------------------------------------------ lifecycle
-    def start(self) -> None:
+    def start(self, resume_rank: int | None = None) -> None:
+        """Start the upload thread; with `resume_rank`, its first job is to
+        read what the store holds of the run (see `resume_run`)."""
+        self._resume_rank = resume_rank
         self._thread = threading.Thread(target=self._loop, name="amp-postmortem-upload", daemon=True)
         self._thread.start()
 
@@ -257,6 +287,12 @@ class SpoolUploader:
 
     # ---------------------------------------------------------- upload loop
     def _loop(self) -> None:
+        if self._resume_rank is not None:
+            try:
+                self._store_run = self._read_store_run(self._resume_rank)
+            except (OSError, pa.ArrowException) as exc:
+                self.report.last_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._store_read.set()
         while not self._stop.is_set():
             self._wake.wait(_POLL_S if self._backoff == 0 else self._backoff)
             self._wake.clear()
@@ -285,7 +321,10 @@ class SpoolUploader:
     def _sweep(self) -> None:
         with self._sweep_lock:
             for rel, path in self._spooled():
-                describing = path.name == schema.MANIFEST_FILE
+                # Kept and sent again when rewritten: manifests and the
+                # status slot (overwritten in place; never unlinked under
+                # the recorder that holds it open).
+                describing = path.name in (schema.MANIFEST_FILE, schema.STATUS_FILE)
                 try:
                     st = path.stat()
                 except OSError:

@@ -224,3 +224,61 @@ def test_a_recorded_step_makes_no_closures_for_the_garbage_collector(tmp_path):
     plain = _closures_made_in_a_step(copy.deepcopy(model), None)
     recorded = _closures_made_in_a_step(model, recorder_at(tmp_path / "run"))
     assert recorded == plain
+
+
+class FailsOnce(nn.Module):
+    """Raises in its forward on one call, after its first layer ran (the
+    loop catches it and moves on, as a job skipping a bad batch does)."""
+
+    def __init__(self, fail_on_call=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+        self.fail_on_call = fail_on_call
+        self.calls = 0
+
+    def forward(self, x):
+        h = self.body(x)
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise ValueError("a bad batch")
+        return self.head(torch.relu(h))
+
+
+def _skip_bad_batches(run, model, batches, accumulate=1):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with AmpRecorder(run, model, optimizer=opt, full_every=1) as rec:
+        it = iter(batches)
+        for x, y in it:
+            done = 0
+            while done < accumulate:
+                try:
+                    loss = ((model(x) - y) ** 2).mean()
+                except ValueError:
+                    x, y = next(it)  # the loop drops the batch and takes the next
+                    continue
+                loss.backward()
+                done += 1
+                if done < accumulate:
+                    x, y = next(it)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    cols = ["step", "name", "kind", "call", "numel", "rms"]
+    return (read_table(run, schema.TENSORS_DIR)[cols].sort_values(cols[:4]).reset_index(drop=True),
+            read_table(run, schema.STEPS_DIR)[["step", "micro_batches"]])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_forward_that_raised_closes_its_micro_batch(tmp_path, accumulate):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(5, 4, generator=g), torch.randn(5, 1, generator=g)) for _ in range(9)]
+    bad = 3  # the fourth batch: the first micro-batch of step 1 (accumulate 2), or step 3's
+    failed = _skip_bad_batches(tmp_path / "failed", FailsOnce(fail_on_call=bad + 1), data, accumulate)
+    clean = _skip_bad_batches(tmp_path / "clean", FailsOnce(), data[:bad] + data[bad + 1:], accumulate)
+    # The same rows as a run that never saw the bad batch: no doubled
+    # numel, no extra call or micro-batch in the step after the failure.
+    assert failed[1]["micro_batches"].tolist() == [accumulate] * (8 // accumulate)
+    assert failed[1].equals(clean[1])
+    assert failed[0].equals(clean[0])

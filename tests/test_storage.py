@@ -350,3 +350,42 @@ def test_a_store_unreachable_at_start_never_reuses_a_shard_number(tmp_path):
     up = SpoolUploader("memory://down/run", tmp_path, filesystem=pafs.PyFileSystem(pafs.FSSpecHandler(Down())),
                        base="down/run")
     assert up.next_shard_index(0) >= int(time.time()) - 5
+
+
+def test_a_store_that_refuses_connections_never_blocks_the_constructor(s3, tmp_path):
+    """The store is down when the job starts (connection refused on its
+    port): the constructor returns at once, the spool takes the rows, and
+    the run is complete on the store once it is back."""
+    uri = f"s3://{BUCKET}/runs/down-at-start"
+    torch.manual_seed(0)
+    model = W.AttnNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=W.RECORDED_SCALE, growth_interval=10 ** 6)
+    s3.stop()
+    try:
+        # Nothing listens: refused, not a timeout (the proxy's accept() that
+        # was waiting when it closed may take one last connection).
+        refused = []
+        for _ in range(3):
+            with socket.socket() as probe:
+                refused.append(probe.connect_ex(("127.0.0.1", s3.port)) != 0)
+        assert refused[-1], refused
+        started = time.time()
+        t0 = time.perf_counter()
+        rec = AmpRecorder(uri, model, optimizer=opt, scaler=scaler, steps_per_shard=5,
+                          spool_dir=tmp_path / "spool", upload_timeout_s=60)
+        assert time.perf_counter() - t0 < 1.0  # the S3 client's retries alone take ~6 s a request
+        times = _train(rec, model, opt, scaler, 10)
+        assert max(times) < 4.0, times
+        rec.flush()
+        spooled = sorted(p.name for p in (rec.run_dir / "rank=0" / schema.STEPS_DIR).glob("*.parquet"))
+        assert len(spooled) == 2  # the spool holds the rows while the store is down
+    finally:
+        s3.start()
+    rec.close()
+    assert rec.upload_report.pending == []
+    # Numbered after any count the store could hold (it could not be asked).
+    assert all(int(name.split("-")[1].split(".")[0]) >= int(started) for name in spooled)
+    run = load_run(uri)
+    assert run.steps["step"].tolist() == list(range(10)) and run.manifest["status"] == "closed"
+    assert run.warnings == []

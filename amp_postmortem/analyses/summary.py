@@ -15,6 +15,10 @@ Findings (kind, severity):
 - `grad_underflow` (warning): gradients sit in the float16 subnormal range
   (`ranges`, `underflow` flag).
 - `overflow_risk` (warning): activations close to or heading for 65504.
+- `recording_disabled` (error): the recorder stopped part-way (a full disk,
+  an internal error) and said so in its status slot or manifest.
+- `recording_not_closed` (warning): a recorder ended without closing and
+  left no stop record (killed, or still running): later steps may be absent.
 - `healthy` (info): none of the above.
 """
 from __future__ import annotations
@@ -193,12 +197,25 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
         # The steps after the failure are absent: no finding above covers them.
         r, reason = next(iter(disabled.items()))
         last = run.step_series().rank_last_steps.get(r)
+        at = _rank_manifest(run, r).get("disabled_at_step")
+        stopped = f"at step {at}" if at is not None else f"after step {last}"
         findings.append(Finding(
             "recording_disabled", "error", last, None,
-            f"recording was switched off on rank(s) {', '.join(map(str, disabled))} after step {last} "
+            f"recording stopped {stopped} on rank(s) {', '.join(map(str, disabled))} "
             f"({reason}): later steps were not recorded and this analysis cannot see them",
             "fix the cause (the recorder warned once in the training log), then record again",
-            {"disabled_reasons": {str(k): v for k, v in disabled.items()}, "last_recorded_step": last}))
+            {"disabled_reasons": {str(k): v for k, v in disabled.items()}, "last_recorded_step": last,
+             "disabled_at_step": at}))
+    unclosed = [r for r in run.ranks if r not in disabled and _rank_manifest(run, r).get("status") == "open"]
+    if unclosed:
+        last = max((run.step_series().rank_last_steps.get(r, -1) for r in unclosed), default=None)
+        findings.append(Finding(
+            "recording_not_closed", "warning", last, None,
+            f"recording of rank(s) {', '.join(map(str, unclosed))} ended without closing and left no stop "
+            f"record (status 'open'): the job was killed or is still running; steps after {last} may be "
+            f"missing from this analysis",
+            "check the job's end in its log (OOM killer, node failure, time limit); amp-postmortem summary "
+            "again once it ends", {"ranks": unclosed, "last_recorded_step": last}))
 
     if not findings:
         findings.append(Finding(
@@ -218,8 +235,13 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
 
 def _disabled_ranks(run: Run) -> dict:
     """{rank: disabled_reason} of the analysed ranks whose recorder switched itself off."""
-    manifests = {r: run.rank_manifests.get(r, run.manifest if r == min(run.ranks) else {}) for r in run.ranks}
+    manifests = {r: _rank_manifest(run, r) for r in run.ranks}
     return {r: m["disabled_reason"] for r, m in sorted(manifests.items()) if m.get("disabled_reason")}
+
+
+def _rank_manifest(run: Run, r: int) -> dict:
+    """Rank r's manifest (its status slot laid over), else the run's for the lowest rank."""
+    return run.rank_manifests.get(r, run.manifest if r == min(run.ranks) else {})
 
 
 def underflow_measured(run: Run, name: str, from_step: int | None, limit: str = "float16") -> dict:

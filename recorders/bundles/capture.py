@@ -150,6 +150,11 @@ class BundleCapture:
         versions = [(t, t._version) for t in iter_tensors((args, kwargs))]
         self._current.micro_batches.append(MicroBatch(args, kwargs, versions, rng))
 
+    def on_micro_batch_aborted(self) -> None:
+        """The micro-batch just started raised in its forward: not replayed."""
+        if self.enabled and self._current is not None and self._current.micro_batches:
+            self._current.micro_batches.pop()
+
     def _new_capture(self, step: int, autocast: dict | None) -> StepCapture:
         cap = StepCapture(step)
         cap.param_versions = self.inventory.param_versions()
