@@ -20,12 +20,14 @@ import re
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 
 from recorders import schema
 from recorders.journal import read_prefix
 
-from .errors import MixedRunsError
-from .shards import Shard, check_version, error_text
+from .errors import CorruptRunError, MixedRunsError
+from .files.safe import check_entry, check_inside, open_regular
+from .shards import Shard, check_version, error_text, shard_files
 from .store import StorePath, filesystem_of, fs_path
 
 _SCHEMAS = {schema.STEPS_DIR: schema.STEP_SCHEMA, schema.TENSORS_DIR: schema.TENSOR_SCHEMA}
@@ -61,8 +63,17 @@ def read_journal_table(path: str, table: str, filesystem) -> pa.Table:
 def _batches(path: str, filesystem) -> list[pa.RecordBatch]:
     # A journal gone since the run was loaded (its pair published meanwhile)
     # raises: the caller names the file it skipped, never reads it as empty.
-    with filesystem.open_input_stream(path) as f:
+    with _open(path, filesystem) as f:
         return read_prefix(f)[1]
+
+
+def _open(path: str, filesystem, root=None):
+    """A local journal opened as every file of a run is (files.safe: a
+    regular file, never a FIFO that would hang, never through a link);
+    one on an object store through its filesystem."""
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return open_regular(path, root, CorruptRunError)
+    return filesystem.open_input_stream(path)
 
 
 def conform(table: pa.Table | None, target: pa.Schema) -> pa.Table:
@@ -83,16 +94,17 @@ def journal_shards(root, rank: int, rank_dir, run_id, published: set[int], warni
     """The journals of one rank as (steps, tensors) `Shard`s, except those of
     the pairs in `published` (numbers of readable steps shards)."""
     d = rank_dir / schema.JOURNAL_DIR / schema.STEPS_DIR
+    check_inside(rank_dir / schema.JOURNAL_DIR, root, CorruptRunError)
     if not d.is_dir():
         return []
     out = []
-    for path in sorted(p for p in d.glob("part-*" + schema.JOURNAL_SUFFIX) if not p.name.startswith(".")):
+    for path in shard_files(d, root, warnings, pattern="part-*" + schema.JOURNAL_SUFFIX):
         number = shard_number(path.name)
         if number in published:
             continue
         rel = path.relative_to(root)
         try:
-            with filesystem_of(path).open_input_stream(location(path)) as f:
+            with _open(location(path), filesystem_of(path), root) as f:
                 stream_schema, batches = read_prefix(f)
             steps = conform(pa.Table.from_batches(batches), schema.STEP_SCHEMA) if batches else None
         except (OSError, pa.ArrowException) as exc:
@@ -116,7 +128,8 @@ def journal_shards(root, rank: int, rank_dir, run_id, published: set[int], warni
         out.append(Shard(path=path, rank=rank, table=schema.STEPS_DIR, num_rows=steps.num_rows,
                          first_step=first, last_step=last, nonfinite_rows=0))
         tensors = rank_dir / schema.JOURNAL_DIR / schema.TENSORS_DIR / path.name
-        if tensors.is_file():
+        if tensors.exists() or (not isinstance(tensors, StorePath) and os.path.lexists(tensors)):
+            check_entry(tensors, root, CorruptRunError)
             # Row and non-finite counts are not known without reading it all:
             # the steps' own count, and None (never pruned by the filter).
             out.append(Shard(path=tensors, rank=rank, table=schema.TENSORS_DIR, num_rows=tensor_rows,

@@ -34,8 +34,9 @@ from .engines import Engine
 from .engines.local import LocalEngine
 from .engines.scan import NONFINITE_FILTER, ShardScan, scan_shard
 from .errors import CorruptRunError, EmptyRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
+from .files.limits import MAX_STATUS_BYTES
 from .files.models import RunManifest, validate
-from .files.safe import read_json
+from .files.safe import Damaged, parse_json, read_bytes, read_json, shown
 from .index import read_indexes, shard_from_index
 from .journal import is_journal, location, read_journal_table, with_journals
 from .step_facts import StepFacts, from_indexes, from_series, from_table
@@ -455,9 +456,9 @@ def load_run(path, rank: int | None = None) -> Run:
                 f"mixed runs in {root}: rank {r} has run_id {m.get('run_id')!r}, the run manifest "
                 f"has {run_id!r}; keep one recording per directory")
         if m.get("run_id") == run_id:
-            rank_manifests[r] = with_status_slot(m, d / schema.STATUS_FILE, warnings)
+            rank_manifests[r] = with_status_slot(m, d / schema.STATUS_FILE, warnings, root)
             if r == min(found):  # the run manifest is this rank's copy
-                manifest = with_status_slot(manifest, d / schema.STATUS_FILE, [])
+                manifest = with_status_slot(manifest, d / schema.STATUS_FILE, [], root)
     if not found:
         raise EmptyRunError(f"{root} has a manifest but no rank=<r> directories: nothing was recorded"
                             + _disabled([manifest]))
@@ -570,23 +571,20 @@ def _read_manifest(path: Path, root=None) -> dict:
     return m
 
 
-# A status slot is one page; anything much larger is not one.
-_STATUS_MAX_BYTES = 1 << 16
 
-
-def with_status_slot(manifest: dict, path, warnings: list[str]) -> dict:
+def with_status_slot(manifest: dict, path, warnings: list[str], root=None) -> dict:
     """The manifest with the recorder's status slot (`rank=R/status.json`)
     laid over it: the slot took the stop record where the manifest's rewrite
     failed (a full disk), so its `status`, `disabled_reason` and
     `disabled_at_step` win. A missing slot (a run recorded before slots
-    existed) changes nothing; an unusable one is named in a warning."""
-    if not path.is_file():
+    existed) changes nothing; a damaged one is named in a warning; one that
+    is no regular file inside the run, too large or too deep is refused
+    (files.safe), as every other file of a run."""
+    if not _present(path):
         return manifest
+    data = read_bytes(path, root, CorruptRunError, MAX_STATUS_BYTES)
     try:
-        size = path.size() if hasattr(path, "size") and callable(path.size) else path.stat().st_size
-        if size is not None and size > _STATUS_MAX_BYTES:
-            raise ValueError(f"{size} bytes, more than a status slot's {_STATUS_MAX_BYTES}")
-        slot = json.loads(path.read_text())
+        slot = parse_json(data, path, CorruptRunError)
         if not isinstance(slot, dict) or slot.get("format") != schema.STATUS_FORMAT:
             raise ValueError(f"not a status slot (format {schema.STATUS_FORMAT!r} expected)")
         if slot.get("run_id") != manifest.get("run_id"):
@@ -595,8 +593,8 @@ def with_status_slot(manifest: dict, path, warnings: list[str]) -> dict:
         if status not in ("open", "closed") or not isinstance(reason, (str, type(None))) \
                 or not (at is None or (isinstance(at, int) and not isinstance(at, bool))):
             raise ValueError("its status, disabled_reason or disabled_at_step has the wrong type")
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        warnings.append(f"ignored {path}: {error_text(exc) if isinstance(exc, OSError) else exc}")
+    except (Damaged, ValueError) as exc:
+        warnings.append(f"ignored {shown(path)}: {exc}")
         return manifest
     out = dict(manifest)
     if status == "closed" or out.get("status") is None:

@@ -63,16 +63,18 @@ def rank_dirs(root: Path, warnings: list | None = None) -> dict[int, Path]:
     return out
 
 
-def shard_files(d: Path, root: Path | None = None, warnings: list | None = None) -> list[Path]:
-    """The shard files of a `steps/` or `tensors/` directory; one that is
-    not a regular file (a FIFO would hang its reader, a link leads out of
-    the run) is refused (CorruptRunError)."""
+def shard_files(d: Path, root: Path | None = None, warnings: list | None = None,
+                pattern: str = "part-*.parquet") -> list[Path]:
+    """The shard files (or, with another `pattern`, journal files) of a
+    `steps/` or `tensors/` directory; one that is not a regular file (a
+    FIFO would hang its reader, a link leads out of the run) is refused
+    (CorruptRunError)."""
     check_inside(d, root, CorruptRunError)
     if not d.is_dir():
         return []
     # Temporary files start with "." and never end in ".parquet": invisible.
     found = sorted(p for p in listed(d, warnings)
-                   if fnmatch.fnmatchcase(p.name, "part-*.parquet") and not p.name.startswith("."))
+                   if fnmatch.fnmatchcase(p.name, pattern) and not p.name.startswith("."))
     for p in found:
         check_entry(p, root, CorruptRunError)
     return found

@@ -124,8 +124,9 @@ def test_recording_stopped_part_way_is_an_error_finding_that_fail_on_gates(stopp
     finding = next(f for f in report.findings if f.kind == "recording_disabled")
     assert (finding.severity, finding.step) == ("error", 4)
     assert finding.evidence == {"disabled_reasons": {"0": f"OSError: [Errno 28] {DISK_FULL}"},
-                                "last_recorded_step": 4, "disabled_at_step": 9}
-    assert finding.message.startswith("recording stopped at step 9 on rank(s) 0 (OSError")
+                                "last_recorded_step": 4, "disabled_at_step": 5}
+    # Step 5 is the journal's first write after the disk filled: there it stops.
+    assert finding.message.startswith("recording stopped at step 5 on rank(s) 0 (OSError")
     assert "healthy" not in report.kinds()
     assert _cli("summary", stopped_run, "--fail-on", "recording_disabled").exit_code == 1
     assert _cli("summary", stopped_run, "--fail-on", "nonfinite").exit_code == 0

@@ -99,7 +99,8 @@ def test_a_full_tmpfs_still_takes_the_stop_record_and_summary_says_error(tmp_pat
         manifest = json.loads((run / "rank=0" / schema.MANIFEST_FILE).read_text())
         assert manifest["status"] == "open" and manifest["disabled_reason"] is None
         status = json.loads((run / "rank=0" / schema.STATUS_FILE).read_text())
-        assert status["status"] == "closed" and status["disabled_at_step"] == 9
+        # The journal writes every step: the first step after the disk filled is the one that stops.
+        assert status["status"] == "closed" and status["disabled_at_step"] == 5
         assert "No space left on device" in status["disabled_reason"]
 
         loaded = load_run(run)
@@ -107,8 +108,8 @@ def test_a_full_tmpfs_still_takes_the_stop_record_and_summary_says_error(tmp_pat
         report = amp_postmortem.summary(run)
         assert "healthy" not in report.kinds() and "recording_not_closed" not in report.kinds()
         finding = next(f for f in report.findings if f.kind == "recording_disabled")
-        assert finding.severity == "error" and finding.evidence["disabled_at_step"] == 9
-        assert finding.message.startswith("recording stopped at step 9 on rank(s) 0 (OSError: [Errno 28]")
+        assert finding.severity == "error" and finding.evidence["disabled_at_step"] == 5
+        assert finding.message.startswith("recording stopped at step 5 on rank(s) 0 (OSError: [Errno 28]")
 
 
 @needs_root
@@ -160,7 +161,8 @@ def test_a_filesystem_that_refuses_every_write_leaves_the_record_in_the_fallback
         (record,) = fallback.glob("*-rank0.json")
         doc = json.loads(record.read_text())
         assert doc["slot"] == str(run / "rank=0" / schema.STATUS_FILE)
-        assert doc["disabled_at_step"] == 3 and doc["disabled_reason"].startswith("OSError")
+        # The journal writes every step: step 2, the first after the shutdown, is the one that stops.
+        assert doc["disabled_at_step"] == 2 and doc["disabled_reason"].startswith("OSError")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 

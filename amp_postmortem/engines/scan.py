@@ -75,6 +75,9 @@ def scan_shard(task: ShardScan) -> ShardPartial:
         if task.path.endswith(schema.JOURNAL_SUFFIX):
             return _scan_journal(task, fs)
         frag = _FORMAT.make_fragment(task.path, filesystem=fs)
+        too_big = _oversized_row_group(frag)
+        if too_big is not None:
+            return ShardPartial(None, too_big)
         expr = task.expression()
         if expr is not None:
             frag = frag.subset(filter=expr, schema=table_schema)
@@ -96,6 +99,19 @@ def scan_shard(task: ShardScan) -> ShardPartial:
     except (OSError, pa.ArrowException) as exc:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return ShardPartial(None, f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+
+
+def _oversized_row_group(frag) -> str | None:
+    """Why the shard is not read, when a row group would decompress past
+    MAX_ROW_GROUP_BYTES (its size is in the footer: checked before reading)."""
+    from ..files.limits import MAX_ROW_GROUP_BYTES
+    md = frag.metadata
+    for i in range(md.num_row_groups):
+        size = md.row_group(i).total_byte_size
+        if size > MAX_ROW_GROUP_BYTES:
+            return (f"row group {i} decompresses to {size} bytes, more than the {MAX_ROW_GROUP_BYTES} "
+                    f"bytes (MAX_ROW_GROUP_BYTES) a reader accepts")
+    return None
 
 
 def _scan_journal(task: ShardScan, fs) -> ShardPartial:

@@ -26,6 +26,12 @@ MAX_BUNDLE_INDEX_BYTES = 64 << 20
 PARQUET_SLACK_PER_ROW = 64
 PARQUET_SLACK_BYTES = 1 << 20
 
+# A rank's status slot (rank=R/status.json): the recorder reserves 4 KiB.
+MAX_STATUS_BYTES = 1 << 16
+# One row group of a steps or tensors shard, decompressed (Parquet metadata's
+# total_byte_size): the recorder's row groups of 65,536 rows take ~20 MiB.
+MAX_ROW_GROUP_BYTES = 1 << 30
+
 # Every limit, by the name docs/FORMAT.md uses for it.
 LIMITS = {
     "MAX_JSON_BYTES": MAX_JSON_BYTES,
@@ -34,4 +40,6 @@ LIMITS = {
     "MAX_TENSOR_ELEMENTS": MAX_TENSOR_ELEMENTS,
     "MAX_BUNDLE_BYTES": MAX_BUNDLE_BYTES,
     "MAX_BUNDLE_INDEX_BYTES": MAX_BUNDLE_INDEX_BYTES,
+    "MAX_STATUS_BYTES": MAX_STATUS_BYTES,
+    "MAX_ROW_GROUP_BYTES": MAX_ROW_GROUP_BYTES,
 }
