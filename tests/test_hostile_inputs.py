@@ -338,3 +338,53 @@ def test_format_md_states_every_limit_of_the_code():
         row = re.search(rf"^\| `{name}` \| ([0-9,]+) \|", section, re.M)
         assert row, f"docs/FORMAT.md, Limits, has no row for {name}"
         assert int(row.group(1).replace(",", "")) == value, name
+
+
+# ------------------------------------------- journals and the status slot
+def _journal_of(run: Path, table: str = "steps") -> Path:
+    d = run / "rank=0" / schema.JOURNAL_DIR / table
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"part-000099{schema.JOURNAL_SUFFIX}"
+
+
+@pytest.mark.parametrize("where", [f"rank=0/{schema.STATUS_FILE}", "journal"])
+def test_a_fifo_as_a_journal_or_status_slot_never_hangs(run, where):
+    path = _journal_of(run) if where == "journal" else run / where
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    result = _cli_in_subprocess("summary", run, timeout=60)  # a hang fails here
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert "FIFO" in lines[0] and path.name in lines[0]
+
+
+def test_a_symlinked_journal_or_status_slot_is_refused(run, tmp_path):
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"format": schema.STATUS_FORMAT, "status": "closed"}))
+    slot = run / "rank=0" / schema.STATUS_FILE
+    slot.unlink(missing_ok=True)
+    slot.symlink_to(outside)
+    _error(_cli("summary", run), schema.STATUS_FILE, "symbolic link")
+    slot.unlink()
+    journal = _journal_of(run)
+    journal.symlink_to(outside)
+    _error(_cli("summary", run), journal.name, "symbolic link")
+
+
+def test_a_status_slot_nested_deep_is_refused_before_it_is_parsed(run):
+    (run / "rank=0" / schema.STATUS_FILE).write_text(_deep(limits.MAX_STATUS_BYTES // 2 - 1))
+    _error(_cli("summary", run), schema.STATUS_FILE, "levels")
+
+
+def test_a_status_slot_larger_than_its_limit_is_refused(run):
+    (run / "rank=0" / schema.STATUS_FILE).write_text(" " * (limits.MAX_STATUS_BYTES + 1))
+    _error(_cli("summary", run), schema.STATUS_FILE, "bytes")
+
+
+def test_a_shard_row_group_past_its_limit_is_skipped_before_it_is_read(run, monkeypatch):
+    # The footer's decompressed size says too much: the shard is never read.
+    from amp_postmortem.files import limits as lim
+    monkeypatch.setattr(lim, "MAX_ROW_GROUP_BYTES", 1024)
+    result = _cli("ranges", run, "--json")
+    assert "skipped unreadable shard" in result.output and "MAX_ROW_GROUP_BYTES" in result.output, result.output
+    assert "Traceback" not in result.output
