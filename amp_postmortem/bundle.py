@@ -22,7 +22,7 @@ from recorders.tensor_codec import decode_tree, itemsize, parse_dtype, tensor_fr
 from .errors import BundleError, PostmortemError
 from .files import limits
 from .files.models import BundleMeta, validate
-from .files.safe import Damaged, check_inside, listed, open_regular, parse_json, rank_of, read_bytes, shown, step_of
+from .files.safe import Damaged, check_inside, numbered_dirs, open_regular, parse_json, rank_of, read_bytes, shown, step_of
 
 
 @dataclass
@@ -78,20 +78,8 @@ def list_bundles(run_dir) -> list[tuple[int, int, Path]]:
     check_inside(root, run_dir, BundleError)
     found = []
     if root.is_dir():
-        for sdir in listed(root, None):
-            step = step_of(sdir.name, sdir, BundleError)
-            if step is None:
-                continue  # hidden temporary directories included
-            check_inside(sdir, run_dir, BundleError)
-            if not sdir.is_dir():
-                continue
-            for rdir in listed(sdir, None):
-                rank = rank_of(rdir.name, rdir, BundleError)
-                if rank is None:
-                    continue
-                check_inside(rdir, run_dir, BundleError)
-                if rdir.is_dir():
-                    found.append((step, rank, rdir))
+        for step, sdir in numbered_dirs(root, step_of, run_dir, BundleError):
+            found += [(step, rank, rdir) for rank, rdir in numbered_dirs(sdir, rank_of, run_dir, BundleError)]
     return sorted(found)
 
 

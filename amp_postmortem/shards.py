@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from recorders import schema
 
 from .errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
-from .files.safe import RANK_DIR, check_entry, check_inside, listed, rank_of
+from .files.safe import RANK_DIR, check_entry, check_inside, listed, numbered_dirs, rank_of
 from .store import filesystem_of, fs_path
 
 
@@ -52,15 +52,7 @@ class Shard:
 def rank_dirs(root: Path, warnings: list | None = None) -> dict[int, Path]:
     """{rank: directory}; a name like `rank=00` or `rank=٠` (it would read
     as rank 0) or a linked rank directory is refused (CorruptRunError)."""
-    out = {}
-    for d in listed(root, warnings):
-        r = rank_of(d.name, d, CorruptRunError)
-        if r is None:
-            continue
-        check_inside(d, root, CorruptRunError)
-        if d.is_dir():
-            out[r] = d
-    return out
+    return dict(numbered_dirs(root, rank_of, root, CorruptRunError, warnings))
 
 
 def shard_files(d: Path, root: Path | None = None, warnings: list | None = None,

@@ -230,3 +230,18 @@ def rank_of(name: str, where, error) -> int | None:
 
 def step_of(name: str, where, error) -> int | None:
     return parse_dir_name(name, STEP_DIR, "step=", CANONICAL_STEP, where, error)
+
+
+def numbered_dirs(parent, number_of, root, error, warnings: list | None = None) -> list[tuple[int, Path]]:
+    """(number, directory) of the `rank=R` / `step=N` directories in
+    `parent` (`number_of`: `rank_of` or `step_of`); a non-canonical name
+    (it would alias another) or a linked directory raises `error`."""
+    out = []
+    for d in listed(parent, warnings):
+        number = number_of(d.name, d, error)
+        if number is None:
+            continue  # another kind of entry, hidden temporary directories included
+        check_inside(d, root, error)
+        if d.is_dir():
+            out.append((number, d))
+    return out
