@@ -149,10 +149,8 @@ def _writer_bytes_per_step(rec) -> float:
     steps = w.pending_steps
     if not batches or not steps:
         return 0
-    total = 0
-    for batch in batches:
-        for v in list(batch.values()):
-            total += v.nbytes if hasattr(v, "nbytes") else 8 * len(v)
+    # The writer holds each step's rows as the Arrow batch it journaled.
+    total = sum(batch.nbytes for batch in batches)
     return total / max(steps, len(batches))
 
 
