@@ -23,10 +23,11 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from recorders import schema
-from recorders.journal import read_prefix
 
 from .errors import CorruptRunError, MixedRunsError
-from .files.safe import check_entry, check_inside, open_regular
+from .files.ipc import Unbounded, read_stream_prefix
+from .files.limits import MAX_JOURNAL_BYTES
+from .files.safe import check_entry, check_inside, open_regular, shown
 from .shards import Shard, check_version, error_text, shard_files
 from .store import StorePath, filesystem_of, fs_path
 
@@ -64,7 +65,17 @@ def _batches(path: str, filesystem) -> list[pa.RecordBatch]:
     # A journal gone since the run was loaded (its pair published meanwhile)
     # raises: the caller names the file it skipped, never reads it as empty.
     with _open(path, filesystem) as f:
-        return read_prefix(f)[1]
+        return _read(f, path)[1]
+
+
+def _read(f, where):
+    """`recorders.journal.read_prefix`'s prefix, each batch's decoded size
+    bounded before it is decoded (files.ipc): a hostile journal is refused."""
+    try:
+        return read_stream_prefix(f, MAX_JOURNAL_BYTES)
+    except Unbounded as exc:
+        raise CorruptRunError(f"{shown(where)}: {exc} (MAX_JOURNAL_BYTES); not a journal this format "
+                              f"writes") from None
 
 
 def _open(path: str, filesystem, root=None):
@@ -105,7 +116,7 @@ def journal_shards(root, rank: int, rank_dir, run_id, published: set[int], warni
         rel = path.relative_to(root)
         try:
             with _open(location(path), filesystem_of(path), root) as f:
-                stream_schema, batches = read_prefix(f)
+                stream_schema, batches = _read(f, path)
             steps = conform(pa.Table.from_batches(batches), schema.STEP_SCHEMA) if batches else None
         except (OSError, pa.ArrowException) as exc:
             warnings.append(f"skipped unreadable journal {rel} ({error_text(exc)})")

@@ -388,3 +388,17 @@ def test_a_shard_row_group_past_its_limit_is_skipped_before_it_is_read(run, monk
     result = _cli("ranges", run, "--json")
     assert "skipped unreadable shard" in result.output and "MAX_ROW_GROUP_BYTES" in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_a_compressed_journal_bomb_is_refused_before_it_is_decoded(run, monkeypatch):
+    # 40 KB of lz4 that would decode to 80 MB: its message metadata says
+    # so, and the reader refuses it without decoding (files/ipc.py).
+    import numpy as np
+    import amp_postmortem.journal as journal
+    monkeypatch.setattr(journal, "MAX_JOURNAL_BYTES", 1 << 20)
+    zeros = pa.schema([("step", pa.int64())])
+    with pa.ipc.new_stream(str(_journal_of(run)), zeros,
+                           options=pa.ipc.IpcWriteOptions(compression="lz4")) as w:
+        w.write_batch(pa.record_batch([pa.array(np.zeros(10_000_000, dtype=np.int64))], schema=zeros))
+    assert _journal_of(run).stat().st_size < 1 << 20
+    _error(_cli("summary", run), _journal_of(run).name, "MAX_JOURNAL_BYTES")

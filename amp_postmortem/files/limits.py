@@ -31,6 +31,10 @@ MAX_STATUS_BYTES = 1 << 16
 # One row group of a steps or tensors shard, decompressed (Parquet metadata's
 # total_byte_size): the recorder's row groups of 65,536 rows take ~20 MiB.
 MAX_ROW_GROUP_BYTES = 1 << 30
+# One journal file's record batches, decoded (their sizes read from each
+# message's metadata before it is decoded): a journal holds at most one
+# shard interval of a rank's rows (flush_interval_s, 60 s by default).
+MAX_JOURNAL_BYTES = 1 << 32
 
 # Every limit, by the name docs/FORMAT.md uses for it.
 LIMITS = {
@@ -42,4 +46,5 @@ LIMITS = {
     "MAX_BUNDLE_INDEX_BYTES": MAX_BUNDLE_INDEX_BYTES,
     "MAX_STATUS_BYTES": MAX_STATUS_BYTES,
     "MAX_ROW_GROUP_BYTES": MAX_ROW_GROUP_BYTES,
+    "MAX_JOURNAL_BYTES": MAX_JOURNAL_BYTES,
 }
