@@ -306,7 +306,8 @@ class AmpRecorder:
             self.schedule.request(int(s))
         options = {"include": list(self.include), "exclude": list(self.exclude), **self.schedule.config(),
                    "steps_per_shard": max(1, int(steps_per_shard)), "near_overflow": float(near_overflow),
-                   "eager_full_steps": self.eager_full_steps}
+                   "eager_full_steps": self.eager_full_steps,
+                   "flush_interval_s": self.flush_interval_s, "durable_interval_s": self.durable_interval_s}
         job = describe_job(run_id=self.run_id, rank=self.rank, world_size=self.world_size, model=model,
                            module_names=module_names, watched=watched, params=params,
                            optimizer=optimizer, scaler=scaler, recorder_options=options,
