@@ -90,7 +90,8 @@ def empty_batch(table: str) -> pa.RecordBatch:
 
 class Journal:
     """The journal streams of one rank: `append` each step, `discard` a
-    pair's journal once the pair is published. Writer thread only.
+    pair's journal once the pair is published. Writer thread only, but for
+    `remove` of a closed journal (the publisher's thread).
 
     `metadata(table)`: the key-value metadata stamped into a stream's schema
     (the shard footer's keys but the step range, unknown while writing)."""
@@ -174,6 +175,11 @@ class Journal:
         fsynced: a journal that reappears beside its pair is ignored."""
         if self.index == index:
             self.close()
+        self.remove(index)
+
+    def remove(self, index: int) -> None:
+        """Unlink the files of a closed journal (any thread: the open
+        streams, another pair's, are not touched)."""
         for table in TABLES:
             try:
                 journal_path(self.rank_dir, table, index).unlink()

@@ -51,7 +51,7 @@ from .status_slot import StatusSlot, write_fallback
 from .step_rows import StepRows, step_events
 from .storage import DEFAULT_SPOOL_MAX_BYTES, DEFAULT_UPLOAD_TIMEOUT_S, open_run_location
 from .unwrap import unwrap_optimizer
-from .writer import ShardWriter
+from .writer import Publisher, ShardWriter
 from .writer_thread import WriterThread
 
 
@@ -342,7 +342,8 @@ class AmpRecorder:
                                   world_size=self.world_size, steps_per_shard=options["steps_per_shard"],
                                   first_index=first_shard,
                                   has_room=up.has_room if up else None,
-                                  durable_interval_s=self.durable_interval_s)
+                                  durable_interval_s=self.durable_interval_s,
+                                  publisher=Publisher(on_error=self._fail))
         self.writer.when_idle(self.shards.sync_journal, self.shards.journal.idle_sync_s)
         if up is not None:
             self.manifest.data["storage"] = {"uri": self.run_location, "spool_dropped_steps": 0}
@@ -403,16 +404,17 @@ class AmpRecorder:
         collections had to visit them."""
         return _GuardedCall(self, fn, a, b)
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, at_step: int | None = None) -> None:
         with self._lock:
             first = self._failure is None
             if first:
                 self._failure = exc
-                # The step being written when the writer thread failed, else
-                # the step the training is in.
+                # `at_step` (the last step of a pair the publisher failed to
+                # write), the step being written when the writer thread
+                # failed, else the step the training is in.
                 on_writer = self.writer is not None and threading.current_thread() is self.writer.thread
-                self._failed_at_step = self._writing_step if on_writer and self._writing_step is not None \
-                    else self._step_counter
+                self._failed_at_step = at_step if at_step is not None else \
+                    self._writing_step if on_writer and self._writing_step is not None else self._step_counter
             self._enabled = False
         # On disk at once, not through the writer thread (which may be
         # what failed, and skips its jobs from now on).
@@ -583,6 +585,10 @@ class AmpRecorder:
         self._unhook()
         if self.writer is not None:
             self.writer.stop(functools.partial(self._write_files, "closed"))
+        if self.shards is not None and self.shards.publisher is not None:
+            # Every rolled pair on disk (the writer skips its jobs once
+            # recording is off: a pair rolled before stays to be written).
+            self.shards.publisher.close()
         if self._failure is not None:
             # The writer skips its jobs once recording is off: the final
             # manifest, with the reason, goes to disk from here.
@@ -649,6 +655,7 @@ class AmpRecorder:
     def _write_files(self, status: str) -> None:
         """flush()/close(): the buffered steps as a shard, then the manifest."""
         self.shards.roll()
+        self.shards.wait_published()
         self.manifest.set_recording(status=status)
         self._write_manifest()
 

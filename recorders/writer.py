@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +88,61 @@ def _nonfinite(v) -> bool:
     return v is not None and not np.isfinite(v)
 
 
+class Publisher:
+    """Writes finished shard pairs on a thread of its own, so the writer
+    thread goes on journaling steps while a pair is compressed and written
+    (seconds for a shard of millions of rows): a job killed during that
+    time loses no more than the journal's bound, and the writer's queue
+    does not fill and drop steps. Pairs are published in the order given;
+    at most `depth` wait (then `submit` blocks: the writer slows down rather
+    than holding shard after shard in memory). `on_error(exc)`: a failed
+    publication (a full disk) turns recording off, as on the writer thread;
+    `submit(job, step)`: `step`, the pair's last step, is the one named as
+    being written when `job` fails (`on_error(exc, step)`)."""
+
+    THREAD_NAME = "amp-postmortem-publisher"
+
+    def __init__(self, on_error, depth: int = 1):
+        self.on_error = on_error
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
+        self._thread = threading.Thread(target=self._loop, name=self.THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def submit(self, job, step: int | None = None) -> None:
+        if self._thread.is_alive():
+            self._queue.put((job, step))
+        else:  # closed: publish here rather than lose the pair
+            self._run((job, step))
+
+    def wait(self) -> None:
+        """Block until every pair submitted so far is published (or failed)."""
+        if self._thread.is_alive():
+            self._queue.join()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Publish what waits, then end the thread. Idempotent."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._run(job)
+            finally:
+                self._queue.task_done()
+
+    def _run(self, item) -> None:
+        job, step = item
+        try:
+            job()
+        except Exception as exc:  # noqa: BLE001 - a full disk, ...: recording off, the training goes on
+            self.on_error(exc, step)
+
+
 class ShardWriter:
     """Buffers the rows of one rank and writes them as step-aligned shards.
 
@@ -100,7 +157,7 @@ class ShardWriter:
     def __init__(self, rank_dir: Path, *, run_id: str, rank: int, world_size: int,
                  steps_per_shard: int, row_group_rows: int = 1 << 16,
                  first_index: int = 0, has_room=None,
-                 durable_interval_s: float = DEFAULT_DURABLE_INTERVAL_S):
+                 durable_interval_s: float = DEFAULT_DURABLE_INTERVAL_S, publisher: Publisher | None = None):
         # ~64k rows per row group: small enough that step and non-finite
         # filters can skip most of a shard by its column statistics.
         self.rank_dir = Path(rank_dir)
@@ -121,6 +178,9 @@ class ShardWriter:
         self.has_room = has_room
         self.shards_written = 0
         self.dropped_steps = 0  # steps not written because has_room() said no
+        # Who writes a finished pair: `publisher` (its own thread), else
+        # `roll()` itself.
+        self.publisher = publisher
         self.journal = Journal(self.rank_dir, durable_interval_s=durable_interval_s,
                                metadata=lambda table: self._metadata(table, None, None, None))
         # Journals of earlier processes, made into shards off the training
@@ -204,13 +264,32 @@ class ShardWriter:
             self.journal.discard(self.shard_index)
             self._reset()
             return
+        number = self.shard_index
         tensors = pa.Table.from_batches(self._tensor_batches, schema=schema.TENSOR_SCHEMA)
         step_table = pa.Table.from_batches(self._step_batches, schema=schema.STEP_SCHEMA)
-        self._publish(self.shard_index, self._step_rows, step_table, tensors, self._nonfinite_rows)
-        self.journal.discard(self.shard_index)
+        rows, nonfinite = self._step_rows, self._nonfinite_rows
+        if self.journal.index == number:
+            # Complete: synced and closed here; its steps stay readable
+            # until the pair replaces it.
+            self.journal.sync()
+            self.journal.close()
         self.shard_index += 1
         self.shards_written += 1
         self._reset()
+
+        def publish():
+            self._publish(number, rows, step_table, tensors, nonfinite)
+            self.journal.remove(number)  # files only: the writer thread owns the open streams
+
+        if self.publisher is not None:
+            self.publisher.submit(publish, max(r["step"] for r in rows))
+        else:
+            publish()
+
+    def wait_published(self) -> None:
+        """Block until every rolled pair is on disk (flush, close)."""
+        if self.publisher is not None:
+            self.publisher.wait()
 
     def _publish(self, number: int, step_rows: list[dict], step_table: pa.Table, tensors: pa.Table,
                  nonfinite_rows: int, run_id: str | None = None, world_size=None) -> None:

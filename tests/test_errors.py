@@ -22,7 +22,7 @@ from recorders.journal import Journal
 DISK_FULL = "No space left on device"
 
 
-def _failing_writes(monkeypatch, allowed: int):
+def _failing_writes(monkeypatch, allowed: int, journal_steps: int = 0):
     """Parquet writes fail after `allowed` succeed, and the journal's from
     then on: a disk that fills up."""
     real = pq.write_table
@@ -35,9 +35,14 @@ def _failing_writes(monkeypatch, allowed: int):
         return real(*args, **kwargs)
 
     append = Journal.append
+    # The journal takes `journal_steps` steps (those the allowed shard
+    # writes hold), then the disk is full for it too: counted by appends,
+    # not by when the pair's writes (on the publisher's thread) happened.
+    appends = {"n": 0}
 
     def journal_append(self, *args, **kwargs):
-        if calls["n"] >= allowed:
+        appends["n"] += 1
+        if appends["n"] > journal_steps:
             raise OSError(28, DISK_FULL)
         return append(self, *args, **kwargs)
 
@@ -50,7 +55,7 @@ def stopped_run(tmp_path_factory):
     """Recording switched itself off at the second shard: steps 0-4 on disk."""
     mp = pytest.MonkeyPatch()
     try:
-        _failing_writes(mp, allowed=2)  # one shard pair: steps and tensors of steps 0-4
+        _failing_writes(mp, allowed=2, journal_steps=5)  # one shard pair: steps and tensors of steps 0-4
         with pytest.warns(RuntimeWarning, match="recording disabled"):
             run = record_run(tmp_path_factory.mktemp("err") / "stopped", steps=12, steps_per_shard=5)
     finally:

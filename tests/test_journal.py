@@ -219,6 +219,44 @@ def test_a_recorder_fault_at_step_30_leaves_steps_0_to_29_on_disk(tmp_path, monk
     assert run.rank_manifests[0]["disabled_at_step"] == 30
 
 
+def test_the_writer_journals_on_while_a_pair_is_published(tmp_path, monkeypatch):
+    """A pair's Parquet write (seconds for millions of rows) runs on the
+    publisher's thread: held here until released, the writer goes on
+    journaling the next steps, which a killed job keeps and the analyzer
+    reads; once released every step is in a pair and no journal is left."""
+    import threading
+    import recorders.writer as rw
+    release, started = threading.Event(), threading.Event()
+    write = rw.atomic_write_table
+
+    def slow(*args, **kwargs):
+        started.set()
+        assert release.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(rw, "atomic_write_table", slow)
+    torch.manual_seed(0)
+    rec = train(TinyNet(), batches(5), recorder=recorder_at(tmp_path / "run", steps_per_shard=2),
+                close=False).rec
+    try:
+        assert started.wait(30)
+        # Pair 0 (steps 0-1) is being written, pair 1 (2-3) waits for the
+        # publisher, step 4 is in the open journal: the writer never stopped.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if [journal_path(tmp_path / "run" / "rank=0", "steps", i).exists() for i in range(3)] == [True] * 3:
+                break
+            time.sleep(0.05)
+        assert not list((tmp_path / "run" / "rank=0" / "steps").glob("*.parquet"))
+        assert load_run(tmp_path / "run").steps["step"].tolist() == [0, 1, 2, 3, 4]
+    finally:
+        release.set()
+        rec.close()
+    run = load_run(tmp_path / "run")
+    assert run.steps["step"].tolist() == [0, 1, 2, 3, 4] and len(run.step_shards) == 3
+    assert not list((tmp_path / "run" / "rank=0" / schema.JOURNAL_DIR).rglob("*" + schema.JOURNAL_SUFFIX))
+
+
 def _journaled_run(tmp_path, steps=6, **options) -> Path:
     """A copy of a run whose recorder journaled `steps` steps and wrote no
     shard (as a killed job leaves it)."""
