@@ -214,10 +214,9 @@ def _installed_origin(module_name: str, cwd: str, blocked: list[str], what: str)
         places.append(spec.origin)
     for place in places:
         real = _real(place)
-        # The package folder or module file itself, directly in the working directory.
-        beside_cwd = os.path.dirname(real) == cwd or os.path.dirname(os.path.dirname(real)) == cwd \
-            and os.path.basename(real) == "__init__.py"
-        if beside_cwd or _inside(real, blocked):
+        # A module file or package folder directly in the working directory
+        # (a package's folder is among its search locations).
+        if os.path.dirname(real) == cwd or _inside(real, blocked):
             raise ModelSpecError(f"{what}: refusing to import {top!r} from {place} (the working directory, "
                                  f"the run or the bundle); pass --model {_SPEC_FORMS}")
     return spec.origin if spec.origin not in (None, "frozen") else (places[0] if places else "built-in")
