@@ -163,7 +163,7 @@ def test_outputs_of_any_structure_repeated_calls_frozen_params_and_eval_passes(t
 
 
 def test_a_hook_that_raises_turns_recording_off_and_training_goes_on(tmp_path, monkeypatch):
-    import recorders.hooks as rr
+    import recorders.collectors.state as rr  # where every row's statistics are taken
     data = batches(6)
     torch.manual_seed(0)
     plain = train(TinyNet(), data)
@@ -205,7 +205,7 @@ def test_a_full_disk_turns_recording_off_and_training_goes_on(tmp_path, monkeypa
 
 
 def test_a_failing_hook_writes_its_reason_at_once(tmp_path, monkeypatch):
-    import recorders.hooks as rh
+    import recorders.collectors.state as rh  # where every row's statistics are taken
 
     def broken(*a, **k):
         raise RuntimeError("no statistics today")

@@ -1,0 +1,73 @@
+"""What autocast really ran, read where the model's modules run.
+
+Accelerate wraps the root's `forward` in autocast *after* the root's
+pre-hooks, and Lightning's root forward never runs: the state is read at
+the first recorded forward and again at the root's children's calls, until
+one of them has seen it on (or a whole step of child calls saw it off).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import unwrap
+
+
+def read_autocast() -> dict:
+    info = {"enabled": False, "device_type": None, "dtype": None}
+    for dev in ("cuda", "cpu", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                info = {"enabled": True, "device_type": dev,
+                        "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
+                break
+        except (RuntimeError, TypeError, AttributeError):
+            continue
+    info["cache_enabled"] = torch.is_autocast_cache_enabled()
+    return info
+
+
+class AutocastWatch:
+    """`on_autocast(info)` is told the autocast state at the first recorded
+    forward, and again if the root's children run under an autocast the
+    root did not see. `active()`: the step state when a forward hook
+    records (ForwardCollector.active)."""
+
+    def __init__(self, shared, on_autocast, active):
+        self.shared = shared
+        self._on_autocast = on_autocast
+        self._active = active
+        self.autocast: dict | None = None  # as the first recorded forward saw it
+        self._from_child = False  # the root's children have told what ran
+        self._children_ran = False  # ... in the step in progress
+
+    def register(self, model, handles: list) -> None:
+        for child in unwrap(model).children():
+            handles.append(child.register_forward_pre_hook(self.shared.guard(self._on_child_pre)))
+
+    def at_first_forward(self) -> None:
+        if self.autocast is None:
+            self._note(read_autocast())
+
+    def end_step(self) -> None:
+        if self._children_ran:  # a whole step of child calls saw no autocast
+            self._from_child = True
+
+    def _on_child_pre(self, module, args):
+        if self._from_child or self._active() is None:
+            return
+        self._children_ran = True
+        info = read_autocast()
+        if not info["enabled"]:
+            # A child called outside the autocast region (an embedding
+            # looked up before it) is not the last word: every child call
+            # of the step is asked (end_step stops asking).
+            return
+        self._from_child = True
+        # Only "on" overrides: a child may run in float32 on purpose.
+        if not (self.autocast or {}).get("enabled"):
+            self._note(info)
+            self.shared.bundles.on_autocast(info)  # the step's capture began at the root
+
+    def _note(self, info: dict):
+        self.autocast = info
+        self._on_autocast(info)

@@ -1,0 +1,195 @@
+"""Parameter gradients (`param_grad` rows), the gradient norm taken when
+each backward pass ends, and the optimizer's pre-step hook."""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from ..layout import local
+from .state import Shared, TensorInfo, eager
+
+
+def grad_norms(grads: list, on_host: bool | None = None) -> torch.Tensor:
+    """The L2 norm of each gradient, as a float64 vector on their device.
+
+    On a GPU: one fused pass in float64 (a scaled float16 gradient's norm
+    overflows in its own dtype), asynchronous. On the CPU the float64 pass
+    converts every value first and cost ~9x the float32 one (5 ms a step for
+    4M values, the largest single item of the recorder's cost), so the norms
+    are taken in float32 (relative error ~1e-5) and only a norm that
+    overflowed there (Inf from finite values too large to square in float32)
+    is taken again in float64; reading that flag costs nothing in host
+    memory. `on_host`: None reads it off the gradients' device (a test
+    runs the device path on the CPU)."""
+    if on_host is None:
+        on_host = grads[0].device.type == "cpu"
+    if not on_host:
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
+    # float64 gradients (a float64 model) keep float64: nothing to convert.
+    work = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    if all(g.dtype == work for g in grads):
+        # The usual float32 master gradients: no `dtype`, whose conversion
+        # path cost a fifth more here for the same sums.
+        norms = torch._foreach_norm(grads, 2)
+    else:
+        norms = torch._foreach_norm(grads, 2, dtype=work)
+    norms = torch.stack(norms).to(torch.float64)
+    overflow = torch.isinf(norms)
+    if overflow.any():
+        for i in overflow.nonzero().flatten().tolist():
+            norms[i] = torch.linalg.vector_norm(grads[i], dtype=torch.float64)
+    return norms
+
+
+class ParamGradCollector:
+    """`params`: (name, parameter) pairs; `watched(name)`: a parameter is
+    recorded when its module is watched or this says so; `sharded`: ids of
+    parameters held as local shards; `late_grads`: ids of parameters whose
+    gradients no post-accumulate-grad hook reports (FSDP1 sets them as views
+    of its flat gradient): read at the end of each backward pass."""
+
+    def __init__(self, shared: Shared, *, params: list, watched_modules: set, watch_param, scaler,
+                 optimizer, sharded=frozenset(), late_grads=frozenset()):
+        self.shared = shared
+        self.params = params
+        self._watched_modules = watched_modules
+        self._watch_param = watch_param
+        self.scaler = scaler
+        self.optimizer = optimizer
+        self._sharded = set(sharded)
+        self._late_grads = set(late_grads)
+        self._grad_params: list = []
+        self._late_params: list = []
+
+    def register(self, handles: list) -> None:
+        guard = self.shared.guard
+        for pname, p in self.params:
+            if p.requires_grad and (pname.rpartition(".")[0] in self._watched_modules or self._watch_param(pname)):
+                self._grad_params.append(p)
+                hook = self._make_param_hook(pname, p)
+                if id(p) in self._late_grads:
+                    self._late_params.append((pname, p, hook))
+                    continue
+                # Run eagerly even when the backward runs inside compiled
+                # code: dynamo would otherwise compile one frame per shape.
+                handles.append(p.register_post_accumulate_grad_hook(eager(guard(hook, traced=False))))
+        if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
+            handles.append(self.optimizer.register_step_pre_hook(eager(guard(self._on_opt_pre, traced=False))))
+
+    def scale_tensor(self):
+        if self.scaler is None:
+            return None
+        s = getattr(self.scaler, "_scale", None)
+        return s if isinstance(s, torch.Tensor) else None
+
+    def end_step(self, st) -> None:
+        add_row = self.shared.add_row
+        for pname, (order, s, sq, g) in st.param_grads.items():
+            add_row(st, pname, "param_grad", "backward", order, 0, g, s)
+
+    def _make_param_hook(self, pname, registered):
+        ref = weakref.ref(registered)
+        shared = self.shared
+
+        def hook(p):
+            # Backward runs with grad mode off: check the step, not grad mode.
+            st = shared.state
+            if shared.paused or not st.record or p.grad is None or p is not ref():
+                return
+            self.await_backward_end(st)
+            st.forward_open = False
+            g = p.grad
+            scale = self.scale_tensor()
+            s = shared.stats(st, g, scale=scale, unscale=scale is not None)
+            sq = None  # the global norm is taken once, when the backward pass ends
+            slot = st.param_grads.get(pname)
+            # Keep the statistics, not the gradient: `zero_grad()` must be
+            # able to free it before `rec.step()`.
+            shape = TensorInfo(g)
+            if slot is None:
+                st.param_grads[pname] = [st.bwd_order, s, sq, shape]
+                st.bwd_order += 1
+            else:  # gradient accumulation: the last accumulated value wins
+                slot[1], slot[2], slot[3] = s, sq, shape
+        return hook
+
+    # ------------------------------------------------------ gradient norm
+    def await_backward_end(self, st) -> None:
+        """Take the gradient norm when this backward pass has ended: the
+        gradients are complete (DDP's all-reduce and FSDP's reduce-scatter
+        done), still scaled, and not yet clipped by the user. Queued once
+        per backward pass, from its first hook; the callback queues the
+        measurement once more so that it runs after the callbacks that
+        DDP and FSDP queue during the same pass."""
+        try:
+            task = torch._C._current_graph_task_id()
+        except AttributeError:
+            return
+        if task == -1 or st.backward_task == task:
+            return
+        st.backward_task = task
+        engine = torch.autograd.Variable._execution_engine
+        guard = self.shared.guard
+        measure = guard(functools.partial(self._on_backward_end, st), traced=False)
+        engine.queue_callback(guard(lambda: engine.queue_callback(measure), traced=False))
+
+    def _on_backward_end(self, st) -> None:
+        shared = self.shared
+        if shared.state is not st or shared.paused or not st.record:
+            return
+        st.backward_passes += 1
+        st.last_sum = None  # its gradient need not outlive the pass
+        for pname, p, hook in self._late_params:
+            hook(p)
+        self._measure_grad_norm(st, self.scale_tensor())
+
+    def _measure_grad_norm(self, st, scale) -> None:
+        """Square sums of this rank's gradients (local shards), unscaled
+        with `scale` (None: already unscaled); every micro-batch's backward
+        overwrites them, so the last one's accumulated gradients count."""
+        grads, sharded = [], []
+        for p in self._grad_params:
+            if p.grad is not None:
+                g = local(p.grad.detach())
+                if g.numel():
+                    grads.append(g)
+                    sharded.append(id(p) in self._sharded)
+        if not grads:
+            return
+        sq = grad_norms(grads) ** 2
+        if scale is not None:
+            sq = sq / scale.detach().to(torch.float64) ** 2
+        st.grad_sqsum = sq.sum()
+        if any(sharded):
+            st.sharded_sqsum = sq[torch.tensor(sharded, device=sq.device)].sum()
+
+    @staticmethod
+    def _clean_on_host(st) -> bool:
+        """Every statistic of the step so far is a host value (the CPU) and
+        none counts a NaN or an Inf: no tensor trigger can fire for this
+        step, so the bundles need no copy of its weights (the copy of every
+        parameter cost as much as all the statistics of a step). Device
+        statistics are never read here."""
+        if st.device is not None:
+            return False
+        for row in st.stats:
+            if row[1] or row[2]:
+                return False
+        for slot in st.param_grads.values():
+            row = slot[1]
+            if type(row) is not tuple or row[1] or row[2]:
+                return False
+        return True
+
+    def _on_opt_pre(self, optimizer, args, kwargs):
+        st = self.shared.state
+        st.stepped = True
+        if st.record and st.grad_sqsum is None:
+            # No backward pass was seen ending (gradients set by hand, say):
+            # the gradients as the optimizer gets them. A fused optimizer
+            # stepped by GradScaler gets them still scaled, with the scale.
+            scale = getattr(optimizer, "grad_scale", None)
+            self._measure_grad_norm(st, scale if isinstance(scale, torch.Tensor) else None)
+        self.shared.bundles.on_optimizer_pre_step(clean_on_host=st.record and self._clean_on_host(st))

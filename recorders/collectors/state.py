@@ -1,0 +1,167 @@
+"""The state the collectors share: the step in progress and its rows.
+
+A row is `meta` (name, kind, phase, order, call, dtype, numel, inputs) and
+`stats` (the statistics vector, `stats.row_stats`); `input_nonfinite` is
+not computed on the training path: `inputs` names the rows holding the
+inputs' NaN/Inf counts and the writer thread adds them up
+(`aggregate.fill_input_nonfinite`), so a module costs no tensor op beyond
+its own statistics.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+
+from ..layout import PLAIN_TENSORS, local
+from ..stats import cheap_host_stats, row_stats
+
+
+class CallContext:
+    """One forward call of a watched module, kept alive by its backward hooks."""
+
+    __slots__ = ("name", "call", "input_rows", "grad_out_rows", "pending",
+                 "is_root", "micro_batch", "step_id", "no_grad")
+
+    def __init__(self, name, call, input_rows, is_root, micro_batch, step_id):
+        self.name = name
+        self.call = call
+        self.input_rows = input_rows  # rows holding the inputs' NaN/Inf counts (None: no input)
+        self.grad_out_rows = None  # rows of the gradients that reached the outputs so far
+        self.pending = {}  # input index -> [expected, arrived, parts]
+        self.is_root = is_root
+        self.micro_batch = micro_batch
+        self.step_id = step_id
+        # Ran under no_grad inside a recorded forward (a reentrant
+        # checkpoint region): its backward hooks are set in the recompute.
+        self.no_grad = not torch.is_grad_enabled()
+
+
+class StepState:
+    """What the collectors gathered during one optimizer step (training thread)."""
+
+    def __init__(self, step_id: int, record: bool, full: bool):
+        self.step_id = step_id
+        self.record = record
+        self.full = full
+        self.micro_batches = 0
+        self.forward_open = False  # a micro-batch's forward ran, its backward not yet
+        self.opened_by_child = False  # ... and a submodule, not the root, opened it
+        self.micro_batch_start = None  # (rows, contexts) before the micro-batch in progress
+        self.meta: list[tuple] = []
+        self.stats: list = []  # host tuples or device vectors (stats.row_stats)
+        self.fwd_order = 0
+        self.bwd_order = 0
+        self.calls: dict[str, int] = {}
+        self.stacks: dict[str, list] = {}
+        self.recompute_stacks: dict[str, list] = {}  # reentrant recomputation: (context, input edges)
+        self.param_grads: dict[str, list] = {}  # name -> [order, stats, sqnorm, info]
+        self.contexts: list[CallContext] = []
+        self.producers: dict[int, tuple] = {}  # id(tensor) -> (weakref, row of its statistics)
+        # output node of a watched module's call -> (its walk's boundary, the
+        # edges that left its walk): see BackwardCollector.watch_call. Held
+        # for one forward (node objects, not their saved tensors).
+        self.walks: dict = {}
+        # autograd node -> the calls watching it (backward._NodeWatch), for
+        # one forward: calls sharing a node share its hooks.
+        self.node_watches: dict = {}
+        self.last_sum = None  # (weak refs to the parts, their sum): the last grad_input summed
+        self.stepped = False
+        self.grad_sqsum = None  # square sum of this rank's unscaled gradients (local shards), on the device
+        self.sharded_sqsum = None  # its part from the local shards of sharded gradients
+        self.backward_task = None  # the autograd graph task whose end is awaited
+        self.backward_passes = 0  # ended backward passes (counts micro-batches a compiled forward hides)
+        self.in_forward = 0  # depth of root forwards being recorded (checkpointing's no_grad regions count)
+        self.param_values: list[tuple] = []
+        self.device = None
+
+
+class TensorInfo:
+    """dtype and numel of a tensor, without keeping the tensor alive."""
+
+    __slots__ = ("dtype", "_numel")
+
+    def __init__(self, t):
+        self.dtype = t.dtype
+        self._numel = local(t).numel()
+
+    def numel(self):
+        return self._numel
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def in_backward() -> bool:
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:  # an older torch without it: record recomputations too
+        return False
+
+
+def eager(fn):
+    """`fn` run eagerly even when called from compiled code (a compiled
+    function that calls `.backward()` would otherwise compile the hook's
+    frame once per parameter shape). Only when dynamo is already loaded: a
+    job that never compiles must not pay its import (seconds)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.disable(fn)
+    return fn
+
+
+class Shared:
+    """What every collector reads: the step in progress (`state`, replaced
+    each step), the `paused()` depth, the options of the statistics, the
+    recorder's guards and the bundle capture (its `on_*` hooks).
+
+    `guard(fn)` wraps a long-lived hook (an exception turns recording off,
+    never the training); `guard_call(fn, a, b)` is the same for the
+    backward hooks set anew for every module call, as one small object."""
+
+    def __init__(self, *, near_overflow: float, guard, guard_call, bundles):
+        self.state = StepState(0, False, False)
+        self.paused = 0
+        self.near_overflow = near_overflow
+        self.guard = guard
+        self.guard_call = guard_call
+        self.bundles = bundles
+
+    def add_row(self, st, name, kind, phase, order, call, t, stats, inputs=None) -> int:
+        """Append a row; `inputs`: the rows whose NaN/Inf counts add up to
+        its `input_nonfinite` (None: null). Returns the row's index."""
+        dtype = _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype)
+        numel = t.numel() if type(t) in PLAIN_TENSORS else local(t).numel()
+        st.meta.append((name, kind, phase, order, call, dtype, numel, inputs))
+        rows = st.stats
+        rows.append(stats)
+        if st.device is None and type(stats) is not tuple:
+            st.device = stats.device
+        return len(rows) - 1
+
+    def stats(self, st, t, **kw):
+        if not kw and not st.full and type(t) in PLAIN_TENSORS and t.is_cpu:
+            # The usual row, without the general path's keyword call.
+            values = cheap_host_stats(t)
+            if values is not None:
+                return values
+        return row_stats(t, full=st.full, near_overflow=self.near_overflow, **kw)
+
+    def count_stats(self, t):
+        """The cheap statistics of an input no watched row produced: only
+        its NaN/Inf counts are read (a count-only row)."""
+        return row_stats(t, full=False, near_overflow=self.near_overflow)
+
+    @staticmethod
+    def note_producer(st, t, row):
+        try:
+            st.producers[id(t)] = (weakref.ref(t), row)
+        except TypeError:
+            pass
