@@ -1,17 +1,22 @@
 """amp-postmortem recorders: ride along with a training job and write a run.
 
 Imports only torch, numpy, pyarrow and the standard library, so a training
-job never pays for the analyzer's dependencies. `AmpRecorder` is imported
-lazily so that the analyzer can read `recorders.schema` (the format's one
-definition) without importing torch.
+job never pays for the analyzer's dependencies. `AmpRecorder` and the parts
+it takes (`RecordSchedule`, `BundlePolicy`, `StorageOptions`,
+`WriterOptions`) are imported lazily so that the analyzer can read
+`recorders.schema` (the format's one definition) without importing torch.
 """
 from .schema import SCHEMA_VERSION
 
-__all__ = ["AmpRecorder", "SCHEMA_VERSION"]
+# name -> the module that defines it
+_LAZY = {"AmpRecorder": "recorder", "RecordSchedule": "schedule", "BundlePolicy": "bundles.policy",
+         "StorageOptions": "options", "WriterOptions": "options", "OptionError": "errors"}
+
+__all__ = [*_LAZY, "SCHEMA_VERSION"]
 
 
 def __getattr__(name):
-    if name == "AmpRecorder":
-        from .recorder import AmpRecorder
-        return AmpRecorder
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'recorders' has no attribute {name!r}")

@@ -13,7 +13,8 @@ micro-batch makes the step's loss NaN. Two taps feed it:
   disabled scaler still passes it through (nanoGPT's bf16 path).
 - `OutputLossTap`: a forward hook on the model that takes the loss a model
   returns (Hugging Face models called with `labels=`; a `(logits, loss)`
-  tuple), for jobs without a scaler.
+  tuple), for jobs without a scaler. Which output is the loss is
+  `find_loss`, the rule the replay uses too.
 
 Frameworks that hand the loss to a hook (Lightning's `on_before_backward`)
 call `AmpRecorder.add_loss`.
@@ -108,7 +109,9 @@ class ScaleTap:
 
 
 class OutputLossTap:
-    """Takes the loss among a model's outputs in a forward hook."""
+    """Takes the loss among a model's outputs (`find_loss`) in a forward
+    hook, when it carries a gradient: a loss without one trains nothing (a
+    frozen model's pass, a value the model detached for logging)."""
 
     def __init__(self, module: torch.nn.Module, losses: MicroBatchLosses, active):
         # A deepcopy of the model (an EMA copy) carries this hook too.
@@ -116,7 +119,9 @@ class OutputLossTap:
 
         def hook(mod, args, output):
             if mod is ref() and active():
-                losses.add_returned(find_loss(output))
+                loss = find_loss(output)
+                if loss is not None and loss.requires_grad:
+                    losses.add_returned(loss)
 
         self._handle = module.register_forward_hook(hook)
 
@@ -125,24 +130,37 @@ class OutputLossTap:
 
 
 def find_loss(output):
-    """The loss a model returned, or None: a mapping's (or Hugging Face
-    ModelOutput's) `"loss"`, an object's `.loss`, else the one 0-d floating
-    tensor with a gradient among a tuple's elements (nanoGPT's
-    `(logits, loss)`); None when that is ambiguous."""
+    """The loss among a model's outputs, or None; the one rule of the
+    recorder's tap and of the replay (`amp_postmortem.replay.outputs`).
+
+    A loss is a 0-d floating tensor (a reduced value, never the prediction
+    of a batch of one; integers are counts). It is the output itself; a
+    mapping's `"loss"` (Hugging Face's `ModelOutput` holds one only when
+    labels were given); an object's `.loss` (a dataclass, a namedtuple);
+    in a tuple or list, the first element (HF's `return_dict=False` gives
+    `(loss, logits, ...)`, MoE models `(loss, aux_loss, logits, ...)`, and
+    the Trainer trains on `outputs[0]`), else the only loss among the
+    elements (nanoGPT's `(logits, loss)`). None when there is none, or
+    several and none first: which one is trained on is not the outputs' to
+    say (a replay takes a loss_fn)."""
+    if _is_loss(output):
+        return output
     if isinstance(output, Mapping):
         loss = output.get("loss")
-    elif isinstance(output, (tuple, list)):
-        scalars = [t for t in output if _is_loss(t)]
-        loss = scalars[0] if len(scalars) == 1 else None
-    else:
-        loss = getattr(output, "loss", None)
-    return loss if _is_loss(loss) else None
+        return loss if _is_loss(loss) else None
+    loss = getattr(output, "loss", None)
+    if _is_loss(loss):
+        return loss
+    if not isinstance(output, (tuple, list)) or not output:
+        return None
+    if _is_loss(output[0]):
+        return output[0]
+    scalars = [t for t in output if _is_loss(t)]
+    return scalars[0] if len(scalars) == 1 else None
 
 
-def _is_loss(t) -> bool:
-    # 0-d: a reduced loss, never a prediction of a batch of one.
-    return (isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()
-            and t.requires_grad)
+def _is_loss(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
 
 
 def _tensors(outputs):

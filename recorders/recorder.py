@@ -4,7 +4,11 @@ Lifecycle: construct (hooks registered, manifest written), `step()` once per
 optimizer step, `flush()` (blocks until everything so far is on disk),
 `close()` (idempotent; flushes and removes every hook). Also a context manager.
 
-`AmpRecorder` owns its parts and wires them; each keeps its own state:
+`AmpRecorder` owns its parts and wires them; each keeps its own state. The
+user may pass four of them in (`recorders.options`): `schedule=`,
+`bundles=` (a `BundlePolicy`, the options of `BundleCapture`), `storage=`
+(`StorageOptions`) and `writer=` (`WriterOptions`); the flat keywords of
+earlier versions are mapped to them in `options.parts_from_flat`.
 
 - `schedule` (`RecordSchedule`): which step is recorded at which tier;
 - `hooks` (`TrainingHooks`): the hooks and the state of the step in progress;
@@ -36,20 +40,21 @@ import torch
 
 from . import schema
 from .bundles.capture import BundleCapture
-from .bundles.triggers import TRIGGERS
+from .bundles.policy import BundlePolicy
+from .errors import OptionError  # noqa: F401 - importable from here, as before recorders.errors
 from .hooks import TrainingHooks
-from .journal import DEFAULT_DURABLE_INTERVAL_S
 from .lease import LeaseHeldError, RankLease
 from .layout import (canonical_modules, canonical_parameters, fsdp1_shapes, fsdp1_sharded_params, is_compiled,
                      sharded_param_ids, user_class)
 from .loss_tap import MicroBatchLosses, OutputLossTap, ScaleTap, step_loss
 from .manifest import RunManifest, bare_manifest, describe_job, distributed_rank_world, failure_reason
+from .options import FLAT_OPTIONS, UNSET, StorageOptions, WriterOptions, parts_from_flat
 from .plain import plain
 from .run_id import shared_run_id
 from .schedule import RecordSchedule
 from .status_slot import StatusSlot, write_fallback
 from .step_rows import StepRows, step_events
-from .storage import DEFAULT_SPOOL_MAX_BYTES, DEFAULT_UPLOAD_TIMEOUT_S, open_run_location
+from .storage import open_run_location
 from .unwrap import unwrap_optimizer
 from .writer import Publisher, ShardWriter
 from .writer_thread import WriterThread
@@ -59,10 +64,6 @@ COMPILED_STEPS_RECORD = (
     "loss, loss scale, skipped, parameter gradients (param_grad rows, grad_norm) and, with the "
     "recorder attached to the compiled module, the model's inputs and outputs; per-module rows "
     "only on full-tier steps (replay runs eagerly and gives the per-module detail of any bundle)")
-
-
-class OptionError(ValueError):
-    """A recorder option the caller must fix (raised at construction)."""
 
 
 class AmpRecorder:
@@ -87,27 +88,17 @@ class AmpRecorder:
             Accelerate's and Lightning's wrappers are unwrapped.
         scaler: the `torch.amp.GradScaler`, if any; gives the loss scale
             and the `skipped` flag.
+        schedule: the `RecordSchedule`: which step is recorded at which
+            tier (default `RecordSchedule()`: cheap every step, full every
+            100 steps and in a burst after the first event of each kind).
+        bundles: the `BundlePolicy`: which replay bundles are held and
+            saved (True: `BundlePolicy()`; False: nothing is held).
+        storage: the `StorageOptions` of a URI run: its local spool and how
+            long `close()` waits for the uploads.
+        writer: the `WriterOptions`: shard size, how often shards are
+            written and the journal fsynced, the writer thread's queue.
         include: glob patterns of module names to watch (`"*"`: all).
         exclude: glob patterns of module names not to watch.
-        cheap_every: record the cheap statistics every N steps.
-        full_every: record the full statistics every N steps (0: only
-            after events).
-        full_after_event: record the full statistics for a burst of N
-            steps after the first event of each kind (a skipped step, a
-            NaN/Inf in the forward pass, in the gradients of a step that
-            was not skipped, in the loss); later events of a kind seen
-            before leave the schedule at `full_every`. Steps in
-            `bundle_steps`, a step whose bundle `save_bundle()` asks for
-            before its forward, and `request_full()` are full in any case.
-        steps_per_shard: steps per Parquet shard pair.
-        flush_interval_s: write a shard at least this often (seconds) even
-            when it holds fewer than `steps_per_shard` steps.
-        durable_interval_s: until its shard is written, every step is in
-            the rank's journal (`rank=R/journal/`), handed to the OS as the
-            writer thread takes the step (a killed job loses only the steps
-            the writer had not taken) and fsynced at least this often
-            (seconds), so that a node failure loses at most this much; a
-            step with a NaN/Inf or a skip is fsynced at once.
         near_overflow: the magnitude counted as near overflow (default
             float16's largest finite value).
         rank: this process's rank (default: torch.distributed's, else 0).
@@ -116,64 +107,62 @@ class AmpRecorder:
             `$TORCHELASTIC_RUN_ID`, the id of a run already in `run_dir`,
             else a new one); under an initialised process group, rank 0's
             id is used by every rank.
-        max_queue: steps waiting for the writer thread; beyond it steps are
-            dropped and counted, never waited for.
-        bundles: save replay bundles at all (False: nothing is held).
-        bundle_triggers: the automatic bundle triggers in force (a subset
-            of `nonfinite_loss`, `nonfinite_tensor`, `skipped`, `scale_low`).
-        bundle_steps: steps to save a bundle of in any case.
-        max_bundles: at most this many bundles per rank and run.
-        max_bundle_bytes: at most this many raw tensor bytes of bundles per
-            rank and run.
-        min_loss_scale: the `scale_low` trigger fires below this scale
-            (None: never).
-        settle_steps: consecutive optimizer steps that end the calibration
-            of a fresh GradScaler; skips before that never trigger.
-        snapshot_params: copy the weights in the optimizer pre-step hook
-            every step (True, False, or "auto": when no GradScaler is
-            enabled); at most two copies exist while the writer decides.
-        snapshot_buffers_bytes: copy the buffers at each step's first
-            forward when they total at most this many bytes.
-        hold_steps: finished steps held while the writer thread decides.
-        clone_inputs: copy the inputs instead of holding references (for
-            loops that change a batch in place after the step).
         capture_loss: capture every micro-batch's loss: where the loop
             scales it (`scaler.scale`, wrapped on that scaler object until
             `close()`; the step's loss is their sum) or, without a scaler,
-            from the model's outputs (a `"loss"`, `.loss`, or the one 0-d
-            tensor of a tuple; their mean). A loss passed to `step()` wins
-            unless a captured one is NaN/Inf. False: only the loss passed.
-        spool_dir: for a URI run: where the local spool lives (default
-            `$AMP_POSTMORTEM_SPOOL_DIR`, else the temp directory; one folder
-            per run URI and rank inside).
-        spool_max_bytes: for a URI run: the spool's bound; when the store
-            is down that long, later shards' steps are dropped and counted.
-        upload_timeout_s: for a URI run: how long `close()` waits for the
-            uploads; what is left stays in the spool and is reported
-            (`upload_report`, a warning).
+            from the model's outputs (`loss_tap.find_loss`: a `"loss"`,
+            `.loss`, or the loss of a tuple; their mean). A loss passed to
+            `step()` wins unless a captured one is NaN/Inf. False: only the
+            loss passed.
         eager_full_steps: with a compiled model, run full-tier steps eagerly
             (`torch.compiler.set_stance("force_eager")` for that step) so
             they record every module; such a step computes with eager
             rounding, which a backend like inductor may not share. False:
             every step stays compiled (boundary, loss and gradient rows only).
+
+    The flat keywords of earlier versions set one field of a part each
+    (`recorders.options.FLAT_OPTIONS`); a part and one of its own flat
+    keywords together are an `OptionError`:
+
+        cheap_every: `RecordSchedule(cheap_every=)`.
+        full_every: `RecordSchedule(full_every=)`.
+        full_after_event: `RecordSchedule(full_after_event=)`.
+        steps_per_shard: `WriterOptions(steps_per_shard=)`.
+        flush_interval_s: `WriterOptions(flush_interval_s=)`.
+        durable_interval_s: `WriterOptions(durable_interval_s=)`.
+        max_queue: `WriterOptions(max_queue=)`.
+        bundle_triggers: `BundlePolicy(triggers=)`.
+        bundle_steps: `BundlePolicy(steps=)`.
+        max_bundles: `BundlePolicy(max_bundles=)`.
+        max_bundle_bytes: `BundlePolicy(max_bundle_bytes=)`.
+        min_loss_scale: `BundlePolicy(min_loss_scale=)`.
+        settle_steps: `BundlePolicy(settle_steps=)`.
+        snapshot_params: `BundlePolicy(snapshot_params=)`.
+        snapshot_buffers_bytes: `BundlePolicy(snapshot_buffers_bytes=)`.
+        hold_steps: `BundlePolicy(hold_steps=)`.
+        clone_inputs: `BundlePolicy(clone_inputs=)`.
+        spool_dir: `StorageOptions(spool_dir=)`.
+        spool_max_bytes: `StorageOptions(spool_max_bytes=)`.
+        upload_timeout_s: `StorageOptions(upload_timeout_s=)`.
     """
 
     def __init__(self, run_dir, model: torch.nn.Module, optimizer=None, scaler=None, *,
-                 include=("*",), exclude=(), cheap_every: int = 1, full_every: int = 100,
-                 full_after_event: int = 20, steps_per_shard: int = 1000,
-                 flush_interval_s: float = 60.0, durable_interval_s: float = DEFAULT_DURABLE_INTERVAL_S,
-                 near_overflow: float = schema.FP16_MAX,
-                 rank: int | None = None, world_size: int | None = None,
-                 run_id: str | None = None, max_queue: int = 256,
-                 bundles: bool = True, bundle_triggers=TRIGGERS, bundle_steps=(),
-                 max_bundles: int = 3, max_bundle_bytes: int = 64 << 30,
-                 min_loss_scale: float | None = 1.0, settle_steps: int = 10,
-                 snapshot_params="auto", snapshot_buffers_bytes: int = 64 << 20,
-                 hold_steps: int = 2, clone_inputs: bool = False, capture_loss: bool = True,
-                 spool_dir=None, spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
-                 upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S, eager_full_steps: bool = True):
+                 schedule: RecordSchedule | None = None, bundles: bool | BundlePolicy = True,
+                 storage: StorageOptions | None = None, writer: WriterOptions | None = None,
+                 include=("*",), exclude=(), near_overflow: float = schema.FP16_MAX,
+                 rank: int | None = None, world_size: int | None = None, run_id: str | None = None,
+                 capture_loss: bool = True, eager_full_steps: bool = True,
+                 cheap_every=UNSET, full_every=UNSET, full_after_event=UNSET,
+                 steps_per_shard=UNSET, flush_interval_s=UNSET, durable_interval_s=UNSET, max_queue=UNSET,
+                 bundle_triggers=UNSET, bundle_steps=UNSET, max_bundles=UNSET, max_bundle_bytes=UNSET,
+                 min_loss_scale=UNSET, settle_steps=UNSET, snapshot_params=UNSET,
+                 snapshot_buffers_bytes=UNSET, hold_steps=UNSET, clone_inputs=UNSET,
+                 spool_dir=UNSET, spool_max_bytes=UNSET, upload_timeout_s=UNSET):
+        flat = {name: value for name, value in locals().items() if name in FLAT_OPTIONS and value is not UNSET}
+        # A bad option raises here, in the caller's line, before anything is written.
+        self.parts = parts = parts_from_flat(flat, schedule=schedule, bundles=bundles, storage=storage,
+                                             writer=writer)
         self.run_location = str(run_dir)
-        self.upload_timeout_s = float(upload_timeout_s)
         self.upload_report = None  # storage.UploadReport after close() of a URI run
         self.run_dir = None  # the local directory written (a URI run's spool), once opened
         self.rank_dir = None
@@ -190,8 +179,6 @@ class AmpRecorder:
         self.scaler = scaler
         self.include = tuple([include] if isinstance(include, str) else include)
         self.exclude = tuple([exclude] if isinstance(exclude, str) else exclude)
-        self.flush_interval_s = float(flush_interval_s)
-        self.durable_interval_s = float(durable_interval_s)
         self.eager_full_steps = bool(eager_full_steps)
         self._enabled = True
         self._closed = False
@@ -219,17 +206,7 @@ class AmpRecorder:
         self.loss_tap = None
         try:
             self._build(run_dir, model, optimizer, scaler, rank=rank, world_size=world_size, run_id=run_id,
-                        spool_dir=spool_dir, spool_max_bytes=spool_max_bytes,
-                        cheap_every=cheap_every, full_every=full_every, full_after_event=full_after_event,
-                        steps_per_shard=steps_per_shard, near_overflow=near_overflow, max_queue=max_queue,
-                        bundle_options=dict(
-                            bundles=bundles, bundle_triggers=bundle_triggers, bundle_steps=bundle_steps,
-                            max_bundles=max_bundles, max_bundle_bytes=max_bundle_bytes,
-                            min_loss_scale=min_loss_scale, settle_steps=settle_steps,
-                            snapshot_params=snapshot_params, snapshot_buffers_bytes=snapshot_buffers_bytes,
-                            hold_steps=hold_steps, clone_inputs=clone_inputs))
-        except OptionError:
-            raise  # a bad option is the caller's to fix, before the job starts
+                        parts=parts, near_overflow=near_overflow)
         except LeaseHeldError as exc:
             # Another live recorder writes this rank directory: touch none
             # of its files (manifest included), record nothing.
@@ -250,9 +227,7 @@ class AmpRecorder:
             self._fail(exc)
             self._unhook()
 
-    def _build(self, run_dir, model, optimizer, scaler, *, rank, world_size, run_id, spool_dir, spool_max_bytes,
-               cheap_every, full_every,
-               full_after_event, steps_per_shard, near_overflow, max_queue, bundle_options):
+    def _build(self, run_dir, model, optimizer, scaler, *, rank, world_size, run_id, parts, near_overflow):
         if rank is None or world_size is None:
             dist_rank, dist_world = distributed_rank_world()
             rank = dist_rank if rank is None else rank
@@ -260,8 +235,8 @@ class AmpRecorder:
         self.rank = int(rank)
         self.world_size = int(world_size)
         # A URI run is written to a local spool that `uploader` publishes.
-        self.run_dir, self.uploader = open_run_location(run_dir, self.rank, spool_dir=spool_dir,
-                                                        spool_max_bytes=spool_max_bytes)
+        self.run_dir, self.uploader = open_run_location(run_dir, self.rank, spool_dir=parts.storage.spool_dir,
+                                                        spool_max_bytes=parts.storage.spool_max_bytes)
         self.rank_dir = self.run_dir / schema.RANK_DIR.format(rank=self.rank)
         # Before anything is written: one writer per rank directory.
         held = None
@@ -294,34 +269,33 @@ class AmpRecorder:
         watched = [name for name, _ in modules if name == "" or self._matches(name)]
         params = canonical_parameters(modules)
         sharded = sharded_param_ids(model, params)
-        if sharded and bundle_options["bundles"]:
+        bundles_enabled = parts.bundles_enabled
+        if sharded and bundles_enabled:
             # A bundle holds one rank's shards of the weights: no replay can
             # run the whole model from it.
-            bundle_options = {**bundle_options, "bundles": False}
+            bundles_enabled = False
             self._bundles_off = "sharded parameters (a bundle would hold one rank's shards only)"
 
-        self.schedule = RecordSchedule(cheap_every, full_every, full_after_event)
-        for s in (bundle_options["bundle_steps"] if bundle_options["bundles"] else ()):
+        self.schedule = parts.schedule
+        for s in (parts.bundle_policy.steps if bundles_enabled else ()):
             # a bundle asked for up front: its step in full
-            self.schedule.request(int(s))
+            self.schedule.request(s)
+        writing = parts.writer
         options = {"include": list(self.include), "exclude": list(self.exclude), **self.schedule.config(),
-                   "steps_per_shard": max(1, int(steps_per_shard)), "near_overflow": float(near_overflow),
+                   "steps_per_shard": writing.steps_per_shard, "near_overflow": float(near_overflow),
                    "eager_full_steps": self.eager_full_steps,
-                   "flush_interval_s": self.flush_interval_s, "durable_interval_s": self.durable_interval_s}
+                   "flush_interval_s": writing.flush_interval_s, "durable_interval_s": writing.durable_interval_s}
         job = describe_job(run_id=self.run_id, rank=self.rank, world_size=self.world_size, model=model,
                            module_names=module_names, watched=watched, params=params,
                            optimizer=optimizer, scaler=scaler, recorder_options=options,
                            model_class=user_class(model), sharded=sharded, shapes=fsdp1_shapes(model))
-        self.writer = WriterThread(max_queue=max_queue, is_failed=lambda: self._failure is not None,
+        self.writer = WriterThread(max_queue=writing.max_queue, is_failed=lambda: self._failure is not None,
                                    on_error=self._fail)
         run_info = {k: job[k] for k in ("run_id", "rank", "world_size", "package_version",
                                         "device_type", "device_name", "scaler")}
-        try:
-            self.bundles = BundleCapture(  # a bad option raises here, before anything is written
-                model, optimizer, scaler, run_dir=self.run_dir, run_info=run_info,
-                post=self.writer.submit, on_change=self._bundles_changed, **bundle_options)
-        except ValueError as exc:
-            raise OptionError(str(exc)) from None
+        self.bundles = BundleCapture(model, optimizer, scaler, policy=parts.bundle_policy, enabled=bundles_enabled,
+                                     run_dir=self.run_dir, run_info=run_info, post=self.writer.submit,
+                                     on_change=self._bundles_changed)
         job["recorder"]["bundles"] = plain(self.bundles.config, keep_nonfinite=True)
         if self._bundles_off:
             job["recorder"]["bundles"]["disabled"] = self._bundles_off
@@ -339,10 +313,10 @@ class AmpRecorder:
         self.hooks.begin_step(0, self.schedule.tier(0))
         up = self.uploader
         self.shards = ShardWriter(self.rank_dir, run_id=self.run_id, rank=self.rank,
-                                  world_size=self.world_size, steps_per_shard=options["steps_per_shard"],
+                                  world_size=self.world_size, steps_per_shard=writing.steps_per_shard,
                                   first_index=first_shard,
                                   has_room=up.has_room if up else None,
-                                  durable_interval_s=self.durable_interval_s,
+                                  durable_interval_s=writing.durable_interval_s,
                                   publisher=Publisher(on_error=self._fail))
         self.writer.when_idle(self.shards.sync_journal, self.shards.journal.idle_sync_s)
         if up is not None:
@@ -610,7 +584,7 @@ class AmpRecorder:
     def _close_uploads(self) -> None:
         """Upload what the spool holds; report (never drop) what the store
         did not take."""
-        report = self.uploader.close(self.upload_timeout_s)
+        report = self.uploader.close(self.parts.storage.upload_timeout_s)
         report.spool_full_steps = self.shards.dropped_steps if self.shards is not None else 0
         self.upload_report = report
         if report.pending or report.spool_full_steps:
@@ -640,7 +614,7 @@ class AmpRecorder:
             self.schedule.note_event(pending.step, events)
         self.bundles.on_step_summary(summary)
         rolled = self.shards.pending_steps == 0
-        if not rolled and time.monotonic() - self._last_roll > self.flush_interval_s:
+        if not rolled and time.monotonic() - self._last_roll > self.parts.writer.flush_interval_s:
             self.shards.roll()
             rolled = True
         if rolled:

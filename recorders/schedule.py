@@ -22,6 +22,8 @@ shifts the burst by a step), and the set of requested steps.
 """
 from __future__ import annotations
 
+from .errors import option_int
+
 CHEAP = "cheap"
 FULL = "full"
 
@@ -30,15 +32,33 @@ EVENT_KINDS = ("skipped", "nonfinite_forward", "nonfinite_gradient", "nonfinite_
 
 
 class RecordSchedule:
-    """cheap_every: record the cheap statistics every N steps (min 1);
-    full_every: the full statistics every N steps (0: never by period);
-    full_after_event: the full statistics for N steps after the first event
-    of each kind (0: never after events)."""
+    """Which step is recorded at which tier: `AmpRecorder(schedule=...)`.
 
-    def __init__(self, cheap_every: int = 1, full_every: int = 100, full_after_event: int = 20):
-        self.cheap_every = max(1, int(cheap_every))
-        self.full_every = int(full_every)
-        self.full_after_event = int(full_after_event)
+    >>> RecordSchedule(full_every=1)           # every step at the full tier
+    >>> RecordSchedule(cheap_every=10, full_every=0, full_after_event=50)
+
+    Options (keywords; their one definition):
+        cheap_every: record the cheap statistics every N steps (at least 1;
+            0 counts as 1).
+        full_every: record the full statistics every N steps (0: never by
+            period).
+        full_after_event: record the full statistics for a burst of N steps
+            after the first event of each kind (a skipped step, a NaN/Inf in
+            the forward pass, in the gradients of a step that was not
+            skipped, in the loss); later events of a kind seen before leave
+            the schedule at `full_every` (0: never after events). Steps in
+            `BundlePolicy.steps`, a step whose bundle `save_bundle()` asks
+            for before its forward, and `request_full()` are full in any
+            case.
+
+    A schedule holds the state of one run (its burst, its requests): give
+    each recorder its own. A subclass may override `tier` (a pure
+    `step -> tier` decision, like `torch.profiler.schedule`)."""
+
+    def __init__(self, *, cheap_every: int = 1, full_every: int = 100, full_after_event: int = 20):
+        self.cheap_every = max(1, option_int("cheap_every", cheap_every))
+        self.full_every = option_int("full_every", full_every)
+        self.full_after_event = option_int("full_after_event", full_after_event)
         # (first, last) step of the full-tier burst after the latest new kind
         self.full_window = (0, -1)
         self.kinds_seen: set[str] = set()  # writer thread only

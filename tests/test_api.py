@@ -1,7 +1,8 @@
 """`amp_postmortem` is the Python API and the CLI mirrors it: same names,
 same options (keyword arguments), `to_dict()` is `--json`, the README's
-reference lists exactly those keys; the package's layers import only
-downward; the truths the CLI shows (choices, bundle priority) have one source."""
+reference lists exactly those keys; the layers of `amp_postmortem` and of
+`recorders` import only downward; the truths the CLI shows (choices, bundle
+priority) have one source."""
 from __future__ import annotations
 
 import ast
@@ -20,6 +21,7 @@ import pytest
 
 import amp_postmortem as api
 from amp_postmortem.cli import main
+from import_graph import module_imports
 from test_readme import README, REPO, fenced_blocks, one_torch_thread, section
 
 MODELS = "sample_runs/models.py:"
@@ -276,46 +278,63 @@ LAYERS = [  # each imports only from its own layer and the ones before it
 PACKAGE = REPO / "amp_postmortem"
 
 
-def _layer(module: str) -> int:
+def _layer(module: str, layers=LAYERS) -> int:
     top = module.split(".")[0] or "__init__"
-    return next(i for i, names in enumerate(LAYERS) if top in names)
+    found = [i for i, names in enumerate(layers) if top in names]
+    assert found, f"module {module!r} is in no layer: add it to the layer list of its package"
+    return found[0]
 
 
-def _imports(path: Path):
+def _imports(path: Path, package_dir: Path = PACKAGE):
     """(line, imported module relative to the package) of every import of
-    amp_postmortem in the file, lazy ones inside functions included."""
-    parts = path.relative_to(PACKAGE).with_suffix("").parts
-    package = parts[:-1]  # the package the file is in (for __init__.py: its own)
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = list(package[:len(package) - node.level + 1])
-            if node.module:
-                yield node.lineno, ".".join(base + [node.module])
-            else:  # `from .. import bundle`: the names may be modules
-                yield from ((node.lineno, ".".join(base + [a.name])) for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("amp_postmortem"):
-            yield node.lineno, node.module[len("amp_postmortem."):]
-        elif isinstance(node, ast.Import):
-            yield from ((node.lineno, a.name[len("amp_postmortem."):]) for a in node.names
-                        if a.name.split(".")[0] == "amp_postmortem")
+    the package in the file, lazy ones inside functions included."""
+    name = package_dir.name
+    for line, module, _ in module_imports(path, package_dir):
+        if module == name or module.startswith(name + "."):
+            yield line, module[len(name) + 1:]
+
+
+def _upward_imports(package_dir: Path, layers) -> list[str]:
+    wrong = []
+    for path in sorted(package_dir.rglob("*.py")):
+        rel = path.relative_to(package_dir).with_suffix("")
+        me = _layer(".".join(rel.parts), layers)
+        for line, module in _imports(path, package_dir):
+            if _layer(module, layers) > me:
+                wrong.append(f"{rel}:{line} imports {module or '__init__'}")
+    return wrong
 
 
 def test_layers_import_only_downward():
-    wrong = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).with_suffix("")
-        me = _layer(".".join(rel.parts))
-        for line, module in _imports(path):
-            if _layer(module) > me:
-                wrong.append(f"{rel}:{line} imports {module or '__init__'}")
-    assert not wrong
+    assert not _upward_imports(PACKAGE, LAYERS)
 
 
-def test_no_private_name_is_imported_across_modules():
+RECORDERS = REPO / "recorders"
+RECORDER_LAYERS = [  # each imports only from its own layer and the ones before it
+    {"errors", "schema", "plain", "unwrap", "fp32"},                            # the format, pure helpers
+    {"layout", "tensor_codec", "aggregate", "stats", "loss_tap", "schedule"},   # a tensor's and a step's values
+    {"index", "journal", "writer", "writer_thread", "lease", "status_slot", "storage"},  # files and stores
+    {"manifest", "run_id", "step_rows"},                                        # the job described, rows
+    {"hooks", "bundles"},                                                       # the parts on the training path
+    {"options"},                                                                # the parts a user passes in
+    {"recorder"},                                                               # AmpRecorder assembles them
+    {"integrations"},                                                           # the frameworks' glue
+    {"__init__"},
+]
+
+
+def test_recorder_layers_import_only_downward():
+    """`recorders.stats`, `aggregate`, `schema` never import the recorder:
+    a part can be read, tested and changed without what assembles it."""
+    assert not _upward_imports(RECORDERS, RECORDER_LAYERS)
+
+
+@pytest.mark.parametrize("package", ["amp_postmortem", "recorders"])
+def test_no_private_name_is_imported_across_modules(package):
     wrong = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted((REPO / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("amp_postmortem")):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(package)):
                 wrong += [f"{path.relative_to(REPO)}:{node.lineno} {a.name}" for a in node.names
                           if a.name.startswith("_") and a.name != "__version__"]
     assert not wrong

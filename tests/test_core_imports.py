@@ -25,3 +25,41 @@ def test_recording_imports_no_framework_and_no_analyzer(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------- the same rule, statically
+# (every module, lazy imports included, not only what one recording runs)
+CORE_ALLOWED = {"torch", "numpy", "pyarrow", "recorders"} | set(sys.stdlib_module_names)
+# Edge code that lives in a core module: imported inside the function that
+# needs it, so a job that does not use it never imports it.
+LAZY_EDGE = {"storage.py": {"fsspec"}}  # the filesystem of a URI pyarrow does not open itself
+FRAMEWORKS = {"integrations/transformers.py": {"transformers"},
+              "integrations/lightning.py": {"lightning", "pytorch_lightning"}}
+
+
+def _foreign_imports():
+    """(file, line, top-level package, lazy) of every import in recorders/
+    of a package that is not the core's."""
+    from import_graph import module_imports
+    from test_readme import REPO
+    package = REPO / "recorders"
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        for line, module, lazy in module_imports(path, package):
+            top = module.split(".")[0]
+            if top not in CORE_ALLOWED:
+                yield rel, line, top, lazy
+
+
+def test_recorders_import_only_torch_numpy_pyarrow_and_the_standard_library():
+    wrong = [f"recorders/{rel}:{line} imports {top}" + (" (lazily)" if lazy else "")
+             for rel, line, top, lazy in _foreign_imports()
+             if not (lazy and top in LAZY_EDGE.get(rel, ())) and top not in FRAMEWORKS.get(rel, ())]
+    assert not wrong
+
+
+def test_each_integration_imports_only_its_own_framework():
+    seen = {(rel, top) for rel, _, top, _ in _foreign_imports() if rel.startswith("integrations/")}
+    # integrations/__init__.py imports none; no core module imports an
+    # integration (tests/test_api.py: the layers import only downward)
+    assert seen <= {(rel, top) for rel, tops in FRAMEWORKS.items() for top in tops}

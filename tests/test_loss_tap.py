@@ -4,6 +4,8 @@ loss passed to `rec.step()`."""
 from __future__ import annotations
 
 import math
+from collections import OrderedDict, namedtuple
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -147,10 +149,81 @@ def test_find_loss_takes_the_loss_a_model_returns():
     assert find_loss({"loss": loss, "logits": logits}) is loss
     assert find_loss((logits, loss)) is loss
     assert find_loss(type("Out", (), {"loss": loss})()) is loss
-    assert find_loss((loss, loss * 2)) is None          # two candidates: ambiguous
+    assert find_loss((loss, loss * 2)) is loss          # the first, as HF's Trainer takes it
+    assert find_loss((logits, loss, loss * 2)) is None  # two candidates, none first: ambiguous
     assert find_loss(logits) is None
-    assert find_loss({"loss": loss.detach()}) is None   # no gradient: not a training loss
     assert find_loss((torch.ones(1, 1, requires_grad=True) * 2,)) is None  # a prediction of one sample
+
+
+def test_the_output_tap_takes_no_loss_without_a_gradient(tmp_path):
+    """A loss the model detached trains nothing: the tap leaves the step's
+    loss to what `rec.step()` is given (here nothing: null)."""
+    model = ReturnsOutputs(lambda logits, loss, aux: {"loss": loss.detach(), "logits": logits})
+    recorded = _recorded_loss(tmp_path / "run", model)
+    assert recorded is None or math.isnan(recorded)
+
+
+@dataclass
+class CausalLMOutput:  # Hugging Face's ModelOutput as a dataclass
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class ReturnsOutputs(nn.Module):
+    """Returns `shape(logits, loss, aux)`: a loss and a second 0-d value
+    (an auxiliary loss) computed from a linear layer's logits."""
+
+    def __init__(self, shape):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 2)
+        self.shape = shape
+
+    def forward(self, x):
+        logits = self.fc(x)
+        return self.shape(logits, (logits ** 2).mean(), logits.abs().mean() * 0.01)
+
+
+OUTPUT_SHAPES = {  # name -> (outputs from logits, loss, aux; what the loss is)
+    "loss itself": (lambda logits, loss, aux: loss, "loss"),
+    "dict with loss": (lambda logits, loss, aux: {"loss": loss, "logits": logits}, "loss"),
+    "dict without loss": (lambda logits, loss, aux: OrderedDict(logits=logits), None),
+    "ModelOutput dataclass": (lambda logits, loss, aux: CausalLMOutput(logits, loss), "loss"),
+    "ModelOutput without labels": (lambda logits, loss, aux: CausalLMOutput(logits), None),
+    "namedtuple": (lambda logits, loss, aux: Pair(logits, loss), "loss"),
+    "tuple with one 0-d tensor": (lambda logits, loss, aux: (logits, loss), "loss"),
+    "tuple with two 0-d tensors, loss first": (lambda logits, loss, aux: (loss, aux, logits), "loss"),
+    "tuple with two 0-d tensors, neither first": (lambda logits, loss, aux: (logits, loss, aux), None),
+    "no loss": (lambda logits, loss, aux: logits, None),
+}
+Pair = namedtuple("Pair", "logits loss")
+
+
+def _recorded_loss(run, model):
+    """The recorded loss of one step of `model` under the real recorder
+    (no scaler and no loss passed: the loss comes from the outputs)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    with AmpRecorder(run, model, bundles=False) as rec:
+        model(x)
+        rec.step()
+    return _losses(run)[0]
+
+
+@pytest.mark.parametrize("name", OUTPUT_SHAPES)
+def test_the_tap_and_the_replay_take_the_same_loss(tmp_path, name):
+    from amp_postmortem.replay.outputs import find_loss as replay_find_loss
+    shape, expected = OUTPUT_SHAPES[name]
+    model = ReturnsOutputs(shape)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    logits = model.fc(x)
+    loss = (logits ** 2).mean()
+    replayed = replay_find_loss(model(x))
+    recorded = _recorded_loss(tmp_path / "run", model)
+    if expected is None:
+        assert replayed is None and (recorded is None or math.isnan(recorded))
+    else:
+        assert torch.equal(replayed, loss)
+        assert recorded == pytest.approx(float(loss.detach()), rel=1e-6)  # recorded as float32
 
 
 def test_unwrap_optimizer_reaches_the_torch_optimizer_under_wrappers():

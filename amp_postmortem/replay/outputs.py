@@ -1,5 +1,5 @@
-"""What a model's outputs mean to a replay: which one is the loss, and which
-ones a backward starts from.
+"""What a model's outputs mean to a replay: which one is the loss
+(`find_loss`, the recorder's rule), and which ones a backward starts from.
 
 A model that computes its loss inside (Hugging Face models called with
 `labels=`, nanoGPT's `(logits, loss)`) returns the loss next to the tensors
@@ -11,44 +11,9 @@ other output was computed from (`backward_roots`).
 """
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-
-import torch
-
-_FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
-def _is_loss(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype in _FLOATING and value.dim() == 0
-
-
-def find_loss(output):
-    """The loss among a model's outputs, or None: the output itself when it
-    is a scalar; the "loss" entry of a dict (HF `ModelOutput`, which holds
-    "loss" only when labels were given) or the `loss` field of a dataclass
-    or namedtuple; in a tuple or list, the first element when it is a scalar
-    (HF's `return_dict=False` gives `(loss, logits, ...)`, and the Trainer
-    takes `outputs[0]`), else the only scalar element (nanoGPT's
-    `(logits, loss)`). Several scalars and none first: None (ambiguous; pass
-    a loss_fn)."""
-    if _is_loss(output):
-        return output
-    if isinstance(output, Mapping):
-        value = output.get("loss")
-        return value if _is_loss(value) else None
-    if hasattr(output, "_fields") or (dataclasses.is_dataclass(output) and not isinstance(output, type)):
-        value = getattr(output, "loss", None)
-        if _is_loss(value):
-            return value
-        if not isinstance(output, tuple):
-            return None
-    if isinstance(output, (list, tuple)) and output:
-        if _is_loss(output[0]):
-            return output[0]
-        scalars = [v for v in output if _is_loss(v)]
-        return scalars[0] if len(scalars) == 1 else None
-    return None
+# The one rule for the loss among a model's outputs, shared with the
+# recorder's loss tap: both sides must agree on which output the loss is.
+from recorders.loss_tap import find_loss  # noqa: F401 - the replay engine's name for it
 
 
 def backward_roots(outputs) -> list[bool]:

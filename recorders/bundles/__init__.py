@@ -1,6 +1,7 @@
 """Replay bundles: what the recorder holds of recent steps, when it saves
 one, and how a bundle directory is written.
 
+- `policy`: `BundlePolicy`, the bundle options (the value users pass);
 - `capture`: `BundleCapture`, the training-thread side (hooks' callbacks,
   held steps, weight snapshots), owned by `AmpRecorder`;
 - `decisions`: `BundleDecisions`, the writer-thread side (trigger decisions,

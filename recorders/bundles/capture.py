@@ -41,7 +41,8 @@ from ..tensor_codec import clone_tree, encode_tree
 from .decisions import BundleDecisions
 from .directory import precision_flags
 from .held import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now
-from .triggers import TRIGGERS, BundleTriggers
+from .policy import BundlePolicy
+from .triggers import BundleTriggers
 
 
 class BundleCapture:
@@ -54,55 +55,32 @@ class BundleCapture:
     thread without waiting; `on_change(saved, missed)`: the lists of saved
     and missed bundles changed (writer thread).
 
-    Options (keyword arguments of `AmpRecorder`):
-    - `bundles=True`: master switch (False: nothing is held or saved);
-    - `bundle_triggers=TRIGGERS`: the automatic triggers in force;
-    - `bundle_steps=()`: steps to save in any case;
-    - `max_bundles=3`, `max_bundle_bytes=64 GiB`: caps per rank and run;
-    - `min_loss_scale=1.0`: threshold of the `scale_low` trigger (None: off);
-    - `settle_steps=10`: consecutive optimizer steps that end the calibration
-      of a fresh GradScaler (skips before that never trigger);
-    - `snapshot_params="auto"`: copy the weights in the optimizer pre-step
-      hook every step (auto: when no GradScaler is enabled); up to two
-      copies exist while the writer decides;
-    - `snapshot_buffers_bytes=64 MiB`: copy the buffers at each step's first
-      forward when they total at most this;
-    - `hold_steps=2`: finished steps held while the writer decides;
-    - `clone_inputs=False`: copy the inputs instead of holding references.
+    `policy` (`BundlePolicy`): the options, validated there; `enabled`:
+    the master switch (False: nothing is held or saved; the manifest still
+    records the policy).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer=None, scaler=None, *, run_dir: Path,
-                 run_info: dict, post, on_change, bundles: bool = True, bundle_triggers=TRIGGERS,
-                 bundle_steps=(), max_bundles: int = 3, max_bundle_bytes: int = 64 << 30,
-                 min_loss_scale: float | None = 1.0, settle_steps: int = 10,
-                 snapshot_params="auto", snapshot_buffers_bytes: int = 64 << 20,
-                 hold_steps: int = 2, clone_inputs: bool = False):
-        if snapshot_params not in ("auto", True, False):
-            raise ValueError(f"snapshot_params={snapshot_params!r} (valid: 'auto', True, False)")
+    def __init__(self, model: torch.nn.Module, optimizer=None, scaler=None, *, policy: BundlePolicy,
+                 enabled: bool = True, run_dir: Path, run_info: dict, post, on_change):
         has_scaler = scaler_enabled(scaler)
         self.model = model
         self.optimizer = optimizer
-        self.enabled = bool(bundles)
-        triggers = BundleTriggers(bundle_triggers, has_scaler=has_scaler, max_bundles=max_bundles,
-                                  min_loss_scale=min_loss_scale, settle_steps=settle_steps)
-        self.steps = frozenset(int(s) for s in bundle_steps)
-        self.hold_steps = max(1, int(hold_steps))
-        self.clone_inputs = bool(clone_inputs)
-        opt = optimizer
+        self.enabled = bool(enabled)
+        self.policy = policy
+        triggers = BundleTriggers(policy.triggers, has_scaler=has_scaler, max_bundles=policy.max_bundles,
+                                  min_loss_scale=policy.min_loss_scale, settle_steps=policy.settle_steps)
+        self.steps = frozenset(policy.steps)
+        self.hold_steps = policy.hold_steps
+        self.clone_inputs = policy.clone_inputs
+        snapshot_params = policy.snapshot_params
         if snapshot_params == "auto":
-            snapshot_params = not has_scaler and opt is not None and hasattr(opt, "register_step_pre_hook")
-        self.config = {
-            "bundles": self.enabled, "bundle_triggers": list(triggers.triggers),
-            "bundle_steps": sorted(self.steps), "max_bundles": triggers.max_bundles,
-            "max_bundle_bytes": int(max_bundle_bytes), "min_loss_scale": min_loss_scale,
-            "settle_steps": triggers.settle_steps, "snapshot_params": bool(snapshot_params),
-            "snapshot_buffers_bytes": int(snapshot_buffers_bytes), "hold_steps": self.hold_steps,
-            "clone_inputs": self.clone_inputs,
-        }
+            snapshot_params = (not has_scaler and optimizer is not None
+                               and hasattr(optimizer, "register_step_pre_hook"))
+        self.config = policy.config(enabled=self.enabled, snapshot_params=snapshot_params)
         self.inventory = inv = ModelInventory(model)
         self._param_pool = SnapshotPool(inv.params, 2) if snapshot_params and inv.params else None
         self._buffer_pool = None
-        if inv.buffers and inv.buffer_bytes() <= snapshot_buffers_bytes:
+        if inv.buffers and inv.buffer_bytes() <= policy.snapshot_buffers_bytes:
             self._buffer_pool = SnapshotPool(inv.buffers, self.hold_steps + 2)
 
         # training thread
@@ -123,7 +101,7 @@ class BundleCapture:
         # writer thread (and the lock-guarded hand-over of its decisions)
         self.decisions = BundleDecisions(
             triggers, inventory=inv, run_dir=run_dir, run_info=dict(run_info, has_scaler=has_scaler, recorder=self.config),
-            max_bundle_bytes=max_bundle_bytes, growth_tracker=tracker, on_change=on_change)
+            max_bundle_bytes=policy.max_bundle_bytes, growth_tracker=tracker, on_change=on_change)
 
     @property
     def saved(self) -> list[dict]:

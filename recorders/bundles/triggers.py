@@ -27,19 +27,26 @@ import math
 
 import numpy as np
 
+from ..errors import OptionError
+
 TRIGGERS = ("nonfinite_loss", "nonfinite_tensor", "skipped", "scale_low")
 # The first reason in this order names a bundle saved for several reasons.
 REASON_ORDER = TRIGGERS + ("request", "step_list")
 
 
+def trigger_names(triggers) -> tuple[str, ...]:
+    """The triggers named (one name or several), checked against TRIGGERS."""
+    triggers = (triggers,) if isinstance(triggers, str) else tuple(triggers or ())
+    unknown = [t for t in triggers if t not in TRIGGERS]
+    if unknown:
+        raise OptionError(f"unknown bundle trigger {unknown[0]!r} (valid: {', '.join(TRIGGERS)})")
+    return triggers
+
+
 class BundleTriggers:
     def __init__(self, triggers=TRIGGERS, *, has_scaler: bool, max_bundles: int = 3,
                  min_loss_scale: float | None = 1.0, settle_steps: int = 10):
-        triggers = (triggers,) if isinstance(triggers, str) else tuple(triggers or ())
-        unknown = [t for t in triggers if t not in TRIGGERS]
-        if unknown:
-            raise ValueError(f"unknown bundle trigger {unknown[0]!r} (valid: {', '.join(TRIGGERS)})")
-        self.triggers = triggers
+        self.triggers = trigger_names(triggers)
         self.has_scaler = has_scaler
         self.max_bundles = int(max_bundles)
         self.min_loss_scale = min_loss_scale

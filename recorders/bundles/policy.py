@@ -1,0 +1,94 @@
+"""`BundlePolicy`: which replay bundles a recorder holds and saves, and what
+holding them may cost (`AmpRecorder(bundles=BundlePolicy(...))`).
+
+A frozen value, validated when it is made: a bad option raises an
+`OptionError` in the user's own line, before any recorder exists.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+from ..errors import OptionError, option_float, option_int
+from .triggers import TRIGGERS, trigger_names
+
+SNAPSHOT_PARAMS = ("auto", True, False)
+
+
+@dataclass(frozen=True)
+class BundlePolicy:
+    """The bundle options (keywords; their one definition):
+
+    triggers: the automatic triggers in force, a subset of `nonfinite_loss`,
+        `nonfinite_tensor`, `skipped`, `scale_low` (default: all four).
+    steps: steps to save a bundle of in any case (recorded at the full tier).
+    max_bundles: at most this many bundles per rank and run (3).
+    max_bundle_bytes: at most this many raw tensor bytes of bundles per rank
+        and run, counted before compression (64 GiB).
+    min_loss_scale: the `scale_low` trigger fires below this scale (1.0;
+        None: never).
+    settle_steps: consecutive optimizer steps that end the calibration of a
+        fresh GradScaler; skips before that never trigger (10).
+    snapshot_params: copy the weights in the optimizer pre-step hook every
+        step: True, False, or "auto" (when no GradScaler is enabled); at most
+        two copies of the parameters exist, on their device, while the
+        writer decides.
+    snapshot_buffers_bytes: copy the buffers at each step's first forward
+        when they total at most this many bytes (64 MiB).
+    hold_steps: finished steps whose inputs and output gradients stay
+        referenced while the writer thread decides (2; at least 1).
+    clone_inputs: copy the inputs at the forward instead of holding
+        references (False; True for loops that change a batch in place
+        after the step).
+
+    `AmpRecorder(bundles=False)` holds and saves nothing; `bundles=True` is
+    `BundlePolicy()`."""
+
+    triggers: tuple = TRIGGERS
+    steps: tuple = ()
+    max_bundles: int = 3
+    max_bundle_bytes: int = 64 << 30
+    min_loss_scale: float | None = 1.0
+    settle_steps: int = 10
+    snapshot_params: bool | str = "auto"
+    snapshot_buffers_bytes: int = 64 << 20
+    hold_steps: int = 2
+    clone_inputs: bool = False
+
+    def __post_init__(self):
+        triggers = trigger_names(self.triggers)
+        steps = (() if self.steps is None else (self.steps,) if isinstance(self.steps, numbers.Real)
+                 else tuple(self.steps))
+        if self.snapshot_params not in SNAPSHOT_PARAMS:
+            raise OptionError(f"snapshot_params={self.snapshot_params!r} (valid: 'auto', True, False)")
+        min_scale = self.min_loss_scale
+        if min_scale is not None:
+            option_float("min_loss_scale", min_scale)
+        normal = {
+            "triggers": triggers,
+            "steps": tuple(sorted({option_int("steps", s) for s in steps})),
+            "max_bundles": option_int("max_bundles", self.max_bundles),
+            "max_bundle_bytes": option_int("max_bundle_bytes", self.max_bundle_bytes),
+            # kept as given (1 or 1.0): the manifest records the value passed
+            "min_loss_scale": min_scale,
+            "settle_steps": option_int("settle_steps", self.settle_steps),
+            "snapshot_buffers_bytes": option_int("snapshot_buffers_bytes", self.snapshot_buffers_bytes),
+            "hold_steps": max(1, option_int("hold_steps", self.hold_steps)),
+            "clone_inputs": bool(self.clone_inputs),
+        }
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
+
+    def config(self, *, enabled: bool, snapshot_params: bool) -> dict:
+        """The options as the manifest (`recorder.bundles`) and bundle.json
+        record them: `enabled` is the master switch as it stands (False for
+        `bundles=False` or a sharded model), `snapshot_params` as resolved
+        for this job ("auto" decided)."""
+        return {
+            "bundles": enabled, "bundle_triggers": list(self.triggers),
+            "bundle_steps": list(self.steps), "max_bundles": self.max_bundles,
+            "max_bundle_bytes": self.max_bundle_bytes, "min_loss_scale": self.min_loss_scale,
+            "settle_steps": self.settle_steps, "snapshot_params": bool(snapshot_params),
+            "snapshot_buffers_bytes": self.snapshot_buffers_bytes, "hold_steps": self.hold_steps,
+            "clone_inputs": self.clone_inputs,
+        }

@@ -1,0 +1,153 @@
+"""The recorder's parts a user passes in, and the flat keywords they replace.
+
+`AmpRecorder(run_dir, model, schedule=RecordSchedule(...),
+bundles=BundlePolicy(...) | False, storage=StorageOptions(...),
+writer=WriterOptions(...))`: each option is defined and documented once, in
+its part. The flat keywords of earlier versions (`full_every=`,
+`max_bundles=`, `spool_dir=`, ...) keep working: `FLAT_OPTIONS` says which
+part and field each one is, and `parts_from_flat` is the one place that maps
+them. A part and one of its own flat keywords together are an `OptionError`
+(which one should win is not for the recorder to guess).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .bundles.policy import BundlePolicy
+from .errors import OptionError, option_float, option_int
+from .journal import DEFAULT_DURABLE_INTERVAL_S
+from .schedule import RecordSchedule
+from .storage import DEFAULT_SPOOL_MAX_BYTES, DEFAULT_UPLOAD_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """Where a URI run (`s3://...`, ...) is spooled, and for how long
+    `close()` waits for its uploads (keywords; their one definition):
+
+    spool_dir: the local spool's directory (default
+        `$AMP_POSTMORTEM_SPOOL_DIR`, else the temp directory; one folder per
+        run URI and rank inside).
+    spool_max_bytes: the spool's bound (2 GiB per rank); when the store is
+        down that long, later shards' steps are dropped and counted.
+    upload_timeout_s: how long `close()` waits for the uploads (120 s); what
+        is left stays in the spool and is reported (`rec.upload_report`, a
+        warning).
+
+    A local run directory uses none of them."""
+
+    spool_dir: str | Path | None = None
+    spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
+    upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S
+
+    def __post_init__(self):
+        object.__setattr__(self, "spool_max_bytes", option_int("spool_max_bytes", self.spool_max_bytes))
+        object.__setattr__(self, "upload_timeout_s", option_float("upload_timeout_s", self.upload_timeout_s))
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """How the writer thread turns steps into files (keywords; their one
+    definition):
+
+    steps_per_shard: steps per Parquet shard pair (1000; at least 1).
+    flush_interval_s: write a shard at least this often (60 s) even when it
+        holds fewer than `steps_per_shard` steps.
+    durable_interval_s: until its shard is written, every step is in the
+        rank's journal (`rank=R/journal/`), handed to the OS as the writer
+        thread takes the step (a killed job loses only the steps the writer
+        had not taken) and fsynced at least this often (5 s), so that a node
+        failure loses at most this much; a step with a NaN/Inf or a skip is
+        fsynced at once.
+    max_queue: steps waiting for the writer thread (256); beyond it steps
+        are dropped and counted, never waited for."""
+
+    steps_per_shard: int = 1000
+    flush_interval_s: float = 60.0
+    durable_interval_s: float = DEFAULT_DURABLE_INTERVAL_S
+    max_queue: int = 256
+
+    def __post_init__(self):
+        object.__setattr__(self, "steps_per_shard", max(1, option_int("steps_per_shard", self.steps_per_shard)))
+        object.__setattr__(self, "flush_interval_s", option_float("flush_interval_s", self.flush_interval_s))
+        object.__setattr__(self, "durable_interval_s",
+                           option_float("durable_interval_s", self.durable_interval_s))
+        object.__setattr__(self, "max_queue", option_int("max_queue", self.max_queue))
+
+
+# flat keyword of AmpRecorder -> (its part's keyword, the part's field)
+FLAT_OPTIONS = {
+    "cheap_every": ("schedule", "cheap_every"),
+    "full_every": ("schedule", "full_every"),
+    "full_after_event": ("schedule", "full_after_event"),
+    "steps_per_shard": ("writer", "steps_per_shard"),
+    "flush_interval_s": ("writer", "flush_interval_s"),
+    "durable_interval_s": ("writer", "durable_interval_s"),
+    "max_queue": ("writer", "max_queue"),
+    "bundle_triggers": ("bundles", "triggers"),
+    "bundle_steps": ("bundles", "steps"),
+    "max_bundles": ("bundles", "max_bundles"),
+    "max_bundle_bytes": ("bundles", "max_bundle_bytes"),
+    "min_loss_scale": ("bundles", "min_loss_scale"),
+    "settle_steps": ("bundles", "settle_steps"),
+    "snapshot_params": ("bundles", "snapshot_params"),
+    "snapshot_buffers_bytes": ("bundles", "snapshot_buffers_bytes"),
+    "hold_steps": ("bundles", "hold_steps"),
+    "clone_inputs": ("bundles", "clone_inputs"),
+    "spool_dir": ("storage", "spool_dir"),
+    "spool_max_bytes": ("storage", "spool_max_bytes"),
+    "upload_timeout_s": ("storage", "upload_timeout_s"),
+}
+PART_TYPES = {"schedule": RecordSchedule, "writer": WriterOptions, "bundles": BundlePolicy,
+              "storage": StorageOptions}
+
+
+class Unset:
+    """The default of a flat keyword: not given (its part's default holds)."""
+
+    def __repr__(self):
+        return "unset"
+
+
+UNSET = Unset()
+
+
+@dataclass(frozen=True)
+class RecorderParts:
+    """The parts a recorder is built from (`parts_from_flat`)."""
+
+    schedule: RecordSchedule
+    bundles_enabled: bool
+    bundle_policy: BundlePolicy
+    storage: StorageOptions
+    writer: WriterOptions
+
+
+def parts_from_flat(flat: dict, *, schedule=None, bundles=True, storage=None, writer=None) -> RecorderParts:
+    """The parts, from those passed in and the flat keywords given (`flat`:
+    name -> value, only the keywords the caller passed). `bundles`: True
+    (the policy of the flat keywords, else the default one), False (no
+    bundles; the flat keywords still say what the manifest records) or a
+    `BundlePolicy`."""
+    given = {"schedule": schedule, "writer": writer, "storage": storage,
+             "bundles": bundles if isinstance(bundles, BundlePolicy) else None}
+    fields: dict[str, dict] = {part: {} for part in PART_TYPES}
+    for name, value in flat.items():
+        part, field = FLAT_OPTIONS[name]
+        if given[part] is not None:
+            cls = PART_TYPES[part].__name__
+            raise OptionError(f"{part}={cls}(...) and {name}= both given: pass {field}= to the {cls} instead")
+        fields[part][field] = value
+    for part, value in given.items():
+        if value is not None and not isinstance(value, PART_TYPES[part]):
+            raise OptionError(f"{part}={value!r}: give a {PART_TYPES[part].__name__}")
+    # bool() as before parts existed (bundles=0 and None meant False)
+    if not isinstance(bundles, (BundlePolicy, bool, int)) and bundles is not None:
+        raise OptionError(f"bundles={bundles!r}: give True, False or a BundlePolicy")
+    return RecorderParts(
+        schedule=schedule if schedule is not None else RecordSchedule(**fields["schedule"]),
+        bundles_enabled=isinstance(bundles, BundlePolicy) or bool(bundles),
+        bundle_policy=given["bundles"] or BundlePolicy(**fields["bundles"]),
+        storage=storage if storage is not None else StorageOptions(**fields["storage"]),
+        writer=writer if writer is not None else WriterOptions(**fields["writer"]))
