@@ -315,7 +315,7 @@ RECORDER_LAYERS = [  # each imports only from its own layer and the ones before 
     {"layout", "tensor_codec", "aggregate", "stats", "loss_tap", "schedule"},   # a tensor's and a step's values
     {"index", "journal", "writer", "writer_thread", "lease", "status_slot", "storage"},  # files and stores
     {"manifest", "run_id", "step_rows"},                                        # the job described, rows
-    {"hooks", "bundles"},                                                       # the parts on the training path
+    {"collectors", "hooks", "bundles"},                                         # the parts on the training path
     {"options"},                                                                # the parts a user passes in
     {"recorder"},                                                               # AmpRecorder assembles them
     {"integrations"},                                                           # the frameworks' glue
