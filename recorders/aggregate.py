@@ -20,81 +20,122 @@ _NONFINITE = (schema.CHEAP_STATS.index("nan_count"), schema.CHEAP_STATS.index("i
 _INPUT = schema.CHEAP_STATS.index("input_nonfinite")
 
 
-def fill_input_nonfinite(meta: list[tuple], stats: np.ndarray):
+class MergePlan:
+    """The structure of a step's rows, worked out once and reused while the
+    steps keep it: a static model's steps have the same rows in the same
+    order (names, kinds, calls, dtypes, sizes, where inputs came from), and
+    grouping, ordering and the string columns were most of the writer
+    thread's time (its Python work holds the GIL the training thread
+    needs). Only the statistics are new each step. `MergePlan.of(meta)`
+    builds one; `plan.meta == meta` says whether it serves."""
+
+    __slots__ = ("meta", "keep", "input_dst", "input_src", "has_sources", "first", "inverse",
+                 "single", "numel_rows", "static", "perm", "group_count")
+
+    @classmethod
+    def of(cls, meta: list[tuple]) -> "MergePlan":
+        plan = cls()
+        plan.meta = meta
+        dst, src, has = [], [], []
+        for i, m in enumerate(meta):
+            sources = m[7] if len(m) > 7 else None
+            if sources is not None:
+                has.append(i)
+                dst += [i] * len(sources)
+                src += sources
+        plan.has_sources = np.array(has, dtype=np.int64)
+        plan.input_dst = np.array(dst, dtype=np.int64)
+        plan.input_src = np.array(src, dtype=np.int64)
+        # Count-only rows go with `input_nonfinite` (rows of 8 fields).
+        keep = [i for i, m in enumerate(meta) if not (len(m) > 7 and m[1] == COUNT_KIND)]
+        plan.keep = None if len(keep) == len(meta) else np.array(keep, dtype=np.int64)
+        kept = meta if plan.keep is None else [meta[i] for i in keep]
+        keys: dict[tuple, int] = {}
+        first: list[int] = []
+        inverse = np.empty(len(kept), dtype=np.int64)
+        for i, m in enumerate(kept):
+            k = (m[0], m[1], m[2], m[4])
+            j = keys.get(k)
+            if j is None:
+                j = keys[k] = len(first)
+                first.append(i)
+            inverse[i] = j
+        g = len(first)
+        plan.first, plan.inverse, plan.group_count = first, inverse, g
+        # Every key once (one micro-batch, one output tensor per module: the
+        # usual step): keys are in first-seen order, so row i is key i, and
+        # each merge would return its one part (a NaN part stays null).
+        plan.single = g == len(kept)
+        numel_rows = np.array([m[6] for m in kept], dtype=np.float64)
+        order_rows = np.array([m[3] for m in kept], dtype=np.int64)
+        if plan.single:
+            numel, order = numel_rows, order_rows
+        else:
+            numel = np.zeros(g)
+            np.add.at(numel, inverse, numel_rows)
+            order = np.full(g, np.iinfo(np.int64).max, dtype=np.int64)
+            np.minimum.at(order, inverse, order_rows)
+        plan.numel_rows = numel_rows
+        phases = [kept[i][2] for i in first]
+        # Keep the table in execution order: phase, then order.
+        phase_rank = np.array([0 if p == "forward" else 1 for p in phases])
+        perm = np.lexsort((order, phase_rank))
+        plan.perm = perm
+        # The columns that do not change while the plan serves, permuted;
+        # the same objects every step (the writer's Arrow arrays are reused
+        # for them, see writer.ShardWriter).
+        plan.static = {
+            "name": [kept[first[i]][0] for i in perm],
+            "kind": [kept[first[i]][1] for i in perm],
+            "phase": [phases[i] for i in perm],
+            "order": order.astype(np.int32)[perm],
+            "call": np.array([kept[i][4] for i in first], dtype=np.int32)[perm],
+            "dtype": [kept[first[i]][5] for i in perm],
+            "numel": numel.astype(np.int64)[perm],
+        }
+        return plan
+
+
+def fill_input_nonfinite(meta: list[tuple], stats: np.ndarray, plan: MergePlan | None = None):
     """Fill each raw row's `input_nonfinite` from the rows that hold its
     inputs (`meta[i][7]`: row indices, or None for null) and drop the
     count-only rows. The hooks record where a module's inputs came from
     instead of adding counts on the device: no tensor op per module."""
     if not meta or len(meta[0]) < 8:
         return meta, stats
-    # Python floats: a numpy sum per row cost more than the step's other
-    # writer work (the counts are whole numbers, so the order of the
-    # additions changes nothing).
-    bad = (stats[:, _NONFINITE[0]] + stats[:, _NONFINITE[1]]).tolist()
-    inputs = stats[:, _INPUT].tolist()
-    for i, m in enumerate(meta):
-        sources = m[7]
-        if sources is not None:
-            total = 0.0
-            for j in sources:
-                total += bad[j]
-            inputs[i] = total
-    stats[:, _INPUT] = inputs
-    keep = [i for i, m in enumerate(meta) if m[1] != COUNT_KIND]
-    if len(keep) == len(meta):
+    if plan is None:
+        plan = MergePlan.of(meta)
+    if len(plan.has_sources):
+        # The counts are whole numbers: the order of the additions changes nothing.
+        bad = stats[:, _NONFINITE[0]] + stats[:, _NONFINITE[1]]
+        inputs = stats[:, _INPUT]
+        inputs[plan.has_sources] = 0.0
+        np.add.at(inputs, plan.input_dst, bad[plan.input_src])
+    if plan.keep is None:
         return meta, stats
-    return [meta[i] for i in keep], stats[keep]
+    return [meta[i] for i in plan.keep], stats[plan.keep]
 
 
-def merge_rows(meta: list[tuple], stats: np.ndarray) -> dict[str, np.ndarray | list]:
+def merge_rows(meta: list[tuple], stats: np.ndarray, plan: MergePlan | None = None) -> dict[str, np.ndarray | list]:
     """`meta[i]` = (name, kind, phase, order, call, dtype, numel[, inputs]);
     `stats[i]` the statistics vector of that row. Returns the non-constant
     columns of the tensors table (everything but step and rank), one row
-    per key."""
-    meta, stats = fill_input_nonfinite(meta, stats)
+    per key. `plan`: `MergePlan.of(meta)` made for an earlier step with the
+    same rows (None: made here)."""
+    if plan is None or (plan.meta is not meta and plan.meta != meta):
+        plan = MergePlan.of(meta)
+    if len(meta) and len(meta[0]) >= 8:
+        _, stats = fill_input_nonfinite(meta, stats, plan)
     n, width = stats.shape if len(meta) else (0, len(schema.FULL_STATS))
-    keys: dict[tuple, int] = {}
-    first: list[int] = []
-    inverse = np.empty(n, dtype=np.int64)
-    for i, m in enumerate(meta):
-        k = (m[0], m[1], m[2], m[4])
-        j = keys.get(k)
-        if j is None:
-            j = keys[k] = len(first)
-            first.append(i)
-        inverse[i] = j
-    g = len(first)
-    numel_rows = np.array([m[6] for m in meta], dtype=np.float64)
-    order_rows = np.array([m[3] for m in meta], dtype=np.int64)
-
-    # Every key once (one micro-batch, one output tensor per module: the
-    # usual step): keys are in first-seen order, so row i is key i, and
-    # each merge below would return its one part (a NaN part stays null):
-    # the columns are taken as they are.
-    single = g == n
-    if single:
-        numel, order = numel_rows, order_rows
-    else:
-        numel = np.zeros(g)
-        np.add.at(numel, inverse, numel_rows)
-        order = np.full(g, np.iinfo(np.int64).max, dtype=np.int64)
-        np.minimum.at(order, inverse, order_rows)
-
-    out: dict[str, np.ndarray | list] = {
-        "name": [meta[i][0] for i in first],
-        "kind": [meta[i][1] for i in first],
-        "phase": [meta[i][2] for i in first],
-        "order": order.astype(np.int32),
-        "call": np.array([meta[i][4] for i in first], dtype=np.int32),
-        "dtype": [meta[i][5] for i in first],
-        "numel": numel.astype(np.int64),
-    }
+    g, inverse, single, numel_rows = plan.group_count, plan.inverse, plan.single, plan.numel_rows
+    out: dict[str, np.ndarray | list] = dict(plan.static)
     col = {name: idx for idx, name in enumerate(schema.FULL_STATS[:width])}
+    perm = plan.perm
 
     def reduce(name, how):
         v = stats[:, col[name]]
         if single:
-            return v.copy()
+            return v[perm]
         if how == "max":
             r = np.full(g, -np.inf)
             np.fmax.at(r, inverse, v)
@@ -121,7 +162,7 @@ def merge_rows(meta: list[tuple], stats: np.ndarray) -> dict[str, np.ndarray | l
                 r = r / ww
             if how == "rms":
                 r = np.sqrt(r)
-        return r
+        return r[perm]
 
     out["absmax"] = reduce("absmax", "max")
     out["nan_count"] = reduce("nan_count", "sum").astype(np.int64)
@@ -135,7 +176,4 @@ def merge_rows(meta: list[tuple], stats: np.ndarray) -> dict[str, np.ndarray | l
     # Shares stay numel-weighted (each part's sample stands for its values);
     # the sample sizes add up like numel.
     out["share_sample_size"] = reduce("share_sample_size", "sum") if full else np.full(g, _NAN)
-    # Keep the table in execution order: phase, then order.
-    phase_rank = np.array([0 if p == "forward" else 1 for p in out["phase"]])
-    perm = np.lexsort((out["order"], phase_rank))
-    return {k: ([v[i] for i in perm] if isinstance(v, list) else v[perm]) for k, v in out.items()}
+    return out

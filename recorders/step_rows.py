@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from .aggregate import merge_rows
+from .aggregate import MergePlan, merge_rows
 from .manifest import host_float, scaler_enabled
 from .stats import CHEAP_WIDTH, FULL_WIDTH, pack_rows
 
@@ -38,6 +38,7 @@ class StepRows:
         backoff = host_float(getattr(self.scaler, "_backoff_factor", None)) if self.scaler else None
         self.backoff_factor = backoff or 0.5
         self.scale_before = self._initial_scale()  # the scale the next backward uses
+        self._plan = None  # aggregate.MergePlan of the last step's rows (writer thread)
 
     def _initial_scale(self):
         if self.scaler is None:
@@ -145,7 +146,11 @@ class StepRows:
         scalars = dict(p.host_scalars)
         for i, k in enumerate(p.dev_scalar_keys):
             scalars[k] = float(values[offset + i])
-        cols = merge_rows(p.meta, rows) if n else None
+        cols = None
+        if n:
+            if self._plan is None or self._plan.meta != p.meta:
+                self._plan = MergePlan.of(p.meta)
+            cols = merge_rows(p.meta, rows, self._plan)
 
         skipped = False
         before, after = scalars.get("loss_scale_before"), scalars.get("loss_scale")

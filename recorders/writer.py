@@ -171,6 +171,7 @@ class ShardWriter:
         self._tensor_batches: list[pa.RecordBatch] = []
         self._tensor_rows = 0
         self._nonfinite_rows = 0
+        self._string_columns: dict = {}  # column -> (the step's list, its Arrow array)
         # `first_index`: shards already published elsewhere (a remote store
         # whose spool is this directory); `has_room()`: False drops the next
         # shard's steps rather than overfilling a bounded spool.
@@ -208,7 +209,7 @@ class ShardWriter:
             # Arrow arrays built once, here: the journal writes them, the
             # pair is their concatenation.
             tensors_batch = pa.RecordBatch.from_arrays(
-                [_column_array([tensor_columns[c.name]], c.type) for c in schema.TENSOR_COLUMNS],
+                [self._arrow_column(tensor_columns[c.name], c) for c in schema.TENSOR_COLUMNS],
                 schema=schema.TENSOR_SCHEMA)
             self._tensor_batches.append(tensors_batch)
             self._tensor_rows += tensors_batch.num_rows
@@ -228,6 +229,21 @@ class ShardWriter:
             self.roll()
 
     _empty_tensors = empty_batch(schema.TENSORS_DIR)
+
+    def _arrow_column(self, values, column) -> pa.Array:
+        """A step's column as an Arrow array; a string column that is the
+        very list of the step before (`aggregate.MergePlan` hands the same
+        objects while a step's rows keep their structure) reuses its array:
+        building ~1,000 strings into Arrow every step held the GIL the
+        training thread needs."""
+        if isinstance(values, list):
+            cached = self._string_columns.get(column.name)
+            if cached is not None and cached[0] is values:
+                return cached[1]
+            array = _column_array([values], column.type)
+            self._string_columns[column.name] = (values, array)
+            return array
+        return _column_array([values], column.type)
 
     def sync_journal(self) -> None:
         """fsync what the journal holds unsynced (the writer thread, idle)."""

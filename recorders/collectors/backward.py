@@ -256,8 +256,8 @@ class _NodeWatch:
 
     def __init__(self, collector):
         self.collector = collector
-        self.outputs = []
-        self.inputs = []
+        self.outputs = ()  # a list once a call adds one (most nodes have one kind only)
+        self.inputs = ()
         self.post = False  # its post-hook is registered
         self.pre = False
 
@@ -269,10 +269,14 @@ class _NodeWatch:
                 node.register_prehook(c.shared.guard_call(c.on_node_pre, self, None))
         else:
             self._hook_post(node)
+        if not self.outputs:
+            self.outputs = []
         self.outputs.append((ctx, idx, nr))
 
     def add_inputs(self, node, ctx, slots):
         self._hook_post(node)
+        if not self.inputs:
+            self.inputs = []
         self.inputs.append((ctx, slots))
 
     def _hook_post(self, node):

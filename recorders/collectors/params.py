@@ -7,8 +7,8 @@ import weakref
 
 import torch
 
-from ..layout import local
-from .state import Shared, TensorInfo, eager
+from ..layout import PLAIN_TENSORS, local
+from .state import Shared, dtype_name, eager
 
 
 def grad_norms(grads: list, on_host: bool | None = None) -> torch.Tensor:
@@ -85,9 +85,9 @@ class ParamGradCollector:
         return s if isinstance(s, torch.Tensor) else None
 
     def end_step(self, st) -> None:
-        add_row = self.shared.add_row
-        for pname, (order, s, sq, g) in st.param_grads.items():
-            add_row(st, pname, "param_grad", "backward", order, 0, g, s)
+        append_row = self.shared.append_row
+        for pname, (order, s, _, dtype, numel) in st.param_grads.items():
+            append_row(st, pname, "param_grad", "backward", order, 0, dtype, numel, s)
 
     def _make_param_hook(self, pname, registered):
         ref = weakref.ref(registered)
@@ -102,17 +102,20 @@ class ParamGradCollector:
             st.forward_open = False
             g = p.grad
             scale = self.scale_tensor()
-            s = shared.stats(st, g, scale=scale, unscale=scale is not None)
-            sq = None  # the global norm is taken once, when the backward pass ends
-            slot = st.param_grads.get(pname)
+            # Unscaled by the loss scale when there is one; without, the
+            # cheap tier's fast path (no keyword options) serves.
+            s = shared.stats(st, g, scale=scale, unscale=True) if scale is not None else shared.stats(st, g)
             # Keep the statistics, not the gradient: `zero_grad()` must be
-            # able to free it before `rec.step()`.
-            shape = TensorInfo(g)
+            # able to free it before `rec.step()`. Slot 2: no norm of its
+            # own (the global norm is taken once, when the backward pass ends).
+            dtype = dtype_name(g.dtype)
+            numel = g.numel() if type(g) in PLAIN_TENSORS else local(g).numel()
+            slot = st.param_grads.get(pname)
             if slot is None:
-                st.param_grads[pname] = [st.bwd_order, s, sq, shape]
+                st.param_grads[pname] = [st.bwd_order, s, None, dtype, numel]
                 st.bwd_order += 1
             else:  # gradient accumulation: the last accumulated value wins
-                slot[1], slot[2], slot[3] = s, sq, shape
+                slot[1], slot[3], slot[4] = s, dtype, numel
         return hook
 
     # ------------------------------------------------------ gradient norm

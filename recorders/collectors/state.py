@@ -56,7 +56,7 @@ class StepState:
         self.calls: dict[str, int] = {}
         self.stacks: dict[str, list] = {}
         self.recompute_stacks: dict[str, list] = {}  # reentrant recomputation: (context, input edges)
-        self.param_grads: dict[str, list] = {}  # name -> [order, stats, sqnorm, info]
+        self.param_grads: dict[str, list] = {}  # name -> [order, stats, None, dtype name, numel]
         self.contexts: list[CallContext] = []
         self.producers: dict[int, tuple] = {}  # id(tensor) -> (weakref, row of its statistics)
         # output node of a watched module's call -> (its walk's boundary, the
@@ -135,10 +135,17 @@ class Shared:
         self.bundles = bundles
 
     def add_row(self, st, name, kind, phase, order, call, t, stats, inputs=None) -> int:
-        """Append a row; `inputs`: the rows whose NaN/Inf counts add up to
-        its `input_nonfinite` (None: null). Returns the row's index."""
+        """Append a row for tensor `t`; `inputs`: the rows whose NaN/Inf
+        counts add up to its `input_nonfinite` (None: null). Returns the
+        row's index."""
         dtype = _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype)
         numel = t.numel() if type(t) in PLAIN_TENSORS else local(t).numel()
+        return self.append_row(st, name, kind, phase, order, call, dtype, numel, stats, inputs)
+
+    @staticmethod
+    def append_row(st, name, kind, phase, order, call, dtype: str, numel: int, stats, inputs=None) -> int:
+        """`add_row` with the tensor's dtype name and size given (a
+        gradient that may be freed before the row is added)."""
         st.meta.append((name, kind, phase, order, call, dtype, numel, inputs))
         rows = st.stats
         rows.append(stats)
