@@ -90,6 +90,9 @@ def float_tensors(obj) -> list:
     if type(obj) is tuple and len(obj) == 2 and type(obj[1]) is dict and not obj[1] \
             and type(obj[0]) is tuple:
         obj = obj[0]  # (args, {}) from a forward pre-hook
+        if len(obj) == 1 and type(obj[0]) in PLAIN_TENSORS:  # one tensor argument: most calls
+            t = obj[0]
+            return [t] if t.dtype in _FLOATING and t.numel() > 0 else []
     if isinstance(obj, torch.Tensor):
         return [obj] if obj.dtype in _FLOATING and obj.numel() > 0 else []
     if type(obj) is tuple and all(isinstance(v, torch.Tensor) for v in obj):

@@ -204,7 +204,10 @@ class ForwardCollector:
             tensors = float_tensors((args, kwargs))
             inputs = self._input_rows(st, tensors) if tensors else None
             ctx = CallContext(name, call, inputs, name == "", st.micro_batches - 1, st.step_id)
-            st.stacks.setdefault(name, []).append((ctx, input_edges(tensors)))
+            stack = st.stacks.get(name)
+            if stack is None:
+                stack = st.stacks[name] = []
+            stack.append((ctx, input_edges(tensors)))
         return pre
 
     def _make_post(self, name, registered):

@@ -154,8 +154,12 @@ class ParamGradCollector:
         overwrites them, so the last one's accumulated gradients count."""
         grads, sharded = [], []
         for p in self._grad_params:
-            if p.grad is not None:
-                g = local(p.grad.detach())
+            g = p.grad
+            if g is not None:
+                # A gradient needs no detach unless it carries a graph
+                # (create_graph=True): a new tensor object per parameter
+                # and step otherwise.
+                g = local(g.detach() if g.requires_grad else g)
                 if g.numel():
                     grads.append(g)
                     sharded.append(id(p) in self._sharded)

@@ -100,11 +100,14 @@ def dtype_name(dtype) -> str:
     return name
 
 
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def in_backward() -> bool:
-    try:
-        return torch._C._current_graph_task_id() != -1
-    except AttributeError:  # an older torch without it: record recomputations too
-        return False
+    """Inside a backward pass (activation checkpointing re-runs forwards
+    there). An older torch without the call: False (record recomputations
+    too)."""
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 def eager(fn):
