@@ -122,14 +122,15 @@ def compare(run_a, run_b, *, rank: int | None = None, threshold: float = 0.1, pe
 # losses (and a finite backward start) when the model does not return its loss.
 
 def replay(run, *, step: int, rank: int | None = None, model=None, device: str = "cpu",
-           precisions=PRECISIONS, policy: str = "recorded", anomaly: bool = False, loss_fn=None):
+           precisions=PRECISIONS, policy: str = "recorded", anomaly: bool = False, loss_fn=None, trace=()):
     """Replay a saved step per precision and name the culprit (`amp-postmortem
-    replay`). `run` may also be a bundle directory or a loaded `Bundle`."""
+    replay`). `run` may also be a bundle directory or a loaded `Bundle`.
+    `trace`: module names to trace op by op besides the culprit (`--trace`)."""
     _check_device(device)
     from .replay import replay as run_replay
     from .replay.model_spec import resolve_loss_fn
     return _result(run_replay(_source(run), step, rank=rank, model=model, device=device, precisions=precisions,
-                              policy=policy, anomaly=anomaly, loss_fn=resolve_loss_fn(loss_fn)))
+                              policy=policy, anomaly=anomaly, loss_fn=resolve_loss_fn(loss_fn), trace=trace))
 
 
 def fix(run, *, step: int, rank: int | None = None, model=None, device: str = "cpu", policy: str = "recorded",

@@ -50,15 +50,22 @@ def _precisions(ctx, param, value):
 @click.option("--anomaly", is_flag=True,
               help="Re-run the failing precision under torch.autograd.detect_anomaly and say what it found: "
                    "the op, the first backward op holding NaN/Inf, or why anomaly mode raised nothing.")
+@click.option("--trace", "trace", metavar="MODULE", multiple=True,
+              help="Also trace this module (its dotted name, repeatable) op by op: per aten op its dtype, "
+                   "output absmax and NaN/Inf, error vs float64 and the model's source line. The culprit "
+                   "is always traced.")
 @output_options(csv=True)
 def replay_command(run, **options):
     """Replay a saved step in fp64/fp32/fp16/bf16 and name the culprit: the
     first module (forward, then backward) whose own arithmetic breaks when
     fed the float64 run's inputs rounded as the precision would. Says first
-    whether the replay reproduced the recorded step.
+    whether the replay reproduced the recorded step, and, from an op trace of
+    the culprit, the first operation (and source line) whose output turned
+    NaN/Inf from finite inputs.
 
     \b
         amp-postmortem replay runs/exp1 --step 1234 --model mypkg.models:build
         amp-postmortem replay runs/exp1 --step 1234 --model train.py:make_model --precisions fp16,bf16 --json
+        amp-postmortem replay runs/exp1 --step 1234 --model mypkg.models:build --trace blocks.1.attn
     """
     return api.replay(run, **options)

@@ -22,12 +22,13 @@ import torch
 
 from recorders import schema
 
-from ..errors import BundleError, DeviceError, PolicyError, PrecisionError
+from ..errors import BundleError, DeviceError, ModelSpecError, PolicyError, PrecisionError
 from ..names import ROOT_DISPLAY
-from . import attribution, fidelity
+from . import attribution, fidelity, op_trace
 from .engine import (DTYPES, POLICY_MODES, PRECISION_OF_DTYPE, PRECISIONS, ReplaySession, RunConfig,
                      StepCapture, preserved_rng)
 from .model_spec import bundle_folders, resolve_model, saved_model_config
+from ..op_words import op_origin_text, trace_line
 
 __all__ = ["replay", "ReplayResult", "ReplaySession", "RunConfig", "StepCapture", "PRECISIONS",
            "resolve_policy", "recorded_precision"]
@@ -55,6 +56,8 @@ class ReplayResult:
     errors: dict = field(default_factory=dict)  # precision -> the error a run raised
     thresholds: dict = field(default_factory=lambda: dict(attribution.THRESHOLDS))
     backward_start: str = "saved"   # "saved" | "substitute_mean" | "loss_fn" (engine.start_backward)
+    op_trace: list = field(default_factory=list)  # op_trace.ModuleOpTrace.to_dict() per traced module
+    op_origin: dict | None = None   # the culprit's first op made non-finite from finite inputs, or None
 
     def to_dict(self) -> dict:
         """Plain data; relative errors are inf where a run is non-finite and
@@ -67,6 +70,7 @@ class ReplayResult:
             "modules": self.modules, "ranking": self.ranking, "loss": self.loss,
             "param_grads": self.param_grads, "anomaly": self.anomaly, "notes": self.notes,
             "errors": self.errors, "thresholds": self.thresholds, "backward_start": self.backward_start,
+            "op_origin": self.op_origin, "op_trace": self.op_trace,
         }
 
 
@@ -86,6 +90,10 @@ class ReplayResult:
             if first:
                 out.append(f"first over the threshold end to end in {prec}: {first['name'] or ROOT_DISPLAY}, "
                            f"{first['phase']} ({first['reason']})")
+        if self.op_origin:
+            out.append(f"op origin: {op_origin_text(self.op_origin)}")
+        # The culprit's trace (the first) is said by the op origin line when it found one.
+        out.extend(trace_line(t) for i, t in enumerate(self.op_trace) if i or not self.op_origin)
         if self.anomaly:
             a = self.anomaly
             out.append(f"anomaly ({a.get('precision') or '-'}): {a.get('explanation') or a.get('message')}")
@@ -179,7 +187,7 @@ def policy_device(mode: str, bundle) -> str:
 def replay(source, step: int | None = None, *, rank: int | None = None, model=None, device: str = "cpu",
            precisions=PRECISIONS, policy: str = "recorded", anomaly: bool = False,
            local: bool = True, loss_fn=None, fp32_modules=(), loss_scale: float | None = None,
-           batch=None, run_dir=None) -> ReplayResult:
+           batch=None, run_dir=None, trace=()) -> ReplayResult:
     """Replay a saved step under several precisions and name the culprit.
 
     `source`: a run directory (with `step`; `rank` None picks the lowest
@@ -191,6 +199,8 @@ def replay(source, step: int | None = None, *, rank: int | None = None, model=No
     its loss (and a finite start for a backward whose saved output gradient
     is NaN). `local`: replay every module alone (True), none (False) or the
     named ones. `fp32_modules`, `loss_scale` and `batch` replay a what-if.
+    `trace`: names of modules to trace op by op (`op_trace.py`) besides the
+    culprit, which is always traced when the module replays ran (`local`).
     """
     bundle, run_dir = _locate(source, step, rank, run_dir)
     precisions = _check_precisions(precisions)
@@ -200,13 +210,14 @@ def replay(source, step: int | None = None, *, rank: int | None = None, model=No
     with preserved_rng(torch.device(device)):
         return _replay(bundle, run_dir, precisions, model=model, device=device, policy=policy,
                        anomaly=anomaly, local=local, loss_fn=loss_fn, fp32_modules=fp32_modules,
-                       loss_scale=loss_scale, batch=batch)
+                       loss_scale=loss_scale, batch=batch, trace=tuple(trace or ()))
 
 
 def _replay(bundle, run_dir, precisions, *, model, device, policy, anomaly, local, loss_fn, fp32_modules,
-            loss_scale, batch) -> ReplayResult:
+            loss_scale, batch, trace) -> ReplayResult:
     net = resolve_model(model, bundle.model_class, saved_model_config(bundle, run_dir),
                         forbidden=bundle_folders(bundle, run_dir))
+    _check_traced(net, trace)
     session = ReplaySession(bundle, net, device=device)
     notes = session.start_backward(loss_fn)
     primary = recorded_precision(bundle)
@@ -241,6 +252,9 @@ def _replay(bundle, run_dir, precisions, *, model, device, policy, anomaly, loca
     elif fid["reproduced"] is None:
         notes.insert(0, f"whether the replay reproduces step {bundle.step} is unknown: {fid['basis']}")
     ranked = primary if primary in runs else next(iter(runs), None)
+    traces = _op_traces(session, reference, runs, culprit, primary, trace) if local else []
+    origin = next((t.origin for t in traces[:1] if t.origin is not None and culprit is not None
+                   and t.module == culprit["name"]), None)
     return ReplayResult(
         step=bundle.step, rank=bundle.rank, device=device,
         policy={"mode": policy, "device_type": policy_device(policy, bundle),
@@ -255,7 +269,33 @@ def _replay(bundle, run_dir, precisions, *, model, device, policy, anomaly, loca
                                                   {p: r.param_grads for p, r in runs.items()}),
         anomaly=_anomaly(session, configs, culprit, runs, order, comparisons) if anomaly else None,
         notes=notes, errors={p: r.error for p, r in runs.items() if r.error},
-        backward_start=session.backward_start)
+        backward_start=session.backward_start, op_trace=[t.to_dict() for t in traces],
+        op_origin=origin.to_dict() if origin is not None else None)
+
+
+def _check_traced(net, names) -> None:
+    for name in names:
+        try:
+            net.get_submodule(name)
+        except AttributeError:
+            known = [n for n, _ in net.named_modules() if n]
+            raise ModelSpecError(f"trace module {name!r} is not a module of the model; its modules: "
+                                 f"{', '.join(known[:12])}{', ...' if len(known) > 12 else ''}") from None
+
+
+def _op_traces(session, reference, runs, culprit, primary, names) -> list:
+    """The culprit's op trace first (in its precision), then each module of
+    `names` in the culprit's precision, else the recorded one when it was
+    replayed reduced, else the first replayed."""
+    reduced = [p for p in (primary, "fp16", "bf16", "fp32") if p in runs]
+    precision = (culprit or {}).get("precision") or next(iter(reduced), None)
+    targets = []
+    if culprit is not None and culprit["name"] != attribution.LOSS_NAME:
+        targets.append(culprit["name"])
+    targets += [n for n in names if n not in targets]
+    if precision is None:
+        return []
+    return [op_trace.trace_module(session, reference, runs[precision], name) for name in targets]
 
 
 def _anomaly(session, configs, culprit, runs, order, comparisons) -> dict:

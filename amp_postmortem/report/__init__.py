@@ -4,7 +4,8 @@ The findings at the top (as `summary` ranks them, each linking to its plot),
 loss and loss scale over steps, per-layer headroom heatmaps (forward and
 backward), the first-NaN spread, the gradient norm and underflow shares, the
 run's facts and, given `replay --json` output, the per-module error of each
-precision. Downsampled for display (`downsample.py`): a million-step run
+precision and the op trace of the culprit (op, line, dtype, absmax, local
+error). Downsampled for display (`downsample.py`): a million-step run
 stays a few MB. Three parts: `data` gathers (no plotting), `figures` draws
 (plotly), `page` writes the HTML.
 
@@ -75,7 +76,8 @@ def report(run, output=None, replay=None, *, rank: int | None = None) -> ReportR
     data = gather(run)
     plot_list = plots(data, replay_doc)
     title = f"amp-postmortem report: {data.facts.get('run_id') or run.path}"
-    text = render(data, plot_list, title=title)
+    traces = (replay_doc or {}).get("op_trace") or []  # a replay --json from before op traces has none
+    text = render(data, plot_list, title=title, op_trace=traces[0] if traces else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")

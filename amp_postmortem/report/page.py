@@ -15,6 +15,7 @@ from recorders.plain import plain
 
 from .data import ReportData
 from ..names import display_name
+from ..op_words import trace_line, trace_rows
 from .figures import Plot, spread_lines
 
 # Which plot shows the evidence of each finding kind.
@@ -32,10 +33,16 @@ code{background:#f4f4f4;padding:1px 4px;border-radius:3px}
 table.facts{border-collapse:collapse;font-size:.9em}table.facts td{border-bottom:1px solid #eee;padding:3px 10px;vertical-align:top}
 table.facts td:first-child{color:#555;white-space:nowrap}
 .warn{color:#8a6d3b}.plot{width:100%}
+table.ops{border-collapse:collapse;font-size:.85em}table.ops td,table.ops th{border-bottom:1px solid #eee;padding:2px 8px;text-align:left}
+table.ops td.num{text-align:right}table.ops tr.origin{background:#fde0dc;font-weight:600}
 """
 
 
-def render(data: ReportData, plot_list: list[Plot], *, title: str) -> str:
+MAX_OP_ROWS = 200  # of the culprit's op trace: the origin is near the top of a module's ops, or shown anyway
+
+
+def render(data: ReportData, plot_list: list[Plot], *, title: str, op_trace: dict | None = None) -> str:
+    """`op_trace`: one entry of a replay's `op_trace` (the culprit's), drawn as a table."""
     import plotly.offline
 
     facts = data.facts
@@ -59,6 +66,8 @@ def render(data: ReportData, plot_list: list[Plot], *, title: str) -> str:
         if p.id == "first-nan":
             parts.append(_spread_text(data))
         parts.append(f"<div class=\"plot\" id=\"plot-{p.id}\" data-points=\"{p.points}\"></div>")
+        if p.id == "replay" and op_trace is not None:
+            parts.append(_op_trace_table(op_trace))
     parts.append("<h2 id=\"facts\">Run facts</h2>")
     parts.append(_facts_table(facts))
     parts.append(_script(plot_list))
@@ -97,6 +106,29 @@ def _spread_text(data: ReportData) -> str:
         who = "all ranks" if s.rank is None else f"rank {s.rank}"
         blocks.append(f"<p class=\"note\"><b>{who}</b><br>" + "<br>".join(_e(l) for l in lines) + "</p>")
     return "".join(blocks)
+
+
+def _op_trace_table(trace: dict) -> str:
+    """The culprit's ops in the order they ran: op, source line, dtype, output
+    absmax, local error vs float64; the first op that made NaN/Inf from finite
+    inputs highlighted."""
+    rows = trace_rows(trace)
+    shown = rows[:MAX_OP_ROWS] + [r for r in rows[MAX_OP_ROWS:] if r["origin"]]
+    cells = []
+    for r in shown:
+        err = r["local_rel_err"]
+        err = "-" if err is None else ("inf" if err == float("inf") else f"{err:.3g}")
+        absmax = "-" if r["absmax"] is None else f"{r['absmax']:.4g}"
+        nonfinite = f" ({r['nonfinite']} NaN/Inf)" if r["nonfinite"] else ""
+        row_class = ' class="origin"' if r["origin"] else ""
+        cells.append(f"<tr{row_class}><td>{_e(r['op'])}</td>"
+                     f"<td>{_e(r['line'])}</td><td><code>{_e(r['code'])}</code></td><td>{_e(r['dtype'] or '-')}</td>"
+                     f"<td class=\"num\">{_e(absmax + nonfinite)}</td><td class=\"num\">{_e(err)}</td></tr>")
+    more = (f"<p class=\"note\">{len(rows) - len(shown)} more ops not shown.</p>"
+            if len(rows) > len(shown) else "")
+    return (f"<h2 id=\"op-trace\">Op trace of the culprit</h2><p class=\"note\">{_e(trace_line(trace))}</p>"
+            "<table class=\"ops\"><tr><th>op</th><th>line</th><th>code</th><th>dtype</th><th>absmax</th>"
+            "<th>local error vs float64</th></tr>" + "".join(cells) + "</table>" + more)
 
 
 def _facts_table(facts: dict) -> str:
