@@ -218,7 +218,8 @@ def summarize_variants(jobs: dict, warmup: int, writer_cpu_s: dict, watched: int
         w, c = j.wall[warmup:], j.cpu[warmup:]
         s = common.summarize(w)
         row = {"median_ms": 1e3 * s["median"], "p10_ms": 1e3 * s["p10"], "p90_ms": 1e3 * s["p90"],
-               "mean_ms": 1e3 * s["mean"], "cpu_median_ms": 1e3 * common.median(c),
+               "mean_ms": 1e3 * s["mean"], "max_ms": 1e3 * max(w),  # tells a stall from a trend
+               "cpu_median_ms": 1e3 * common.median(c),
                "ratio": s["median"] / base_w,
                "ratio_paired": common.median([a / b for a, b in zip(w, pw)]),
                # What a whole run pays, the rare slow step (a shard written, a
