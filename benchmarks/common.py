@@ -1,5 +1,5 @@
-"""Shared pieces of the benchmarks: the GPT-style model, machine facts,
-memory probes and small statistics helpers.
+"""Shared pieces of the benchmarks: the GPT-style and the launch-bound
+models, machine facts, memory probes and small statistics helpers.
 
 Benchmarks print one JSON document on stdout (figures) and a readable table
 on stderr; RESULTS.md copies the figures with the date, machine and command.
@@ -175,6 +175,37 @@ def gpt_of(size: dict):
     """`gpt()` with the model's dimensions taken from a benchmark's size dict
     (which also holds the batch size)."""
     return gpt(**{k: size[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq")})
+
+
+def deep_narrow(n_blocks: int = 48, width: int = 16):
+    """A launch-bound model: deep and narrow, so that its arithmetic is
+    negligible and a step is the host launching kernels (what a fast GPU
+    leaves of a step). Each residual block is LayerNorm, Linear, GELU,
+    Linear with the input added back: 5 modules a block, with the stack
+    and the root 48 * 5 + 2 = 242 modules. Built lazily (no torch import
+    at module import)."""
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.fc1 = nn.Linear(width, width)
+            self.act = nn.GELU()
+            self.fc2 = nn.Linear(width, width)
+
+        def forward(self, x):
+            return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+    class DeepNarrow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(*[Block() for _ in range(n_blocks)])
+
+        def forward(self, x):
+            return self.blocks(x)
+
+    return DeepNarrow()
 
 
 def write_json(obj, path: str | os.PathLike | None) -> None:

@@ -12,6 +12,7 @@ sys.path.insert(0, str(BENCH))
 
 import analyzer_scale  # noqa: E402
 import compile_overhead  # noqa: E402
+import recorder_hot_path  # noqa: E402
 import recorder_overhead  # noqa: E402
 import recorder_overhead_cuda  # noqa: E402
 import report_scale  # noqa: E402
@@ -59,6 +60,44 @@ def test_recorder_overhead_leaves_variant_watches_no_container(tmp_path):
 def test_recorder_overhead_memory_child_reports_peak_rss():
     r = recorder_overhead.memory_child("fp32", "default", 1, recorder_overhead.SMOKE_SIZE, 0)
     assert r["peak_rss_mib"] > 0
+
+
+def test_recorder_hot_path_smoke_measures_every_variant_the_floor_and_the_targets(tmp_path):
+    out = tmp_path / "hot.json"
+    assert recorder_hot_path.main(["--smoke", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["cpu_model"]
+    lb = doc["launch_bound"]["fp32"]
+    # 3 blocks of 5 modules, the stack and the root.
+    assert lb["watched_modules"] == 17 and set(lb["variants"]) == set(recorder_hot_path.LAUNCH_VARIANTS)
+    for row in lb["variants"].values():
+        assert row["ratio"] > 0 and row["cpu_ratio"] > 0 and "us_per_module" in row
+        assert row["losses_identical_to_plain"] is True  # no hook changes a bit
+    assert lb["variants"]["recorder_full"]["tiers"] == {"full": 2}
+    assert "writer_cpu_ms_per_step" in lb["variants"]["recorder"]
+    cb = doc["compute_bound"]
+    assert set(cb["variants"]) == set(recorder_hot_path.GPT_VARIANTS)
+    assert all(row["losses_identical_to_plain"] is True for row in cb["variants"].values())
+    floor = cb["floor"]
+    assert floor["tensors"] > 0 and floor["values"] > 0
+    assert all(floor[k]["ratio"] > 1 for k in recorder_hot_path.FLOORS)
+    dv = doc["diverging"]
+    assert dv["first_nonfinite_loss_step"] == 2 and dv["losses_identical_to_plain"] is True
+    assert sum(dv["tiers"].values()) == dv["steps"] == 4
+    # Every target of issue 27 is reported beside its figure, none asserted.
+    assert len(doc["targets"]) == 4 and all(isinstance(t["met"], bool) for t in doc["targets"])
+
+
+def test_recorded_tensors_are_every_output_gradient_and_parameter_gradient_once():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    kept = recorder_hot_path.recorded_tensors(model, lambda m, b: m(b).square().mean(), x, torch.float32)
+    # Outputs: Linear 0 and Linear 1 (the Sequential's is Linear 1's);
+    # gradients of both outputs; Linear 1's gradient to its input is the
+    # gradient of Linear 0's output; Linear 0's input needs none; 4 parameter
+    # gradients.
+    assert len(kept) == 2 + 2 + 4
+    assert sum(t.numel() for t in kept) == (5 * 4 + 5 * 2) * 2 + (4 * 3 + 4 + 2 * 4 + 2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
