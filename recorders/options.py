@@ -2,7 +2,7 @@
 
 `AmpRecorder(run_dir, model, schedule=RecordSchedule(...),
 bundles=BundlePolicy(...) | False, storage=StorageOptions(...),
-writer=WriterOptions(...))`: each option is defined and documented once, in
+writer=WriterOptions(...), on_event=callback | EventPolicy(...))`: each option is defined and documented once, in
 its part. The flat keywords of earlier versions (`full_every=`,
 `max_bundles=`, `spool_dir=`, ...) keep working: `FLAT_OPTIONS` says which
 part and field each one is, and `parts_from_flat` is the one place that maps
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .bundles.policy import BundlePolicy
 from .errors import OptionError, option_float, option_int
+from .events import EventPolicy, event_policy
 from .journal import DEFAULT_DURABLE_INTERVAL_S
 from .schedule import RecordSchedule
 from .storage import DEFAULT_SPOOL_MAX_BYTES, DEFAULT_UPLOAD_TIMEOUT_S
@@ -122,14 +123,17 @@ class RecorderParts:
     bundle_policy: BundlePolicy
     storage: StorageOptions
     writer: WriterOptions
+    events: EventPolicy | None = None  # None: no on_event callback, no event detection
 
 
-def parts_from_flat(flat: dict, *, schedule=None, bundles=True, storage=None, writer=None) -> RecorderParts:
+def parts_from_flat(flat: dict, *, schedule=None, bundles=True, storage=None, writer=None,
+                    on_event=None) -> RecorderParts:
     """The parts, from those passed in and the flat keywords given (`flat`:
     name -> value, only the keywords the caller passed). `bundles`: True
     (the policy of the flat keywords, else the default one), False (no
     bundles; the flat keywords still say what the manifest records) or a
-    `BundlePolicy`."""
+    `BundlePolicy`. `on_event`: None, a callable (`EventPolicy(on_event)`)
+    or an `EventPolicy`."""
     given = {"schedule": schedule, "writer": writer, "storage": storage,
              "bundles": bundles if isinstance(bundles, BundlePolicy) else None}
     fields: dict[str, dict] = {part: {} for part in PART_TYPES}
@@ -150,4 +154,5 @@ def parts_from_flat(flat: dict, *, schedule=None, bundles=True, storage=None, wr
         bundles_enabled=isinstance(bundles, BundlePolicy) or bool(bundles),
         bundle_policy=given["bundles"] or BundlePolicy(**fields["bundles"]),
         storage=storage if storage is not None else StorageOptions(**fields["storage"]),
-        writer=writer if writer is not None else WriterOptions(**fields["writer"]))
+        writer=writer if writer is not None else WriterOptions(**fields["writer"]),
+        events=event_policy(on_event))

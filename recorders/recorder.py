@@ -5,10 +5,11 @@ optimizer step, `flush()` (blocks until everything so far is on disk),
 `close()` (idempotent; flushes and removes every hook). Also a context manager.
 
 `AmpRecorder` owns its parts and wires them; each keeps its own state. The
-user may pass four of them in (`recorders.options`): `schedule=`,
+user may pass five of them in (`recorders.options`): `schedule=`,
 `bundles=` (a `BundlePolicy`, the options of `BundleCapture`), `storage=`
-(`StorageOptions`) and `writer=` (`WriterOptions`); the flat keywords of
-earlier versions are mapped to them in `options.parts_from_flat`.
+(`StorageOptions`), `writer=` (`WriterOptions`) and `on_event=` (a
+callback or an `EventPolicy`); the flat keywords of earlier versions are
+mapped to them in `options.parts_from_flat`.
 
 - `schedule` (`RecordSchedule`): which step is recorded at which tier;
 - `hooks` (`TrainingHooks`): the hooks and the state of the step in progress;
@@ -20,7 +21,10 @@ earlier versions are mapped to them in `options.parts_from_flat`.
   writing, in order;
 - `bundles` (`BundleCapture`): replay bundles;
 - `losses` (`MicroBatchLosses`) and `loss_tap` (`ScaleTap` or
-  `OutputLossTap`): every micro-batch's loss.
+  `OutputLossTap`): every micro-batch's loss;
+- with `on_event=`: `event_detector` (`EventDetector`, writer thread) and
+  `events` (`EventDispatcher`: the callback's thread and the requests it
+  makes, taken at `step()`).
 
 The training path only enqueues device work; conversion, Parquet and every
 decision taken on values happen on the writer thread, one step (or more)
@@ -42,6 +46,8 @@ from . import schema
 from .bundles.capture import BundleCapture
 from .bundles.policy import BundlePolicy
 from .errors import OptionError  # noqa: F401 - importable from here, as before recorders.errors
+from .event_thread import EventDispatcher
+from .events import EventDetector
 from .hooks import TrainingHooks
 from .lease import LeaseHeldError, RankLease
 from .layout import (canonical_modules, canonical_parameters, fsdp1_shapes, fsdp1_sharded_params, is_compiled,
@@ -97,6 +103,13 @@ class AmpRecorder:
             long `close()` waits for the uploads.
         writer: the `WriterOptions`: shard size, how often shards are
             written and the journal fsynced, the writer thread's queue.
+        on_event: a callable, called with an `Event` (`recorders.events`:
+            kind, step, layer, evidence) at the first non-finite value, a
+            skip streak and the onset of a scale collapse, on a thread of
+            its own; or an `EventPolicy(callback, ...)` with the detectors'
+            options. Through the event it may ask for a stop
+            (`rec.should_stop`), a checkpoint (`rec.checkpoint_requested`)
+            or a bundle of the next step, all taken at the next `step()`.
         include: glob patterns of module names to watch (`"*"`: all).
         exclude: glob patterns of module names not to watch.
         near_overflow: the magnitude counted as near overflow (default
@@ -149,7 +162,7 @@ class AmpRecorder:
     def __init__(self, run_dir, model: torch.nn.Module, optimizer=None, scaler=None, *,
                  schedule: RecordSchedule | None = None, bundles: bool | BundlePolicy = True,
                  storage: StorageOptions | None = None, writer: WriterOptions | None = None,
-                 include=("*",), exclude=(), near_overflow: float = schema.FP16_MAX,
+                 on_event=None, include=("*",), exclude=(), near_overflow: float = schema.FP16_MAX,
                  rank: int | None = None, world_size: int | None = None, run_id: str | None = None,
                  capture_loss: bool = True, eager_full_steps: bool = True,
                  cheap_every=UNSET, full_every=UNSET, full_after_event=UNSET,
@@ -161,7 +174,7 @@ class AmpRecorder:
         flat = {name: value for name, value in locals().items() if name in FLAT_OPTIONS and value is not UNSET}
         # A bad option raises here, in the caller's line, before anything is written.
         self.parts = parts = parts_from_flat(flat, schedule=schedule, bundles=bundles, storage=storage,
-                                             writer=writer)
+                                             writer=writer, on_event=on_event)
         self.run_location = str(run_dir)
         self.upload_report = None  # storage.UploadReport after close() of a URI run
         self.run_dir = None  # the local directory written (a URI run's spool), once opened
@@ -201,6 +214,10 @@ class AmpRecorder:
         self.hooks = None
         self.writer = None
         self.bundles = None
+        self.event_detector = None
+        self.events = None  # EventDispatcher, with on_event=
+        self._should_stop = False
+        self.checkpoint_requested = False
         self.capture_loss = bool(capture_loss)
         self.losses = MicroBatchLosses()
         self.loss_tap = None
@@ -300,6 +317,10 @@ class AmpRecorder:
         if self._bundles_off:
             job["recorder"]["bundles"]["disabled"] = self._bundles_off
         self.manifest = RunManifest(self.run_dir, self.rank, job)
+        if parts.events is not None:
+            self.event_detector = EventDetector.of(parts.events)
+            self.events = EventDispatcher(parts.events)
+            self._note_events()
         self.rows = StepRows(rank=self.rank, optimizer=optimizer, scaler=scaler)
         self.hooks = TrainingHooks(
             model, optimizer=optimizer, scaler=scaler, watched=watched, modules=dict(modules),
@@ -421,6 +442,7 @@ class AmpRecorder:
             where = None
         if self.manifest is not None:
             try:
+                self._note_events()
                 self.manifest.set_recording(status=status, dropped_steps=self._dropped_steps,
                                             failure=self._failure, failed_at_step=self._failed_at_step)
                 self.manifest.write()
@@ -440,12 +462,31 @@ class AmpRecorder:
             return
         if not self._enabled:
             self._unhook()
-            return
-        try:
-            self._step(loss, step)
-        except Exception as exc:  # noqa: BLE001
-            self._fail(exc)
-            self._unhook()
+        else:
+            try:
+                self._step(loss, step)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(exc)
+                self._unhook()
+        if self.events is not None and self.events.requests.pending:
+            self._take_requests()
+
+    def _take_requests(self) -> None:
+        """What on_event callbacks asked for since the last step: a bundle
+        of the step now beginning (its forward has not run: full tier too)."""
+        stop, checkpoint, bundle = self.events.requests.take()
+        self._should_stop |= stop
+        self.checkpoint_requested |= checkpoint
+        if bundle:
+            self.save_bundle()
+
+    @property
+    def should_stop(self) -> bool:
+        """True once an `on_event` callback asked for a stop
+        (`event.request_stop()`), from the `step()` after it on. The
+        recorder stops nothing itself: the loop reads this and ends (the
+        Trainer and Lightning callbacks do so with `stop_on_event=True`)."""
+        return self._should_stop
 
     def add_loss(self, loss) -> None:
         """Add one micro-batch's loss as backpropagated (for a framework
@@ -538,9 +579,14 @@ class AmpRecorder:
             hooks.paused -= 1
 
     def flush(self) -> None:
-        """Block until every step so far is written to disk."""
+        """Block until every step so far is written to disk (and the
+        `on_event` callbacks of its events returned, at most
+        `event_thread.CLOSE_WAIT_S`)."""
         if self._closed or self.writer is None or not self.writer.alive:
             return
+        if self.events is not None:
+            self.writer.barrier()
+            self.events.wait_idle()
         self.writer.barrier(functools.partial(self._write_files, "open"))
         if self._enabled:
             try:
@@ -557,6 +603,12 @@ class AmpRecorder:
             return
         self._closed = True
         self._unhook()
+        if self.events is not None:
+            # The last steps' events reach the callback, and its errors the
+            # final manifest.
+            if self.writer is not None:
+                self.writer.barrier()
+            self.events.close()
         if self.writer is not None:
             self.writer.stop(functools.partial(self._write_files, "closed"))
         if self.shards is not None and self.shards.publisher is not None:
@@ -612,6 +664,9 @@ class AmpRecorder:
         events = step_events(summary)
         if events:
             self.schedule.note_event(pending.step, events)
+        if self.event_detector is not None:
+            for event in self.event_detector.observe(summary):
+                self.events.post(event)
         self.bundles.on_step_summary(summary)
         rolled = self.shards.pending_steps == 0
         if not rolled and time.monotonic() - self._last_roll > self.parts.writer.flush_interval_s:
@@ -635,9 +690,14 @@ class AmpRecorder:
 
     def _write_manifest(self) -> None:
         self.manifest.set_recording(dropped_steps=self._dropped_steps, failure=self._failure)
+        self._note_events()
         if "storage" in self.manifest.data:
             self.manifest.data["storage"]["spool_dropped_steps"] = self.shards.dropped_steps
         self.manifest.write()
+
+    def _note_events(self) -> None:
+        if self.events is not None:
+            self.manifest.data["events"] = self.events.report()
 
     def _bundles_changed(self, saved: list, missed: list) -> None:
         self.manifest.set_bundles(saved, missed)

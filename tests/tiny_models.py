@@ -264,7 +264,7 @@ class Trained(typing.NamedTuple):
 
 def train(model, data, *, recorder=None, dtype=torch.float16, scaler=True, accumulate: int = 1,
           lr: float = 0.05, loss_fn=mse, on_step=None, after_backward=None, before_update=None,
-          close: bool = True) -> Trained:
+          close: bool = True, stop_when=None) -> Trained:
     """The one AMP training loop of the tests, on the CPU.
 
     data: the micro-batches, `accumulate` per optimizer step ((x, y) pairs);
@@ -276,7 +276,9 @@ def train(model, data, *, recorder=None, dtype=torch.float16, scaler=True, accum
     on_step(step, model, x): before the step (plant a fault, change x);
     after_backward(step, micro_batch, rec): after each micro-batch's backward;
     before_update(step, model): after the backward passes, before the update;
-    close: close the recorder at the end (False: leave it open).
+    close: close the recorder at the end (False: leave it open);
+    stop_when(rec): after each rec.step(), end the loop when true (a stop an
+    on_event callback asked for).
     Returns the losses (as passed to rec.step), the scales after each step,
     the final parameters and the recorder."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -309,6 +311,8 @@ def train(model, data, *, recorder=None, dtype=torch.float16, scaler=True, accum
             rec.step(loss)
         losses.append(loss.item())
         scales.append(sc.get_scale() if sc else None)
+        if stop_when is not None and stop_when(rec):
+            break
     if rec and close:
         rec.close()
     return Trained(losses, scales, [p.detach().clone() for p in model.parameters()], rec)

@@ -13,6 +13,11 @@ loss comes from `on_before_backward` (divided by `accumulate_grad_batches`,
 as backpropagated). Lightning has no event after the optimizer step:
 `on_train_batch_end` closes a step when `trainer.global_step` moved (an
 AMP-skipped step moves it too), with the step number it had before.
+
+With `stop_on_event=True`, a stop that an `on_event` callback requested
+(`event.request_stop()`, `rec.should_stop`) sets `trainer.should_stop` when
+that step closes: Lightning ends the fit there (`on_train_end` runs, the
+recorder closes).
 """
 from __future__ import annotations
 
@@ -26,10 +31,13 @@ from ..recorder import AmpRecorder
 
 class AmpPostmortemCallback(Callback):
     """Records a Lightning training into `run_dir`; `recorder_options` are
-    `AmpRecorder`'s keywords (`include`, `full_every`, `bundles`, ...)."""
+    `AmpRecorder`'s keywords (`include`, `full_every`, `bundles`,
+    `on_event`, ...). `stop_on_event`: a stop an `on_event` callback asked
+    for ends the fit (`trainer.should_stop`)."""
 
-    def __init__(self, run_dir, **recorder_options):
+    def __init__(self, run_dir, *, stop_on_event: bool = False, **recorder_options):
         self.run_dir = run_dir
+        self.stop_on_event = bool(stop_on_event)
         self.recorder_options = recorder_options
         self.recorder: AmpRecorder | None = None
         self._global_step = 0
@@ -57,6 +65,8 @@ class AmpPostmortemCallback(Callback):
         if self.recorder is not None and trainer.global_step != self._global_step:
             self.recorder.step(step=self._global_step)
             self._global_step = trainer.global_step
+            if self.stop_on_event and self.recorder.should_stop:
+                trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module):
         self._close()
