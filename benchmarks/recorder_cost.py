@@ -109,7 +109,9 @@ def profile_hooks(job_cls, dtype: str, batches: list, size: dict, seed: int, top
         if not filename.startswith(recorders):
             continue
         total += tottime
-        rows.append({"function": f"{Path(filename).name}:{line}:{func}",
+        # The path inside recorders/ (collectors/forward.py: the hooks
+        # live in a package of their own).
+        rows.append({"function": f"{Path(filename).relative_to(recorders).as_posix()}:{line}:{func}",
                      "calls_per_step": ncalls / steps, "us_per_step": 1e6 * tottime / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
     # Time inside torch ops called by the recorder is not in `total`

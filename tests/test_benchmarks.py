@@ -39,7 +39,7 @@ def test_recorder_overhead_smoke_reports_every_dtype_and_variant(tmp_path):
         assert d["first_nonfinite_loss_step"] == 2 and d["ratio_whole_run"] > 0
         assert sum(d["tiers"].values()) == d["steps"] == 4
         assert d["losses_identical_to_baseline"] is True
-    assert any(f["function"].startswith("hooks.py") for f in doc["hook_profile"]["top_functions"])
+    assert any(f["function"].startswith("collectors/") for f in doc["hook_profile"]["top_functions"])
     assert doc["module_cost"]["watched_modules"] == 9 and "us_per_watched_module" in doc["module_cost"]
     # ... and the statistics' reductions alone: one per distinct tensor of a cheap-tier step.
     for dtype, r in doc["reductions"].items():
