@@ -170,3 +170,15 @@ def test_a_moving_condition_is_one_finding_an_event_is_keyed_by_its_step():
     assert finding_key(Finding("nonfinite", "critical", 10, "fc", "", "")) != \
         finding_key(Finding("nonfinite", "critical", 11, "fc", "", ""))
 
+
+
+def test_a_change_with_no_step_gone_wrong_waits_for_the_rejudge(running_run):
+    run = running_run
+    watcher = RunWatcher(run)
+    assert watcher.poll().end is None and watcher.analyses == 1
+    journal = next((run / "rank=0" / "journal" / "steps").glob("part-*.arrows"))
+    os.utime(journal, ns=(time.time_ns(), time.time_ns() + 10 ** 9))  # written again, nothing wrong in it
+    assert watcher.poll().events == [] and watcher.analyses == 1
+    watcher._next_full = time.monotonic()  # the rejudge is due: the change is analysed
+    watcher.poll()
+    assert watcher.analyses == 2

@@ -1,11 +1,18 @@
 """Follow a running job's run directory: `summary`'s findings as they
 appear, each once, and how the watch ended.
 
-`RunWatcher(path).poll()` looks once: when a file of the run changed since
-its last look (a journal grew, a shard pair or its index was published, a
-status slot was rewritten; judged from `os.stat` alone), it re-opens the run
-and runs `summary.summarize` on it, then returns the findings it had not
-returned before and, once there is one, how the watch ends (`WatchEnd`).
+`RunWatcher(path).poll()` looks once. It reads what is new (`tail.RunTail`:
+the journal's step rows past the last step seen, the indexes of pairs
+published since) and, when a file of the run changed since its last
+analysis (judged from `os.stat` alone), re-opens the run and runs
+`summary.summarize` on it: at once when a new step went wrong (skipped by
+the scaler, a NaN/Inf loss, non-finite gradients or tensor rows), when the
+job closed or recording stopped, and at the first look; otherwise at most
+every `REJUDGE_S` seconds (or 20 times the last analysis's duration, if
+longer), so the slow conditions (an overflow risk, underflow, a stuck
+scale) are judged again without re-reading the run every step. It returns
+the findings it had not returned before and, once there is one, how the
+watch ends (`WatchEnd`).
 `follow(watcher, interval)` polls every `interval` seconds until then. No
 printing here: the CLI renders the events (`amp-postmortem watch`).
 
@@ -40,6 +47,7 @@ from ..errors import EmptyRunError, OptionError, PostmortemError, RunNotFoundErr
 from ..loader import load_run, read_manifest, with_status_slot
 from ..names import FINDING_KINDS
 from ..shards import rank_dirs
+from ..tail import RunTail
 from .summary import SEVERITIES, Finding, summarize
 
 DEFAULT_FAIL_ON = "critical"
@@ -50,6 +58,11 @@ DEFAULT_INTERVAL = 2.0  # seconds between looks: an alert comes at most this (pl
 _NOT_NEWS = {"healthy", "recording_not_closed"}
 # Findings whose step moves as the job goes on: one per kind and layer.
 _CONDITIONS = {"overflow_risk", "grad_underflow", "stuck_low_scale", "scale_collapse", "training_instability"}
+# How often the whole run is judged again while no new step went wrong:
+# the slow conditions move over hundreds of steps, and a full analysis of a
+# long run takes seconds that the job's disk and CPU share.
+REJUDGE_S = 30.0
+_REJUDGE_SHARE = 20  # at most ~5% of the time analysing
 # A run being written changes under the reader (a journal removed as its
 # pair is published): an error is believed after this many looks in a row.
 _RETRIES = 3
@@ -162,17 +175,32 @@ class RunWatcher:
         self.fails = fail_rule(fail_on)
         self.seen: set[tuple] = set()
         self.last_step: int | None = None
+        self.analyses = 0  # full analyses run: what watching costs
+        self.tail = RunTail(self.path, rank=rank)
         self._fingerprint = None
         self._errors = 0
+        self._alarm = False       # a new step went wrong since the last analysis
+        self._next_full = None    # monotonic time of the next due analysis; None: at once
 
     def poll(self) -> Poll:
         states = self._rank_states()
         closed = bool(states) and all(s.get("status") == "closed" for s in states.values())
+        stopped = any(s.get("disabled_reason") for s in states.values())
+        news = self.tail.read()
+        self._alarm |= bool(news.alarming_steps)
+        if news.last_step is not None:
+            self.last_step = max(news.last_step, self.last_step if self.last_step is not None else -1)
         fingerprint = self._files()
+        due = (self._alarm or closed or stopped or self._next_full is None
+               or time.monotonic() >= self._next_full)
         events: list = []
-        if fingerprint != self._fingerprint:
+        if fingerprint != self._fingerprint and due:
+            started = time.monotonic()
             events = self._analyse(must=closed)
-            self._fingerprint = fingerprint if events is not None else None
+            if events is not None:
+                self._fingerprint, self._alarm = fingerprint, False
+                took = time.monotonic() - started
+                self._next_full = time.monotonic() + max(REJUDGE_S, _REJUDGE_SHARE * took)
             events = events or []
         failing = next((e.finding for e in events if e.fails), None)
         end = None
@@ -189,6 +217,7 @@ class RunWatcher:
 
     def _analyse(self, must: bool) -> list | None:
         """The new findings; None when the run could not be read this time."""
+        self.analyses += 1
         try:
             run = load_run(self.path, rank=self.rank)
             found = summarize(run, window=self.window).findings
@@ -206,7 +235,8 @@ class RunWatcher:
                 raise
             return None
         self._errors = 0
-        self.last_step = run.last_step
+        if run.last_step is not None:
+            self.last_step = max(run.last_step, self.last_step if self.last_step is not None else -1)
         now = time.time()
         out = []
         for f in found:
