@@ -28,6 +28,7 @@ from .output import (StderrProgress, api_default, emit_event, engine_options, ou
 
 EXIT_USAGE = 2  # unusable input, like click's usage errors
 EXIT_BUG = 1    # an unexpected exception: a bug to report
+EXIT_INTERRUPTED = 130  # `watch` stopped by Ctrl-C (SIGINT), as shells report it
 
 
 class CliError(click.ClickException):
@@ -197,7 +198,8 @@ def watch(run, fmt, **options):
     or above --fail-on; 0 when the job closes its recording without one;
     3 when recording stops early (the recorder switched itself off, or the
     job's process on this host is gone without closing); 2 for unusable
-    input (a missing directory, a URI: local directories only).
+    input (a missing directory, a URI: local directories only); 130 when
+    stopped with Ctrl-C.
 
     \b
         amp-postmortem watch runs/exp1
@@ -206,9 +208,14 @@ def watch(run, fmt, **options):
     events = api.watch(run, **options)
     click.echo(f"watching {run} every {options['interval']:g} s (Ctrl-C to stop)", err=True)
     end = None
-    for event in events:
-        emit_event(event, fmt)
-        end = event
+    try:
+        for event in events:
+            emit_event(event, fmt)
+            end = event
+    except KeyboardInterrupt:
+        # Stopped by the user: not a finding (1) nor a clean close (0).
+        click.echo("stopped watching (interrupted)", err=True)
+        click.get_current_context().exit(EXIT_INTERRUPTED)
     click.get_current_context().exit(end.exit_code)
 
 

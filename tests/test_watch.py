@@ -182,3 +182,12 @@ def test_a_change_with_no_step_gone_wrong_waits_for_the_rejudge(running_run):
     watcher._next_full = time.monotonic()  # the rejudge is due: the change is analysed
     watcher.poll()
     assert watcher.analyses == 2
+
+
+def test_ctrl_c_stops_the_watch_with_code_130(running_run):
+    import signal
+    watch = _watch(running_run)
+    assert watch.stderr.readline().startswith("watching ")  # said once it looks
+    watch.send_signal(signal.SIGINT)
+    out, err = watch.communicate(timeout=60)
+    assert watch.returncode == 130 and "stopped watching (interrupted)" in err and "Traceback" not in err
