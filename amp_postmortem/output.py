@@ -6,7 +6,9 @@ object with `to_dict()`, `table()` and `lines()`, and the loader's
 `warnings`; see `amp_postmortem.analyses`), optionally with an exit code as
 `(report, code)`. The decorator prints it as a readable table (default), one
 JSON document (`--json`: `to_dict()`) or CSV (`--csv`, where the report is a
-table), then the warnings on stderr.
+table), then the warnings on stderr. A command that prints events as they
+come (`watch`) takes `stream_options` and prints each with `emit_event`.
+Severities are coloured on a terminal only, never with NO_COLOR set.
 """
 from __future__ import annotations
 
