@@ -273,3 +273,19 @@ def test_a_long_run_report_stays_small_and_downsampled(tmp_path):
     assert len(data.series.skipped.steps) == facts["skipped_steps"]
     assert data.series.nonfinite_loss.steps[0] == facts["nan_at"]
     assert data.heatmaps[0].headroom.shape[1] == 400
+
+
+def test_the_facts_table_is_in_words_not_json(overflow_run, tmp_path):
+    import re
+
+    import amp_postmortem
+    amp_postmortem.report(overflow_run, output=tmp_path / "r.html")
+    page = (tmp_path / "r.html").read_text()
+    table = page[page.index('<table class="facts">'):]
+    table = table[:table.index("</table>")]
+    cells = dict(re.findall(r"<tr><td>([^<]*)</td><td>([^<]*)</td></tr>", table))
+    assert cells["autocast"] == "float16"
+    assert cells["scaler"] == "init 256, growth x2 every 1000000 clean steps, backoff x0.5"
+    assert cells["recorder"].startswith("watching every module; statistics every 1 step(s), the full tier every 5 "
+                                        "steps")
+    assert not any(c in v for v in cells.values() for c in "{}[]")

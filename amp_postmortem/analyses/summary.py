@@ -88,17 +88,12 @@ class Summary:
 
     def lines(self) -> list[str]:
         r = self.run
-        ac = r.get("autocast") or {}
-        sc = r.get("scaler")
-        scaler = ("none" if not sc else
-                  f"init {sc.get('init_scale'):g}, growth x{sc.get('growth_factor'):g} every "
-                  f"{sc.get('growth_interval')} clean steps, backoff x{sc.get('backoff_factor'):g}")
         steps = (f"{r['steps']} steps ({r['first_step']}-{r['last_step']})" if r["steps"] else "no steps")
         return [
             f"run {r['run_id']}  ({r['path']})",
             f"{steps}, ranks {r['ranks']} of world_size {r['world_size']}, recorder {r['status']}",
             f"{r['model_class']} on {r['device_type']} ({r['device_name']}), autocast "
-            f"{ac.get('dtype') if ac.get('enabled') else 'off'}; scaler: {scaler}",
+            f"{autocast_words(r.get('autocast'))}; scaler: {scaler_words(r.get('scaler'))}",
             f"skipped steps {r['skipped_steps']}, non-finite loss steps {r['nonfinite_loss_steps']}",
             _loss_line(r),
             "",
@@ -108,6 +103,21 @@ class Summary:
             # The pictures of the same run (`report`, `export`: the report extra).
             f"plots: amp-postmortem report {shlex.quote(str(r['path']))}",
             f"       amp-postmortem export tensorboard {shlex.quote(str(r['path']))} --logdir DIR"]
+
+
+def autocast_words(autocast: dict | None) -> str:
+    """The recorded autocast as `summary` and the report say it: `float16` or `off`."""
+    ac = autocast or {}
+    return str(ac.get("dtype")) if ac.get("enabled") else "off"
+
+
+def scaler_words(scaler: dict | None) -> str:
+    """The recorded loss scaler's settings in words (`none` without one)."""
+    sc = scaler
+    if not sc:
+        return "none"
+    return (f"init {sc.get('init_scale'):g}, growth x{sc.get('growth_factor'):g} every "
+            f"{sc.get('growth_interval')} clean steps, backoff x{sc.get('backoff_factor'):g}")
 
 
 def summarize(run: Run, *, window: int | None = None) -> Summary:
