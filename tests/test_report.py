@@ -289,3 +289,22 @@ def test_the_facts_table_is_in_words_not_json(overflow_run, tmp_path):
     assert cells["recorder"].startswith("watching every module; statistics every 1 step(s), the full tier every 5 "
                                         "steps")
     assert not any(c in v for v in cells.values() for c in "{}[]")
+
+
+def test_a_calibration_skip_is_drawn_as_a_skip_not_as_a_failure(tmp_path):
+    from conftest import record_run
+
+    from amp_postmortem.loader import load_run
+    from amp_postmortem.report.data import gather
+    from amp_postmortem.report.figures import loss_and_scale
+
+    # A scaler starting at 2**40 overflows float16 on its first steps and backs off: calibration.
+    run = record_run(tmp_path / "calibrating", steps=8, scaler_kwargs={"init_scale": 2.0 ** 40})
+    data = gather(load_run(run))
+    assert data.calibration_steps and data.calibration_steps[0] == 0
+    assert data.first_nonfinite_step == 0 and data.first_nonfinite_forward_step is None
+    layout = loss_and_scale(data).figure.layout
+    texts = [a.text for a in layout.annotations]
+    assert any(t.startswith("scaler calibration skip") for t in texts), texts
+    assert not any(t.startswith("first non-finite value") for t in texts), texts
+    assert {s.line.color for s in layout.shapes} == {"#ff7f0e"}  # the skip colour, no red
