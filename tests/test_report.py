@@ -308,3 +308,13 @@ def test_a_calibration_skip_is_drawn_as_a_skip_not_as_a_failure(tmp_path):
     assert any(t.startswith("scaler calibration skip") for t in texts), texts
     assert not any(t.startswith("first non-finite value") for t in texts), texts
     assert {s.line.color for s in layout.shapes} == {"#ff7f0e"}  # the skip colour, no red
+
+
+def test_the_log2_scale_ticks_stay_few_enough_not_to_collide():
+    from amp_postmortem.report.figures import MAX_SCALE_TICKS, log2_dtick
+    assert log2_dtick([16, 15, 14]) == 1
+    assert log2_dtick([16, 4]) == 2
+    assert log2_dtick([16, -40]) == 10  # 56 exponents: a label every 10, 6 labels
+    for span in range(0, 400, 7):
+        assert span / log2_dtick([0, span]) <= MAX_SCALE_TICKS
+    assert log2_dtick([]) == 1 and log2_dtick([float("nan"), 3.0]) == 1

@@ -107,13 +107,32 @@ def loss_and_scale(data: ReportData) -> Plot:
                f"first non-finite loss, step {data.first_nonfinite_loss_step}", COLORS["nonfinite"], 0.86)
     fig.update_layout(
         xaxis={"title": {"text": "step"}}, yaxis={"title": {"text": "loss"}},
-        yaxis2={"title": {"text": "log2(loss scale)"}, "overlaying": "y", "side": "right", "dtick": 2,
+        yaxis2={"title": {"text": "log2(loss scale)"}, "overlaying": "y", "side": "right",
+                "dtick": log2_dtick(s.log2_scale.values if s.log2_scale is not None else ()),
                 "tickprefix": "2^", "showgrid": False},
         shapes=shapes, annotations=notes, height=420, margin={"t": 40, "r": 70},
         legend={"orientation": "h", "y": -0.2}, hovermode="closest")
     return Plot("loss-scale", "Loss and loss scale", fig, points,
                 _downsampled_note(data) + "Skipped steps sit on the scale in force when they overflowed; "
                 "NaN/Inf losses are marked at the top of the loss axis.")
+
+
+# The right-hand axis of the loss plot is 420 px high: at a 12 px font, more
+# than about this many labels touch each other.
+MAX_SCALE_TICKS = 10
+
+
+def log2_dtick(values) -> int:
+    """The step between the log2(scale) ticks: 1, 2, 5, 10, 20, ... exponents,
+    the smallest that keeps the labels within MAX_SCALE_TICKS (a collapse
+    from 2^16 to 2^-40 spans 56 exponents: a tick every 2 overlaps)."""
+    finite = [float(v) for v in np.asarray(values, dtype=float).ravel() if math.isfinite(v)]
+    span = (max(finite) - min(finite)) if finite else 0.0
+    step, k = 1, 0
+    while span / step > MAX_SCALE_TICKS:
+        k += 1
+        step = (1, 2, 5)[k % 3] * 10 ** (k // 3)
+    return step
 
 
 def _vline(shapes, notes, step, text, color, y, dash="dash"):
