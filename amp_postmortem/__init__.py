@@ -27,7 +27,7 @@ from .names import DEVICES, PRECISIONS, REDUCED_PRECISIONS
 
 __version__ = "0.1.0"
 
-__all__ = ["load_run", "load_bundle", "summary", "nans", "scale", "ranges", "compare", "replay", "fix",
+__all__ = ["load_run", "load_bundle", "summary", "watch", "nans", "scale", "ranges", "compare", "replay", "fix",
            "bisect", "scale_window", "recommend", "report", "export_tensorboard"]
 
 # The CLI's option defaults are read from these signatures;
@@ -75,6 +75,21 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
     r = load_run(run, rank=rank, engine=engine, scheduler=scheduler, progress=progress)
     with _engine_of(r):
         return _result(summarize(r, window=window), r)
+
+
+def watch(run, *, rank: int | None = None, fail_on="critical", interval: float = 2.0, window: int = 1000):
+    """Follow a running job's run directory (`amp-postmortem watch`): an
+    iterator of each new finding of `summary`, once (`FindingSeen`), then
+    how the watch ended (`WatchEnd`, with `exit_code`), at the first finding
+    at or above `fail_on` (a severity such as "critical", or finding kinds;
+    None: never), when the job closes its recording, or when recording
+    stops. `interval`: seconds between looks; `window` as for `summary`.
+    A local directory only. See `analyses/watch.py`."""
+    from .analyses.watch import RunWatcher, follow
+    from .errors import OptionError
+    if not interval > 0:
+        raise OptionError(f"interval {interval!r} is not a positive number of seconds (e.g. 2)")
+    return follow(RunWatcher(_local(run), rank=rank, fail_on=fail_on, window=window), interval=interval)
 
 
 def nans(run, *, rank: int | None = None, from_step: int | None = None, to_step: int | None = None,
@@ -248,6 +263,11 @@ def _result(report, *runs):
     report.warnings = warnings
     report.to_dict = with_warnings
     return report
+
+
+def _local(run):
+    """A run given as a path or a loaded `Run`: its location."""
+    return getattr(run, "path", run)
 
 
 def _path(run):

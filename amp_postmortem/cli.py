@@ -23,10 +23,12 @@ import amp_postmortem as api
 
 from .errors import PostmortemError
 from .names import FINDING_KINDS
-from .output import StderrProgress, api_default, engine_options, output_options, run_options
+from .output import (StderrProgress, api_default, emit_event, engine_options, output_options, run_options,
+                     stream_options)
 
 EXIT_USAGE = 2  # unusable input, like click's usage errors
 EXIT_BUG = 1    # an unexpected exception: a bug to report
+EXIT_INTERRUPTED = 130  # `watch` stopped by Ctrl-C (SIGINT), as shells report it
 
 
 class CliError(click.ClickException):
@@ -176,6 +178,45 @@ def summary(run, fail_on, **options):
     report = api.summary(run, **options, progress=StderrProgress())
     failing = fail_on & report.kinds()
     return report, (1 if failing else 0)
+
+
+@main.command()
+@run_options
+@click.option("--fail-on", metavar="LEVEL|KIND[,KIND]", default=api_default(api.watch, "fail_on"),
+              show_default=True,
+              help="Stop with exit code 1 at the first finding of this severity or worse (critical, error, "
+                   "warning), or of these kinds (as summary's --fail-on).")
+@click.option("--interval", type=float, default=api_default(api.watch, "interval"), show_default=True,
+              help="Seconds between looks at the run directory: an alert comes at most this long (plus one "
+                   "analysis) after its step reaches the disk.")
+@click.option("--window", type=click.IntRange(min=0), default=api_default(api.watch, "window"), show_default=True,
+              help="Judge float16 ranges over the last N recorded steps (0: the whole run), as `summary`.")
+@stream_options
+def watch(run, fmt, **options):
+    """Follow a running job's run directory and print each new finding of
+    `summary` once, as it appears. Exit codes: 1 at the first finding at
+    or above --fail-on; 0 when the job closes its recording without one;
+    3 when recording stops early (the recorder switched itself off, or the
+    job's process on this host is gone without closing); 2 for unusable
+    input (a missing directory, a URI: local directories only); 130 when
+    stopped with Ctrl-C.
+
+    \b
+        amp-postmortem watch runs/exp1
+        amp-postmortem watch runs/exp1 --fail-on error --interval 5 --json
+    """
+    events = api.watch(run, **options)
+    click.echo(f"watching {run} every {options['interval']:g} s (Ctrl-C to stop)", err=True)
+    end = None
+    try:
+        for event in events:
+            emit_event(event, fmt)
+            end = event
+    except KeyboardInterrupt:
+        # Stopped by the user: not a finding (1) nor a clean close (0).
+        click.echo("stopped watching (interrupted)", err=True)
+        click.get_current_context().exit(EXIT_INTERRUPTED)
+    click.get_current_context().exit(end.exit_code)
 
 
 from .cli_replay import replay_command; main.add_command(replay_command, "replay")  # noqa: E402,E702

@@ -6,7 +6,9 @@ object with `to_dict()`, `table()` and `lines()`, and the loader's
 `warnings`; see `amp_postmortem.analyses`), optionally with an exit code as
 `(report, code)`. The decorator prints it as a readable table (default), one
 JSON document (`--json`: `to_dict()`) or CSV (`--csv`, where the report is a
-table), then the warnings on stderr.
+table), then the warnings on stderr. A command that prints events as they
+come (`watch`) takes `stream_options` and prints each with `emit_event`.
+Severities are coloured on a terminal only, never with NO_COLOR set.
 """
 from __future__ import annotations
 
@@ -95,6 +97,14 @@ def output_options(*, csv: bool = True):
     return decorate
 
 
+def stream_options(f):
+    """--json / --table for a command that prints events as they come."""
+    f = click.option("--json", "fmt", flag_value="json",
+                     help="Print one JSON object per line, one per event (for machines).")(f)
+    return click.option("--table", "fmt", flag_value="table", default=True,
+                        help="Print readable lines (the default).")(f)
+
+
 @contextlib.contextmanager
 def stdout_to_stderr():
     """Whatever runs inside prints on stderr: stdout holds the command's
@@ -148,15 +158,61 @@ def emit(report, fmt: str = "table") -> None:
         table = report.table()
         click.echo(table.to_csv(index=False), nl=False)
     else:
+        colour = colour_enabled()
         for line in report.lines():
-            click.echo(line)
+            click.echo(paint(line) if colour else line, color=colour)
         if getattr(report, "show_table", True):
             table = report.table()
             if table is not None and len(table):
                 click.echo("")
                 click.echo(render_table(table))
     for w in warnings:
-        click.echo(f"Warning: {w}", err=True)
+        warn(w)
+
+
+def warn(text: str) -> None:
+    colour = colour_enabled(sys.stderr)
+    click.echo(click.style("Warning:", fg="yellow") + f" {text}" if colour else f"Warning: {text}",
+               err=True, color=colour)
+
+
+def emit_event(event, fmt: str = "table") -> None:
+    """One event of a stream (`watch`): one JSON object on one line
+    (`--json`), or its lines; flushed at once, since a pipe would hold them."""
+    if fmt == "json":
+        click.echo(json.dumps(plain(event.to_dict())))
+    else:
+        colour = colour_enabled()
+        for line in event.lines():
+            click.echo(paint(line) if colour else line, color=colour)
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------ colour
+# A finding's first line starts with its severity in capitals (`Finding.lines`).
+_SEVERITY_COLOURS = {"CRITICAL": "red", "ERROR": "red", "WARNING": "yellow", "INFO": "green"}
+
+
+def colour_enabled(stream=None) -> bool:
+    """Colour only on a terminal, and never when NO_COLOR is set to
+    anything non-empty (https://no-color.org): logs and pipes get plain text."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    stream = stream if stream is not None else sys.stdout
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def paint(line: str) -> str:
+    """`line` with its leading severity word coloured (bold for the worst)."""
+    stripped = line.lstrip()
+    word = stripped.split(" ", 1)[0]
+    if word not in _SEVERITY_COLOURS:
+        return line
+    indent = line[:len(line) - len(stripped)]
+    return indent + click.style(word, fg=_SEVERITY_COLOURS[word], bold=word == "CRITICAL") + stripped[len(word):]
 
 
 def render_table(df) -> str:

@@ -168,3 +168,28 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def running_run(tmp_path):
+    """A job still running: 4 steps recorded, its recorder neither flushed
+    nor closed, so its steps sit in the journal (closed at teardown)."""
+    import time
+
+    import torch
+    from tiny_models import BoomNet, recorder_at, train
+
+    from amp_postmortem.tail import RunTail
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(4)]
+    path = tmp_path / "running"
+    rec = train(BoomNet(), data, recorder=recorder_at(path, steps_per_shard=100),
+                scaler={"init_scale": 2.0 ** 8}, close=False).rec
+    deadline = time.monotonic() + 60
+    while RunTail(path).read().last_step != 3:  # the writer thread journals each step soon after it
+        assert time.monotonic() < deadline, "the recorder journaled no step in 60 s"
+        time.sleep(0.05)
+    yield path
+    rec.close()

@@ -29,6 +29,9 @@ MODELS = "sample_runs/models.py:"
 # the exit-code gate of `summary`; `progress` is how the CLI draws its bars.
 CLI_ONLY = {"fmt", "fail_on"}
 API_ONLY = {"progress"}
+# Commands that print a stream of events, not one document: their API
+# function returns an iterator; `fail_on` is an option of the API there.
+STREAMING = {"watch"}
 
 # Where `report` and `export tensorboard` write (the API and the CLI write
 # the same file; the export directory is emptied between the two).
@@ -114,12 +117,12 @@ def _relative(doc):
 # ------------------------------------------------------------ the mirror
 def test_every_command_has_an_api_function_of_its_name():
     assert {c.replace("-", "_").replace(" ", "_") for c in COMMANDS} <= set(api.__all__)
-    assert set(CALLS) == set(COMMANDS)
+    assert set(CALLS) | STREAMING == set(COMMANDS)
 
 
-@pytest.mark.parametrize("command", sorted(CALLS))
+@pytest.mark.parametrize("command", sorted(set(CALLS) | STREAMING))
 def test_every_cli_option_is_a_keyword_argument_of_the_api_function(command):
-    cli = {p.name for p in COMMANDS[command].params} - CLI_ONLY
+    cli = {p.name for p in COMMANDS[command].params} - (CLI_ONLY - ({"fail_on"} if command in STREAMING else set()))
     signature = inspect.signature(_api_function(command)).parameters
     assert cli - {"run", "run_a", "run_b"} == set(signature) - {"run", "run_a", "run_b"} - API_ONLY
     for p in COMMANDS[command].params:
@@ -265,15 +268,16 @@ def test_cli_choices_come_from_the_one_vocabulary():
 
 # ----------------------------------------------------------- the layers
 LAYERS = [  # each imports only from its own layer and the ones before it
-    {"errors", "names", "op_words"},
-    {"loader", "shards", "bundle", "store", "index", "step_facts", "step_series", "engines", "journal", "files"},
+    {"errors", "names", "op_words", "display"},
+    {"loader", "shards", "bundle", "store", "index", "step_facts", "step_series", "engines", "journal", "files",
+     "tail"},
     {"analyses"},
     {"replay"},
     {"whatif"},
     {"advice"},
     {"report", "export"},
     {"__init__"},
-    {"cli", "cli_replay", "cli_whatif", "cli_report", "output"},
+    {"cli", "cli_replay", "cli_whatif", "cli_report", "output", "__main__"},
 ]
 PACKAGE = REPO / "amp_postmortem"
 
@@ -344,3 +348,13 @@ def test_the_root_module_has_one_display_name():
     copies = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
               if re.search(r"""["']\(model\)["']""", p.read_text())]
     assert copies == ["amp_postmortem/names.py"]
+
+
+@pytest.mark.parametrize("call", ["summary", "nans", "scale", "ranges", "compare"])
+def test_results_read_as_html_in_jupyter_and_as_lines_in_a_repr(call):
+    run = str(REPO / "sample_runs/attention_overflow")
+    result = (api.compare(str(REPO / "sample_runs/fp32_baseline"), run) if call == "compare"
+              else getattr(api, call)(run))
+    page = result._repr_html_()
+    assert "<table" in page and "</table>" in page and "<pre>" in page
+    assert repr(result).startswith(result.lines()[0])

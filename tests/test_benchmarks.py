@@ -16,6 +16,7 @@ import recorder_hot_path  # noqa: E402
 import recorder_overhead  # noqa: E402
 import recorder_overhead_cuda  # noqa: E402
 import report_scale  # noqa: E402
+import watch_latency  # noqa: E402
 
 
 def test_recorder_overhead_smoke_reports_every_dtype_and_variant(tmp_path):
@@ -185,3 +186,11 @@ def test_compile_overhead_smoke_reports_no_recompilation(tmp_path):
     for v in compile_overhead.VARIANTS:
         assert variants[v]["recompiles_after_warmup"] == 0 and variants[v]["ratio"] > 0
         assert variants[v]["losses_identical_to_compiled"] is True  # eager backend: deterministic
+
+
+def test_watch_latency_smoke_alerts_and_closes(tmp_path, capsys):
+    out = tmp_path / "watch.json"
+    assert watch_latency.main(["--smoke", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["exit_code"] for r in doc["rounds"]] == [1] and doc["rounds"][0]["latency_s"] > 0
+    assert doc["clean"]["exit_code"] == 0 and doc["clean"]["watch_cpu_s"] > 0

@@ -199,3 +199,33 @@ def test_json_is_only_json_when_user_code_prints(tmp_path, command):
     assert out.returncode == 0, out.stderr
     json.loads(out.stdout)  # the whole of stdout is one JSON document
     assert "number of parameters" in out.stderr and "native code printing" in out.stderr
+
+
+def test_python_m_amp_postmortem_is_the_command():
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-m", "amp_postmortem", "--help"], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    assert out.startswith("Usage: amp-postmortem ") and "watch" in out
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch):
+    from amp_postmortem.output import colour_enabled, paint
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert colour_enabled(_Terminal()) and not colour_enabled(io.StringIO())
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not colour_enabled(_Terminal())
+    monkeypatch.setenv("NO_COLOR", "")  # no-color.org: an empty value does not count
+    assert colour_enabled(_Terminal())
+    line = "  CRITICAL  nonfinite  step 7  layer block.boom"
+    assert paint(line) != line and paint(line).startswith("  \x1b[") and "CRITICAL\x1b[0m  nonfinite" in paint(line)
+    assert paint("run x  (path)") == "run x  (path)"
+
+
+def test_captured_output_has_no_colour_codes(overflow_run):
+    result = invoke("summary", overflow_run)
+    assert "CRITICAL" in result.output and "\x1b[" not in result.output

@@ -273,3 +273,48 @@ def test_a_long_run_report_stays_small_and_downsampled(tmp_path):
     assert len(data.series.skipped.steps) == facts["skipped_steps"]
     assert data.series.nonfinite_loss.steps[0] == facts["nan_at"]
     assert data.heatmaps[0].headroom.shape[1] == 400
+
+
+def test_the_facts_table_is_in_words_not_json(overflow_run, tmp_path):
+    import re
+
+    import amp_postmortem
+    amp_postmortem.report(overflow_run, output=tmp_path / "r.html")
+    page = (tmp_path / "r.html").read_text()
+    table = page[page.index('<table class="facts">'):]
+    table = table[:table.index("</table>")]
+    cells = dict(re.findall(r"<tr><td>([^<]*)</td><td>([^<]*)</td></tr>", table))
+    assert cells["autocast"] == "float16"
+    assert cells["scaler"] == "init 256, growth x2 every 1000000 clean steps, backoff x0.5"
+    assert cells["recorder"].startswith("watching every module; statistics every 1 step(s), the full tier every 5 "
+                                        "steps")
+    assert not any(c in v for v in cells.values() for c in "{}[]")
+
+
+def test_a_calibration_skip_is_drawn_as_a_skip_not_as_a_failure(tmp_path):
+    from conftest import record_run
+
+    from amp_postmortem.loader import load_run
+    from amp_postmortem.report.data import gather
+    from amp_postmortem.report.figures import loss_and_scale
+
+    # A scaler starting at 2**40 overflows float16 on its first steps and backs off: calibration.
+    run = record_run(tmp_path / "calibrating", steps=8, scaler_kwargs={"init_scale": 2.0 ** 40})
+    data = gather(load_run(run))
+    assert data.calibration_steps and data.calibration_steps[0] == 0
+    assert data.first_nonfinite_step == 0 and data.first_nonfinite_forward_step is None
+    layout = loss_and_scale(data).figure.layout
+    texts = [a.text for a in layout.annotations]
+    assert any(t.startswith("scaler calibration skip") for t in texts), texts
+    assert not any(t.startswith("first non-finite value") for t in texts), texts
+    assert {s.line.color for s in layout.shapes} == {"#ff7f0e"}  # the skip colour, no red
+
+
+def test_the_log2_scale_ticks_stay_few_enough_not_to_collide():
+    from amp_postmortem.report.figures import MAX_SCALE_TICKS, log2_dtick
+    assert log2_dtick([16, 15, 14]) == 1
+    assert log2_dtick([16, 4]) == 2
+    assert log2_dtick([16, -40]) == 10  # 56 exponents: a label every 10, 6 labels
+    for span in range(0, 400, 7):
+        assert span / log2_dtick([0, span]) <= MAX_SCALE_TICKS
+    assert log2_dtick([]) == 1 and log2_dtick([float("nan"), 3.0]) == 1

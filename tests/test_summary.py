@@ -61,3 +61,25 @@ def test_json_contract(overflow_run):
     for f in d["findings"]:
         assert {"kind", "severity", "step", "layer", "message"} <= set(f)
         assert f["kind"] in FINDING_KINDS
+
+
+def test_no_layer_none_and_the_loss_at_first_last_and_failure(healthy_run, overflow_run):
+    healthy = summarize(load_run(healthy_run))
+    text = "\n".join(healthy.lines())
+    assert "layer None" not in text and "  INFO      healthy  step 39\n" in text + "\n"
+    assert healthy.run["failure_step"] is None and healthy.run["first_loss"] > 0
+    assert f"loss {healthy.run['first_loss']:.4g} at step 0, {healthy.run['last_loss']:.4g} at step 39\n" in text
+    bad = summarize(load_run(overflow_run))
+    # The forward turned Inf at the planted step: the loss there is not finite.
+    assert bad.run["failure_step"] == OVERFLOW_STEP
+    assert bad.run["failure_loss"] != bad.run["failure_loss"] or abs(bad.run["failure_loss"]) == float("inf")
+    assert f"at the failure (step {OVERFLOW_STEP})" in "\n".join(bad.lines())
+
+
+def test_the_json_keeps_its_keys_and_adds_the_losses(overflow_run):
+    d = summarize(load_run(overflow_run)).to_dict()
+    assert set(d) == {"run", "findings"}
+    assert {"path", "run_id", "status", "steps", "first_step", "last_step", "ranks", "world_size", "device_type",
+            "device_name", "model_class", "autocast", "dtype", "scaler", "scale_status", "final_scale",
+            "skipped_steps", "nonfinite_loss_steps", "warnings", "first_loss", "last_loss", "failure_step",
+            "failure_loss"} == set(d["run"])

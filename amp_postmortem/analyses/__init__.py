@@ -10,6 +10,7 @@ JSON contract), `table()` (a DataFrame, the rows a person scans) and
     summary.summarize(run)           findings of the three, by severity
     compare.compare_runs(a, b)       where two runs part
     bundle_choice.pick_bundle(run)   which saved bundle a what-if replays by default
+    watch.RunWatcher(path).poll()    a running job's new findings, once each, and how the watch ends
 
 The names below are imported on first use, so that reading one small module
 (e.g. `bundle_choice` for the CLI's help) does not load pandas and scipy.

@@ -45,6 +45,7 @@ import pandas as pd
 from ..names import display_name as _display
 from ..errors import OptionError
 from ..loader import Run
+from ..display import report_html, report_repr
 from recorders.plain import plain
 
 THRESHOLD = 0.10
@@ -96,6 +97,10 @@ class CompareReport:
                 "loss": {k: plain(v) for k, v in self.loss.items()},
                 "first_layer": self.first_layers[0] if self.first_layers else None,
                 "layers": rows, "notes": self.notes, "instability": self.instability}
+
+    # Readable at the prompt and in Jupyter (display.py).
+    __repr__ = report_repr
+    _repr_html_ = report_html
 
     def table(self) -> pd.DataFrame:
         return self.layers[self.layers["parted_step"].notna()].reset_index(drop=True)

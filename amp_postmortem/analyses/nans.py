@@ -39,6 +39,7 @@ from recorders import schema
 
 from ..names import display_name as _display
 from ..loader import Run
+from ..display import report_html, report_repr
 from recorders.plain import plain
 
 LAYER_KINDS = ("input", "activation", "loss", "grad_output", "grad_input", "param_grad")
@@ -94,6 +95,10 @@ class NanReport:
             "shards_scanned": self.shards_scanned,
             "shards_total": self.shards_total,
         }
+
+    # Readable at the prompt and in Jupyter (display.py).
+    __repr__ = report_repr
+    _repr_html_ = report_html
 
     def table(self) -> pd.DataFrame:
         t = self.layers.copy()

@@ -62,6 +62,7 @@ from ..loader import Run
 from ..engines.scan import reduces_batches
 from recorders.plain import plain
 from .trend import theil_sen
+from ..display import report_html, report_repr
 
 KINDS = ("input", "activation", "grad_output", "grad_input")
 WINDOW = 1000                 # default: the last 1000 recorded steps
@@ -110,6 +111,10 @@ class RangesReport:
                                "flush_margin_bits": FLUSH_MARGIN_BITS,
                                "dtype_limits": {d: {"max": mx, "min_normal": mn}
                                                 for d, (mx, mn) in DTYPE_LIMITS.items()}}}
+
+    # Readable at the prompt and in Jupyter (display.py).
+    __repr__ = report_repr
+    _repr_html_ = report_html
 
     def table(self) -> pd.DataFrame:
         t = self.layers.copy()

@@ -59,6 +59,7 @@ from ..names import display_name as _display
 from ..loader import Run
 from .nans import attribute_shared_all, backward_origin, forward_origin
 from .trend import theil_sen
+from ..display import report_html, report_repr
 
 ALPHA = 0.01                  # significance level of the trend test
 COLLAPSE_MIN_HALVINGS = 3.0   # net fall below the pre-onset level for a collapse (factor 8)
@@ -104,6 +105,10 @@ class ScaleReport:
 
     def to_dict(self) -> dict:
         return plain(asdict(self))
+
+    # Readable at the prompt and in Jupyter (display.py).
+    __repr__ = report_repr
+    _repr_html_ = report_html
 
     def table(self) -> pd.DataFrame:
         d = self.to_dict()

@@ -35,6 +35,7 @@ from .instability import find_instability
 from .nans import find_nans
 from .ranges import DTYPE_LIMITS, WINDOW, layer_ranges, sampled_values
 from .scale import scale_dynamics, underflow_phrase
+from ..display import report_html, report_repr
 
 SEVERITIES = ("critical", "error", "warning", "info")
 
@@ -53,6 +54,15 @@ class Finding:
         return {"kind": self.kind, "severity": self.severity, "step": self.step, "layer": self.layer,
                 "message": self.message, "next_command": self.next_command, "evidence": self.evidence}
 
+    def lines(self) -> list[str]:
+        """The finding as `summary` (and `watch`) print it; no layer shown
+        where it has none (a healthy run, a recorder that stopped)."""
+        where = f"step {'-' if self.step is None else self.step}" + (
+            "" if self.layer is None else f"  layer {_display(self.layer)}")
+        return [f"  {self.severity.upper():<8}  {self.kind}  {where}",
+                f"            {self.message}",
+                f"            next: {self.next_command}"]
+
 
 @dataclass
 class Summary:
@@ -66,6 +76,10 @@ class Summary:
     def to_dict(self) -> dict:
         return {"run": self.run, "findings": [f.to_dict() for f in self.findings]}
 
+    # Readable at the prompt and in Jupyter (display.py).
+    __repr__ = report_repr
+    _repr_html_ = report_html
+
     def table(self) -> pd.DataFrame:
         return pd.DataFrame([{"severity": f.severity, "kind": f.kind, "step": f.step,
                               "layer": _display(f.layer), "message": f.message,
@@ -74,29 +88,36 @@ class Summary:
 
     def lines(self) -> list[str]:
         r = self.run
-        ac = r.get("autocast") or {}
-        sc = r.get("scaler")
-        scaler = ("none" if not sc else
-                  f"init {sc.get('init_scale'):g}, growth x{sc.get('growth_factor'):g} every "
-                  f"{sc.get('growth_interval')} clean steps, backoff x{sc.get('backoff_factor'):g}")
         steps = (f"{r['steps']} steps ({r['first_step']}-{r['last_step']})" if r["steps"] else "no steps")
         return [
             f"run {r['run_id']}  ({r['path']})",
             f"{steps}, ranks {r['ranks']} of world_size {r['world_size']}, recorder {r['status']}",
             f"{r['model_class']} on {r['device_type']} ({r['device_name']}), autocast "
-            f"{ac.get('dtype') if ac.get('enabled') else 'off'}; scaler: {scaler}",
+            f"{autocast_words(r.get('autocast'))}; scaler: {scaler_words(r.get('scaler'))}",
             f"skipped steps {r['skipped_steps']}, non-finite loss steps {r['nonfinite_loss_steps']}",
+            _loss_line(r),
             "",
             "findings (most severe first):",
-        ] + [line for f in self.findings for line in (
-            f"  {f.severity.upper():<8}  {f.kind}  step {'-' if f.step is None else f.step}  "
-            f"layer {_display(f.layer)}",
-            f"            {f.message}",
-            f"            next: {f.next_command}")] + [
+        ] + [line for f in self.findings for line in f.lines()] + [
             "",
             # The pictures of the same run (`report`, `export`: the report extra).
             f"plots: amp-postmortem report {shlex.quote(str(r['path']))}",
             f"       amp-postmortem export tensorboard {shlex.quote(str(r['path']))} --logdir DIR"]
+
+
+def autocast_words(autocast: dict | None) -> str:
+    """The recorded autocast as `summary` and the report say it: `float16` or `off`."""
+    ac = autocast or {}
+    return str(ac.get("dtype")) if ac.get("enabled") else "off"
+
+
+def scaler_words(scaler: dict | None) -> str:
+    """The recorded loss scaler's settings in words (`none` without one)."""
+    sc = scaler
+    if not sc:
+        return "none"
+    return (f"init {sc.get('init_scale'):g}, growth x{sc.get('growth_factor'):g} every "
+            f"{sc.get('growth_interval')} clean steps, backoff x{sc.get('backoff_factor'):g}")
 
 
 def summarize(run: Run, *, window: int | None = None) -> Summary:
@@ -230,7 +251,41 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
     kind = {k: i for i, k in enumerate(FINDING_KINDS)}
     findings.sort(key=lambda f: (severity[f.severity], kind[f.kind],
                                  f.step if f.step is not None else 1 << 62))
-    return Summary(run=_facts(run, nans, scale, skipped), findings=findings)
+    facts = _facts(run, nans, scale, skipped)
+    failure = next((f for f in findings if f.severity == "critical" and f.step is not None), None)
+    facts.update(_losses(per_step, failure.step if failure else None))
+    return Summary(run=facts, findings=findings)
+
+
+def _losses(per_step: pd.DataFrame, failure_step: int | None) -> dict:
+    """The loss (the lowest rank's) at the first and last recorded step and
+    at the step of the first critical finding. NaN/Inf stay floats here;
+    `--json` writes them as null, as every non-finite value."""
+    by_step = per_step.set_index("step")
+
+    def at(step):
+        if step is None or step not in by_step.index:
+            return None
+        row = by_step.loc[step]
+        if pd.notna(row["loss"]):
+            return float(row["loss"])
+        # A null loss reads as NaN in pandas: the flag tells a NaN loss from none.
+        return float("nan") if bool(row["loss_nonfinite_any"]) else None
+
+    first = int(per_step["step"].iloc[0]) if len(per_step) else None
+    last = int(per_step["step"].iloc[-1]) if len(per_step) else None
+    return {"first_loss": at(first), "last_loss": at(last), "failure_step": failure_step,
+            "failure_loss": at(failure_step)}
+
+
+def _loss_line(r: dict) -> str:
+    def fmt(v):
+        return "not recorded" if v is None else f"{v:.4g}"
+    line = f"loss {fmt(r.get('first_loss'))} at step {r['first_step']}, {fmt(r.get('last_loss'))} at step " \
+           f"{r['last_step']}"
+    if r.get("failure_step") is not None:
+        line += f"; {fmt(r.get('failure_loss'))} at the failure (step {r['failure_step']})"
+    return line
 
 
 def _disabled_ranks(run: Run) -> dict:

@@ -122,13 +122,17 @@ class ReportData:
     first_nonfinite_step: int | None
     first_nonfinite_loss_step: int | None
     warnings: list[str] = field(default_factory=list)
+    # The scaler's leading calibration skips (normal, not a failure), and the
+    # first step whose forward pass turned non-finite (a failure, never one).
+    calibration_steps: list = field(default_factory=list)
+    first_nonfinite_forward_step: int | None = None
 
 
 # ------------------------------------------------------------------ gather
 def gather(run: Run) -> ReportData:
     """Everything the report shows about `run`."""
     # The analyses, through as few call sites as possible.
-    from ..analyses.nans import find_nans
+    from ..analyses.nans import calibration_steps, find_nans
     from ..analyses.scale import scale_dynamics
     from ..analyses.summary import summarize
 
@@ -148,7 +152,9 @@ def gather(run: Run) -> ReportData:
         series=series, heatmaps=heatmaps, underflow=underflow, spreads=spreads,
         facts=facts(run, summary.run), findings=[f.to_dict() for f in summary.findings],
         scale=scale.to_dict(), first_nonfinite_step=nd["first_nonfinite_step"],
-        first_nonfinite_loss_step=nd["first_nonfinite_loss_step"], warnings=list(run.warnings))
+        first_nonfinite_loss_step=nd["first_nonfinite_loss_step"], warnings=list(run.warnings),
+        calibration_steps=sorted(calibration_steps(run)),
+        first_nonfinite_forward_step=nans.origins["forward"].step if nans.origins.get("forward") else None)
 
 
 def step_series(run: Run, *, buckets: int = MAX_LINE_BUCKETS) -> StepSeries:

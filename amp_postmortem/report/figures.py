@@ -91,15 +91,24 @@ def loss_and_scale(data: ReportData) -> Plot:
     onset = data.scale.get("onset_step")
     if data.scale.get("status") == "collapse" and onset is not None:
         _vline(shapes, notes, onset, f"collapse onset, step {onset}", COLORS["onset"], 1.0)
-    if data.first_nonfinite_step is not None:
-        _vline(shapes, notes, data.first_nonfinite_step,
-               f"first non-finite value, step {data.first_nonfinite_step}", COLORS["nonfinite"], 0.93)
-    if data.first_nonfinite_loss_step is not None and data.first_nonfinite_loss_step != data.first_nonfinite_step:
+    first = data.first_nonfinite_step
+    if first is not None and first in data.calibration_steps:
+        # A fresh scaler backing off from its init_scale: how it calibrates,
+        # drawn as a skip, not in the red of a failure.
+        calib = data.calibration_steps
+        span = f"step {calib[0]}" if len(calib) == 1 else f"steps {calib[0]}-{calib[-1]}"
+        _vline(shapes, notes, first, f"scaler calibration skip ({span}, normal)", COLORS["skipped"], 0.79,
+               dash="dot")
+        first = data.first_nonfinite_forward_step  # the failure, if the forward ever failed
+    if first is not None:
+        _vline(shapes, notes, first, f"first non-finite value, step {first}", COLORS["nonfinite"], 0.93)
+    if data.first_nonfinite_loss_step is not None and data.first_nonfinite_loss_step != first:
         _vline(shapes, notes, data.first_nonfinite_loss_step,
                f"first non-finite loss, step {data.first_nonfinite_loss_step}", COLORS["nonfinite"], 0.86)
     fig.update_layout(
         xaxis={"title": {"text": "step"}}, yaxis={"title": {"text": "loss"}},
-        yaxis2={"title": {"text": "log2(loss scale)"}, "overlaying": "y", "side": "right", "dtick": 2,
+        yaxis2={"title": {"text": "log2(loss scale)"}, "overlaying": "y", "side": "right",
+                "dtick": log2_dtick(s.log2_scale.values if s.log2_scale is not None else ()),
                 "tickprefix": "2^", "showgrid": False},
         shapes=shapes, annotations=notes, height=420, margin={"t": 40, "r": 70},
         legend={"orientation": "h", "y": -0.2}, hovermode="closest")
@@ -108,9 +117,27 @@ def loss_and_scale(data: ReportData) -> Plot:
                 "NaN/Inf losses are marked at the top of the loss axis.")
 
 
-def _vline(shapes, notes, step, text, color, y):
+# The right-hand axis of the loss plot is 420 px high: at a 12 px font, more
+# than about this many labels touch each other.
+MAX_SCALE_TICKS = 10
+
+
+def log2_dtick(values) -> int:
+    """The step between the log2(scale) ticks: 1, 2, 5, 10, 20, ... exponents,
+    the smallest that keeps the labels within MAX_SCALE_TICKS (a collapse
+    from 2^16 to 2^-40 spans 56 exponents: a tick every 2 overlaps)."""
+    finite = [float(v) for v in np.asarray(values, dtype=float).ravel() if math.isfinite(v)]
+    span = (max(finite) - min(finite)) if finite else 0.0
+    step, k = 1, 0
+    while span / step > MAX_SCALE_TICKS:
+        k += 1
+        step = (1, 2, 5)[k % 3] * 10 ** (k // 3)
+    return step
+
+
+def _vline(shapes, notes, step, text, color, y, dash="dash"):
     shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": step, "x1": step, "y0": 0, "y1": 1,
-                   "line": {"color": color, "dash": "dash", "width": 1.5}})
+                   "line": {"color": color, "dash": dash, "width": 1.5}})
     notes.append({"x": step, "y": y, "xref": "x", "yref": "paper", "text": text, "showarrow": False,
                   "xanchor": "left", "font": {"color": color, "size": 11}, "bgcolor": "rgba(255,255,255,0.8)"})
 

@@ -13,6 +13,7 @@ import json
 
 from recorders.plain import plain
 
+from ..analyses.summary import autocast_words, scaler_words
 from .data import ReportData
 from ..names import display_name
 from ..op_words import trace_line, trace_rows
@@ -132,12 +133,55 @@ def _op_trace_table(trace: dict) -> str:
 
 
 def _facts_table(facts: dict) -> str:
+    """The run's facts in words: the settings as `summary` says them
+    (autocast, scaler), the recorder's and the optimizer's as phrases,
+    never raw JSON."""
     rows = []
     for k, v in facts.items():
-        if isinstance(v, (dict, list)):
-            v = json.dumps(plain(v), separators=(", ", ": "))
-        rows.append(f"<tr><td>{_e(k)}</td><td>{_e('-' if v is None else v)}</td></tr>")
+        if k == "autocast":
+            v = autocast_words(v)
+        elif k == "scaler":
+            v = scaler_words(v)
+        elif k == "recorder" and isinstance(v, dict):
+            v = _recorder_words(v)
+        elif isinstance(v, dict):
+            v = _pairs(v)
+        elif isinstance(v, list):
+            v = ", ".join(str(x) for x in plain(v)) or "none"
+        rows.append(f"<tr><td>{_e(k.replace('_', ' '))}</td><td>{_e('-' if v is None else v)}</td></tr>")
     return "<table class=\"facts\">" + "".join(rows) + "</table>"
+
+
+def _recorder_words(rec: dict) -> str:
+    """`AmpRecorder`'s settings as a sentence; what it does not name, as
+    `key value` pairs after it."""
+    said = {"include", "exclude", "cheap_every", "full_every", "full_after_event", "steps_per_shard", "bundles"}
+    include, exclude = rec.get("include") or ["*"], rec.get("exclude") or []
+    watched = ("every module" if include == ["*"] else "modules " + ", ".join(include)) + (
+        f" except {', '.join(exclude)}" if exclude else "")
+    parts = [f"watching {watched}",
+             f"statistics every {rec.get('cheap_every', 1)} step(s), the full tier every "
+             f"{rec.get('full_every')} steps and for {rec.get('full_after_event')} steps after an event",
+             f"{rec.get('steps_per_shard')} steps per shard"]
+    b = rec.get("bundles")
+    if isinstance(b, dict):
+        parts.append(f"replay bundles: up to {b.get('max_bundles')} on "
+                     f"{', '.join(b.get('bundle_triggers') or []) or 'no trigger'}" if b.get("bundles")
+                     else "replay bundles: off")
+    rest = {k: v for k, v in rec.items() if k not in said}
+    return "; ".join(parts) + (f"; {_pairs(rest)}" if rest else "")
+
+
+def _pairs(d: dict) -> str:
+    """A settings dict as `key value, key value` (lists joined by `/`)."""
+    def value(v):
+        v = plain(v)
+        if isinstance(v, list):
+            return "/".join(str(x) for x in v) or "none"
+        if isinstance(v, dict):
+            return "(" + _pairs(v) + ")"
+        return "-" if v is None else ("yes" if v is True else "no" if v is False else str(v))
+    return ", ".join(f"{k} {value(v)}" for k, v in d.items())
 
 
 def _script(plot_list: list[Plot]) -> str:

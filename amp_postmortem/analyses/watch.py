@@ -1,0 +1,327 @@
+"""Follow a running job's run directory: `summary`'s findings as they
+appear, each once, and how the watch ended.
+
+`RunWatcher(path).poll()` looks once. It reads what is new (`tail.RunTail`:
+the journal's step rows past the last step seen, the indexes of pairs
+published since) and, when a file of the run changed since its last
+analysis (judged from `os.stat` alone), re-opens the run and runs
+`summary.summarize` on it: at once when a new step went wrong (skipped by
+the scaler, a NaN/Inf loss, non-finite gradients or tensor rows), when the
+job closed or recording stopped, and at the first look; otherwise at most
+every `REJUDGE_S` seconds (or 20 times the last analysis's duration, if
+longer), so the slow conditions (an overflow risk, underflow, a stuck
+scale) are judged again without re-reading the run every step. It returns
+the findings it had not returned before and, once there is one, how the
+watch ends (`WatchEnd`).
+`follow(watcher, interval)` polls every `interval` seconds until then. No
+printing here: the CLI renders the events (`amp-postmortem watch`).
+
+A finding is new by its key (`finding_key`): kind, step and layer for an
+event (a first non-finite value, instability, recording switched off), kind
+and layer for a condition whose step moves while the job runs (an overflow
+risk's step is the last step measured; a stuck scale's the last step).
+
+The watch ends (`Outcome`):
+- `fail_on`: a finding at or above `fail_on` (a severity, or kinds);
+- `closed`: every rank's recorder closed (its status slot or manifest
+  says "closed") with no such finding;
+- `recording_disabled`: a recorder switched itself off (a full disk, an
+  internal error): nothing more will be written to watch;
+- `job_gone`: the process that holds a rank's status slot on this host is
+  gone and never closed its recorder (killed).
+"""
+from __future__ import annotations
+
+import enum
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from recorders import schema
+
+from ..errors import EmptyRunError, OptionError, PostmortemError, RunNotFoundError
+from ..loader import load_run, read_manifest, with_status_slot
+from ..names import FINDING_KINDS
+from ..shards import rank_dirs
+from ..tail import RunTail
+from .summary import SEVERITIES, Finding, summarize
+
+DEFAULT_FAIL_ON = "critical"
+DEFAULT_INTERVAL = 2.0  # seconds between looks: an alert comes at most this (plus one analysis) after a step
+# Kinds that are no news while a job runs: "healthy" until something is
+# found, "not closed" because the job is still running (`job_gone` says
+# when it is not).
+_NOT_NEWS = {"healthy", "recording_not_closed"}
+# Findings whose step moves as the job goes on: one per kind and layer.
+_CONDITIONS = {"overflow_risk", "grad_underflow", "stuck_low_scale", "scale_collapse", "training_instability"}
+# How often the whole run is judged again while no new step went wrong:
+# the slow conditions move over hundreds of steps, and a full analysis of a
+# long run takes seconds that the job's disk and CPU share.
+REJUDGE_S = 30.0
+_REJUDGE_SHARE = 20  # at most ~5% of the time analysing
+# A run being written changes under the reader (a journal removed as its
+# pair is published): an error is believed after this many looks in a row.
+_RETRIES = 3
+_WATCHED_DIRS = (f"{schema.JOURNAL_DIR}/{schema.STEPS_DIR}", f"{schema.JOURNAL_DIR}/{schema.TENSORS_DIR}",
+                 schema.STEPS_DIR, schema.TENSORS_DIR, schema.INDEX_DIR)
+
+
+class Outcome(enum.Enum):
+    FAIL_ON = "fail_on"
+    CLOSED = "closed"
+    RECORDING_DISABLED = "recording_disabled"
+    JOB_GONE = "job_gone"
+
+
+# `amp-postmortem watch` exits with these (2: unusable input, as every command).
+EXIT_CODES = {Outcome.CLOSED: 0, Outcome.FAIL_ON: 1, Outcome.RECORDING_DISABLED: 3, Outcome.JOB_GONE: 3}
+
+
+@dataclass
+class FindingSeen:
+    """A finding seen for the first time, at `seen_at` (Unix time)."""
+    finding: Finding
+    seen_at: float
+    fails: bool  # at or above fail_on
+
+    def to_dict(self) -> dict:
+        return {"event": "finding", "seen_at": self.seen_at, "fails": self.fails, **self.finding.to_dict()}
+
+    def lines(self) -> list[str]:
+        return self.finding.lines()
+
+
+@dataclass
+class WatchEnd:
+    outcome: Outcome
+    last_step: int | None
+    finding: Finding | None = None  # the one that failed (fail_on)
+    ranks: list = field(default_factory=list)  # those disabled or gone
+    reason: str | None = None  # the recorder's disabled_reason
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.outcome]
+
+    def to_dict(self) -> dict:
+        return {"event": "end", "outcome": self.outcome.value, "exit_code": self.exit_code,
+                "last_step": self.last_step, "ranks": self.ranks, "reason": self.reason,
+                "failing": None if self.finding is None else {k: self.finding.to_dict()[k]
+                                                              for k in ("kind", "severity", "step", "layer")}}
+
+    def lines(self) -> list[str]:
+        at = "no step yet" if self.last_step is None else f"last step {self.last_step}"
+        ranks = ", ".join(map(str, self.ranks))
+        text = {
+            Outcome.FAIL_ON: lambda: f"stopped watching: {self.finding.severity} finding {self.finding.kind} "
+                                     f"at step {self.finding.step} ({at}); exit code {self.exit_code}",
+            Outcome.CLOSED: lambda: f"the job closed its recording ({at}) with no finding at the --fail-on "
+                                    f"level; exit code {self.exit_code}",
+            Outcome.RECORDING_DISABLED: lambda: f"recording was switched off on rank(s) {ranks} ({self.reason}); "
+                                                f"nothing more to watch ({at}); exit code {self.exit_code}",
+            Outcome.JOB_GONE: lambda: f"the job's process of rank(s) {ranks} is gone without closing its "
+                                      f"recording (killed?) ({at}); exit code {self.exit_code}",
+        }[self.outcome]()
+        return [text]
+
+
+@dataclass
+class Poll:
+    events: list  # FindingSeen, then the WatchEnd if the watch ends
+    last_step: int | None = None
+
+    @property
+    def end(self) -> WatchEnd | None:
+        return next((e for e in self.events if isinstance(e, WatchEnd)), None)
+
+
+def finding_key(f: Finding) -> tuple:
+    return (f.kind, f.layer) if f.kind in _CONDITIONS else (f.kind, f.step, f.layer)
+
+
+def fail_rule(fail_on) -> Callable[[Finding], bool]:
+    """`fail_on`: a severity (`critical`: that or worse), kinds (a list or
+    `"kind,kind"`), or None (never)."""
+    if fail_on is None:
+        return lambda f: False
+    if isinstance(fail_on, str) and fail_on in SEVERITIES:
+        rank = SEVERITIES.index(fail_on)
+        return lambda f: f.kind not in _NOT_NEWS and SEVERITIES.index(f.severity) <= rank
+    kinds = {k.strip() for k in (fail_on.split(",") if isinstance(fail_on, str) else fail_on) if k.strip()}
+    unknown = sorted(kinds - set(FINDING_KINDS))
+    if unknown or not kinds:
+        raise OptionError(f"fail_on {fail_on!r} is neither a severity ({', '.join(SEVERITIES)}) nor finding "
+                          f"kinds ({', '.join(FINDING_KINDS)})")
+    return lambda f: f.kind in kinds
+
+
+class RunWatcher:
+    """One run directory followed; `poll()` looks once."""
+
+    def __init__(self, path, *, rank: int | None = None, fail_on=DEFAULT_FAIL_ON, window: int = 1000):
+        from recorders.storage import is_uri
+        if is_uri(path):
+            raise OptionError(f"watch follows a local run directory; {path} is a URI, not supported yet: "
+                              f"run watch where the job writes")
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise RunNotFoundError(f"run directory not found: {self.path}")
+        self.rank = rank
+        self.window = window
+        self.fails = fail_rule(fail_on)
+        self.seen: set[tuple] = set()
+        self.last_step: int | None = None
+        self.analyses = 0  # full analyses run: what watching costs
+        self.tail = RunTail(self.path, rank=rank)
+        self._fingerprint = None
+        self._errors = 0
+        self._alarm = False       # a new step went wrong since the last analysis
+        self._next_full = None    # monotonic time of the next due analysis; None: at once
+
+    def poll(self) -> Poll:
+        states = self._rank_states()
+        closed = bool(states) and all(s.get("status") == "closed" for s in states.values())
+        stopped = any(s.get("disabled_reason") for s in states.values())
+        news = self.tail.read()
+        self._alarm |= bool(news.alarming_steps)
+        if news.last_step is not None:
+            self.last_step = max(news.last_step, self.last_step if self.last_step is not None else -1)
+        fingerprint = self._files()
+        due = (self._alarm or closed or stopped or self._next_full is None
+               or time.monotonic() >= self._next_full)
+        events: list = []
+        if fingerprint != self._fingerprint and due:
+            started = time.monotonic()
+            events = self._analyse(must=closed)
+            if events is not None:
+                self._fingerprint, self._alarm = fingerprint, False
+                took = time.monotonic() - started
+                self._next_full = time.monotonic() + max(REJUDGE_S, _REJUDGE_SHARE * took)
+            events = events or []
+        failing = next((e.finding for e in events if e.fails), None)
+        end = None
+        if failing is not None:
+            end = WatchEnd(Outcome.FAIL_ON, self.last_step, finding=failing)
+        elif disabled := {r: s["disabled_reason"] for r, s in states.items() if s.get("disabled_reason")}:
+            end = WatchEnd(Outcome.RECORDING_DISABLED, self.last_step, ranks=sorted(disabled),
+                           reason="; ".join(sorted(set(disabled.values()))))
+        elif closed:
+            end = WatchEnd(Outcome.CLOSED, self.last_step)
+        elif gone := [r for r, s in states.items() if s.get("status") == "open" and _gone(s)]:
+            end = WatchEnd(Outcome.JOB_GONE, self.last_step, ranks=gone)
+        return Poll(events + ([end] if end else []), self.last_step)
+
+    def _analyse(self, must: bool) -> list | None:
+        """The new findings; None when the run could not be read this time."""
+        self.analyses += 1
+        try:
+            run = load_run(self.path, rank=self.rank)
+            found = summarize(run, window=self.window).findings
+        except EmptyRunError:
+            if must:
+                raise
+            return None  # the job has written no step yet
+        except RunNotFoundError:
+            if must or any(self.path.iterdir()):
+                raise
+            return None  # an empty directory: the job has not started
+        except (PostmortemError, OSError):
+            self._errors += 1
+            if must or self._errors >= _RETRIES:
+                raise
+            return None
+        self._errors = 0
+        if run.last_step is not None:
+            self.last_step = max(run.last_step, self.last_step if self.last_step is not None else -1)
+        now = time.time()
+        out = []
+        for f in found:
+            key = finding_key(f)
+            if f.kind in _NOT_NEWS or key in self.seen:
+                continue
+            self.seen.add(key)
+            out.append(FindingSeen(f, now, self.fails(f)))
+        return out
+
+    def _rank_states(self) -> dict[int, dict]:
+        """{rank: its manifest with the status slot laid over, plus the
+        slot's host and pid}: a few small files per rank."""
+        out = {}
+        try:
+            found = rank_dirs(self.path)
+        except (PostmortemError, OSError):
+            return out
+        for r, d in found.items():
+            if self.rank is not None and r != self.rank:
+                continue
+            try:
+                m = d / schema.MANIFEST_FILE
+                state = with_status_slot(read_manifest(m, self.path) if m.is_file() else {},
+                                         d / schema.STATUS_FILE, [], self.path)
+                slot = _slot(d / schema.STATUS_FILE)
+            except (PostmortemError, OSError):
+                continue  # being written: the next look reads it
+            out[r] = {**state, "host": slot.get("host"), "pid": slot.get("pid")}
+        return out
+
+    def _files(self) -> tuple:
+        """(name, size, mtime) of every file the recorder adds or rewrites."""
+        out = []
+        for d in sorted(self.path.glob("rank=*")):
+            for name in (schema.STATUS_FILE, schema.MANIFEST_FILE):
+                out.append(_stat(d / name))
+            for sub in _WATCHED_DIRS:
+                try:
+                    with os.scandir(d / sub) as it:
+                        out.extend(_stat(Path(e.path)) for e in it)
+                except OSError:
+                    continue
+        return tuple(sorted(o for o in out if o is not None))
+
+
+def follow(watcher: RunWatcher, *, interval: float = DEFAULT_INTERVAL,
+           sleep: Callable[[float], None] = time.sleep) -> Iterator:
+    """The watcher's events as they come, the `WatchEnd` last."""
+    while True:
+        started = time.monotonic()
+        poll = watcher.poll()
+        yield from poll.events
+        if poll.end is not None:
+            return
+        # The analysis counts against the interval: a look every `interval`.
+        sleep(max(0.0, interval - (time.monotonic() - started)))
+
+
+def _stat(p: Path):
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return (str(p), st.st_size, st.st_mtime_ns)
+
+
+def _slot(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_bytes()[:1 << 16])
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _gone(state: dict) -> bool:
+    """Whether the process that writes this rank is known dead: only
+    judged on its own host (a pid means nothing elsewhere)."""
+    pid, host = state.get("pid"), state.get("host")
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, another user's
+        return False
+    return False

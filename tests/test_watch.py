@@ -1,0 +1,193 @@
+"""`amp-postmortem watch` beside a real job: a tiny model trained in a
+subprocess under the real recorder, each step slowed by a sleep, with
+`watch` running as a CLI subprocess next to it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from amp_postmortem.analyses.summary import Finding
+from amp_postmortem.analyses.watch import EXIT_CODES, Outcome, RunWatcher, fail_rule, finding_key
+from amp_postmortem.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+NAN_STEP = 6        # block.boom multiplies by 1e6 at this step: float16 Inf in the forward
+INTERVAL = 1.0      # the watch's --interval in these tests
+# The issue asks interval + 2 s from a step on disk to the alert; a shared
+# CI machine (two cores, other jobs) gets room: the exact figure is a
+# benchmark's, not a test's.
+SLACK = 10.0
+
+JOB = textwrap.dedent("""
+    import sys, time
+    import torch
+    from tiny_models import BoomNet, recorder_at, train
+
+    run, steps, nan_step, pause = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(steps)]
+
+    def plant(step, model, x):
+        if step > 0:  # the previous step went through rec.step(): its row is on its way to the journal
+            print(f"stepped {step - 1} {time.time()}", flush=True)
+        model.block.boom.gain = 1e6 if step == nan_step else 1.0
+        time.sleep(pause)
+
+    train(BoomNet(), data, recorder=recorder_at(run, steps_per_shard=5, full_every=5),
+          scaler={"init_scale": 2.0 ** 8, "growth_interval": 10 ** 6}, lr=0.01, on_step=plant)
+    print("closed", flush=True)
+""")
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]), OMP_NUM_THREADS="1")
+    env.pop("NO_COLOR", None)
+    return env
+
+
+def _job(tmp_path, run, *, steps, nan_step=-1, pause=0.2):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    return subprocess.Popen([sys.executable, str(script), str(run), str(steps), str(nan_step), str(pause)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def _watch(run, *args):
+    return subprocess.Popen([sys.executable, "-m", "amp_postmortem", "watch", str(run), "--interval",
+                             str(INTERVAL), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+
+
+def _stepped_at(job_stdout: str) -> dict[int, float]:
+    return {int(w[1]): float(w[2]) for w in (line.split() for line in job_stdout.splitlines())
+            if w and w[0] == "stepped"}
+
+
+def test_watch_alerts_on_a_planted_nan_and_exits_with_the_fail_code(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()  # empty: the watch waits for the job to start
+    watch = _watch(run, "--json")
+    job = _job(tmp_path, run, steps=60, nan_step=NAN_STEP, pause=0.25)
+    try:
+        out, err = watch.communicate(timeout=180)
+    finally:
+        job.kill()
+        job_out, _ = job.communicate(timeout=60)
+    assert watch.returncode == EXIT_CODES[Outcome.FAIL_ON] == 1, err
+    events = [json.loads(line) for line in out.splitlines()]  # every line is one JSON object
+    findings = [e for e in events if e["event"] == "finding"]
+    nan = next(e for e in findings if e["kind"] == "nonfinite")
+    assert (nan["step"], nan["layer"], nan["severity"], nan["fails"]) == (NAN_STEP, "block.boom", "critical", True)
+    assert events[-1]["event"] == "end" and events[-1]["outcome"] == "fail_on"
+    assert events[-1]["failing"] == {"kind": "nonfinite", "severity": "critical", "step": NAN_STEP,
+                                     "layer": "block.boom"}
+    # Each finding once.
+    assert len({(e["kind"], e["step"], e["layer"]) for e in findings}) == len(findings)
+    # From the step leaving rec.step() (an upper bound on it reaching the
+    # disk) to the alert.
+    latency = nan["seen_at"] - _stepped_at(job_out)[NAN_STEP]
+    assert 0 < latency < INTERVAL + SLACK, latency
+
+
+def test_watch_exits_0_when_a_clean_job_closes(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    watch = _watch(run)
+    job = _job(tmp_path, run, steps=8, pause=0.1)
+    try:
+        job_out, job_err = job.communicate(timeout=180)
+        assert job.returncode == 0, job_err
+        out, err = watch.communicate(timeout=60)
+    finally:
+        watch.kill()
+    assert watch.returncode == 0, err
+    assert out.splitlines()[-1].startswith("the job closed its recording (last step 7)")
+    assert "Traceback" not in err
+
+
+def test_a_missing_run_directory_is_one_line_and_exit_2(tmp_path):
+    watch = _watch(tmp_path / "nowhere")
+    out, err = watch.communicate(timeout=60)
+    assert watch.returncode == 2 and out == ""
+    assert err.strip().splitlines() == [f"Error: run directory not found: {tmp_path / 'nowhere'}"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["s3://bucket/runs/exp1"], "is a URI, not supported yet"),
+    (["{run}", "--fail-on", "bogus"], "fail_on 'bogus' is neither a severity"),
+    (["{run}", "--interval", "0"], "interval 0.0 is not a positive number"),
+])
+def test_bad_input_is_one_line_and_exit_2(healthy_run, argv, message):
+    result = CliRunner().invoke(main, ["watch", *[a.format(run=healthy_run) for a in argv]])
+    assert result.exit_code == 2 and message in result.output
+    assert result.output.count("Error:") == 1
+
+
+def test_a_finished_run_is_read_once_and_its_findings_printed_once(overflow_run, healthy_run):
+    watcher = RunWatcher(overflow_run, fail_on=None)
+    first = watcher.poll()
+    assert [e.finding.kind for e in first.events[:-1]] == ["nonfinite"]
+    assert first.end.outcome is Outcome.CLOSED and first.end.exit_code == 0
+    again = watcher.poll()  # nothing changed on disk: no analysis, nothing new
+    assert [type(e).__name__ for e in again.events] == ["WatchEnd"]
+    healthy = RunWatcher(healthy_run).poll()  # the healthy finding is no news
+    assert [type(e).__name__ for e in healthy.events] == ["WatchEnd"]
+
+
+def test_a_disabled_recorder_ends_the_watch_with_code_3(healthy_run, copy_run, edit_manifest):
+    # The status slot is where a recorder that failed on a full disk says so.
+    run = copy_run(healthy_run)
+    edit_manifest(run / "rank=0" / "status.json", disabled_reason="disk full", disabled_at_step=39)
+    end = RunWatcher(run).poll().end
+    assert (end.outcome, end.exit_code, end.ranks, end.reason) == (Outcome.RECORDING_DISABLED, 3, [0], "disk full")
+    assert "recording was switched off on rank(s) 0 (disk full)" in end.lines()[0]
+
+
+def test_fail_on_takes_a_severity_or_kinds():
+    def finding(kind, severity):
+        return Finding(kind, severity, 3, "fc", "", "")
+    critical = fail_rule("critical")
+    assert critical(finding("nonfinite", "critical")) and not critical(finding("stuck_low_scale", "error"))
+    assert fail_rule("error")(finding("stuck_low_scale", "error"))
+    assert fail_rule("grad_underflow,overflow_risk")(finding("overflow_risk", "warning"))
+    assert not fail_rule(None)(finding("nonfinite", "critical"))
+
+
+def test_a_moving_condition_is_one_finding_an_event_is_keyed_by_its_step():
+    assert finding_key(Finding("overflow_risk", "warning", 10, "fc", "", "")) == \
+        finding_key(Finding("overflow_risk", "warning", 11, "fc", "", ""))
+    assert finding_key(Finding("nonfinite", "critical", 10, "fc", "", "")) != \
+        finding_key(Finding("nonfinite", "critical", 11, "fc", "", ""))
+
+
+
+def test_a_change_with_no_step_gone_wrong_waits_for_the_rejudge(running_run):
+    run = running_run
+    watcher = RunWatcher(run)
+    assert watcher.poll().end is None and watcher.analyses == 1
+    journal = next((run / "rank=0" / "journal" / "steps").glob("part-*.arrows"))
+    os.utime(journal, ns=(time.time_ns(), time.time_ns() + 10 ** 9))  # written again, nothing wrong in it
+    assert watcher.poll().events == [] and watcher.analyses == 1
+    watcher._next_full = time.monotonic()  # the rejudge is due: the change is analysed
+    watcher.poll()
+    assert watcher.analyses == 2
+
+
+def test_ctrl_c_stops_the_watch_with_code_130(running_run):
+    import signal
+    watch = _watch(running_run)
+    assert watch.stderr.readline().startswith("watching ")  # said once it looks
+    watch.send_signal(signal.SIGINT)
+    out, err = watch.communicate(timeout=60)
+    assert watch.returncode == 130 and "stopped watching (interrupted)" in err and "Traceback" not in err
