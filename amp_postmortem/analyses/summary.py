@@ -23,6 +23,7 @@ Findings (kind, severity):
 """
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import dataclass, field
 
@@ -270,7 +271,9 @@ def _losses(per_step: pd.DataFrame, failure_step: int | None) -> dict:
         if pd.notna(row["loss"]):
             return float(row["loss"])
         # A null loss reads as NaN in pandas: the flag tells a NaN loss from none.
-        return float("nan") if bool(row["loss_nonfinite_any"]) else None
+        # math.nan, one object: two summaries of one run compare equal
+        # (dict equality tries identity first; NaN != NaN).
+        return math.nan if bool(row["loss_nonfinite_any"]) else None
 
     first = int(per_step["step"].iloc[0]) if len(per_step) else None
     last = int(per_step["step"].iloc[-1]) if len(per_step) else None
