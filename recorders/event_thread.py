@@ -23,6 +23,9 @@ THREAD_NAME = "amp-postmortem-events"
 # How long `close()` waits for callbacks still running or queued: a
 # callback may save a checkpoint; one that hangs must not hang the job's end.
 CLOSE_WAIT_S = 60.0
+# What `flush()` waits for callbacks of events already raised: a callback
+# that hangs must not hold the training thread at every flush for long.
+FLUSH_WAIT_S = 5.0
 _STOP = object()
 
 

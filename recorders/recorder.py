@@ -46,7 +46,7 @@ from . import schema
 from .bundles.capture import BundleCapture
 from .bundles.policy import BundlePolicy
 from .errors import OptionError  # noqa: F401 - importable from here, as before recorders.errors
-from .event_thread import EventDispatcher
+from .event_thread import FLUSH_WAIT_S, EventDispatcher
 from .events import EventDetector
 from .hooks import TrainingHooks
 from .lease import LeaseHeldError, RankLease
@@ -581,12 +581,13 @@ class AmpRecorder:
     def flush(self) -> None:
         """Block until every step so far is written to disk (and the
         `on_event` callbacks of its events returned, at most
-        `event_thread.CLOSE_WAIT_S`)."""
+        `event_thread.FLUSH_WAIT_S`: a hung callback never holds the
+        training longer)."""
         if self._closed or self.writer is None or not self.writer.alive:
             return
         if self.events is not None:
             self.writer.barrier()
-            self.events.wait_idle()
+            self.events.wait_idle(FLUSH_WAIT_S)
         self.writer.barrier(functools.partial(self._write_files, "open"))
         if self._enabled:
             try:

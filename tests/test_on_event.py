@@ -248,6 +248,25 @@ def test_a_slow_callback_never_slows_a_training_step(tmp_path):
     assert heard == [EventKind.NONFINITE_FORWARD, EventKind.SKIP_STREAK, EventKind.SCALE_COLLAPSE]
 
 
+def test_a_hung_callback_holds_flush_for_a_bounded_time_only(tmp_path, monkeypatch):
+    import recorders.recorder as rr
+    from amp_postmortem import load_run
+    monkeypatch.setattr(rr, "FLUSH_WAIT_S", 0.5)
+    release = threading.Event()
+    torch.manual_seed(0)
+    trained = train(TinyNet(), batches(4), close=False, on_step=nan_weight_at(1, restore=False),
+                    recorder=lambda model, opt, sc: AmpRecorder(tmp_path / "r", model, optimizer=opt, scaler=sc,
+                                                                on_event=lambda event: release.wait(30)))
+    try:
+        t0 = time.perf_counter()
+        trained.rec.flush()  # the callback of the first event hangs
+        assert time.perf_counter() - t0 < 5.0
+        assert load_run(tmp_path / "r").steps["step"].tolist() == [0, 1, 2, 3]  # flushed all the same
+    finally:
+        release.set()
+        trained.rec.close()
+
+
 def test_a_stop_request_is_honoured_at_the_next_step_through_should_stop(tmp_path):
     def stop(event):
         event.request_checkpoint()
