@@ -1,7 +1,8 @@
-"""`amp-postmortem report` and `amp-postmortem export tensorboard`: the CLI
-faces of `amp_postmortem.report` and `amp_postmortem.export_tensorboard`. No logic here; registered in
-`cli.py`. Both need the `report` extra (plotly, tensorboard), imported only
-when a command runs.
+"""`amp-postmortem report`, `amp-postmortem export tensorboard` and `export
+mlflow`: the CLI faces of `amp_postmortem.report`,
+`amp_postmortem.export_tensorboard` and `export_tracking.export_mlflow`. No
+logic here; registered in `cli.py`. All need the `report` extra (plotly,
+tensorboard, mlflow-skinny), imported only when a command runs.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def export_group():
 
     \b
         amp-postmortem export tensorboard runs/exp1 --logdir tb/exp1 [--rank R] [--json]
+        amp-postmortem export mlflow runs/exp1 [--tracking-uri URI] [--experiment NAME] [--json]
     """
 
 
@@ -60,3 +62,27 @@ def tensorboard_command(run, rank, logdir):
         tensorboard --logdir tb
     """
     return api.export_tensorboard(run, rank=rank, logdir=logdir)
+
+
+
+@export_group.command("mlflow")
+@run_options
+@click.option("--tracking-uri", metavar="URI", default=None,
+              help="MLflow tracking URI: a server, or a directory / file: URI for MLflow's file store "
+                   "(default: $MLFLOW_TRACKING_URI, else ./mlruns).")
+@click.option("--experiment", metavar="NAME", default=None,
+              help="MLflow experiment to log into, created if missing (default: amp-postmortem).")
+@output_options(csv=False)
+def mlflow_command(run, rank, tracking_uri, experiment):
+    """Log the run to MLflow: loss, loss scale, grad norm and skipped flags
+    per step and per layer its headroom to its dtype's overflow limit as
+    metrics; the findings of `summary` as tags and as the table artifact
+    findings.json. One MLflow run per rank. Needs
+    `pip install 'amp-postmortem[mlflow]'` (or the `report` extra).
+
+    \b
+        amp-postmortem export mlflow runs/exp1 --tracking-uri mlruns --experiment exp1
+        mlflow ui --backend-store-uri mlruns
+    """
+    from .export_tracking import export_mlflow  # pandas and mlflow: not at the CLI's start
+    return export_mlflow(run, rank=rank, tracking_uri=tracking_uri, experiment=experiment)

@@ -86,19 +86,19 @@ def export_tensorboard(run, logdir, *, rank: int | None = None) -> ExportResult:
                               f"directory (or delete them)")
         writer = EventFileWriter(str(target))
         try:
-            per_step = {int(row.step): _step_values(row) for row in steps.itertuples(index=False)}
+            per_step = {int(row.step): step_values(row) for row in steps.itertuples(index=False)}
             wall = dict(zip(steps["step"].astype(int), steps["wall_time"].astype(float)))
             # Events strictly in step order: TensorBoard's reader treats a
             # step going backwards as a restart and drops the later data.
             only_steps = iter(sorted(per_step))
             nxt = next(only_steps, None)
-            for step, layer_values in _layer_values(run, r, DTYPE_MAX):
+            for step, of_layers in layer_values(run, r, DTYPE_MAX):
                 while nxt is not None and nxt < step:
                     values += _write(writer, event_pb2, summary_pb2, nxt, wall.get(nxt), per_step[nxt], tags)
                     nxt = next(only_steps, None)
                 if nxt == step:
                     nxt = next(only_steps, None)
-                vals = per_step.get(step, []) + layer_values
+                vals = per_step.get(step, []) + of_layers
                 values += _write(writer, event_pb2, summary_pb2, step, wall.get(step), vals, tags)
             while nxt is not None:  # steps after the last tensor row
                 values += _write(writer, event_pb2, summary_pb2, nxt, wall.get(nxt), per_step[nxt], tags)
@@ -111,15 +111,18 @@ def export_tensorboard(run, logdir, *, rank: int | None = None) -> ExportResult:
                         tags=sorted(tags, key=lambda t: (t not in STEP_TAGS, t)), values=values)
 
 
-def _step_values(row) -> list[tuple[str, float]]:
+def step_values(row) -> list[tuple[str, float]]:
+    """[(tag, value)] of one row of `run.steps`: the step scalars every
+    export writes (`export_mlflow` too)."""
     out = [("loss", row.loss), ("grad_norm", row.grad_norm), ("skipped", 1.0 if row.skipped else 0.0)]
     if row.loss_scale is not None and not pd.isna(row.loss_scale):
         out.append(("loss_scale", row.loss_scale))
     return [(t, float(v)) for t, v in out if v is not None]
 
 
-def _layer_values(run: Run, rank: int, limits: dict):
-    """(step, [(tag, value)]) in step order, shard by shard."""
+def layer_values(run: Run, rank: int, limits: dict):
+    """(step, [(tag, value)]) in step order, shard by shard: per layer its
+    absmax and headroom (shared with `export_mlflow`)."""
     cols = ["step", "rank", "name", "kind", "dtype", "absmax", "nan_count", "inf_count"]
     pending = None
     for batch in run.iter_tensor_batches(cols, kinds=LAYER_KINDS, label="exporting tensors"):

@@ -275,7 +275,7 @@ LAYERS = [  # each imports only from its own layer and the ones before it
     {"replay"},
     {"whatif"},
     {"advice"},
-    {"report", "export"},
+    {"report", "export", "export_tracking"},
     {"__init__"},
     {"cli", "cli_replay", "cli_whatif", "cli_report", "output", "__main__"},
 ]

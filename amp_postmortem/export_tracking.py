@@ -1,0 +1,191 @@
+"""Exports to experiment trackers. `export_mlflow(run, tracking_uri=...,
+experiment=...)`: a run as an MLflow run, so teams see it in the tracking
+server they already use. (Not named `export_mlflow.py`: the package's API
+function of that name would be shadowed by the submodule once imported.)
+
+Metrics per step: `loss`, `loss_scale`, `grad_norm`, `skipped` (1 or 0),
+and per layer `headroom/<kind>/<layer>` (bits to the dtype's overflow limit,
+0 when the tensor held a NaN/Inf): the same values as the TensorBoard export,
+from the same data preparation (`export.step_values`, `export.layer_values`).
+The findings of `summary` go in as tags (`amp_postmortem.findings`, one
+`amp_postmortem.finding.<kind>` each) and as the table artifact
+`findings.json`. One MLflow run per rank.
+
+Written through `MlflowClient` (the `report` extra's `mlflow-skinny`), not the
+fluent `mlflow.start_run`: no global active run is left behind in the
+caller's process.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from .errors import ExportError, MissingExtraError
+from .export import layer_values, step_values
+from .loader import Run
+
+EXTRA_HINT = "pip install 'amp-postmortem[mlflow]'"
+DEFAULT_EXPERIMENT = "amp-postmortem"
+DEFAULT_TRACKING_URI = "./mlruns"  # mlflow's own default is sqlite:///mlflow.db: SQLAlchemy, not in mlflow-skinny
+FINDINGS_ARTIFACT = "findings.json"
+# MLflow's limits: at most 1000 metrics per log_batch call, tag values of 8000 characters.
+METRICS_PER_BATCH = 1000
+TAG_VALUE_CHARS = 8000
+# Metric keys may hold only these characters (the Windows set: the file store
+# makes each key a file); `(model)` and `<input>` become `_model_`, `_input_`.
+_KEY_BAD = re.compile(r"[^/\w.\- ]")
+
+
+@dataclass
+class MlflowExportResult:
+    tracking_uri: str
+    experiment: str
+    experiment_id: str
+    run_ids: list[str]
+    steps: int
+    metrics: list[str] = field(default_factory=list)
+    values: int = 0
+    findings: int = 0
+
+    def to_dict(self) -> dict:
+        return {"tracking_uri": self.tracking_uri, "experiment": self.experiment,
+                "experiment_id": self.experiment_id, "run_ids": self.run_ids, "steps": self.steps,
+                "metrics": len(self.metrics), "values": self.values, "findings": self.findings}
+
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame({"metric": self.metrics})
+
+    def lines(self) -> list[str]:
+        return [f"logged {self.values} metric values of {self.steps} step(s) under {len(self.metrics)} metrics "
+                f"and {self.findings} finding(s) to MLflow run(s) {', '.join(self.run_ids)} in experiment "
+                f"{self.experiment!r}",
+                f"view: mlflow ui --backend-store-uri {self.tracking_uri}"]
+
+    show_table = False
+
+
+def require_mlflow():
+    try:
+        import mlflow.tracking  # noqa: F401
+    except ImportError:
+        raise MissingExtraError(f"the MLflow export needs mlflow: {EXTRA_HINT}") from None
+
+
+def metric_key(tag: str) -> str:
+    return _KEY_BAD.sub("_", tag)
+
+
+def export_mlflow(run, *, tracking_uri: str | os.PathLike | None = None, experiment: str | None = None,
+                  rank: int | None = None, window: int = 1000) -> MlflowExportResult:
+    """Log `run` (a run directory or a loaded `Run`) to MLflow at
+    `tracking_uri` (default: $MLFLOW_TRACKING_URI, else `./mlruns`), in
+    `experiment` (default: `amp-postmortem`; created if missing). `window`
+    as for `summary`."""
+    require_mlflow()
+    experiment = experiment or DEFAULT_EXPERIMENT
+    from mlflow.entities import Metric, RunTag
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from .analyses.summary import summarize
+    from .report.data import DTYPE_MAX  # the same overflow limits as the report and the TensorBoard export
+
+    if not isinstance(run, Run):
+        from .loader import load_run
+        run = load_run(run, rank=rank)
+    uri = str(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
+    findings = summarize(run, window=window).findings
+    tags = _finding_tags(findings)
+    table = pd.DataFrame([{**f.to_dict(), "evidence": json.dumps(f.evidence, default=str)} for f in findings],
+                         columns=["kind", "severity", "step", "layer", "message", "next_command", "evidence"])
+    metrics, values, run_ids = set(), 0, []
+    try:
+        with _file_store_allowed(uri):
+            client = MlflowClient(tracking_uri=uri)
+            found = client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+            for r in run.ranks:
+                name = Path(str(run.path)).name + ("" if len(run.ranks) == 1 else f" rank {r}")
+                mlrun = client.create_run(experiment_id, run_name=name, tags={
+                    "amp_postmortem.run_id": run.run_id, "amp_postmortem.path": str(run.path),
+                    "amp_postmortem.rank": str(r)})
+                run_id = mlrun.info.run_id
+                batch: list = []
+
+                def flush():
+                    client.log_batch(run_id, metrics=batch)
+                    batch.clear()
+
+                for step, vals, wall in _values(run, r, DTYPE_MAX):
+                    stamp = int((wall if wall is not None and math.isfinite(wall) else time.time()) * 1000)  # ms
+                    for tag, value in vals:
+                        key = metric_key(tag)
+                        batch.append(Metric(key, value, stamp, step))
+                        metrics.add(key)
+                        if len(batch) == METRICS_PER_BATCH:
+                            flush()
+                    values += len(vals)
+                if batch:
+                    flush()
+                client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+                client.log_table(run_id, data=table, artifact_file=FINDINGS_ARTIFACT)
+                client.set_terminated(run_id)
+                run_ids.append(run_id)
+    except MlflowException as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"MLflow at {uri} refused the export: {first}") from None
+    return MlflowExportResult(tracking_uri=uri, experiment=experiment, experiment_id=experiment_id,
+                              run_ids=run_ids, steps=int(run.steps["step"].nunique()),
+                              metrics=sorted(metrics), values=values, findings=len(findings))
+
+
+def _values(run: Run, rank: int, limits: dict):
+    """(step, [(tag, value)], wall_time) in step order: the step scalars and
+    the per-layer headroom (absmax stays in TensorBoard: one metric per layer
+    and kind is already hundreds of keys in MLflow's run view)."""
+    steps = run.steps[run.steps["rank"] == rank].sort_values("step")
+    per_step = {int(row.step): step_values(row) for row in steps.itertuples(index=False)}
+    wall = dict(zip(steps["step"].astype(int), steps["wall_time"].astype(float)))
+    for step, of_layers in layer_values(run, rank, limits):
+        yield step, per_step.pop(step, []) + [(t, v) for t, v in of_layers if t.startswith("headroom/")], \
+            wall.get(step)
+    for step in sorted(per_step):  # steps without tensor rows (MLflow needs no step order)
+        yield step, per_step[step], wall.get(step)
+
+
+def _finding_tags(findings) -> dict[str, str]:
+    tags = {"amp_postmortem.findings": str(len(findings)),
+            "amp_postmortem.finding_kinds": ",".join(f.kind for f in findings)}
+    for f in findings:
+        key = f"amp_postmortem.finding.{metric_key(f.kind)}"
+        n = 2
+        while key in tags:  # one kind twice (two ranks' first NaNs): number the later ones
+            key, n = f"amp_postmortem.finding.{metric_key(f.kind)}.{n}", n + 1
+        where = f"step {'-' if f.step is None else f.step}" + ("" if f.layer is None else f" layer {f.layer}")
+        tags[key] = f"{f.severity} {where}: {f.message}"[:TAG_VALUE_CHARS]
+    return tags
+
+
+@contextlib.contextmanager
+def _file_store_allowed(uri: str):
+    """MLflow 3 refuses its file store (a directory path or a `file:` URI)
+    unless MLFLOW_ALLOW_FILE_STORE is set; the file store is what
+    mlflow-skinny can write without a server or SQLAlchemy, so allow it for
+    this export only, and leave the caller's environment as it was."""
+    local = "://" not in uri or uri.startswith("file:")
+    before = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+    if local and before is None:
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        yield
+    finally:
+        if local and before is None:
+            os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)

@@ -1,0 +1,115 @@
+"""`export mlflow`: a run recorded by the real recorder, logged to MLflow's
+file store in tmp_path and read back with MLflow's own client."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlflow.tracking import MlflowClient  # the `report` extra holds mlflow-skinny
+
+from amp_postmortem.analyses.summary import summarize
+from amp_postmortem.cli import main
+from amp_postmortem.export_tracking import FINDINGS_ARTIFACT, export_mlflow
+from amp_postmortem.loader import load_run
+from conftest import OVERFLOW_STEP
+
+
+@pytest.fixture
+def client_of(monkeypatch):
+    """MLflow's client on a store. The file store refuses to open unless
+    allowed (MLflow 3); the export allows it for itself only, so the reading
+    side says so too, for this test only."""
+    def client(uri):
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        return MlflowClient(tracking_uri=str(uri))
+    return client
+
+
+def history(client, run_id, key) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+def test_step_metrics_headroom_and_findings_read_back_from_the_file_store(overflow_run, tmp_path, monkeypatch,
+                                                                            client_of):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    store = tmp_path / "mlruns"
+    result = export_mlflow(overflow_run, tracking_uri=store, experiment="tiny")
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ  # the caller's environment as it was
+    assert result.steps == 12 and len(result.run_ids) == 1
+    client = client_of(store)
+    (run_id,) = result.run_ids
+    mlrun = client.get_run(run_id)
+    assert client.get_experiment_by_name("tiny").experiment_id == mlrun.info.experiment_id
+    assert mlrun.info.status == "FINISHED"
+
+    steps = load_run(overflow_run).steps.set_index("step")
+    loss = history(client, run_id, "loss")
+    assert sorted(loss) == list(range(12))
+    for step, value in loss.items():  # MLflow keeps float64: the recorded values exactly, NaN included
+        recorded = float(steps.loc[step, "loss"])
+        assert (math.isnan(value) and math.isnan(recorded)) or value == recorded, step
+    assert history(client, run_id, "loss_scale") == {s: float(v) for s, v in steps["loss_scale"].items()}
+    skipped = history(client, run_id, "skipped")
+    assert skipped == {s: float(v) for s, v in steps["skipped"].items()}
+    assert skipped[OVERFLOW_STEP] == 1.0
+    gn = history(client, run_id, "grad_norm")
+    assert all(gn[s] == v for s, v in steps["grad_norm"].items() if np.isfinite(v))
+
+    headroom = history(client, run_id, "headroom/activation/block.boom")
+    assert headroom[OVERFLOW_STEP] == 0.0  # Inf in the tensor: no headroom left
+    rows = load_run(overflow_run).scan_tensors(["step", "name", "kind", "absmax"], kinds=["activation"])
+    boom = rows[rows["name"] == "block.boom"].groupby("step")["absmax"].max()
+    assert headroom[0] == math.log2(65504.0 / boom[0])
+    assert "headroom/input/_input_" in mlrun.data.metrics  # `<input>`: MLflow allows no angle brackets
+
+    findings = summarize(load_run(overflow_run)).findings
+    tags = mlrun.data.tags
+    assert result.findings == len(findings) > 0
+    assert tags["amp_postmortem.findings"] == str(len(findings))
+    assert tags["amp_postmortem.finding_kinds"] == ",".join(f.kind for f in findings)
+    first = findings[0]
+    assert tags[f"amp_postmortem.finding.{first.kind}"].startswith(f"{first.severity} step {first.step}")
+    local = client.download_artifacts(run_id, FINDINGS_ARTIFACT, str(tmp_path))
+    doc = json.loads(Path(local).read_text())
+    assert [row[doc["columns"].index("kind")] for row in doc["data"]] == [f.kind for f in findings]
+
+
+def test_export_command_json_into_an_existing_experiment(overflow_run, tmp_path, client_of):
+    runner = CliRunner()
+    uri = (tmp_path / "store").as_uri()  # a file: URI works as well as a plain path
+    argv = ["export", "mlflow", str(overflow_run), "--tracking-uri", uri, "--experiment", "again", "--json"]
+    first = runner.invoke(main, argv)
+    assert first.exit_code == 0, first.output
+    second = runner.invoke(main, argv)
+    assert second.exit_code == 0, second.output
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert a["experiment_id"] == b["experiment_id"] and a["run_ids"] != b["run_ids"]
+    assert a["steps"] == 12 and a["tracking_uri"] == uri
+    runs = client_of(uri).search_runs([a["experiment_id"]])
+    assert sorted(r.info.run_id for r in runs) == sorted(a["run_ids"] + b["run_ids"])
+
+
+def test_each_rank_gets_its_own_mlflow_run(two_rank_run, tmp_path, client_of):
+    result = export_mlflow(two_rank_run, tracking_uri=tmp_path)
+    client = client_of(tmp_path)
+    steps = load_run(two_rank_run).steps
+    assert len(result.run_ids) == 2
+    for rank, run_id in enumerate(result.run_ids):
+        assert client.get_run(run_id).data.tags["amp_postmortem.rank"] == str(rank)
+        mine = steps[steps["rank"] == rank].set_index("step")["loss"]
+        assert history(client, run_id, "loss") == {int(s): float(v) for s, v in mine.items()}
+
+
+def test_without_mlflow_one_line_error_and_exit_2(overflow_run, tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # import mlflow now raises ImportError
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
+    out = CliRunner().invoke(main, ["export", "mlflow", str(overflow_run), "--tracking-uri", str(tmp_path)])
+    assert out.exit_code == 2
+    assert out.output.strip().splitlines() == [
+        "Error: the MLflow export needs mlflow: pip install 'amp-postmortem[mlflow]'"]
