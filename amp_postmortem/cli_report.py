@@ -1,8 +1,9 @@
 """`amp-postmortem report`, `amp-postmortem export tensorboard` and `export
 mlflow`: the CLI faces of `amp_postmortem.report`,
-`amp_postmortem.export_tensorboard` and `export_tracking.export_mlflow`. No
-logic here; registered in `cli.py`. All need the `report` extra (plotly,
-tensorboard, mlflow-skinny), imported only when a command runs.
+`amp_postmortem.export_tensorboard`, `export_tracking.export_mlflow` and
+`export_wandb`. No logic here; registered in `cli.py`. The `report` extra
+(plotly, tensorboard, mlflow-skinny) and the `wandb` extra, imported only
+when a command runs.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def export_group():
     \b
         amp-postmortem export tensorboard runs/exp1 --logdir tb/exp1 [--rank R] [--json]
         amp-postmortem export mlflow runs/exp1 [--tracking-uri URI] [--experiment NAME] [--json]
+        amp-postmortem export wandb runs/exp1 [--project NAME] [--offline] [--dir DIR] [--json]
     """
 
 
@@ -86,3 +88,27 @@ def mlflow_command(run, rank, tracking_uri, experiment):
     """
     from .export_tracking import export_mlflow  # pandas and mlflow: not at the CLI's start
     return export_mlflow(run, rank=rank, tracking_uri=tracking_uri, experiment=experiment)
+
+
+
+@export_group.command("wandb")
+@run_options
+@click.option("--project", metavar="NAME", default=None,
+              help="W&B project to log into (default: amp-postmortem).")
+@click.option("--offline", is_flag=True, default=False,
+              help="Write the run to disk for `wandb sync`, no network (as WANDB_MODE=offline, also honoured).")
+@click.option("--dir", "directory", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Directory wandb writes its run folder under (default: ./wandb).")
+@output_options(csv=False)
+def wandb_command(run, rank, project, offline, directory):
+    """Log the run to Weights & Biases: the same metrics as `export mlflow`
+    (step scalars, per-layer headroom), the findings of `summary` as run
+    tags, summary keys and the table `findings`. One W&B run per rank.
+    Needs `pip install 'amp-postmortem[wandb]'`.
+
+    \b
+        amp-postmortem export wandb runs/exp1 --offline --dir /tmp/wb
+        wandb sync /tmp/wb/wandb/offline-run-*
+    """
+    from .export_tracking import export_wandb  # pandas and wandb: not at the CLI's start
+    return export_wandb(run, rank=rank, project=project, offline=offline, directory=directory)

@@ -1,6 +1,6 @@
 """Exports to experiment trackers. `export_mlflow(run, tracking_uri=...,
-experiment=...)`: a run as an MLflow run, so teams see it in the tracking
-server they already use. (Not named `export_mlflow.py`: the package's API
+experiment=...)`: a run as an MLflow run, and `export_wandb(run, project=...,
+offline=...)` as a W&B run, so teams see it in the tracker they already use. (Not named `export_mlflow.py`: the package's API
 function of that name would be shadowed by the submodule once imported.)
 
 Metrics per step: `loss`, `loss_scale`, `grad_norm`, `skipped` (1 or 0),
@@ -189,3 +189,107 @@ def _file_store_allowed(uri: str):
     finally:
         if local and before is None:
             os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+
+
+# ------------------------------------------------------------------ W&B
+WANDB_HINT = "pip install 'amp-postmortem[wandb]'"
+DEFAULT_PROJECT = "amp-postmortem"
+
+
+@dataclass
+class WandbExportResult:
+    project: str
+    mode: str
+    run_ids: list[str]
+    run_dirs: list[str]
+    steps: int
+    metrics: list[str] = field(default_factory=list)
+    values: int = 0
+    findings: int = 0
+
+    def to_dict(self) -> dict:
+        return {"project": self.project, "mode": self.mode, "run_ids": self.run_ids, "run_dirs": self.run_dirs,
+                "steps": self.steps, "metrics": len(self.metrics), "values": self.values,
+                "findings": self.findings}
+
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame({"metric": self.metrics})
+
+    def lines(self) -> list[str]:
+        out = [f"logged {self.values} metric values of {self.steps} step(s) under {len(self.metrics)} metrics "
+               f"and {self.findings} finding(s) to W&B run(s) {', '.join(self.run_ids)} in project "
+               f"{self.project!r} ({self.mode})"]
+        if self.mode == "offline":
+            out.append(f"upload: wandb sync {' '.join(self.run_dirs)}")
+        return out
+
+    show_table = False
+
+
+def require_wandb():
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise MissingExtraError(f"the W&B export needs wandb: {WANDB_HINT}") from None
+
+
+def export_wandb(run, *, project: str | None = None, directory: str | os.PathLike | None = None,
+                 offline: bool = False, rank: int | None = None, window: int = 1000) -> WandbExportResult:
+    """Log `run` to Weights & Biases in `project` (default:
+    `amp-postmortem`): the same metrics as `export_mlflow`, the findings as
+    run tags (their kinds), summary keys and the table `findings`.
+    `offline` (or WANDB_MODE=offline): write the run under `directory`
+    (default: ./wandb) for `wandb sync`, no network."""
+    require_wandb()
+    import wandb
+
+    from .analyses.summary import summarize
+    from .report.data import DTYPE_MAX
+
+    if not isinstance(run, Run):
+        from .loader import load_run
+        run = load_run(run, rank=rank)
+    project = project or DEFAULT_PROJECT
+    # WANDB_MODE read here, per call: wandb reads it once per process (its
+    # setup singleton), so a later change would be missed.
+    mode = "offline" if offline else os.environ.get("WANDB_MODE") or None
+    if directory is not None:
+        Path(directory).mkdir(parents=True, exist_ok=True)  # wandb.init warns and falls back otherwise
+    findings = summarize(run, window=window).findings
+    tags = _finding_tags(findings)
+    columns = ["kind", "severity", "step", "layer", "message", "next_command", "evidence"]
+    rows = [[f.kind, f.severity, f.step, f.layer, f.message, f.next_command, json.dumps(f.evidence, default=str)]
+            for f in findings]
+    metrics, values, run_ids, run_dirs, used_mode = set(), 0, [], [], "online"
+    for r in run.ranks:
+        per_step: dict[int, dict] = {}
+        # W&B drops a step logged after a later one: gather, then log in step order.
+        for step, vals, _wall in _values(run, r, DTYPE_MAX):
+            row = per_step.setdefault(step, {})
+            row.update((metric_key(t), v) for t, v in vals)
+        name = Path(str(run.path)).name + ("" if len(run.ranks) == 1 else f" rank {r}")
+        wrun = wandb.init(project=project, name=name, dir=None if directory is None else str(directory),
+                          mode=mode, tags=sorted({f.kind for f in findings})[:20],
+                          config={"amp_postmortem.run_id": run.run_id, "amp_postmortem.path": str(run.path),
+                                  "amp_postmortem.rank": r},
+                          # console off: wandb would wrap the caller's stdout; git: the run is not this directory's code
+                          settings=wandb.Settings(console="off", silent=True, disable_git=True))
+        try:
+            for step in sorted(per_step):
+                wrun.log(per_step[step], step=step)
+                metrics.update(per_step[step])
+                values += len(per_step[step])
+            wrun.summary.update(tags)
+            wrun.log({"findings": wandb.Table(columns=columns, data=rows)}, step=max(per_step, default=0))
+            used_mode = "offline" if wrun.offline else "online"
+            run_ids.append(wrun.id)
+            run_dirs.append(str(Path(wrun.dir).parent))
+        finally:
+            wrun.finish()
+    # finish() can return before wandb's core process has written the run's
+    # last records (the final step, the exit): teardown waits for it, so the
+    # offline folder is whole when we return (a later wandb.init starts anew).
+    wandb.teardown()
+    return WandbExportResult(project=project, mode=used_mode, run_ids=run_ids, run_dirs=run_dirs,
+                             steps=int(run.steps["step"].nunique()), metrics=sorted(metrics), values=values,
+                             findings=len(findings))

@@ -1,5 +1,6 @@
-"""`export mlflow`: a run recorded by the real recorder, logged to MLflow's
-file store in tmp_path and read back with MLflow's own client."""
+"""`export mlflow` and `export wandb`: a run recorded by the real recorder,
+logged to MLflow's file store in tmp_path and read back with MLflow's own
+client; logged to W&B in offline mode and read back from its run folder."""
 from __future__ import annotations
 
 import json
@@ -113,3 +114,85 @@ def test_without_mlflow_one_line_error_and_exit_2(overflow_run, tmp_path, monkey
     assert out.exit_code == 2
     assert out.output.strip().splitlines() == [
         "Error: the MLflow export needs mlflow: pip install 'amp-postmortem[mlflow]'"]
+
+
+# ------------------------------------------------------------ W&B offline
+# wandb is its own extra (`.[wandb]`), not in `report`: these skip without it.
+def wandb_records(run_dir) -> list:
+    """The records of an offline run's `.wandb` file: LevelDB's log format
+    (a 7-byte file header, 32 KiB blocks of checksum, length, type records;
+    wandb >= 0.2x has no reader of its own in Python)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+    (path,) = Path(run_dir).glob("run-*.wandb")
+    data, block, pos, records, part = path.read_bytes(), 32768, 7, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _crc, size, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        part, pos = part + data[pos + 7:pos + 7 + size], pos + 7 + size
+        if kind in (1, 4):  # FULL, LAST
+            record = pb.Record()
+            record.ParseFromString(part)
+            records.append(record)
+            part = b""
+    return records
+
+
+def wandb_history(records) -> dict[int, dict[str, float]]:
+    out = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            out[int(row["_step"])] = row
+    return out
+
+
+def test_wandb_offline_run_holds_the_metrics_and_findings(overflow_run, tmp_path):
+    pytest.importorskip("wandb")
+    from amp_postmortem.export_tracking import export_wandb
+    result = export_wandb(overflow_run, directory=tmp_path, offline=True, project="tiny")
+    assert result.mode == "offline" and len(result.run_dirs) == 1
+    records = wandb_records(result.run_dirs[0])
+    history = wandb_history(records)
+    steps = load_run(overflow_run).steps.set_index("step")
+    assert sorted(history) == list(range(12))
+    for step in history:
+        recorded, logged = float(steps.loc[step, "loss"]), history[step]["loss"]
+        assert (math.isnan(recorded) and math.isnan(logged)) or logged == recorded, step  # JSON NaN
+        assert history[step]["skipped"] == float(steps.loc[step, "skipped"])
+    assert history[OVERFLOW_STEP]["headroom/activation/block.boom"] == 0.0
+
+    findings = summarize(load_run(overflow_run)).findings
+    (meta,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert meta.project == "tiny" and set(meta.tags) == {f.kind for f in findings}
+    summary = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "summary":
+            summary.update({u.key or "/".join(u.nested_key): u.value_json for u in r.summary.update})
+    assert summary["amp_postmortem.findings"] == json.dumps(str(len(findings)))
+    (table,) = Path(result.run_dirs[0]).glob("files/media/table/findings_*.table.json")
+    doc = json.loads(table.read_text())
+    assert [row[doc["columns"].index("kind")] for row in doc["data"]] == [f.kind for f in findings]
+
+
+def test_wandb_command_honours_wandb_mode_offline(overflow_run, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = CliRunner().invoke(main, ["export", "wandb", str(overflow_run), "--dir", str(tmp_path), "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    assert doc["mode"] == "offline" and doc["steps"] == 12
+    assert sorted(wandb_history(wandb_records(doc["run_dirs"][0]))) == list(range(12))
+
+
+def test_without_wandb_one_line_error_and_exit_2(overflow_run, tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    out = CliRunner().invoke(main, ["export", "wandb", str(overflow_run), "--offline", "--dir", str(tmp_path)])
+    assert out.exit_code == 2
+    assert out.output.strip().splitlines() == [
+        "Error: the W&B export needs wandb: pip install 'amp-postmortem[wandb]'"]
