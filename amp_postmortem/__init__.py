@@ -28,7 +28,8 @@ from .names import DEVICES, PRECISIONS, REDUCED_PRECISIONS
 __version__ = "0.1.0"
 
 __all__ = ["load_run", "load_bundle", "summary", "watch", "nans", "scale", "ranges", "compare", "replay", "fix",
-           "bisect", "scale_window", "recommend", "report", "export_tensorboard"]
+           "bisect", "scale_window", "recommend", "report", "export_tensorboard", "export_mlflow",
+           "export_wandb"]
 
 # The CLI's option defaults are read from these signatures;
 # tests/test_api.py checks them against the analyses' own defaults.
@@ -244,6 +245,29 @@ def export_tensorboard(run, *, logdir, rank: int | None = None, progress=None):
     require_tensorboard()
     r = load_run(run, rank=rank, progress=progress)
     return _result(write(r, logdir), r)
+
+
+def export_mlflow(run, *, tracking_uri=None, experiment: str | None = None, rank: int | None = None,
+                  progress=None):
+    """Log the run to MLflow (`amp-postmortem export mlflow`): loss, scale,
+    grad norm, skipped; per layer headroom; the findings as tags and the
+    table artifact findings.json. Needs the `mlflow` (or `report`) extra."""
+    from .export_tracking import export_mlflow as write, require_mlflow
+    require_mlflow()
+    r = load_run(run, rank=rank, progress=progress)
+    return _result(write(r, tracking_uri=tracking_uri, experiment=experiment), r)
+
+
+def export_wandb(run, *, project: str | None = None, offline: bool = False, directory=None,
+                 rank: int | None = None, progress=None):
+    """Log the run to W&B (`amp-postmortem export wandb`): the metrics of
+    `export_mlflow`, the findings as tags, summary keys and a table;
+    `offline` (or WANDB_MODE=offline) writes it for `wandb sync`. Needs the
+    `wandb` extra."""
+    from .export_tracking import export_wandb as write, require_wandb
+    require_wandb()
+    r = load_run(run, rank=rank, progress=progress)
+    return _result(write(r, project=project, offline=offline, directory=directory), r)
 
 
 # ----------------------------------------------------------------- helpers

@@ -86,8 +86,7 @@ def mlflow_command(run, rank, tracking_uri, experiment):
         amp-postmortem export mlflow runs/exp1 --tracking-uri mlruns --experiment exp1
         mlflow ui --backend-store-uri mlruns
     """
-    from .export_tracking import export_mlflow  # pandas and mlflow: not at the CLI's start
-    return export_mlflow(run, rank=rank, tracking_uri=tracking_uri, experiment=experiment)
+    return api.export_mlflow(run, rank=rank, tracking_uri=tracking_uri, experiment=experiment)
 
 
 
@@ -110,5 +109,4 @@ def wandb_command(run, rank, project, offline, directory):
         amp-postmortem export wandb runs/exp1 --offline --dir /tmp/wb
         wandb sync /tmp/wb/wandb/offline-run-*
     """
-    from .export_tracking import export_wandb  # pandas and wandb: not at the CLI's start
-    return export_wandb(run, rank=rank, project=project, offline=offline, directory=directory)
+    return api.export_wandb(run, rank=rank, project=project, offline=offline, directory=directory)
