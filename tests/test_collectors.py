@@ -257,6 +257,39 @@ def test_the_recompute_collector_sets_a_reentrant_region_s_backward_hooks():
     assert len([m for m in st.meta if m[1] == "activation" and m[0] == "inner.a"]) == 1  # no second forward row
 
 
+class MaybeCheckpointed(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return checkpoint(self.seq, x, use_reentrant=True) if self.reentrant else self.seq(x)
+
+
+def _backward_rows(model):
+    shared = _shared()
+    _collectors(model, shared)
+    model(torch.randn(3, 4, requires_grad=True) * 1.0).sum().backward()
+    st = shared.state
+    rows = sorted((m[3], m[0], m[1]) for m in st.meta if m[2] == "backward" and m[0].startswith("seq"))
+    return [(name, kind) for _, name, kind in rows], [st.stats[i] for i, m in enumerate(st.meta)
+                                                       if m[2] == "backward" and m[0].startswith("seq")]
+
+
+def test_a_recomputed_region_keeps_the_forward_s_row_order():
+    """Calls sharing a node (the container's output is its last child's)
+    share its hooks in a recomputed region as in the forward: the
+    container's grad_output comes before its last child's grad_input."""
+    plain, _ = _backward_rows(MaybeCheckpointed(reentrant=False))
+    recomputed, _ = _backward_rows(MaybeCheckpointed(reentrant=True))
+    # The region's input is a detached leaf in the recompute (no node hands
+    # it a gradient): those grad_input rows are missing, the rest in order.
+    assert recomputed == [row for row in plain if row in recomputed]
+    assert recomputed.index(("seq", "grad_output")) < recomputed.index(("seq.1", "grad_input"))
+
+
 def test_the_autocast_watch_reads_what_the_children_ran():
     seen = []
     model, shared = Chain(), _shared()

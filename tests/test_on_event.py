@@ -217,33 +217,21 @@ def test_a_callback_that_raises_changes_no_bit_of_training_and_warns_once(tmp_pa
 
 
 def test_a_slow_callback_never_slows_a_training_step(tmp_path):
-    heard = []
+    """A callback that does not return until the job is over: every step
+    runs all the same (no timing: the callback is held until training
+    ends, so a training step that waited for it would never finish)."""
+    heard, release = [], threading.Event()
 
-    def slow(event):
-        time.sleep(1.0)
+    def held(event):
         heard.append(event.kind)
-
-    times = []
-
-    class Timed(AmpRecorder):
-        def step(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            super().step(*args, **kwargs)
-            times.append(time.perf_counter() - t0)
-
-    plant = nan_weight_at(1, restore=False)
-    starts = []
-
-    def on_step(i, model, x):
-        starts.append(time.perf_counter())
-        plant(i, model, x)
+        assert release.wait(60)
 
     torch.manual_seed(0)
-    make = lambda model, opt, sc: Timed(tmp_path / "r", model, optimizer=opt, scaler=sc, on_event=slow)  # noqa: E731
-    trained = train(TinyNet(), batches(12), recorder=make, on_step=on_step, close=False)
-    # Three events of 1 s each are running or waiting while the loop goes
-    # on: no rec.step(), no whole step waits anywhere near that long.
-    assert max(times) < 0.5 and max(np.diff(starts)) < 0.5
+    make = lambda model, opt, sc: AmpRecorder(tmp_path / "r", model, optimizer=opt, scaler=sc,  # noqa: E731
+                                              on_event=held)
+    trained = train(TinyNet(), batches(12), recorder=make, on_step=nan_weight_at(1, restore=False), close=False)
+    assert len(trained.losses) == 12  # every step ran while the first callback was held
+    release.set()
     trained.rec.close()  # waits for the callbacks
     assert heard == [EventKind.NONFINITE_FORWARD, EventKind.SKIP_STREAK, EventKind.SCALE_COLLAPSE]
 
@@ -276,8 +264,10 @@ def test_a_stop_request_is_honoured_at_the_next_step_through_should_stop(tmp_pat
     torch.manual_seed(0)
     trained = train(TinyNet(), batches(10), recorder=make, on_step=flushing(nan_weight_at(NAN_STEP, restore=True), make),
                     stop_when=lambda rec: rec.should_stop)
-    # The event of step 3 reached the callback before step 4; step 4's rec.step() took the stop.
-    assert len(trained.losses) == NAN_STEP + 2
+    # The event of step 3 reached the callback before step 4 (the flush);
+    # step 4's rec.step() took the stop, or step 3's own when the writer and
+    # the callback were quicker than the rest of that rec.step().
+    assert len(trained.losses) in (NAN_STEP + 1, NAN_STEP + 2)
     assert trained.rec.should_stop and trained.rec.checkpoint_requested
     trained.rec.checkpoint_requested = False  # the loop saved its checkpoint
 
@@ -289,8 +279,9 @@ def test_a_bundle_request_saves_the_next_step(tmp_path):
     torch.manual_seed(0)
     trained = train(TinyNet(), batches(7), recorder=make, on_step=flushing(nan_weight_at(NAN_STEP, restore=True), make))
     assert not trained.rec.should_stop
-    # Taken at step 4's rec.step(): step 5, whose forward had not begun.
-    assert [step for step, _, _ in list_bundles(tmp_path / "r")] == [NAN_STEP + 2]
+    # Taken at step 4's rec.step(): step 5, whose forward had not begun (or
+    # at step 3's own, as above: step 4).
+    assert [step for step, _, _ in list_bundles(tmp_path / "r")] in ([NAN_STEP + 2], [NAN_STEP + 1])
 
 
 def test_the_parts_api_takes_an_event_policy(tmp_path):

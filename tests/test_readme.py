@@ -28,11 +28,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 
-# The two commands a new user runs (README "Start here"); `.ci/run` runs the
-# second one's parts, and other tools copy them from the README verbatim.
+# The two commands a new user runs (README "Start here"): the main job on
+# the runtime dependencies alone, then every extra and the tests. `.ci/run`
+# runs both commands' parts, and other tools copy them from the README verbatim.
+LIGHT_INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ."
 INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[dev,hf,lightning,report,s3,dask]'"
 SETUP_COMMANDS = (
-    f"{INSTALL} && amp-postmortem summary sample_runs/attention_overflow",
+    f"{LIGHT_INSTALL} && amp-postmortem summary sample_runs/attention_overflow",
     f"{INSTALL} && python -m pytest",
 )
 
@@ -258,21 +260,29 @@ def test_setup_commands_are_in_readme_verbatim():
     assert commands[:2] == list(SETUP_COMMANDS)
 
 
+def _section_lines(ci: list[str], start: str, end: str) -> list[str]:
+    lines = ci[ci.index(start) + 1:ci.index(end)]
+    return [line for line in lines if line.strip() and not line.startswith("#")]
+
+
 def test_ci_runs_what_the_readme_says():
-    """Every install line of `.ci/run` is a part of both set-up commands, and
-    its test line is the second command's last part."""
+    """`.ci/run` runs the first set-up command's parts in a venv of its own
+    (the main job on the runtime dependencies alone: a light start that
+    works), then the second's: every install line a part of it, its test
+    line the command's last part."""
     ci = (REPO / ".ci" / "run").read_text().split("\n")
-    install_at = ci.index("# --- install (as in README.md)")
-    test_at = ci.index("# --- test (as in README.md)")
-    install = [l for l in ci[install_at + 1:test_at] if l.strip() and not l.startswith("#")]
-    test = [l for l in ci[test_at + 1:] if l.strip() and not l.startswith("#")]
-    assert install and test
-    for command in SETUP_COMMANDS:
-        parts = [p.strip() for p in command.split("&&")]
-        assert all(line in parts for line in install), (install, parts)
+    light = _section_lines(ci, "# --- light start (as in README.md)", "# --- install (as in README.md)")
+    install = _section_lines(ci, "# --- install (as in README.md)", "# --- test (as in README.md)")
+    test = [l for l in ci[ci.index("# --- test (as in README.md)") + 1:] if l.strip() and not l.startswith("#")]
+    assert light and install and test
+    light_parts = [p.strip() for p in SETUP_COMMANDS[0].split("&&")]
+    # Its own venv (not the test venv): the steps past the venv's creation, verbatim.
+    assert [line for line in light if line in light_parts] == light_parts[2:], (light, light_parts)
+    parts = [p.strip() for p in SETUP_COMMANDS[1].split("&&")]
+    assert all(line in parts for line in install), (install, parts)
     assert SETUP_COMMANDS[1].split("&&")[-1].strip() == test[-1]
     readme = README.read_text()
-    assert all(line in readme for line in install + test)
+    assert all(line in readme for line in light_parts[2:] + install + test)
 
 
 EXAMPLES = console_examples(README)

@@ -15,6 +15,13 @@ class CheckpointRecompute:
     def __init__(self, shared: Shared, backward: BackwardCollector):
         self.shared = shared
         self.backward = backward
+        # The node watches of the region being recomputed: its calls share a
+        # node's hooks as in the forward (a container's output is its last
+        # child's), so the rows keep the forward's order; let go when the
+        # region's outermost call ends (held to the step's end, they would
+        # hold the recomputed graph that checkpointing frees).
+        self._watches: dict = {}
+        self._depth = 0
 
     def _state(self):
         """The step state while a reentrant checkpoint recomputes its region."""
@@ -37,6 +44,7 @@ class CheckpointRecompute:
             return
         ctx.no_grad = False  # matched
         st.recompute_stacks.setdefault(name, []).append((ctx, input_edges(float_tensors((args, kwargs)))))
+        self._depth += 1
 
     def post(self, name, output):
         st = self._state()
@@ -44,7 +52,11 @@ class CheckpointRecompute:
         if not stack:
             return
         ctx, keys = stack.pop()
-        # Watches of its own: the forward's are gone, and holding the
-        # recomputed graph's nodes to the step's end would hold what
-        # checkpointing frees.
-        self.backward.watch_call(ctx, keys, [t for t in float_tensors(output) if t.requires_grad], watches={})
+        try:
+            self.backward.watch_call(ctx, keys, [t for t in float_tensors(output) if t.requires_grad],
+                                     watches=self._watches)
+        finally:
+            self._depth -= 1
+            if self._depth <= 0:
+                self._depth = 0
+                self._watches = {}
