@@ -117,7 +117,7 @@ def test_without_mlflow_one_line_error_and_exit_2(overflow_run, tmp_path, monkey
 
 
 # ------------------------------------------------------------ W&B offline
-# wandb is its own extra (`.[wandb]`), not in `report`: these skip without it.
+# wandb is its own extra (`.[wandb]`), not in `report`; the test install has it.
 def wandb_records(run_dir) -> list:
     """The records of an offline run's `.wandb` file: LevelDB's log format
     (a 7-byte file header, 32 KiB blocks of checksum, length, type records;
@@ -152,7 +152,6 @@ def wandb_history(records) -> dict[int, dict[str, float]]:
 
 
 def test_wandb_offline_run_holds_the_metrics_and_findings(overflow_run, tmp_path):
-    pytest.importorskip("wandb")
     from amp_postmortem.export_tracking import export_wandb
     result = export_wandb(overflow_run, directory=tmp_path, offline=True, project="tiny")
     assert result.mode == "offline" and len(result.run_dirs) == 1
@@ -180,7 +179,6 @@ def test_wandb_offline_run_holds_the_metrics_and_findings(overflow_run, tmp_path
 
 
 def test_wandb_command_honours_wandb_mode_offline(overflow_run, tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = CliRunner().invoke(main, ["export", "wandb", str(overflow_run), "--dir", str(tmp_path), "--json"])
     assert out.exit_code == 0, out.output
