@@ -12,7 +12,7 @@ from . import schema
 from .collectors.autocast import AutocastWatch
 from .collectors.backward import BackwardCollector
 from .collectors.forward import ForwardCollector
-from .collectors.params import ParamGradCollector, grad_norms as _grad_norms  # noqa: F401 - tests
+from .collectors.params import ParamGradCollector
 from .collectors.recompute import CheckpointRecompute
 from .collectors.state import Shared, StepState
 from .manifest import scaler_enabled

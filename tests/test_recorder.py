@@ -369,7 +369,7 @@ def test_grad_norm_is_the_global_norm_of_the_unscaled_gradients(tmp_path):
 
 
 def test_grad_norm_of_gradients_too_large_to_square_in_float32_is_finite(tmp_path):
-    # On the CPU the norms are taken in float32 (hooks._grad_norms); squares
+    # On the CPU the norms are taken in float32 (collectors.params.grad_norms); squares
     # of 1e25 overflow there, so those norms are taken again in float64.
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)

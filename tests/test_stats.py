@@ -186,11 +186,11 @@ def test_the_sample_positions_depend_on_the_shape_only():
 
 
 def test_gradient_norms_on_the_host_match_the_device_path_and_survive_float32_overflow():
-    from recorders.hooks import _grad_norms
+    from recorders.collectors.params import grad_norms
     g = torch.Generator().manual_seed(3)
     grads = [torch.randn(300, 7, generator=g), torch.randn(5, generator=g).to(torch.bfloat16),
              torch.full((10,), 1e25), torch.tensor([math.inf, 1.0]), torch.tensor([math.nan])]
-    host, device = _grad_norms(grads, on_host=True), _grad_norms(grads, on_host=False)
+    host, device = grad_norms(grads, on_host=True), grad_norms(grads, on_host=False)
     assert host.dtype == device.dtype == torch.float64
     assert host[:3].tolist() == pytest.approx(device[:3].tolist(), rel=1e-6)
     assert host[2] > 1e25  # float32 squares overflow: taken again in float64
