@@ -2,6 +2,7 @@
 their contents reproduces the step, bit for bit, on the same machine."""
 import json
 import math
+import threading
 import pickle
 import shutil
 
@@ -49,10 +50,13 @@ class LossNet(nn.Module):
 
 
 def train(run, steps, *, dtype=torch.float16, scaler=True, accumulate=1, arm=(), nan_at=(),
-          gain=1.0, gains=None, request=(), lr=0.05, **options):
+          gain=1.0, gains=None, request=(), lr=0.05, stall=None, **options):
     """The tests' training loop on LossNet; returns what a test compares
     against: per step the state_dict before the step and the gradients that
-    optimizer.step() received (scaled, before unscaling), and the recorder."""
+    optimizer.step() received (scaled, before unscaling), and the recorder.
+    `stall=(a, b)`: the writer thread is held from step a's backward to step
+    b's, as when it shares a loaded machine's cores with the training."""
+    release = threading.Event()
     torch.manual_seed(0)
     weights = torch.linspace(0.5, 1.5, 4)
     seen = []
@@ -68,6 +72,11 @@ def train(run, steps, *, dtype=torch.float16, scaler=True, accumulate=1, arm=(),
     def ask_for_bundle(step, micro_batch, rec):
         if step in request and micro_batch == 0:
             rec.save_bundle()
+        if stall and micro_batch == 0:
+            if step == stall[0]:
+                rec.writer.submit(lambda: release.wait(30))
+            elif step == stall[1]:
+                release.set()
 
     def grads(step, model):
         seen[-1]["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -151,6 +160,17 @@ def test_backward_replay_reproduces_the_training_gradients_bit_for_bit(tmp_path)
         torch.autograd.backward([loss], [b.grad_outputs_raw[k][0]])
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, seen[2]["grads"][name]), name
+
+
+def test_a_lagging_writer_still_saves_the_forwards_buffers(tmp_path):
+    # The writer decides on steps 1-8 only after step 9: every held step keeps
+    # its forward's buffers (the counter changes at each forward).
+    run = tmp_path / "run"
+    seen, _ = train(run, 14, arm={5}, stall=(1, 9))
+    b = load_bundle(run, step=5)
+    assert b.exact and b.meta["buffers"]["source"] == "forward_snapshot"
+    for name, value in seen[5]["before"].items():
+        assert torch.equal(b.state_dict()[name], value), name
 
 
 def test_calibration_skips_of_a_fresh_scaler_do_not_trigger_and_the_cap_holds(tmp_path):

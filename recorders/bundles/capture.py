@@ -79,12 +79,18 @@ class BundleCapture:
         self.config = policy.config(enabled=self.enabled, snapshot_params=snapshot_params)
         self.inventory = inv = ModelInventory(model)
         self._param_pool = SnapshotPool(inv.params, 2) if snapshot_params and inv.params else None
-        self._buffer_pool = None
-        if inv.buffers and inv.buffer_bytes() <= policy.snapshot_buffers_bytes:
-            self._buffer_pool = SnapshotPool(inv.buffers, self.hold_steps + 2)
-
         # training thread
         self._host_memory = all(t.device.type == "cpu" for t in inv.params)
+        # The writer decides one step late, later when it lags (on a CPU job
+        # it shares the cores with the training): hold undecided steps a
+        # little longer there, where they live in host memory.
+        self._hold_limit = self.hold_steps + (8 if self._host_memory else 0)
+        self._buffer_pool = None
+        if inv.buffers and inv.buffer_bytes() <= policy.snapshot_buffers_bytes:
+            # One set per capture that can be held, plus the current one and
+            # the one being finalized: a lagging writer must not leave a held
+            # step without its forward's buffers (its bundle would not be exact).
+            self._buffer_pool = SnapshotPool(inv.buffers, self._hold_limit + 2)
         self._current: StepCapture | None = None
         self._held: OrderedDict[int, StepCapture] = OrderedDict()
         self._evicted: set[int] = set()
@@ -217,10 +223,7 @@ class BundleCapture:
             if old is not None:
                 self._release(old)
             self._held[step] = cap
-            # The writer decides one step late, later when it lags (on a CPU
-            # job it shares the cores with the training): hold undecided
-            # steps a little longer there, where they live in host memory.
-            limit = self.hold_steps + (8 if self._host_memory else 0)
+            limit = self._hold_limit
             # Steps asked for explicitly (save_bundle(), bundle_steps) are
             # never given up: they are few by construction.
             evictable = [s for s, c in self._held.items() if not c.explicit and s not in self.steps]
