@@ -45,7 +45,9 @@ HARNESS = r"""<script>
   }
   function ticks(gd) {
     var out = {};
-    gd.querySelectorAll('.xaxislayer-above > g > text, .yaxislayer-above > g > text, .overaxes-above > g > g > text').forEach(function (t) {
+    // An overlaying axis (the loss plot's y2) draws its labels under .overaxes-above.
+    var labels = '.xaxislayer-above > g > text, .yaxislayer-above > g > text, .overaxes-above > g > g > text';
+    gd.querySelectorAll(labels).forEach(function (t) {
       var axis = t.parentNode.getAttribute('class');
       (out[axis] = out[axis] || []).push({text: t.textContent, box: box(t)});
     });
