@@ -238,9 +238,10 @@ def report(run, *, rank: int | None = None, output=None, replay=None, progress=N
 
 
 def export_tensorboard(run, *, logdir, rank: int | None = None, progress=None):
-    """Write the run as TensorBoard scalars (`amp-postmortem export
-    tensorboard`): loss, scale, grad norm, skipped; per layer absmax and
-    headroom. Needs the `report` extra (tensorboard)."""
+    """Write the run to TensorBoard (`amp-postmortem export tensorboard`):
+    scalars (loss, scale, grad norm, skipped; per layer absmax and
+    headroom), per step and kind a histogram of the layers' log2 absmax,
+    the findings as text. Needs the `report` extra (tensorboard)."""
     from .export import export_tensorboard as write, require_tensorboard
     require_tensorboard()
     r = load_run(run, rank=rank, progress=progress)

@@ -54,10 +54,12 @@ def export_group():
               help="TensorBoard log directory to write the event file into.")
 @output_options(csv=False)
 def tensorboard_command(run, rank, logdir):
-    """Write the run as TensorBoard scalars: loss, loss scale, grad norm and
-    skipped flags per step, and per layer its absmax and its headroom to its
-    dtype's overflow limit (one tag per layer). One event file per rank.
-    Needs `pip install 'amp-postmortem[report]'`.
+    """Write the run to TensorBoard: loss, loss scale, grad norm and skipped
+    flags per step, and per layer its absmax and its headroom to its dtype's
+    overflow limit (one scalar tag per layer); per step and tensor kind a
+    histogram of the layers' log2 absmax (log2_absmax/KIND); the findings of
+    `summary` as text (findings). One event file per rank. Needs
+    `pip install 'amp-postmortem[report]'`.
 
     \b
         amp-postmortem export tensorboard runs/exp1 --logdir tb/exp1

@@ -122,7 +122,8 @@ def test_the_trace_is_bounded_and_still_finds_the_origin():
 
 
 def test_report_shows_the_culprits_op_trace_as_a_table(replays, tmp_path):
-    pytest.importorskip("plotly")
+    from report_browser import check_page
+
     path = tmp_path / "replay.json"
     path.write_text(json.dumps(replays["unscaled_scores"]))
     out = tmp_path / "r.html"
@@ -134,3 +135,10 @@ def test_report_shows_the_culprits_op_trace_as_a_table(replays, tmp_path):
     assert "<th>op</th><th>line</th><th>code</th><th>dtype</th><th>absmax</th>" in table
     origin = table.split("<tr class=\"origin\">", 1)[1].split("</tr>", 1)[0]
     assert "<td>aten::bmm</td>" in origin and f"op_trace_runs.py:{R.planted_line(R.RawAttention)}" in origin
+    # And on the page as chromium draws it: the table shown, its origin row there.
+    drawn = check_page(out, tmp_path / "r.png")
+    assert drawn["state"] == "ready" and drawn["errors"] == []
+    (ops,) = [t for t in drawn["tables"] if t["class"] == "ops"]
+    assert ops["shown"] and ops["rows"][0] == ["op", "line", "code", "dtype", "absmax", "local error vs float64"]
+    (row,) = [r for r, c in zip(ops["rows"], ops["row_classes"]) if c == "origin"]
+    assert row[0] == "aten::bmm" and row[1].endswith(f"op_trace_runs.py:{R.planted_line(R.RawAttention)}")

@@ -1,6 +1,8 @@
 """The HTML report (`amp_postmortem.report`): what it gathers from real runs,
 how it downsamples, its CLI, and each sample run's page drawn in a real
-browser (headless chromium) with data in every plot and no console error."""
+browser (headless chromium) with data in every plot and no console error;
+on a drawn page, the facts in words, a calibration skip drawn as a skip and
+not as the failure, and tick labels that do not overlap."""
 from __future__ import annotations
 
 import json
@@ -19,7 +21,7 @@ from amp_postmortem.report import report
 from amp_postmortem.report.data import gather
 from amp_postmortem.report.downsample import marked_steps, minmax_line
 from conftest import OVERFLOW_STEP
-from report_browser import check_page
+from report_browser import check_page, overlapping
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = sorted(p.name for p in (REPO / "sample_runs").iterdir() if (p / "manifest.json").is_file())
@@ -238,6 +240,11 @@ def test_sample_run_report_draws_every_plot_with_data_in_chromium(sample, tmp_pa
         assert drawn["id"] == f"plot-{made['id']}"
         assert drawn["points"] == drawn["declared"] == made["points"] > 0, drawn
         assert drawn["marks"] > 0, drawn  # SVG marks really drawn, not only data held
+        for axis, labels in drawn["ticks"].items():
+            if axis != "ytick" or drawn["id"] == "plot-loss-scale":  # (layer names: one per row, by design)
+                assert overlapping(labels) == [], (drawn["id"], axis)
+    (facts,) = [t for t in page["tables"] if t["class"] == "facts"]
+    assert facts["shown"] and not any(c in cell for row in facts["rows"] for cell in row for c in "{}[]")
     png = (tmp_path / f"{sample}.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
@@ -318,3 +325,54 @@ def test_the_log2_scale_ticks_stay_few_enough_not_to_collide():
     for span in range(0, 400, 7):
         assert span / log2_dtick([0, span]) <= MAX_SCALE_TICKS
     assert log2_dtick([]) == 1 and log2_dtick([float("nan"), 3.0]) == 1
+
+
+def _rgb(hex_colour: str) -> str:
+    """`#ff7f0e` as the browser's computed style says it: `rgb(255, 127, 14)`."""
+    return "rgb({}, {}, {})".format(*(int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)))
+
+
+def test_the_facts_in_words_the_calibration_skip_and_apart_ticks_are_on_the_drawn_page(tmp_path):
+    """One page in chromium: a scaler starting at 2**40 skips its first steps
+    to calibrate (24 exponents down to float16's range), then block.boom
+    really overflows at step 30. The page must draw the skips as a skip and
+    the overflow as the failure, say the facts in words, and keep the
+    right-hand log2 labels apart."""
+    from conftest import record_run
+
+    from amp_postmortem.report.figures import COLORS
+
+    def overflow_at_30(step, model, x):
+        model.block.boom.gain = 1e6 if step == 30 else 1.0
+
+    run = record_run(tmp_path / "calibrating", steps=34, plant=overflow_at_30,
+                     scaler_kwargs={"init_scale": 2.0 ** 40, "growth_interval": 10 ** 6})
+    report(run, output=tmp_path / "r.html")
+    page = check_page(tmp_path / "r.html", tmp_path / "r.png")
+    assert page["state"] == "ready" and page["errors"] == []
+
+    (facts,) = [t for t in page["tables"] if t["class"] == "facts"]
+    cells = dict(facts["rows"])
+    assert facts["shown"] and cells["autocast"] == "float16"
+    assert cells["scaler"] == "init 1.09951e+12, growth x2 every 1000000 clean steps, backoff x0.5"
+    assert cells["recorder"].startswith("watching every module; statistics every 1 step(s)")
+    assert not any(c in cell for row in facts["rows"] for cell in row for c in "{}[]")
+
+    (loss,) = [p for p in page["plots"] if p["id"] == "plot-loss-scale"]
+    notes = {a["text"]: a for a in loss["annotations"]}
+    (calibration,) = [a for t, a in notes.items() if t.startswith("scaler calibration skip (steps 0-")]
+    assert calibration["text"].endswith(", normal)") and calibration["fill"] == _rgb(COLORS["skipped"])
+    failure = notes["first non-finite value, step 30"]
+    assert failure["fill"] == _rgb(COLORS["nonfinite"])
+    assert not any("non-finite" in t and "step 0" in t for t in notes)  # the skips are no failure
+    # Two vertical lines: the skip's dotted in the skip colour at step 0,
+    # the failure's dashed in red at step 30, each under its own label.
+    skip_line, failure_line = sorted(loss["shapes"], key=lambda s: s["box"]["left"])
+    assert (skip_line["stroke"], failure_line["stroke"]) == (_rgb(COLORS["skipped"]), _rgb(COLORS["nonfinite"]))
+    assert skip_line["dash"] != failure_line["dash"]
+    assert abs(calibration["box"]["left"] - skip_line["box"]["left"]) < 5
+    assert abs(failure["box"]["left"] - failure_line["box"]["left"]) < 5
+
+    scale_labels = loss["ticks"]["y2tick"]
+    assert len(scale_labels) >= 3 and all(t["text"].startswith("2^") for t in scale_labels)
+    assert overlapping(scale_labels) == []  # 2^16 .. 2^40: one label per exponent would collide
