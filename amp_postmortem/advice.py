@@ -320,7 +320,7 @@ def _bundle_step(run: Run, step, rank, notes) -> tuple[int, int | None] | None:
 def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, summary) -> list:
     from .replay import resolve_policy
     from .whatif import prepare
-    from .whatif.bisect import bisect_samples
+    from .whatif.bisect import bisect_samples, slicing_note
     from .whatif.fix import find_fix
     from .whatif.scale_window import replay_scale_window
 
@@ -333,12 +333,16 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     fix = find_fix(None, prepared=p, progress=progress) if not ref_bad else None
     if not baseline["saved"]:
         b = bisect_samples(None, prepared=p, progress=progress)
+        note = slicing_note(b.slicing)
+        if note:
+            notes.append(note)
         if ref_bad or b.kind == "data":
             recs.append(Recommendation(
                 "check_data", f"check the data of step {step}" +
                 (f": samples {', '.join(map(str, b.bad_samples))} of the batch" if b.kind == "data" else ""),
                 [b.message] + (["the float64 replay is non-finite too: no precision setting fixes it"]
-                               if ref_bad else []), "replay", data={"bad_samples": b.bad_samples, "kind": b.kind}))
+                               if ref_bad else []), "replay",
+                data={"bad_samples": b.bad_samples, "kind": b.kind, "slicing": b.slicing.to_dict()}))
     from .analyses.instability import LOSS_RISE, find_instability, replay_evidence
     unstable = find_instability(run)
     beyond = replay_evidence(run, p.reference, step) if not ref_bad else None

@@ -61,7 +61,7 @@ from .schedule import RecordSchedule
 from .status_slot import StatusSlot, write_fallback
 from .step_rows import StepRows, step_events
 from .storage import open_run_location
-from .unwrap import unwrap_optimizer
+from .unwrap import unwrap_optimizer, unwrap_scaler
 from .writer import Publisher, ShardWriter
 from .writer_thread import WriterThread
 
@@ -93,7 +93,11 @@ class AmpRecorder:
             gradient norm (pre-step hook) and the weights a bundle holds.
             Accelerate's and Lightning's wrappers are unwrapped.
         scaler: the `torch.amp.GradScaler`, if any; gives the loss scale
-            and the `skipped` flag.
+            and the `skipped` flag. An object that holds one in `_scaler`,
+            `scaler` or `grad_scaler` (timm's `NativeScaler`, an
+            `Accelerator`, Lightning's precision plugin) is unwrapped; any
+            other object is refused with a RuntimeWarning (recorded as no
+            scaler).
         schedule: the `RecordSchedule`: which step is recorded at which
             tier (default `RecordSchedule()`: cheap every step, full every
             100 steps and in a burst after the first event of each kind).
@@ -189,6 +193,11 @@ class AmpRecorder:
         # state it writes to: hook the torch optimizer that really steps.
         optimizer = unwrap_optimizer(optimizer)
         self.optimizer = optimizer
+        # A wrapper (timm's NativeScaler, an Accelerator, a precision plugin)
+        # is unwrapped once here: every part below reads a real GradScaler.
+        scaler, refused = unwrap_scaler(scaler)
+        if refused:
+            warnings.warn(f"amp-postmortem: {refused}", RuntimeWarning, stacklevel=2)
         self.scaler = scaler
         self.include = tuple([include] if isinstance(include, str) else include)
         self.exclude = tuple([exclude] if isinstance(exclude, str) else exclude)

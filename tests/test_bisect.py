@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import whatif_runs as W
 from amp_postmortem.cli import main
-from amp_postmortem.whatif.bisect import bisect_samples
+from amp_postmortem.whatif.bisect import SliceMethod, bisect_samples, slicing_note
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -134,3 +134,62 @@ def test_bisect_fix_and_recommend_share_one_criterion(monkeypatch, token_run):
     calls.clear()
     f = find_fix(token_run, 0, model=TokenNet)
     assert len(calls) == 1 + len(f.trials) and calls[0] is f.baseline["saved"]
+
+
+# ------------------------------------------------ a model that normalises over the batch
+def test_one_sample_slices_keep_their_meaning_without_batch_statistics():
+    r = bisect_samples(W.bad_samples_run(), W.BAD_STEP, model=W.AttnNet)
+    d = r.to_dict()["slicing"]
+    assert d["batch_statistics_modules"] == [] and d["min_slice"] == 1 and d["methods"] == ["alone"]
+    assert all(s["judged"] == "alone" for s in r.samples)
+    assert not any("normalise over the batch" in n for n in r.notes)
+
+
+def test_a_batchnorm_cnn_is_bisected_in_slices_of_two():
+    """One-sample slices raise in BatchNorm1d (training): every slice keeps
+    two samples, and the failing ones are judged paired with a passing one."""
+    r = bisect_samples(W.batchnorm_bad_sample_run(), 1, model=W.BatchNormCNN)
+    assert r.kind == "data" and r.bad_samples == [W.CNN_BAD_SAMPLE] and r.unresolved == []
+    s = r.slicing
+    assert s.batch_statistics_modules == ("bn", "bn1") and s.min_slice == 2
+    assert s.methods() == [SliceMethod.PAIRED] and s.partner is not None and s.partner != W.CNN_BAD_SAMPLE
+    assert r.samples[0]["judged"] == "paired" and r.samples[0]["fp64_finite"] is True
+    assert f"paired with sample {s.partner} (which passes)" in r.message
+    note = next(n for n in r.notes if "normalise over the batch" in n)
+    assert note == slicing_note(s) and "bn, bn1" in note and "at least 2 samples" in note
+
+
+def test_with_no_sample_passing_batchnorm_runs_on_its_running_statistics():
+    """Every sample fails (the convolution's weight is Inf in float16): no
+    partner, so each sample is judged alone with BatchNorm on its running
+    statistics, and the note says so."""
+    r = bisect_samples(W.batchnorm_inf_weight_run(), 0, model=W.BatchNormCNN)
+    assert r.kind == "model" and r.bad_samples == list(range(W.CNN_BATCH))
+    assert r.slicing.methods() == [SliceMethod.RUNNING_STATISTICS] and r.slicing.partner is None
+    assert {s["judged"] for s in r.samples} == {"running_statistics"}
+    assert all(s["fp64_finite"] for s in r.samples)
+    assert "on running statistics" in r.message
+    assert any("running statistics (as in eval mode" in n for n in r.notes)
+
+
+def test_without_running_statistics_the_groups_stay_whole():
+    r = bisect_samples(W.batchnorm_inf_weight_run(False), 0, model=W.BatchNormCNNWithoutRunningStats)
+    assert r.kind == "batch" and r.bad_samples == [] and r.samples == []
+    assert sorted(i for g in r.unresolved for i in g) == list(range(W.CNN_BATCH))
+    assert r.slicing.unsplit == r.unresolved and all(len(g) >= 2 for g in r.unresolved)
+    assert "could not be isolated" in r.message
+    assert any("left whole" in n for n in r.notes)
+
+
+def test_cli_bisect_of_a_batchnorm_cnn():
+    res = CliRunner().invoke(main, ["bisect", str(W.batchnorm_bad_sample_run()), "--step", "1",
+                                    "--model", f"{W.__file__}:BatchNormCNN"])
+    assert res.exit_code == 0, res.output
+    assert "note: bn, bn1 normalise over the batch" in res.stdout
+    res = CliRunner().invoke(main, ["bisect", str(W.batchnorm_bad_sample_run()), "--step", "1",
+                                    "--model", f"{W.__file__}:BatchNormCNN", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["bad_samples"] == [W.CNN_BAD_SAMPLE] and doc["slicing"]["methods"] == ["paired"]
+    assert doc["slicing"]["batch_statistics_modules"] == ["bn", "bn1"] and doc["slicing"]["min_slice"] == 2
+    assert any("normalise over the batch" in n for n in doc["notes"])

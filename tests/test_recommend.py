@@ -217,3 +217,18 @@ def test_no_float16_configuration_saves_it_so_float16_is_not_advisable():
     assert avoid.evidence[1:] == ["no set of up to 1 candidate modules kept in float32 saves it",
                                   "no loss scale makes it finite", "bfloat16: finite"]
     assert "training_instability" not in r.kinds()
+
+
+def test_recommend_replays_a_batchnorm_cnn_in_slices_of_two():
+    """A BatchNorm CNN in training takes no one-sample slice: recommend's
+    bisection keeps two samples per slice and says so."""
+    res = CliRunner().invoke(main, ["recommend", str(W.batchnorm_bad_sample_run()),
+                                    "--model", f"{W.__file__}:BatchNormCNN", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    check = next(r for r in doc["recommendations"] if r["kind"] == "check_data")
+    assert check["data"]["bad_samples"] == [W.CNN_BAD_SAMPLE] and check["data"]["slicing"]["methods"] == ["paired"]
+    assert any("normalise over the batch" in n for n in doc["notes"])
+    res = CliRunner().invoke(main, ["recommend", str(W.batchnorm_bad_sample_run()),
+                                    "--model", f"{W.__file__}:BatchNormCNN"])
+    assert res.exit_code == 0 and "note: bn, bn1 normalise over the batch" in res.stdout

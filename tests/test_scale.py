@@ -92,6 +92,8 @@ def _simulate(overflows, init=65536.0, interval=2000):
 def test_calibration_of_a_fresh_scaler_is_not_a_collapse():
     rep = scale_dynamics(_run(*_simulate([True] * 6 + [False] * 60)))
     assert rep.status == "healthy" and rep.calibration_steps == 6 and rep.skipped_steps == 6
+    # The calibration's halvings are no back-offs from a scale that worked.
+    assert rep.backoffs == 0 and "0 backoff(s) after 6 calibration skip(s)" in rep.reason
 
 
 def test_growth_blocked():

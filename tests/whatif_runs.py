@@ -161,3 +161,64 @@ def root_cancel_run() -> Path:
     """RootCancel: non-finite in float16 and bfloat16 inside the root's own code."""
     torch.manual_seed(0)
     return record(_root() / "cancellation_in_root", RootCancel(), steps=1)
+
+
+# ------------------------------------------------ a BatchNorm CNN
+CNN_BATCH, CNN_BAD_SAMPLE = 8, 3
+
+
+class BatchNormCNN(nn.Module):
+    """A small image classifier's shape: BatchNorm2d after the convolution
+    and BatchNorm1d on the pooled features, which a one-sample slice leaves
+    one value per channel (torch raises in training)."""
+    track_running_stats = True
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4, track_running_stats=self.track_running_stats)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 8)
+        self.bn1 = nn.BatchNorm1d(8, track_running_stats=self.track_running_stats)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.pool(torch.relu(self.bn(self.conv(x)))).flatten(1)
+        return self.head(torch.relu(self.bn1(self.fc(h))))
+
+
+class BatchNormCNNWithoutRunningStats(BatchNormCNN):
+    track_running_stats = False
+
+
+def cnn_batch(step: int, *, bad_step=None):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(CNN_BATCH, 2, 4, 4, generator=g), torch.randn(CNN_BATCH, 1, generator=g)
+    if step == bad_step:
+        x[CNN_BAD_SAMPLE] *= 1e6   # beyond float16 (65504) as the convolution casts it: Inf
+    return x, y
+
+
+@functools.lru_cache(maxsize=None)
+def batchnorm_bad_sample_run() -> Path:
+    """BatchNormCNN; sample 3 of step 1's batch is 1e6x too large."""
+    torch.manual_seed(0)
+    return record(_root() / "batchnorm_bad_sample_3", BatchNormCNN(), steps=3,
+                  batch_fn=functools.partial(cnn_batch, bad_step=1))
+
+
+def _inf_conv(model):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.conv.weight[:, 0, 1, 1] = 1e6   # Inf once cast to float16: every sample's convolution
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def batchnorm_inf_weight_run(running_stats: bool = True) -> Path:
+    """The convolution's weight overflows float16 at every step (every
+    sample fails, none passes to pair with); bundle of step 0."""
+    torch.manual_seed(0)
+    cls = BatchNormCNN if running_stats else BatchNormCNNWithoutRunningStats
+    return record(_root() / f"batchnorm_inf_weight_{running_stats}", _inf_conv(cls()), steps=1,
+                  batch_fn=cnn_batch)

@@ -6,7 +6,9 @@ of backoffs. The steps:
 1. Calibration: a fresh GradScaler starts high (65536 by default) and backs
    off on its first steps until the scaled gradients fit in float16. The
    leading run of skipped steps of a run that starts at the scaler's
-   `init_scale` is that calibration: counted, but left out of the trend.
+   `init_scale` is that calibration: counted (`calibration_steps`), but left
+   out of the trend and of `backoffs` (a calibration skip is no back-off
+   from a scale that worked).
 2. Onset: the best two-segment piecewise-linear least-squares fit of
    log2(scale) over step (exact, over every break, with cumulative sums)
    finds the break; the onset is the first step whose scale fell there (the
@@ -90,7 +92,7 @@ class ScaleReport:
     min_scale: float | None = None
     max_scale: float | None = None
     growths: int = 0
-    backoffs: int = 0
+    backoffs: int = 0             # after calibration: its skips are `calibration_steps`
     calibration_steps: int = 0
     skip_rate_before_onset: float | None = None
     skip_rate_after_onset: float | None = None
@@ -153,7 +155,7 @@ def scale_dynamics(run: Run) -> ScaleReport:
     report = ScaleReport(status="healthy", reason="", onset_step=None, halvings_per_kstep=None,
                          final_scale=float(after[-1]), drivers=[], initial_scale=float(before[0]),
                          min_scale=float(after.min()), max_scale=float(after.max()),
-                         growths=int(grew.sum()), backoffs=int(shrank.sum()), calibration_steps=calib,
+                         growths=int(grew.sum()), backoffs=int(shrank[calib:].sum()), calibration_steps=calib,
                          **base)
     x, yy = steps[calib:].astype(float), y[calib:]
     m = len(x)

@@ -117,8 +117,16 @@ def scaler_words(scaler: dict | None) -> str:
     sc = scaler
     if not sc:
         return "none"
-    return (f"init {sc.get('init_scale'):g}, growth x{sc.get('growth_factor'):g} every "
-            f"{sc.get('growth_interval')} clean steps, backoff x{sc.get('backoff_factor'):g}")
+    settings = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+    if all(sc.get(k) is None for k in settings):
+        return "settings not recorded"
+
+    # A manifest may miss a field (a scaler-like object without it): "?", never a crash.
+    def num(key) -> str:
+        v = sc.get(key)
+        return "?" if v is None else f"{v:g}"
+    return (f"init {num('init_scale')}, growth x{num('growth_factor')} every "
+            f"{num('growth_interval')} clean steps, backoff x{num('backoff_factor')}")
 
 
 def summarize(run: Run, *, window: int | None = None) -> Summary:

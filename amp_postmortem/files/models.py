@@ -22,6 +22,7 @@ from .safe import shown
 Number = Union[StrictInt, StrictFloat]  # NaN and Infinity included: the recorder keeps them
 Count = Annotated[StrictInt, Field(ge=0)]
 Rank = Annotated[StrictInt, Field(ge=0, lt=MAX_WORLD_SIZE)]
+Positive = Annotated[Number, Field(gt=0, allow_inf_nan=False)]
 
 
 class _Open(BaseModel):
@@ -37,6 +38,12 @@ class _Autocast(_Open):
 
 class _Scaler(_Open):
     enabled: StrictBool | None = None
+    # Any of them may be missing or null (a scaler-like object without the
+    # attribute): readers say "?" or leave the step it informs out.
+    init_scale: Positive | None = None
+    growth_factor: Positive | None = None
+    backoff_factor: Positive | None = None
+    growth_interval: Count | None = None
 
 
 class _Param(_Open):
@@ -202,7 +209,6 @@ class _Buffers(_Open):
 # positive number, would otherwise replay a different step without a word.
 AutocastDevice = Literal["cpu", "cuda", "mps", "xpu", "hpu", "xla"]
 AutocastDtype = Literal["float16", "bfloat16", "float32"]
-Positive = Annotated[Number, Field(gt=0, allow_inf_nan=False)]
 
 
 class _BundleAutocast(_Open):

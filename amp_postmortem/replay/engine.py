@@ -21,7 +21,10 @@ Precision semantics (`RunConfig.precision`):
 What-if replays change a `RunConfig`, not the engine: `fp32_modules` runs
 the named modules in float32 (inputs cast up, autocast and its emulation off
 inside them), `loss_scale` replays the backward at another scale, `batch`
-replays a slice of the batch (indices along dimension 0).
+replays a slice of the batch (indices along dimension 0), and
+`running_statistics` runs the modules that normalise over the batch
+(`batch_statistics_modules`: BatchNorm in training) on their running
+statistics, as in eval mode, so that a one-sample slice is valid.
 """
 from __future__ import annotations
 
@@ -179,6 +182,19 @@ class ReplaySession:
         self.grad_outputs = grads
         self.backward_start = "loss_fn"
 
+    @property
+    def batch_statistics_modules(self) -> tuple:
+        """The modules that normalise over the batch as the step ran them
+        (`batch_statistics_modules`)."""
+        return batch_statistics_modules(self._base, self.training)
+
+    @property
+    def running_statistics_available(self) -> bool:
+        """Whether every module of `batch_statistics_modules` keeps running
+        statistics (`track_running_stats`) a replay can normalise with."""
+        names = self.batch_statistics_modules
+        return bool(names) and all(_has_running_stats(self._base.get_submodule(n)) for n in names)
+
     def model(self, dtype: torch.dtype) -> torch.nn.Module:
         m = self._models.get(dtype)
         if m is None:
@@ -238,6 +254,10 @@ class ReplaySession:
         """Run the step's forward and backward under `config`."""
         result = StepCapture(config=config)
         model = self.model(config.weight_dtype)
+        if config.running_statistics:
+            # Left so until the next run: `rerun_call` reruns this run's modules as it ran them.
+            for name in batch_statistics_modules(model, self.training):
+                model.get_submodule(name).eval()
         recorder = CallRecorder(model, keep_inputs=keep_inputs) if capture else None
         with ExitStack() as stack:
             stack.enter_context(preserved_rng(self.device))
@@ -368,6 +388,21 @@ def _within(names, prefix: str):
         elif n.startswith(prefix + "."):
             out.append(n[len(prefix) + 1:])
     return tuple(dict.fromkeys(out))
+
+
+def batch_statistics_modules(model: torch.nn.Module, training: bool) -> tuple:
+    """Names of the modules that normalise over the batch: BatchNorm (every
+    class of it: 1d/2d/3d, lazy, SyncBatchNorm) in training, or in eval
+    without running statistics. A slice of the batch changes the statistics
+    every sample sees; one sample leaves a BatchNorm1d one value per channel
+    (torch raises "Expected more than 1 value per channel when training")."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    return tuple(name for name, m in model.named_modules()
+                 if isinstance(m, _BatchNorm) and (training or not _has_running_stats(m)))
+
+
+def _has_running_stats(module) -> bool:
+    return getattr(module, "running_mean", None) is not None and getattr(module, "running_var", None) is not None
 
 
 def _batch_size(obj):

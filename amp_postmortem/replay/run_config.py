@@ -35,6 +35,9 @@ class RunConfig:
     loss_scale: float = 1.0
     fp32_modules: tuple = ()
     batch: object = None          # slice, list of indices or None (whole batch)
+    # The modules that normalise over the batch (`engine.batch_statistics_modules`)
+    # on their running statistics instead: a one-sample slice they can take.
+    running_statistics: bool = False
     precision_flags: dict | None = None  # recorded flags applied to fp16/bf16 runs
 
     @property

@@ -60,16 +60,18 @@ class Prepared:
         """Replay the step with `changes` to the recorded config."""
         return self.session.run(self.config.replace(**changes) if changes else self.config, capture=capture)
 
-    def reference_for(self, batch=None, *, keep_inputs: bool = False):
+    def reference_for(self, batch=None, *, keep_inputs: bool = False, running_statistics: bool = False):
         """The float64 run of the whole batch (kept) or of a slice of it,
-        with every module's inputs when `keep_inputs` (local comparisons)."""
+        with every module's inputs when `keep_inputs` (local comparisons);
+        `running_statistics` as the trial it is the reference of."""
         from ..replay import RunConfig
-        if batch is None:
+        if batch is None and not running_statistics:
             if keep_inputs and not any(c.inputs is not None for c in self.reference.calls.values()):
                 self.reference = self.session.run(RunConfig("fp64", device=self.config.device), keep_inputs=True)
             return self.reference
-        return self.session.run(RunConfig("fp64", device=self.config.device, batch=list(batch)),
-                                keep_inputs=keep_inputs)
+        return self.session.run(RunConfig("fp64", device=self.config.device,
+                                          batch=None if batch is None else list(batch),
+                                          running_statistics=running_statistics), keep_inputs=keep_inputs)
 
     def trial(self, *, backoff: bool = True, **changes) -> dict:
         """`trial_metrics` of one replay and its `judge`ment (`saved`,
@@ -79,7 +81,9 @@ class Prepared:
         where it is finite, as a dynamic scaler would back off to it;
         `loss_scale` and `backoffs` say where."""
         # A slice's float64 run keeps its inputs at once: it is not cached.
-        reference = self.reference_for(changes.get("batch"), keep_inputs=changes.get("batch") is not None)
+        sliced = changes.get("batch") is not None or bool(changes.get("running_statistics"))
+        reference = self.reference_for(changes.get("batch"), keep_inputs=sliced,
+                                       running_statistics=bool(changes.get("running_statistics")))
         t = self._finite_trial(reference, backoff, changes)
         t.update(judge(self, t, reference, changes))
         return t
@@ -293,7 +297,8 @@ def judge(prepared, metrics: dict, reference, changes: dict) -> dict:
                 "why": f"{len(metrics['params_off'])} parameter gradient(s) more than {limit:g} off float64 "
                        f"(worst {name}: {rel:.3g})"}
     local_ref = (reference if any(c.inputs is not None for c in reference.calls.values())
-                 else prepared.reference_for(changes.get("batch"), keep_inputs=True))
+                 else prepared.reference_for(changes.get("batch"), keep_inputs=True,
+                                             running_statistics=bool(changes.get("running_statistics"))))
     run_changes = {k: v for k, v in changes.items() if k != "loss_scale"}
     run = prepared.run(capture=True, loss_scale=metrics["loss_scale"], **run_changes)
     comparisons = attribution.compare_run(prepared.session, local_ref, run, local=True)

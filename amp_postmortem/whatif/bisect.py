@@ -30,10 +30,22 @@ Whether float64 fails on the failing samples too is reported either way
 With several micro-batches the same indices are taken from each of them.
 The replay budget (`max_replays`) bounds the search; groups left unsplit are
 listed as `unresolved`.
+
+A model that normalises over the batch (BatchNorm in training:
+`replay.engine.batch_statistics_modules`) takes no one-sample slice (a
+BatchNorm1d raises; any BatchNorm would normalise the sample by itself), so
+the slices keep at least two samples (`SampleSlicing`): a failing group of
+two or three is not cut further, and each of its samples is judged paired
+with one sample that passed in a slice of its own (`SliceMethod.PAIRED`).
+When no sample passed, each is judged alone with those modules on their
+running statistics, as in eval mode (`SliceMethod.RUNNING_STATISTICS`; the
+group stays unresolved when a module keeps none). The report's `slicing`
+says what was done and `slicing_note` puts it in words.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import pandas as pd
 
@@ -47,6 +59,53 @@ MAX_REPLAYS = 256
 FAR_OUTSIDE = 10.0
 SAMPLE_COLUMNS = ["index", "forward_finite", "backward_finite", "not_saved_by", "input_absmax", "passing_absmax",
                   "input_nonfinite", "fp64_finite", "suspicious"]
+# Each sample's row also says how it was judged (`judged`: a SliceMethod), in
+# the JSON only: the note says it in words where it is not "alone".
+# A model that normalises over the batch is replayed on slices of at least this many samples.
+MIN_NORMALISED_SLICE = 2
+
+
+class SliceMethod(str, Enum):
+    """How one sample was judged."""
+    ALONE = "alone"                            # a slice of that sample only
+    PAIRED = "paired"                          # with one sample that passes (batch statistics need two)
+    RUNNING_STATISTICS = "running_statistics"  # alone, the batch-normalising modules on running statistics
+
+
+@dataclass
+class SampleSlicing:
+    """How the batch was sliced: the modules that normalise over it (none:
+    one-sample slices), the passing sample the others were paired with, how
+    each judged sample was judged, and the groups too small to cut that no
+    method could judge."""
+    batch_statistics_modules: tuple = ()
+    running_statistics_available: bool = False
+    partner: int | None = None
+    judged: dict = field(default_factory=dict)     # sample index -> SliceMethod
+    unsplit: list = field(default_factory=list)    # failing groups of < 2 * MIN_NORMALISED_SLICE left whole
+
+    @property
+    def min_slice(self) -> int:
+        return MIN_NORMALISED_SLICE if self.batch_statistics_modules else 1
+
+    def methods(self) -> list[SliceMethod]:
+        return [m for m in SliceMethod if m in self.judged.values()]
+
+    def slice_of(self, i: int) -> dict:
+        """The what-if changes that replay sample i as it was judged."""
+        how = self.judged.get(i, SliceMethod.ALONE)
+        if how is SliceMethod.PAIRED:
+            return {"batch": sorted([i, self.partner])}
+        return {"batch": [i], "running_statistics": how is SliceMethod.RUNNING_STATISTICS}
+
+    def to_dict(self) -> dict:
+        return {"batch_statistics_modules": list(self.batch_statistics_modules), "min_slice": self.min_slice,
+                "running_statistics_available": self.running_statistics_available, "partner": self.partner,
+                "methods": [m.value for m in self.methods()],
+                "paired_samples": sorted(i for i, m in self.judged.items() if m is SliceMethod.PAIRED),
+                "running_statistics_samples": sorted(i for i, m in self.judged.items()
+                                                     if m is SliceMethod.RUNNING_STATISTICS),
+                "unsplit": [list(g) for g in self.unsplit]}
 
 
 @dataclass
@@ -63,6 +122,7 @@ class BisectReport:
     replays: int
     message: str
     notes: list = field(default_factory=list)
+    slicing: SampleSlicing = field(default_factory=SampleSlicing)
 
     def to_dict(self) -> dict:
         return plain({"step": self.step, "rank": self.rank, "precision": self.precision,
@@ -70,7 +130,7 @@ class BisectReport:
                       "bad_samples": self.bad_samples, "bad_share": self.bad_share,
                       "suspicious_samples": self.suspicious_samples, "samples": self.samples,
                       "unresolved": self.unresolved, "replays": self.replays, "message": self.message,
-                      "notes": self.notes})
+                      "notes": self.notes, "slicing": self.slicing.to_dict()})
 
     @property
     def suspicious_samples(self) -> list:
@@ -102,19 +162,21 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
                             precision=precision, loss_fn=loss_fn)
     notes = list(p.notes)
     n = _batch_size(p.bundle.inputs[0] if p.bundle.inputs else None)
+    slicing = SampleSlicing(batch_statistics_modules=p.session.batch_statistics_modules,
+                            running_statistics_available=p.session.running_statistics_available)
     report = BisectReport(step=p.step, rank=p.rank, precision=p.precision, batch_size=n,
                           micro_batches=len(p.bundle.inputs), kind="not_reproduced", bad_samples=[], samples=[],
-                          unresolved=[], replays=0, message="", notes=notes)
+                          unresolved=[], replays=0, message="", notes=notes, slicing=slicing)
     if not n:
         report.message = "the saved inputs have no batch dimension: nothing to slice"
         return report
     budget = max(1, int(max_replays))
     estimate = 2 * n  # at most 2n-1 replays when every sample fails
 
-    def fails(indices) -> dict:
+    def fails(indices, **changes) -> dict:
         report.replays += 1
         report_progress(progress, "bisecting the batch", min(report.replays, estimate), estimate)
-        t = p.trial(backoff=False, batch=list(indices), fp32_modules=tuple(fp32_modules))
+        t = p.trial(backoff=False, batch=list(indices), fp32_modules=tuple(fp32_modules), **changes)
         return {"forward_finite": t["forward_finite"], "backward_finite": t["backward_finite"],
                 "fails": not t["saved"], "not_saved_by": not_saved_by(t)}
 
@@ -125,10 +187,16 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
                           "(see `replay` for whether the step reproduces)")
         return report
     alone: dict[int, dict] = {}
+    passed: set[int] = set()   # samples of a slice that passed: partners for a pair
+    small: list[list] = []     # failing groups that two valid slices cannot halve
 
     def search(indices: list) -> None:
+        if slicing.min_slice > 1 and len(indices) < 2 * slicing.min_slice:
+            small.append(list(indices))
+            return
         if len(indices) == 1:
             alone[indices[0]] = fails(indices) if indices[0] not in alone else alone[indices[0]]
+            slicing.judged[indices[0]] = SliceMethod.ALONE
             return
         if report.replays + 2 > budget:
             report.unresolved.append(list(indices))
@@ -140,6 +208,9 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
             r = fails(h)
             if len(h) == 1:
                 alone[h[0]] = r
+                slicing.judged[h[0]] = SliceMethod.ALONE
+            if not r["fails"]:
+                passed.update(h)
             results.append(r)
         if not any(r["fails"] for r in results):
             report.unresolved.append(list(indices))
@@ -149,6 +220,23 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
                 search(h)
 
     search(list(range(n)))
+    partner = min(passed) if passed else None
+    for group in small:
+        if partner is None and not slicing.running_statistics_available:
+            report.unresolved.append(group)
+            slicing.unsplit.append(group)
+            continue
+        if report.replays + len(group) > budget:
+            report.unresolved.append(group)
+            continue
+        for i in group:
+            if partner is not None:
+                slicing.partner = partner
+                slicing.judged[i] = SliceMethod.PAIRED
+            else:
+                slicing.judged[i] = SliceMethod.RUNNING_STATISTICS
+            one = slicing.slice_of(i)
+            alone[i] = fails(one.pop("batch"), **one)
     bad = sorted(i for i, r in alone.items() if r["fails"])
     report.bad_samples = bad
     stats = input_stats(p.bundle.inputs, n)
@@ -156,30 +244,38 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
         unsplit = {i for g in report.unresolved for i in g}
         passing = [i for i in range(n) if i not in alone or not alone[i]["fails"]]
         passing = [i for i in passing if i not in unsplit]
-        ref = p.session.run(RunConfig("fp64", device=p.config.device, batch=bad), capture=False)
-        fp64_per = {i: _sample_finite(p, i) for i in bad} if not _all_finite(ref) else {i: True for i in bad}
+        # The failing samples together first (one replay when float64 computes them all); a model
+        # normalising over the batch takes them so only when they are enough for a slice.
+        together = (_all_finite(p.session.run(RunConfig("fp64", device=p.config.device, batch=bad), capture=False))
+                    if len(bad) >= slicing.min_slice else False)
+        fp64_per = {i: True for i in bad} if together else {i: _sample_finite(p, slicing.slice_of(i)) for i in bad}
         for i in bad:
             absmax, nonfinite, passing_max = _sample_inputs(stats, i, passing)
             report.samples.append({"index": i, "forward_finite": alone[i]["forward_finite"],
                                    "backward_finite": alone[i]["backward_finite"],
                                    "not_saved_by": alone[i]["not_saved_by"], "input_absmax": absmax,
                                    "passing_absmax": passing_max, "input_nonfinite": nonfinite,
-                                   "fp64_finite": fp64_per[i], "suspicious": _suspicious(stats, i, passing)})
-    report.kind, report.message = _verdict(bad, report.unresolved, n, report.samples, bool(stats))
+                                   "fp64_finite": fp64_per[i], "suspicious": _suspicious(stats, i, passing),
+                                   "judged": slicing.judged.get(i, SliceMethod.ALONE).value})
+    report.kind, report.message = _verdict(bad, report.unresolved, n, report.samples, bool(stats), slicing)
+    note = slicing_note(slicing)
+    if note:
+        notes.append(note)
     return report
 
 
-def _verdict(bad, unresolved, n, samples, floating: bool) -> tuple[str, str]:
+def _verdict(bad, unresolved, n, samples, floating: bool, slicing: SampleSlicing) -> tuple[str, str]:
     fp64_bad = [s["index"] for s in samples if not s["fp64_finite"]]
     fp64 = (f"; samples {_list(fp64_bad)} fail in float64 too (no precision setting is the fix)" if fp64_bad
             else "; float64 computes them fine")
     more = f"; {sum(len(u) for u in unresolved)} samples left unsplit" if unresolved else ""
+    how = judged_words(slicing)
     if len(bad) == n:
-        return "model", (f"every one of the {n} samples fails alone: a model (or precision) problem, "
+        return "model", (f"every one of the {n} samples fails {how}: a model (or precision) problem, "
                          f"not a data problem (see `fix`){fp64}")
     if bad:
         odd = [s for s in samples if s["suspicious"]]
-        head = f"{len(bad)} of {n} samples fail alone: {_list(bad)}"
+        head = f"{len(bad)} of {n} samples fail {how}: {_list(bad)}"
         if odd:
             what = "; ".join(f"sample {s['index']}: {s['suspicious']}" for s in odd[:5])
             ordinary = [s["index"] for s in samples if not s["suspicious"]]
@@ -190,11 +286,53 @@ def _verdict(bad, unresolved, n, samples, floating: bool) -> tuple[str, str]:
                  else "their inputs are integers (e.g. token ids: never NaN/Inf, no range to compare)")
         return "model", (f"{head}; {looks}: a model (or precision) problem that these samples trigger, "
                          f"not a data problem (see `fix`){fp64}{more}")
+    groups = "; ".join(_list(u) for u in unresolved)
+    if unresolved and unresolved == slicing.unsplit:
+        return "batch", (f"the failing samples could not be isolated: the batch-normalising modules need "
+                         f"slices of at least {slicing.min_slice} samples and nothing could be paired or run "
+                         f"on running statistics (see the note); failing groups: {groups}")
     if [len(u) for u in unresolved] == [n]:
         return "batch", ("no half of the batch fails alone although the whole batch does: the samples fail "
                          "only together (batch statistics or a reduction over the batch)")
-    groups = "; ".join(_list(u) for u in unresolved)
     return "batch", f"the failing samples could not be isolated; failing groups: {groups}"
+
+
+# ------------------------------------------------------- slicing in words
+def judged_words(slicing: SampleSlicing) -> str:
+    """How the samples were judged, as the verdict says it ("fail ...")."""
+    methods = slicing.methods()
+    if methods in ([], [SliceMethod.ALONE]):
+        return "alone"
+    if methods == [SliceMethod.PAIRED]:
+        return f"paired with sample {slicing.partner} (which passes)"
+    if methods == [SliceMethod.RUNNING_STATISTICS]:
+        return "alone with batch normalisation on running statistics"
+    return "alone, paired or on running statistics (see the note)"
+
+
+def slicing_note(slicing: SampleSlicing) -> str | None:
+    """The note that says how a batch-normalising model was sliced (None
+    for a model without one): the one place these words are made."""
+    if not slicing.batch_statistics_modules:
+        return None
+    names = list(slicing.batch_statistics_modules)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    parts = [f"{shown} normalise over the batch (BatchNorm in training): a one-sample slice would be invalid, "
+             f"so every slice keeps at least {slicing.min_slice} samples, whose batch statistics are not the "
+             "whole batch's"]
+    paired = sorted(i for i, m in slicing.judged.items() if m is SliceMethod.PAIRED)
+    running = sorted(i for i, m in slicing.judged.items() if m is SliceMethod.RUNNING_STATISTICS)
+    if paired:
+        parts.append(f"samples {_list(paired)} were each judged paired with sample {slicing.partner}, which "
+                     "passes in a slice without them")
+    if running:
+        parts.append(f"samples {_list(running)} were judged alone with those modules on their running "
+                     "statistics (as in eval mode; no sample passed to pair them with), not on the batch "
+                     "statistics training used")
+    if slicing.unsplit:
+        parts.append(f"groups {'; '.join(_list(g) for g in slicing.unsplit)} were left whole: no sample "
+                     "passed to pair them with and not every one of those modules keeps running statistics")
+    return "; ".join(parts)
 
 
 def _list(indices) -> str:
@@ -203,9 +341,10 @@ def _list(indices) -> str:
     return shown + (f" and {len(indices) - 20} more" if len(indices) > 20 else "")
 
 
-def _sample_finite(p, i) -> bool:
+def _sample_finite(p, changes: dict) -> bool:
+    """Whether float64 computes one sample's slice (`SampleSlicing.slice_of`) finite."""
     from ..replay import RunConfig
-    return _all_finite(p.session.run(RunConfig("fp64", device=p.config.device, batch=[i]), capture=False))
+    return _all_finite(p.session.run(RunConfig("fp64", device=p.config.device, **changes), capture=False))
 
 
 def _all_finite(run) -> bool:
