@@ -178,3 +178,27 @@ def test_probe_options_are_checked_at_construction(tmp_path):
         ProbeOptions(["x"], max_ops_per_call=0)
     with pytest.warns(RuntimeWarning, match="'blocks.0' name no module"):
         AmpRecorder(tmp_path / "b", ProbeNet(), probe=["blocks.0"]).close()
+
+
+class CheckpointedProbeNet(ProbeNet):
+    """ProbeNet with its block under activation checkpointing: the block's
+    forward runs again in the backward pass."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return self.head(checkpoint(self.block, self.embed(x), use_reentrant=False))
+
+
+def test_a_checkpoints_recomputation_in_backward_is_not_probed(tmp_path):
+    def trained(**options):
+        torch.manual_seed(0)
+        return train(CheckpointedProbeNet(), batches(2, shape=(2, 6)), lr=0.01,
+                     recorder=recorder_at(tmp_path / str(len(list(tmp_path.iterdir()))), **options))
+
+    plain, probed = trained(), trained(probe=["block.norm"])
+    assert probed.losses == plain.losses
+    assert all(torch.equal(a, b) for a, b in zip(plain.params, probed.params))
+    inside = _tensors(tmp_path / "1")
+    inside = inside[inside["kind"] == "intermediate"]
+    # the forward's 8 ops once per step (call 0), none from the recomputation
+    assert len(inside) == 2 * 8 and set(inside["call"]) == {0}
