@@ -3,7 +3,7 @@
 Imports only torch, numpy, pyarrow and the standard library, so a training
 job never pays for the analyzer's dependencies. `AmpRecorder` and the parts
 it takes (`RecordSchedule`, `BundlePolicy`, `StorageOptions`,
-`WriterOptions`, `EventPolicy`) and the events an `on_event` callback gets
+`WriterOptions`, `EventPolicy`, `ProbeOptions`) and the events an `on_event` callback gets
 (`Event`, `EventKind`) are imported lazily so that the analyzer can read
 `recorders.schema` (the format's one definition) without importing torch.
 """
@@ -11,7 +11,7 @@ from .schema import SCHEMA_VERSION
 
 # name -> the module that defines it
 _LAZY = {"AmpRecorder": "recorder", "RecordSchedule": "schedule", "BundlePolicy": "bundles.policy",
-         "StorageOptions": "options", "WriterOptions": "options", "OptionError": "errors",
+         "StorageOptions": "options", "WriterOptions": "options", "ProbeOptions": "options", "OptionError": "errors",
          "Event": "events", "EventKind": "events", "EventPolicy": "events"}
 
 __all__ = [*_LAZY, "SCHEMA_VERSION"]

@@ -53,8 +53,12 @@ class MergePlan:
         keys: dict[tuple, int] = {}
         first: list[int] = []
         inverse = np.empty(len(kept), dtype=np.int64)
+        ops = False
         for i, m in enumerate(kept):
             k = (m[0], m[1], m[2], m[4])
+            if len(m) > 8:  # an `intermediate` row: (op, op_index, source) is part of its key
+                k = k + (m[8],)
+                ops = True
             j = keys.get(k)
             if j is None:
                 j = keys[k] = len(first)
@@ -93,7 +97,40 @@ class MergePlan:
             "dtype": [kept[first[i]][5] for i in perm],
             "numel": numel.astype(np.int64)[perm],
         }
+        plan.static.update(_op_columns([kept[first[i]] for i in perm] if ops else None, g))
         return plan
+
+
+def _op_columns(rows: list | None, g: int) -> dict:
+    """The `op`, `op_index` and `source` columns of a step's merged rows
+    (`rows`: each key's first raw row; None: no `intermediate` row, all null)."""
+    if rows is None:
+        return {"op": [None] * g, "op_index": np.full(g, _NAN), "source": [None] * g}
+    ops = [m[8] if len(m) > 8 else None for m in rows]
+    return {"op": [o[0] if o else None for o in ops],
+            "op_index": np.array([o[1] if o else _NAN for o in ops], dtype=np.float64),
+            "source": [o[2] if o else None for o in ops]}
+
+
+def event_rows(cols: dict) -> np.ndarray:
+    """The merged rows that count as non-finite (NaN/Inf) for the events,
+    the bundle triggers and the shard's `nonfinite_rows`: every kind but
+    `intermediate` (inside a module an Inf is often meant: a mask's -Inf)."""
+    bad = (np.asarray(cols["nan_count"]) > 0) | (np.asarray(cols["inf_count"]) > 0)
+    op_index = cols.get("op_index")
+    if op_index is not None and len(op_index) and not np.isnan(op_index).all():
+        bad &= np.isnan(op_index)
+    return bad
+
+
+def without_intermediates(cols: dict) -> dict:
+    """`cols` without its `intermediate` rows (the same dict when it has none)."""
+    op_index = cols.get("op_index")
+    if op_index is None or not len(op_index) or np.isnan(op_index).all():
+        return cols
+    keep = np.isnan(op_index)
+    idx = np.flatnonzero(keep)
+    return {k: ([v[i] for i in idx] if isinstance(v, list) else np.asarray(v)[keep]) for k, v in cols.items()}
 
 
 def fill_input_nonfinite(meta: list[tuple], stats: np.ndarray, plan: MergePlan | None = None):

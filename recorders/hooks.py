@@ -2,8 +2,8 @@
 
 `TrainingHooks` builds one collector per concern (`recorders/collectors/`:
 forward and inputs, backward, parameter gradients and the gradient norm,
-checkpoint recompute, autocast) around one `Shared` (the step in
-progress), registers their hooks and removes them. `AmpRecorder` owns the
+checkpoint recompute, autocast, and with a probe the op probe) around one
+`Shared` (the step in progress), registers their hooks and removes them. `AmpRecorder` owns the
 lifecycle and hands the finished step to the writer thread.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from .collectors.autocast import AutocastWatch
 from .collectors.backward import BackwardCollector
 from .collectors.forward import ForwardCollector
 from .collectors.params import ParamGradCollector
+from .collectors.probe import ProbeCollector
 from .collectors.recompute import CheckpointRecompute
 from .collectors.state import Shared, StepState
 from .manifest import scaler_enabled
@@ -27,13 +28,16 @@ class TrainingHooks:
     backward hooks set anew for every module call; `bundles` is the bundle
     capture (its `on_*` hooks); `on_autocast(info)` is told the autocast
     state at the first recorded forward, and again if the root's children
-    run under an autocast the root did not see.
+    run under an autocast the root did not see. `probe`: the
+    `ProbeOptions` (None: no op probe, no hook of it), with `probed` (the
+    module names it probes on every recorded step), `probe_leaves` (on
+    full-tier steps) and `on_probe_error(exc)` (the recorder's failure path).
     """
 
     def __init__(self, model, *, optimizer, scaler, watched: list[str],
                  watch_param, near_overflow: float, guard, guard_call, bundles, on_autocast,
                  modules: dict | None = None, params: list | None = None, sharded=frozenset(),
-                 late_grads=frozenset()):
+                 late_grads=frozenset(), probe=None, probed=(), probe_leaves=(), on_probe_error=None):
         self.model = model
         self.shared = Shared(near_overflow=near_overflow, guard=guard, guard_call=guard_call, bundles=bundles)
         # name -> module to hook: the unwrapped modules; the root ("") is
@@ -53,6 +57,11 @@ class TrainingHooks:
             self.shared, model=model, modules=modules, watched=watched, params=params,
             sharded=set(sharded), backward=self.backward, recompute=self.recompute,
             autocast=self.autocast_watch)
+        self.probe = None
+        if probe is not None and (probed or probe_leaves):
+            self.probe = ProbeCollector(self.shared, modules=modules, named=probed, leaves=probe_leaves,
+                                        active=self.forward.active, fail=on_probe_error,
+                                        max_ops=probe.max_ops_per_call)
         self.handles: list = []
 
     # The state the recorder reads and sets.
@@ -92,6 +101,8 @@ class TrainingHooks:
     def register(self) -> None:
         self.forward.register(self.handles)
         self.params.register(self.handles)
+        if self.probe is not None:
+            self.probe.register(self.handles)  # after the forward collector's (see its doc)
 
     def remove(self) -> None:
         # Never called from inside a hook: removing forward hooks while

@@ -59,8 +59,10 @@ def shard_index(*, run_id: str, rank: int, shard: str, step_rows: list[dict],
 
 def first_nonfinite(tensors: pa.Table) -> list[dict]:
     """Per (name, kind) with a NaN/Inf row: first/last step and step count,
-    in the order of the first such row (rows are in step, then execution order)."""
-    bad = pc.or_(pc.greater(tensors["nan_count"], 0), pc.greater(tensors["inf_count"], 0))
+    in the order of the first such row (rows are in step, then execution order);
+    `intermediate` rows (an op probe's) are no tensor's first NaN/Inf."""
+    bad = pc.and_(pc.or_(pc.greater(tensors["nan_count"], 0), pc.greater(tensors["inf_count"], 0)),
+                  pc.not_equal(tensors["kind"], schema.INTERMEDIATE_KIND))
     rows = tensors.filter(bad).select(["step", "name", "kind", "phase"]).to_pylist()
     out: dict[tuple[str, str], dict] = {}
     seen: dict[tuple[str, str], set] = {}

@@ -2,7 +2,8 @@
 
 `AmpRecorder(run_dir, model, schedule=RecordSchedule(...),
 bundles=BundlePolicy(...) | False, storage=StorageOptions(...),
-writer=WriterOptions(...), on_event=callback | EventPolicy(...))`: each option is defined and documented once, in
+writer=WriterOptions(...), on_event=callback | EventPolicy(...),
+probe=[patterns] | ProbeOptions(...))`: each option is defined and documented once, in
 its part. The flat keywords of earlier versions (`full_every=`,
 `max_bundles=`, `spool_dir=`, ...) keep working: `FLAT_OPTIONS` says which
 part and field each one is, and `parts_from_flat` is the one place that maps
@@ -77,6 +78,75 @@ class WriterOptions:
         object.__setattr__(self, "max_queue", option_int("max_queue", self.max_queue))
 
 
+@dataclass(frozen=True)
+class ProbeOptions:
+    """The op probe: the largest magnitude of every operation inside some
+    modules' forward, so that an overflow that never reaches a module's
+    output (an fp16 variance `x * x`, attention logits `q @ k^T` before the
+    softmax) is seen before it happens (`intermediate` rows, read by
+    `amp-postmortem ranges`). Off unless given:
+    `AmpRecorder(probe=["blocks.*.attn"])` or `probe=ProbeOptions(...)`
+    (keywords; their one definition):
+
+    modules: glob patterns of module names (as `named_modules()` names them,
+        wrappers unwrapped; `""` is the model) probed on every recorded
+        step. An operation belongs to the innermost probed module running it.
+    full_tier_leaves: also probe every watched module without children on
+        full-tier steps (hooks on those modules on every step; they do
+        nothing on the others).
+    max_ops_per_call: operations recorded per module call (256); later ones
+        run unrecorded.
+
+    Per operation with a floating output (views excepted), as torch runs it
+    below autograd and autocast: the aten op (`aten::bmm`), its output dtype,
+    the largest finite magnitude and the NaN/Inf counts of its outputs
+    (device work, copied with the step's other rows) and the model's source
+    line that called it. Cost: a `TorchDispatchMode` is pushed while a
+    probed module runs, and every op there pays a Python call and the
+    cheap-tier statistics of its outputs (several times the module's own
+    time for small tensors): probe a few modules, not the whole model.
+    Nothing is added to a step, a module or an op when no probe is given.
+    The probe changes no value the training computes; backward passes are
+    not probed."""
+
+    modules: tuple = ()
+    full_tier_leaves: bool = False
+    max_ops_per_call: int = 256
+
+    def __post_init__(self):
+        modules = (self.modules,) if isinstance(self.modules, str) else self.modules
+        try:
+            modules = tuple(modules)
+        except TypeError:
+            raise OptionError(f"probe modules={self.modules!r}: give glob patterns of module names") from None
+        bad = [m for m in modules if not isinstance(m, str)]
+        if bad:
+            raise OptionError(f"probe modules: {bad[0]!r} is not a module name pattern (a string)")
+        object.__setattr__(self, "modules", modules)
+        object.__setattr__(self, "full_tier_leaves", bool(self.full_tier_leaves))
+        ops = option_int("max_ops_per_call", self.max_ops_per_call)
+        if ops < 1:
+            raise OptionError(f"max_ops_per_call={ops}: at least 1")
+        object.__setattr__(self, "max_ops_per_call", ops)
+
+    def config(self) -> dict:
+        """The options as the manifest records them (`recorder.probe`)."""
+        return {"modules": list(self.modules), "full_tier_leaves": self.full_tier_leaves,
+                "max_ops_per_call": self.max_ops_per_call}
+
+
+def probe_options(probe) -> ProbeOptions | None:
+    """`AmpRecorder(probe=)` as options: None or False (off), module name
+    patterns (a string or a list), or a ProbeOptions."""
+    if probe is None or probe is False:
+        return None
+    if isinstance(probe, ProbeOptions):
+        return probe
+    if isinstance(probe, (str, list, tuple)):
+        return ProbeOptions(modules=probe)
+    raise OptionError(f"probe={probe!r}: give module name patterns or a ProbeOptions")
+
+
 # flat keyword of AmpRecorder -> (its part's keyword, the part's field)
 FLAT_OPTIONS = {
     "cheap_every": ("schedule", "cheap_every"),
@@ -124,16 +194,18 @@ class RecorderParts:
     storage: StorageOptions
     writer: WriterOptions
     events: EventPolicy | None = None  # None: no on_event callback, no event detection
+    probe: ProbeOptions | None = None  # None: no op probe (no hook, no cost)
 
 
 def parts_from_flat(flat: dict, *, schedule=None, bundles=True, storage=None, writer=None,
-                    on_event=None) -> RecorderParts:
+                    on_event=None, probe=None) -> RecorderParts:
     """The parts, from those passed in and the flat keywords given (`flat`:
     name -> value, only the keywords the caller passed). `bundles`: True
     (the policy of the flat keywords, else the default one), False (no
     bundles; the flat keywords still say what the manifest records) or a
     `BundlePolicy`. `on_event`: None, a callable (`EventPolicy(on_event)`)
-    or an `EventPolicy`."""
+    or an `EventPolicy`. `probe`: None, module name patterns or a
+    `ProbeOptions` (`probe_options`)."""
     given = {"schedule": schedule, "writer": writer, "storage": storage,
              "bundles": bundles if isinstance(bundles, BundlePolicy) else None}
     fields: dict[str, dict] = {part: {} for part in PART_TYPES}
@@ -155,4 +227,5 @@ def parts_from_flat(flat: dict, *, schedule=None, bundles=True, storage=None, wr
         bundle_policy=given["bundles"] or BundlePolicy(**fields["bundles"]),
         storage=storage if storage is not None else StorageOptions(**fields["storage"]),
         writer=writer if writer is not None else WriterOptions(**fields["writer"]),
-        events=event_policy(on_event))
+        events=event_policy(on_event),
+        probe=probe_options(probe))

@@ -136,6 +136,15 @@ class AmpRecorder:
             they record every module; such a step computes with eager
             rounding, which a backend like inductor may not share. False:
             every step stays compiled (boundary, loss and gradient rows only).
+        probe: the op probe, off by default: glob patterns of module names
+            (`["blocks.*.attn"]`) or a `ProbeOptions` (`recorders.options`,
+            its options documented there). While a probed module's forward
+            runs on a recorded step, the largest finite magnitude and the
+            NaN/Inf counts of each operation inside it are recorded
+            (`intermediate` rows: the op, its dtype, the model's source
+            line), so `ranges` names an op near float16's 65504 that never
+            reaches the module's output. Costs a Python call and cheap
+            statistics per op of the probed modules; nothing without it.
 
     The flat keywords of earlier versions set one field of a part each
     (`recorders.options.FLAT_OPTIONS`); a part and one of its own flat
@@ -168,7 +177,7 @@ class AmpRecorder:
                  storage: StorageOptions | None = None, writer: WriterOptions | None = None,
                  on_event=None, include=("*",), exclude=(), near_overflow: float = schema.FP16_MAX,
                  rank: int | None = None, world_size: int | None = None, run_id: str | None = None,
-                 capture_loss: bool = True, eager_full_steps: bool = True,
+                 capture_loss: bool = True, eager_full_steps: bool = True, probe=None,
                  cheap_every=UNSET, full_every=UNSET, full_after_event=UNSET,
                  steps_per_shard=UNSET, flush_interval_s=UNSET, durable_interval_s=UNSET, max_queue=UNSET,
                  bundle_triggers=UNSET, bundle_steps=UNSET, max_bundles=UNSET, max_bundle_bytes=UNSET,
@@ -178,7 +187,7 @@ class AmpRecorder:
         flat = {name: value for name, value in locals().items() if name in FLAT_OPTIONS and value is not UNSET}
         # A bad option raises here, in the caller's line, before anything is written.
         self.parts = parts = parts_from_flat(flat, schedule=schedule, bundles=bundles, storage=storage,
-                                             writer=writer, on_event=on_event)
+                                             writer=writer, on_event=on_event, probe=probe)
         self.run_location = str(run_dir)
         self.upload_report = None  # storage.UploadReport after close() of a URI run
         self.run_dir = None  # the local directory written (a URI run's spool), once opened
@@ -306,11 +315,14 @@ class AmpRecorder:
         for s in (parts.bundle_policy.steps if bundles_enabled else ()):
             # a bundle asked for up front: its step in full
             self.schedule.request(s)
+        probed, probe_leaves = probe_targets(parts.probe, modules, watched)
         writing = parts.writer
         options = {"include": list(self.include), "exclude": list(self.exclude), **self.schedule.config(),
                    "steps_per_shard": writing.steps_per_shard, "near_overflow": float(near_overflow),
                    "eager_full_steps": self.eager_full_steps,
                    "flush_interval_s": writing.flush_interval_s, "durable_interval_s": writing.durable_interval_s}
+        if parts.probe is not None:
+            options["probe"] = {**parts.probe.config(), "probed": probed}
         job = describe_job(run_id=self.run_id, rank=self.rank, world_size=self.world_size, model=model,
                            module_names=module_names, watched=watched, params=params,
                            optimizer=optimizer, scaler=scaler, recorder_options=options,
@@ -336,7 +348,8 @@ class AmpRecorder:
             params=params, sharded=sharded, late_grads=fsdp1_sharded_params(model, sharded_only=False),
             watch_param=self._matches,
             near_overflow=float(near_overflow), guard=self._guard, guard_call=self._guard_call,
-            bundles=self.bundles,
+            bundles=self.bundles, probe=parts.probe, probed=probed, probe_leaves=probe_leaves,
+            on_probe_error=self._fail,
             on_autocast=lambda info: self._submit(functools.partial(self.manifest.set_autocast, info)))
         self.compiled = is_compiled(model)
         self._note_compiled()
@@ -712,6 +725,25 @@ class AmpRecorder:
     def _bundles_changed(self, saved: list, missed: list) -> None:
         self.manifest.set_bundles(saved, missed)
         self.manifest.write()
+
+
+def probe_targets(probe, modules: list, watched: list) -> tuple[list, list]:
+    """The modules an op probe hooks: (those its patterns name, probed on
+    every recorded step; the watched modules without children, probed on
+    full-tier steps when `full_tier_leaves`). A pattern that names no module
+    is warned about: a typo would otherwise probe nothing, silently."""
+    if probe is None:
+        return [], []
+    probed = [name for name, _ in modules if any(fnmatch.fnmatchcase(name, p) for p in probe.modules)]
+    unmatched = [p for p in probe.modules if not any(fnmatch.fnmatchcase(name, p) for name, _ in modules)]
+    if unmatched:
+        warnings.warn(f"amp-postmortem: probe pattern(s) {', '.join(map(repr, unmatched))} name no module "
+                      f"of the model (names as named_modules() gives them)", RuntimeWarning, stacklevel=4)
+    leaves = []
+    if probe.full_tier_leaves:
+        watched = set(watched)
+        leaves = [name for name, m in modules if name in watched and next(m.children(), None) is None]
+    return probed, leaves
 
 
 class _GuardedCall:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 FORMAT_NAME = "amp-postmortem-run"
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"
@@ -35,7 +35,11 @@ SHARE_SAMPLE_MAX = 65_536
 INPUT_NAME = "<input>"
 LOSS_NAME = "<loss>"
 
-KINDS = ("input", "activation", "grad_output", "grad_input", "param_grad", "param", "loss")
+# `intermediate`: one operation inside a probed module's forward (the op
+# probe, `recorders.ProbeOptions`; since 1.2). Its NaN/Inf are counted in
+# the row but are no event: a mask's -Inf inside a module is often meant.
+INTERMEDIATE_KIND = "intermediate"
+KINDS = ("input", "activation", "grad_output", "grad_input", "param_grad", "param", "loss", INTERMEDIATE_KIND)
 PHASES = ("forward", "backward")
 
 # Key-value metadata stamped into every Parquet shard's footer, so a shard
@@ -82,7 +86,7 @@ TENSOR_COLUMNS: tuple[Column, ...] = (
     Column("step", pa.int64(), "step", "Optimizer step index (joins the steps table).", False),
     Column("rank", pa.int32(), "-", "Rank of the process that recorded the row.", False),
     Column("name", pa.string(), "-", "Qualified module name as in `named_modules()` (`\"\"` is the model itself), parameter name as in `named_parameters()`, or `<input>` / `<loss>`.", False),
-    Column("kind", pa.string(), "-", "One of `input`, `activation`, `grad_output`, `grad_input`, `param_grad`, `param`, `loss`.", False),
+    Column("kind", pa.string(), "-", "One of `input`, `activation`, `grad_output`, `grad_input`, `param_grad`, `param`, `loss`, `intermediate`.", False),
     Column("phase", pa.string(), "-", "`forward` or `backward`.", False),
     Column("order", pa.int32(), "-", "Position in the phase's execution order within the step (hook firing order, from 0; first micro-batch).", False),
     Column("call", pa.int32(), "-", "Which call of the module within a micro-batch (0 for the first) when a module runs several times per step.", False),
@@ -101,6 +105,9 @@ TENSOR_COLUMNS: tuple[Column, ...] = (
     Column("below_subnormal_share", pa.float64(), "fraction", "Full tier: share of non-zero finite values with abs(x) < 5.96e-8 (round to zero in float16)."),
     Column("near_overflow_share", pa.float64(), "fraction", "Full tier: share of finite values with abs(x) >= the recorder's near-overflow threshold (default 65504: would be Inf in float16)."),
     Column("share_sample_size", pa.int64(), "values", "Full tier: number of values the four `*_share` columns were counted on: every value of a tensor up to 65,536, else an evenly strided sample of 65,536 or fewer (the same positions every step); summed like `numel`. Null in the cheap tier and in runs recorded before schema 1.1 (there the shares cover every value)."),
+    Column("op", pa.string(), "-", "`intermediate` rows: the aten operation inside the probed module (`name`) whose floating outputs the row summarises, e.g. `aten::bmm`, in the dtype it ran in (`dtype`, after autocast). Null for other kinds and in runs recorded before schema 1.2."),
+    Column("op_index", pa.int32(), "-", "`intermediate` rows: the operation's position among the recorded operations of that module call (from 0). Null otherwise."),
+    Column("source", pa.string(), "-", "`intermediate` rows: the model's source line that called the operation, `file:line` (relative to the training's working directory when under it); null when only torch's code called it. Null for other kinds."),
 )
 
 # Statistic columns filled from the device-side statistic vector, in order.
@@ -154,7 +161,7 @@ INDEX_COLUMNS: tuple[Column, ...] = (
     Column("last_step", pa.int64(), "step", "Last step of the pair (inclusive).", False),
     Column("step_rows", pa.int64(), "rows", "Rows of the steps shard.", False),
     Column("tensor_rows", pa.int64(), "rows", "Rows of the tensors shard.", False),
-    Column("nonfinite_rows", pa.int64(), "rows", "Tensor rows with `nan_count` or `inf_count` above 0.", False),
+    Column("nonfinite_rows", pa.int64(), "rows", "Tensor rows with `nan_count` or `inf_count` above 0, `intermediate` rows not counted.", False),
     Column("step_bytes", pa.int64(), "bytes", "Size of the steps shard file (a reader that finds another size reads the footer instead).", False),
     Column("tensor_bytes", pa.int64(), "bytes", "Size of the tensors shard file.", False),
     Column("skipped_steps", pa.list_(pa.int64()), "step", "Steps whose optimizer step the scaler skipped.", False),
@@ -168,7 +175,7 @@ INDEX_COLUMNS: tuple[Column, ...] = (
     Column("first_nonfinite", pa.list_(pa.struct([("name", pa.string()), ("kind", pa.string()),
                                                   ("phase", pa.string()), ("first_step", pa.int64()),
                                                   ("last_step", pa.int64()), ("steps", pa.int64())])),
-           "-", "One entry per tensor and kind with a non-finite row in the pair, in the order of their first non-finite row: first and last such step and the number of steps.", False),
+           "-", "One entry per tensor and kind with a non-finite row in the pair (`intermediate` rows not counted), in the order of their first non-finite row: first and last such step and the number of steps.", False),
 )
 
 TABLES = {"steps": STEP_COLUMNS, "tensors": TENSOR_COLUMNS, "bundle tensors": BUNDLE_TENSOR_COLUMNS,

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from .aggregate import MergePlan, merge_rows
+from .aggregate import MergePlan, event_rows, merge_rows, without_intermediates
 from .manifest import host_float, scaler_enabled
 from .stats import CHEAP_WIDTH, FULL_WIDTH, pack_rows
 
@@ -170,7 +170,7 @@ class StepRows:
             g = len(cols["name"])
             cols["step"] = np.full(g, p.step, dtype=np.int64)
             cols["rank"] = np.full(g, self.rank, dtype=np.int32)
-            bad = (cols["nan_count"] > 0) | (cols["inf_count"] > 0)
+            bad = event_rows(cols)
             nonfinite_rows = int(bad.sum())
             kinds = np.array(cols["kind"], dtype=object)
             nonfinite_params = int((bad & (kinds == "param_grad")).sum())
@@ -197,7 +197,10 @@ class StepRows:
             "step": p.step, "skipped": bool(skipped), "loss": scalars.get("loss"),
             "loss_scale": after, "loss_scale_before": before,
             "growth_tracker": step_row["growth_tracker"],
-            "nonfinite_rows": nonfinite_rows, "columns": cols,
+            # The events, triggers and schedule judge the module rows: an
+            # op probe's `intermediate` rows are for the analyzer only.
+            "nonfinite_rows": nonfinite_rows,
+            "columns": without_intermediates(cols) if cols is not None else None,
         }
         return step_row, cols, summary
 

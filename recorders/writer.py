@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schema
+from .aggregate import event_rows
 from .index import shard_index
 from .journal import DEFAULT_DURABLE_INTERVAL_S, Journal, empty_batch, journal_indexes, read_journal
 
@@ -213,8 +214,7 @@ class ShardWriter:
                 schema=schema.TENSOR_SCHEMA)
             self._tensor_batches.append(tensors_batch)
             self._tensor_rows += tensors_batch.num_rows
-            nf = (np.asarray(tensor_columns["nan_count"]) > 0) | (np.asarray(tensor_columns["inf_count"]) > 0)
-            nonfinite = int(nf.sum())
+            nonfinite = int(event_rows(tensor_columns).sum())
             self._nonfinite_rows += nonfinite
         else:
             tensors_batch = self._empty_tensors
@@ -342,8 +342,9 @@ class ShardWriter:
                     meta, step_table, tensors = found
                     step_table = step_table.cast(schema.STEP_SCHEMA)
                     tensors = tensors.cast(schema.TENSOR_SCHEMA)
-                    bad = pc.sum(pc.or_(pc.greater(tensors["nan_count"], 0),
-                                        pc.greater(tensors["inf_count"], 0))).as_py() or 0
+                    bad = pc.sum(pc.and_(pc.or_(pc.greater(tensors["nan_count"], 0),
+                                                pc.greater(tensors["inf_count"], 0)),
+                                         pc.not_equal(tensors["kind"], schema.INTERMEDIATE_KIND))).as_py() or 0
                     self._publish(number, step_table.to_pylist(), step_table, tensors, int(bad),
                                   run_id=meta.get(schema.META_RUN_ID, b"").decode() or None,
                                   world_size=meta.get(schema.META_WORLD_SIZE, b"").decode() or None)

@@ -193,3 +193,27 @@ def running_run(tmp_path):
         time.sleep(0.05)
     yield path
     rec.close()
+
+
+PROBE_STEPS = 4
+
+
+def record_probed_run(path, *, probe=("block.norm", "block.attn"), steps=PROBE_STEPS, **recorder_kwargs):
+    """Train `ProbeNet` (float16 CPU autocast, a GradScaler) with the op
+    probe on its planted HalfNorm and its masked attention."""
+    import torch
+    from tiny_models import ProbeNet, batches, recorder_at, train
+
+    torch.manual_seed(0)
+    model = ProbeNet()
+    trained = train(model, batches(steps, shape=(2, 6)), lr=0.01,
+                    recorder=recorder_at(path, probe=probe, **recorder_kwargs))
+    return Path(path), trained
+
+
+@pytest.fixture(scope="session")
+def probed_run(tmp_path_factory):
+    """ProbeNet's `block.norm` squares values of +-250 in float16 (62,496:
+    0.07 bits below 65504) while its output stays near 1; `block.attn`
+    masks with -Inf. Probed: both."""
+    return record_probed_run(tmp_path_factory.mktemp("runs") / "variance_near_overflow_inside_norm")[0]

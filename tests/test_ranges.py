@@ -1,4 +1,5 @@
 """Per-layer headroom, trend, forecast and underflow, against each row's own dtype's limits."""
+import json
 import math
 
 import pandas as pd
@@ -157,3 +158,45 @@ def test_a_run_recorded_before_the_sample_size_column_still_reads(copy_run, unde
     row = _row(rep, "inp", "grad_output")
     assert row["underflow_share"] == pytest.approx(1.0) and pd.isna(row["share_sample_size"])
     assert "worst underflow: inp grad_output, 100% of its values" in rep.lines()
+
+
+def _planted_line() -> int:
+    import inspect
+    from tiny_models import HalfNorm
+    lines, first = inspect.getsourcelines(HalfNorm.forward)
+    return first + next(i for i, line in enumerate(lines) if "PLANTED" in line)
+
+
+def test_an_op_near_overflow_inside_a_probed_module_is_named_before_any_nan(probed_run):
+    run = load_run(probed_run)
+    rep = layer_ranges(run)
+    # No NaN/Inf reached any module's boundary, and no module's output is near the limit...
+    assert not any(rep.layers["flags"].map(bool))
+    assert (run.scan_tensors(kinds=list(schema.KINDS[:-1]))[["nan_count", "inf_count"]] == 0).all().all()
+    # ...but inside block.norm the variance's x * x is 0.07 bits below 65504.
+    inside = rep.intermediates.set_index("name")
+    norm = inside.loc["block.norm"]
+    assert norm["op"] == "aten::mul" and norm["dtype"] == "float16" and norm["op_index"] == 2
+    assert norm["source"] == f"tests/tiny_models.py:{_planted_line()}"
+    assert norm["headroom_bits"] == pytest.approx(math.log2(schema.FP16_MAX / norm["absmax"]))
+    assert norm["headroom_bits"] < 0.1 and norm["flags"] == ["overflow_risk"]
+    assert norm["output_headroom_bits"] > 100  # the output (promoted to float32 by the weight) shows nothing
+    assert norm["min_headroom_op"] == "aten::mul" and norm["step"] == 3
+    # The attention's logits are small; its mask's -Inf is counted, not flagged.
+    attn = inside.loc["block.attn"]
+    assert attn["op"] == "aten::bmm" and attn["flags"] == [] and attn["nonfinite_ops"] == 1
+    said = "\n".join(rep.lines())
+    assert (f"overflow_risk inside block.norm: aten::mul at tests/tiny_models.py:{_planted_line()} "
+            f"reached 62,496 in float16") in said
+
+
+def test_ranges_json_gains_the_probed_modules(probed_run, overflow_run):
+    from click.testing import CliRunner
+
+    from amp_postmortem.cli import main
+    doc = json.loads(CliRunner().invoke(main, ["ranges", str(probed_run), "--json"]).output)
+    norm = next(r for r in doc["intermediates"] if r["name"] == "block.norm")
+    assert norm["op"] == "aten::mul" and norm["flags"] == ["overflow_risk"]
+    assert {"layers", "first_step", "last_step", "full_tier_steps", "thresholds"} <= set(doc)
+    plain = json.loads(CliRunner().invoke(main, ["ranges", str(overflow_run), "--json"]).output)
+    assert plain["intermediates"] == []  # no probe: nothing read, nothing said

@@ -199,6 +199,61 @@ class ScoreNet(nn.Module):
         return self.head(self.scores(self.proj(x)))
 
 
+class HalfNorm(nn.Module):
+    """A LayerNorm written out by hand, in its input's dtype (float16 under
+    CPU autocast): its variance `xc * xc` is where float16 overflows, while
+    the normalised output stays near 1 (the op probe's planted fault)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        xc = x - x.mean(-1, keepdim=True)
+        var = (xc * xc).mean(-1, keepdim=True)  # PLANTED: the op nearest to 65504
+        return xc / torch.sqrt(var + 1e-5) * self.weight
+
+
+class RawAttention(nn.Module):
+    """Attention logits without 1/sqrt(d), and a causal mask of -Inf: the
+    logits are finite, the mask's -Inf is meant, the output is finite."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        logits = q @ k.transpose(-1, -2)
+        mask = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool).triu(1)
+        return logits.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+
+# embed's bias: after the mean is taken off, xc = +-250 and +-50, so
+# xc * xc = 62,500 (62,496 in float16): 0.07 bits below 65504.
+PLANTED_BIAS = (250.0, -250.0, 50.0, -50.0) * 4
+
+
+class ProbeNet(nn.Module):
+    """`norm` (a HalfNorm) gets values of +-250 from `embed`: its variance
+    op nears float16's overflow inside the module, its output does not;
+    `block` holds `norm` and `attn` (nested probes)."""
+
+    def __init__(self, d_in: int = 8, d: int = 16, d_out: int = 4):
+        super().__init__()
+        self.embed = nn.Linear(d_in, d)
+        self.block = nn.Sequential()
+        self.block.add_module("norm", HalfNorm(d))
+        self.block.add_module("attn", RawAttention(d))
+        self.head = nn.Linear(d, d_out)
+        with torch.no_grad():
+            self.embed.weight.mul_(0.01)
+            self.embed.bias.copy_(torch.tensor(PLANTED_BIAS))
+
+    def forward(self, x):
+        return self.head(self.block(self.embed(x)))
+
+
 class ConvBN(nn.Module):
     def __init__(self):
         super().__init__()

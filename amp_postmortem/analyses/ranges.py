@@ -33,6 +33,20 @@ For each layer (module name and row kind: `input`, `activation`,
   counted on (the recorder samples at most 65,536 per tensor; null for runs
   recorded before the format said).
 
+Inside probed modules (runs recorded with `AmpRecorder(probe=...)`: the
+`intermediate` rows, one per operation of a probed module's forward), one
+row per module in `intermediates`: at its latest recorded step, the
+operation nearest to its dtype's overflow (`op`, `source` line, `op_index`,
+`dtype`, `absmax`, `headroom_bits` against that dtype's largest value, ranks
+and calls merged by their maximum), the window's closest approach
+(`min_headroom_bits`, at `min_headroom_step`, by `min_headroom_op`), the
+module's own `activation` headroom beside it (`output_headroom_bits`) and
+`nonfinite_ops` (operations of the latest step with a NaN/Inf: counted, not
+flagged, as a mask's -Inf is often meant). Flag `overflow_risk`: that op
+has less than `OVERFLOW_RISK_BITS` of headroom, whether or not the module's
+output shows it (a float16 variance `x * x` at 60,000 before a finite
+normalised output).
+
 Flags (each row against its own dtype's limits):
 - `overflow_risk`: an `input`/`activation` row with less than
   `OVERFLOW_RISK_BITS` of headroom, or a significant fall forecast to reach
@@ -92,19 +106,30 @@ LAYER_COLUMNS = ["name", "kind", "dtype", "range_dtype", "step", "absmax", "head
                  "share_sample_size", "flags"]
 
 
+INTERMEDIATE_COLUMNS = ["name", "op", "source", "op_index", "dtype", "range_dtype", "step", "absmax",
+                        "headroom_bits", "output_headroom_bits", "nonfinite_ops", "min_headroom_bits",
+                        "min_headroom_step", "min_headroom_op", "flags"]
+_INTERMEDIATE_READ = ["step", "name", "kind", "op", "op_index", "source", "dtype", "absmax", "nan_count",
+                      "inf_count"]
+
+
 @dataclass
 class RangesReport:
     layers: pd.DataFrame      # LAYER_COLUMNS, in execution order (forward, then backward)
     first_step: int | None    # the window analysed
     last_step: int | None
     full_tier_steps: int = 0  # steps of the window with full-tier statistics
+    # INTERMEDIATE_COLUMNS, one row per probed module (empty: no op probe in the run)
+    intermediates: pd.DataFrame | None = None
 
     def to_dict(self) -> dict:
         rows = []
         for r in self.layers.to_dict("records"):
             rows.append({k: plain(v) for k, v in r.items()})
+        inside = [] if self.intermediates is None else [
+            {k: plain(v) for k, v in r.items()} for r in self.intermediates.to_dict("records")]
         return {"layers": rows, "first_step": self.first_step, "last_step": self.last_step,
-                "full_tier_steps": self.full_tier_steps,
+                "full_tier_steps": self.full_tier_steps, "intermediates": inside,
                 "thresholds": {"overflow_risk_bits": OVERFLOW_RISK_BITS, "forecast_horizon": FORECAST_HORIZON,
                                "forecast_risk_bits": FORECAST_RISK_BITS, "forecast_imminent": FORECAST_IMMINENT,
                                "underflow_share": UNDERFLOW_SHARE,
@@ -140,8 +165,24 @@ class RangesReport:
                     worst = hit.sort_values("underflow_share", ascending=False, kind="stable").iloc[0]
                     out.append(f"worst underflow: {_display(worst['name'])} {worst['kind']}, "
                                f"{worst['underflow_share']:.0%} of {sampled_values(worst['share_sample_size'])}")
+        out.extend(self._intermediate_lines())
         if self.full_tier_steps == 0:
             out.append("no full-tier step in the window: underflow shares unknown")
+        return out
+
+    def _intermediate_lines(self) -> list[str]:
+        if self.intermediates is None or not len(self.intermediates):
+            return []
+        out = [f"probed modules: {len(self.intermediates)}"]
+        for r in self.intermediates.to_dict("records"):
+            if "overflow_risk" not in r["flags"]:
+                continue
+            where = f" at {r['source']}" if r["source"] else ""
+            output = r["output_headroom_bits"]
+            seen = "" if output is None or pd.isna(output) else f"; its output keeps {output:.1f} bits"
+            out.append(f"overflow_risk inside {_display(r['name'])}: {r['op']}{where} reached "
+                       f"{r['absmax']:,.6g} in {r['dtype']} (max {DTYPE_LIMITS[r['range_dtype']][0]:.6g}, "
+                       f"{r['headroom_bits']:.2f} bits of headroom) at step {r['step']}{seen}")
         return out
 
 
@@ -149,11 +190,12 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
     """Headroom, trend, forecast and underflow per layer over the last `window` steps (None: all)."""
     last = run.last_step
     if last is None:
-        return RangesReport(layers=_empty(), first_step=None, last_step=None)
+        return RangesReport(layers=_empty(), first_step=None, last_step=None, intermediates=_empty_intermediates())
     lo = None if not window else max(run.first_step, last - int(window) + 1)
     per_step = _per_step(run, lo)
     if per_step is None:
-        return RangesReport(layers=_empty(), first_step=lo, last_step=last)
+        return RangesReport(layers=_empty(), first_step=lo, last_step=last,
+                            intermediates=intermediate_ranges(run, lo))
     cols, bounds = per_step.cols, per_step.bounds
     top_of = np.array([DTYPE_LIMITS[range_dtype(d)][0] for d in per_step.dtypes]
                       + [DTYPE_LIMITS[FALLBACK_DTYPE][0]])  # code -1: no dtype recorded
@@ -224,8 +266,69 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
     layers = layers[LAYER_COLUMNS].reset_index(drop=True)
     for col in ("step", "overflow_forecast_step", "share_sample_size"):
         layers[col] = layers[col].astype("Int64")  # integers with missing values
+    inside = intermediate_ranges(run, lo)
+    if len(inside):
+        outputs = layers[layers["kind"] == "activation"].set_index("name")["headroom_bits"]
+        inside["output_headroom_bits"] = [_finite_or_none(outputs.get(n)) for n in inside["name"]]
     return RangesReport(layers=layers, first_step=int(cols["step"].min()), last_step=last,
-                        full_tier_steps=per_step.full_steps)
+                        full_tier_steps=per_step.full_steps, intermediates=inside)
+
+
+def probed(run: Run) -> bool:
+    """Whether a rank of the run was recorded with an op probe that hooked a
+    module (its manifest says)."""
+    probes = [(m.get("recorder") or {}).get("probe") for m in [run.manifest, *run.rank_manifests.values()]
+              if isinstance(m.get("recorder"), dict)]
+    return any(isinstance(p, dict) and (p.get("probed") or p.get("full_tier_leaves")) for p in probes)
+
+
+def intermediate_ranges(run: Run, lo=None) -> pd.DataFrame:
+    """INTERMEDIATE_COLUMNS: per probed module, the operation nearest to its
+    dtype's overflow at the module's latest step from `lo` on (see the
+    module doc). A run without an op probe is not read again."""
+    if not probed(run):
+        return _empty_intermediates()
+    df = run.scan_tensors(_INTERMEDIATE_READ, kinds=[schema.INTERMEDIATE_KIND], step_range=(lo, None),
+                          label="reading probed operations")
+    df = df[df["kind"] == schema.INTERMEDIATE_KIND]
+    if df.empty:
+        return _empty_intermediates()
+    df = df.assign(source=df["source"].fillna(""), op_index=df["op_index"].fillna(-1).astype(int),
+                   bad=(df["nan_count"] + df["inf_count"]) > 0)
+    # Ranks and calls merged: the largest magnitude, any NaN/Inf, the first dtype.
+    ops = (df.groupby(["name", "step", "op_index", "op", "source"], sort=False)
+           .agg(absmax=("absmax", "max"), bad=("bad", "any"), dtype=("dtype", "first")).reset_index())
+    ops["range_dtype"] = [range_dtype(d) for d in ops["dtype"]]
+    top = ops["range_dtype"].map(lambda d: DTYPE_LIMITS[d][0])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ops["headroom_bits"] = np.where(ops["absmax"] > 0, np.log2(top / ops["absmax"]), np.nan)
+    rows = []
+    for name, g in ops.groupby("name", sort=False):
+        latest = g[g["step"] == g["step"].max()]
+        known = latest.dropna(subset=["headroom_bits"])
+        near = known.sort_values(["headroom_bits", "op_index"], kind="stable").iloc[0] if len(known) else None
+        window = g.dropna(subset=["headroom_bits"]).sort_values(["headroom_bits", "step", "op_index"],
+                                                                kind="stable")
+        closest = window.iloc[0] if len(window) else None
+        headroom = float(near["headroom_bits"]) if near is not None else None
+        pick = near if near is not None else latest.iloc[0]
+        rows.append({"name": name, "op": pick["op"], "source": pick["source"] or None,
+                     "op_index": int(pick["op_index"]), "dtype": pick["dtype"], "range_dtype": pick["range_dtype"],
+                     "step": int(pick["step"]), "absmax": float(pick["absmax"]) if near is not None else None,
+                     "headroom_bits": headroom, "output_headroom_bits": None,
+                     "nonfinite_ops": int(latest["bad"].sum()),
+                     "min_headroom_bits": float(closest["headroom_bits"]) if closest is not None else None,
+                     "min_headroom_step": int(closest["step"]) if closest is not None else None,
+                     "min_headroom_op": closest["op"] if closest is not None else None,
+                     "flags": ["overflow_risk"] if headroom is not None and headroom < OVERFLOW_RISK_BITS else []})
+    out = pd.DataFrame(rows, columns=INTERMEDIATE_COLUMNS)
+    for col in ("step", "min_headroom_step"):
+        out[col] = out[col].astype("Int64")
+    return out
+
+
+def _empty_intermediates() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=object) for c in INTERMEDIATE_COLUMNS})
 
 
 # One value per layer and step: ranks and repeated calls merged. Max, any,
