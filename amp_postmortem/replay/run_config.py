@@ -34,6 +34,7 @@ class RunConfig:
     policy: object = None
     loss_scale: float = 1.0
     fp32_modules: tuple = ()
+    fp32_lines: tuple = ()        # (file, line) of model source lines run in float32 (fp32_lines.py)
     batch: object = None          # slice, list of indices or None (whole batch)
     precision_flags: dict | None = None  # recorded flags applied to fp16/bf16 runs
 
