@@ -205,3 +205,14 @@ def test_an_input_from_an_attribute_is_counted_and_the_patch_is_not_exact():
     assert out.dtype == torch.float32
     (got,) = seen.values()
     assert got.variables == {"x"} and got.others == 1
+
+
+def test_the_op_fix_is_tried_on_every_saved_step(tmp_path):
+    """Two saved steps that both overflow in q·kᵀ: the line saves both."""
+    from whatif_runs import record
+    run = record(tmp_path / "two_steps", R.attn_model(), steps=2, batch_fn=R._batch, bundle_steps=(0, 1))
+    res = fix(run, "AttnNet", "--json")
+    assert res.exit_code == 0, res.output
+    op_fix = json.loads(res.stdout)["op_fix"]
+    assert op_fix["status"] == "saved" and op_fix["saved_steps"] == [0, 1] and op_fix["not_saved_steps"] == []
+    assert [c["saved_as_recorded"] for c in op_fix["saved_steps_check"]] == [False, False]

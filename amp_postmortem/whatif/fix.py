@@ -40,6 +40,7 @@ ranked by the forward work it moves from float16/bfloat16 to float32
 """
 from __future__ import annotations
 
+import enum
 import os
 import re
 from dataclasses import dataclass, field
@@ -77,8 +78,7 @@ class FixReport:
     # [{"step", "saved", "saved_as_recorded", "why"}]
     saved_steps_check: list = field(default_factory=list)
     op_fix: object = None           # op_fix.OpFix, or None (nothing to fix)
-    # Every remedy that saves the step, cheapest first: [{"kind": "line"|"modules", ...}]
-    remedies: list = field(default_factory=list)
+    remedies: list = field(default_factory=list)   # Remedy: every one that saves the step, cheapest first
 
     @property
     def saved_steps(self) -> list:
@@ -96,7 +96,7 @@ class FixReport:
                       "not_saved_steps": self.not_saved_steps,
                       "notes": self.notes, "backward_start": self.backward_start,
                       "thresholds": _thresholds(), "op_fix": self.op_fix.to_dict() if self.op_fix else None,
-                      "remedies": self.remedies})
+                      "remedies": [r.to_dict() for r in self.remedies]})
 
     def table(self) -> pd.DataFrame:
         local = {c["name"]: c["local_rel_err"] for c in self.candidates}
@@ -126,7 +126,7 @@ class FixReport:
             how = "one module" if len(self.fix) == 1 else f"{len(self.fix)} modules (greedy search)"
             op_saves = self.op_fix is not None and self.op_fix.saves_step
             costlier = ("" if not op_saves else " (module level, costlier)"
-                        if self.remedies and self.remedies[0]["kind"] == "line" else " (module level)")
+                        if self.remedies and self.remedies[0].kind is RemedyKind.LINE else " (module level)")
             out.append(f"fix{costlier}: keep {', '.join(_display(m) for m in self.fix)} in float32 ({how}); "
                        "apply after building the model:")
             out += ["    " + line for line in self.patch.splitlines()]
@@ -143,16 +143,16 @@ class FixReport:
             out += [f"  step {c['step']}: {c['why']}" for c in self.saved_steps_check if not c["saved"]]
         if len(self.remedies) > 1:
             out.append("remedies by extra float32 work, cheapest first:")
-            out += [f"  {i}. {remedy_words(r)}: {work_words(r['fp32_flops'], r['fp32_share'])}"
-                    + ("" if r["saves_every_saved_step"] else " (does not save every saved step)")
+            out += [f"  {i}. {remedy_words(r)}: {work_words(r.fp32_flops, r.fp32_share)}"
+                    + ("" if r.saves_every_saved_step else " (does not save every saved step)")
                     for i, r in enumerate(self.remedies, 1)]
         return out
 
 
-def remedy_words(r: dict) -> str:
-    if r["kind"] == "line":
-        return f"line {r['where']} in float32"
-    return "keep " + ", ".join(_display(m) for m in r["modules"]) + " in float32"
+def remedy_words(r: Remedy) -> str:
+    if r.kind is RemedyKind.LINE:
+        return f"line {r.where} in float32"
+    return "keep " + ", ".join(_display(m) for m in r.modules) + " in float32"
 
 
 def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", policy: str = "recorded",
@@ -217,22 +217,42 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
     return report
 
 
+class RemedyKind(enum.Enum):
+    LINE = "line"          # a source line in float32 (op_fix.py)
+    MODULES = "modules"    # modules kept in float32 (keep_fp32)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """A remedy that saves the step, with what it costs in float32 work."""
+    kind: RemedyKind
+    fp32_flops: float
+    fp32_share: float | None
+    saves_every_saved_step: bool
+    where: str | None = None       # LINE: file:line
+    op: str | None = None          # LINE: the aten op it was chosen for
+    modules: tuple = ()            # MODULES
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind.value, "where": self.where, "op": self.op,
+                "modules": list(self.modules) if self.kind is RemedyKind.MODULES else None,
+                "fp32_flops": self.fp32_flops, "fp32_share": self.fp32_share,
+                "saves_every_saved_step": self.saves_every_saved_step}
+
+
 def ranked_remedies(p, report: FixReport) -> list:
     """The remedies that save the step, by the work they move to float32
     (those that do not save every saved step last)."""
     out = []
     op = report.op_fix
     if op is not None and op.saves_step:
-        out.append({"kind": "line", "where": op.where, "op": op.op["op"], "modules": None,
-                    "fp32_flops": op.fp32_flops, "fp32_share": op.fp32_share,
-                    "saves_every_saved_step": op.status is OpFixStatus.SAVED})
+        out.append(Remedy(RemedyKind.LINE, op.fp32_flops, op.fp32_share, op.status is OpFixStatus.SAVED,
+                          where=op.where, op=op.op["op"]))
     if report.fix:
         flops, share, _ = work_cost(p, fp32_modules=tuple(report.fix))
-        out.append({"kind": "modules", "where": None, "op": None, "modules": list(report.fix),
-                    "fp32_flops": flops, "fp32_share": share,
-                    "saves_every_saved_step": not report.not_saved_steps})
+        out.append(Remedy(RemedyKind.MODULES, flops, share, not report.not_saved_steps, modules=tuple(report.fix)))
     # Equal work: the narrower remedy (the line) first.
-    return sorted(out, key=lambda r: (not r["saves_every_saved_step"], r["fp32_flops"], r["kind"] != "line"))
+    return sorted(out, key=lambda r: (not r.saves_every_saved_step, r.fp32_flops, r.kind is not RemedyKind.LINE))
 
 
 def try_on_saved_steps(p, modules, progress=None, *, lines=()) -> list:
