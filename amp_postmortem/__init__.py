@@ -171,9 +171,11 @@ def replay(run, *, step: int, rank: int | None = None, model=None, device: str =
 
 def fix(run, *, step: int, rank: int | None = None, model=None, device: str = "cpu", policy: str = "recorded",
         precision: str | None = None, loss_fn=None, max_candidates: int = 12, max_set: int = 4, progress=None):
-    """Which module kept in float32 saves the step (`amp-postmortem fix`).
-    `precision` (fp16, bf16; default: the recorded one) asks what a step
-    recorded without autocast would do in it."""
+    """What kept in float32 saves the step (`amp-postmortem fix`): the
+    culprit's op at its source line first (`op_fix`), then modules (`fix`,
+    `patch`), ranked by their float32 work (`remedies`). `precision` (fp16,
+    bf16; default: the recorded one) asks what a step recorded without
+    autocast would do in it."""
     _check_device(device, precision)
     from .replay.model_spec import resolve_loss_fn
     from .whatif.fix import find_fix

@@ -55,10 +55,13 @@ def _modules(ctx, param, value):
               help="Largest set of modules the greedy search builds.")
 @output_options(csv=True)
 def fix(run, **options):
-    """Which module kept in float32 saves the step: replay it with one
-    candidate module at a time outside autocast (worst local error first;
-    a greedy set when no single module suffices) and print the one-line
-    patch (`recorders.fp32.keep_fp32`).
+    """What saves the step in float32, the cheapest first: the culprit's
+    operation at its source line (replayed with that line outside autocast,
+    its float16 inputs cast up, and printed as the line rewritten), then
+    modules: one candidate module at a time outside autocast (worst local
+    error first; a greedy set when no single module suffices), printed as
+    the one-line patch (`recorders.fp32.keep_fp32`). Each is tried on every
+    saved step and ranked by the forward work it moves to float32.
 
     \b
         amp-postmortem fix runs/exp1 --step 1234 --model mypkg.models:build

@@ -216,3 +216,43 @@ def test_the_op_fix_is_tried_on_every_saved_step(tmp_path):
     op_fix = json.loads(res.stdout)["op_fix"]
     assert op_fix["status"] == "saved" and op_fix["saved_steps"] == [0, 1] and op_fix["not_saved_steps"] == []
     assert [c["saved_as_recorded"] for c in op_fix["saved_steps_check"]] == [False, False]
+
+
+def big_linear():
+    """One nn.Linear whose float16 output overflows: the op runs in torch's
+    code (F.linear inside nn.Linear, replayed alone), so no line of the
+    model's is there to patch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(R.D_IN, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(3e4)
+        model[0].bias.zero_()
+    return model
+
+
+def test_an_op_in_torch_code_only_leaves_the_module_as_the_remedy(tmp_path):
+    from whatif_runs import record
+    run = record(tmp_path / "big_linear", big_linear(), steps=1, batch_fn=R._batch, bundle_steps=(0,))
+    res = CliRunner().invoke(main, ["fix", str(run), "--step", "0", "--model", f"{__file__}:big_linear", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    op_fix = doc["op_fix"]
+    assert op_fix["status"] == "no_line" and op_fix["module"] == "0" and op_fix["op"]["op"] == "aten::addmm"
+    assert op_fix["op"]["file"] is None and op_fix["trial"] is None and op_fix["patch"] is None
+    assert doc["fix"] == ["0"] and [r["kind"] for r in doc["remedies"]] == ["modules"]
+    text = CliRunner().invoke(main, ["fix", str(run), "--step", "0", "--model", f"{__file__}:big_linear"]).output
+    assert "runs in torch code only (no line of the model's to patch): a module in float32 is the remedy" in text
+
+
+def test_without_an_origin_the_op_with_the_largest_own_error_is_chosen():
+    from amp_postmortem.replay.op_trace import ModuleOpTrace, OpRecord, TraceStatus
+    from amp_postmortem.whatif.op_fix import chosen_op
+
+    def op(i, dtype, err):
+        return OpRecord(index=i, op="aten::mul", dtype=dtype, absmax=1.0, nan=0, inf=0, inputs_finite=True,
+                        local_rel_err=err, module="m", source=None)
+    trace = ModuleOpTrace("m", "fp16", TraceStatus.FINITE,
+                          ops=[op(0, "float16", 1e-3), op(1, "float32", 0.5), op(2, "float16", 0.2), op(3, "float16", None)])
+    chosen, why = chosen_op(trace)
+    assert (chosen.index, why) == (2, "local_error")
+    assert chosen_op(ModuleOpTrace("m", "fp16", TraceStatus.FINITE, ops=[op(0, "float32", 0.5)])) == (None, None)

@@ -30,7 +30,7 @@ from ..op_words import op_origin_text
 from . import fmt_num
 from .line_patch import LinePatch, NotExact, line_patch
 
-__all__ = ["OpFix", "OpFixStatus", "find_op_fix", "work_cost"]
+__all__ = ["OpFix", "OpFixStatus", "chosen_op", "find_op_fix", "work_cost", "work_words"]
 
 _REDUCED_DTYPES = ("float16", "bfloat16")
 
@@ -127,7 +127,9 @@ def work_cost(p, **changes) -> tuple:
     return moved, (moved / base if base > 0 else None), seen
 
 
-def _chosen_op(trace):
+def chosen_op(trace):
+    """(the op whose line to try, why): the trace's origin, else its
+    reduced-precision op with the largest error of its own; (None, None)."""
     if trace.origin is not None:
         return trace.origin, "origin"
     reduced = [o for o in trace.ops if o.dtype in _REDUCED_DTYPES and o.local_rel_err is not None]
@@ -147,7 +149,7 @@ def find_op_fix(p, run, culprit, progress=None) -> OpFix:
                      if culprit is None else "the loss function is the culprit, not a module")
     reference = p.reference_for(None, keep_inputs=True)
     trace = op_trace.trace_module(p.session, reference, run, culprit["name"])
-    op, chosen = _chosen_op(trace)
+    op, chosen = chosen_op(trace)
     if op is None:
         return OpFix(OpFixStatus.NO_OP, module=culprit["name"],
                      why_none=trace.error or f"no op of {culprit['name'] or 'the model'} made NaN/Inf or ran in a "
