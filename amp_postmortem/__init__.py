@@ -15,7 +15,8 @@ without:
 
 Importing it imports neither torch nor pandas: the table commands run where
 torch is absent; `replay`, `fix`, `bisect`, `load_bundle` and the replayed
-`scale_window` and `recommend` import torch when called. Errors the user can
+`scale_window`, `recommend`, `nans` and `summary` (given a model) import
+torch when called. Errors the user can
 fix are `errors.PostmortemError`s with one-line messages.
 """
 from __future__ import annotations
@@ -67,15 +68,25 @@ def load_bundle(path, *, step: int | None = None, rank: int | None = None):
 
 # -------------------------------------------------------- table commands
 def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "local",
-            scheduler: str | None = None, progress=None):
+            scheduler: str | None = None, model=None, step: int | None = None, device: str = "cpu",
+            policy: str = "recorded", loss_fn=None, progress=None):
     """Run facts and findings, most severe first (`amp-postmortem summary`).
     `window`: the last N steps `ranges` judges (0: the whole run).
     `engine`/`scheduler`: where the per-shard reads run (`local`, or `dask`
-    on the cluster at `scheduler`); the same result either way."""
+    on the cluster at `scheduler`); the same result either way. With
+    `model` (and `step`, `device`, `policy`, `loss_fn` as for `replay`),
+    a run with a NaN/Inf replays a saved bundle and adds the op origin
+    (`op_origin`: `replay/run_origin.py`); without it nothing is replayed."""
     from .analyses.summary import summarize
-    r = load_run(run, rank=rank, engine=engine, scheduler=scheduler, progress=progress)
+    r = load_run(_replayable(run, model), rank=rank, engine=engine, scheduler=scheduler, progress=progress)
     with _engine_of(r):
-        return _result(summarize(r, window=window), r)
+        report = summarize(r, window=window)
+        failing = next((f for f in report.findings if f.kind == "nonfinite"), None)
+        if failing is not None:
+            origin = (failing.evidence.get("origin") or {})
+            report.op_origin = _op_origin(r, model, step, rank, origin.get("step") if origin.get("phase") ==
+                                          "forward" else None, device, policy, loss_fn)
+        return _result(report, r)
 
 
 def watch(run, *, rank: int | None = None, fail_on="critical", interval: float = 2.0, window: int = 1000):
@@ -94,12 +105,21 @@ def watch(run, *, rank: int | None = None, fail_on="critical", interval: float =
 
 
 def nans(run, *, rank: int | None = None, from_step: int | None = None, to_step: int | None = None,
-         engine: str = "local", scheduler: str | None = None, progress=None):
-    """Layers by first NaN/Inf and the origins (`amp-postmortem nans`)."""
+         engine: str = "local", scheduler: str | None = None, model=None, step: int | None = None,
+         device: str = "cpu", policy: str = "recorded", loss_fn=None, progress=None):
+    """Layers by first NaN/Inf and the origins (`amp-postmortem nans`). With
+    `model` (and `step`, `device`, `policy`, `loss_fn` as for `replay`), a
+    run with a NaN/Inf replays a saved bundle and adds the op origin
+    (`op_origin`: `replay/run_origin.py`); without it nothing is replayed."""
     from .analyses.nans import find_nans
-    r = load_run(run, rank=rank, engine=engine, scheduler=scheduler, progress=progress)
+    r = load_run(_replayable(run, model), rank=rank, engine=engine, scheduler=scheduler, progress=progress)
     with _engine_of(r):
-        return _result(find_nans(r, from_step=from_step, to_step=to_step), r)
+        report = find_nans(r, from_step=from_step, to_step=to_step)
+        if report.first_nonfinite_step is not None:
+            forward = report.origins.get("forward")
+            report.op_origin = _op_origin(r, model, step, rank, forward.step if forward else None, device,
+                                          policy, loss_fn)
+        return _result(report, r)
 
 
 def scale(run, *, rank: int | None = None, engine: str = "local", scheduler: str | None = None,
@@ -151,9 +171,11 @@ def replay(run, *, step: int, rank: int | None = None, model=None, device: str =
 
 def fix(run, *, step: int, rank: int | None = None, model=None, device: str = "cpu", policy: str = "recorded",
         precision: str | None = None, loss_fn=None, max_candidates: int = 12, max_set: int = 4, progress=None):
-    """Which module kept in float32 saves the step (`amp-postmortem fix`).
-    `precision` (fp16, bf16; default: the recorded one) asks what a step
-    recorded without autocast would do in it."""
+    """What kept in float32 saves the step (`amp-postmortem fix`): the
+    culprit's op at its source line first (`op_fix`), then modules (`fix`,
+    `patch`), ranked by their float32 work (`remedies`). `precision` (fp16,
+    bf16; default: the recorded one) asks what a step recorded without
+    autocast would do in it."""
     _check_device(device, precision)
     from .replay.model_spec import resolve_loss_fn
     from .whatif.fix import find_fix
@@ -306,6 +328,27 @@ def _path(run):
         from .store import local_copy
         return local_copy(str(location))
     return Path(location)
+
+
+def _replayable(run, model):
+    """The run as given; with a model, a remote run is copied here first
+    (the replay reads its bundles from disk)."""
+    if model is None:
+        return run
+    from recorders.storage import is_uri
+    return _path(run) if is_uri(run) else run
+
+
+def _op_origin(run, model, step, rank, forward_step, device, policy, loss_fn):
+    """`run_origin.op_origin_of_run(...).to_dict()` with a model; None (and
+    no import of torch) without one."""
+    if model is None:
+        return None
+    _check_device(device)
+    from .replay.model_spec import resolve_loss_fn
+    from .replay.run_origin import op_origin_of_run
+    return op_origin_of_run(run, model=model, step=step, rank=rank, forward_step=forward_step, device=device,
+                            policy=policy, loss_fn=resolve_loss_fn(loss_fn)).to_dict()
 
 
 def _engine_of(run):

@@ -23,8 +23,15 @@ import amp_postmortem as api
 
 from .errors import PostmortemError
 from .names import FINDING_KINDS
+from .cli_whatif import replay_options
 from .output import (StderrProgress, api_default, emit_event, engine_options, output_options, run_options,
                      stream_options)
+
+# --model and the replay's options on `nans` and `summary`: the op origin of a saved step.
+op_origin_options = replay_options(
+    step_required=False, precision=False,
+    step_help="With --model: the step whose bundle to replay for the op origin (default: the bundle saved at "
+              "the forward origin's step, else the one `recommend` replays).")
 
 EXIT_USAGE = 2  # unusable input, like click's usage errors
 EXIT_BUG = 1    # an unexpected exception: a bug to report
@@ -89,10 +96,14 @@ def main(debug):
 @run_options
 @click.option("--from-step", type=int, default=None, help="Ignore steps before this one.")
 @click.option("--to-step", type=int, default=None, help="Ignore steps after this one.")
+@op_origin_options
 @engine_options
 @output_options(csv=True)
 def nans(run, **options):
-    """Rank layers by their first NaN/Inf and name the origin.
+    """Rank layers by their first NaN/Inf and name the origin; with --model,
+    also the op origin: a saved step replayed, the first operation (and
+    source line) whose output turned NaN/Inf from finite inputs, as `replay`
+    names it.
 
     Order: by first step; within a step forward before backward, then in the
     order the tensors were produced. ORIGIN marks the layer that made the
@@ -104,6 +115,7 @@ def nans(run, **options):
     \b
         amp-postmortem nans runs/exp1
         amp-postmortem nans runs/exp1 --from-step 1000 --json
+        amp-postmortem nans runs/exp1 --model mypkg.models:build
     """
     return api.nans(run, **options, progress=StderrProgress())
 
@@ -163,17 +175,20 @@ def _fail_on(ctx, param, value):
 @click.option("--fail-on", metavar="KIND[,KIND]", callback=_fail_on, default=None,
               help="Exit with code 1 when a finding of these kinds exists (for CI): "
                    + ", ".join(FINDING_KINDS) + ".")
+@op_origin_options
 @engine_options
 @output_options(csv=True)
 def summary(run, fail_on, **options):
     """Run facts and findings (non-finite values, training instability,
     loss-scale collapse, low scale, gradient underflow, overflow risk,
     recording stopped) most severe first, each with its evidence and the
-    next command to run.
+    next command to run; with --model, a run with a NaN/Inf also gets the
+    op origin of a saved step (as `nans --model`).
 
     \b
         amp-postmortem summary runs/exp1
         amp-postmortem summary runs/exp1 --fail-on nonfinite,scale_collapse
+        amp-postmortem summary runs/exp1 --model mypkg.models:build
     """
     report = api.summary(run, **options, progress=StderrProgress())
     failing = fail_on & report.kinds()

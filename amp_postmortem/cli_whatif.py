@@ -21,13 +21,15 @@ from .names import DEVICES, POLICIES, REDUCED_PRECISIONS
 from .output import RUN_LOCATION, StderrProgress, api_default, output_options, run_options
 
 
-def replay_options(*, step_required: bool = True):
+def replay_options(*, step_required: bool = True, precision: bool = True, step_help: str | None = None):
     """--step, --model, --loss-fn, --device, --policy and --precision of the
-    what-ifs that replay a bundle."""
+    what-ifs that replay a bundle (`nans` and `summary` take them without
+    --precision: their replay runs in the recorded precision)."""
     def decorate(f):
-        f = click.option("--precision", type=click.Choice(REDUCED_PRECISIONS), default=None,
-                         help="Reduced precision of the replay (default: the recorded one; a step "
-                              "recorded without autocast needs it).")(f)
+        if precision:
+            f = click.option("--precision", type=click.Choice(REDUCED_PRECISIONS), default=None,
+                             help="Reduced precision of the replay (default: the recorded one; a step "
+                                  "recorded without autocast needs it).")(f)
         f = click.option("--policy", type=click.Choice(POLICIES), default="recorded", show_default=True,
                          help="Autocast policy of the replay: the recording device's, or CUDA's / the CPU's.")(f)
         f = click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
@@ -35,7 +37,7 @@ def replay_options(*, step_required: bool = True):
         f = click.option("--loss-fn", metavar="SPEC", default=None, help=LOSS_FN_HELP)(f)
         f = click.option("--model", metavar="SPEC", default=None, help=MODEL_HELP)(f)
         f = click.option("--step", type=int, required=step_required, default=None,
-                         help="The step whose replay bundle to use.")(f)
+                         help=step_help or "The step whose replay bundle to use.")(f)
         return f
     return decorate
 
@@ -53,10 +55,13 @@ def _modules(ctx, param, value):
               help="Largest set of modules the greedy search builds.")
 @output_options(csv=True)
 def fix(run, **options):
-    """Which module kept in float32 saves the step: replay it with one
-    candidate module at a time outside autocast (worst local error first;
-    a greedy set when no single module suffices) and print the one-line
-    patch (`recorders.fp32.keep_fp32`).
+    """What saves the step in float32, the cheapest first: the culprit's
+    operation at its source line (replayed with that line outside autocast,
+    its float16 inputs cast up, and printed as the line rewritten), then
+    modules: one candidate module at a time outside autocast (worst local
+    error first; a greedy set when no single module suffices), printed as
+    the one-line patch (`recorders.fp32.keep_fp32`). Each is tried on every
+    saved step and ranked by the forward work it moves to float32.
 
     \b
         amp-postmortem fix runs/exp1 --step 1234 --model mypkg.models:build

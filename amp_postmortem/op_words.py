@@ -1,5 +1,5 @@
 """The words of an op trace (`op_trace.py`), said once for every command
-that shows one: `replay`, `nans`, `summary` and `report`. They read the
+that shows one: `replay`, `nans`, `summary` (`run_origin.py`), `fix` and `report`. They read the
 plain data of `replay --json` (`ModuleOpTrace.to_dict()`), so a report made from a
 saved `replay --json` says the same as the replay did. No torch: `report` runs
 without it."""
@@ -64,3 +64,20 @@ def trace_rows(trace: dict) -> list:
                      "nonfinite": (op.get("nan") or 0) + (op.get("inf") or 0),
                      "origin": bool(trace.get("origin")) and op.get("index") == trace["origin"].get("index")})
     return rows
+
+
+def run_op_origin_line(origin: dict) -> str:
+    """`nans` and `summary` given a model (`replay/run_origin.py`): the op
+    origin of the replayed step, and which step it is."""
+    if origin["status"] == "no_bundle":
+        return "op origin: not found: the run saved no replay bundle (see the recorder's bundle options)"
+    fidelity = {True: "reproduced", False: "NOT reproduced", None: "reproduction unknown"}[origin.get("reproduced")]
+    why = {"asked": "the step asked for", "origin_step": "the forward origin's step",
+           "bundle_priority": "the bundle recommend would replay"}.get(origin.get("chosen_by"), "")
+    head = f"op origin (replay of step {origin['step']}, rank {origin['rank']}: {why}, {fidelity})"
+    if origin["status"] == "found":
+        return f"{head}: {op_origin_text(origin['op'])}"
+    culprit = origin.get("culprit")
+    if culprit is None:
+        return f"{head}: none (no module's own arithmetic is broken in the {origin.get('precision')} replay)"
+    return f"{head}: none (no op of the culprit {_module(culprit['name'])} made NaN/Inf from finite inputs)"

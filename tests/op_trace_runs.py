@@ -38,6 +38,22 @@ class ExpNet(nn.Module):
         return self.head(self.gate(x))
 
 
+class ExpNormGate(ExpGate):
+    """A hand-written softmax without the max subtracted: exp overflows
+    float16 past 11.1, while the normalised result is in (0, 1]."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        e = torch.exp(h)  # PLANTED
+        return e / e.sum(-1, keepdim=True)
+
+
+class ExpNormNet(ExpNet):
+    def __init__(self):
+        super().__init__()
+        self.gate = ExpNormGate()
+
+
 class HandNorm(nn.Module):
     """A hand-written RMS norm whose `x * x` overflows float16 for |x| > 256."""
 
@@ -129,6 +145,11 @@ def exp_model():
     return _scaled(ExpNet(), {"gate.fc": 6.0})          # |h| ~ 24 * |x|: exp far past 65504
 
 
+def exp_norm_model():
+    torch.manual_seed(0)
+    return _scaled(ExpNormNet(), {"gate.fc": 6.0})
+
+
 def norm_model():
     torch.manual_seed(0)
     return _scaled(NormNet(), {"embed": 200.0})         # |x| ~ 800 * |input|
@@ -151,6 +172,12 @@ def _model_loss(model, x, y, step, accumulate):
 @functools.lru_cache(maxsize=None)
 def exp_run():
     return record(_root() / "exp_overflows", exp_model(), steps=1, batch_fn=_batch, bundle_steps=(0,))
+
+
+@functools.lru_cache(maxsize=None)
+def exp_norm_run():
+    return record(_root() / "exp_normalised_overflows", exp_norm_model(), steps=1, batch_fn=_batch,
+                  bundle_steps=(0,))
 
 
 @functools.lru_cache(maxsize=None)

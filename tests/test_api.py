@@ -40,7 +40,8 @@ OUT = Path(tempfile.mkdtemp(prefix="amp-postmortem-api-"))
 # One invocation per command on a sample run (small replays: seconds in all).
 CALLS = {
     "summary": ("sample_runs/attention_overflow",),
-    "nans": ("sample_runs/attention_overflow", "--from-step", "70"),
+    # With a model: the op origin of the bundle of step 79 (without one: `summary` and the import test).
+    "nans": ("sample_runs/attention_overflow", "--from-step", "70", "--model", MODELS + "attention_overflow_gpt"),
     "scale": ("sample_runs/attention_overflow",),
     "ranges": ("sample_runs/grad_underflow", "--window", "0"),
     "compare": ("sample_runs/fp32_baseline", "sample_runs/attention_overflow"),

@@ -39,6 +39,7 @@ from recorders import schema
 
 from ..names import display_name as _display
 from ..loader import Run
+from ..op_words import run_op_origin_line
 from ..display import report_html, report_repr
 from recorders.plain import plain
 
@@ -79,6 +80,9 @@ class NanReport:
     backward_calibration: bool = False     # ...and it is one of the scaler's leading calibration skips
     shards_scanned: int = 0
     shards_total: int = 0
+    # With a model: `replay.run_origin.RunOpOrigin.to_dict()` of a replayed
+    # bundle (the API adds it; this analysis never replays). None without one.
+    op_origin: dict | None = None
 
     def to_dict(self) -> dict:
         layers = [{k: plain(v) for k, v in row.items()} for row in self.layers.to_dict("records")]
@@ -94,6 +98,7 @@ class NanReport:
             "backward_calibration": self.backward_calibration,
             "shards_scanned": self.shards_scanned,
             "shards_total": self.shards_total,
+            "op_origin": self.op_origin,
         }
 
     # Readable at the prompt and in Jupyter (display.py).
@@ -131,6 +136,8 @@ class NanReport:
         if self.nonfinite_loss_steps:
             out.append(f"non-finite loss in {len(self.nonfinite_loss_steps)} step(s), "
                        f"first at step {self.nonfinite_loss_steps[0]}")
+        if self.op_origin is not None:
+            out.append(run_op_origin_line(self.op_origin))
         return out
 
 

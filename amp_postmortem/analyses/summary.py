@@ -37,6 +37,7 @@ from .nans import find_nans
 from .ranges import DTYPE_LIMITS, WINDOW, layer_ranges, sampled_values
 from .scale import scale_dynamics, underflow_phrase
 from ..display import report_html, report_repr
+from ..op_words import run_op_origin_line
 
 SEVERITIES = ("critical", "error", "warning", "info")
 
@@ -69,13 +70,16 @@ class Finding:
 class Summary:
     run: dict
     findings: list[Finding]
+    # With a model: the op origin of a replayed bundle (`replay.run_origin`;
+    # the API adds it, this analysis never replays). None without one.
+    op_origin: dict | None = None
     show_table = False  # the readable view lists the findings in `lines()`
 
     def kinds(self) -> set[str]:
         return {f.kind for f in self.findings}
 
     def to_dict(self) -> dict:
-        return {"run": self.run, "findings": [f.to_dict() for f in self.findings]}
+        return {"run": self.run, "findings": [f.to_dict() for f in self.findings], "op_origin": self.op_origin}
 
     # Readable at the prompt and in Jupyter (display.py).
     __repr__ = report_repr
@@ -99,7 +103,8 @@ class Summary:
             _loss_line(r),
             "",
             "findings (most severe first):",
-        ] + [line for f in self.findings for line in f.lines()] + [
+        ] + [line for f in self.findings for line in f.lines()] + (
+            [] if self.op_origin is None else ["", run_op_origin_line(self.op_origin)]) + [
             "",
             # The pictures of the same run (`report`, `export`: the report extra).
             f"plots: amp-postmortem report {shlex.quote(str(r['path']))}",

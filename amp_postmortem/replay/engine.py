@@ -20,7 +20,8 @@ Precision semantics (`RunConfig.precision`):
 
 What-if replays change a `RunConfig`, not the engine: `fp32_modules` runs
 the named modules in float32 (inputs cast up, autocast and its emulation off
-inside them), `loss_scale` replays the backward at another scale, `batch`
+inside them), `fp32_lines` the named source lines of the model (`fp32_lines.py`:
+the op-level patch of `fix`), `loss_scale` replays the backward at another scale, `batch`
 replays a slice of the batch (indices along dimension 0), and
 `running_statistics` runs the modules that normalise over the batch
 (`batch_statistics_modules`: BatchNorm in training) on their running
@@ -38,7 +39,9 @@ from recorders.stats import iter_tensors
 from ..errors import ModelSpecError, PostmortemError
 from .capture import (AnomalyCatcher, BackwardWatch, CallRecorder, ModuleCall, StepCapture, is_floating, map_tensors,
                       round_to, stateful_copy)
+from .fp32_lines import float32_lines
 from .model_spec import load_weights
+from .op_cost import ReducedWork
 from .outputs import backward_roots, find_loss
 from .run_config import (DTYPES, POLICY_MODES, PRECISION_OF_DTYPE, PRECISIONS, RunConfig, autocast_device_types,
                          autocast_for, float32_region, numerics_flags, preserved_rng, set_rng)
@@ -275,7 +278,7 @@ class ReplaySession:
                     if recorder is not None:
                         recorder.micro_batch = mb
                     with torch.enable_grad():
-                        with autocast_for(config):
+                        with autocast_for(config), float32_lines(config.fp32_lines, autocast_device_types(config)):
                             output = model(*args, **kwargs)
                         outs = [t for t in iter_tensors(output) if is_floating(t)]
                         result.outputs.append([t.detach().clone() for t in outs])
@@ -306,6 +309,30 @@ class ReplaySession:
                 result.param_grads[name] = p.grad.detach().to(torch.float64) / scale
                 p.grad = None
         return result
+
+    def reduced_work(self, config: RunConfig):
+        """(FLOPs of the forward run in float16/bfloat16 (`op_cost.py`), what
+        the float32 lines were handed ({line_key: LineInputs})): the step's
+        forward passes under `config`, without a backward."""
+        model = self.model(config.weight_dtype)
+        counter = ReducedWork()
+        seen: dict = {}
+        with ExitStack() as stack:
+            stack.enter_context(preserved_rng(self.device))
+            stack.enter_context(numerics_flags(config))
+            stack.enter_context(fp32_modules_kept(model, config.fp32_modules, autocast_device_types(config)))
+            for mb, (args, kwargs, _) in enumerate(self.micro_batches(config, with_grads=False)):
+                self._restore_rng(mb)
+                with torch.no_grad(), autocast_for(config), \
+                        float32_lines(config.fp32_lines, autocast_device_types(config)) as lines, counter:
+                    model(*args, **kwargs)
+                for key, got in lines.items():
+                    into = seen.setdefault(key, got)
+                    if into is not got:
+                        into.variables |= got.variables
+                        into.others += got.others
+                        into.calls += got.calls
+        return counter.flops, seen
 
     def rerun_call(self, config: RunConfig, ref_call: ModuleCall, input_dtypes, *,
                    grads=None, reference: bool = False):
@@ -353,7 +380,7 @@ class ReplaySession:
             if ref_call.cuda_rng_state is not None:
                 torch.cuda.set_rng_state(ref_call.cuda_rng_state[1], ref_call.cuda_rng_state[0])
             with torch.enable_grad():
-                with autocast_for(config):
+                with autocast_for(config), float32_lines(config.fp32_lines, autocast_device_types(config)):
                     output = module(*args, **kwargs)
                 outs = [t for t in iter_tensors(output) if is_floating(t)]
                 got = None

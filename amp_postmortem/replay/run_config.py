@@ -34,6 +34,7 @@ class RunConfig:
     policy: object = None
     loss_scale: float = 1.0
     fp32_modules: tuple = ()
+    fp32_lines: tuple = ()        # (file, line) of model source lines run in float32 (fp32_lines.py)
     batch: object = None          # slice, list of indices or None (whole batch)
     # The modules that normalise over the batch (`engine.batch_statistics_modules`)
     # on their running statistics instead: a one-sample slice they can take.

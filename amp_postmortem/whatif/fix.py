@@ -30,9 +30,18 @@
 6. The fix is tried on every other saved step of the run (`saved_steps`,
    `not_saved_steps`): one that saves this step and not the next only
    moves the failure.
+
+Before the modules, the op-level remedy (`op_fix.py`): the culprit's
+operation, at its line of the model's source, in float32, verified the same
+way, with the line's patch (`op_fix`). Every remedy that saves the step is
+ranked by the forward work it moves from float16/bfloat16 to float32
+(`remedies`, cheapest first): the op's line before its module. `fix` and
+`patch` stay the module-level answer, the fallback when no line saves it.
 """
 from __future__ import annotations
 
+import enum
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -41,6 +50,7 @@ import pandas as pd
 from recorders.plain import plain
 from ..names import display_name as _display
 from . import fmt_num, prepare, report_progress
+from .op_fix import OpFixStatus, find_op_fix, work_cost, work_words
 
 MAX_CANDIDATES = 12
 MAX_SET = 4
@@ -67,6 +77,8 @@ class FixReport:
     # The fix tried on every saved step of the run (this one first):
     # [{"step", "saved", "saved_as_recorded", "why"}]
     saved_steps_check: list = field(default_factory=list)
+    op_fix: object = None           # op_fix.OpFix, or None (nothing to fix)
+    remedies: list = field(default_factory=list)   # Remedy: every one that saves the step, cheapest first
 
     @property
     def saved_steps(self) -> list:
@@ -83,7 +95,8 @@ class FixReport:
                       "saved_steps_check": self.saved_steps_check, "saved_steps": self.saved_steps,
                       "not_saved_steps": self.not_saved_steps,
                       "notes": self.notes, "backward_start": self.backward_start,
-                      "thresholds": _thresholds()})
+                      "thresholds": _thresholds(), "op_fix": self.op_fix.to_dict() if self.op_fix else None,
+                      "remedies": [r.to_dict() for r in self.remedies]})
 
     def table(self) -> pd.DataFrame:
         local = {c["name"]: c["local_rel_err"] for c in self.candidates}
@@ -106,21 +119,40 @@ class FixReport:
                      f" once the scaler backs off to {b['loss_scale']:g} (`scale-window` says more)")
             out.append(f"the step is already saved in the replay{where} (finite, gradients within the "
                        "thresholds of float64, no module broken): nothing to keep in float32")
-        elif self.fix:
+            return out
+        if self.op_fix is not None:
+            out += self.op_fix.lines()
+        if self.fix:
             how = "one module" if len(self.fix) == 1 else f"{len(self.fix)} modules (greedy search)"
-            out.append(f"fix: keep {', '.join(_display(m) for m in self.fix)} in float32 ({how}); "
+            op_saves = self.op_fix is not None and self.op_fix.saves_step
+            costlier = ("" if not op_saves else " (module level, costlier)"
+                        if self.remedies and self.remedies[0].kind is RemedyKind.LINE else " (module level)")
+            out.append(f"fix{costlier}: keep {', '.join(_display(m) for m in self.fix)} in float32 ({how}); "
                        "apply after building the model:")
             out += ["    " + line for line in self.patch.splitlines()]
         else:
+            op_saves = self.op_fix is not None and self.op_fix.saves_step
             out.append(f"no set of up to {MAX_SET} modules kept in float32 saves the step "
-                       "(see `recommend` for bf16 and the loss scale)")
+                       + ("(the op-level fix above does)" if op_saves else
+                          "(see `recommend` for bf16 and the loss scale)"))
         if len(self.saved_steps_check) > 1:
             out.append(f"tried on every saved step of the run: saves step(s) "
                        f"{', '.join(map(str, self.saved_steps)) or 'none'}"
                        + (f"; does NOT save step(s) {', '.join(map(str, self.not_saved_steps))}"
                           if self.not_saved_steps else ""))
             out += [f"  step {c['step']}: {c['why']}" for c in self.saved_steps_check if not c["saved"]]
+        if len(self.remedies) > 1:
+            out.append("remedies by extra float32 work, cheapest first:")
+            out += [f"  {i}. {remedy_words(r)}: {work_words(r.fp32_flops, r.fp32_share)}"
+                    + ("" if r.saves_every_saved_step else " (does not save every saved step)")
+                    for i, r in enumerate(self.remedies, 1)]
         return out
+
+
+def remedy_words(r: Remedy) -> str:
+    if r.kind is RemedyKind.LINE:
+        return f"line {r.where} in float32"
+    return "keep " + ", ".join(_display(m) for m in r.modules) + " in float32"
 
 
 def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", policy: str = "recorded",
@@ -142,7 +174,9 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
     if any(n.startswith("the float64 reference") for n in notes):
         report.search = "none"  # no precision setting repairs what float64 cannot compute
         return report
-    comparisons = attribution.compare_run(p.session, reference, p.run(capture=True), local=True)
+    recorded = p.run(capture=True)
+    comparisons = attribution.compare_run(p.session, reference, recorded, local=True)
+    report.op_fix = find_op_fix(p, recorded, attribution.find_culprit(comparisons, p.precision), progress)
     report.candidates = candidates = rank_candidates(comparisons, max_candidates)
     names = [c["name"] for c in candidates]
     total = len(names)
@@ -179,26 +213,68 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
         report.fix = sorted(report.fix, key=lambda n: position.get(n, len(position)))  # model order
         report.patch = patch_lines(net, report.fix)
         report.saved_steps_check = try_on_saved_steps(p, report.fix, progress)
+    report.remedies = ranked_remedies(p, report)
     return report
 
 
-def try_on_saved_steps(p, modules, progress=None) -> list:
+class RemedyKind(enum.Enum):
+    LINE = "line"          # a source line in float32 (op_fix.py)
+    MODULES = "modules"    # modules kept in float32 (keep_fp32)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """A remedy that saves the step, with what it costs in float32 work."""
+    kind: RemedyKind
+    fp32_flops: float
+    fp32_share: float | None
+    saves_every_saved_step: bool
+    where: str | None = None       # LINE: file:line
+    op: str | None = None          # LINE: the aten op it was chosen for
+    modules: tuple = ()            # MODULES
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind.value, "where": self.where, "op": self.op,
+                "modules": list(self.modules) if self.kind is RemedyKind.MODULES else None,
+                "fp32_flops": self.fp32_flops, "fp32_share": self.fp32_share,
+                "saves_every_saved_step": self.saves_every_saved_step}
+
+
+def ranked_remedies(p, report: FixReport) -> list:
+    """The remedies that save the step, by the work they move to float32
+    (those that do not save every saved step last)."""
+    out = []
+    op = report.op_fix
+    if op is not None and op.saves_step:
+        out.append(Remedy(RemedyKind.LINE, op.fp32_flops, op.fp32_share, op.status is OpFixStatus.SAVED,
+                          where=op.where, op=op.op["op"]))
+    if report.fix:
+        flops, share, _ = work_cost(p, fp32_modules=tuple(report.fix))
+        out.append(Remedy(RemedyKind.MODULES, flops, share, not report.not_saved_steps, modules=tuple(report.fix)))
+    # Equal work: the narrower remedy (the line) first.
+    return sorted(out, key=lambda r: (not r.saves_every_saved_step, r.fp32_flops, r.kind is not RemedyKind.LINE))
+
+
+def try_on_saved_steps(p, modules, progress=None, *, lines=()) -> list:
     """The fix tried on every saved step of the run (the replayed one
     first): a fix found on one step that leaves another non-finite only
     moves the failure. Each step is judged as the fix search judges
-    (`whatif.judge`), as recorded and with `modules` in float32."""
+    (`whatif.judge`), as recorded and with `modules` (and the source
+    `lines`, (file, line) pairs) in float32."""
     from . import other_bundles, prepare_like
     out = [{"step": p.step, "saved": True, "saved_as_recorded": False, "why": None}]
     others = other_bundles(p)
     for i, (step, path) in enumerate(others):
         q = prepare_like(p, path, keep_inputs=True)
         as_recorded = q.trial()
-        t = q.trial(fp32_modules=tuple(modules)) if not as_recorded["saved"] else as_recorded
+        t = (q.trial(fp32_modules=tuple(modules), fp32_lines=tuple(lines)) if not as_recorded["saved"]
+             else as_recorded)
         why = None
         if not t["saved"]:
             ref_bad = any(n.startswith("the float64 reference") for n in q.notes)
+            what = ", ".join([*modules, *(f"line {os.path.basename(f)}:{n}" for f, n in lines)])
             why = ("the float64 replay is non-finite too: no precision setting saves it" if ref_bad else
-                   f"with {', '.join(modules)} in float32: {t['why']}")
+                   f"with {what} in float32: {t['why']}")
         out.append({"step": step, "saved": bool(t["saved"]), "saved_as_recorded": bool(as_recorded["saved"]),
                     "why": why})
         report_progress(progress, "trying the fix on the saved steps", i + 1, len(others))
