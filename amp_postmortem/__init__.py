@@ -90,13 +90,14 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
 
 
 def watch(run, *, rank: int | None = None, fail_on="critical", interval: float = 2.0, window: int = 1000):
-    """Follow a running job's run directory (`amp-postmortem watch`): an
+    """Follow a running job's run (`amp-postmortem watch`), a directory or a URI: an
     iterator of each new finding of `summary`, once (`FindingSeen`), then
     how the watch ended (`WatchEnd`, with `exit_code`), at the first finding
     at or above `fail_on` (a severity such as "critical", or finding kinds;
     None: never), when the job closes its recording, or when recording
     stops. `interval`: seconds between looks; `window` as for `summary`.
-    A local directory only. See `analyses/watch.py`."""
+    On a store, alerts wait for the step's shard pair to be uploaded, and
+    the watch never ends with `job_gone`. See `analyses/watch.py`."""
     from .analyses.watch import RunWatcher, follow
     from .errors import OptionError
     if not interval > 0:

@@ -202,28 +202,34 @@ def summary(run, fail_on, **options):
               help="Stop with exit code 1 at the first finding of this severity or worse (critical, error, "
                    "warning), or of these kinds (as summary's --fail-on).")
 @click.option("--interval", type=float, default=api_default(api.watch, "interval"), show_default=True,
-              help="Seconds between looks at the run directory: an alert comes at most this long (plus one "
-                   "analysis) after its step reaches the disk.")
+              help="Seconds between looks at the run: an alert comes at most this long (plus one analysis) "
+                   "after its step reaches the disk (on a store: after its shard pair is uploaded).")
 @click.option("--window", type=click.IntRange(min=0), default=api_default(api.watch, "window"), show_default=True,
               help="Judge float16 ranges over the last N recorded steps (0: the whole run), as `summary`.")
 @stream_options
 def watch(run, fmt, **options):
-    """Follow a running job's run directory and print each new finding of
-    `summary` once, as it appears. Exit codes: 1 at the first finding at
-    or above --fail-on; 0 when the job closes its recording without one;
-    3 when recording stops early (the recorder switched itself off, or the
-    job's process on this host is gone without closing); 2 for unusable
-    input (a missing directory, a URI: local directories only); 130 when
-    stopped with Ctrl-C.
+    """Follow a running job's run (a directory, or a URI such as
+    s3://bucket/run) and print each new finding of `summary` once, as it
+    appears. Exit codes: 1 at the first finding at or above --fail-on; 0
+    when the job closes its recording without one; 3 when recording stops
+    early (the recorder switched itself off, or the job's process on this
+    host is gone without closing: never judged for a run on a store); 2
+    for unusable input (a missing run, a recorder's local spool, a store
+    that does not answer); 130 when stopped with Ctrl-C. On a store an
+    alert waits for the step's shard pair to be uploaded (every
+    steps_per_shard steps or flush_interval_s seconds).
 
     \b
         amp-postmortem watch runs/exp1
         amp-postmortem watch runs/exp1 --fail-on error --interval 5 --json
+        amp-postmortem watch s3://my-bucket/runs/exp1
     """
     events = api.watch(run, **options)
-    click.echo(f"watching {run} every {options['interval']:g} s (Ctrl-C to stop)", err=True)
     end = None
     try:
+        # Inside: a Ctrl-C that lands while this line is written (its reader
+        # may act on it before the write returns) is an interrupt too.
+        click.echo(f"watching {run} every {options['interval']:g} s (Ctrl-C to stop)", err=True)
         for event in events:
             emit_event(event, fmt)
             end = event

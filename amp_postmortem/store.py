@@ -7,6 +7,12 @@ recursive listing of the run, taken on first use: an object store lists
 thousands of keys per request, while asking per directory or per file
 would cost a round trip each. `filesystem_of(p)` and `fs_path(p)` give
 pyarrow what it needs to open a file of either kind.
+
+`shallow_view(p)` is the other way to look, for `watch`'s polls of a run
+being written: a directory is listed (one level, one request) only when
+asked about, so a look at the manifests, status slots and indexes never
+lists the shards; `ShallowListing.seen` holds the size and modification
+time of every file it listed (what changed since the last look).
 """
 from __future__ import annotations
 
@@ -60,6 +66,74 @@ class _Listing:
     def children(self, path: str) -> list[str]:
         self.kinds()
         return sorted(self._children.get(path, []))
+
+    def kind(self, path: str) -> str | None:
+        return self.kinds().get(path)
+
+    def size(self, path: str) -> int | None:
+        self.kinds()
+        return self.sizes.get(path)
+
+    def versions(self) -> dict[str, tuple[int | None, int | None]]:
+        self.kinds()
+        return {p: (size, None) for p, size in self.sizes.items()}
+
+
+class ShallowListing:
+    """The directories of one root, each listed one level deep, once, when
+    first asked about (an object store answers a listing with a delimiter
+    in one request; a directory whose parent's listing lacks it is known
+    absent without one)."""
+
+    def __init__(self, fs: pafs.FileSystem, root: str, uri: str):
+        self.fs, self.root, self.uri = fs, root, uri
+        self._kinds: dict[str, str] = {}
+        self._listed: dict[str, list[str]] = {}
+        self.seen: dict[str, tuple[int | None, int | None]] = {}  # file -> (size, mtime_ns)
+
+    def _list(self, d: str) -> None:
+        if d in self._listed:
+            return
+        children = []
+        if d == self.root or self.kind(d) == "dir":
+            for e in self.fs.get_file_info(pafs.FileSelector(d, recursive=False, allow_not_found=True)):
+                p = e.path.rstrip("/")
+                if p == d or not p.startswith(d + "/"):
+                    continue
+                children.append(p)
+                if e.type == pafs.FileType.Directory:
+                    self._kinds[p] = "dir"
+                else:
+                    self._kinds[p] = "file"
+                    self.seen[p] = (e.size, e.mtime_ns)
+            if d == self.root:
+                if children:
+                    self._kinds[d] = "dir"
+                else:  # an empty directory of a filesystem that has them, or nothing
+                    info = self.fs.get_file_info(d)
+                    if info.type == pafs.FileType.Directory:
+                        self._kinds[d] = "dir"
+                    elif info.type == pafs.FileType.File:
+                        self._kinds[d] = "file"
+        self._listed[d] = sorted(children)
+
+    def kind(self, path: str) -> str | None:
+        if path == self.root:
+            self._list(path)
+        elif path.startswith(self.root + "/"):
+            self._list(path.rpartition("/")[0])
+        return self._kinds.get(path)
+
+    def children(self, path: str) -> list[str]:
+        self._list(path)
+        return self._listed[path]
+
+    def size(self, path: str) -> int | None:
+        self.kind(path)
+        return self.seen.get(path, (None, None))[0]
+
+    def versions(self) -> dict[str, tuple[int | None, int | None]]:
+        return dict(self.seen)
 
 
 class StorePath:
@@ -116,13 +190,13 @@ class StorePath:
         return self._at(self.path.rpartition("/")[0])
 
     def exists(self) -> bool:
-        return self.path in self._listing.kinds()
+        return self._listing.kind(self.path) is not None
 
     def is_dir(self) -> bool:
-        return self._listing.kinds().get(self.path) == "dir"
+        return self._listing.kind(self.path) == "dir"
 
     def is_file(self) -> bool:
-        return self._listing.kinds().get(self.path) == "file"
+        return self._listing.kind(self.path) == "file"
 
     def iterdir(self):
         return iter([self._at(p) for p in self._listing.children(self.path)])
@@ -146,8 +220,17 @@ class StorePath:
 
     def size(self) -> int | None:
         """Size in bytes, from the listing."""
-        self._listing.kinds()
-        return self._listing.sizes.get(self.path)
+        return self._listing.size(self.path)
+
+    def version(self) -> tuple[int | None, int | None] | None:
+        """(size, mtime_ns) of this file as listed (mtime None where the
+        listing gives none); None when it was not listed."""
+        self._listing.kind(self.path)
+        return self.listed_versions().get(self.path)
+
+    def listed_versions(self) -> dict[str, tuple[int | None, int | None]]:
+        """(size, mtime_ns) of every file listed so far, by path."""
+        return self._listing.versions()
 
 
 def run_location(location) -> Path | StorePath:
@@ -162,7 +245,23 @@ def run_location(location) -> Path | StorePath:
     except ValueError as exc:
         from .errors import RunNotFoundError
         raise RunNotFoundError(str(exc)) from None
+    except OSError as exc:  # pyarrow asks an S3 store for the bucket's region here
+        from .errors import RunNotFoundError
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RunNotFoundError(f"cannot open {uri} ({detail})") from None
     return StorePath(_Listing(fs, root, uri), root)
+
+
+def fresh_view(p: StorePath) -> StorePath:
+    """The run at `p` listed anew (one recursive listing, on first use),
+    on the same filesystem object."""
+    return StorePath(_Listing(p.fs, p.path, str(p)), p.path)
+
+
+def shallow_view(p: StorePath) -> StorePath:
+    """The run at `p` seen through a new `ShallowListing` (see the module
+    docstring), on the same filesystem object."""
+    return StorePath(ShallowListing(p.fs, p.path, str(p)), p.path)
 
 
 def filesystem_of(p) -> pafs.FileSystem:

@@ -9,12 +9,15 @@ skipped, a NaN/Inf loss, non-finite gradients the optimizer applied, or
 (from a published pair's index) non-finite tensor rows. Every non-finite
 value on the training path shows as one of these, so `watch` re-runs the
 whole analysis at once when one appears, and otherwise only now and then.
+
+A run on a store has no journal there (the recorder uploads published
+pairs only): its tail is the indexes, read from the view `watch` lists
+at each look (`read(view)`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow as pa
 
@@ -25,7 +28,7 @@ from .files.limits import MAX_JSON_BYTES
 from .files.safe import parse_json, read_bytes
 from .journal import location, read_journal_table
 from .shards import rank_dirs
-from .store import filesystem_of
+from .store import filesystem_of, run_location
 
 _STEP_COLUMNS = ["step", "skipped", "loss", "nonfinite_param_grads"]
 
@@ -38,19 +41,22 @@ class TailNews:
 
 
 class RunTail:
-    """The tail of one local run directory (all ranks, or `rank`)."""
+    """The tail of one run (all ranks, or `rank`): a local directory, or a
+    run on a store given as a `StorePath`."""
 
     def __init__(self, root, *, rank: int | None = None):
-        self.root = Path(root)
+        self.root = run_location(root)
         self.rank = rank
         self.checked: dict[int, int] = {}   # rank -> the last step looked at
-        self._indexes: set[Path] = set()    # index files read
+        self._indexes: set = set()          # index files read
 
-    def read(self) -> TailNews:
+    def read(self, view=None) -> TailNews:
+        """What is new; `view`: the run as listed at this look (a store's
+        listing is taken once per view), default the root given."""
         alarming: set[int] = set()
         try:
-            ranks = rank_dirs(self.root)
-        except (PostmortemError, OSError):
+            ranks = rank_dirs(self.root if view is None else view)
+        except (PostmortemError, OSError, pa.ArrowException):
             return TailNews(self._last())
         for r, d in sorted(ranks.items()):
             if self.rank is not None and r != self.rank:
@@ -67,7 +73,7 @@ class RunTail:
     def _last(self) -> int | None:
         return max(self.checked.values(), default=None) if self.checked else None
 
-    def _index_steps(self, rank_dir: Path) -> list[tuple[int, bool]]:
+    def _index_steps(self, rank_dir) -> list[tuple[int, bool]]:
         """(step, went wrong) from the indexes not read before."""
         out = []
         d = rank_dir / schema.INDEX_DIR
@@ -80,13 +86,13 @@ class RunTail:
                 bad = ({int(s) for k in ("skipped_steps", "nonfinite_loss_steps", "applied_nonfinite_steps")
                         for s in doc.get(k) or []}
                        | {int(e["first_step"]) for e in doc.get("first_nonfinite") or []})
-            except (PostmortemError, OSError, KeyError, TypeError, ValueError):
+            except (PostmortemError, OSError, pa.ArrowException, KeyError, TypeError, ValueError):
                 continue  # torn or foreign: the analysis names it; the next look retries
             self._indexes.add(f)
             out += [(s, True) for s in sorted(bad)] + [(last, False)]
         return out
 
-    def _journal_steps(self, rank_dir: Path) -> list[tuple[int, bool]]:
+    def _journal_steps(self, rank_dir) -> list[tuple[int, bool]]:
         """(step, went wrong) of every step row in the rank's journal (its
         intact prefix: the writer may be appending to it)."""
         out = []

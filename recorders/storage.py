@@ -111,6 +111,18 @@ def spool_dir_for(uri: str, rank: int, base=None) -> Path:
     return Path(base) / f"{key}-rank{int(rank)}"
 
 
+def is_spool(directory, uri, rank: int) -> bool:
+    """Whether `directory` is the spool of rank `rank` of the run at `uri`
+    (its name is derived from both, wherever its base is): a reader's
+    question, since a spool is no complete run (published pairs leave it
+    once uploaded)."""
+    d = Path(directory)
+    try:
+        return d == spool_dir_for(uri, int(rank), d.parent)
+    except (TypeError, ValueError):
+        return False
+
+
 def open_run_location(location, rank: int, *, spool_dir=None,
                       spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES) -> tuple[Path, "SpoolUploader | None"]:
     """(directory the writer writes, uploader or None) for a run location:

@@ -1,6 +1,8 @@
 """`amp-postmortem watch` beside a real job: a tiny model trained in a
 subprocess under the real recorder, each step slowed by a sleep, with
-`watch` running as a CLI subprocess next to it."""
+`watch` running as a CLI subprocess next to it (or a `RunWatcher` in this
+process), on a local directory and on S3 (moto's server, as in
+test_storage)."""
 from __future__ import annotations
 
 import json
@@ -15,8 +17,10 @@ import pytest
 from click.testing import CliRunner
 
 from amp_postmortem.analyses.summary import Finding
-from amp_postmortem.analyses.watch import EXIT_CODES, Outcome, RunWatcher, fail_rule, finding_key
+from amp_postmortem.analyses.watch import EXIT_CODES, Outcome, RunWatcher, fail_rule, finding_key, follow
 from amp_postmortem.cli import main
+from recorders.storage import spool_dir_for
+from test_storage import BUCKET, s3  # noqa: F401  (the S3 endpoint fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -124,7 +128,6 @@ def test_a_missing_run_directory_is_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["s3://bucket/runs/exp1"], "is a URI, not supported yet"),
     (["{run}", "--fail-on", "bogus"], "fail_on 'bogus' is neither a severity"),
     (["{run}", "--interval", "0"], "interval 0.0 is not a positive number"),
 ])
@@ -190,4 +193,126 @@ def test_ctrl_c_stops_the_watch_with_code_130(running_run):
     assert watch.stderr.readline().startswith("watching ")  # said once it looks
     watch.send_signal(signal.SIGINT)
     out, err = watch.communicate(timeout=60)
-    assert watch.returncode == 130 and "stopped watching (interrupted)" in err and "Traceback" not in err
+    assert watch.returncode == 130 and "stopped watching (interrupted)" in err and "Traceback" not in err, err
+
+
+# ------------------------------------------------------------ a run on S3
+def _on_store(s3, uri, job):
+    """Waits until the job's run is on the store (its manifest uploaded):
+    a URI names no run before (an object store has no empty directory)."""
+    prefix = uri[len(f"s3://{BUCKET}/"):]
+    deadline = time.monotonic() + 60
+    while f"{prefix}/manifest.json" not in s3.keys(prefix):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.1)
+
+
+def test_watch_of_a_run_on_s3_alerts_on_a_planted_nan(s3, tmp_path):
+    uri = f"s3://{BUCKET}/runs/watch-nan"
+    pause = 0.25
+    job = _job(tmp_path, uri, steps=60, nan_step=NAN_STEP, pause=pause)
+    try:
+        _on_store(s3, uri, job)
+        watch = _watch(uri, "--json")
+        out, err = watch.communicate(timeout=180)
+    finally:
+        job.kill()
+        job_out, _ = job.communicate(timeout=60)
+    assert watch.returncode == EXIT_CODES[Outcome.FAIL_ON] == 1, err
+    events = [json.loads(line) for line in out.splitlines()]
+    nan = next(e for e in events if e["event"] == "finding" and e["kind"] == "nonfinite")
+    assert (nan["step"], nan["layer"], nan["fails"]) == (NAN_STEP, "block.boom", True)
+    assert events[-1]["failing"] == {"kind": "nonfinite", "severity": "critical", "step": NAN_STEP,
+                                     "layer": "block.boom"}
+    # A store shows published pairs: the step's pair (steps_per_shard=5)
+    # is complete a few steps later, then uploaded within about a second.
+    latency = nan["seen_at"] - _stepped_at(job_out)[NAN_STEP]
+    assert 0 < latency < INTERVAL + SLACK + 5 * pause + 2, latency
+
+
+def test_watch_of_a_clean_run_on_s3_ends_when_it_closes_and_reads_only_what_changed(s3, tmp_path):
+    uri = f"s3://{BUCKET}/runs/watch-clean"
+    job = _job(tmp_path, uri, steps=30, pause=0.1)
+    try:
+        _on_store(s3, uri, job)
+        watcher = RunWatcher(uri)
+        looks = []
+
+        def sleep(s):
+            looks.append(watcher.analyses)
+            time.sleep(s)
+        events = list(follow(watcher, interval=0.2, sleep=sleep))
+        job_out, job_err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 0, job_err
+    end = events[-1]
+    assert (end.outcome, end.exit_code, end.last_step) == (Outcome.CLOSED, 0, 29)
+    # A look at an unchanged store downloads nothing: the watch analysed the
+    # run at its first look (and its first pair, if the look came before),
+    # at the close, and at a rejudge if a loaded machine made the job last
+    # 30 s; not once per look (30 steps at 0.1 s: ~15 looks at 0.2 s).
+    assert len(looks) >= 8 and watcher.analyses <= 4, (len(looks), watcher.analyses)
+    analysed = watcher.analyses
+    for _ in range(3):
+        assert [type(e).__name__ for e in watcher.poll().events] == ["WatchEnd"]
+    assert watcher.analyses == analysed
+
+    # The job's local spool keeps the journal but gives each published pair
+    # up once uploaded: it is no run to watch, and watch says so.
+    spool = spool_dir_for(uri, 0)
+    assert (spool / "manifest.json").is_file() and not list((spool / "rank=0").rglob("*.parquet"))
+    result = CliRunner().invoke(main, ["watch", str(spool)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: {spool} is the local spool of the run {uri}: it gives each shard pair up once uploaded; "
+        f"watch the run's URI instead"]
+
+
+def test_a_killed_job_on_s3_is_never_called_gone(s3, tmp_path):
+    """A pid on the store names a process of the job's machine: even here,
+    where it is this host's, the watch does not judge it (on a local run
+    the same kill ends the watch with `job_gone`)."""
+    uri = f"s3://{BUCKET}/runs/watch-killed"
+    job = _job(tmp_path, uri, steps=200, pause=0.05)
+    try:
+        _on_store(s3, uri, job)
+    finally:
+        job.kill()
+        job.communicate(timeout=60)
+    watcher = RunWatcher(uri)
+    assert watcher.poll().end is None and watcher.poll().end is None
+
+
+def test_a_missing_run_on_s3_is_one_line_and_exit_2(s3):
+    result = CliRunner().invoke(main, ["watch", f"s3://{BUCKET}/runs/nothing-here"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [f"Error: run directory not found: s3://{BUCKET}/runs/nothing-here"]
+
+
+def test_a_store_that_stops_answering_is_asked_again_then_an_error(tmp_path, monkeypatch):
+    """The retry rule of a local run, on a store (fsspec's `memory://`): a
+    failed look is no news; three in a row are one error line."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from amp_postmortem.errors import RunNotFoundError
+    from conftest import record_run
+    monkeypatch.setenv("AMP_POSTMORTEM_SPOOL_DIR", str(tmp_path / "spool"))
+    uri = "memory://amp-watch/runs/outage"
+    record_run(uri, steps=3)
+    watcher = RunWatcher(uri)
+    assert watcher.poll().end.outcome is Outcome.CLOSED
+
+    def down(self, *args, **kwargs):
+        raise ConnectionError("store unreachable")
+    with monkeypatch.context() as outage:
+        outage.setattr(MemoryFileSystem, "isdir", down)
+        assert watcher.poll().events == [] and watcher.poll().events == []
+    assert watcher.poll().end.outcome is Outcome.CLOSED  # back: the count starts again
+    with monkeypatch.context() as outage:
+        outage.setattr(MemoryFileSystem, "isdir", down)
+        watcher.poll(), watcher.poll()
+        with pytest.raises(RunNotFoundError, match=f"^cannot read the run {uri} "
+                                                   r"\(ConnectionError: store unreachable\)$"):
+            watcher.poll()
+    assert watcher.analyses == 1  # the run never changed: analysed once

@@ -1,10 +1,12 @@
-"""Follow a running job's run directory: `summary`'s findings as they
-appear, each once, and how the watch ended.
+"""Follow a running job's run, a local directory or a URI (`s3://...`,
+any location `load_run` opens): `summary`'s findings as they appear, each
+once, and how the watch ended.
 
 `RunWatcher(path).poll()` looks once. It reads what is new (`tail.RunTail`:
 the journal's step rows past the last step seen, the indexes of pairs
 published since) and, when a file of the run changed since its last
-analysis (judged from `os.stat` alone), re-opens the run and runs
+analysis (judged from `os.stat` alone, or on a store from listings: see
+below), re-opens the run and runs
 `summary.summarize` on it: at once when a new step went wrong (skipped by
 the scaler, a NaN/Inf loss, non-finite gradients or tensor rows), when the
 job closed or recording stopped, and at the first look; otherwise at most
@@ -28,7 +30,22 @@ The watch ends (`Outcome`):
 - `recording_disabled`: a recorder switched itself off (a full disk, an
   internal error): nothing more will be written to watch;
 - `job_gone`: the process that holds a rank's status slot on this host is
-  gone and never closed its recorder (killed).
+  gone and never closed its recorder (killed). Never for a run on a store:
+  a pid there names a process of the job's machine, so a remote watch ends
+  on `fail_on`, `closed` or `recording_disabled` only (or Ctrl-C).
+
+A run on a store (a URI) is looked at through listings one level deep
+(`store.shallow_view`): the run's root, each `rank=R/` and its `index/`,
+one request each; the sizes and modification times listed are the
+fingerprint. A manifest or status slot is downloaded only when its listing
+changed, an index once, a shard only by an analysis. What a store shows is
+what the job uploaded: the recorder's uploader sends published shard pairs
+(every `steps_per_shard` steps or `flush_interval_s` seconds, then within
+about a second), never the journal, so an alert on a store comes at most
+that long after its step, plus `interval`. The spool on the job's machine
+is no run to watch: it keeps the journal but gives each published pair up
+once uploaded (watching it is refused; `on_event` in the job is the
+step-level alert there).
 """
 from __future__ import annotations
 
@@ -41,12 +58,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+import pyarrow as pa
+
 from recorders import schema
+from recorders.storage import is_spool
 
 from ..errors import EmptyRunError, OptionError, PostmortemError, RunNotFoundError
 from ..loader import load_run, read_manifest, with_status_slot
 from ..names import FINDING_KINDS
-from ..shards import rank_dirs
+from ..shards import error_text, rank_dirs
+from ..store import StorePath, fresh_view, run_location, shallow_view
 from ..tail import RunTail
 from .summary import SEVERITIES, Finding, summarize
 
@@ -160,15 +181,20 @@ def fail_rule(fail_on) -> Callable[[Finding], bool]:
 
 
 class RunWatcher:
-    """One run directory followed; `poll()` looks once."""
+    """One run (a local directory or a URI) followed; `poll()` looks once."""
 
     def __init__(self, path, *, rank: int | None = None, fail_on=DEFAULT_FAIL_ON, window: int = 1000):
-        from recorders.storage import is_uri
-        if is_uri(path):
-            raise OptionError(f"watch follows a local run directory; {path} is a URI, not supported yet: "
-                              f"run watch where the job writes")
-        self.path = Path(path)
-        if not self.path.is_dir():
+        self.path = run_location(path)  # a Path, or a StorePath for a URI
+        self.remote = isinstance(self.path, StorePath)
+        self._look_errors = 0
+        if self.remote:
+            try:
+                found = shallow_view(self.path).exists()
+            except (OSError, pa.ArrowException) as exc:
+                raise RunNotFoundError(f"cannot read the run {self.path} ({error_text(exc)})") from None
+        else:
+            found = self.path.is_dir()
+        if not found:
             raise RunNotFoundError(f"run directory not found: {self.path}")
         self.rank = rank
         self.window = window
@@ -177,26 +203,32 @@ class RunWatcher:
         self.last_step: int | None = None
         self.analyses = 0  # full analyses run: what watching costs
         self.tail = RunTail(self.path, rank=rank)
+        self._states: dict[int, tuple] = {}  # rank -> (its files' versions, its state)
         self._fingerprint = None
         self._errors = 0
         self._alarm = False       # a new step went wrong since the last analysis
         self._next_full = None    # monotonic time of the next due analysis; None: at once
+        if not self.remote:
+            self._rank_states(self.path)  # a job's spool is refused at once
 
     def poll(self) -> Poll:
-        states = self._rank_states()
+        view = self._look()
+        if view is None:  # the store did not answer this time
+            return Poll([], self.last_step)
+        states = self._rank_states(view)
         closed = bool(states) and all(s.get("status") == "closed" for s in states.values())
         stopped = any(s.get("disabled_reason") for s in states.values())
-        news = self.tail.read()
+        news = self.tail.read(view)
         self._alarm |= bool(news.alarming_steps)
         if news.last_step is not None:
             self.last_step = max(news.last_step, self.last_step if self.last_step is not None else -1)
-        fingerprint = self._files()
+        fingerprint = self._files(view)
         due = (self._alarm or closed or stopped or self._next_full is None
                or time.monotonic() >= self._next_full)
         events: list = []
         if fingerprint != self._fingerprint and due:
             started = time.monotonic()
-            events = self._analyse(must=closed)
+            events = self._analyse(fingerprint, must=closed)
             if events is not None:
                 self._fingerprint, self._alarm = fingerprint, False
                 took = time.monotonic() - started
@@ -211,25 +243,43 @@ class RunWatcher:
                            reason="; ".join(sorted(set(disabled.values()))))
         elif closed:
             end = WatchEnd(Outcome.CLOSED, self.last_step)
-        elif gone := [r for r, s in states.items() if s.get("status") == "open" and _gone(s)]:
+        elif not self.remote and (gone := [r for r, s in states.items()
+                                           if s.get("status") == "open" and _gone(s)]):
             end = WatchEnd(Outcome.JOB_GONE, self.last_step, ranks=gone)
         return Poll(events + ([end] if end else []), self.last_step)
 
-    def _analyse(self, must: bool) -> list | None:
-        """The new findings; None when the run could not be read this time."""
+    def _analyse(self, fingerprint: tuple, must: bool) -> list | None:
+        """The new findings; None when the run could not be read this time
+        (read again at the next look, or, when the job has written no step
+        yet, once its files changed)."""
         self.analyses += 1
         try:
-            run = load_run(self.path, rank=self.rank)
+            run = load_run(fresh_view(self.path) if self.remote else self.path, rank=self.rank)
             found = summarize(run, window=self.window).findings
         except EmptyRunError:
             if must:
                 raise
-            return None  # the job has written no step yet
+            self._fingerprint = fingerprint  # no step yet: nothing to read before a file changes
+            return None
         except RunNotFoundError:
-            if must or any(self.path.iterdir()):
+            if not self.remote and (must or any(self.path.iterdir())):
                 raise
-            return None  # an empty directory: the job has not started
-        except (PostmortemError, OSError):
+            if not self.remote:
+                self._fingerprint = fingerprint  # an empty directory: the job has not started
+                return None
+            # On a store: its manifest not uploaded yet, or a transient error.
+            self._errors += 1
+            if must or self._errors >= _RETRIES:
+                raise
+            return None
+        except (OSError, pa.ArrowException) as exc:
+            self._errors += 1
+            if must or self._errors >= _RETRIES:
+                if self.remote:
+                    raise RunNotFoundError(f"cannot read the run {self.path} ({error_text(exc)})") from None
+                raise
+            return None
+        except PostmortemError:
             self._errors += 1
             if must or self._errors >= _RETRIES:
                 raise
@@ -247,29 +297,67 @@ class RunWatcher:
             out.append(FindingSeen(f, now, self.fails(f)))
         return out
 
-    def _rank_states(self) -> dict[int, dict]:
+    def _look(self):
+        """The run as it is now: the local directory, or a new shallow view
+        of the store with the root, each rank directory and its index
+        listed (None when the store did not answer: after `_RETRIES` looks
+        in a row that is an error)."""
+        if not self.remote:
+            return self.path
+        view = shallow_view(self.path)
+        try:
+            for d in rank_dirs(view).values():
+                list((d / schema.INDEX_DIR).iterdir())  # lists the rank directory and its index
+        except (OSError, pa.ArrowException) as exc:
+            self._look_errors += 1
+            if self._look_errors >= _RETRIES:
+                raise RunNotFoundError(f"cannot read the run {self.path} ({error_text(exc)})") from None
+            return None
+        except PostmortemError:
+            pass  # a foreign entry: the analysis names it
+        self._look_errors = 0
+        return view
+
+    def _rank_states(self, view) -> dict[int, dict]:
         """{rank: its manifest with the status slot laid over, plus the
-        slot's host and pid}: a few small files per rank."""
+        slot's host and pid}: a few small files per rank, read again only
+        when they changed."""
         out = {}
         try:
-            found = rank_dirs(self.path)
-        except (PostmortemError, OSError):
+            found = rank_dirs(view)
+        except (PostmortemError, OSError, pa.ArrowException):
             return out
         for r, d in found.items():
             if self.rank is not None and r != self.rank:
                 continue
+            m, status = d / schema.MANIFEST_FILE, d / schema.STATUS_FILE
+            versions = (self._version(view, m), self._version(view, status))
+            if r in self._states and self._states[r][0] == versions:
+                out[r] = self._states[r][1]
+                continue
             try:
-                m = d / schema.MANIFEST_FILE
-                state = with_status_slot(read_manifest(m, self.path) if m.is_file() else {},
-                                         d / schema.STATUS_FILE, [], self.path)
-                slot = _slot(d / schema.STATUS_FILE)
-            except (PostmortemError, OSError):
+                state = with_status_slot(read_manifest(m, view) if m.is_file() else {}, status, [], view)
+                slot = {} if self.remote else _slot(status)  # a pid is judged on its own host only
+            except (PostmortemError, OSError, pa.ArrowException):
                 continue  # being written: the next look reads it
+            storage = state.get("storage")
+            if not self.remote and isinstance(storage, dict) and is_spool(self.path, storage.get("uri"), r):
+                raise OptionError(f"{self.path} is the local spool of the run {storage.get('uri')}: "
+                                  f"it gives each shard pair up once uploaded; watch the run's URI instead")
             out[r] = {**state, "host": slot.get("host"), "pid": slot.get("pid")}
+            self._states[r] = (versions, out[r])
         return out
 
-    def _files(self) -> tuple:
-        """(name, size, mtime) of every file the recorder adds or rewrites."""
+    def _version(self, view, p):
+        if self.remote:
+            return p.version()
+        return _stat(p)
+
+    def _files(self, view) -> tuple:
+        """(name, size, mtime) of every file the recorder adds or rewrites
+        (on a store: of every file the look listed)."""
+        if self.remote:
+            return tuple(sorted((p, size, mtime) for p, (size, mtime) in view.listed_versions().items()))
         out = []
         for d in sorted(self.path.glob("rank=*")):
             for name in (schema.STATUS_FILE, schema.MANIFEST_FILE):
