@@ -42,7 +42,7 @@ For each layer (module name and row kind: `input`, `activation`,
   per tensor; null for runs recorded before the format said).
 - Dating (`_evidence`): `evidence_first_step`..`evidence_last_step` (and
   `evidence_steps`, how many) are the full-tier steps the shares come
-  from; `recent_underflow_share` is the median over the recent ones (from
+  from (those whose share is known); `recent_underflow_share` is the median over the recent ones (from
   `recent_from_step`: the window's last `RECENT_PART`, or the latest
   evidence step when none lies there; null when that step lies in the
   window's first `STALE_PART`); `underflow_first_step`..`underflow_last_step`
@@ -517,11 +517,11 @@ def _evidence(full, limit: str, shares_by_limit: dict, full_all, first: int, las
         out["flushed_zero_share"] = float(fl.median())
         out["structural_zero_share"] = float((full["zero_share"].loc[fl.index] - fl).median())
     out["zeros"] = verdict.to_numpy()[order][-1]
-    out.update(evidence_steps=len(steps), evidence_first_step=int(steps[0]), evidence_last_step=int(steps[-1]))
     known = np.isfinite(share)  # unknown: the float16 shares cannot tell, or nothing but zeros (`row_shares`)
     if not known.any():
         return out
     steps, share = steps[known], share[known]
+    out.update(evidence_steps=len(steps), evidence_first_step=int(steps[0]), evidence_last_step=int(steps[-1]))
     out["underflow_share"] = float(np.median(share))
     span = max(0, last - first)
     if steps[-1] >= first + STALE_PART * span:
