@@ -19,7 +19,7 @@ DEVICES = ("cpu", "cuda")
 # What `summary` can find, in the order it ranks findings of equal severity
 # (a cause before its consequences); `--fail-on` takes these.
 FINDING_KINDS = ("nonfinite", "training_instability", "scale_collapse", "stuck_low_scale", "grad_underflow", "overflow_risk",
-                 "recording_disabled", "recording_not_closed", "healthy")
+                 "underflow_lapsed", "recording_disabled", "recording_not_closed", "healthy")
 
 
 def display_name(name) -> str:

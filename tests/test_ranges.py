@@ -78,17 +78,30 @@ def test_json_contract(rising_run):
     assert boom["overflow_forecast_step"] == 31 and isinstance(boom["overflow_forecast_step"], int)
 
 
-def test_zeros_count_as_flushed_only_when_the_surviving_values_are_tiny():
-    from amp_postmortem.analyses.ranges import zeros_look_flushed
-    # a ReLU mask: half the gradient is exactly zero, the rest is ordinary
-    assert not zeros_look_flushed(0.5, 1e-2)
-    # a tiny loss scale: 98% zeros and the survivors are subnormal
-    assert zeros_look_flushed(0.98, 1e-6)
-    assert zeros_look_flushed(1.0, 0.0)
-    assert not zeros_look_flushed(0.0, 0.0)
-    # all zeros in a wider dtype came from upstream, not from its own range
-    assert not zeros_look_flushed(1.0, 0.0, min_normal=1.1754943508222875e-38)
-    assert not zeros_look_flushed(0.98, 1e-6, min_normal=1.1754943508222875e-38)
+def test_zero_split_tells_flushed_zeros_from_structural_ones():
+    import numpy as np
+    from scipy.stats import norm
+    from amp_postmortem.analyses.ranges import zero_split
+    # (zero_share, below_normal_share, absmax, values) -> verdict, flushed share
+    cases = [
+        ((0.5, 0.0, 1e-2, 4096), "structural", 0.0),     # a ReLU mask: nothing reaches the subnormal band
+        ((0.6, 0.05, 2 ** -11, 4096), "structural", 0.0),  # a mask over small values: their tail stops far above 2^-25
+        ((0.98, 0.02, 1e-6, 4096), "flushed", 0.98),     # a tiny scale: every survivor is subnormal
+        ((0.0, 0.3, 1e-3, 4096), "none", 0.0),
+    ]
+    # values log2-normal around 2^-22 (3 bits): their tail below 2^-25 is flushed
+    z = float(norm.cdf(-1.0))
+    cases.append(((z, float(norm.cdf(8 / 3)) - z, 2.0 ** (-22 + 3 * 3.9), 4096), "flushed", z))
+    for (zero, below, absmax, n), verdict, flushed in cases:
+        f, v, _ = zero_split([zero], [below], [absmax], [n])
+        assert v[0] == verdict, (zero, below, absmax)
+        assert f[0] == pytest.approx(flushed, abs=1e-3)
+    # every value zero: a zero-initialised gamma and a gradient flushed whole look alike
+    f, v, _ = zero_split([1.0], [0.0], [0.0], [4096])
+    assert v[0] == "undetermined" and np.isnan(f[0])
+    # too few non-zero values for an empty band to prove anything
+    f, v, _ = zero_split([0.99], [0.0], [1.0], [1000])
+    assert v[0] == "undetermined"
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +157,9 @@ def test_shares_are_reported_with_the_number_of_values_they_were_counted_on(unde
     # Small tensors are counted whole: every value of the (16, 8) gradient.
     assert _row(rep, "inp", "grad_output")["share_sample_size"] == 128
     assert rep.to_dict()["layers"][0]["share_sample_size"] is not None
-    assert "worst underflow: inp grad_output, 100% of 128 sampled values" in rep.lines()
+    # measured over the recent full-tier steps (the window's last quarter)
+    assert any(line.startswith("worst underflow: ") and " grad_output, 100% of 128 sampled values over the "
+               "full-tier steps 9-11 " in line for line in rep.lines())
 
 
 def test_a_run_recorded_before_the_sample_size_column_still_reads(copy_run, underflow_run):
@@ -157,7 +172,8 @@ def test_a_run_recorded_before_the_sample_size_column_still_reads(copy_run, unde
     rep = layer_ranges(load_run(run))
     row = _row(rep, "inp", "grad_output")
     assert row["underflow_share"] == pytest.approx(1.0) and pd.isna(row["share_sample_size"])
-    assert "worst underflow: inp grad_output, 100% of its values" in rep.lines()
+    assert any(line.startswith("worst underflow: ") and " grad_output, 100% of its values" in line
+               for line in rep.lines())
 
 
 def _planted_line() -> int:
@@ -200,3 +216,67 @@ def test_ranges_json_gains_the_probed_modules(probed_run, overflow_run):
     assert {"layers", "first_step", "last_step", "full_tier_steps", "thresholds"} <= set(doc)
     plain = json.loads(CliRunner().invoke(main, ["ranges", str(overflow_run), "--json"]).output)
     assert plain["intermediates"] == []  # no probe: nothing read, nothing said
+
+
+# ------------------------------------------- exact zeros and dated evidence
+def test_masks_absent_tokens_and_relu_zeros_are_structural_not_underflow():
+    """Padding the loss ignores (5 of 8 positions), tokens absent from every
+    batch and a ReLU: exact zeros beside small surviving gradients (just
+    above 2^-14) are no underflow, and ranges says what they are."""
+    import zeros_runs as Z
+    rep = layer_ranges(load_run(Z.masked_tokens_run()))
+    assert not len(rep.flagged("underflow")) and not len(rep.flagged("underflow_lapsed"))
+    for name in ("head", "act"):  # the padding's share of every per-position gradient, exactly
+        row = _row(rep, name, "grad_output")
+        assert row["zero_share"] == Z.MASKED_SHARE and row["zeros"] == "structural"
+        assert row["structural_zero_share"] == pytest.approx(Z.MASKED_SHARE) and row["flushed_zero_share"] < 1e-6
+        assert row["underflow_share"] < 0.25  # the subnormal survivors only
+    fc = _row(rep, "fc", "grad_output")  # the ReLU's zeros on top of the padding
+    assert fc["zero_share"] > Z.MASKED_SHARE and fc["zeros"] == "structural"
+    assert any(line.startswith("structural zeros (zero at any scale: not underflow): ") for line in rep.lines())
+    # the embedding's gradient has a zero row per absent token: no module row counts it either
+    run = load_run(Z.masked_tokens_run())
+    grads = run.scan_tensors(["name", "kind", "zero_share"], kinds=["param_grad"])
+    assert (grads[grads["name"] == "embed.weight"]["zero_share"] >= 1 - Z.PRESENT / Z.VOCAB).all()
+
+
+def test_gradients_that_really_flush_are_still_flagged_with_their_flushed_zeros():
+    import zeros_runs as Z
+    rep = layer_ranges(load_run(Z.flushed_run()))
+    assert {"head", "act", "fc"} <= set(rep.flagged("underflow")["name"])
+    fc = _row(rep, "fc", "grad_output")
+    assert fc["zeros"] == "flushed" and fc["flushed_zero_share"] == pytest.approx(fc["zero_share"])
+    assert fc["recent_underflow_share"] >= 0.9 and fc["recent_from_step"] == 9
+    assert (fc["evidence_first_step"], fc["evidence_last_step"], fc["evidence_steps"]) == (0, 11, 12)
+
+
+def test_an_underflow_that_stopped_lapses_with_its_dates():
+    """The loss weight is tiny for the warm-up's 8 steps, then 1: every
+    gradient underflowed during steps 0-7 and none does in the steps the
+    recorder measured since (50, 80, 99)."""
+    import zeros_runs as Z
+    rep = layer_ranges(load_run(Z.warmup_run()))
+    assert not len(rep.flagged("underflow"))
+    head = _row(rep, "head", "grad_output")
+    assert head["flags"] == ["underflow_lapsed"]
+    assert (head["underflow_first_step"], head["underflow_last_step"]) == (0, Z.WARMUP_STEPS - 1)
+    assert head["underflow_episode_share"] >= 0.9 and head["recent_underflow_share"] < 0.25
+    assert head["recent_from_step"] == 75 and head["evidence_last_step"] == 99
+    line = next(x for x in rep.lines() if x.startswith("lapsed underflow: "))
+    assert f"during steps 0-{Z.WARMUP_STEPS - 1}; " in line and "over steps 75-99" in line
+    d = next(r for r in rep.to_dict()["layers"] if r["name"] == "head" and r["kind"] == "grad_output")
+    assert d["underflow_last_step"] == Z.WARMUP_STEPS - 1 and isinstance(d["underflow_last_step"], int)
+
+
+def test_evidence_from_the_first_half_of_the_window_is_stale():
+    """Full-tier steps only during the warm-up: nothing says how the
+    gradients are now: no current share, a lapse with its dates, no warning."""
+    import zeros_runs as Z
+    rep = layer_ranges(load_run(Z.stale_run()))
+    assert not len(rep.flagged("underflow"))
+    head = _row(rep, "head", "grad_output")
+    assert head["flags"] == ["underflow_lapsed"] and head["evidence_last_step"] == 9
+    assert pd.isna(head["recent_underflow_share"]) and pd.isna(head["recent_from_step"])
+    assert (head["underflow_first_step"], head["underflow_last_step"]) == (0, Z.WARMUP_STEPS - 1)
+    line = next(x for x in rep.lines() if x.startswith("lapsed underflow: "))
+    assert "no full-tier step since step 9" in line and "unknown" in line

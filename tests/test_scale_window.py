@@ -182,3 +182,62 @@ def test_replayed_window_edges_replay_finite_and_one_past_does_not():
     assert [c["step"] for c in sw.checked_steps] == [2] and sw.checked_steps[0]["finite_at_max"]
     k = int(math.log2(sw.settings["init_scale"]))
     assert all(_finite_at(run, s, k) for s in A.LOWER_SCALE_BUNDLES)
+
+
+# ------------------------------------------------------ structural zeros
+def _without_zeros(run_dir):
+    """The run with every gradient row's exact zeros removed: the same
+    non-zero values (their count, shares and rms), and no zero."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    for shard in run_dir.glob("rank=*/tensors/*.parquet"):
+        table = pq.read_table(shard)
+        df = table.to_pandas()
+        z = df["zero_share"].fillna(0.0)
+        rows = (df["kind"] == "grad_output") & (z > 0) & (z < 1)
+        keep = 1 - z[rows]
+        df.loc[rows, "numel"] = np.round(df.loc[rows, "numel"] * keep).astype("int64")
+        df.loc[rows, "below_normal_share"] = df.loc[rows, "below_normal_share"] / keep
+        df.loc[rows, "rms"] = df.loc[rows, "rms"] / np.sqrt(keep)
+        df.loc[rows, "zero_share"] = 0.0
+        pq.write_table(pa.Table.from_pandas(df, schema=table.schema, preserve_index=False), shard)
+    return run_dir
+
+
+def test_estimate_leaves_structural_zeros_out(copy_run):
+    """Padding, absent tokens and a ReLU: the estimated underflow edges are
+    those of the non-zero values alone, as if the zeros were not there; the
+    layers say how many zeros were left out."""
+    import zeros_runs as Z
+    run_dir = Z.masked_tokens_run()
+    est = estimate_scale_window(load_run(run_dir))
+    bare = estimate_scale_window(load_run(_without_zeros(copy_run(run_dir))))
+    rows = {r["name"]: r for r in est.rows}
+    for name, r in {r["name"]: r for r in bare.rows}.items():
+        if "." in name:
+            continue  # weight gradients: overflow edges only
+        assert rows[name]["underflow_k"] == r["underflow_k"], name
+        assert rows[name]["log2_mu"] == pytest.approx(r["log2_mu"], abs=0.05), name
+    assert est.window == bare.window
+    assert rows["act"]["structural_zero_share"] == pytest.approx(Z.MASKED_SHARE)
+    assert rows["act"]["flushed_zero_share"] < 1e-6
+    assert est.to_dict()["layers"][0]["structural_zero_share"] == pytest.approx(Z.MASKED_SHARE)
+
+
+def test_estimated_lower_edge_matches_the_job_rerun_at_each_scale(tmp_path):
+    """Truth from the same job re-run at fixed scales 2^k: the share of
+    non-zero float16 gradient values below 2^-14 at the estimate's step
+    falls to at most MAX_UNDERFLOW within a bit of the estimated edge."""
+    import zeros_runs as Z
+    est = estimate_scale_window(load_run(Z.masked_tokens_run()))
+    lo = est.window["min_k"]
+
+    def share_at(k):
+        run = load_run(Z.masked_tokens(tmp_path / f"k{k}", init_scale=2.0 ** k))
+        df = run.scan_tensors(["name", "kind", "dtype", "numel", "zero_share", "below_normal_share"],
+                              steps=[est.step], kinds=["grad_output"])
+        df = df[df["dtype"] == "float16"]
+        return float((df["numel"] * df["below_normal_share"]).sum() / (df["numel"] * (1 - df["zero_share"])).sum())
+    assert share_at(lo + 1) <= MAX_UNDERFLOW
+    assert share_at(lo - 2) > MAX_UNDERFLOW

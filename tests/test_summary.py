@@ -83,3 +83,38 @@ def test_the_json_keeps_its_keys_and_adds_the_losses(overflow_run):
             "device_name", "model_class", "autocast", "dtype", "scaler", "scale_status", "final_scale",
             "skipped_steps", "nonfinite_loss_steps", "warnings", "first_loss", "last_loss", "failure_step",
             "failure_loss"} == set(d["run"])
+
+
+# --------------------------------------------- exact zeros, dated underflow
+def test_structural_zeros_raise_no_underflow_warning():
+    """Padding, absent tokens and a ReLU: zeros at any scale, beside small
+    gradients that are not flushed: a healthy run."""
+    import zeros_runs as Z
+    s = summarize(load_run(Z.masked_tokens_run()))
+    assert _kinds(s) == ["healthy"]
+
+
+def test_planted_underflow_is_a_warning_dated_by_its_evidence():
+    import zeros_runs as Z
+    s = summarize(load_run(Z.flushed_run()))
+    f = next(f for f in s.findings if f.kind == "grad_underflow")
+    assert f.severity == "warning" and f.step == 11  # the latest step measured
+    ev = f.evidence
+    assert (ev["evidence_first_step"], ev["evidence_last_step"], ev["recent_from_step"]) == (0, 11, 9)
+    assert ev["recent_underflow_share"] >= 0.9 and "underflow_share" in ev and "measured_steps" in ev
+    assert "over the full-tier steps 9-11" in f.message
+
+
+def test_an_underflow_that_stopped_is_an_info_with_its_dates_not_a_warning():
+    """Underflow during the warm-up (steps 0-7), none at the full-tier steps
+    50, 80 and 99: the run is healthy, and the info says when it was."""
+    import zeros_runs as Z
+    s = summarize(load_run(Z.warmup_run()))
+    assert _kinds(s) == ["underflow_lapsed", "healthy"]
+    f = s.findings[0]
+    assert (f.severity, f.step, f.layer) == ("info", Z.WARMUP_STEPS - 1, "head")
+    assert f"was 100% during steps 0-{Z.WARMUP_STEPS - 1}; 0.0% over steps 75-99" in f.message
+    assert (f.evidence["underflow_first_step"], f.evidence["underflow_last_step"]) == (0, Z.WARMUP_STEPS - 1)
+    assert f.evidence["recent_underflow_share"] == 0.0
+    d = s.to_dict()["findings"][0]
+    assert d["kind"] == "underflow_lapsed" and d["kind"] in FINDING_KINDS

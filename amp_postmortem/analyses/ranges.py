@@ -19,19 +19,35 @@ For each layer (module name and row kind: `input`, `activation`,
   is below zero).
 - `underflow_share`: median over the window's full-tier rows of the share
   of values in the float16 subnormal range (non-zero, below 6.1e-5: they
-  lose precision) plus, when the zeros look flushed, the exact zeros.
+  lose precision) plus the exact zeros the float16 range flushed.
   The recorder counts against float16's limits; a wider dtype's smallest
   normal (1.2e-38 for bfloat16 and float32) lies below float16's subnormal
   limit (6e-8), so its share is 0 where the recorded share below 6e-8 is 0,
   and unknown (null) otherwise.
-  Exact zeros are also structural (the gradient behind a ReLU is zero
-  wherever its input was negative), so they count only when the typical
-  non-zero value (RMS over the non-zero values) lies within
-  `FLUSH_MARGIN_BITS` of the normal limit: there the zeros are values the
-  float16 range flushed, not a mask. `zero_share` is reported beside it,
-  and `share_sample_size`: how many values of the tensor the shares were
-  counted on (the recorder samples at most 65,536 per tensor; null for runs
-  recorded before the format said).
+- Exact zeros are not underflow by themselves: a mask, a ReLU, the
+  embedding rows of tokens absent from the batch or a zero-initialised
+  gamma make zeros that are zero at any scale. `zero_split` tells them
+  apart by the recorded distribution of the non-zero values (flushed zeros
+  are its tail below 2^-25, which passes through the ten subnormal binades
+  first): `flushed_zero_share` (counted in `underflow_share`),
+  `structural_zero_share` (not counted), and `zeros`, the verdict at the
+  latest evidence step (`structural`, `flushed`, `mixed`, `none`, or
+  `undetermined`: not counted). Where a row alone cannot tell (its values
+  sit at the flush edge, or it is all zeros), the layer's structural share
+  at the steps that could tell is structural there too (`row_shares`); an
+  all-zero row beyond that counts as flushed only in a step where other
+  gradients underflow, and is no evidence otherwise. `zero_share` is
+  reported beside them, and `share_sample_size`: how many values of the
+  tensor the shares were counted on (the recorder samples at most 65,536
+  per tensor; null for runs recorded before the format said).
+- Dating (`_evidence`): `evidence_first_step`..`evidence_last_step` (and
+  `evidence_steps`, how many) are the full-tier steps the shares come
+  from (those whose share is known); `recent_underflow_share` is the median over the recent ones (from
+  `recent_from_step`: the window's last `RECENT_PART`, or the latest
+  evidence step when none lies there; null when that step lies in the
+  window's first `STALE_PART`); `underflow_first_step`..`underflow_last_step`
+  the evidence steps at or above `UNDERFLOW_SHARE`, with
+  `underflow_episode_share` the median between them.
 
 Inside probed modules (runs recorded with `AmpRecorder(probe=...)`: the
 `intermediate` rows, one per operation of a probed module's forward), one
@@ -56,12 +72,19 @@ Flags (each row against its own dtype's limits):
   no alarm yet). Gradient rows are not flagged: a
   dynamic loss scaler keeps them close to the limit on purpose and backs off
   when they overflow.
-- `underflow`: a `grad_output` row with `underflow_share` >= `UNDERFLOW_SHARE`.
+- `underflow`: a `grad_output` row whose `recent_underflow_share` is at
+  least `UNDERFLOW_SHARE`: it underflows now.
+- `underflow_lapsed`: a `grad_output` row that underflowed during
+  `underflow_first_step`..`underflow_last_step`, before its recent part,
+  but no more (the recent share is below `UNDERFLOW_SHARE`), or whose
+  evidence is stale: no warning (`summary` says it as an info).
 - `nonfinite`: the latest row holds Inf/NaN.
 """
 from __future__ import annotations
 
+import enum
 import math
+import typing
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,7 +108,13 @@ FORECAST_HORIZON = 1000       # steps after the latest one
 FORECAST_RISK_BITS = 6.0      # a forecast alarms within a factor 64 of the limit...
 FORECAST_IMMINENT = 100       # ...or, whatever the headroom, when it is this few steps away
 UNDERFLOW_SHARE = 0.25        # a quarter of a gradient's values subnormal or flushed
-FLUSH_MARGIN_BITS = 2.0       # zeros count as flushed when non-zero values sit this close to 6.1e-5
+FLUSH_MARGIN_BITS = 2.0       # no longer used (zeros are judged by `zero_split`); kept in --json's thresholds
+LOG2_MIN_NORMAL = -14         # float16's smallest normal, 2^-14 = 6.1e-5
+LOG2_FLUSH_EDGE = -25         # float16 rounds |x| < 2^-25 to zero (2^-24 is its smallest subnormal)
+MIN_FIT_SPREAD = 1.0          # the fit's two quantiles at least this many sigmas apart, else the values sit at the edge
+MIN_GAP_VALUES = 32           # non-zero values needed before an empty subnormal band proves the zeros structural
+RECENT_PART = 0.25            # the recent evidence: full-tier steps of the window's last quarter...
+STALE_PART = 0.5              # ...or the latest one, unless it lies in the window's first half (stale)
 ALPHA = 0.01
 MIN_TREND_POINTS = 5
 MAX_THEILSEN_POINTS = 200     # Theil-Sen is O(n^2) per layer: subsample evenly above this
@@ -101,9 +130,14 @@ FALLBACK_DTYPE = "float16"
 
 _COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "dtype", "absmax", "nan_count",
             "inf_count", "zero_share", "below_normal_share", "below_subnormal_share", "rms", "share_sample_size"]
+# Where each layer's underflow evidence comes from (`_evidence`): steps.
+_EVIDENCE_STEPS = ("evidence_first_step", "evidence_last_step", "recent_from_step", "underflow_first_step",
+                   "underflow_last_step")
 LAYER_COLUMNS = ["name", "kind", "dtype", "range_dtype", "step", "absmax", "headroom_bits",
                  "headroom_trend_per_kstep", "overflow_forecast_step", "underflow_share", "zero_share",
-                 "share_sample_size", "flags"]
+                 "share_sample_size", "flags", "structural_zero_share", "flushed_zero_share", "zeros",
+                 "evidence_steps", *_EVIDENCE_STEPS[:2], "recent_underflow_share", _EVIDENCE_STEPS[2],
+                 "underflow_episode_share", *_EVIDENCE_STEPS[3:]]
 
 
 INTERMEDIATE_COLUMNS = ["name", "op", "source", "op_index", "dtype", "range_dtype", "step", "absmax",
@@ -134,6 +168,9 @@ class RangesReport:
                                "forecast_risk_bits": FORECAST_RISK_BITS, "forecast_imminent": FORECAST_IMMINENT,
                                "underflow_share": UNDERFLOW_SHARE,
                                "flush_margin_bits": FLUSH_MARGIN_BITS,
+                               "log2_flush_edge": LOG2_FLUSH_EDGE, "min_gap_values": MIN_GAP_VALUES,
+                               "min_fit_spread": MIN_FIT_SPREAD,
+                               "recent_part": RECENT_PART, "stale_part": STALE_PART,
                                "dtype_limits": {d: {"max": mx, "min_normal": mn}
                                                 for d, (mx, mn) in DTYPE_LIMITS.items()}}}
 
@@ -156,15 +193,32 @@ class RangesReport:
         used = self.layers["range_dtype"].value_counts()
         out.append("limits: " + ", ".join(f"{d} (max {DTYPE_LIMITS[d][0]:.6g}) for {n} row(s)"
                                           for d, n in sorted(used.items())))
-        for flag in ("nonfinite", "overflow_risk", "underflow"):
+        for flag in ("nonfinite", "overflow_risk", "underflow", "underflow_lapsed"):
             hit = self.flagged(flag)
             if len(hit):
                 names = ", ".join(sorted({_display(n) for n in hit["name"]}))
                 out.append(f"{flag}: {len(hit)} row(s): {names}")
                 if flag == "underflow":
-                    worst = hit.sort_values("underflow_share", ascending=False, kind="stable").iloc[0]
+                    worst = hit.sort_values("recent_underflow_share", ascending=False, kind="stable").iloc[0]
                     out.append(f"worst underflow: {_display(worst['name'])} {worst['kind']}, "
-                               f"{worst['underflow_share']:.0%} of {sampled_values(worst['share_sample_size'])}")
+                               f"{worst['recent_underflow_share']:.0%} of "
+                               f"{sampled_values(worst['share_sample_size'])} {recent_words(worst)}")
+                if flag == "underflow_lapsed":
+                    worst = hit.sort_values("underflow_episode_share", ascending=False, kind="stable").iloc[0]
+                    out.append(f"lapsed underflow: {_display(worst['name'])} {worst['kind']}, {lapsed_words(worst)}")
+        grads = self.layers[self.layers["kind"] == "grad_output"]
+        masked = grads[grads["zeros"].isin([Zeros.STRUCTURAL.value, Zeros.MIXED.value])
+                       & (grads["structural_zero_share"].fillna(0) >= UNDERFLOW_SHARE)]
+        if len(masked):
+            out.append(f"structural zeros (zero at any scale: not underflow): {len(masked)} gradient row(s), "
+                       + ", ".join(f"{_display(r['name'])} {r['structural_zero_share']:.0%}"
+                                   for r in masked.head(5).to_dict("records"))
+                       + (", ..." if len(masked) > 5 else ""))
+        unknown = grads[grads["zeros"] == Zeros.UNDETERMINED.value]
+        if len(unknown):
+            out.append(f"undetermined zeros (every value zero, a zero weight's or a gradient flushed whole, or too "
+                       f"few non-zero values to tell; not counted as underflow): "
+                       f"{', '.join(sorted({_display(n) for n in unknown['name']}))}")
         out.extend(self._intermediate_lines())
         if self.full_tier_steps == 0:
             out.append("no full-tier step in the window: underflow shares unknown")
@@ -192,6 +246,7 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
     if last is None:
         return RangesReport(layers=_empty(), first_step=None, last_step=None, intermediates=_empty_intermediates())
     lo = None if not window else max(run.first_step, last - int(window) + 1)
+    lo_step = run.first_step if lo is None else lo
     per_step = _per_step(run, lo)
     if per_step is None:
         return RangesReport(layers=_empty(), first_step=lo, last_step=last,
@@ -201,7 +256,8 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
                       + [DTYPE_LIMITS[FALLBACK_DTYPE][0]])  # code -1: no dtype recorded
     full_all = per_step.full[per_step.full["below_normal_share"].notna() & ~per_step.full["bad"]]
     full_of = full_all.groupby("lid", sort=False).indices  # row positions per layer, not 1,000s of frames
-    shares_by_limit: dict = {}
+    # Steps where some float16 gradient underflows: an all-zero row there was flushed whole.
+    shares_by_limit: dict = {"flushing_steps": flushing_steps(full_all, per_step.layers)}
 
     rows = []
     for lid in per_step.order:
@@ -233,17 +289,7 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
 
         at = full_of.get(lid)
         full = full_all.iloc[at] if at is not None else None
-        underflow = zeros = sampled = None
-        if full is not None and len(full):
-            zeros = float(full["zero_share"].median())
-            if limit not in shares_by_limit:  # a share per row: computed once per limit
-                shares_by_limit[limit] = underflow_share_of_rows(full_all, limit)
-            shares = shares_by_limit[limit].loc[full.index]
-            if shares.notna().all():
-                underflow = float(shares.median())
-            sizes = full["share_sample_size"].dropna()
-            sampled = int(sizes.median()) if len(sizes) else None
-
+        ev = _evidence(full, limit, shares_by_limit, full_all, lo_step, last)
         flags = []
         if bad:
             flags.append("nonfinite")
@@ -254,17 +300,20 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
                 or (forecast - step <= FORECAST_HORIZON and headroom < FORECAST_RISK_BITS))
             if near or soon:
                 flags.append("overflow_risk")
-        if kind == "grad_output" and underflow is not None and underflow >= UNDERFLOW_SHARE:
+        if kind == "grad_output" and ev["recent_underflow_share"] is not None \
+                and ev["recent_underflow_share"] >= UNDERFLOW_SHARE:
             flags.append("underflow")
+        elif kind == "grad_output" and ev["underflow_episode_share"] is not None and (
+                ev["recent_from_step"] is None or ev["underflow_last_step"] < ev["recent_from_step"]):
+            flags.append("underflow_lapsed")  # it was, before the recent part; it is no more (or nothing says)
         rows.append({"name": name, "kind": kind, "dtype": dtype, "range_dtype": limit,
                      "step": step, "absmax": absmax,
                      "headroom_bits": headroom, "headroom_trend_per_kstep": trend,
-                     "overflow_forecast_step": forecast, "underflow_share": underflow, "zero_share": zeros,
-                     "share_sample_size": sampled, "flags": flags, "_phase": 0 if cols["fwd"][s][-1] == 1 else 1,
-                     "_order": int(cols["order"][s][-1])})
+                     "overflow_forecast_step": forecast, **ev, "flags": flags,
+                     "_phase": 0 if cols["fwd"][s][-1] == 1 else 1, "_order": int(cols["order"][s][-1])})
     layers = pd.DataFrame(rows).sort_values(["_phase", "_order"], kind="stable")
     layers = layers[LAYER_COLUMNS].reset_index(drop=True)
-    for col in ("step", "overflow_forecast_step", "share_sample_size"):
+    for col in ("step", "overflow_forecast_step", "share_sample_size") + _EVIDENCE_STEPS:
         layers[col] = layers[col].astype("Int64")  # integers with missing values
     inside = intermediate_ranges(run, lo)
     if len(inside):
@@ -530,7 +579,86 @@ def _per_step(run: Run, lo) -> _PerStep | None:
     at = np.searchsorted(key, means["lid"].to_numpy().astype(np.int64) * len(steps)
                          + np.searchsorted(steps, means["step"].to_numpy()))
     means["bad"] = cols["bad"][at]
+    means["absmax"] = cols["absmax"][at]  # zero_split reads the tail's top off it
     return _PerStep([*layers], [*dtypes], cols, bounds, order, means, len(full_steps))
+
+
+def _evidence(full, limit: str, shares_by_limit: dict, full_all, first: int, last: int) -> dict:
+    """A layer's underflow evidence: its full-tier rows of the window
+    (`full`, one per step), their shares and what their zeros are, and when.
+
+    - `underflow_share`, `zero_share`, `structural_zero_share`,
+      `flushed_zero_share`: medians over the evidence steps; `zeros`: the
+      `Zeros` verdict at the latest of them.
+    - `recent_underflow_share`: the median over the recent evidence, the
+      full-tier steps from `recent_from_step` on: the window's last
+      `RECENT_PART`, or back to the latest evidence step when none lies
+      there; null when even that step lies in the window's first
+      `STALE_PART` (stale: nothing recent says how it is now).
+    - `underflow_first_step`..`underflow_last_step`: the first and last
+      evidence step at or above `UNDERFLOW_SHARE`, and
+      `underflow_episode_share` the median over the evidence between them
+      (null when no step reached it)."""
+    out = {"underflow_share": None, "zero_share": None, "share_sample_size": None, "structural_zero_share": None,
+           "flushed_zero_share": None, "zeros": None, "evidence_steps": 0, "evidence_first_step": None,
+           "evidence_last_step": None, "recent_underflow_share": None, "recent_from_step": None,
+           "underflow_episode_share": None, "underflow_first_step": None, "underflow_last_step": None}
+    if full is None or not len(full):
+        return out
+    if limit not in shares_by_limit:  # a share per row: computed once per limit
+        shares_by_limit[limit] = row_shares(full_all, limit, flushing_steps=shares_by_limit["flushing_steps"],
+                                            layer="lid")
+    shares, flushed, verdict = (x.loc[full.index] for x in shares_by_limit[limit])
+    order = np.argsort(full["step"].to_numpy(), kind="stable")
+    steps = full["step"].to_numpy()[order]
+    share = shares.to_numpy(dtype=float)[order]
+    out["zero_share"] = float(full["zero_share"].median())
+    sizes = full["share_sample_size"].dropna()
+    out["share_sample_size"] = int(sizes.median()) if len(sizes) else None
+    fl = flushed.dropna()
+    if len(fl):
+        out["flushed_zero_share"] = float(fl.median())
+        out["structural_zero_share"] = float((full["zero_share"].loc[fl.index] - fl).median())
+    out["zeros"] = verdict.to_numpy()[order][-1]
+    known = np.isfinite(share)  # unknown: the float16 shares cannot tell, or nothing but zeros (`row_shares`)
+    if not known.any():
+        return out
+    steps, share = steps[known], share[known]
+    out.update(evidence_steps=len(steps), evidence_first_step=int(steps[0]), evidence_last_step=int(steps[-1]))
+    out["underflow_share"] = float(np.median(share))
+    span = max(0, last - first)
+    if steps[-1] >= first + STALE_PART * span:
+        recent_from = min(int(math.ceil(first + (1 - RECENT_PART) * span)), int(steps[-1]))
+        out["recent_from_step"] = recent_from
+        out["recent_underflow_share"] = float(np.median(share[steps >= recent_from]))
+    hit = np.flatnonzero(share >= UNDERFLOW_SHARE)
+    if len(hit):
+        episode = share[hit[0]:hit[-1] + 1]
+        if np.median(episode) >= UNDERFLOW_SHARE:
+            out.update(underflow_episode_share=float(np.median(episode)), underflow_first_step=int(steps[hit[0]]),
+                       underflow_last_step=int(steps[hit[-1]]))
+    return out
+
+
+def recent_words(row) -> str:
+    """When a layer's current underflow share was measured, for sentences."""
+    first, last = row["recent_from_step"], row["evidence_last_step"]
+    return (f"at step {last}" if first == last else f"over the full-tier steps {first}-{last}") + (
+        f" (the window's {row['evidence_steps']} full-tier steps since step {row['evidence_first_step']}: "
+        f"median {row['underflow_share']:.0%})" if row["evidence_steps"] and row["evidence_steps"] > 1 else "")
+
+
+def lapsed_words(row) -> str:
+    """A lapsed underflow in words: when it was, and what the evidence since says."""
+    a, b = row["underflow_first_step"], row["underflow_last_step"]
+    was = (f"{row['underflow_episode_share']:.0%} at step {a}" if a == b
+           else f"{row['underflow_episode_share']:.0%} during steps {a}-{b}")
+    recent = row["recent_underflow_share"]
+    if recent is None or pd.isna(recent):
+        return (f"was {was}; no full-tier step since step {row['evidence_last_step']} "
+                f"(the window's first half): its share now is unknown")
+    first, last = row["recent_from_step"], row["evidence_last_step"]
+    return f"was {was}; {recent:.1%} " + (f"at step {last}" if first == last else f"over steps {first}-{last}")
 
 
 def sampled_values(size) -> str:
@@ -546,28 +674,163 @@ def range_dtype(dtype) -> str:
     return dtype if isinstance(dtype, str) and dtype in DTYPE_LIMITS else FALLBACK_DTYPE
 
 
-def zeros_look_flushed(zero_share, rms, min_normal: float = schema.FP16_MIN_NORMAL) -> bool:
-    """Whether a gradient's exact zeros are values the range flushed (its
-    non-zero values are tiny: RMS over them within FLUSH_MARGIN_BITS of the
-    normal limit `min_normal`, float16's by default) rather than a
-    structural mask such as a ReLU's. All zeros count as flushed against
-    float16's limit only: a wider dtype holding nothing but zeros got them
-    from upstream (a float16 gradient flushed before it), not from its own
-    range."""
-    if zero_share is None or not zero_share > 0:
-        return False
-    nonzero = 1.0 - zero_share
-    if nonzero <= 0 or rms is None or not math.isfinite(rms):
-        return min_normal >= schema.FP16_MIN_NORMAL
-    return rms / math.sqrt(nonzero) < min_normal * 2 ** FLUSH_MARGIN_BITS
+class Zeros(str, enum.Enum):
+    """What a row's exact zeros are, as far as its recorded statistics tell."""
+    NONE = "none"                  # no exact zero
+    STRUCTURAL = "structural"      # zero at any scale: a mask, a ReLU, an absent token, a zero weight
+    FLUSHED = "flushed"            # values the float16 range rounded to zero
+    MIXED = "mixed"                # some of each
+    UNDETERMINED = "undetermined"  # every value zero, or too few non-zero values to tell
 
 
-def underflow_share_of_rows(full: pd.DataFrame, limit: str = "float16") -> pd.Series:
+class ZeroSplit(typing.NamedTuple):
+    flushed: np.ndarray   # per row: the share of all values that are flushed zeros (NaN: undetermined)
+    verdict: np.ndarray   # per row: a `Zeros` value
+    unsplit: np.ndarray   # per row: True where the row alone cannot split its zeros (at the edge, or all zero)
+
+
+def zero_split(zero_share, below_normal_share, absmax, values=None) -> ZeroSplit:
+    """Per row (array-likes, in the tensor's units): the share of all values
+    that are zeros the float16 range flushed, and a `Zeros` verdict.
+
+    float16 rounds |x| < 2^-25 to zero; every value between that edge and
+    the normal limit 2^-14 survives as a subnormal (ten binades). Flushed
+    zeros are the lower tail of the gradient's magnitudes below the edge,
+    and a continuous distribution passes through those ten binades before it
+    reaches it; a mask's zeros are no tail of anything. So the non-zero
+    values' log2-magnitudes are fitted by a normal through two recorded
+    points (the share below 2^-14, and absmax as the 1 - 1/(2n) quantile of
+    the n non-zero values) and the zeros the fit's tail puts below 2^-25 are
+    counted as flushed (never more than the zeros recorded); the rest are
+    structural. In particular:
+    - no non-zero value below 2^-14 (of at least `MIN_GAP_VALUES`): nothing
+      reaches the edge, the zeros are structural;
+    - (nearly) every non-zero value below 2^-14, so that the two points lie
+      less than `MIN_FIT_SPREAD` standard deviations apart and fix no
+      spread: the values sit at the edge, and the zeros are counted as
+      flushed (they cannot be told apart);
+    - every value zero: undetermined (NaN), a zero-initialised gamma and a
+      gradient flushed whole look alike (`row_shares` asks the layer's
+      other steps and the step's other gradients);
+    - no non-zero value below 2^-14 among fewer than `MIN_GAP_VALUES`:
+      undetermined (NaN), and the zeros not counted.
+    `values`: how many values the shares were counted on (the sample size;
+    `SHARE_SAMPLE_MAX` where unknown)."""
+    from scipy.special import ndtr, ndtri
+
+    z = np.asarray(zero_share, dtype=float)
+    b = np.asarray(below_normal_share, dtype=float)
+    a = np.asarray(absmax, dtype=float)
+    n = np.full(z.shape, float(schema.SHARE_SAMPLE_MAX)) if values is None else np.asarray(values, dtype=float)
+    n = np.where(np.isfinite(n) & (n > 0), n, float(schema.SHARE_SAMPLE_MAX))
+    p = 1.0 - z
+    nonzero = np.maximum(n * p, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.clip(b / p, 0.0, 1.0)
+        log2a = np.log2(np.where(a > 0, a, np.nan))
+        z_top = ndtri(1.0 - 0.5 / nonzero)
+        z_low = ndtri(np.clip(q, 1e-300, 1.0))
+        sigma = (log2a - LOG2_MIN_NORMAL) / (z_top - z_low)
+        mu = LOG2_MIN_NORMAL - sigma * z_low
+        tail = ndtr((LOG2_FLUSH_EDGE - mu) / sigma)
+        fitted = np.minimum(z, p * tail / (1.0 - tail))
+    flushed = np.full(z.shape, np.nan)
+    known = np.isfinite(z) & np.isfinite(b)
+    none = known & (z <= 0)
+    all_zero = known & (p <= 0)
+    rest = known & ~none & ~all_zero
+    at_edge = rest & ((q >= 1.0 - 0.5 / nonzero) | ~(log2a > LOG2_MIN_NORMAL) | ~(z_top - z_low >= MIN_FIT_SPREAD))
+    gap = rest & ~at_edge & (q <= 0)
+    fit = rest & ~at_edge & ~gap & np.isfinite(fitted)
+    flushed[none] = 0.0
+    flushed[at_edge] = z[at_edge]
+    flushed[gap & (nonzero >= MIN_GAP_VALUES)] = 0.0
+    flushed[fit] = fitted[fit]
+    return ZeroSplit(flushed, verdicts(z, flushed), at_edge | all_zero)
+
+
+def verdicts(zero_share, flushed) -> np.ndarray:
+    """The `Zeros` verdict of each row from its zero share and the share of
+    values that are flushed zeros (NaN: undetermined)."""
+    z = np.asarray(zero_share, dtype=float)
+    f = np.asarray(flushed, dtype=float)
+    verdict = np.full(z.shape, None, dtype=object)
+    known = np.isfinite(z)
+    verdict[known] = Zeros.UNDETERMINED.value
+    verdict[known & (z <= 0)] = Zeros.NONE.value
+    with np.errstate(invalid="ignore", divide="ignore"):
+        determined = known & (z > 0) & np.isfinite(f)
+        share = np.where(determined, f / np.where(z > 0, z, 1.0), np.nan)
+    verdict[determined & (share >= 0.9)] = Zeros.FLUSHED.value
+    verdict[determined & (share <= 0.1)] = Zeros.STRUCTURAL.value
+    verdict[determined & (share > 0.1) & (share < 0.9)] = Zeros.MIXED.value
+    return verdict
+
+
+def underflow_share_of_rows(full: pd.DataFrame, limit: str = "float16", *, flushing_steps=None,
+                            layer: str | None = None) -> pd.Series:
     """Per full-tier row: the share `underflow_share` counts against
-    `limit`'s range (values below its smallest normal plus zeros that look
-    flushed), before the median over steps; NaN where the recorded float16
-    shares cannot tell."""
-    return _below_normal(full, limit) + _flushed_zeros(full, DTYPE_LIMITS[limit][1])
+    `limit`'s range (values below its smallest normal plus the zeros
+    `zero_split` finds flushed; structural zeros are not underflow), before
+    the median over steps; NaN where the recorded float16 shares cannot
+    tell, and for a row of nothing but zeros outside `flushing_steps` (see
+    `row_shares`). `full` needs `step`, `zero_share`, `below_normal_share`,
+    `below_subnormal_share`, `absmax` and, where recorded, `share_sample_size`."""
+    return row_shares(full, limit, flushing_steps=flushing_steps, layer=layer)[0]
+
+
+def row_shares(full: pd.DataFrame, limit: str = "float16", *, flushing_steps=None, layer: str | None = None):
+    """Per row: (underflow share, flushed zero share, `Zeros` verdict), as
+    Series. Where a row alone cannot split its zeros (its values sit at the
+    flush edge, or it holds nothing but zeros), its layer's other rows can:
+    with `layer` (the column naming a row's layer), the median structural
+    share of the layer's rows that could split theirs is structural in
+    these rows too (a mask is the same from step to step), and only the
+    zeros beyond it are flushed. Without that, a row at the edge counts its
+    zeros as flushed, and a row of nothing but zeros is undetermined (NaN
+    share): in a step of `flushing_steps` (where other gradients of the
+    step underflow) the range flushed it whole and it counts as flushed;
+    elsewhere (a zero-initialised gamma in a healthy step) it is no
+    evidence either way. Against a wider dtype the flushed zeros are not
+    counted: a float32 row's zeros are not its own range's, a float16
+    gradient before it flushed them and is judged on its own row."""
+    split = zero_split(full["zero_share"], full["below_normal_share"], full["absmax"], _values(full))
+    z = full["zero_share"].to_numpy(dtype=float)
+    flushed = split.flushed.copy()
+    unsplit = split.unsplit & (z > 0)
+    if layer is not None and unsplit.any():
+        structural = pd.Series(np.where(~split.unsplit & np.isfinite(flushed), z - flushed, np.nan), index=full.index)
+        typical = structural.groupby(full[layer].to_numpy()).transform("median").to_numpy()
+        known = unsplit & np.isfinite(typical)
+        flushed[known] = np.maximum(0.0, z[known] - typical[known])
+        unsplit &= ~known
+    whole = unsplit & (z >= 1)
+    if flushing_steps is not None and len(flushing_steps):
+        in_flush = whole & full["step"].isin(list(flushing_steps)).to_numpy()
+        flushed[in_flush] = 1.0
+        whole &= ~in_flush
+    verdict = verdicts(z, flushed)
+    counted = np.nan_to_num(flushed, nan=0.0) if limit == "float16" else np.zeros(len(full))
+    share = _below_normal(full, limit).to_numpy(dtype=float) + counted
+    share[whole] = np.nan
+    index = full.index
+    return pd.Series(share, index=index), pd.Series(flushed, index=index), pd.Series(verdict, index=index)
+
+
+def flushing_steps(full: pd.DataFrame, layers: list) -> set:
+    """The steps where some `grad_output` row (layer ids into `layers`)
+    has an underflow share of at least `UNDERFLOW_SHARE` against float16's
+    range, its all-zero rows aside."""
+    grad = np.array([kind == "grad_output" for _, kind in layers] + [False])[full["lid"].to_numpy()]
+    rows = full[grad]
+    if rows.empty:
+        return set()
+    share = underflow_share_of_rows(rows, "float16", layer="lid")
+    return set(rows.loc[share >= UNDERFLOW_SHARE, "step"].astype(int))
+
+
+def _values(full: pd.DataFrame):
+    return full["share_sample_size"] if "share_sample_size" in full else None
 
 
 def _below_normal(full: pd.DataFrame, limit: str) -> pd.Series:
@@ -579,17 +842,8 @@ def _below_normal(full: pd.DataFrame, limit: str) -> pd.Series:
     return pd.Series(np.where(none_below_fp16_subnormal, 0.0, np.nan), index=full.index)
 
 
-def _flushed_zeros(full: pd.DataFrame, min_normal: float = schema.FP16_MIN_NORMAL) -> pd.Series:
-    """Per row: the zero share when those zeros look flushed, else 0."""
-    flushed = [zeros_look_flushed(_finite_or_none(z), _finite_or_none(r), min_normal)
-               for z, r in zip(full["zero_share"], full["rms"])]
-    return full["zero_share"].where(pd.Series(flushed, index=full.index), 0.0)
-
-
 def _finite_or_none(v):
     return float(v) if v is not None and pd.notna(v) else None
-
-
 
 
 def _empty() -> pd.DataFrame:

@@ -13,13 +13,19 @@ Findings (kind, severity):
 - `stuck_low_scale` (error): the scale is pinned low, or never grows
   (`stuck_low`, `growth_blocked`).
 - `grad_underflow` (warning): gradients sit in the float16 subnormal range
-  (`ranges`, `underflow` flag).
+  or are flushed to zero now (`ranges`, `underflow` flag: the recent
+  full-tier steps; structural zeros, zero at any scale, not counted); its
+  step is the latest step measured.
+- `underflow_lapsed` (info): gradients underflowed earlier (`ranges`,
+  `underflow_lapsed` flag: during steps a-b) but the recent evidence says
+  no more, or nothing recent was measured; dated by the last step it was
+  seen, and no warning.
 - `overflow_risk` (warning): activations close to or heading for 65504.
 - `recording_disabled` (error): the recorder stopped part-way (a full disk,
   an internal error) and said so in its status slot or manifest.
 - `recording_not_closed` (warning): a recorder ended without closing and
   left no stop record (killed, or still running): later steps may be absent.
-- `healthy` (info): none of the above.
+- `healthy` (info): none of the above but infos.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from ..names import display_name as _display
 from ..loader import Run
 from .instability import find_instability
 from .nans import find_nans
-from .ranges import DTYPE_LIMITS, WINDOW, layer_ranges, sampled_values
+from .ranges import DTYPE_LIMITS, WINDOW, lapsed_words, layer_ranges, recent_words, sampled_values
 from .scale import scale_dynamics, underflow_phrase
 from ..display import report_html, report_repr
 from ..op_words import run_op_origin_line
@@ -199,17 +205,27 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
 
     under = ranges.flagged("underflow")
     if len(under):
-        worst = under.sort_values("underflow_share", ascending=False).iloc[0]
+        worst = under.sort_values("recent_underflow_share", ascending=False, kind="stable").iloc[0]
         where = underflow_measured(run, str(worst["name"]), ranges.first_step, limit=worst["range_dtype"])
         findings.append(Finding(
-            "grad_underflow", "warning", int(worst["step"]), worst["name"],
+            "grad_underflow", "warning", int(worst["evidence_last_step"]), worst["name"],
             f"{len(under)} gradient(s) underflow in {worst['range_dtype']} at the recorded scale: "
-            f"{_display(worst['name'])} has {worst['underflow_share']:.0%} of "
+            f"{_display(worst['name'])} has {worst['recent_underflow_share']:.0%} of "
             f"{sampled_values(worst['share_sample_size'])} below the normal "
-            f"limit {_normal_limit(worst['range_dtype'])} ({where['phrase']})",
+            f"limit {_normal_limit(worst['range_dtype'])} {recent_words(worst)}"
+            + _zero_words(worst) + f" ({where['phrase']})",
             f"amp-postmortem ranges {target}",
             {"layers": [str(n) for n in under["name"]], "underflow_share": float(worst["underflow_share"]),
-             **{k: v for k, v in where.items() if k != "phrase"}}))
+             **_dates(worst), **{k: v for k, v in where.items() if k != "phrase"}}))
+    lapsed = ranges.flagged("underflow_lapsed")
+    if len(lapsed) and not len(under):
+        worst = lapsed.sort_values("underflow_episode_share", ascending=False, kind="stable").iloc[0]
+        findings.append(Finding(
+            "underflow_lapsed", "info", int(worst["underflow_last_step"]), worst["name"],
+            f"no gradient underflows now; {len(lapsed)} did earlier: {_display(worst['name'])} {lapsed_words(worst)}",
+            f"amp-postmortem ranges {target}",
+            {"layers": [str(n) for n in lapsed["name"]], "underflow_share": float(worst["underflow_share"]),
+             **_dates(worst)}))
 
     risk = ranges.flagged("overflow_risk")
     if len(risk):
@@ -252,7 +268,7 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
             "check the job's end in its log (OOM killer, node failure, time limit); amp-postmortem summary "
             "again once it ends", {"ranks": unclosed, "last_recorded_step": last}))
 
-    if not findings:
+    if all(f.severity == "info" for f in findings):  # a lapsed underflow is no ailment
         findings.append(Finding(
             "healthy", "info", run.last_step, None,
             f"no non-finite forward, loss scale {scale.status} ({scale.reason}), no layer near float16 "
@@ -325,8 +341,8 @@ def underflow_measured(run: Run, name: str, from_step: int | None, limit: str = 
     import pyarrow as pa
 
     from .ranges import underflow_share_of_rows
-    columns = ["step", "rank", "name", "kind", "nan_count", "inf_count", "zero_share",
-               "below_normal_share", "below_subnormal_share", "rms"]
+    columns = ["step", "rank", "name", "kind", "nan_count", "inf_count", "absmax", "zero_share",
+               "below_normal_share", "below_subnormal_share", "share_sample_size"]
     # Only this layer's rows leave each shard: the memory is bounded by a
     # shard, not by every layer's rows of the window.
     parts = list(run.map_tensor_shards(functools.partial(_full_tier_rows_of, name=name), columns,
@@ -337,8 +353,10 @@ def underflow_measured(run: Run, name: str, from_step: int | None, limit: str = 
                 & ((rows["nan_count"] + rows["inf_count"]) == 0)]
     if rows.empty:
         return {"phrase": "no full-tier step measured it"}
-    share = underflow_share_of_rows(rows, limit)
-    per_step = pd.DataFrame({"step": rows["step"], "share": share}).groupby("step")["share"].mean()
+    share = underflow_share_of_rows(rows, limit, layer="name")  # all-zero rows: unknown by themselves, left out
+    per_step = pd.DataFrame({"step": rows["step"], "share": share}).dropna().groupby("step")["share"].mean()
+    if per_step.empty:
+        return {"phrase": "no full-tier step measured it"}
     scales = run.step_series().steps.set_index("step")["loss_scale_before"]  # the lowest rank's
     at = [float(scales.get(s)) if pd.notna(scales.get(s)) else None for s in per_step.index]
     known = [a for a in at if a is not None]
@@ -383,6 +401,22 @@ def _facts(run: Run, nans, scale, skipped) -> dict:
         "skipped_steps": len(skipped), "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
         "warnings": list(run.warnings),
     }
+
+
+def _dates(row) -> dict:
+    """The steps a `ranges` row's underflow evidence comes from, and what its zeros are (`--json`)."""
+    keys = ("evidence_first_step", "evidence_last_step", "evidence_steps", "recent_from_step",
+            "recent_underflow_share", "underflow_first_step", "underflow_last_step", "underflow_episode_share",
+            "structural_zero_share", "flushed_zero_share", "zeros")
+    return {k: (None if row[k] is None or pd.isna(row[k]) else
+                int(row[k]) if k.endswith(("_step", "_steps")) else
+                row[k] if k == "zeros" else float(row[k])) for k in keys}
+
+
+def _zero_words(row) -> str:
+    """The structural zeros a share leaves out, for the finding's sentence."""
+    z = row["structural_zero_share"]
+    return "" if z is None or pd.isna(z) or z < 0.005 else f"; {z:.0%} exact zeros left out as structural"
 
 
 def _pct(v) -> str:

@@ -78,7 +78,8 @@ DEFAULT_INTERVAL = 2.0  # seconds between looks: an alert comes at most this (pl
 # when it is not).
 _NOT_NEWS = {"healthy", "recording_not_closed"}
 # Findings whose step moves as the job goes on: one per kind and layer.
-_CONDITIONS = {"overflow_risk", "grad_underflow", "stuck_low_scale", "scale_collapse", "training_instability"}
+_CONDITIONS = {"overflow_risk", "grad_underflow", "underflow_lapsed",
+               "stuck_low_scale", "scale_collapse", "training_instability"}
 # How often the whole run is judged again while no new step went wrong:
 # the slow conditions move over hundreds of steps, and a full analysis of a
 # long run takes seconds that the job's disk and CPU share.

@@ -21,7 +21,8 @@ from .figures import Plot, spread_lines
 
 # Which plot shows the evidence of each finding kind.
 FINDING_PLOT = {"nonfinite": "first-nan", "scale_collapse": "loss-scale", "stuck_low_scale": "loss-scale",
-                "grad_underflow": "grad-underflow", "overflow_risk": "headroom", "healthy": "loss-scale"}
+                "grad_underflow": "grad-underflow", "underflow_lapsed": "grad-underflow", "overflow_risk": "headroom",
+                "healthy": "loss-scale"}
 _SEVERITY_COLOR = {"critical": "#b71c1c", "error": "#e65100", "warning": "#f9a825", "info": "#2e7d32"}
 
 _STYLE = """

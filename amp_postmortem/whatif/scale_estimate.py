@@ -15,7 +15,7 @@ import math
 from recorders import schema
 
 from ..analyses.nans import tied_aliases
-from ..analyses.ranges import zeros_look_flushed
+from ..analyses.ranges import zero_split
 from ..errors import StepNotFoundError
 from .scale_result import (LAYER_COLUMNS, MAX_UNDERFLOW, SCALES, ScaleWindow, calibration_notes, position_in_window,
                            scaler_settings, usable_window)
@@ -131,7 +131,8 @@ def _weight_gradients(run, step: int, fp16_modules: set, scale_k: int | None) ->
         if edge is None:
             continue
         out.append({"name": name, "numel": int(g["numel"].max() or 0), "nonzero": 0, "below_normal_share": None,
-                    "zero_share": None, "absmax_unscaled": absmax, "overflow_k": edge, "underflow_k": None,
+                    "zero_share": None, "structural_zero_share": None, "flushed_zero_share": None,
+                    "absmax_unscaled": absmax, "overflow_k": edge, "underflow_k": None,
                     "log2_mu": None, "log2_sigma": None, "weight_gradient": True})
     return out
 
@@ -160,6 +161,7 @@ def _fit_layer(name, r, shift, norm) -> dict:
     below = _num(r["below_normal_share"])
     rms = _num(r["rms"])
     out = {"name": name, "numel": numel, "nonzero": nonzero, "below_normal_share": below, "zero_share": zero,
+           "structural_zero_share": None, "flushed_zero_share": None,
            "absmax_unscaled": absmax / 2 ** shift if absmax else absmax, "overflow_k": None,
            "underflow_k": None, "log2_mu": None, "log2_sigma": None}
     # A gradient that overflowed at the recorded scale 2^shift says so
@@ -175,15 +177,20 @@ def _fit_layer(name, r, shift, norm) -> dict:
         out["overflow_k"] = min(out["overflow_k"], cap)
     # Share of the fitted values below the float16 normal limit at the
     # recorded scale. Zeros the float16 range flushed are such values too
-    # (censored, not absent): then the fit covers every value, not only the
-    # survivors, which would otherwise make a tiny scale look sufficient.
+    # (censored, not absent): the fit covers them with the survivors, which
+    # would otherwise make a tiny scale look sufficient. Structural zeros
+    # (a mask, a ReLU, an absent token's row: zero at any scale) are no
+    # values a scale could move: left out (`zero_split` tells them apart).
     below_q = None
     if below is not None:
-        if zero is not None and zeros_look_flushed(zero, rms):
-            nonzero = max(1, numel)
-            below_q = min(1.0, below + zero)
-        else:
-            below_q = below / max(1e-12, 1 - (zero or 0.0))
+        flushed = 0.0
+        if zero:
+            f = zero_split([zero], [below], [absmax], [numel]).flushed[0]
+            flushed = float(f) if math.isfinite(f) else 0.0
+            out["flushed_zero_share"], out["structural_zero_share"] = flushed, zero - flushed
+        kept = max(1e-12, 1 - zero + flushed) if zero is not None else 1.0
+        nonzero = max(1, round(numel * kept)) if zero is not None else max(1, numel)
+        below_q = min(1.0, (below + flushed) / kept)
     out["nonzero"] = nonzero
     z_top = norm.ppf(1 - 0.5 / nonzero) if nonzero > 1 else 0.5
     mu = sigma = None

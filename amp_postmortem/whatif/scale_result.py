@@ -24,7 +24,7 @@ WIDE_WINDOW_BITS = 4
 SCALE_COLUMNS = ["k", "scale", "forward_finite", "overflow", "underflow_share", "param_grad_lost_share",
                  "usable", "recorded"]
 LAYER_COLUMNS = ["name", "numel", "absmax_unscaled", "below_normal_share", "zero_share", "overflow_k",
-                 "underflow_k", "log2_mu", "log2_sigma"]
+                 "underflow_k", "log2_mu", "log2_sigma", "structural_zero_share", "flushed_zero_share"]
 
 
 @dataclass

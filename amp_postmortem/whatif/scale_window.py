@@ -33,7 +33,11 @@ scale S that step ran with:
   the 1 - 1/(2n) quantile), or, when nothing sat below 2^-14, absmax and the
   rms of the non-zero values. Shifting the scale by d bits shifts log2|g| by
   d; the edge is the smallest k whose numel-weighted share is at most
-  `max_underflow`.
+  `max_underflow`. Exact zeros the float16 range flushed are values below
+  the limit (censored, fitted with the survivors); zeros that are zero at
+  any scale (a mask, a ReLU, an absent token's row: `ranges.zero_split`
+  tells them apart) are left out, as the replay leaves out values whose
+  float64 value is zero.
 
 GradScaler settings that keep a run inside a window [2^lo, 2^hi]: start at
 `init_scale` = 2^max(lo, hi - 1), one bit below the overflow edge (no
