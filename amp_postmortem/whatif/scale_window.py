@@ -39,6 +39,18 @@ scale S that step ran with:
   tells them apart) are left out, as the replay leaves out values whose
   float64 value is zero.
 
+Both count the loss itself. `GradScaler.scale` multiplies the loss by a
+float32 scale, so the backward's first gradient, d(scaled loss)/d(loss), is
+the scale rounded to the loss's own dtype: a float16 loss is Inf at 2^16
+(65536 > 65504) and above on every step, whatever the model's gradients.
+The estimate takes the loss's dtype from the steps table (`loss_dtype`,
+schema 1.3; unknown before, and it says so); the replay starts from the
+loss where it has it (a loss output of the model, seeded with the scale in
+its dtype; `loss_fn`'s loss computed under autocast and scaled as
+GradScaler does), else from the saved output gradient with the recorded
+loss dtype standing for the loss. Each names what sets the overflow edge
+(`EdgeCause`).
+
 GradScaler settings that keep a run inside a window [2^lo, 2^hi]: start at
 `init_scale` = 2^max(lo, hi - 1), one bit below the overflow edge (no
 calibration skips); keep `growth_factor` 2 and `backoff_factor` 0.5 (one
