@@ -291,6 +291,19 @@ def test_a_run_without_the_loss_dtype_says_it_is_unknown(copy_run):
     assert est.loss_caveat() is not None and "2^15" in est.loss_caveat()
 
 
+def test_a_loss_dtype_that_is_no_floating_dtype_is_unknown(copy_run):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import loss_dtype_runs as L
+    run_dir = copy_run(L.half_loss_run())
+    for shard in run_dir.glob("rank=*/steps/*.parquet"):
+        table = pq.read_table(shard)
+        i = table.schema.get_field_index("loss_dtype")
+        pq.write_table(table.set_column(i, "loss_dtype", pa.array(["int64"] * len(table), pa.string())), shard)
+    est = estimate_scale_window(load_run(run_dir))
+    assert est.loss_dtype is None and any("'int64'" in n for n in est.notes)
+
+
 @pytest.mark.parametrize("case", ["recorded_dtype", "loss_fn", "loss_inside"])
 def test_the_replayed_window_starts_from_the_loss_and_stops_below_2_16(case):
     """The replay of a float16-loss step: from the model's own loss output,

@@ -165,7 +165,11 @@ def recorded_loss_dtype(run, step: int) -> tuple[str | None, str | None]:
     if not len(at):
         return None, (f"step {step} recorded no loss tensor (the loss's dtype is unknown): whether the loss "
                       "itself bounds the scale (a float16 loss: at most 65504) is unknown")
-    return str(at.iloc[0]), None
+    dtype = str(at.iloc[0])
+    if dtype not in DTYPE_MAX:
+        return None, (f"step {step} recorded the loss's dtype as {dtype!r}, not a floating dtype (one of "
+                      f"{', '.join(DTYPE_MAX)}): whether the loss itself bounds the scale is unknown")
+    return dtype, None
 
 
 def usable_window(usable_ks) -> dict | None:
