@@ -211,19 +211,23 @@ def scale_window(run, *, step: int | None = None, rank: int | None = None, model
         raise OptionError(f"scales {lo}:{hi} is an empty range; give MIN:MAX with MIN <= MAX (e.g. -16:40)")
     is_run = _is_run(run)
     replayed = estimate = opened = None
+    if is_run or model is None:
+        opened = load_run(run, rank=rank, progress=progress)
     if model is not None:
         _check_device(device, precision)
         if step is None and is_run:
             raise OptionError("a replay (--model) needs the step of a saved bundle: give --step N")
         from .replay.model_spec import resolve_loss_fn
+        from .whatif.scale_result import recorded_loss_dtype
         from .whatif.scale_window import replay_scale_window
+        loss_dtype = recorded_loss_dtype(opened, step)[0] if opened is not None else None
         replayed = replay_scale_window(_source(run), step, rank=rank, model=model, device=device, policy=policy,
                                        precision=precision, loss_fn=resolve_loss_fn(loss_fn),
                                        fp32_modules=_names(keep_fp32), scales=(lo, hi),
-                                       max_underflow=max_underflow, progress=progress, verify=True)
-    if is_run or model is None:
+                                       max_underflow=max_underflow, progress=progress, verify=True,
+                                       loss_dtype=loss_dtype)
+    if opened is not None:
         from .whatif.scale_estimate import estimate_scale_window
-        opened = load_run(run, rank=rank, progress=progress)
         estimate = estimate_scale_window(opened, step, scales=(lo, hi), max_underflow=max_underflow)
     return _result(ScaleWindowReport(replay=replayed, estimate=estimate), *([opened] if opened else []))
 

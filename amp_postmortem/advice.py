@@ -209,9 +209,10 @@ def _recorded_advice(run: Run, summary) -> list:
                 "scaler_settings", f"{first}use GradScaler settings inside the estimated window "
                                    f"2^{w['min_k']}..2^{w['max_k']}",
                 cited + [f"{where}: gradient statistics at scale {est.recorded_scale:g} put the window at "
-                         f"2^{w['min_k']}..2^{w['max_k']} (recorded scale {est.recorded_position})"],
+                         f"2^{w['min_k']}..2^{w['max_k']} (recorded scale {est.recorded_position})"]
+                + [line for line in (est.edge_line(), est.loss_caveat()) if line],
                 "recorded", code=est.code, data={"window": w, "settings": est.settings, "step": est.step,
-                                                 "drift": drift}))
+                                                 "drift": drift, "overflow_cause": _cause(est)}))
         else:
             recs.append(Recommendation("scaler_settings", f"{first}no loss scale fits the recorded gradients; "
                                        "see `scale-window` with --model", cited + est.notes[:1], "recorded",
@@ -220,6 +221,11 @@ def _recorded_advice(run: Run, summary) -> list:
         recs.append(Recommendation("no_change", "nothing to change: the run is healthy",
                                    [f.message for f in summary.findings][:3], "recorded"))
     return recs
+
+
+def _cause(sw) -> str | None:
+    """The window's `EdgeCause` as its JSON value."""
+    return sw.overflow_cause.value if sw.overflow_cause is not None else None
 
 
 def _forward_finding(summary):
@@ -322,6 +328,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     from .whatif import prepare
     from .whatif.bisect import bisect_samples, slicing_note
     from .whatif.fix import find_fix
+    from .whatif.scale_result import recorded_loss_dtype
     from .whatif.scale_window import replay_scale_window
 
     p = prepare(run.path, step, rank=rank, model=model, device=device, policy=policy, loss_fn=loss_fn,
@@ -393,7 +400,8 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     kept = tuple(fix.fix) if fix is not None and fix.fix else ()
     window = None
     if p.precision == "fp16" and not ref_bad:
-        sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress, verify=True)
+        sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress, verify=True,
+                                 loss_fn=loss_fn, loss_dtype=recorded_loss_dtype(run, step)[0])
         window = sw.window
         own = [n for n in sw.notes if n not in p.notes and not n.startswith("replayed with")]
         drift = window_drift(run, _forward_step(summary)) if scale_findings else {"moves": False}
@@ -410,9 +418,11 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                 [f"step {step} replayed at 2^{sw.rows[0]['k']}..2^{sw.rows[-1]['k']}"
                  + (f" with {', '.join(kept)} in float32" if kept else "")
                  + f": usable 2^{window['min_k']}..2^{window['max_k']}; the recorded scale "
-                   f"{sw.recorded_scale:g} is {sw.recorded_position}"] + checked + own,
+                   f"{sw.recorded_scale:g} is {sw.recorded_position}"]
+                + [line for line in (sw.edge_line(),) if line] + checked + own,
                 "replay", code=sw.code, data={"window": window, "settings": sw.settings,
-                                              "checked_steps": sw.checked_steps}, verified=True))
+                                              "checked_steps": sw.checked_steps, "overflow_cause": _cause(sw)},
+                verified=True))
     fp16_ok = baseline["saved"] or (fix is not None and bool(fix.fix)) or window is not None
     data_problem = any(r.kind == "check_data" for r in recs)
     bf16_ok = any(r.kind == "use_bf16" and r.data["avoids"] for r in recs)

@@ -86,6 +86,20 @@ def step_loss(taken, explicit=None):
     return total.to(dtype)
 
 
+def loss_dtype(taken, explicit=None) -> str | None:
+    """The dtype name of the loss the step backpropagated (`taken`:
+    `MicroBatchLosses.take()`): the first one through the scaler, else the
+    first the model returned, else `explicit`'s when it is a tensor. Read
+    from the tensor's metadata: no sync. `step_loss` combines the losses in
+    float32 at least, so its dtype is not the loss's."""
+    backpropagated, returned = taken
+    losses = backpropagated or returned
+    t = losses[0] if losses else explicit
+    if not isinstance(t, torch.Tensor):
+        return None
+    return str(t.dtype).removeprefix("torch.")
+
+
 class ScaleTap:
     """Wraps `scaler.scale` on the instance; returns the scaler's own result,
     so the training is bit-identical. `remove()` restores the class method."""

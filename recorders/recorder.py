@@ -52,7 +52,7 @@ from .hooks import TrainingHooks
 from .lease import LeaseHeldError, RankLease
 from .layout import (canonical_modules, canonical_parameters, fsdp1_shapes, fsdp1_sharded_params, is_compiled,
                      sharded_param_ids, user_class)
-from .loss_tap import MicroBatchLosses, OutputLossTap, ScaleTap, step_loss
+from .loss_tap import MicroBatchLosses, OutputLossTap, ScaleTap, loss_dtype, step_loss
 from .manifest import RunManifest, bare_manifest, describe_job, distributed_rank_world, failure_reason
 from .options import FLAT_OPTIONS, UNSET, StorageOptions, WriterOptions, parts_from_flat
 from .plain import plain
@@ -518,7 +518,9 @@ class AmpRecorder:
 
     def _step(self, loss, step):
         step_id = self._step_counter if step is None else int(step)
-        loss = step_loss(self.losses.take(), loss)
+        taken = self.losses.take()
+        dtype = loss_dtype(taken, loss)
+        loss = step_loss(taken, loss)
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else None
         self._leave_tier()
         finished = self.hooks.end_step(loss_t)
@@ -527,7 +529,7 @@ class AmpRecorder:
             # compiled graph (compiled after the recorder was attached).
             self.compiled = True
             self._note_compiled()
-        pending = self.rows.pack(finished, step_id, loss, loss_t)
+        pending = self.rows.pack(finished, step_id, loss, loss_t, loss_dtype=dtype)
         self.bundles.on_step_end(step_id, loss=loss_t if loss_t is not None else loss, stepped=pending.stepped)
         self._submit(functools.partial(self._write_step, pending))
         self._step_counter = step_id + 1

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 FORMAT_NAME = "amp-postmortem-run"
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"
@@ -80,6 +80,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("tier", pa.string(), "-", "`cheap` or `full`: which statistics the tensor rows of this step carry."),
     Column("tensor_rows", pa.int32(), "rows", "Number of rows this step wrote to the tensors table."),
     Column("sharded_grad_sqsum", pa.float64(), "-", "Sum of squares of this rank's local shards of sharded (FSDP) gradients, unscaled; part of this rank's `grad_norm`. Null when no gradient is sharded."),
+    Column("loss_dtype", pa.string(), "-", "torch dtype of the loss the step backpropagated, e.g. `float16` (a float16 loss under autocast): the first micro-batch's as it went through the scaler (or was handed to `add_loss`), else the one the model returned, else the tensor passed to `rec.step()`. The scale times d(loss)/d(loss) is the backward's first gradient, in this dtype. Null when no loss tensor was seen, and in runs recorded before schema 1.3."),
 )
 
 TENSOR_COLUMNS: tuple[Column, ...] = (

@@ -23,7 +23,8 @@ class PendingStep:
     """A finished step on its way to the writer thread."""
 
     __slots__ = ("step", "wall_time", "tier", "micro_batches", "lr", "meta", "width",
-                 "packed", "host_rows", "event", "host_scalars", "dev_scalar_keys", "stepped", "has_scaler")
+                 "packed", "host_rows", "event", "host_scalars", "dev_scalar_keys", "stepped", "has_scaler",
+                 "loss_dtype")
 
 
 class StepRows:
@@ -49,11 +50,13 @@ class StepRows:
         return float(getattr(self.scaler, "_init_scale", math.nan))
 
     # ------------------------------------------------------ training thread
-    def pack(self, st, step_id: int, loss, loss_t) -> PendingStep:
+    def pack(self, st, step_id: int, loss, loss_t, loss_dtype: str | None = None) -> PendingStep:
         """`st`: the hooks' finished StepState; `loss`: as passed to
-        `rec.step()`, `loss_t` its detached tensor (or None)."""
+        `rec.step()`, `loss_t` its detached tensor (or None); `loss_dtype`:
+        the backpropagated loss's dtype name (`loss_tap.loss_dtype`)."""
         p = PendingStep()
         p.step = step_id
+        p.loss_dtype = loss_dtype
         p.wall_time = time.time()
         p.tier = "full" if st.full else "cheap"
         # A model compiled after the recorder was attached runs no forward
@@ -192,6 +195,7 @@ class StepRows:
             "tier": p.tier,
             "tensor_rows": len(cols["name"]) if cols is not None else 0,
             "sharded_grad_sqsum": scalars.get("sharded_grad_sqsum"),
+            "loss_dtype": p.loss_dtype,
         }
         summary = {
             "step": p.step, "skipped": bool(skipped), "loss": scalars.get("loss"),

@@ -132,6 +132,32 @@ def test_capture_loss_off_leaves_an_unpassed_loss_null(tmp_path):
     assert all(v is None or math.isnan(v) for v in _losses(tmp_path / "run"))
 
 
+def _loss_dtypes(run):
+    return read_table(run, "steps").sort_values("step")["loss_dtype"].tolist()
+
+
+@pytest.mark.parametrize("cast", [torch.float16, torch.float32])
+def test_loss_dtype_is_the_backpropagated_loss_own_dtype(tmp_path, cast):
+    """The step's recorded loss is combined in float32 at least; `loss_dtype`
+    is the dtype of the loss that went through the scaler (its gradient is
+    the scale in that dtype)."""
+    model = LossNet()
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with AmpRecorder(tmp_path / "run", model, scaler=sc) as rec:
+        for x, y in _data()[:2]:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x, y)[1].to(cast)
+            sc.scale(loss).backward()
+            rec.step()
+    assert _loss_dtypes(tmp_path / "run") == [str(cast).removeprefix("torch.")] * 2
+    assert read_table(tmp_path / "run", "steps")["loss"].notna().all()
+
+
+def test_loss_dtype_is_null_when_no_loss_tensor_was_seen(tmp_path):
+    loop(tmp_path / "run", capture_loss=False)
+    assert read_table(tmp_path / "run", "steps")["loss_dtype"].isna().all()
+
+
 def test_add_loss_feeds_the_step_loss(tmp_path):
     model = nn.Linear(2, 1)
     with AmpRecorder(tmp_path / "run", model, capture_loss=False, bundles=False) as rec:

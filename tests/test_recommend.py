@@ -232,3 +232,22 @@ def test_recommend_replays_a_batchnorm_cnn_in_slices_of_two():
     res = CliRunner().invoke(main, ["recommend", str(W.batchnorm_bad_sample_run()),
                                     "--model", f"{W.__file__}:BatchNormCNN"])
     assert res.exit_code == 0 and "note: bn, bn1 normalise over the batch" in res.stdout
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_scaler_settings_never_exceed_what_a_float16_loss_allows(replayed):
+    """The loss is float16 and the scale far too low: the settings proposed,
+    from the recorded statistics or the replays, start below 2^16 and say
+    the loss sets the edge; the job re-run at the proposed scale skips no
+    step, at 2^16 every one."""
+    import math
+
+    import loss_dtype_runs as L
+    r = recommend(load_run(L.low_scale_half_loss_run()), model=L.net if replayed else None)
+    settings = r.get("scaler_settings")
+    assert settings is not None and settings.data["overflow_cause"] == "loss_dtype"
+    init = settings.data["settings"]["init_scale"]
+    assert init < 2.0 ** 16 and settings.data["window"]["max_k"] <= 15
+    assert any("loss's own dtype (float16)" in e for e in settings.evidence)
+    assert not any(L.train(init)) and all(L.train(2.0 ** 16))
+    assert math.log2(init) == settings.data["window"]["max_k"] - 1

@@ -241,3 +241,103 @@ def test_estimated_lower_edge_matches_the_job_rerun_at_each_scale(tmp_path):
         return float((df["numel"] * df["below_normal_share"]).sum() / (df["numel"] * (1 - df["zero_share"])).sum())
     assert share_at(lo + 1) <= MAX_UNDERFLOW
     assert share_at(lo - 2) > MAX_UNDERFLOW
+
+
+# ------------------------------------------------------ the loss's own dtype
+FP16_LOSS_TOP = 15  # 2^16 = 65536 is Inf in float16: the scale itself overflows a float16 loss
+
+
+def test_a_float16_loss_caps_the_estimate_and_the_job_confirms_it():
+    """The loss is float16: the backward's first gradient is the scale
+    itself in float16. The estimate's top is below 2^16, named as the
+    loss's doing, and the job re-run at 2^17 skips every step while at the
+    proposed init_scale it skips none."""
+    import loss_dtype_runs as L
+    run = load_run(L.half_loss_run())
+    assert set(run.steps["loss_dtype"]) == {"float16"}
+    est = estimate_scale_window(run)
+    assert est.window["max_k"] <= FP16_LOSS_TOP
+    assert est.overflow_cause.value == "loss_dtype" and est.overflow_edge_by == "<loss>"
+    assert est.loss_dtype == "float16" and est.loss_max_k == FP16_LOSS_TOP
+    assert "loss's own dtype (float16)" in "\n".join(est.lines())
+    assert est.to_dict()["overflow_cause"] == "loss_dtype"
+    # without the loss, the model's gradients alone allow more: the loss is what sets the edge
+    gradients_k = min(r["overflow_k"] for r in est.rows if r["overflow_k"] is not None)
+    assert gradients_k > FP16_LOSS_TOP
+    init = est.settings["init_scale"]
+    assert init < 2.0 ** 16
+    assert all(L.train(2.0 ** 17)) and all(L.train(2.0 ** 16))
+    assert not any(L.train(init))
+
+
+def test_a_float32_loss_sets_no_loss_limit():
+    import loss_dtype_runs as L
+    est = estimate_scale_window(load_run(L.float_loss_run()))
+    assert est.loss_dtype == "float32" and est.overflow_cause.value != "loss_dtype"
+    assert est.window["max_k"] > FP16_LOSS_TOP
+    assert not any(L.train(2.0 ** 16, half=False))
+
+
+def test_a_run_without_the_loss_dtype_says_it_is_unknown(copy_run):
+    import pyarrow.parquet as pq
+    import loss_dtype_runs as L
+    run_dir = copy_run(L.half_loss_run())
+    for shard in run_dir.glob("rank=*/steps/*.parquet"):
+        table = pq.read_table(shard)
+        pq.write_table(table.drop_columns(["loss_dtype"]), shard)
+    est = estimate_scale_window(load_run(run_dir))
+    assert est.loss_dtype is None and est.overflow_cause.value != "loss_dtype"
+    assert any("loss's dtype" in n and "unknown" in n for n in est.notes)
+    assert est.loss_caveat() is not None and "2^15" in est.loss_caveat()
+
+
+def test_a_loss_dtype_that_is_no_floating_dtype_is_unknown(copy_run):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import loss_dtype_runs as L
+    run_dir = copy_run(L.half_loss_run())
+    for shard in run_dir.glob("rank=*/steps/*.parquet"):
+        table = pq.read_table(shard)
+        i = table.schema.get_field_index("loss_dtype")
+        pq.write_table(table.set_column(i, "loss_dtype", pa.array(["int64"] * len(table), pa.string())), shard)
+    est = estimate_scale_window(load_run(run_dir))
+    assert est.loss_dtype is None and any("'int64'" in n for n in est.notes)
+
+
+@pytest.mark.parametrize("case", ["recorded_dtype", "loss_fn", "loss_inside"])
+def test_the_replayed_window_starts_from_the_loss_and_stops_below_2_16(case):
+    """The replay of a float16-loss step: from the model's own loss output,
+    from --loss-fn's loss, or from the saved output gradient with the
+    recorded loss dtype standing for the loss; each says which."""
+    import amp_postmortem as api
+    import loss_dtype_runs as L
+    run, model, loss_fn, start = {
+        "recorded_dtype": (L.half_loss_run(), L.net, None, "output_gradient"),
+        "loss_fn": (L.half_loss_run(), L.net, L.half_loss, "loss_fn"),
+        "loss_inside": (L.half_loss_inside_run(), L.loss_net, None, "loss")}[case]
+    report = api.scale_window(run, step=L.BUNDLE_STEPS[0], model=model, loss_fn=loss_fn, scales=(10, 20))
+    sw = report.replay
+    assert sw.backward_from == start and sw.loss_dtype == "float16"
+    assert sw.window["max_k"] == FP16_LOSS_TOP and sw.overflow_cause.value == "loss_dtype"
+    rows = {r["k"]: r for r in sw.rows}
+    assert rows[16]["overflow"] and rows[16]["loss_overflow"] and not rows[15]["loss_overflow"]
+    assert "backward started from" in "\n".join(report.lines())
+    assert report.to_dict()["replay"]["backward_from"] == start
+    assert sw.settings["init_scale"] < 2.0 ** 16
+
+
+def test_a_replay_from_the_output_gradient_alone_says_the_loss_is_not_checked():
+    import loss_dtype_runs as L
+    sw = replay_scale_window(L.half_loss_run(), L.BUNDLE_STEPS[0], model=L.net, scales=(10, 20))
+    assert sw.backward_from == "output_gradient" and sw.loss_dtype is None
+    assert sw.window["max_k"] > FP16_LOSS_TOP  # what the replay alone cannot see
+    assert any("loss's dtype is unknown" in n and "--loss-fn" in n for n in sw.notes)
+
+
+def test_a_float32_loss_replayed_from_loss_fn_is_not_capped():
+    import amp_postmortem as api
+    import loss_dtype_runs as L
+    sw = api.scale_window(L.float_loss_run(), step=L.BUNDLE_STEPS[0], model=L.net, loss_fn=L.float_loss,
+                          scales=(10, 20)).replay
+    assert sw.backward_from == "loss_fn" and sw.loss_dtype == "float32"
+    assert sw.window["max_k"] > FP16_LOSS_TOP and not any(r["loss_overflow"] for r in sw.rows)

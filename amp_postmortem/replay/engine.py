@@ -16,7 +16,11 @@ Precision semantics (`RunConfig.precision`):
   because the scaled gradient is what travelled in training; captured
   gradients stay scaled and `StepCapture.loss_scale` says by how much. Only
   the outputs no other output was computed from are seeds (`outputs.py`: a
-  loss computed inside the model is the one start, as in training).
+  loss computed inside the model is the one start, as in training: its seed
+  is the scale in the loss's own dtype). With `backward_from_loss` and a
+  `loss_fn`, the backward starts from loss_fn's loss computed under autocast,
+  times a float32 scale as `GradScaler.scale` multiplies it;
+  `StepCapture.backward_from` says which start a run used.
 
 What-if replays change a `RunConfig`, not the engine: `fp32_modules` runs
 the named modules in float32 (inputs cast up, autocast and its emulation off
@@ -285,7 +289,16 @@ class ReplaySession:
                         result.losses.append(_loss_value(output, mb, loss_fn))
                         if watch is not None:
                             watch.watch(outs)
-                        _backward(outs, grads, config)
+                        if config.backward_from_loss and loss_fn is not None:
+                            # Where training computes it: inside autocast.
+                            with autocast_for(config), float32_lines(config.fp32_lines,
+                                                                     autocast_device_types(config)):
+                                loss = loss_fn(output, mb)
+                            result.backward_from, result.loss_dtype = "loss_fn", _dtype_name(loss)
+                            _backward_from_loss(loss, config)
+                        else:
+                            result.backward_from, result.loss_dtype = _backward(outs, grads, config,
+                                                                                find_loss(output))
             except Exception as exc:  # noqa: BLE001 - the user's model may raise anything
                 if caught is not None and caught.is_anomaly(exc):
                     result.anomaly = caught.report(exc)
@@ -473,7 +486,21 @@ def substitute_mean(grad_outputs: list) -> list:
     return out
 
 
-def _backward(outs, grads, config: RunConfig):
+def _dtype_name(t) -> str | None:
+    return str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None
+
+
+def _backward_from_loss(loss, config: RunConfig) -> None:
+    """The backward of `loss` at the run's scale as `GradScaler.scale` takes
+    it: times a float32 scale, so the loss's own gradient is the scale
+    rounded to the loss's dtype (Inf above 65504 for a float16 loss)."""
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+        raise ModelSpecError("loss_fn returned no tensor with a gradient to start the backward from")
+    scaled = loss * torch.full((), config.backward_scale, dtype=torch.float32, device=loss.device)
+    torch.autograd.backward([scaled], [torch.ones_like(scaled)])
+
+
+def _backward(outs, grads, config: RunConfig, loss=None):
     """Start the backward from the bundle's output gradients (times the scale
     for reduced precision), cast to each output's dtype as autograd would,
     at the outputs with a gradient that no other such output was computed
@@ -492,3 +519,8 @@ def _backward(outs, grads, config: RunConfig):
              for (t, g), root in zip(seeded, backward_roots([t for t, _ in seeded])) if root]
     if pairs:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    # A loss output among the seeds: its seed is the scale in the loss's own
+    # dtype, as the scaled loss's backward hands it in training.
+    if loss is not None and any(t is loss for t, _ in pairs):
+        return "loss", _dtype_name(loss)
+    return "output_gradient", None

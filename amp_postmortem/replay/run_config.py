@@ -40,6 +40,10 @@ class RunConfig:
     # on their running statistics instead: a one-sample slice they can take.
     running_statistics: bool = False
     precision_flags: dict | None = None  # recorded flags applied to fp16/bf16 runs
+    # Start the backward from loss_fn(output) computed under autocast, times
+    # the scale as GradScaler multiplies it (the loss in its own dtype), not
+    # from the saved output gradient (`ReplaySession.run(loss_fn=...)`).
+    backward_from_loss: bool = False
 
     @property
     def dtype(self) -> torch.dtype:

@@ -17,8 +17,8 @@ from recorders import schema
 from ..analyses.nans import tied_aliases
 from ..analyses.ranges import zero_split
 from ..errors import StepNotFoundError
-from .scale_result import (LAYER_COLUMNS, MAX_UNDERFLOW, SCALES, ScaleWindow, calibration_notes, position_in_window,
-                           scaler_settings, usable_window)
+from .scale_result import (LAYER_COLUMNS, LOSS_ROW, MAX_UNDERFLOW, SCALES, EdgeCause, ScaleWindow, calibration_notes,
+                           loss_max_k, position_in_window, recorded_loss_dtype, scaler_settings, usable_window)
 
 LOG2_MIN_NORMAL = -14         # log2(FP16_MIN_NORMAL)
 ASSUMED_LOG2_SIGMA = 3.0      # spread (bits) assumed when every value sits below the normal limit
@@ -65,7 +65,10 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
     layers += _weight_gradients(run, int(step), set(df["name"]),
                                 int(math.ceil(shift)) if len(scale) else None)
     lo_k, hi_k = int(scales[0]), int(scales[1])
-    overflow_k = min((lay["overflow_k"] for lay in layers if lay["overflow_k"] is not None), default=None)
+    loss_dtype, unknown = recorded_loss_dtype(run, int(step))
+    if unknown:
+        notes.append(unknown)
+    overflow_k, cause, edge_by = overflow_edge(layers, loss_max_k(loss_dtype))
     usable = []
     for k in range(lo_k, hi_k + 1):
         if overflow_k is not None and k > overflow_k:
@@ -94,7 +97,28 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
                        recorded_position=position_in_window(window, shift if len(scale) else None), settings=settings,
                        code=code, rows=[{k: lay[k] for k in LAYER_COLUMNS} for lay in layers],
                        max_underflow=max_underflow, notes=notes + calibration_notes(run.scaler, window),
-                       recorded_scaler=run.scaler, verified=False, why=unverified_why(run))
+                       recorded_scaler=run.scaler, verified=False, why=unverified_why(run),
+                       overflow_cause=cause, overflow_edge_by=edge_by, loss_dtype=loss_dtype,
+                       loss_max_k=loss_max_k(loss_dtype))
+
+
+def overflow_edge(layers, loss_k: int | None):
+    """(the overflow edge k, its EdgeCause, the tensor that sets it): the
+    lowest of the layers' edges (module output gradients, float16 weight
+    gradients) and the loss's own (`loss_k`: the scale itself rounded to the
+    loss's dtype, the backward's first gradient; it wins a tie, being first).
+    Marks each layer with its `edge_cause`."""
+    edges = []
+    if loss_k is not None:
+        edges.append((loss_k, 0, EdgeCause.LOSS_DTYPE, LOSS_ROW))
+    for lay in layers:
+        lay["edge_cause"] = (EdgeCause.WEIGHT_GRAD if lay.get("weight_gradient") else EdgeCause.ACTIVATION_GRAD).value
+        if lay["overflow_k"] is not None:
+            edges.append((lay["overflow_k"], 1, EdgeCause(lay["edge_cause"]), lay["name"]))
+    if not edges:
+        return None, None, None
+    k, _, cause, name = min(edges, key=lambda e: (e[0], e[1]))
+    return k, cause, name
 
 
 def unverified_why(run, check: str = "replay the saved steps at the window's edges") -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 
 import pandas as pd
 
@@ -22,9 +23,27 @@ SCALES = (-16, 40)            # k range of the replayed scales 2^k
 MAX_UNDERFLOW = 0.05          # usable: at most 5% of the gradient values flushed/subnormal
 WIDE_WINDOW_BITS = 4
 SCALE_COLUMNS = ["k", "scale", "forward_finite", "overflow", "underflow_share", "param_grad_lost_share",
-                 "usable", "recorded"]
+                 "usable", "recorded", "loss_overflow", "overflow_cause"]
 LAYER_COLUMNS = ["name", "numel", "absmax_unscaled", "below_normal_share", "zero_share", "overflow_k",
-                 "underflow_k", "log2_mu", "log2_sigma", "structural_zero_share", "flushed_zero_share"]
+                 "underflow_k", "log2_mu", "log2_sigma", "structural_zero_share", "flushed_zero_share",
+                 "edge_cause"]
+# Largest finite value per loss dtype: the scale itself, d(scaled loss)/d(loss)
+# rounded to the loss's dtype, is the backward's first gradient.
+DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
+             "float64": 1.7976931348623157e308}
+LOSS_ROW = "<loss>"
+
+
+class EdgeCause(str, Enum):
+    """What sets the overflow edge (the window's top)."""
+    LOSS_DTYPE = "loss_dtype"            # the scale itself overflows the loss's dtype (a float16 loss: > 65504)
+    ACTIVATION_GRAD = "activation_grad"  # a module's output gradient
+    WEIGHT_GRAD = "weight_grad"          # a weight-gradient matmul run in float16
+
+
+EDGE_WORDS = {EdgeCause.LOSS_DTYPE: "the loss's own dtype",
+              EdgeCause.ACTIVATION_GRAD: "a module's output gradient",
+              EdgeCause.WEIGHT_GRAD: "a float16 weight-gradient matmul"}
 
 
 @dataclass
@@ -48,14 +67,46 @@ class ScaleWindow:
     # Replayed with `verify_window`: the other saved steps at the window's
     # top ([{"step", "finite_at_max", "max_finite_k", "why"}]).
     checked_steps: list = field(default_factory=list)
+    # The overflow edge's cause (EdgeCause) and the tensor that sets it
+    # (a layer, a parameter or "<loss>"); the loss's dtype (None: unknown)
+    # and the highest k it allows; replays: where the backward started
+    # ("loss", "loss_fn" or "output_gradient", engine's StepCapture).
+    overflow_cause: EdgeCause | None = None
+    overflow_edge_by: str | None = None
+    loss_dtype: str | None = None
+    loss_max_k: int | None = None
+    backward_from: str | None = None
 
     def to_dict(self) -> dict:
         return plain({"method": self.method, "step": self.step, "rank": self.rank,
                       "verified": self.verified, "why": self.why, "checked_steps": self.checked_steps,
+                      "overflow_cause": self.overflow_cause.value if self.overflow_cause else None,
+                      "overflow_edge_by": self.overflow_edge_by, "loss_dtype": self.loss_dtype,
+                      "loss_max_k": self.loss_max_k, "backward_from": self.backward_from,
                       "recorded_scale": self.recorded_scale, "window": self.window,
                       "recorded_position": self.recorded_position, "settings": self.settings, "code": self.code,
                       "max_underflow": self.max_underflow, "recorded_scaler": self.recorded_scaler,
                       "notes": self.notes, ("scales" if self.method == "replay" else "layers"): self.rows})
+
+    def edge_line(self) -> str | None:
+        """What sets the overflow edge, in words (None when unknown)."""
+        if self.overflow_cause is None:
+            return None
+        if self.overflow_cause is EdgeCause.LOSS_DTYPE:
+            return (f"overflow edge set by the loss's own dtype ({self.loss_dtype}): the scale itself is the "
+                    f"backward's first gradient and must stay at most {DTYPE_MAX[self.loss_dtype]:g} "
+                    f"(2^{self.loss_max_k}); above it every step overflows")
+        return (f"overflow edge set by {EDGE_WORDS[self.overflow_cause]}"
+                + (f": {self.overflow_edge_by}" if self.overflow_edge_by else ""))
+
+    def loss_caveat(self) -> str | None:
+        """When the loss's dtype is unknown and the window reaches above
+        what a float16 loss allows: the limit it would set."""
+        top = loss_max_k("float16")
+        if self.loss_dtype is not None or self.window is None or self.window["max_k"] <= top:
+            return None
+        return (f"the loss's dtype is not recorded: if the loss is float16, no scale above 2^{top} works "
+                "(the scale itself is the backward's first gradient, Inf above 65504)")
 
     def table(self) -> pd.DataFrame:
         cols = SCALE_COLUMNS if self.method == "replay" else LAYER_COLUMNS
@@ -74,6 +125,11 @@ class ScaleWindow:
         else:
             out.append(f"window: 2^{w['min_k']} .. 2^{w['max_k']} ({w['min_scale']:g} .. {w['max_scale']:g}, "
                        f"{w['width_bits']} bits); the recorded scale is {self.recorded_position or 'unknown'}")
+        if self.backward_from:
+            out.append("backward started from " + BACKWARD_WORDS.get(self.backward_from, self.backward_from)
+                       + (f" (the loss is {self.loss_dtype})" if self.loss_dtype else ""))
+        if self.edge_line():
+            out.append(self.edge_line())
         if self.code:
             out.append(f"GradScaler settings that stay inside it: {self.code}")
         for c in self.checked_steps:
@@ -83,6 +139,37 @@ class ScaleWindow:
         return out
 
 
+
+
+BACKWARD_WORDS = {"loss": "the model's loss output, the scale in the loss's own dtype as in training",
+                  "loss_fn": "loss_fn's loss computed under autocast, scaled as GradScaler does",
+                  "output_gradient": "the saved output gradient times the scale (the loss is outside the "
+                                     "model call)"}
+
+
+def loss_max_k(dtype: str | None) -> int | None:
+    """The highest k at which the scale 2^k is finite in `dtype` (15 for
+    float16: 2^16 = 65536 rounds to Inf), or None for an unknown dtype."""
+    top = DTYPE_MAX.get(dtype or "")
+    return int(math.floor(math.log2(top))) if top else None
+
+
+def recorded_loss_dtype(run, step: int) -> tuple[str | None, str | None]:
+    """(the dtype of the loss step `step` backpropagated, why it is unknown)
+    from the steps table's `loss_dtype` (schema 1.3)."""
+    steps = run.steps
+    if "loss_dtype" not in steps.columns:
+        return None, ("the run does not record the loss's dtype (recorded before schema 1.3): whether the "
+                      "loss itself bounds the scale (a float16 loss: at most 65504) is unknown")
+    at = steps.loc[steps["step"] == int(step), "loss_dtype"].dropna()
+    if not len(at):
+        return None, (f"step {step} recorded no loss tensor (the loss's dtype is unknown): whether the loss "
+                      "itself bounds the scale (a float16 loss: at most 65504) is unknown")
+    dtype = str(at.iloc[0])
+    if dtype not in DTYPE_MAX:
+        return None, (f"step {step} recorded the loss's dtype as {dtype!r}, not a floating dtype (one of "
+                      f"{', '.join(DTYPE_MAX)}): whether the loss itself bounds the scale is unknown")
+    return dtype, None
 
 
 def usable_window(usable_ks) -> dict | None:

@@ -39,6 +39,18 @@ scale S that step ran with:
   tells them apart) are left out, as the replay leaves out values whose
   float64 value is zero.
 
+Both count the loss itself. `GradScaler.scale` multiplies the loss by a
+float32 scale, so the backward's first gradient, d(scaled loss)/d(loss), is
+the scale rounded to the loss's own dtype: a float16 loss is Inf at 2^16
+(65536 > 65504) and above on every step, whatever the model's gradients.
+The estimate takes the loss's dtype from the steps table (`loss_dtype`,
+schema 1.3; unknown before, and it says so); the replay starts from the
+loss where it has it (a loss output of the model, seeded with the scale in
+its dtype; `loss_fn`'s loss computed under autocast and scaled as
+GradScaler does), else from the saved output gradient with the recorded
+loss dtype standing for the loss. Each names what sets the overflow edge
+(`EdgeCause`).
+
 GradScaler settings that keep a run inside a window [2^lo, 2^hi]: start at
 `init_scale` = 2^max(lo, hi - 1), one bit below the overflow edge (no
 calibration skips); keep `growth_factor` 2 and `backoff_factor` 0.5 (one
@@ -59,8 +71,8 @@ from recorders import schema
 from ..errors import OptionError
 from . import report_progress
 from .scale_estimate import estimate_scale_window
-from .scale_result import (MAX_UNDERFLOW, SCALES, ScaleWindow, calibration_notes, position_in_window, scaler_settings,
-                           usable_window)
+from .scale_result import (LOSS_ROW, MAX_UNDERFLOW, SCALES, EdgeCause, ScaleWindow, calibration_notes, loss_max_k,
+                           position_in_window, scaler_settings, usable_window)
 
 
 @dataclass
@@ -98,9 +110,18 @@ class ScaleWindowReport:
 def replay_scale_window(source, step=None, *, rank=None, model=None, device: str = "cpu",
                         policy: str = "recorded", precision: str | None = None, loss_fn=None,
                         fp32_modules=(), scales=SCALES, max_underflow: float = MAX_UNDERFLOW,
-                        progress=None, prepared=None, verify: bool = False) -> ScaleWindow:
+                        progress=None, prepared=None, verify: bool = False,
+                        loss_dtype: str | None = None) -> ScaleWindow:
     """Replay the step's backward at every scale 2^k and find the window;
-    with `verify`, check it on the run's other saved steps (`verify_window`)."""
+    with `verify`, check it on the run's other saved steps (`verify_window`).
+
+    The backward starts from the loss where the replay has it: the model's
+    own loss output (seeded with the scale in the loss's dtype), or
+    `loss_fn`'s loss computed under autocast and scaled as GradScaler does.
+    Otherwise from the saved output gradient, and `loss_dtype` (the
+    recorded one, `scale_result.recorded_loss_dtype`) stands for the loss:
+    a scale that is Inf in it overflows, as the scaled loss's backward does
+    in training, whatever the output gradient."""
     from . import prepare
 
     p = prepared or prepare(source, step, rank=rank, model=model, device=device, policy=policy,
@@ -111,10 +132,22 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
     recorded_k = math.log2(p.loss_scale) if p.loss_scale > 0 else None
     rows, notes = [], list(p.notes)
     ks = list(range(lo, hi + 1))
+    started = None
     for i, k in enumerate(ks):
-        run = p.run(capture=True, loss_scale=2.0 ** k, fp32_modules=tuple(fp32_modules))
-        rows.append(_scale_row(k, run, p.reference, max_underflow, recorded_k))
+        run = _replay_at(p, k, fp32_modules, loss_fn, capture=True)
+        if started is None and run.backward_from is not None:
+            started = (run.backward_from, run.loss_dtype)
+        dtype = run.loss_dtype if run.backward_from in ("loss", "loss_fn") else loss_dtype
+        rows.append(_scale_row(k, run, p.reference, max_underflow, recorded_k, dtype))
         report_progress(progress, "replaying loss scales", i + 1, len(ks))
+    backward_from, seen_dtype = started or (None, None)
+    loss_dtype = seen_dtype if backward_from in ("loss", "loss_fn") else loss_dtype
+    if backward_from == "output_gradient" and loss_dtype not in ("float32", "float64"):
+        notes.append("the backward started from the saved output gradient (the loss is computed outside the "
+                     "model call): " + (f"the recorded loss dtype {loss_dtype} stands for the loss (a scale "
+                                        f"Inf in {loss_dtype} overflows)" if loss_dtype else
+                                        "the loss's dtype is unknown, so whether the loss itself bounds the "
+                                        "scale is not checked; pass --loss-fn to start from the loss"))
     if fp32_modules:
         notes.append(f"replayed with {', '.join(fp32_modules)} kept in float32")
     if rows and all(r["underflow_share"] is None for r in rows):
@@ -129,14 +162,33 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
             notes.insert(0, f"every scale from 2^{lo} to 2^{hi} overflows or leaves more than "
                             f"{max_underflow:.0%} of the gradients flushed or subnormal")
     settings, code = scaler_settings(window, device_type=_device_type(p))
+    above = next((r for r in rows if window is not None and r["k"] == window["max_k"] + 1), None)
+    cause = EdgeCause(above["overflow_cause"]) if above and above["overflow_cause"] else None
     sw = ScaleWindow(method="replay", step=p.step, rank=p.rank, recorded_scale=p.loss_scale, window=window,
                      recorded_position=position_in_window(window, recorded_k), settings=settings, code=code,
                      rows=rows, max_underflow=max_underflow, notes=notes + calibration_notes(p.bundle.scaler, window),
-                     recorded_scaler=p.bundle.scaler, verified=True)
-    return verify_window(sw, p, fp32_modules=fp32_modules, progress=progress) if verify else sw
+                     recorded_scaler=p.bundle.scaler, verified=True, overflow_cause=cause,
+                     overflow_edge_by=LOSS_ROW if cause is EdgeCause.LOSS_DTYPE else None, loss_dtype=loss_dtype,
+                     loss_max_k=loss_max_k(loss_dtype), backward_from=backward_from)
+    return verify_window(sw, p, fp32_modules=fp32_modules, progress=progress, loss_fn=loss_fn) if verify else sw
 
 
-def verify_window(sw: ScaleWindow, prepared, *, fp32_modules=(), progress=None) -> ScaleWindow:
+def _replay_at(p, k: int, fp32_modules, loss_fn, *, capture: bool):
+    """The step replayed at scale 2^k, its backward from `loss_fn`'s loss
+    when one is given (`RunConfig.backward_from_loss`)."""
+    config = p.config.replace(loss_scale=2.0 ** k, fp32_modules=tuple(fp32_modules),
+                              backward_from_loss=loss_fn is not None)
+    return p.session.run(config, capture=capture, loss_fn=loss_fn)
+
+
+def _loss_overflows(k: int, loss_dtype: str | None) -> bool:
+    """The scale 2^k is Inf in the loss's dtype: the scaled loss's backward
+    hands the loss that gradient first (d(scale * loss)/d(loss) = scale)."""
+    top = loss_max_k(loss_dtype)
+    return top is not None and k > top
+
+
+def verify_window(sw: ScaleWindow, prepared, *, fp32_modules=(), progress=None, loss_fn=None) -> ScaleWindow:
     """The replayed window checked on every other saved step of the run:
     each is replayed at the window's top scale 2^max_k (forward and
     backward, every float16 tensor including the parameter gradients) and,
@@ -158,10 +210,10 @@ def verify_window(sw: ScaleWindow, prepared, *, fp32_modules=(), progress=None) 
     for i, (step, path) in enumerate(others):
         q = prepare_like(prepared, path)
         row = {"step": step, "finite_at_max": True, "max_finite_k": hi, "why": None}
-        if not q.run(loss_scale=2.0 ** hi, fp32_modules=modules, capture=False).finite:
+        if not _replay_at(q, hi, modules, loss_fn, capture=False).finite:
             row.update(finite_at_max=False, max_finite_k=None)
             for k in range(hi - 1, lo - 1, -1):
-                run = q.run(loss_scale=2.0 ** k, fp32_modules=modules, capture=False)
+                run = _replay_at(q, k, modules, loss_fn, capture=False)
                 if run.finite:
                     row["max_finite_k"] = k
                     break
@@ -180,6 +232,10 @@ def verify_window(sw: ScaleWindow, prepared, *, fp32_modules=(), progress=None) 
         notes.insert(0, f"no scale keeps every saved step finite: the top of the window falls below 2^{lo}")
     elif top < hi:
         notes.append(f"narrowed from 2^{lo}..2^{hi} (step {sw.step} alone) to keep the other saved steps finite")
+    if top < hi:
+        # The edge is another saved step's now; what overflows there is not told apart.
+        by = next((c["step"] for c in checked if c["max_finite_k"] == top), None)
+        sw = dataclasses.replace(sw, overflow_cause=None, overflow_edge_by=f"saved step {by}" if by is not None else None)
     settings, code = scaler_settings(window, device_type=_device_type(prepared))
     return dataclasses.replace(sw, window=window, settings=settings, code=code, notes=notes, checked_steps=checked,
                                recorded_position=position_in_window(window, math.log2(sw.recorded_scale)
@@ -191,10 +247,11 @@ def _forward_finite(run) -> bool:
     return run.error is None and all(bool(torch.isfinite(t).all()) for mb in run.outputs for t in mb)
 
 
-def _scale_row(k, run, reference, max_underflow, recorded_k) -> dict:
+def _scale_row(k, run, reference, max_underflow, recorded_k, loss_dtype=None) -> dict:
     import torch
     fwd_bad = run.error is not None or any(not bool(torch.isfinite(t).all()) for mb in run.outputs for t in mb)
-    bwd_bad = bool(run.nonfinite_param_grads)
+    weight_bad = bwd_bad = bool(run.nonfinite_param_grads)
+    module_bad = False
     total = small = 0
     for key, ref_call in reference.calls.items():
         run_call = run.calls.get(key)
@@ -204,7 +261,7 @@ def _scale_row(k, run, reference, max_underflow, recorded_k) -> dict:
             if g is None or r is None:
                 continue
             if not bool(torch.isfinite(g).all()):
-                bwd_bad = True
+                bwd_bad = module_bad = True
             if g.dtype != torch.float16:
                 continue
             nz = r != 0
@@ -218,11 +275,18 @@ def _scale_row(k, run, reference, max_underflow, recorded_k) -> dict:
             ref_total += int(nz.sum())
             lost += int((nz & (g == 0)).sum())
     underflow = small / total if total else None
+    loss_bad = _loss_overflows(k, loss_dtype)
+    bwd_bad = bwd_bad or loss_bad
     overflow = not fwd_bad and bwd_bad
     usable = not fwd_bad and not bwd_bad and (underflow is None or underflow <= max_underflow)
+    cause = None
+    if overflow:
+        cause = (EdgeCause.LOSS_DTYPE if loss_bad else EdgeCause.ACTIVATION_GRAD if module_bad
+                 else EdgeCause.WEIGHT_GRAD if weight_bad else None)
     return {"k": k, "scale": 2.0 ** k, "forward_finite": not fwd_bad, "overflow": overflow,
             "underflow_share": underflow, "param_grad_lost_share": lost / ref_total if ref_total else None,
-            "usable": usable, "recorded": recorded_k is not None and k == recorded_k}
+            "usable": usable, "recorded": recorded_k is not None and k == recorded_k,
+            "loss_overflow": loss_bad, "overflow_cause": cause.value if cause else None}
 
 
 def _device_type(p) -> str:
