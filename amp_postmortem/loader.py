@@ -253,7 +253,7 @@ class Run:
         `step_range` = (first, last), both inclusive, either may be None.
         `merged`: sharded parameters' rows merged across ranks, as
         `iter_tensor_frames` has them."""
-        if merged:
+        if merged and self._sharded_to_merge(kinds):
             yield from frames_as_batches(self.iter_tensor_frames(
                 columns or [c.name for c in schema.TENSOR_COLUMNS], steps=steps, kinds=kinds,
                 nonfinite_only=nonfinite_only, step_range=step_range, label=label))
@@ -267,10 +267,7 @@ class Run:
         ranks' shards of a sharded parameter (FSDP) merged into one row per
         step, as `scan_tensors` has them (`shard_rows.merged_frames`): what
         every reader that streams the tensors table reads."""
-        sharded = self.sharded_params if len(self.ranks) > 1 else set()
-        kinds = options.get("kinds")
-        if sharded and kinds is not None and not set(kinds) & set(SHARDED_KINDS):
-            sharded = set()
+        sharded = self._sharded_to_merge(options.get("kinds"))
         if not sharded:
             for batch in self.iter_tensor_batches(columns, **options):
                 yield batch.to_pandas()
@@ -323,10 +320,7 @@ class Run:
         options). The ranks' shards of a sharded parameter (FSDP) come back
         merged into one row per step, as an unsharded run has them."""
         cols = columns or [c.name for c in schema.TENSOR_COLUMNS]
-        sharded = self.sharded_params if len(self.ranks) > 1 else set()
-        kinds = options.get("kinds")
-        if sharded and kinds is not None and not set(kinds) & set(SHARDED_KINDS):
-            sharded = set()
+        sharded = self._sharded_to_merge(options.get("kinds"))
         read = cols + [c for c in SHARD_KEY if c not in cols] if sharded else cols
         batches = list(self.iter_tensor_batches(read, **options))
         if not batches:
@@ -335,6 +329,13 @@ class Run:
         if sharded:
             df = merge_shards(df, sharded)[cols]
         return df
+
+    def _sharded_to_merge(self, kinds) -> set[str]:
+        """The sharded parameters whose rows a read of `kinds` must merge
+        (none with one rank read, or no parameter kind asked for)."""
+        if len(self.ranks) < 2 or (kinds is not None and not set(kinds) & set(SHARDED_KINDS)):
+            return set()
+        return self.sharded_params
 
     @property
     def sharded_params(self) -> set[str]:

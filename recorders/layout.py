@@ -221,10 +221,11 @@ class FlatView:
     a 1-D view that copies nothing. `shape` is the unsharded shape;
     `sharded`: the flat parameter is sharded across ranks."""
 
-    __slots__ = ("flat", "offset", "numel", "shape", "sharded", "__weakref__")
+    __slots__ = ("flat", "offset", "numel", "shape", "sharded", "aliases", "__weakref__")
 
-    def __init__(self, flat, offset: int, numel: int, shape: list[int], sharded: bool):
+    def __init__(self, flat, offset: int, numel: int, shape: list[int], sharded: bool, aliases=()):
         self.flat, self.offset, self.numel, self.shape, self.sharded = flat, offset, numel, shape, sharded
+        self.aliases = list(aliases)  # a tied parameter's other names
 
     @property
     def dtype(self):
@@ -238,23 +239,27 @@ class FlatView:
     def requires_grad(self) -> bool:
         return bool(self.flat.requires_grad)
 
+    def _slice(self, t):
+        # The offsets index the local shard (`_sharded_size`, padding
+        # included): a flat tensor of another size is an unsharded one (the
+        # gradient accumulated under `no_sync()`), whose offsets differ.
+        size = getattr(self.flat, "_sharded_size", None)
+        if t is None or t.dim() != 1 or (t.shape != size if size is not None
+                                         else t.numel() < self.offset + self.numel):
+            return None
+        return t.detach().narrow(0, self.offset, self.numel)
+
     def grad(self):
         """This rank's part of the parameter's gradient, or None (no
-        gradient yet, or the flat gradient not yet sharded again)."""
-        g = self.flat.grad
-        if g is None or g.dim() != 1 or g.numel() < self.offset + self.numel:
-            return None
-        return g.narrow(0, self.offset, self.numel)
+        gradient, or one not reduce-scattered: under `no_sync()`)."""
+        return self._slice(self.flat.grad)
 
     def value(self):
-        """This rank's part of the parameter's values (between forwards the
-        flat parameter holds its local shard; `_local_shard` also while it
-        is unsharded)."""
+        """This rank's part of the parameter's values (`_local_shard`, also
+        while the flat parameter is unsharded; before FSDP's lazy
+        initialisation the flat parameter itself holds the shard)."""
         data = getattr(self.flat, "_local_shard", None) if self.sharded else None
-        data = self.flat.detach() if data is None else data
-        if data.dim() != 1 or data.numel() < self.offset + self.numel:
-            return None
-        return data.narrow(0, self.offset, self.numel)
+        return self._slice(self.flat if data is None else data)
 
 
 def fsdp1_flat_views(model: torch.nn.Module, module_names: dict) -> list[tuple[str, FlatView]]:
@@ -276,10 +281,18 @@ def fsdp1_flat_views(model: torch.nn.Module, module_names: dict) -> list[tuple[s
         if flat is None or getattr(flat, "_params", None) is not None:
             continue  # use_orig_params: the parameters themselves are recorded
         sharded = bool(getattr(handle, "uses_sharded_strategy", False))
+
+        def full_name(module, module_name, param_name):
+            owner = module_names.get(module, module_name)
+            return f"{owner}.{param_name}" if owner else param_name
+        aliases: dict = {}
+        for info in getattr(flat, "_shared_param_infos", None) or ():
+            aliases.setdefault((id(info.prim_module), info.prim_param_name), []).append(
+                full_name(info.module, info.module_name, info.param_name))
         for info, shape, shard in zip(flat._param_infos, flat._shapes, flat._shard_param_infos):
             if not shard.in_shard or shard.numel_in_shard is None:
                 continue
-            owner = module_names.get(info.module, info.module_name)
-            name = f"{owner}.{info.param_name}" if owner else info.param_name
-            out.append((name, FlatView(flat, shard.offset_in_shard, shard.numel_in_shard, list(shape), sharded)))
+            name = full_name(info.module, info.module_name, info.param_name)
+            out.append((name, FlatView(flat, shard.offset_in_shard, shard.numel_in_shard, list(shape), sharded,
+                                       aliases.get((id(info.module), info.param_name), ()))))
     return out

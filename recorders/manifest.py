@@ -114,6 +114,9 @@ def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Mod
         for n, p in mod._parameters.items():
             if p is not None:
                 shared.setdefault(id(p), []).append(f"{m}.{n}" if m else n)
+    for n, view in flat_views:
+        if view.aliases:
+            shared[id(view)] = [n, *view.aliases]
     params = list(params) + list(flat_views)
     device = next((p.device for _, p in params), torch.device("cpu"))
     return {

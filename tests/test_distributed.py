@@ -43,6 +43,19 @@ class ShardNet(TinyNet):
         return super().forward(x) * self.gain
 
 
+class TiedNet(nn.Module):
+    """Two layers sharing one weight (tied parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
 # ------------------------------------------------------------ the workers
 def _wrap(layout, model):
     if layout == "ddp":
@@ -119,6 +132,7 @@ def _worker(rank, world, root, port):
     out["truth"] = _reference_grads(rank, world)
     for layout in FSDP1:
         out[f"{layout}_planted"] = _planted_job(layout, rank, os.path.join(root, f"{layout}_fp32"))
+    _tied_job(rank, os.path.join(root, "fsdp1_flat_tied"))
     with open(os.path.join(root, f"result-{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -170,6 +184,18 @@ def _planted_job(layout, rank, run):
             opt.zero_grad()
             rec.step(loss)
     return fqn
+
+
+def _tied_job(rank, run):
+    torch.manual_seed(0)
+    model = _wrap("fsdp1_flat", TiedNet())
+    with AmpRecorder(run, model, full_every=1) as rec:
+        (x, y), (x2, y2) = batches(2, d_out=8, seed=rank)
+        with model.no_sync():  # gradient accumulation: an unsharded flat gradient first
+            ((model(x2) - y2) ** 2).mean().backward()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        rec.step(loss)
 
 
 @pytest.fixture(scope="module")
@@ -351,3 +377,14 @@ def test_export_and_report_read_sharded_runs(distributed_runs, layout, tmp_path)
         assert steps == [0, 1]
     heatmaps, _ = scan_tensors(run)
     assert heatmaps
+
+
+def test_fsdp1_flat_tied_parameter_is_recorded_once_with_its_alias(distributed_runs):
+    root, _ = distributed_runs
+    run = amp_postmortem.load_run(root / "fsdp1_flat_tied")
+    params = {p["name"]: p for m in run.rank_manifests.values() for p in m["params"]}
+    assert set(params) == {"a.weight", "a.bias", "b.bias"}
+    assert params["a.weight"]["aliases"] == ["b.weight"] and params["a.weight"]["shape"] == [8, 8]
+    grads = run.scan_tensors(["name", "kind", "numel"], kinds=["param_grad"])
+    assert dict(zip(grads["name"], grads["numel"])) == {"a.weight": 64, "a.bias": 8, "b.bias": 8}
+    assert run.steps["grad_norm"].notna().all()
