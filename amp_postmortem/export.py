@@ -193,8 +193,9 @@ def layer_rows(run: Run, rank: int, limits: dict):
     their maximum, a step whose rows straddle two record batches merged."""
     cols = ["step", "rank", "name", "kind", "dtype", "absmax", "nan_count", "inf_count"]
     pending = None
-    for batch in run.iter_tensor_batches(cols, kinds=LAYER_KINDS, label="exporting tensors"):
-        df = batch.to_pandas()
+    # A sharded parameter's rows merged across ranks: one row per step,
+    # under the lowest rank holding a shard of it.
+    for df in run.iter_tensor_frames(cols, kinds=LAYER_KINDS, label="exporting tensors"):
         df = df[df["rank"] == rank]
         if df.empty:
             continue

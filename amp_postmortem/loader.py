@@ -43,6 +43,7 @@ from .step_facts import StepFacts, from_indexes, from_series, from_table
 from . import step_series
 from .step_series import StepSeries
 from .store import StorePath, filesystem_of, fs_path, run_location
+from .shard_rows import SHARD_KEY, SHARDED_KINDS, frames_as_batches, merge_shards, merged_frames
 from .shards import (RANK_DIR, Shard, check_pairs, check_version, error_text, rank_dirs, read_footer, read_steps,
                      shard_files)
 
@@ -245,14 +246,33 @@ class Run:
     def iter_tensor_batches(self, columns: list[str] | None = None, *,
                             steps: Iterable[int] | None = None, kinds: Iterable[str] | None = None,
                             nonfinite_only: bool = False, step_range: tuple | None = None,
-                            label: str = "reading tensors") -> Iterator[pa.RecordBatch]:
+                            label: str = "reading tensors", merged: bool = False) -> Iterator[pa.RecordBatch]:
         """Record batches of the tensors table, shard by shard in step order
         per rank. Shards whose footer rules them out are never opened; within
         a shard, Parquet row-group statistics prune with the same filter.
-        `step_range` = (first, last), both inclusive, either may be None."""
+        `step_range` = (first, last), both inclusive, either may be None.
+        `merged`: sharded parameters' rows merged across ranks, as
+        `iter_tensor_frames` has them."""
+        if merged and self._sharded_to_merge(kinds):
+            yield from frames_as_batches(self.iter_tensor_frames(
+                columns or [c.name for c in schema.TENSOR_COLUMNS], steps=steps, kinds=kinds,
+                nonfinite_only=nonfinite_only, step_range=step_range, label=label))
+            return
         for table in self.map_tensor_shards(None, columns, steps=steps, kinds=kinds,
                                             nonfinite_only=nonfinite_only, step_range=step_range, label=label):
             yield from table.to_batches()
+
+    def iter_tensor_frames(self, columns: list[str], **options) -> Iterator[pd.DataFrame]:
+        """`iter_tensor_batches` (the same options) as DataFrames, with the
+        ranks' shards of a sharded parameter (FSDP) merged into one row per
+        step, as `scan_tensors` has them (`shard_rows.merged_frames`): what
+        every reader that streams the tensors table reads."""
+        sharded = self._sharded_to_merge(options.get("kinds"))
+        if not sharded:
+            for batch in self.iter_tensor_batches(columns, **options):
+                yield batch.to_pandas()
+            return
+        yield from merged_frames(self, list(columns), sharded, **options)
 
     def map_tensor_shards(self, reduce: Callable | None, columns: list[str] | None = None, *,
                           steps: Iterable[int] | None = None, kinds: Iterable[str] | None = None,
@@ -300,10 +320,7 @@ class Run:
         options). The ranks' shards of a sharded parameter (FSDP) come back
         merged into one row per step, as an unsharded run has them."""
         cols = columns or [c.name for c in schema.TENSOR_COLUMNS]
-        sharded = self.sharded_params if len(self.ranks) > 1 else set()
-        kinds = options.get("kinds")
-        if sharded and kinds is not None and not set(kinds) & set(SHARDED_KINDS):
-            sharded = set()
+        sharded = self._sharded_to_merge(options.get("kinds"))
         read = cols + [c for c in SHARD_KEY if c not in cols] if sharded else cols
         batches = list(self.iter_tensor_batches(read, **options))
         if not batches:
@@ -312,6 +329,13 @@ class Run:
         if sharded:
             df = merge_shards(df, sharded)[cols]
         return df
+
+    def _sharded_to_merge(self, kinds) -> set[str]:
+        """The sharded parameters whose rows a read of `kinds` must merge
+        (none with one rank read, or no parameter kind asked for)."""
+        if len(self.ranks) < 2 or (kinds is not None and not set(kinds) & set(SHARDED_KINDS)):
+            return set()
+        return self.sharded_params
 
     @property
     def sharded_params(self) -> set[str]:
@@ -330,59 +354,6 @@ class Run:
             return str(Path(p).relative_to(self.path))
         except ValueError:
             return str(p)
-
-
-# ------------------------------------------------------------ sharded rows
-SHARDED_KINDS = ("param", "param_grad")
-SHARD_KEY = ["step", "rank", "name", "kind", "phase", "call", "numel"]
-
-
-def merge_shards(df: pd.DataFrame, sharded: set[str]) -> pd.DataFrame:
-    """One row per step for each sharded parameter's `param`/`param_grad`
-    rows, from the ranks' shards: extremes by max/min, counts and numel by
-    sum, means and shares weighted by numel (null parts left out), rms from
-    the summed squares; the lowest rank's row keeps the place."""
-    mask = df["kind"].isin(SHARDED_KINDS) & df["name"].isin(sharded)
-    if not mask.any():
-        return df
-    part = df[mask]
-    key = ["step", "name", "kind", "phase", "call"]
-    groups = part.groupby(key, sort=False, dropna=False)
-    merged = groups.head(1).set_index(key)  # dtype and anything unlisted below
-    n = part["numel"].astype("float64")
-    out = {"rank": groups["rank"].min(), "numel": groups["numel"].sum()}
-    for col in ("nan_count", "inf_count"):
-        if col in part:
-            out[col] = groups[col].sum()
-    if "input_nonfinite" in part:
-        out["input_nonfinite"] = groups["input_nonfinite"].sum(min_count=1)
-    for col in ("absmax", "max"):
-        if col in part:
-            out[col] = groups[col].max()
-    if "min" in part:
-        out["min"] = groups["min"].min()
-    if "order" in part:
-        out["order"] = groups["order"].min()
-    for col in ("mean", "zero_share", "below_normal_share", "below_subnormal_share", "near_overflow_share", "rms"):
-        if col not in part:
-            continue
-        v = part[col].astype("float64")
-        v = v * v if col == "rms" else v
-        w = n.where(v.notna(), 0.0)
-        num = (v.fillna(0.0) * w).groupby([part[k] for k in key], sort=False, dropna=False).sum()
-        den = w.groupby([part[k] for k in key], sort=False, dropna=False).sum()
-        r = (num / den).where(den > 0)
-        out[col] = r ** 0.5 if col == "rms" else r
-    for col, values in out.items():
-        merged[col] = values.reindex(merged.index).to_numpy()
-    merged = merged.reset_index()[df.columns]
-    for col in df.columns:
-        try:
-            merged[col] = merged[col].astype(df[col].dtype)
-        except (TypeError, ValueError):
-            pass
-    both = pd.concat([df[~mask], merged], ignore_index=True)
-    return both.sort_values("step", kind="stable").reset_index(drop=True)
 
 
 def global_grad_norm(steps: pd.DataFrame, ranks: list[int], world_size: int, warnings: list[str]) -> pd.DataFrame:

@@ -37,7 +37,7 @@ class TrainingHooks:
     def __init__(self, model, *, optimizer, scaler, watched: list[str],
                  watch_param, near_overflow: float, guard, guard_call, bundles, on_autocast,
                  modules: dict | None = None, params: list | None = None, sharded=frozenset(),
-                 late_grads=frozenset(), probe=None, probed=(), probe_leaves=(), on_probe_error=None):
+                 late_grads=frozenset(), flat_views=(), probe=None, probed=(), probe_leaves=(), on_probe_error=None):
         self.model = model
         self.shared = Shared(near_overflow=near_overflow, guard=guard, guard_call=guard_call, bundles=bundles)
         # name -> module to hook: the unwrapped modules; the root ("") is
@@ -49,14 +49,14 @@ class TrainingHooks:
         self.params = ParamGradCollector(
             self.shared, params=params, watched_modules=set(watched), watch_param=watch_param,
             scaler=scaler if scaler_enabled(scaler) else None, optimizer=optimizer,
-            sharded=sharded, late_grads=late_grads)
+            sharded=sharded, late_grads=late_grads, flat_views=flat_views)
         self.backward = BackwardCollector(self.shared, on_root_grad=self.params.await_backward_end)
         self.recompute = CheckpointRecompute(self.shared, self.backward)
         self.autocast_watch = AutocastWatch(self.shared, on_autocast, active=lambda: self.forward.active())
         self.forward = ForwardCollector(
             self.shared, model=model, modules=modules, watched=watched, params=params,
             sharded=set(sharded), backward=self.backward, recompute=self.recompute,
-            autocast=self.autocast_watch)
+            autocast=self.autocast_watch, flat_views=flat_views)
         self.probe = None
         if probe is not None and (probed or probe_leaves):
             self.probe = ProbeCollector(self.shared, modules=modules, named=probed, leaves=probe_leaves,

@@ -9,8 +9,9 @@ are never stripped as strings: a user's child may well be called `module`.
 
 Sharded tensors are recorded as this rank's local shard: a DTensor (FSDP2,
 tensor parallel) is read through `to_local()`, an FSDP1 `use_orig_params`
-parameter already is a view of the local shard. Nothing here issues a
-collective.
+parameter already is a view of the local shard, and an FSDP1 parameter
+without `use_orig_params` is read as its slice of the local FlatParameter
+(`FlatView`). Nothing here issues a collective.
 """
 from __future__ import annotations
 
@@ -105,16 +106,24 @@ def all_module_names(model) -> list[tuple[str, torch.nn.Module]]:
 def canonical_parameters(modules: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) of the modules' own parameters, each once; FSDP1's
     FlatParameter (a container of the real parameters' shards, which stay
-    registered under their own names with `use_orig_params=True`) is left out."""
+    registered under their own names with `use_orig_params=True`, and are
+    read from it as `FlatView`s without) is left out."""
     out = []
     seen: set[int] = set()
     for mname, m in modules:
         for pname, p in m._parameters.items():
-            if p is None or id(p) in seen or type(p).__name__ == "FlatParameter":
+            if p is None or id(p) in seen or is_flat_param(p):
                 continue
             seen.add(id(p))
             out.append((f"{mname}.{pname}" if mname else pname, p))
     return out
+
+
+def is_flat_param(p) -> bool:
+    """FSDP1's FlatParameter: its class makes plain `Parameter`s marked
+    `_is_flat_param` (its metaclass answers isinstance), so the type's
+    name does not tell it."""
+    return bool(getattr(p, "_is_flat_param", False)) or type(p).__name__ == "FlatParameter"
 
 
 def user_class(model: torch.nn.Module) -> type:
@@ -200,4 +209,90 @@ def sharded_param_ids(model: torch.nn.Module, params) -> set[int]:
     for _, p in params:
         if is_dtensor(p) and any(pl.is_shard() for pl in p.placements):
             out.add(id(p))
+    return out
+
+
+class FlatView:
+    """One original parameter of an FSDP1 FlatParameter built without
+    `use_orig_params`: the parameter itself is no longer registered (its
+    module holds a plain tensor attribute, only while unsharded), so its
+    rows are read from this rank's part of the flat parameter and of its
+    gradient, `flat[offset : offset + numel]` (FSDP's `_ShardParamInfo`),
+    a 1-D view that copies nothing. `shape` is the unsharded shape;
+    `sharded`: the flat parameter is sharded across ranks."""
+
+    __slots__ = ("flat", "offset", "numel", "shape", "sharded", "aliases", "__weakref__")
+
+    def __init__(self, flat, offset: int, numel: int, shape: list[int], sharded: bool, aliases=()):
+        self.flat, self.offset, self.numel, self.shape, self.sharded = flat, offset, numel, shape, sharded
+        self.aliases = list(aliases)  # a tied parameter's other names
+
+    @property
+    def dtype(self):
+        return self.flat.dtype
+
+    @property
+    def device(self):
+        return self.flat.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return bool(self.flat.requires_grad)
+
+    def _slice(self, t):
+        # The offsets index the local shard (`_sharded_size`, padding
+        # included): a flat tensor of another size is an unsharded one (the
+        # gradient accumulated under `no_sync()`), whose offsets differ.
+        size = getattr(self.flat, "_sharded_size", None)
+        if t is None or t.dim() != 1 or (t.shape != size if size is not None
+                                         else t.numel() < self.offset + self.numel):
+            return None
+        return t.detach().narrow(0, self.offset, self.numel)
+
+    def grad(self):
+        """This rank's part of the parameter's gradient, or None (no
+        gradient, or one not reduce-scattered: under `no_sync()`)."""
+        return self._slice(self.flat.grad)
+
+    def value(self):
+        """This rank's part of the parameter's values (`_local_shard`, also
+        while the flat parameter is unsharded; before FSDP's lazy
+        initialisation the flat parameter itself holds the shard)."""
+        data = getattr(self.flat, "_local_shard", None) if self.sharded else None
+        return self._slice(self.flat if data is None else data)
+
+
+def fsdp1_flat_views(model: torch.nn.Module, module_names: dict) -> list[tuple[str, FlatView]]:
+    """(name, view) of every original parameter that this rank's part of
+    an FSDP1 FlatParameter without `use_orig_params` holds (a parameter
+    wholly on other ranks has none here, as FSDP1 gives such a parameter
+    no gradient with `use_orig_params=True`). Names as the unwrapped
+    model gives them: the owning module's canonical name (`module_names`:
+    module -> name) and the parameter's own; shared (tied) parameters are
+    stored once, under their first name."""
+    mod = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    fsdp = getattr(mod, "FullyShardedDataParallel", None) if mod is not None else None
+    out: list[tuple[str, FlatView]] = []
+    if fsdp is None:
+        return out
+    for m in model.modules():
+        handle = getattr(m, "_handle", None) if isinstance(m, fsdp) else None
+        flat = getattr(handle, "flat_param", None)
+        if flat is None or getattr(flat, "_params", None) is not None:
+            continue  # use_orig_params: the parameters themselves are recorded
+        sharded = bool(getattr(handle, "uses_sharded_strategy", False))
+
+        def full_name(module, module_name, param_name):
+            owner = module_names.get(module, module_name)
+            return f"{owner}.{param_name}" if owner else param_name
+        aliases: dict = {}
+        for info in getattr(flat, "_shared_param_infos", None) or ():
+            aliases.setdefault((id(info.prim_module), info.prim_param_name), []).append(
+                full_name(info.module, info.module_name, info.param_name))
+        for info, shape, shard in zip(flat._param_infos, flat._shapes, flat._shard_param_infos):
+            if not shard.in_shard or shard.numel_in_shard is None:
+                continue
+            name = full_name(info.module, info.module_name, info.param_name)
+            out.append((name, FlatView(flat, shard.offset_in_shard, shard.numel_in_shard, list(shape), sharded,
+                                       aliases.get((id(info.module), info.param_name), ()))))
     return out

@@ -96,11 +96,13 @@ def bare_manifest(run_dir: Path, rank: int, world_size: int, run_id: str | None)
 def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Module,
                  module_names: dict, watched: list[str], params: list, optimizer, scaler,
                  recorder_options: dict, model_class: type | None = None, sharded=frozenset(),
-                 shapes: dict | None = None) -> dict:
+                 shapes: dict | None = None, flat_views=()) -> dict:
     """The manifest's description of the job, known before the first step.
     `model_class`: the user's class (default: the model's); `sharded`: ids
     of the parameters sharded across ranks; `shapes`: unsharded shapes by
-    parameter id where `.shape` is a local one (FSDP1)."""
+    parameter id where `.shape` is a local one (FSDP1); `flat_views`:
+    (name, `FlatView`) of FSDP1's parameters without `use_orig_params`,
+    listed as parameters (with their unsharded shapes)."""
     watched_set = set(watched)
     shapes = shapes or {}
     # Tied parameters (one tensor under several names, e.g. an embedding and
@@ -112,6 +114,10 @@ def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Mod
         for n, p in mod._parameters.items():
             if p is not None:
                 shared.setdefault(id(p), []).append(f"{m}.{n}" if m else n)
+    for n, view in flat_views:
+        if view.aliases:
+            shared[id(view)] = [n, *view.aliases]
+    params = list(params) + list(flat_views)
     device = next((p.device for _, p in params), torch.device("cpu"))
     return {
         "format": schema.FORMAT_NAME,

@@ -50,8 +50,8 @@ from .event_thread import FLUSH_WAIT_S, EventDispatcher
 from .events import EventDetector
 from .hooks import TrainingHooks
 from .lease import LeaseHeldError, RankLease
-from .layout import (canonical_modules, canonical_parameters, fsdp1_shapes, fsdp1_sharded_params, is_compiled,
-                     sharded_param_ids, user_class)
+from .layout import (canonical_modules, canonical_parameters, fsdp1_flat_views, fsdp1_shapes, fsdp1_sharded_params,
+                     is_compiled, sharded_param_ids, user_class)
 from .loss_tap import MicroBatchLosses, OutputLossTap, ScaleTap, loss_dtype, step_loss
 from .manifest import RunManifest, bare_manifest, describe_job, distributed_rank_world, failure_reason
 from .options import FLAT_OPTIONS, UNSET, StorageOptions, WriterOptions, parts_from_flat
@@ -304,6 +304,10 @@ class AmpRecorder:
         watched = [name for name, _ in modules if name == "" or self._matches(name)]
         params = canonical_parameters(modules)
         sharded = sharded_param_ids(model, params)
+        # FSDP1 without use_orig_params: the parameters as slices of the
+        # flat parameters, recorded and described like the others.
+        flat_views = fsdp1_flat_views(model, module_names)
+        sharded |= {id(v) for _, v in flat_views if v.sharded}
         bundles_enabled = parts.bundles_enabled
         if sharded and bundles_enabled:
             # A bundle holds one rank's shards of the weights: no replay can
@@ -325,7 +329,7 @@ class AmpRecorder:
             options["probe"] = {**parts.probe.config(), "probed": probed}
         job = describe_job(run_id=self.run_id, rank=self.rank, world_size=self.world_size, model=model,
                            module_names=module_names, watched=watched, params=params,
-                           optimizer=optimizer, scaler=scaler, recorder_options=options,
+                           optimizer=optimizer, scaler=scaler, recorder_options=options, flat_views=flat_views,
                            model_class=user_class(model), sharded=sharded, shapes=fsdp1_shapes(model))
         self.writer = WriterThread(max_queue=writing.max_queue, is_failed=lambda: self._failure is not None,
                                    on_error=self._fail)
@@ -346,6 +350,7 @@ class AmpRecorder:
         self.hooks = TrainingHooks(
             model, optimizer=optimizer, scaler=scaler, watched=watched, modules=dict(modules),
             params=params, sharded=sharded, late_grads=fsdp1_sharded_params(model, sharded_only=False),
+            flat_views=flat_views,
             watch_param=self._matches,
             near_overflow=float(near_overflow), guard=self._guard, guard_call=self._guard_call,
             bundles=self.bundles, probe=parts.probe, probed=probed, probe_leaves=probe_leaves,

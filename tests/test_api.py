@@ -277,7 +277,7 @@ def test_cli_choices_come_from_the_one_vocabulary():
 # ----------------------------------------------------------- the layers
 LAYERS = [  # each imports only from its own layer and the ones before it
     {"errors", "names", "op_words", "display"},
-    {"loader", "shards", "bundle", "store", "index", "step_facts", "step_series", "engines", "journal", "files",
+    {"loader", "shard_rows", "shards", "bundle", "store", "index", "step_facts", "step_series", "engines", "journal", "files",
      "tail"},
     {"analyses"},
     {"replay"},

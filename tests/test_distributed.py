@@ -1,5 +1,6 @@
 """The recorder in distributed, sharded and compiled jobs: DDP without a
-run_id, FSDP1, FSDP2 (`fully_shard`) on 2 CPU processes with gloo,
+run_id, FSDP1 (with and without `use_orig_params`), FSDP2 (`fully_shard`)
+on 2 CPU processes with gloo,
 `torch.compile` (recorder attached before and after compiling) and
 activation checkpointing (reentrant and not). For each layout: training
 bit-identical to the same job without the recorder, rows under the user's
@@ -12,6 +13,7 @@ import math
 import os
 import socket
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -22,7 +24,8 @@ from amp_postmortem.cli import main
 from recorders import AmpRecorder
 from tiny_models import TinyNet, batches
 
-LAYOUTS = ("ddp", "fsdp1", "fsdp2")
+LAYOUTS = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2")  # fsdp1_flat: without use_orig_params
+FSDP1 = ("fsdp1", "fsdp1_flat")
 STEPS = 3
 CLIP = 0.5
 NAN_RANK, NAN_STEP = 1, 1  # DDP: this rank's batch of this step holds a NaN
@@ -40,14 +43,27 @@ class ShardNet(TinyNet):
         return super().forward(x) * self.gain
 
 
+class TiedNet(nn.Module):
+    """Two layers sharing one weight (tied parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
 # ------------------------------------------------------------ the workers
 def _wrap(layout, model):
     if layout == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model)
-    if layout == "fsdp1":
+    if layout in FSDP1:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        return FSDP(model, use_orig_params=True, device_id=torch.device("cpu"))
+        return FSDP(model, use_orig_params=layout == "fsdp1", device_id=torch.device("cpu"))
     from torch.distributed.fsdp import fully_shard
     for block in model.blocks:
         fully_shard(block)
@@ -56,7 +72,7 @@ def _wrap(layout, model):
 
 def _clip(layout, model):
     """The user's clipping; returns the total norm it saw (pre-clip)."""
-    if layout == "fsdp1":
+    if layout in FSDP1:
         return float(model.clip_grad_norm_(CLIP))
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -113,9 +129,73 @@ def _worker(rank, world, root, port):
             "identical": repr(plain_losses + plain_norms) == repr(losses + norms)
             and all(torch.equal(a, b) for a, b in zip(plain_weights, weights)),
             "losses": losses, "norms": norms}
+    out["truth"] = _reference_grads(rank, world)
+    for layout in FSDP1:
+        out[f"{layout}_planted"] = _planted_job(layout, rank, os.path.join(root, f"{layout}_fp32"))
+    _tied_job(rank, os.path.join(root, "fsdp1_flat_tied"))
     with open(os.path.join(root, f"result-{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
+
+
+def _reference_grads(rank, world):
+    """The unsharded model's step-0 gradients as FSDP averages them (each
+    rank's batch, all-reduced), float32 without autocast: per parameter
+    its absmax, and the initial weights' absmax."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = ShardNet()
+    x, y = batches(1, seed=rank)[0]
+    ((model(x) - y) ** 2).mean().backward()
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        out[name] = {"grad_absmax": float((g / world).abs().max()), "absmax": float(p.detach().abs().max())}
+    return out
+
+
+def _planted_job(layout, rank, run):
+    """Two float32 steps, every one at the full tier; at step 1 each rank
+    plants a NaN into its part of the parameter that its shard boundary
+    cuts (the first on rank 1, the last on rank 0), through FSDP's
+    communication hook: the same parameter's gradient, non-finite on both
+    ranks. Returns that parameter's name."""
+    from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState, reduce_scatter_hook
+    torch.manual_seed(0)
+    model = _wrap(layout, ShardNet())
+    flat = model._handle.flat_param
+    infos = [(fqn, info) for fqn, info in zip(flat._fqns, flat._shard_param_infos) if info.in_shard]
+    fqn, info = infos[-1] if rank == 0 else infos[0]
+    at = info.offset_in_shard + (info.numel_in_shard - 1 if rank == 0 else 0)
+    state, step = DefaultState(torch.distributed.group.WORLD), [0]
+
+    def hook(state, grad, output):
+        reduce_scatter_hook(state, grad, output)
+        if step[0] == 1:
+            output[at] = math.nan
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with AmpRecorder(run, model, optimizer=opt, full_every=1, steps_per_shard=1) as rec:
+        for step[0], (x, y) in enumerate(batches(2, seed=rank)):
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()  # step 1's NaN reaches the weights after the job's last forward
+            opt.zero_grad()
+            rec.step(loss)
+    return fqn
+
+
+def _tied_job(rank, run):
+    torch.manual_seed(0)
+    model = _wrap("fsdp1_flat", TiedNet())
+    with AmpRecorder(run, model, full_every=1) as rec:
+        (x, y), (x2, y2) = batches(2, d_out=8, seed=rank)
+        with model.no_sync():  # gradient accumulation: an unsharded flat gradient first
+            ((model(x2) - y2) ** 2).mean().backward()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        rec.step(loss)
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +298,93 @@ def test_run_id_precedence_argument_env_torchrun_existing_run(tmp_path, monkeypa
     monkeypatch.setenv("AMP_POSTMORTEM_RUN_ID", "mine")
     assert local_run_id(tmp_path, 0, None) == "mine"
     assert local_run_id(tmp_path, 0, "given") == "given"
+
+
+# ------------------------------------- FSDP1: parameters from the flat one
+@pytest.mark.parametrize("layout", FSDP1)
+def test_fsdp1_rows_merge_to_the_unsharded_models_values(distributed_runs, layout):
+    """Both use_orig_params settings record every parameter under its own
+    name, marked sharded; merged, step 0's rows are the unsharded model's:
+    its initial weights exactly, its averaged float32 gradients."""
+    root, results = distributed_runs
+    run = amp_postmortem.load_run(root / f"{layout}_fp32")
+    assert run.sharded_params == PARAMS
+    rows = run.scan_tensors(["step", "rank", "name", "kind", "numel", "absmax", "nan_count"],
+                            kinds=["param", "param_grad"])
+    step0 = rows[rows["step"] == 0]
+    truth = results[0]["truth"]
+    for kind in ("param", "param_grad"):
+        mine = step0[step0["kind"] == kind].set_index("name")
+        assert sorted(mine.index) == sorted(PARAMS)  # one row each, all ranks merged
+        assert (mine["nan_count"] == 0).all()
+        sizes = {n: p.numel() for n, p in ShardNet().named_parameters()}
+        assert mine["numel"].to_dict() == sizes
+    weights = step0[step0["kind"] == "param"].set_index("name")["absmax"]
+    assert weights.to_dict() == {n: t["absmax"] for n, t in truth.items()}
+    grads = step0[step0["kind"] == "param_grad"].set_index("name")["absmax"]
+    for name, t in truth.items():
+        assert grads[name] == pytest.approx(t["grad_absmax"], rel=1e-5), name
+
+
+@pytest.mark.parametrize("layout", FSDP1)
+def test_nans_names_a_sharded_gradient_once_not_once_per_rank(distributed_runs, layout):
+    root, results = distributed_runs
+    planted = {r[f"{layout}_planted"] for r in results}
+    assert len(planted) == 1  # the shard boundary cuts one parameter
+    name = planted.pop()
+    report = amp_postmortem.nans(root / f"{layout}_fp32")
+    grads = report.layers[report.layers["kind"] == "param_grad"]
+    assert grads["name"].tolist() == [name]
+    row = grads.iloc[0]
+    assert (row["first_step"], row["nonfinite_steps"], row["nan_count"]) == (1, 1, 2)
+    origin = report.origins["backward"]
+    assert (origin.tensor, origin.step, origin.rank) == (name, 1, 0)  # the lowest rank holding a NaN of it
+    assert not report.backward_scaler_handled
+
+
+@pytest.mark.parametrize("layout", FSDP1)
+def test_streamed_rows_merge_shards_and_keep_each_ranks_step_order(distributed_runs, layout):
+    """What the streaming readers read (`nans`, the report, the exports):
+    one row per sharded parameter and step, as `scan_tensors` has them,
+    in frames whose steps never go back within a rank (a shard a step)."""
+    root, _ = distributed_runs
+    run = amp_postmortem.load_run(root / f"{layout}_fp32")
+    cols = ["step", "rank", "name", "kind", "numel", "absmax", "nan_count"]
+    frames = list(run.iter_tensor_frames(cols, kinds=["activation", "param_grad"]))
+    last = {}
+    for f in frames:
+        for rank, g in f.groupby("rank"):
+            assert g["step"].is_monotonic_increasing and g["step"].min() >= last.get(rank, 0)
+            last[rank] = g["step"].max()
+    streamed = pd.concat(frames, ignore_index=True)
+    grads = streamed[streamed["kind"] == "param_grad"]
+    assert sorted(zip(grads["step"], grads["name"])) == sorted((s, n) for s in (0, 1) for n in PARAMS)
+    whole = run.scan_tensors(cols, kinds=["activation", "param_grad"])
+    key = ["step", "rank", "name", "kind"]
+    assert streamed.sort_values(key).reset_index(drop=True).equals(whole.sort_values(key).reset_index(drop=True))
+    batches_ = run.iter_tensor_batches(cols, kinds=["param_grad"], merged=True)
+    assert sum(b.num_rows for b in batches_) == len(grads)
+
+
+@pytest.mark.parametrize("layout", FSDP1)
+def test_export_and_report_read_sharded_runs(distributed_runs, layout, tmp_path):
+    root, _ = distributed_runs
+    run = amp_postmortem.load_run(root / f"{layout}_fp32")
+    from amp_postmortem.export import layer_rows
+    from amp_postmortem.report.data import DTYPE_MAX, scan_tensors
+    for rank in run.ranks:
+        steps = [step for step, _ in layer_rows(run, rank, DTYPE_MAX)]
+        assert steps == [0, 1]
+    heatmaps, _ = scan_tensors(run)
+    assert heatmaps
+
+
+def test_fsdp1_flat_tied_parameter_is_recorded_once_with_its_alias(distributed_runs):
+    root, _ = distributed_runs
+    run = amp_postmortem.load_run(root / "fsdp1_flat_tied")
+    params = {p["name"]: p for m in run.rank_manifests.values() for p in m["params"]}
+    assert set(params) == {"a.weight", "a.bias", "b.bias"}
+    assert params["a.weight"]["aliases"] == ["b.weight"] and params["a.weight"]["shape"] == [8, 8]
+    grads = run.scan_tensors(["name", "kind", "numel"], kinds=["param_grad"])
+    assert dict(zip(grads["name"], grads["numel"])) == {"a.weight": 64, "a.bias": 8, "b.bias": 8}
+    assert run.steps["grad_norm"].notna().all()

@@ -145,11 +145,12 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
     """Rank layers by first non-finite appearance and name the origins."""
     acc = _Accumulator()
     run.scanned_files.clear()
-    for batch in run.iter_tensor_batches(_COLUMNS, nonfinite_only=True, kinds=LAYER_KINDS,
-                                         step_range=(from_step, to_step),
-                                         label="scanning for NaN/Inf"):
-        if batch.num_rows:
-            acc.add(batch.to_pandas())
+    # A sharded parameter's gradient: one row per step, whichever ranks
+    # hold its non-finite values (the lowest of them names the rank).
+    for rows in run.iter_tensor_frames(_COLUMNS, nonfinite_only=True, kinds=LAYER_KINDS,
+                                       step_range=(from_step, to_step), label="scanning for NaN/Inf"):
+        if len(rows):
+            acc.add(rows)
 
     origins = {"forward": None, "backward": None}
     for phase in ("forward", "backward"):

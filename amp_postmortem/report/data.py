@@ -211,7 +211,7 @@ def scan_tensors(run: Run) -> tuple[list[Heatmap], Underflow]:
     columns = max(1, min(MAX_HEATMAP_COLUMNS, span, HEATMAP_CELLS // max(layer_count, 1)))
     parts, under_parts = [], []
     for batch in run.iter_tensor_batches(_SCAN_COLUMNS, kinds=FORWARD_KINDS + BACKWARD_KINDS,
-                                         label="reading tensors for the report"):
+                                         label="reading tensors for the report", merged=True):
         if not batch.num_rows:
             continue
         t = pa.Table.from_batches([batch])

@@ -21,16 +21,18 @@ from .state import CallContext, Shared, TensorInfo, in_backward
 class ForwardCollector:
     """`modules`: name -> module to hook (the root "" is the outermost
     module, the one the training loop calls); `watched`: the names hooked;
-    `params` and `sharded`: for the full tier's parameter values."""
+    `params` and `sharded`: for the full tier's parameter values, with
+    `flat_views` ((name, `FlatView`): FSDP1 without `use_orig_params`)."""
 
     def __init__(self, shared: Shared, *, model, modules: dict, watched: list, params: list,
                  sharded, backward: BackwardCollector, recompute: CheckpointRecompute,
-                 autocast: AutocastWatch):
+                 autocast: AutocastWatch, flat_views=()):
         self.shared = shared
         self.model = model
         self.modules = modules
         self.watched = watched
         self.params = params
+        self.flat_views = list(flat_views)
         self._sharded = sharded
         self.backward = backward
         self.recompute = recompute
@@ -146,6 +148,10 @@ class ForwardCollector:
             stats = self.shared.stats
             st.param_values = [(pname, TensorInfo(p), stats(st, p))
                                for pname, p in self.params if local(p).numel() or id(p) in self._sharded]
+            for pname, view in self.flat_views:
+                value = view.value()
+                if value is not None:
+                    st.param_values.append((pname, TensorInfo(value), stats(st, value)))
         self._model_input_rows(st, args, kwargs)
         if from_root:  # a bundle replays the root's call: no root call, no bundle
             self.shared.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs,

@@ -48,10 +48,13 @@ class ParamGradCollector:
     recorded when its module is watched or this says so; `sharded`: ids of
     parameters held as local shards; `late_grads`: ids of parameters whose
     gradients no post-accumulate-grad hook reports (FSDP1 sets them as views
-    of its flat gradient): read at the end of each backward pass."""
+    of its flat gradient): read at the end of each backward pass;
+    `flat_views`: (name, `FlatView`) of the parameters of an FSDP1 flat
+    parameter without `use_orig_params`, whose gradients are read as
+    their slices of the flat gradient, also when the backward pass ends."""
 
     def __init__(self, shared: Shared, *, params: list, watched_modules: set, watch_param, scaler,
-                 optimizer, sharded=frozenset(), late_grads=frozenset()):
+                 optimizer, sharded=frozenset(), late_grads=frozenset(), flat_views=()):
         self.shared = shared
         self.params = params
         self._watched_modules = watched_modules
@@ -62,6 +65,8 @@ class ParamGradCollector:
         self._late_grads = set(late_grads)
         self._grad_params: list = []
         self._late_params: list = []
+        self._flat_views = list(flat_views)
+        self._grad_views: list = []  # the watched ones
 
     def register(self, handles: list) -> None:
         guard = self.shared.guard
@@ -75,6 +80,9 @@ class ParamGradCollector:
                 # Run eagerly even when the backward runs inside compiled
                 # code: dynamo would otherwise compile one frame per shape.
                 handles.append(p.register_post_accumulate_grad_hook(eager(guard(hook, traced=False))))
+        self._grad_views = [(pname, v) for pname, v in self._flat_views
+                            if v.requires_grad and (pname.rpartition(".")[0] in self._watched_modules
+                                                    or self._watch_param(pname))]
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
             handles.append(self.optimizer.register_step_pre_hook(eager(guard(self._on_opt_pre, traced=False))))
 
@@ -100,23 +108,26 @@ class ParamGradCollector:
                 return
             self.await_backward_end(st)
             st.forward_open = False
-            g = p.grad
-            scale = self.scale_tensor()
-            # Unscaled by the loss scale when there is one; without, the
-            # cheap tier's fast path (no keyword options) serves.
-            s = shared.stats(st, g, scale=scale, unscale=True) if scale is not None else shared.stats(st, g)
-            # Keep the statistics, not the gradient: `zero_grad()` must be
-            # able to free it before `rec.step()`. Slot 2: no norm of its
-            # own (the global norm is taken once, when the backward pass ends).
-            dtype = dtype_name(g.dtype)
-            numel = g.numel() if type(g) in PLAIN_TENSORS else local(g).numel()
-            slot = st.param_grads.get(pname)
-            if slot is None:
-                st.param_grads[pname] = [st.bwd_order, s, None, dtype, numel]
-                st.bwd_order += 1
-            else:  # gradient accumulation: the last accumulated value wins
-                slot[1], slot[3], slot[4] = s, dtype, numel
+            self._record_grad(st, pname, p.grad)
         return hook
+
+    def _record_grad(self, st, pname, g) -> None:
+        scale = self.scale_tensor()
+        shared = self.shared
+        # Unscaled by the loss scale when there is one; without, the
+        # cheap tier's fast path (no keyword options) serves.
+        s = shared.stats(st, g, scale=scale, unscale=True) if scale is not None else shared.stats(st, g)
+        # Keep the statistics, not the gradient: `zero_grad()` must be
+        # able to free it before `rec.step()`. Slot 2: no norm of its
+        # own (the global norm is taken once, when the backward pass ends).
+        dtype = dtype_name(g.dtype)
+        numel = g.numel() if type(g) in PLAIN_TENSORS else local(g).numel()
+        slot = st.param_grads.get(pname)
+        if slot is None:
+            st.param_grads[pname] = [st.bwd_order, s, None, dtype, numel]
+            st.bwd_order += 1
+        else:  # gradient accumulation: the last accumulated value wins
+            slot[1], slot[3], slot[4] = s, dtype, numel
 
     # ------------------------------------------------------ gradient norm
     def await_backward_end(self, st) -> None:
@@ -146,6 +157,10 @@ class ParamGradCollector:
         st.last_sum = None  # its gradient need not outlive the pass
         for pname, p, hook in self._late_params:
             hook(p)
+        for pname, view in self._grad_views:
+            g = view.grad()
+            if g is not None:
+                self._record_grad(st, pname, g)
         self._measure_grad_norm(st, self.scale_tensor())
 
     def _measure_grad_norm(self, st, scale) -> None:
@@ -163,6 +178,11 @@ class ParamGradCollector:
                 if g.numel():
                     grads.append(g)
                     sharded.append(id(p) in self._sharded)
+        for _, view in self._grad_views:
+            g = view.grad()
+            if g is not None and g.numel():
+                grads.append(g)
+                sharded.append(view.sharded)
         if not grads:
             return
         sq = grad_norms(grads) ** 2
