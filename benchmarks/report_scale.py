@@ -103,6 +103,9 @@ def write_run(run_dir: Path, *, steps: int, steps_per_shard: int = 10_000, full_
             "near_overflow_share": np.where(full, 0.0, np.nan).ravel(),
             # Every value counted (at most 65,536 per tensor): null in the cheap tier.
             "share_sample_size": pa.array(np.minimum(numel, 65_536), pa.int64(), mask=~full.ravel()),
+            # The op probe's columns: null on module rows (no probe in this run).
+            "op": pa.nulls(k * n, pa.string()), "op_index": pa.nulls(k * n, pa.int32()),
+            "source": pa.nulls(k * n, pa.string()),
         }
         tensors = pa.Table.from_arrays([pa.array(cols[c.name], c.type) if not isinstance(cols[c.name], pa.Array)
                                         else cols[c.name] for c in schema.TENSOR_COLUMNS],

@@ -135,7 +135,10 @@ def scaler_words(scaler: dict | None) -> str:
     # A manifest may miss a field (a scaler-like object without it): "?", never a crash.
     def num(key) -> str:
         v = sc.get(key)
-        return "?" if v is None else f"{v:g}"
+        if v is None:
+            return "?"
+        # An interval is a count of steps: 1000000, never 1e+06.
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else f"{v:g}"
     return (f"init {num('init_scale')}, growth x{num('growth_factor')} every "
             f"{num('growth_interval')} clean steps, backoff x{num('backoff_factor')}")
 
