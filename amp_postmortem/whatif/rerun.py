@@ -171,11 +171,15 @@ def rerun_command(run, window, *, precision="fp32", model: str | None = None, ke
 def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = None, rank: int | None = None,
                  model=None, precision: str = "recorded", keep_fp32=(), init_scale: float | None = None,
                  lr_scale: float = 1.0, device: str = "cpu", policy: str = "recorded", loss_fn=None,
-                 optimizer=None, window=None, recorded=None) -> RerunResult:
+                 optimizer=None, window=None, recorded=None, fp32_lines=()) -> RerunResult:
     """Re-run the saved window holding `from_step` (default: the first
     window, from its first step) for `steps` steps (default: to its end)
     under the remedy. `recorded`: {step: (loss, skipped, loss_scale_before)}
-    of the run (read from `run_dir` when None)."""
+    of the run (read from `run_dir` when None). `fp32_lines`: (file, line)
+    pairs of the model's source run in float32 (`fix`'s op-level remedy).
+    A model given as a module is copied: the re-run trains the copy."""
+    import copy
+
     import torch
 
     from ..replay import resolve_policy
@@ -206,6 +210,8 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
     wanted = recorded_precision if precision == "recorded" else precision
     dev = torch.device(device)
     with preserved_rng(dev):
+        if isinstance(model, torch.nn.Module):
+            model = copy.deepcopy(model)
         net = resolve_model(model, w.model_class, forbidden=bundle_folders(w, run_dir))
         from ..replay.model_spec import load_weights
         load_weights(net, {**w.params, **w.buffers})
@@ -239,15 +245,17 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
             scaler = remedy_scaler if remedied else recorded_scaler
             prec = wanted if remedied else recorded_precision
             config = _config(prec, device, resolve_policy(policy, w, prec) if prec in ("fp16", "bf16") else None,
-                             w.precision_flags, tuple(keep_fp32 or ()) if remedied else ())
+                             w.precision_flags, tuple(keep_fp32 or ()) if remedied else (),
+                             tuple(fp32_lines or ()) if remedied else ())
             result.steps.append(_train_step(net, opt, scaler, s, config, recorded.get(s.step),
                                             lr_scale if remedied else 1.0, loss_fn, dev, remedied))
     return result
 
 
-def _config(precision, device, policy, flags, fp32_modules):
+def _config(precision, device, policy, flags, fp32_modules, fp32_lines):
     from ..replay.run_config import RunConfig
-    return RunConfig(precision, device=device, policy=policy, fp32_modules=fp32_modules, precision_flags=flags)
+    return RunConfig(precision, device=device, policy=policy, fp32_modules=fp32_modules, fp32_lines=fp32_lines,
+                     precision_flags=flags)
 
 
 def recorded_steps(run_dir, rank: int) -> dict:
@@ -364,6 +372,7 @@ def _train_step(net, opt, scaler, s, config, recorded, lr_scale, loss_fn, dev, r
     import torch
 
     from ..replay.engine import fp32_modules_kept
+    from ..replay.fp32_lines import float32_lines
     from ..replay.run_config import autocast_device_types, autocast_for, numerics_flags, set_rng
     from ..replay.capture import map_tensors
     from ..replay.outputs import find_loss
@@ -389,7 +398,9 @@ def _train_step(net, opt, scaler, s, config, recorded, lr_scale, loss_fn, dev, r
         for k, ((args, kwargs), rng) in enumerate(zip(s.inputs, s.rng)):
             set_rng(rng.get("cpu"), rng.get("cuda"), dev)
             args, kwargs = map_tensors(tuple(args), cast), map_tensors(dict(kwargs), cast)
-            with fp32_modules_kept(net, config.fp32_modules, autocast_device_types(config)), autocast_for(config):
+            devices = autocast_device_types(config)
+            with fp32_modules_kept(net, config.fp32_modules, devices), autocast_for(config), \
+                    float32_lines(config.fp32_lines, devices):
                 output = net(*args, **kwargs)
                 loss = loss_fn(output, k) if loss_fn is not None else find_loss(output)
             if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
