@@ -162,13 +162,18 @@ def _recorded(run: Run, summary) -> list:
 def _instability_recommendation(unstable, source: str, extra=(), verified: bool = False) -> Recommendation:
     """Instability: what helps it (learning rate, warm-up, clipping, the
     layer whose weights grew), never keep_fp32 or the loss scale."""
+    action = ("fix the training, not the precision: " + "; ".join(unstable.remedies())
+              + ". Float32 fails too (a float32 re-run of the saved window diverges): keeping modules in float32 "
+                "or changing the loss scale only postpones it" if verified else
+              "suspected training instability (undetermined): " + "; ".join(unstable.remedies())
+              + " if a float32 run fails too; if it does not, the problem is float16's")
     return Recommendation(
-        "training_instability",
-        "fix the training, not the precision: " + "; ".join(unstable.remedies())
-        + ". Float32 would fail too: keeping modules in float32 or changing the loss scale only postpones it",
+        "training_instability", action,
         list(unstable.evidence) + list(extra), source, data=unstable.to_dict(), verified=verified,
-        why=None if verified else "from the recorded statistics; compare with a float32 run of the job "
-                                  "(`amp-postmortem compare FP32_RUN RUN`) to confirm")
+        why=None if verified else "from the recorded statistics; a float32 re-run of a saved window "
+                                  "(`amp-postmortem rerun RUN --precision fp32 --model SPEC`, recorded with "
+                                  "BundlePolicy(window_steps=K)) or a float32 run of the job (`amp-postmortem "
+                                  "compare FP32_RUN RUN`) decides it")
 
 
 def _recorded_advice(run: Run, summary) -> list:
@@ -330,7 +335,8 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     recs = []
     baseline = p.trial()
     ref_bad = any(n.startswith("the float64 reference") for n in p.notes)
-    fix = find_fix(None, prepared=p, progress=progress) if not ref_bad else None
+    fix = find_fix(None, prepared=p, progress=progress, model=model, device=device, policy=policy,
+                   loss_fn=loss_fn) if not ref_bad else None
     if not baseline["saved"]:
         b = bisect_samples(None, prepared=p, progress=progress)
         note = slicing_note(b.slicing)
@@ -351,6 +357,16 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     # rising loss: a model whose exact values exceed 65504 while it trains
     # well (attention logits) is float16's problem, which keep_fp32 solves.
     is_unstable = unstable.unstable or (beyond is not None and rose)
+    # Decided by a float32 re-run of the saved window when there is one
+    # (`whatif/verdict.py`): the recorded evidence only suggests it.
+    from .analyses.precision_verdict import Verdict
+    from .analyses.instability import failure_step
+    from .whatif.verdict import decide
+    verdict = decide(run, failure_step(run), model=model, rank=p.rank, device=device, policy=policy, loss_fn=loss_fn)
+    if verdict.verdict is Verdict.TRAINING_INSTABILITY:
+        is_unstable = True
+    elif verdict.verdict is Verdict.PRECISION:
+        is_unstable = False
     fix_lines = []
     if fix is not None and fix.fix:
         t = next(t for t in fix.trials if sorted(t["modules"]) == sorted(fix.fix))
@@ -363,14 +379,18 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                 "keep_fp32", f"keep {', '.join(fix.fix)} in float32" + (
                     f": it saves step(s) {', '.join(map(str, fix.saved_steps))} but NOT "
                     f"{', '.join(map(str, partial))} of the saved steps" if partial else ""),
-                [f"step {step} in {p.precision} as recorded: {_state(fix.baseline)}"] + fix_lines,
+                [f"step {step} in {p.precision} as recorded: {_state(fix.baseline)}"] + fix_lines
+                + ([fix.window_check.line()] if fix.window_check is not None else []),
                 "replay", code=fix.patch, data={"modules": fix.fix, "trial": t, "saved_steps": fix.saved_steps,
-                                                "not_saved_steps": partial}, verified=True))
+                                                "not_saved_steps": partial, "window_check":
+                                                fix.window_check.to_dict() if fix.window_check else None},
+                verified=True))
     elif fix is not None and not baseline["saved"]:
         fix_lines = [f"no set of up to {len(fix.candidates)} candidate modules kept in float32 saves step {step}"]
     if is_unstable:
         recs.append(_instability_recommendation(
-            unstable, "replay", extra=([beyond] if beyond else []) + fix_lines, verified=beyond is not None))
+            unstable, "replay", extra=[verdict.sentence()] + ([beyond] if beyond else []) + fix_lines,
+            verified=verdict.verdict is Verdict.TRAINING_INSTABILITY))
     scale_findings = bool(summary.kinds() & _SCALE_FINDINGS)
     if p.precision == "fp16" and (not baseline["saved"] or scale_findings):
         bf16 = p.trial(backoff=False, precision="bf16", loss_scale=1.0,
@@ -393,7 +413,8 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     kept = tuple(fix.fix) if fix is not None and fix.fix else ()
     window = None
     if p.precision == "fp16" and not ref_bad:
-        sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress, verify=True)
+        sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress, verify=True, model=model,
+                                 device=device, policy=policy, loss_fn=loss_fn)
         window = sw.window
         own = [n for n in sw.notes if n not in p.notes and not n.startswith("replayed with")]
         drift = window_drift(run, _forward_step(summary)) if scale_findings else {"moves": False}
@@ -410,9 +431,11 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                 [f"step {step} replayed at 2^{sw.rows[0]['k']}..2^{sw.rows[-1]['k']}"
                  + (f" with {', '.join(kept)} in float32" if kept else "")
                  + f": usable 2^{window['min_k']}..2^{window['max_k']}; the recorded scale "
-                   f"{sw.recorded_scale:g} is {sw.recorded_position}"] + checked + own,
+                   f"{sw.recorded_scale:g} is {sw.recorded_position}"] + checked + own
+                + ([sw.window_check.line()] if sw.window_check is not None else []),
                 "replay", code=sw.code, data={"window": window, "settings": sw.settings,
-                                              "checked_steps": sw.checked_steps}, verified=True))
+                                              "checked_steps": sw.checked_steps, "window_check":
+                                              sw.window_check.to_dict() if sw.window_check else None}, verified=True))
     fp16_ok = baseline["saved"] or (fix is not None and bool(fix.fix)) or window is not None
     data_problem = any(r.kind == "check_data" for r in recs)
     bf16_ok = any(r.kind == "use_bf16" and r.data["avoids"] for r in recs)
@@ -442,7 +465,11 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
              "no loss scale makes it finite",
              f"bfloat16: {_state(bf16) if bf16 else 'not tried'}"], "replay", verified=True))
     for r in recs:
-        if r.source == "replay" and r.kind != "training_instability":
+        check = (r.data or {}).get("window_check") or {}
+        if check.get("status") == "fails":
+            r.verified = False  # it saves the saved step, not the window's steps after it
+            r.why = f"the re-run of the saved window with it goes non-finite at step {check['failed_at']}"
+        elif r.source == "replay" and r.kind != "training_instability":
             r.verified = True  # each rests on replays of the saved steps
         elif r.kind == "gradient_drift":
             r.why = "the window's drift is estimated from the recorded statistics of steps spread over the run"

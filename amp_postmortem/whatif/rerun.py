@@ -194,6 +194,12 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
     if init_scale is not None and not (float(init_scale) > 0 and math.isfinite(float(init_scale))):
         raise OptionError(f"init_scale {init_scale!r} is not a positive number")
     w = window or find_window(run_dir, from_step, rank)
+    if w is None and from_step is not None:
+        from ..window import window_spans
+        spans = window_spans(run_dir, rank)
+        if spans:
+            raise OptionError(f"--from {from_step} is outside the saved windows (steps "
+                              + ", ".join(f"{s['first_step']}-{s['last_step']}" for s in spans) + ")")
     if w is None:
         raise BundleError(f"no counterfactual window{'' if from_step is None else f' holding step {from_step}'} "
                           f"in {run_dir}: record with AmpRecorder(..., bundles=BundlePolicy(window_steps=K))")

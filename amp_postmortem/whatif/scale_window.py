@@ -129,6 +129,12 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
                      recorded_position=position_in_window(window, recorded_k), settings=settings, code=code,
                      rows=rows, max_underflow=max_underflow, notes=notes + calibration_notes(p.bundle.scaler, window),
                      recorded_scaler=p.bundle.scaler, verified=True)
+    if verify and settings and model is not None:
+        from .window_check import check_over_window, run_of_bundle
+        sw.window_check = check_over_window(
+            run_of_bundle(p.bundle), p.step, f"init_scale={settings['init_scale']:g}", model=model, rank=p.rank,
+            fp32_modules=fp32_modules, init_scale=settings["init_scale"], precision=p.precision, device=device,
+            policy=policy, loss_fn=loss_fn)
     return verify_window(sw, p, fp32_modules=fp32_modules, progress=progress) if verify else sw
 
 
