@@ -263,7 +263,7 @@ def test_bundle_priority_reads_the_same_in_help_readme_and_docs():
 
 
 def test_cli_choices_come_from_the_one_vocabulary():
-    from amp_postmortem.names import DEVICES, POLICIES, PRECISIONS, REDUCED_PRECISIONS
+    from amp_postmortem.names import DEVICES, POLICIES, PRECISIONS, REDUCED_PRECISIONS, RERUN_PRECISIONS
     from amp_postmortem.replay.run_config import POLICY_MODES
     from amp_postmortem.replay.run_config import PRECISIONS as ENGINE_PRECISIONS
     assert (ENGINE_PRECISIONS, POLICY_MODES) == (PRECISIONS, POLICIES)
@@ -273,8 +273,8 @@ def test_cli_choices_come_from_the_one_vocabulary():
                 assert tuple(p.type.choices) == POLICIES
             if p.name == "device":
                 assert tuple(p.type.choices) == DEVICES
-            if p.name == "precision":
-                assert tuple(p.type.choices) == REDUCED_PRECISIONS
+            if p.name == "precision":  # a re-run may also go to float32 or float64
+                assert tuple(p.type.choices) == (RERUN_PRECISIONS if command.name == "rerun" else REDUCED_PRECISIONS)
 
 
 # ----------------------------------------------------------- the layers
