@@ -278,7 +278,9 @@ def rerun(run, *, from_step: int | None = None, steps: int | None = None, rank: 
     if isinstance(optimizer, str):
         optimizer = resolve_factory(optimizer, what="optimizer spec")
     return _result(rerun_window(_path(run), from_step=from_step, steps=steps, rank=rank, model=model,
-                                precision=precision, keep_fp32=_names(keep_fp32), init_scale=init_scale,
+                                precision=precision,
+                                keep_fp32=_names(keep_fp32 if isinstance(keep_fp32, str) else ",".join(keep_fp32)),
+                                init_scale=init_scale,
                                 lr_scale=lr_scale, device=device, policy=policy, loss_fn=resolve_loss_fn(loss_fn),
                                 optimizer=optimizer))
 

@@ -76,3 +76,22 @@ def test_a_suspected_instability_says_so():
 def test_a_healthy_run_has_no_verdict():
     from whatif_runs import healthy_run
     assert api.summary(healthy_run()).to_dict()["precision_verdict"] is None
+
+
+def test_a_window_that_cannot_be_rerun_leaves_the_verdict_undetermined_and_says_why(tmp_path):
+    """A model without its loss (and no loss_fn): no verdict, and why."""
+    import torch.nn as nn
+
+    class Logits(nn.Module):  # the same weights, but it returns the prediction, not the loss
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def forward(self, x, y):
+            return self.lin(x)
+
+    from amp_postmortem.loader import load_run
+    from amp_postmortem.whatif.verdict import decide
+    v = decide(load_run(runs.instability_run()), 1, model=Logits())
+    assert (v.verdict.value, v.basis.value, v.verified) == ("undetermined", "rerun_failed", False)
+    assert "--loss-fn" in v.why and "could not be re-run" in v.sentence()

@@ -25,7 +25,9 @@ def test_as_recorded_the_rerun_fails_where_the_run_failed_and_float32_carries_th
     assert not recorded.carries and recorded.first_nonfinite_step == runs.SHIFT_STEP
     assert recorded.recorded_first_nonfinite_step == runs.SHIFT_STEP
     # Before the failure the re-run is the recorded run, step for step.
-    for s in recorded.steps[:runs.SHIFT_STEP]:
+    before = [s for s in recorded.steps if s.step < runs.SHIFT_STEP]
+    assert before
+    for s in before:
         assert s.finite and s.loss == pytest.approx(s.recorded_loss, rel=1e-5)
     fp32 = api.rerun(run, model=GAIN, precision="fp32")
     assert fp32.carries and fp32.first_nonfinite_step is None
@@ -49,9 +51,11 @@ def test_a_smaller_learning_rate_carries_the_runaway_window():
 
 
 def test_from_a_later_step_the_prefix_reruns_as_recorded():
-    r = api.rerun(runs.precision_run(), model=GAIN, precision="fp32", from_step=2, steps=3)
-    assert [(s.step, s.remedied) for s in r.steps] == [(0, False), (1, False), (2, True), (3, True), (4, True)]
-    assert (r.from_step, r.to_step) == (2, 4) and r.carries
+    first = api.rerun(runs.precision_run(), model=GAIN, steps=1).from_step
+    r = api.rerun(runs.precision_run(), model=GAIN, precision="fp32", from_step=first + 1, steps=3)
+    assert [(s.step, s.remedied) for s in r.steps] == [(first, False), (first + 1, True), (first + 2, True),
+                                                       (first + 3, True)]
+    assert (r.from_step, r.to_step) == (first + 1, first + 3) and r.carries
 
 
 def test_cli_json_and_one_line_errors(tmp_path):

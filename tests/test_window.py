@@ -82,3 +82,41 @@ def test_an_edited_or_damaged_window_is_refused(tmp_path):
     tensors.write_bytes(bytes(data))
     with pytest.raises(BundleError, match="sha256"):
         load_window(path)
+
+
+def test_a_restarted_window_reruns_the_recorded_steps_from_its_own_start(tmp_path):
+    """Adam's moments and the scaler's scale copied at a later restart: the
+    re-run as recorded reproduces the recorded losses from there."""
+    import math
+
+    import amp_postmortem as api
+    from recorders import AmpRecorder, BundlePolicy
+    model = runs.gain_net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    rec = AmpRecorder(tmp_path / "r", model, optimizer=opt, scaler=sc, bundles=BundlePolicy(window_steps=3))
+    losses = []
+    for step in range(12):
+        x, y = runs.precision_batch(step - 4)  # the float16 overflow from step 8
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x, y)
+        sc.scale(loss).backward()
+        sc.step(opt)
+        sc.update()
+        opt.zero_grad()
+        rec.step(loss)
+        rec.flush()  # the writer decides before the next step: the window restarts on time
+        losses.append(float(loss.detach()))
+    rec.close()
+    first = next(i for i, v in enumerate(losses) if not math.isfinite(v))
+    (start, _, path), = list_windows(tmp_path / "r")
+    w = load_window(path)
+    assert 0 < start <= first == w.trigger_step and w.last_step == 11
+    assert {k for _, k, _ in w.optimizer_state} >= {"exp_avg", "exp_avg_sq"} and "scale" in w.scaler_state
+    r = api.rerun(tmp_path / "r", model="tests/window_runs.py:gain_net")
+    assert [s.step for s in r.steps] == list(range(start, 12))
+    for s in r.steps:
+        if s.step < first:
+            assert s.finite and s.loss == pytest.approx(losses[s.step], rel=1e-4)
+    assert r.first_nonfinite_step == first
+    assert api.rerun(tmp_path / "r", model="tests/window_runs.py:gain_net", precision="fp32").carries

@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 
 WINDOW_STEPS = 4
-SHIFT_STEP = 4          # precision run: the batches from this step on overflow float16 inside `amp`
-STEPS = 10
+SHIFT_STEP = 6          # precision run: the batches from this step on overflow float16 inside `amp`
+STEPS = 12
 AMP_GAIN = 1e4          # `amp` multiplies by it and divides back: float16 overflows above 6.55
 
 
@@ -85,7 +85,9 @@ INSTABILITY_LR = 1e8
 
 def train(model, batch, *, lr, steps=STEPS, autocast=True, recorder=None):
     """The job: SGD, float16 CPU autocast with a GradScaler (or float32
-    without either). Returns the losses, one per step."""
+    without either). Returns the losses, one per step. With a recorder the
+    windows restart at steps 0, 4, 8, ...: the precision run's holds steps
+    4-10 (the failure at 6), the runaway's 0-5 (the failure at 1)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if autocast else None
     rec = recorder(model, opt, sc) if recorder else None
@@ -104,6 +106,9 @@ def train(model, batch, *, lr, steps=STEPS, autocast=True, recorder=None):
         opt.zero_grad()
         if rec is not None:
             rec.step(loss)
+            # The writer decides before the next step: the window restarts
+            # every WINDOW_STEPS steps, as on a job whose writer keeps up.
+            rec.flush()
         losses.append(float(loss.detach()))
     if rec is not None:
         rec.close()

@@ -33,6 +33,7 @@ class Basis(enum.Enum):
     FP32_RERUN_FINITE = "fp32_rerun_finite"
     NO_WINDOW = "no_window"                 # the run saved no window holding the failure
     NO_MODEL = "no_model"                   # a window exists; re-running it needs --model
+    RERUN_FAILED = "rerun_failed"           # a window exists but could not be re-run (`why`)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class PrecisionVerdict:
     rerun_steps: list | None = None        # [from, to] re-run in float32
     diverged_at: int | None = None         # the float32 re-run's first non-finite step
     command: str | None = None             # what would decide it (undetermined), or what decided it
+    why: str | None = None                 # RERUN_FAILED: the re-run's error
 
     @property
     def verified(self) -> bool:
@@ -52,7 +54,7 @@ class PrecisionVerdict:
     def to_dict(self) -> dict:
         return {"verdict": self.verdict.value, "basis": self.basis.value, "verified": self.verified,
                 "failure_step": self.failure_step, "window": self.window, "rerun_steps": self.rerun_steps,
-                "diverged_at": self.diverged_at, "command": self.command}
+                "diverged_at": self.diverged_at, "command": self.command, "why": self.why}
 
     def sentence(self) -> str:
         """The verdict in words (the one place they are made)."""
@@ -64,6 +66,9 @@ class PrecisionVerdict:
             return (f"a precision problem, not training instability: a float32 re-run of steps "
                     f"{self.rerun_steps[0]}-{self.rerun_steps[1]} stays finite where the recorded run failed "
                     f"(step {self.failure_step})")
+        if b is Basis.RERUN_FAILED:
+            return (f"precision or instability undetermined: the saved window of steps {self.window[0]}-"
+                    f"{self.window[1]} could not be re-run ({self.why}); {self.command}")
         if b is Basis.NO_MODEL:
             return (f"precision or instability undetermined: a window of steps {self.window[0]}-{self.window[1]} "
                     f"is saved; re-run it in float32 to decide: {self.command}")

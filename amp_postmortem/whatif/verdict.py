@@ -4,7 +4,8 @@ float32 (`analyses/precision_verdict.py` holds the verdict and its words;
 """
 from __future__ import annotations
 
-from ..analyses.precision_verdict import from_rerun, pick_window, undetermined
+from ..analyses.precision_verdict import Basis, from_rerun, pick_window, undetermined
+from ..errors import PostmortemError
 from ..window import load_window, window_spans
 from .rerun import rerun_command, rerun_window
 
@@ -20,7 +21,12 @@ def decide(run, failure_step: int | None, *, model, rank: int | None = None, dev
     if span is None:
         return undetermined(run, failure_step, rank=rank)
     w = load_window(span["path"])
-    result = rerun_window(run.path, model=model, precision="fp32", device=device, policy=policy,
-                          loss_fn=loss_fn, optimizer=optimizer, window=w)
+    try:
+        result = rerun_window(run.path, model=model, precision="fp32", device=device, policy=policy,
+                              loss_fn=loss_fn, optimizer=optimizer, window=w)
+    except PostmortemError as exc:  # e.g. a model that returns no loss: said, and the rest of the answer stands
+        v = undetermined(run, failure_step, rank=rank)
+        v.basis, v.why = Basis.RERUN_FAILED, str(exc)
+        return v
     return from_rerun(failure_step, result, rerun_command(run.path, w, precision="fp32",
                                                           model=model if isinstance(model, str) else None))

@@ -74,6 +74,8 @@ class WindowCapture:
         self._undecided: set[int] = set()
         self._bytes = 0
         self._state_bytes = 0
+        self._open = False                     # a step began (first forward) and has not ended
+        self._gap = False                      # a step ended without a recorded forward: not re-runnable
         self._sets: dict = {}                  # preallocated copies, by part
         self._snap = None
         self.autocast: dict = {}
@@ -90,12 +92,13 @@ class WindowCapture:
             return
         self.steps.append(_Step(step))
         self._undecided.add(step)
+        self._open = True
 
     def _restart_due(self, step: int) -> bool:
         if self.start is None:
             return True
         age = step - self.start
-        if self._bytes > self.max_bytes:
+        if self._bytes > self.max_bytes or self._gap:
             return True
         # Every held step decided: a restart then drops no step a trigger
         # could still ask for (a lagging writer makes the window longer,
@@ -108,6 +111,7 @@ class WindowCapture:
             return
         self.start, self._snap, self.steps = step, snap, []
         self._undecided.clear()
+        self._gap = False
         self.autocast, self.precision = dict(autocast or {}), dict(precision or {})
         self._bytes = self._state_bytes
 
@@ -186,7 +190,18 @@ class WindowCapture:
     def on_step_end(self, step: int, stepped) -> None:
         if self.done or not self.steps:
             return
+        if not self._open:
+            # A step without a recorded forward: the window cannot re-run
+            # past it. A frozen one ends before it; a rolling one restarts.
+            if self.frozen_at is not None:
+                self._hand_over()
+            else:
+                self._gap = True
+            return
+        self._open = False
         last = self.steps[-1]
+        if last.groups is None and self.optimizer is not None:  # a skipped step: no pre-step hook ran
+            self.on_pre_step()
         if last.step != step:  # a caller's own step number: the step closed is this one
             self._undecided.discard(last.step)
             last.step = step
