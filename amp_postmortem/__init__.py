@@ -76,7 +76,10 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
     on the cluster at `scheduler`); the same result either way. With
     `model` (and `step`, `device`, `policy`, `loss_fn` as for `replay`),
     a run with a NaN/Inf replays a saved bundle and adds the op origin
-    (`op_origin`: `replay/run_origin.py`); without it nothing is replayed."""
+    (`op_origin`: `replay/run_origin.py`), and re-runs the saved window of
+    steps in float32 to decide precision or instability
+    (`precision_verdict`: `whatif/verdict.py`); without it nothing is
+    replayed and the verdict is undetermined."""
     from .analyses.summary import summarize
     r = load_run(_replayable(run, model), rank=rank, engine=engine, scheduler=scheduler, progress=progress)
     with _engine_of(r):
