@@ -240,6 +240,7 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
             keep_fp32=list(keep_fp32 or ()), init_scale=None if init_scale is None else float(init_scale),
             lr_scale=float(lr_scale), optimizer=opt_name, steps=[], notes=notes)
         recorded_scaler = _scaler(w, recorded, recorded_precision, dev, None)
+        hyper = [_hyper(g) for g in (w.optimizer or {}).get("param_groups") or []]
         remedy_scaler = None
         for s in w.steps:
             if s.step > end:
@@ -253,7 +254,8 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
             config = _config(prec, device, resolve_policy(policy, w, prec) if prec in ("fp16", "bf16") else None,
                              w.precision_flags, tuple(keep_fp32 or ()) if remedied else (),
                              tuple(fp32_lines or ()) if remedied else ())
-            result.steps.append(_train_step(net, opt, scaler, s, config, recorded.get(s.step),
+            hyper = s.optimizer_groups or hyper
+            result.steps.append(_train_step(net, opt, scaler, s, hyper, config, recorded.get(s.step),
                                             lr_scale if remedied else 1.0, loss_fn, dev, remedied))
     return result
 
@@ -374,7 +376,7 @@ def _scaler(w, recorded, precision, dev, init_scale, *, carry=None, first=None):
     return scaler
 
 
-def _train_step(net, opt, scaler, s, config, recorded, lr_scale, loss_fn, dev, remedied) -> RerunStep:
+def _train_step(net, opt, scaler, s, hyper, config, recorded, lr_scale, loss_fn, dev, remedied) -> RerunStep:
     import torch
 
     from ..replay.engine import fp32_modules_kept
@@ -383,18 +385,26 @@ def _train_step(net, opt, scaler, s, config, recorded, lr_scale, loss_fn, dev, r
     from ..replay.capture import map_tensors
     from ..replay.outputs import find_loss
 
-    if s.optimizer_groups:
-        for g, h in zip(opt.param_groups, s.optimizer_groups):
-            for k in _STEP_KEYS:
-                if k in h and k in g:
-                    g[k] = tuple(h[k]) if isinstance(h[k], list) else h[k]
-            if "lr" in g and not isinstance(g["lr"], torch.Tensor):
-                g["lr"] = g["lr"] * lr_scale
-    dtype = torch.float64 if config.precision == "fp64" else torch.float32
+    # The step's recorded hyperparameters (a scheduler's lr included), the
+    # learning rate times lr_scale; a step without them keeps the last ones.
+    for g, h in zip(opt.param_groups, hyper):
+        for k in _STEP_KEYS:
+            if k in h and k in g:
+                g[k] = tuple(h[k]) if isinstance(h[k], list) else h[k]
+        if "lr" in h and "lr" in g and not isinstance(g["lr"], torch.Tensor):
+            g["lr"] = h["lr"] * lr_scale
+    dtype = config.dtype
 
     def cast(t):
+        # As the replay engine casts a step's inputs: float32/float64 runs
+        # take every floating input in their dtype; reduced runs keep float32
+        # inputs and those in their own dtype, others start from float32.
         t = t.detach().to(dev)
-        return t.to(dtype) if t.is_floating_point() and t.dtype in (torch.float64, torch.float32) else t
+        if not t.is_floating_point():
+            return t
+        if config.precision in ("fp32", "fp64"):
+            return t.to(dtype)
+        return t if t.dtype in (torch.float32, dtype) else t.float()
 
     opt.zero_grad(set_to_none=True)
     scale = scaler.get_scale() if scaler is not None else None
