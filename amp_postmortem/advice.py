@@ -111,7 +111,7 @@ class Recommendations:
         for i, r in enumerate(self.recommendations, 1):
             out += ["", f"{i}. [{r.kind}] {r.action}"]
             if not r.verified and r.why:
-                out.append(f"   (estimate, not verified: {r.why})")
+                out.append(f"   ({'not verified' if r.source == 'replay' else 'estimate, not verified'}: {r.why})")
             out += [f"   evidence ({r.source}): {e}" for e in r.evidence]
             if r.code:
                 out += ["   " + line for line in r.code.splitlines()]
@@ -157,6 +157,20 @@ def _recorded(run: Run, summary) -> list:
         if r.kind in checks:
             r.why = unverified_why(run, checks[r.kind])
     return recs
+
+
+def _modules_window_check(p, fix, model, device, policy, loss_fn):
+    """The module-level fix re-run over the saved window (`fix` checks its
+    cheapest remedy, which may be a line); None without a model."""
+    if model is None:
+        return None
+    from .whatif.fix import RemedyKind, check_remedy
+    if fix.window_check is not None and fix.remedies and fix.remedies[0].kind is RemedyKind.MODULES:
+        return fix.window_check
+    remedy = next((r for r in fix.remedies if r.kind is RemedyKind.MODULES), None)
+    if remedy is None:
+        return None
+    return check_remedy(p, remedy, model=model, device=device, policy=policy, loss_fn=loss_fn)
 
 
 def _instability_recommendation(unstable, source: str, extra=(), verified: bool = False) -> Recommendation:
@@ -369,6 +383,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
         is_unstable = False
     fix_lines = []
     if fix is not None and fix.fix:
+        modules_check = _modules_window_check(p, fix, model, device, policy, loss_fn)
         t = next(t for t in fix.trials if sorted(t["modules"]) == sorted(fix.fix))
         fix_lines = [f"with {', '.join(fix.fix)} in float32 step {step} replays {_state(t)}, gradient error vs "
                      f"float64 {_pct(t['grad_rel_err'])} ({len(fix.trials)} trials, {fix.search} search)"
@@ -380,10 +395,10 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                     f": it saves step(s) {', '.join(map(str, fix.saved_steps))} but NOT "
                     f"{', '.join(map(str, partial))} of the saved steps" if partial else ""),
                 [f"step {step} in {p.precision} as recorded: {_state(fix.baseline)}"] + fix_lines
-                + ([fix.window_check.line()] if fix.window_check is not None else []),
+                + ([modules_check.line()] if modules_check is not None else []),
                 "replay", code=fix.patch, data={"modules": fix.fix, "trial": t, "saved_steps": fix.saved_steps,
                                                 "not_saved_steps": partial, "window_check":
-                                                fix.window_check.to_dict() if fix.window_check else None},
+                                                modules_check.to_dict() if modules_check else None},
                 verified=True))
     elif fix is not None and not baseline["saved"]:
         fix_lines = [f"no set of up to {len(fix.candidates)} candidate modules kept in float32 saves step {step}"]
@@ -402,12 +417,23 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                 action += " (finite; its gradient accuracy is not confirmed)"
         else:
             action = "bfloat16 does not avoid the problem"
+        bf16_check = None
+        if avoids and model is not None:
+            from .whatif.window_check import check_over_window, run_of_bundle
+            bf16_check = check_over_window(run_of_bundle(p.bundle), step, "bfloat16 autocast and no GradScaler",
+                                           model=model, rank=p.rank, precision="bf16", device=device, policy=policy,
+                                           loss_fn=loss_fn, use_scaler=False)
+        if bf16_check is not None and bf16_check.status.value == "fails":
+            action = (f"bfloat16 saves step {step} alone, not the steps that follow: the re-run of the saved window "
+                      f"in bfloat16 goes non-finite at step {bf16_check.failed_at}")
         recs.append(Recommendation(
             "use_bf16", action,
             [f"bfloat16 replay of step {step} (no loss scale): {_state(bf16)}, gradient error vs float64 "
-             f"{_pct(bf16['grad_rel_err'])}" + _substitute(p)] + ([why] if why else []), "replay",
+             f"{_pct(bf16['grad_rel_err'])}" + _substitute(p)] + ([why] if why else [])
+            + ([bf16_check.line()] if bf16_check is not None else []), "replay",
             code=("torch.autocast(device_type, dtype=torch.bfloat16)" if avoids else None),
-            data={"avoids": avoids, "gradients_confirmed": confirmed, "trial": bf16}))
+            data={"avoids": avoids, "gradients_confirmed": confirmed, "trial": bf16,
+                  "window_check": bf16_check.to_dict() if bf16_check is not None else None}))
     else:
         bf16 = None
     kept = tuple(fix.fix) if fix is not None and fix.fix else ()

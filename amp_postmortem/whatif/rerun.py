@@ -171,13 +171,15 @@ def rerun_command(run, window, *, precision="fp32", model: str | None = None, ke
 def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = None, rank: int | None = None,
                  model=None, precision: str = "recorded", keep_fp32=(), init_scale: float | None = None,
                  lr_scale: float = 1.0, device: str = "cpu", policy: str = "recorded", loss_fn=None,
-                 optimizer=None, window=None, recorded=None, fp32_lines=()) -> RerunResult:
+                 optimizer=None, window=None, recorded=None, fp32_lines=(), use_scaler: bool = True) -> RerunResult:
     """Re-run the saved window holding `from_step` (default: the first
     window, from its first step) for `steps` steps (default: to its end)
     under the remedy. `recorded`: {step: (loss, skipped, loss_scale_before)}
     of the run (read from `run_dir` when None). `fp32_lines`: (file, line)
     pairs of the model's source run in float32 (`fix`'s op-level remedy).
-    A model given as a module is copied: the re-run trains the copy."""
+    A model given as a module is copied: the re-run trains the copy.
+    `use_scaler=False`: the remedied steps run without a GradScaler (the
+    bfloat16 advice's "no GradScaler")."""
     import copy
 
     import torch
@@ -247,9 +249,9 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
                 break
             remedied = s.step >= start
             if remedied and remedy_scaler is None:
-                remedy_scaler = _scaler(w, recorded, wanted, dev, init_scale, carry=recorded_scaler,
-                                        first=s.step)
-            scaler = remedy_scaler if remedied else recorded_scaler
+                remedy_scaler = (_scaler(w, recorded, wanted, dev, init_scale, carry=recorded_scaler, first=s.step)
+                                 if use_scaler else False)
+            scaler = (remedy_scaler or None) if remedied else recorded_scaler
             prec = wanted if remedied else recorded_precision
             config = _config(prec, device, resolve_policy(policy, w, prec) if prec in ("fp16", "bf16") else None,
                              w.precision_flags, tuple(keep_fp32 or ()) if remedied else (),

@@ -75,7 +75,8 @@ def run_of_bundle(bundle) -> Path | None:
 
 def check_over_window(run_dir, step: int, remedy: str, *, model, rank: int | None = None, fp32_modules=(),
                       fp32_lines=(), init_scale: float | None = None, precision: str = "recorded",
-                      device: str = "cpu", policy: str = "recorded", loss_fn=None) -> WindowCheck:
+                      device: str = "cpu", policy: str = "recorded", loss_fn=None,
+                      use_scaler: bool = True) -> WindowCheck:
     """Re-run the window holding `step` with the remedy from its first step."""
     from ..errors import PostmortemError
     from .rerun import rerun_window
@@ -86,7 +87,8 @@ def check_over_window(run_dir, step: int, remedy: str, *, model, rank: int | Non
     lines = tuple((os.path.abspath(f), int(n)) for f, n in fp32_lines)
     try:
         r = rerun_window(run_dir, model=model, precision=precision, keep_fp32=tuple(fp32_modules), fp32_lines=lines,
-                         init_scale=init_scale, device=device, policy=policy, loss_fn=loss_fn, window=w)
+                         init_scale=init_scale, device=device, policy=policy, loss_fn=loss_fn, window=w,
+                         use_scaler=use_scaler)
     except PostmortemError as exc:  # e.g. no loss to train on: the check is not made, and says so
         return WindowCheck(WindowStatus.NOT_RUN, remedy, [w.first_step, w.last_step], why=str(exc))
     status = WindowStatus.VERIFIED if r.carries else WindowStatus.FAILS
