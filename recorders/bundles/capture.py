@@ -144,7 +144,7 @@ class BundleCapture:
         versions = [(t, t._version) for t in iter_tensors((args, kwargs))]
         self._current.micro_batches.append(MicroBatch(args, kwargs, versions, rng))
         if self.window is not None:
-            self.window.on_micro_batch(args, kwargs, rng)
+            self.window.on_micro_batch(args, kwargs, rng, versions)
 
     def on_micro_batch_aborted(self) -> None:
         """The micro-batch just started raised in its forward: not replayed."""

@@ -33,7 +33,6 @@ import torch
 from .. import schema
 from ..layout import local
 from ..plain import plain
-from ..stats import iter_tensors
 from ..tensor_codec import encode_tree
 from .directory import environment, write_bundle
 
@@ -171,10 +170,10 @@ class WindowCapture:
                         entries.append((names.get(id(p), "?"), str(key), {"value": plain(value, keep_nonfinite=True)}))
         return entries, tensors
 
-    def on_micro_batch(self, args, kwargs, rng: dict) -> None:
+    def on_micro_batch(self, args, kwargs, rng: dict, versions: list) -> None:
+        """`versions`: [(tensor, _version)] of the inputs, as the capture took them."""
         if self.done or not self.steps:
             return
-        versions = [(t, t._version) for t in iter_tensors((args, kwargs))]
         self._bytes += _nbytes(t for t, _ in versions)
         self.steps[-1].micro_batches.append((args, kwargs, versions, rng))
 
