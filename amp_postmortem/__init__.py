@@ -29,7 +29,7 @@ from .names import DEVICES, PRECISIONS, REDUCED_PRECISIONS
 __version__ = "0.1.0"
 
 __all__ = ["load_run", "load_bundle", "summary", "watch", "nans", "scale", "ranges", "compare", "replay", "fix",
-           "bisect", "scale_window", "recommend", "report", "export_tensorboard", "export_mlflow",
+           "bisect", "scale_window", "recommend", "rerun", "report", "export_tensorboard", "export_mlflow",
            "export_wandb"]
 
 # The CLI's option defaults are read from these signatures;
@@ -76,7 +76,10 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
     on the cluster at `scheduler`); the same result either way. With
     `model` (and `step`, `device`, `policy`, `loss_fn` as for `replay`),
     a run with a NaN/Inf replays a saved bundle and adds the op origin
-    (`op_origin`: `replay/run_origin.py`); without it nothing is replayed."""
+    (`op_origin`: `replay/run_origin.py`), and re-runs the saved window of
+    steps in float32 to decide precision or instability
+    (`precision_verdict`: `whatif/verdict.py`); without it nothing is
+    replayed and the verdict is undetermined."""
     from .analyses.summary import summarize
     r = load_run(_replayable(run, model), rank=rank, engine=engine, scheduler=scheduler, progress=progress)
     with _engine_of(r):
@@ -86,7 +89,23 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
             origin = (failing.evidence.get("origin") or {})
             report.op_origin = _op_origin(r, model, step, rank, origin.get("step") if origin.get("phase") ==
                                           "forward" else None, device, policy, loss_fn)
+        if model is not None and report.precision_verdict is not None:
+            _decide_precision(report, r, model, rank, device, policy, loss_fn)
         return _result(report, r)
+
+
+def _decide_precision(report, run, model, rank, device, policy, loss_fn):
+    """Precision or instability by the float32 re-run of the saved window
+    (`whatif/verdict.py`), put into the summary (`apply_verdict`)."""
+    import shlex
+    from .analyses.instability import find_instability
+    from .analyses.summary import apply_verdict
+    from .replay.model_spec import resolve_loss_fn
+    from .whatif.verdict import decide
+    unstable = find_instability(run)
+    verdict = decide(run, report.precision_verdict.failure_step, model=model, rank=rank, device=device,
+                     policy=policy, loss_fn=resolve_loss_fn(loss_fn))
+    apply_verdict(report, verdict, unstable, shlex.quote(str(run.path)))
 
 
 def watch(run, *, rank: int | None = None, fail_on="critical", interval: float = 2.0, window: int = 1000):
@@ -249,6 +268,29 @@ def recommend(run, *, rank: int | None = None, model=None, step: int | None = No
         loss_fn = resolve_loss_fn(loss_fn)
     return _result(advise(r, model=model, step=step, rank=rank, device=device, policy=policy, loss_fn=loss_fn,
                           progress=progress), r)
+
+
+def rerun(run, *, from_step: int | None = None, steps: int | None = None, rank: int | None = None, model=None,
+          precision: str = "recorded", keep_fp32=(), init_scale: float | None = None, lr_scale: float = 1.0,
+          device: str = "cpu", policy: str = "recorded", loss_fn=None, optimizer=None):
+    """Re-run the saved window of steps under a remedy (`amp-postmortem
+    rerun`): from `from_step` (default: the window's first) for `steps`
+    steps (default: to its end) in `precision` (recorded, fp64, fp32,
+    bf16, fp16), `keep_fp32` modules in float32, from loss scale
+    `init_scale`, the learning rate times `lr_scale`. Per step: finite or
+    not, the loss vs the recorded loss, skipped. `optimizer`: a spec or
+    `factory(model)` for an optimizer outside the rebuilt torch.optim ones."""
+    _check_device(device)
+    from .replay.model_spec import resolve_factory, resolve_loss_fn
+    from .whatif.rerun import rerun_window
+    if isinstance(optimizer, str):
+        optimizer = resolve_factory(optimizer, what="optimizer spec")
+    return _result(rerun_window(_path(run), from_step=from_step, steps=steps, rank=rank, model=model,
+                                precision=precision,
+                                keep_fp32=_names(keep_fp32 if isinstance(keep_fp32, str) else ",".join(keep_fp32)),
+                                init_scale=init_scale,
+                                lr_scale=lr_scale, device=device, policy=policy, loss_fn=resolve_loss_fn(loss_fn),
+                                optimizer=optimizer))
 
 
 # ------------------------------------------------------------- pictures

@@ -111,7 +111,7 @@ class Recommendations:
         for i, r in enumerate(self.recommendations, 1):
             out += ["", f"{i}. [{r.kind}] {r.action}"]
             if not r.verified and r.why:
-                out.append(f"   (estimate, not verified: {r.why})")
+                out.append(f"   ({'not verified' if r.source == 'replay' else 'estimate, not verified'}: {r.why})")
             out += [f"   evidence ({r.source}): {e}" for e in r.evidence]
             if r.code:
                 out += ["   " + line for line in r.code.splitlines()]
@@ -159,16 +159,35 @@ def _recorded(run: Run, summary) -> list:
     return recs
 
 
+def _modules_window_check(p, fix, model, device, policy, loss_fn):
+    """The module-level fix re-run over the saved window (`fix` checks its
+    cheapest remedy, which may be a line); None without a model."""
+    if model is None:
+        return None
+    from .whatif.fix import RemedyKind, check_remedy
+    if fix.window_check is not None and fix.remedies and fix.remedies[0].kind is RemedyKind.MODULES:
+        return fix.window_check
+    remedy = next((r for r in fix.remedies if r.kind is RemedyKind.MODULES), None)
+    if remedy is None:
+        return None
+    return check_remedy(p, remedy, model=model, device=device, policy=policy, loss_fn=loss_fn)
+
+
 def _instability_recommendation(unstable, source: str, extra=(), verified: bool = False) -> Recommendation:
     """Instability: what helps it (learning rate, warm-up, clipping, the
     layer whose weights grew), never keep_fp32 or the loss scale."""
+    action = ("fix the training, not the precision: " + "; ".join(unstable.remedies())
+              + ". Float32 fails too (a float32 re-run of the saved window diverges): keeping modules in float32 "
+                "or changing the loss scale only postpones it" if verified else
+              "suspected training instability (undetermined): " + "; ".join(unstable.remedies())
+              + " if a float32 run fails too; if it does not, the problem is float16's")
     return Recommendation(
-        "training_instability",
-        "fix the training, not the precision: " + "; ".join(unstable.remedies())
-        + ". Float32 would fail too: keeping modules in float32 or changing the loss scale only postpones it",
+        "training_instability", action,
         list(unstable.evidence) + list(extra), source, data=unstable.to_dict(), verified=verified,
-        why=None if verified else "from the recorded statistics; compare with a float32 run of the job "
-                                  "(`amp-postmortem compare FP32_RUN RUN`) to confirm")
+        why=None if verified else "from the recorded statistics; a float32 re-run of a saved window "
+                                  "(`amp-postmortem rerun RUN --precision fp32 --model SPEC`, recorded with "
+                                  "BundlePolicy(window_steps=K)) or a float32 run of the job (`amp-postmortem "
+                                  "compare FP32_RUN RUN`) decides it")
 
 
 def _recorded_advice(run: Run, summary) -> list:
@@ -337,7 +356,8 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     recs = []
     baseline = p.trial()
     ref_bad = any(n.startswith("the float64 reference") for n in p.notes)
-    fix = find_fix(None, prepared=p, progress=progress) if not ref_bad else None
+    fix = find_fix(None, prepared=p, progress=progress, model=model, device=device, policy=policy,
+                   loss_fn=loss_fn) if not ref_bad else None
     if not baseline["saved"]:
         b = bisect_samples(None, prepared=p, progress=progress)
         note = slicing_note(b.slicing)
@@ -358,8 +378,19 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     # rising loss: a model whose exact values exceed 65504 while it trains
     # well (attention logits) is float16's problem, which keep_fp32 solves.
     is_unstable = unstable.unstable or (beyond is not None and rose)
+    # Decided by a float32 re-run of the saved window when there is one
+    # (`whatif/verdict.py`): the recorded evidence only suggests it.
+    from .analyses.precision_verdict import Verdict
+    from .analyses.instability import failure_step
+    from .whatif.verdict import decide
+    verdict = decide(run, failure_step(run), model=model, rank=p.rank, device=device, policy=policy, loss_fn=loss_fn)
+    if verdict.verdict is Verdict.TRAINING_INSTABILITY:
+        is_unstable = True
+    elif verdict.verdict is Verdict.PRECISION:
+        is_unstable = False
     fix_lines = []
     if fix is not None and fix.fix:
+        modules_check = _modules_window_check(p, fix, model, device, policy, loss_fn)
         t = next(t for t in fix.trials if sorted(t["modules"]) == sorted(fix.fix))
         fix_lines = [f"with {', '.join(fix.fix)} in float32 step {step} replays {_state(t)}, gradient error vs "
                      f"float64 {_pct(t['grad_rel_err'])} ({len(fix.trials)} trials, {fix.search} search)"
@@ -370,14 +401,18 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                 "keep_fp32", f"keep {', '.join(fix.fix)} in float32" + (
                     f": it saves step(s) {', '.join(map(str, fix.saved_steps))} but NOT "
                     f"{', '.join(map(str, partial))} of the saved steps" if partial else ""),
-                [f"step {step} in {p.precision} as recorded: {_state(fix.baseline)}"] + fix_lines,
+                [f"step {step} in {p.precision} as recorded: {_state(fix.baseline)}"] + fix_lines
+                + ([modules_check.line()] if modules_check is not None else []),
                 "replay", code=fix.patch, data={"modules": fix.fix, "trial": t, "saved_steps": fix.saved_steps,
-                                                "not_saved_steps": partial}, verified=True))
+                                                "not_saved_steps": partial, "window_check":
+                                                modules_check.to_dict() if modules_check else None},
+                verified=True))
     elif fix is not None and not baseline["saved"]:
         fix_lines = [f"no set of up to {len(fix.candidates)} candidate modules kept in float32 saves step {step}"]
     if is_unstable:
         recs.append(_instability_recommendation(
-            unstable, "replay", extra=([beyond] if beyond else []) + fix_lines, verified=beyond is not None))
+            unstable, "replay", extra=[verdict.sentence()] + ([beyond] if beyond else []) + fix_lines,
+            verified=verdict.verdict is Verdict.TRAINING_INSTABILITY))
     scale_findings = bool(summary.kinds() & _SCALE_FINDINGS)
     if p.precision == "fp16" and (not baseline["saved"] or scale_findings):
         bf16 = p.trial(backoff=False, precision="bf16", loss_scale=1.0,
@@ -389,19 +424,31 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                 action += " (finite; its gradient accuracy is not confirmed)"
         else:
             action = "bfloat16 does not avoid the problem"
+        bf16_check = None
+        if avoids and model is not None:
+            from .whatif.window_check import check_over_window, run_of_bundle
+            bf16_check = check_over_window(run_of_bundle(p.bundle), step, "bfloat16 autocast and no GradScaler",
+                                           model=model, rank=p.rank, precision="bf16", device=device, policy=policy,
+                                           loss_fn=loss_fn, use_scaler=False)
+        if bf16_check is not None and bf16_check.status.value == "fails":
+            action = (f"bfloat16 saves step {step} alone, not the steps that follow: the re-run of the saved window "
+                      f"in bfloat16 goes non-finite at step {bf16_check.failed_at}")
         recs.append(Recommendation(
             "use_bf16", action,
             [f"bfloat16 replay of step {step} (no loss scale): {_state(bf16)}, gradient error vs float64 "
-             f"{_pct(bf16['grad_rel_err'])}" + _substitute(p)] + ([why] if why else []), "replay",
+             f"{_pct(bf16['grad_rel_err'])}" + _substitute(p)] + ([why] if why else [])
+            + ([bf16_check.line()] if bf16_check is not None else []), "replay",
             code=("torch.autocast(device_type, dtype=torch.bfloat16)" if avoids else None),
-            data={"avoids": avoids, "gradients_confirmed": confirmed, "trial": bf16}))
+            data={"avoids": avoids, "gradients_confirmed": confirmed, "trial": bf16,
+                  "window_check": bf16_check.to_dict() if bf16_check is not None else None}))
     else:
         bf16 = None
     kept = tuple(fix.fix) if fix is not None and fix.fix else ()
     window = None
     if p.precision == "fp16" and not ref_bad:
-        sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress, verify=True,
-                                 loss_fn=loss_fn, loss_dtype=recorded_loss_dtype(run, step)[0])
+        sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress, verify=True, model=model,
+                                 device=device, policy=policy, loss_fn=loss_fn,
+                                 loss_dtype=recorded_loss_dtype(run, step)[0])
         window = sw.window
         own = [n for n in sw.notes if n not in p.notes and not n.startswith("replayed with")]
         drift = window_drift(run, _forward_step(summary)) if scale_findings else {"moves": False}
@@ -419,9 +466,11 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                  + (f" with {', '.join(kept)} in float32" if kept else "")
                  + f": usable 2^{window['min_k']}..2^{window['max_k']}; the recorded scale "
                    f"{sw.recorded_scale:g} is {sw.recorded_position}"]
-                + [line for line in (sw.edge_line(),) if line] + checked + own,
+                + [line for line in (sw.edge_line(),) if line] + checked + own
+                + ([sw.window_check.line()] if sw.window_check is not None else []),
                 "replay", code=sw.code, data={"window": window, "settings": sw.settings,
-                                              "checked_steps": sw.checked_steps, "overflow_cause": _cause(sw)},
+                                              "checked_steps": sw.checked_steps, "overflow_cause": _cause(sw),
+                                              "window_check": sw.window_check.to_dict() if sw.window_check else None},
                 verified=True))
     fp16_ok = baseline["saved"] or (fix is not None and bool(fix.fix)) or window is not None
     data_problem = any(r.kind == "check_data" for r in recs)
@@ -452,7 +501,11 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
              "no loss scale makes it finite",
              f"bfloat16: {_state(bf16) if bf16 else 'not tried'}"], "replay", verified=True))
     for r in recs:
-        if r.source == "replay" and r.kind != "training_instability":
+        check = (r.data or {}).get("window_check") or {}
+        if check.get("status") == "fails":
+            r.verified = False  # it saves the saved step, not the window's steps after it
+            r.why = f"the re-run of the saved window with it goes non-finite at step {check['failed_at']}"
+        elif r.source == "replay" and r.kind != "training_instability":
             r.verified = True  # each rests on replays of the saved steps
         elif r.kind == "gradient_drift":
             r.why = "the window's drift is estimated from the recorded statistics of steps spread over the run"

@@ -181,10 +181,10 @@ def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
                           f"({run_id!r} in {shown(manifest)}); a bundle of another run was put here")
 
 
-def _check_files(path: Path, meta: dict) -> None:
+def _check_files(path: Path, meta: dict, listed: str = schema.BUNDLE_TENSORS_FILE) -> None:
     files = meta.get("files")
-    if not isinstance(files, dict) or schema.BUNDLE_TENSORS_FILE not in files:
-        raise BundleError(f"{path}: bundle.json lists no {schema.BUNDLE_TENSORS_FILE}")
+    if not isinstance(files, dict) or listed not in files:
+        raise BundleError(f"{path}: its manifest lists no {listed}")
     for name, info in files.items():
         f = path / name
         # A plain name in the bundle directory: no path, no hidden name.
@@ -216,6 +216,23 @@ def _sha256(f) -> str:
 _INDEX_COLUMNS = [c.name for c in schema.BUNDLE_TENSOR_COLUMNS if c.name != "data"]
 
 
+def read_tensor_file(file: Path, root: Path | None = None, roles=schema.BUNDLE_ROLES) -> dict:
+    """`_read_tensors` for another file kind of the same columns (a
+    counterfactual window: `roles` = `schema.WINDOW_ROLES`)."""
+    fh = open_regular(file, root, BundleError)
+    try:
+        proc = f"/proc/self/fd/{fh.fileno()}"
+        return _read_tensor_rows(file, proc if os.path.exists(proc) else str(file), roles)
+    finally:
+        fh.close()
+
+
+def check_files(path: Path, meta: dict, listed: str = schema.BUNDLE_TENSORS_FILE) -> None:
+    """Every file `meta["files"]` lists is present, complete and matches
+    its sha256 (bundles and windows alike)."""
+    _check_files(path, meta, listed)
+
+
 def _read_tensors(file: Path, root: Path | None = None) -> dict:
     """{(role, name, micro_batch): tensor} from tensors.parquet. Sizes are
     checked before the raw bytes are decompressed: every shape against the
@@ -233,7 +250,7 @@ def _read_tensors(file: Path, root: Path | None = None) -> dict:
         fh.close()
 
 
-def _read_tensor_rows(file: Path, source: str) -> dict:
+def _read_tensor_rows(file: Path, source: str, roles=schema.BUNDLE_ROLES) -> dict:
     try:
         pf = pq.ParquetFile(source)
         got = pf.schema_arrow
@@ -272,7 +289,7 @@ def _read_tensor_rows(file: Path, source: str) -> dict:
     out = {}
     for key, rows in chunks.items():
         role, name, _ = key
-        if role not in schema.BUNDLE_ROLES:
+        if role not in roles:
             continue  # a newer minor version's role: ignored
         rows.sort(key=lambda i: cols["offset"][i])
         parts, pos = [], 0

@@ -183,7 +183,10 @@ def summary(run, fail_on, **options):
     loss-scale collapse, low scale, gradient underflow, overflow risk,
     recording stopped) most severe first, each with its evidence and the
     next command to run; with --model, a run with a NaN/Inf also gets the
-    op origin of a saved step (as `nans --model`).
+    op origin of a saved step (as `nans --model`), and precision or
+    instability is decided by a float32 re-run of the saved window of steps
+    (a run recorded with BundlePolicy(window_steps=K)); otherwise it is
+    "undetermined", with the command that would decide it.
 
     \b
         amp-postmortem summary runs/exp1

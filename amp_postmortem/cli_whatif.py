@@ -17,7 +17,7 @@ import amp_postmortem as api
 
 from .analyses.bundle_choice import priority_description
 from .cli_replay import LOSS_FN_HELP, MODEL_HELP
-from .names import DEVICES, POLICIES, REDUCED_PRECISIONS
+from .names import DEVICES, POLICIES, REDUCED_PRECISIONS, RERUN_PRECISIONS
 from .output import RUN_LOCATION, StderrProgress, api_default, output_options, run_options
 
 
@@ -182,4 +182,46 @@ def recommend(run, **options):
     return api.recommend(run, **options, progress=StderrProgress())
 
 
-COMMANDS = (fix, scale_window, bisect, compare, recommend)
+@click.command("rerun")
+@click.argument("run", metavar="RUN", type=RUN_LOCATION)
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="The rank whose window to re-run (default: the lowest with one).")
+@click.option("--from", "from_step", type=int, default=None,
+              help="First step re-run under the remedy (default: the window's first); earlier steps of the "
+                   "window are re-run as recorded to reach it.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Steps re-run from --from (default: to the window's end).")
+@click.option("--precision", type=click.Choice(RERUN_PRECISIONS), default=api_default(api.rerun, "precision"),
+              show_default=True, help="Precision of the re-run: autocast off (fp32, fp64) or on in that dtype.")
+@click.option("--keep-fp32", "keep_fp32", metavar="MODULE", multiple=True,
+              help="Keep this module (its dotted name; repeatable, or comma-separated) in float32.")
+@click.option("--init-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Start the GradScaler at this scale (default: the recorded one).")
+@click.option("--lr-scale", type=click.FloatRange(min=0, min_open=True), default=api_default(api.rerun, "lr_scale"),
+              show_default=True, help="Multiply every recorded learning rate by this factor.")
+@click.option("--model", metavar="SPEC", default=None, help=MODEL_HELP)
+@click.option("--loss-fn", metavar="SPEC", default=None,
+              help="package.module:function or path/to/file.py:function, called as loss_fn(output, micro_batch): "
+                   "the loss when the model does not return it (targets outside its inputs are not recorded).")
+@click.option("--optimizer", metavar="SPEC", default=None,
+              help="package.module:factory called as factory(model), returning the optimizer: needed when the "
+                   "run's optimizer is not a torch.optim class the re-run rebuilds (SGD, Adam, AdamW, RMSprop, ...).")
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True, help="Where to re-run.")
+@click.option("--policy", type=click.Choice(POLICIES), default="recorded", show_default=True,
+              help="Autocast policy of fp16/bf16 re-runs: the recording device's, or CUDA's / the CPU's.")
+@output_options(csv=True)
+def rerun(run, **options):
+    """Re-run the saved window of steps (recorded with
+    BundlePolicy(window_steps=K)) under a remedy: forward, backward through
+    a GradScaler and the optimizer's step, from the weights, optimizer and
+    scaler state saved at the window's start. Per step: finite or not, the
+    loss vs the recorded loss, skipped; overall whether the run stays finite.
+
+    \b
+        amp-postmortem rerun runs/exp1 --precision fp32 --model mypkg.models:build
+        amp-postmortem rerun runs/exp1 --from 120 --steps 16 --keep-fp32 attn --model train.py:make_model
+    """
+    return api.rerun(run, **options)
+
+
+COMMANDS = (fix, scale_window, bisect, compare, recommend, rerun)

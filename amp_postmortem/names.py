@@ -11,6 +11,8 @@ ROOT_DISPLAY = "(model)"
 PRECISIONS = ("fp64", "fp32", "fp16", "bf16")
 # The precisions autocast runs in: what the what-ifs replay.
 REDUCED_PRECISIONS = ("fp16", "bf16")
+# `rerun --precision`: a saved window re-run as recorded or in one of these.
+RERUN_PRECISIONS = ("recorded", "fp64", "fp32", "bf16", "fp16")
 # Whose autocast rules a float16/bfloat16 replay follows: the recording
 # device type's, or CUDA's / the CPU's.
 POLICIES = ("recorded", "cuda", "cpu")

@@ -166,6 +166,8 @@ FLAT_OPTIONS = {
     "snapshot_buffers_bytes": ("bundles", "snapshot_buffers_bytes"),
     "hold_steps": ("bundles", "hold_steps"),
     "clone_inputs": ("bundles", "clone_inputs"),
+    "window_steps": ("bundles", "window_steps"),
+    "max_window_bytes": ("bundles", "max_window_bytes"),
     "spool_dir": ("storage", "spool_dir"),
     "spool_max_bytes": ("storage", "spool_max_bytes"),
     "upload_timeout_s": ("storage", "upload_timeout_s"),

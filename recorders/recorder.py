@@ -167,6 +167,8 @@ class AmpRecorder:
         snapshot_buffers_bytes: `BundlePolicy(snapshot_buffers_bytes=)`.
         hold_steps: `BundlePolicy(hold_steps=)`.
         clone_inputs: `BundlePolicy(clone_inputs=)`.
+        window_steps: `BundlePolicy(window_steps=)`.
+        max_window_bytes: `BundlePolicy(max_window_bytes=)`.
         spool_dir: `StorageOptions(spool_dir=)`.
         spool_max_bytes: `StorageOptions(spool_max_bytes=)`.
         upload_timeout_s: `StorageOptions(upload_timeout_s=)`.
@@ -183,6 +185,7 @@ class AmpRecorder:
                  bundle_triggers=UNSET, bundle_steps=UNSET, max_bundles=UNSET, max_bundle_bytes=UNSET,
                  min_loss_scale=UNSET, settle_steps=UNSET, snapshot_params=UNSET,
                  snapshot_buffers_bytes=UNSET, hold_steps=UNSET, clone_inputs=UNSET,
+                 window_steps=UNSET, max_window_bytes=UNSET,
                  spool_dir=UNSET, spool_max_bytes=UNSET, upload_timeout_s=UNSET):
         flat = {name: value for name, value in locals().items() if name in FLAT_OPTIONS and value is not UNSET}
         # A bad option raises here, in the caller's line, before anything is written.

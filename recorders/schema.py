@@ -22,6 +22,12 @@ SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"
 BUNDLE_SCHEMA_VERSION = "1.1"
 
+# A counterfactual window (`BundlePolicy(window_steps=K)`): the weights,
+# buffers, optimizer and scaler state at a window's first step and every
+# step's inputs and RNG since, written when a bundle trigger fires.
+WINDOW_FORMAT_NAME = "amp-postmortem-window"
+WINDOW_SCHEMA_VERSION = "1.0"
+
 # float16 limits the statistics are measured against (IEEE binary16).
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05  # 2**-14
@@ -131,6 +137,11 @@ BUNDLE_TENSOR_COLUMNS: tuple[Column, ...] = (
 )
 
 BUNDLE_ROLES = ("param", "buffer", "input", "grad_output", "rng")
+# A window's tensors file has the bundle tensor columns; its roles add the
+# optimizer's state tensors (`optimizer_state`, named `state.<i>` as
+# window.json lists them) and the scaler's (`scaler_state`: `scale`,
+# `growth_tracker`). `micro_batch` counts the window's micro-batches from 0.
+WINDOW_ROLES = ("param", "buffer", "input", "rng", "optimizer_state", "scaler_state")
 # A Parquet byte-array value holds at most 2 GiB; smaller chunks also bound
 # the writer's and the reader's memory.
 BUNDLE_CHUNK_BYTES = 64 << 20
@@ -208,6 +219,10 @@ BUNDLES_DIR = "bundles"
 BUNDLE_DIR = "step={step}/rank={rank}"
 BUNDLE_MANIFEST_FILE = "bundle.json"
 BUNDLE_TENSORS_FILE = "tensors.parquet"
+WINDOWS_DIR = "windows"
+WINDOW_DIR = "step={step}/rank={rank}"   # step: the window's first step
+WINDOW_MANIFEST_FILE = "window.json"
+WINDOW_TENSORS_FILE = "tensors.parquet"
 # The recorder's status slot (reserved at start, overwritten in place) and
 # its lease (one writer per rank directory; hidden: readers ignore it).
 STATUS_FILE = "status.json"

@@ -21,6 +21,7 @@ import pytest
 
 import amp_postmortem as api
 from amp_postmortem.cli import main
+import window_runs
 from import_graph import module_imports
 from test_readme import README, REPO, fenced_blocks, one_torch_thread, section
 
@@ -52,6 +53,8 @@ CALLS = {
     "scale-window": ("sample_runs/scale_collapse", "--step", "45", "--model", MODELS + "multitask_mlp",
                      "--scales", "8:12"),
     "recommend": ("sample_runs/bad_batch", "--model", MODELS + "feature_mlp"),
+    # A run with a counterfactual window, recorded here (no sample run has one).
+    "rerun": (str(window_runs.instability_run()), "--precision", "fp32", "--model", "tests/window_runs.py:linear_net"),
     "report": ("sample_runs/attention_overflow", "-o", str(OUT / "report.html")),
     "export tensorboard": ("sample_runs/grad_underflow", "--logdir", str(OUT / "tb")),
     "export mlflow": ("sample_runs/grad_underflow", "--tracking-uri", str(OUT / "mlruns")),
@@ -260,7 +263,7 @@ def test_bundle_priority_reads_the_same_in_help_readme_and_docs():
 
 
 def test_cli_choices_come_from_the_one_vocabulary():
-    from amp_postmortem.names import DEVICES, POLICIES, PRECISIONS, REDUCED_PRECISIONS
+    from amp_postmortem.names import DEVICES, POLICIES, PRECISIONS, REDUCED_PRECISIONS, RERUN_PRECISIONS
     from amp_postmortem.replay.run_config import POLICY_MODES
     from amp_postmortem.replay.run_config import PRECISIONS as ENGINE_PRECISIONS
     assert (ENGINE_PRECISIONS, POLICY_MODES) == (PRECISIONS, POLICIES)
@@ -270,15 +273,15 @@ def test_cli_choices_come_from_the_one_vocabulary():
                 assert tuple(p.type.choices) == POLICIES
             if p.name == "device":
                 assert tuple(p.type.choices) == DEVICES
-            if p.name == "precision":
-                assert tuple(p.type.choices) == REDUCED_PRECISIONS
+            if p.name == "precision":  # a re-run may also go to float32 or float64
+                assert tuple(p.type.choices) == (RERUN_PRECISIONS if command.name == "rerun" else REDUCED_PRECISIONS)
 
 
 # ----------------------------------------------------------- the layers
 LAYERS = [  # each imports only from its own layer and the ones before it
     {"errors", "names", "op_words", "display"},
-    {"loader", "shard_rows", "shards", "bundle", "store", "index", "step_facts", "step_series", "engines", "journal", "files",
-     "tail"},
+    {"loader", "shard_rows", "shards", "bundle", "window", "store", "index", "step_facts", "step_series", "engines",
+     "journal", "files", "tail"},
     {"analyses"},
     {"replay"},
     {"whatif"},

@@ -167,7 +167,7 @@ def test_a_line_that_does_not_save_the_step_falls_back_to_modules():
 def test_existing_json_keys_are_kept(fixes):
     assert {"step", "rank", "precision", "policy", "loss_scale", "baseline", "candidates", "trials", "fix",
             "search", "patch", "saved_steps_check", "saved_steps", "not_saved_steps", "notes", "backward_start",
-            "thresholds", "op_fix", "remedies"} == set(fixes["exp"]) - {"warnings"}
+            "thresholds", "op_fix", "remedies", "window_check"} == set(fixes["exp"]) - {"warnings"}  # issue 23 adds it
     assert fixes["unscaled_scores"]["patch"] == "from recorders.fp32 import keep_fp32\nkeep_fp32(model.blocks[1])"
 
 

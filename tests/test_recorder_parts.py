@@ -110,7 +110,8 @@ def test_parts_and_the_equivalent_flat_keywords_record_the_same_options(tmp_path
     assert options["bundles"] == {
         "bundles": True, "bundle_triggers": ["skipped", "scale_low"], "bundle_steps": [1], "max_bundles": 2,
         "max_bundle_bytes": 1 << 20, "min_loss_scale": 0.5, "settle_steps": 3, "snapshot_params": False,
-        "snapshot_buffers_bytes": 1 << 10, "hold_steps": 3, "clone_inputs": True}
+        "snapshot_buffers_bytes": 1 << 10, "hold_steps": 3, "clone_inputs": True,
+        "window_steps": 0, "max_window_bytes": 1 << 30}  # issue 23 added the window's two
 
 
 def test_a_schedule_passed_in_decides_the_tiers(tmp_path):

@@ -78,7 +78,8 @@ def test_no_layer_none_and_the_loss_at_first_last_and_failure(healthy_run, overf
 
 def test_the_json_keeps_its_keys_and_adds_the_losses(overflow_run):
     d = summarize(load_run(overflow_run)).to_dict()
-    assert set(d) == {"run", "findings", "op_origin"} and d["op_origin"] is None  # added with --model (issue 24)
+    # op_origin: added with --model (issue 24); precision_verdict: the failed run's (issue 23)
+    assert set(d) == {"run", "findings", "op_origin", "precision_verdict"} and d["op_origin"] is None
     assert {"path", "run_id", "status", "steps", "first_step", "last_step", "ranks", "world_size", "device_type",
             "device_name", "model_class", "autocast", "dtype", "scaler", "scale_status", "final_scale",
             "skipped_steps", "nonfinite_loss_steps", "warnings", "first_loss", "last_loss", "failure_step",

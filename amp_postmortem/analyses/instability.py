@@ -26,8 +26,9 @@ a warming-up model) is what `ranges` forecasts; its evidence is still
 reported (`baseline_verdict` reads an fp32 baseline's loss that way). A replay adds a third piece (`replay_evidence`,
 used by `recommend`): the float64 replay of the failing step, exact
 arithmetic, itself exceeds float16's range, with values larger than the
-recorded ones of the steps before: float32 would carry on with values that
-keep growing. An fp32 baseline (`baseline_verdict`, used by `compare`)
+recorded ones of the steps before. That is also what a float16 *range*
+problem looks like, so it only suggests that float32 would fail too: a
+float32 re-run of a saved window decides it (`precision_verdict.py`). An fp32 baseline (`baseline_verdict`, used by `compare`)
 confirms the finding when the baseline's loss also went non-finite or rose
 by `LOSS_RISE` over the same steps, and refutes it otherwise.
 """
@@ -251,7 +252,8 @@ def replay_evidence(run: Run, reference, step: int) -> str | None:
     first = rows.iloc[0]
     return (f"the float64 replay of step {step} (exact arithmetic) is itself beyond float16's range: "
             f"{_display(worst_name)} reaches {worst:.3g} > 65504, up from {float(first['absmax']):.3g} at step "
-            f"{int(first['step'])}: float32 would carry on with values that keep growing")
+            f"{int(first['step'])} (growing values; whether float32 fails too only a float32 re-run of a saved "
+            f"window can say)")
 
 
 def baseline_verdict(amp: Run, baseline: Run, report: InstabilityReport | None = None) -> dict:

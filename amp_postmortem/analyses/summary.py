@@ -7,8 +7,11 @@ Findings (kind, severity):
   a loss scaler calibrates; they are covered by the scale findings.
 - `training_instability` (critical): the values ran away before float16
   failed (`instability`: the loss rose and
-  activations or weights grew): float32 would fail too; fix the training
-  (learning rate, warm-up, clipping), not the precision.
+  activations or weights grew). Claimed (`evidence.verdict`
+  "training_instability") only when a float32 re-run of a saved window
+  diverges too (`precision_verdict`, given a model: `apply_verdict`);
+  otherwise suspected (`evidence.verdict` "undetermined", the message says
+  what would decide it). A float32 re-run that stays finite removes it.
 - `scale_collapse` (critical): the loss scale is collapsing (`scale`).
 - `stuck_low_scale` (error): the scale is pinned low, or never grows
   (`stuck_low`, `growth_blocked`).
@@ -39,6 +42,7 @@ from ..names import FINDING_KINDS
 from ..names import display_name as _display
 from ..loader import Run
 from .instability import find_instability
+from .precision_verdict import Verdict, undetermined
 from .nans import find_nans
 from .ranges import DTYPE_LIMITS, WINDOW, lapsed_words, layer_ranges, recent_words, sampled_values
 from .scale import scale_dynamics, underflow_phrase
@@ -79,13 +83,17 @@ class Summary:
     # With a model: the op origin of a replayed bundle (`replay.run_origin`;
     # the API adds it, this analysis never replays). None without one.
     op_origin: dict | None = None
+    # Precision or instability (`precision_verdict.PrecisionVerdict`) of a
+    # failed run: undetermined here; decided by the API given a model.
+    precision_verdict: object = None
     show_table = False  # the readable view lists the findings in `lines()`
 
     def kinds(self) -> set[str]:
         return {f.kind for f in self.findings}
 
     def to_dict(self) -> dict:
-        return {"run": self.run, "findings": [f.to_dict() for f in self.findings], "op_origin": self.op_origin}
+        return {"run": self.run, "findings": [f.to_dict() for f in self.findings], "op_origin": self.op_origin,
+                "precision_verdict": None if self.precision_verdict is None else self.precision_verdict.to_dict()}
 
     # Readable at the prompt and in Jupyter (display.py).
     __repr__ = report_repr
@@ -110,7 +118,8 @@ class Summary:
             "",
             "findings (most severe first):",
         ] + [line for f in self.findings for line in f.lines()] + (
-            [] if self.op_origin is None else ["", run_op_origin_line(self.op_origin)]) + [
+            [] if self.op_origin is None else ["", run_op_origin_line(self.op_origin)]) + (
+            [] if self.precision_verdict is None else ["", self.precision_verdict.sentence()]) + [
             "",
             # The pictures of the same run (`report`, `export`: the report extra).
             f"plots: amp-postmortem report {shlex.quote(str(r['path']))}",
@@ -177,13 +186,9 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
             {"applied_steps": len(applied_bad), "origin": where.to_dict() if where else None}))
 
     unstable = find_instability(run)
+    verdict = undetermined(run, unstable.failure_step) if unstable.failure_step is not None else None
     if unstable.unstable:
-        findings.append(Finding(
-            "training_instability", "critical", unstable.failure_step, unstable.grown_layer,
-            "training instability, not a precision problem: float32 would fail too: "
-            + "; ".join(unstable.evidence) + ". Fix the training: " + "; ".join(unstable.remedies())
-            + " (keeping modules in float32 or another loss scale only postpones it)",
-            f"amp-postmortem recommend {target}", unstable.to_dict()))
+        findings.append(instability_finding(unstable, verdict, target))
 
     if scale.status == "collapse":
         drivers = ", ".join(_display(d) for d in scale.drivers[:3]) or "unknown"
@@ -280,14 +285,49 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
 
     # Most severe first; among equals the cause before its consequences
     # (a NaN forward before the backoffs it triggers), then by step.
-    severity = {s: i for i, s in enumerate(SEVERITIES)}
-    kind = {k: i for i, k in enumerate(FINDING_KINDS)}
-    findings.sort(key=lambda f: (severity[f.severity], kind[f.kind],
-                                 f.step if f.step is not None else 1 << 62))
+    findings.sort(key=_finding_order)
     facts = _facts(run, nans, scale, skipped)
     failure = next((f for f in findings if f.severity == "critical" and f.step is not None), None)
     facts.update(_losses(per_step, failure.step if failure else None))
-    return Summary(run=facts, findings=findings)
+    return Summary(run=facts, findings=findings, precision_verdict=verdict)
+
+
+def _finding_order(f: Finding) -> tuple:
+    return (SEVERITIES.index(f.severity), FINDING_KINDS.index(f.kind), f.step if f.step is not None else 1 << 62)
+
+
+def instability_finding(unstable, verdict, target: str) -> Finding:
+    """The `training_instability` finding: claimed when a float32 re-run
+    verified it, suspected otherwise (the verdict says what decides it)."""
+    verified = verdict is not None and verdict.verdict is Verdict.TRAINING_INSTABILITY
+    head = (f"{verdict.sentence()}, not a precision problem: " if verified else
+            "suspected training instability (" + (verdict.sentence() if verdict is not None else
+                                                  "precision or instability undetermined") + "): ")
+    evidence = dict(unstable.to_dict(), verdict=verdict.verdict.value if verdict is not None else "undetermined",
+                    verification=verdict.to_dict() if verdict is not None else None)
+    return Finding(
+        "training_instability", "critical", unstable.failure_step, unstable.grown_layer,
+        head + "; ".join(unstable.evidence) + ". " + ("Fix the training: " if verified else "If so, fix the training: ")
+        + "; ".join(unstable.remedies()) + " (keeping modules in float32 or another loss scale only postpones it)",
+        f"amp-postmortem recommend {target}", evidence)
+
+
+def apply_verdict(summary: Summary, verdict, unstable, target: str) -> Summary:
+    """Put a decided `verdict` (`precision_verdict.PrecisionVerdict`) into
+    the summary: a verified instability is claimed (the finding added when
+    the recorded evidence alone did not show it); a precision verdict removes
+    the instability finding its re-run refutes."""
+    summary.precision_verdict = verdict
+    kept = [f for f in summary.findings if f.kind != "training_instability"]
+    if verdict.verdict is Verdict.TRAINING_INSTABILITY:
+        kept.append(instability_finding(unstable, verdict, target))
+    elif verdict.verdict is Verdict.UNDETERMINED:
+        kept = summary.findings
+    if verdict.verdict is not Verdict.UNDETERMINED:
+        kept = [f for f in kept if f.kind != "healthy"] or kept
+        kept.sort(key=_finding_order)
+    summary.findings = kept
+    return summary
 
 
 def _losses(per_step: pd.DataFrame, failure_step: int | None) -> dict:

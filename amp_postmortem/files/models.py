@@ -283,6 +283,64 @@ class BundleMeta(_Open):
     files: dict[str, _File]
 
 
+# ----------------------------------------------------------- window.json
+class _WindowMicroBatch(_Open):
+    index: Count
+    args: ArgNode
+    kwargs: ArgNode
+    rng: _Rng
+
+
+class _WindowStep(_Open):
+    step: StrictInt
+    stepped: StrictBool | None = None
+    micro_batches: Annotated[list[_WindowMicroBatch], Field(min_length=1)]
+    optimizer_groups: list[dict] | None = None
+
+
+class _WindowNames(_Open):
+    names: list[StrictStr]
+    aliases: dict[str, StrictStr] = {}
+    non_persistent: list[StrictStr] = []
+
+
+class _StateEntry(_Open):
+    param: StrictStr
+    key: StrictStr
+    tensor: StrictStr | None = None
+
+
+class _WindowOptimizer(_Optimizer):
+    state: list[_StateEntry] = []
+
+
+class _WindowScaler(_BundleScaler):
+    tensors: list[Literal["scale", "growth_tracker"]] = []
+
+
+class WindowMeta(_Open):
+    """window.json (docs/FORMAT.md, "Counterfactual windows"); `format`,
+    `version` and `checksum` are checked by the reader first."""
+    run_id: StrictStr | None = None
+    rank: Rank
+    first_step: StrictInt
+    last_step: StrictInt
+    trigger_step: StrictInt | None = None
+    reasons: list[StrictStr] = []
+    inputs_exact: StrictBool
+    training: StrictBool | None = None
+    params: _WindowNames
+    buffers: _WindowNames
+    optimizer: _WindowOptimizer | None = None
+    scaler: _WindowScaler | None = None
+    autocast: _BundleAutocast | None = None
+    precision_flags: _PrecisionFlags | None = None
+    model_class: StrictStr
+    steps: Annotated[list[_WindowStep], Field(min_length=1)]
+    env: dict | None = None
+    files: dict[str, _File]
+
+
 def validate(model: type[BaseModel], doc, where, error) -> dict:
     """`doc` itself when it fits `model`; else `error` with one line:
     `<file>: <field>: <what is wrong, what is valid>`."""

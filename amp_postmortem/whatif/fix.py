@@ -30,6 +30,10 @@
 6. The fix is tried on every other saved step of the run (`saved_steps`,
    `not_saved_steps`): one that saves this step and not the next only
    moves the failure.
+7. The cheapest remedy is re-run over the saved window of steps holding
+   the step (`window_check.py`: the steps after it too): "verified" only
+   when the window stays finite with it; else the step it fails at; with
+   no window, "verified on the saved step only" (`window_check`).
 
 Before the modules, the op-level remedy (`op_fix.py`): the culprit's
 operation, at its line of the model's source, in float32, verified the same
@@ -79,6 +83,7 @@ class FixReport:
     saved_steps_check: list = field(default_factory=list)
     op_fix: object = None           # op_fix.OpFix, or None (nothing to fix)
     remedies: list = field(default_factory=list)   # Remedy: every one that saves the step, cheapest first
+    window_check: object = None     # window_check.WindowCheck of remedies[0], or None (no remedy)
 
     @property
     def saved_steps(self) -> list:
@@ -96,7 +101,8 @@ class FixReport:
                       "not_saved_steps": self.not_saved_steps,
                       "notes": self.notes, "backward_start": self.backward_start,
                       "thresholds": _thresholds(), "op_fix": self.op_fix.to_dict() if self.op_fix else None,
-                      "remedies": [r.to_dict() for r in self.remedies]})
+                      "remedies": [r.to_dict() for r in self.remedies],
+                      "window_check": self.window_check.to_dict() if self.window_check else None})
 
     def table(self) -> pd.DataFrame:
         local = {c["name"]: c["local_rel_err"] for c in self.candidates}
@@ -146,6 +152,8 @@ class FixReport:
             out += [f"  {i}. {remedy_words(r)}: {work_words(r.fp32_flops, r.fp32_share)}"
                     + ("" if r.saves_every_saved_step else " (does not save every saved step)")
                     for i, r in enumerate(self.remedies, 1)]
+        if self.window_check is not None:
+            out.append(self.window_check.line())
         return out
 
 
@@ -214,7 +222,22 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
         report.patch = patch_lines(net, report.fix)
         report.saved_steps_check = try_on_saved_steps(p, report.fix, progress)
     report.remedies = ranked_remedies(p, report)
+    if report.remedies and model is not None:
+        report.window_check = check_remedy(p, report.remedies[0], model=model, device=device, policy=policy,
+                                           loss_fn=loss_fn)
     return report
+
+
+def check_remedy(p, remedy, *, model, device, policy, loss_fn):
+    """`remedy` re-run over the saved window holding the step (`window_check`)."""
+    from .window_check import check_over_window, run_of_bundle
+    lines = ()
+    if remedy.kind is RemedyKind.LINE:
+        file, _, line = remedy.where.rpartition(":")
+        lines = ((file, int(line)),)
+    return check_over_window(run_of_bundle(p.bundle), p.step, remedy_words(remedy), model=model, rank=p.rank,
+                             fp32_modules=remedy.modules, fp32_lines=lines, precision=p.precision, device=device,
+                             policy=policy, loss_fn=loss_fn)
 
 
 class RemedyKind(enum.Enum):

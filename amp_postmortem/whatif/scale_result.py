@@ -76,6 +76,9 @@ class ScaleWindow:
     loss_dtype: str | None = None
     loss_max_k: int | None = None
     backward_from: str | None = None
+    # Replayed with a model: the proposed init_scale re-run over the saved
+    # window of steps (`window_check.WindowCheck`), or None (none proposed).
+    window_check: object = None
 
     def to_dict(self) -> dict:
         return plain({"method": self.method, "step": self.step, "rank": self.rank,
@@ -86,7 +89,8 @@ class ScaleWindow:
                       "recorded_scale": self.recorded_scale, "window": self.window,
                       "recorded_position": self.recorded_position, "settings": self.settings, "code": self.code,
                       "max_underflow": self.max_underflow, "recorded_scaler": self.recorded_scaler,
-                      "notes": self.notes, ("scales" if self.method == "replay" else "layers"): self.rows})
+                      "notes": self.notes, ("scales" if self.method == "replay" else "layers"): self.rows,
+                      "window_check": self.window_check.to_dict() if self.window_check is not None else None})
 
     def edge_line(self) -> str | None:
         """What sets the overflow edge, in words (None when unknown)."""
@@ -135,6 +139,8 @@ class ScaleWindow:
         for c in self.checked_steps:
             out.append(f"saved step {c['step']}: " + (f"finite at 2^{c['max_finite_k']}" if c["finite_at_max"]
                                                       else c["why"]))
+        if self.window_check is not None:
+            out.append(self.window_check.line())
         out += [f"note: {n}" for n in self.notes[(1 if w is None and self.notes else 0):]]
         return out
 

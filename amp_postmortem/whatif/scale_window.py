@@ -170,6 +170,12 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
                      recorded_scaler=p.bundle.scaler, verified=True, overflow_cause=cause,
                      overflow_edge_by=LOSS_ROW if cause is EdgeCause.LOSS_DTYPE else None, loss_dtype=loss_dtype,
                      loss_max_k=loss_max_k(loss_dtype), backward_from=backward_from)
+    if verify and settings and model is not None:
+        from .window_check import check_over_window, run_of_bundle
+        sw.window_check = check_over_window(
+            run_of_bundle(p.bundle), p.step, f"init_scale={settings['init_scale']:g}", model=model, rank=p.rank,
+            fp32_modules=fp32_modules, init_scale=settings["init_scale"], precision=p.precision, device=device,
+            policy=policy, loss_fn=loss_fn)
     return verify_window(sw, p, fp32_modules=fp32_modules, progress=progress, loss_fn=loss_fn) if verify else sw
 
 

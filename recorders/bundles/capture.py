@@ -43,6 +43,7 @@ from .directory import precision_flags
 from .held import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now
 from .policy import BundlePolicy
 from .triggers import BundleTriggers
+from .window import WindowCapture
 
 
 class BundleCapture:
@@ -91,6 +92,13 @@ class BundleCapture:
             # the one being finalized: a lagging writer must not leave a held
             # step without its forward's buffers (its bundle would not be exact).
             self._buffer_pool = SnapshotPool(inv.buffers, self._hold_limit + 2)
+        # The counterfactual window (window.py): None when off, so that the
+        # hooks below cost one attribute test.
+        self.window = None
+        if self.enabled and policy.window_steps > 0:
+            self.window = WindowCapture(model, optimizer, scaler, inventory=inv, steps=policy.window_steps,
+                                        max_bytes=policy.max_window_bytes, run_dir=run_dir,
+                                        run_info=dict(run_info, has_scaler=has_scaler), post=self._post)
         self._current: StepCapture | None = None
         self._held: OrderedDict[int, StepCapture] = OrderedDict()
         self._evicted: set[int] = set()
@@ -126,6 +134,8 @@ class BundleCapture:
             if self._current is not None:
                 self._release(self._current)  # a step that never reached rec.step()
             self._current = self._new_capture(step, autocast)
+            if self.window is not None:
+                self.window.on_step_start(step, self._current.autocast, self._current.precision)
         if self.clone_inputs:
             args, kwargs = clone_tree(args), clone_tree(kwargs)
         rng = {"cpu": torch.get_rng_state()}
@@ -133,11 +143,15 @@ class BundleCapture:
             rng["cuda"] = torch.cuda.get_rng_state_all()  # host-side generator state: no sync
         versions = [(t, t._version) for t in iter_tensors((args, kwargs))]
         self._current.micro_batches.append(MicroBatch(args, kwargs, versions, rng))
+        if self.window is not None:
+            self.window.on_micro_batch(args, kwargs, rng, versions)
 
     def on_micro_batch_aborted(self) -> None:
         """The micro-batch just started raised in its forward: not replayed."""
         if self.enabled and self._current is not None and self._current.micro_batches:
             self._current.micro_batches.pop()
+            if self.window is not None:
+                self.window.on_micro_batch_aborted()
 
     def _new_capture(self, step: int, autocast: dict | None) -> StepCapture:
         cap = StepCapture(step)
@@ -158,6 +172,8 @@ class BundleCapture:
         capture began (Accelerate enters it inside the root's forward)."""
         if self._current is not None:
             self._current.autocast = dict(info)
+            if self.window is not None and self.window.steps and self.window.start == self._current.step:
+                self.window.autocast = dict(info)
 
     def on_model_outputs(self, micro_batch: int, count: int) -> None:
         cap = self._current
@@ -193,6 +209,8 @@ class BundleCapture:
             opt = self.optimizer
             if opt is not None:  # as this step used them: a scheduler may change them later
                 cap.optimizer_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        if self.window is not None:
+            self.window.on_pre_step()
         self._opt_steps += 1
 
     def _secure(self, cap, params, source, pooled=False) -> None:
@@ -233,6 +251,8 @@ class BundleCapture:
                 self._release(old)
             if len(self._evicted) > 4096:
                 self._evicted.clear()
+        if self.window is not None:
+            self.window.on_step_end(step, stepped)
         self._service()
 
     def request(self) -> None:
@@ -255,6 +275,8 @@ class BundleCapture:
     def _service(self) -> None:
         """Apply the writer thread's decisions."""
         for step, order in self.decisions.take().items():
+            if self.window is not None:
+                self.window.on_decision(step, order)
             cap = self._held.pop(step, None)
             if order is None:
                 if cap is not None:
@@ -356,6 +378,8 @@ class BundleCapture:
         if write_decided:
             self._closing = True
             self._service()
+        if self.window is not None:
+            self.window.close(write=write_decided)
         for cap in list(self._held.values()) + ([self._current] if self._current else []):
             self._release(cap)
         self._held.clear()

@@ -124,10 +124,12 @@ def write_tensors(path: Path, records, metadata: dict) -> int:
     return n_rows
 
 
-def write_bundle(final_dir: Path, records, meta: dict) -> dict:
+def write_bundle(final_dir: Path, records, meta: dict, *, manifest_file: str = schema.BUNDLE_MANIFEST_FILE,
+                 format_name: str = schema.BUNDLE_FORMAT_NAME, version: str = schema.BUNDLE_SCHEMA_VERSION) -> dict:
     """Write a complete bundle at `final_dir` atomically. `meta` is the body
     of bundle.json without `files`/`checksum` (added here). Returns the
-    `files` entry."""
+    `files` entry. A counterfactual window is written the same way, under
+    its own `manifest_file`, `format_name` and `version`."""
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = final_dir.parent / f".{final_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
@@ -135,8 +137,8 @@ def write_bundle(final_dir: Path, records, meta: dict) -> dict:
     try:
         tensors = tmp / schema.BUNDLE_TENSORS_FILE
         rows = write_tensors(tensors, records, {
-            "amp_postmortem.format": schema.BUNDLE_FORMAT_NAME,
-            "amp_postmortem.bundle_version": schema.BUNDLE_SCHEMA_VERSION,
+            "amp_postmortem.format": format_name,
+            "amp_postmortem.bundle_version": version,
             "amp_postmortem.step": meta.get("step"),
             "amp_postmortem.rank": meta.get("rank"),
         })
@@ -144,7 +146,7 @@ def write_bundle(final_dir: Path, records, meta: dict) -> dict:
             "bytes": tensors.stat().st_size, "sha256": file_sha256(tensors), "rows": rows}}
         meta = dict(meta, files=files)
         meta["checksum"] = json_checksum(meta)
-        with open(tmp / schema.BUNDLE_MANIFEST_FILE, "wb") as f:
+        with open(tmp / manifest_file, "wb") as f:
             f.write(json.dumps(meta, indent=2, allow_nan=True).encode())
             f.flush()
             os.fsync(f.fileno())

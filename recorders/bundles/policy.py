@@ -40,6 +40,22 @@ class BundlePolicy:
     clone_inputs: copy the inputs at the forward instead of holding
         references (False; True for loops that change a batch in place
         after the step).
+    window_steps: K > 0 keeps a counterfactual window: a device-side copy
+        of the weights, buffers, optimizer state and scaler state at the
+        window's first step, and every step's inputs (references, as held
+        for bundles) and RNG states since. The window restarts every K
+        steps until the first bundle trigger fires; it then runs on for K
+        more steps (or until `close()`) and is written once, under
+        `windows/` (`amp-postmortem rerun` replays it). It holds up to K steps
+        from the triggering step on, and before it the steps since the
+        last restart (fewer than K; more when the writer thread lags: a
+        window restarts only once every held step is decided). 0 (the default): off; nothing is
+        copied or held on the training path.
+    max_window_bytes: at most this many bytes held for the window (the
+        copies and the inputs, 1 GiB): a rolling window restarts early
+        when it would exceed them; a triggered one is written early (its
+        last steps missing), and a state copy alone above them turns the
+        window off with a warning.
 
     `AmpRecorder(bundles=False)` holds and saves nothing; `bundles=True` is
     `BundlePolicy()`."""
@@ -54,6 +70,8 @@ class BundlePolicy:
     snapshot_buffers_bytes: int = 64 << 20
     hold_steps: int = 2
     clone_inputs: bool = False
+    window_steps: int = 0
+    max_window_bytes: int = 1 << 30
 
     def __post_init__(self):
         triggers = trigger_names(self.triggers)
@@ -75,6 +93,8 @@ class BundlePolicy:
             "snapshot_buffers_bytes": option_int("snapshot_buffers_bytes", self.snapshot_buffers_bytes),
             "hold_steps": max(1, option_int("hold_steps", self.hold_steps)),
             "clone_inputs": bool(self.clone_inputs),
+            "window_steps": max(0, option_int("window_steps", self.window_steps)),
+            "max_window_bytes": option_int("max_window_bytes", self.max_window_bytes),
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
@@ -90,5 +110,6 @@ class BundlePolicy:
             "max_bundle_bytes": self.max_bundle_bytes, "min_loss_scale": self.min_loss_scale,
             "settle_steps": self.settle_steps, "snapshot_params": bool(snapshot_params),
             "snapshot_buffers_bytes": self.snapshot_buffers_bytes, "hold_steps": self.hold_steps,
-            "clone_inputs": self.clone_inputs,
+            "clone_inputs": self.clone_inputs, "window_steps": self.window_steps,
+            "max_window_bytes": self.max_window_bytes,
         }

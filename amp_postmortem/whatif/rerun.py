@@ -1,0 +1,442 @@
+"""Re-run a saved window of steps under a remedy (`amp-postmortem rerun`).
+
+A counterfactual window (`recorders.BundlePolicy(window_steps=K)`, read by
+`amp_postmortem.window`) holds the weights, buffers, optimizer and scaler
+state at its first step and every step's inputs and RNG states since.
+`rerun_window` trains those steps again, forward, backward through a
+`torch.amp.GradScaler` and the optimizer's step, as the job did but under a
+remedy: another precision (`fp32`, `bf16`, `fp16`, `fp64`), modules kept
+in float32, another initial loss scale, a learning rate scaled by a
+factor. Each step says whether it stayed finite (its loss, and the weights
+after its update), its loss against the recorded one, and whether the
+scaler skipped it; the run `carries` the window when every step is finite.
+
+Steps before `from_step` are re-run as recorded (the recorded precision,
+scale and learning rate) to reach `from_step`'s state; the remedy applies
+from `from_step` on.
+
+What runs and what is never imported:
+- the model: the user's `--model` (never a class the run names);
+- the optimizer: rebuilt only for the torch.optim classes of
+  `OPTIMIZERS`, a fixed allow-list in this module, with the recorded
+  hyperparameters and state (`load_state_dict`, tensors by parameter name
+  and key); any other class needs `optimizer=` (`--optimizer SPEC`,
+  `factory(model)` returning it), whose state is loaded the same way;
+- the scaler: `torch.amp.GradScaler` with the recorded settings;
+- the loss: the model's own (a scalar output, or `.loss` / `["loss"]`),
+  else `loss_fn(output, micro_batch)`; targets outside the model's inputs
+  are not recorded, so a model that does not return its loss needs one.
+"""
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from recorders.plain import plain
+
+from ..errors import BundleError, ModelSpecError, OptionError
+from ..names import RERUN_PRECISIONS
+
+# The optimizers rebuilt from a window, by the class name the recorder
+# wrote: a name outside this table is never imported.
+OPTIMIZERS = {
+    "torch.optim.sgd.SGD": "SGD", "torch.optim.adam.Adam": "Adam", "torch.optim.adamw.AdamW": "AdamW",
+    "torch.optim.rmsprop.RMSprop": "RMSprop", "torch.optim.adagrad.Adagrad": "Adagrad",
+    "torch.optim.adamax.Adamax": "Adamax", "torch.optim.nadam.NAdam": "NAdam",
+    "torch.optim.radam.RAdam": "RAdam", "torch.optim.adadelta.Adadelta": "Adadelta",
+}
+# Hyperparameters a step's recorded groups may set on the rebuilt optimizer.
+_STEP_KEYS = ("lr", "momentum", "dampening", "weight_decay", "betas", "eps", "alpha", "nesterov", "rho",
+              "lr_decay", "momentum_decay")
+STEP_COLUMNS = ["step", "finite", "loss", "recorded_loss", "skipped", "recorded_skipped", "loss_scale"]
+
+
+@dataclass
+class RerunStep:
+    step: int
+    finite: bool                   # loss and weights after the update finite
+    loss: float | None
+    recorded_loss: float | None
+    skipped: bool                  # the scaler skipped the optimizer step
+    recorded_skipped: bool | None
+    loss_scale: float | None       # in force during the backward
+    remedied: bool                 # run under the remedy (False: the prefix before from_step)
+
+    def to_dict(self) -> dict:
+        return plain({"step": self.step, "finite": self.finite, "loss": self.loss,
+                      "recorded_loss": self.recorded_loss, "skipped": self.skipped,
+                      "recorded_skipped": self.recorded_skipped, "loss_scale": self.loss_scale,
+                      "remedied": self.remedied}, keep_nonfinite=True)
+
+
+@dataclass
+class RerunResult:
+    window_path: str
+    rank: int
+    window_steps: list             # [first, last] of the saved window
+    trigger_step: int | None
+    from_step: int
+    to_step: int
+    precision: str
+    recorded_precision: str
+    keep_fp32: list
+    init_scale: float | None
+    lr_scale: float
+    optimizer: str                 # the class rebuilt, or "user" (optimizer=)
+    steps: list                    # RerunStep, prefix included
+    notes: list = field(default_factory=list)
+
+    @property
+    def remedied(self) -> list:
+        return [s for s in self.steps if s.remedied]
+
+    @property
+    def carries(self) -> bool:
+        """Every re-run step finite (the prefix and the remedied steps)."""
+        return bool(self.steps) and all(s.finite for s in self.steps)
+
+    @property
+    def first_nonfinite_step(self) -> int | None:
+        return next((s.step for s in self.steps if not s.finite), None)
+
+    @property
+    def skipped_steps(self) -> list:
+        return [s.step for s in self.remedied if s.skipped]
+
+    @property
+    def recorded_first_nonfinite_step(self) -> int | None:
+        return next((s.step for s in self.steps if s.recorded_loss is not None
+                     and not math.isfinite(s.recorded_loss)), None)
+
+    def to_dict(self) -> dict:
+        return plain({"window": self.window_path, "rank": self.rank, "window_steps": self.window_steps,
+                      "trigger_step": self.trigger_step, "from_step": self.from_step, "to_step": self.to_step,
+                      "precision": self.precision, "recorded_precision": self.recorded_precision,
+                      "keep_fp32": self.keep_fp32, "init_scale": self.init_scale, "lr_scale": self.lr_scale,
+                      "optimizer": self.optimizer, "carries": self.carries, "stays_finite": self.carries,
+                      "first_nonfinite_step": self.first_nonfinite_step, "skipped_steps": self.skipped_steps,
+                      "recorded_first_nonfinite_step": self.recorded_first_nonfinite_step,
+                      "steps": [s.to_dict() for s in self.steps], "notes": self.notes}, keep_nonfinite=True)
+
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame([{k: getattr(s, k) for k in STEP_COLUMNS} for s in self.steps], columns=STEP_COLUMNS)
+
+    def lines(self) -> list[str]:
+        remedy = remedy_words(self)
+        out = [f"window steps {self.window_steps[0]}-{self.window_steps[1]} (rank {self.rank}, saved when "
+               f"step {self.trigger_step} triggered), re-run steps {self.from_step}-{self.to_step} {remedy}, "
+               f"optimizer {self.optimizer}"]
+        out += [f"note: {n}" for n in self.notes]
+        if self.carries:
+            out.append(f"stays finite over all {len(self.remedied)} step(s)"
+                       + (f"; the scaler skipped step(s) {', '.join(map(str, self.skipped_steps))}"
+                          if self.skipped_steps else ""))
+        else:
+            out.append(f"does NOT stay finite: non-finite at step {self.first_nonfinite_step}"
+                       + (" (before the remedy applies: the recorded prefix)"
+                          if not next(s for s in self.steps if not s.finite).remedied else ""))
+        rec = self.recorded_first_nonfinite_step
+        if rec is not None:
+            out.append(f"as recorded, the loss was first non-finite at step {rec}")
+        return out
+
+
+def remedy_words(r) -> str:
+    parts = [f"in {r.precision}" + (" (as recorded)" if r.precision == r.recorded_precision else "")]
+    if r.keep_fp32:
+        parts.append("keeping " + ", ".join(r.keep_fp32) + " in float32")
+    if r.init_scale is not None:
+        parts.append(f"from loss scale {r.init_scale:g}")
+    if r.lr_scale != 1.0:
+        parts.append(f"learning rate x{r.lr_scale:g}")
+    return ", ".join(parts)
+
+
+def rerun_command(run, window, *, precision="fp32", model: str | None = None, keep_fp32=(), from_step=None) -> str:
+    """The command line that re-runs `window` (a `Window`, or (first, last))."""
+    first, last = (window.first_step, window.last_step) if hasattr(window, "first_step") else window
+    start = first if from_step is None else from_step
+    parts = ["amp-postmortem", "rerun", shlex.quote(str(run)), "--from", str(start), "--steps",
+             str(last - start + 1), "--precision", precision]
+    for m in keep_fp32:
+        parts += ["--keep-fp32", shlex.quote(m)]
+    parts += ["--model", shlex.quote(model) if isinstance(model, str) else "SPEC"]
+    return " ".join(parts)
+
+
+# ------------------------------------------------------------------ running
+def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = None, rank: int | None = None,
+                 model=None, precision: str = "recorded", keep_fp32=(), init_scale: float | None = None,
+                 lr_scale: float = 1.0, device: str = "cpu", policy: str = "recorded", loss_fn=None,
+                 optimizer=None, window=None, recorded=None, fp32_lines=(), use_scaler: bool = True) -> RerunResult:
+    """Re-run the saved window holding `from_step` (default: the first
+    window, from its first step) for `steps` steps (default: to its end)
+    under the remedy. `recorded`: {step: (loss, skipped, loss_scale_before)}
+    of the run (read from `run_dir` when None). `fp32_lines`: (file, line)
+    pairs of the model's source run in float32 (`fix`'s op-level remedy).
+    A model given as a module is copied: the re-run trains the copy.
+    `use_scaler=False`: the remedied steps run without a GradScaler (the
+    bfloat16 advice's "no GradScaler")."""
+    import copy
+
+    import torch
+
+    from ..replay import resolve_policy
+    from ..replay.model_spec import bundle_folders, resolve_model
+    from ..replay.run_config import preserved_rng
+    from ..window import find_window
+
+    if precision not in RERUN_PRECISIONS:
+        raise OptionError(f"precision {precision!r} is not one of {', '.join(RERUN_PRECISIONS)}")
+    if not float(lr_scale) > 0 or not math.isfinite(float(lr_scale)):
+        raise OptionError(f"lr_scale {lr_scale!r} is not a positive number")
+    if init_scale is not None and not (float(init_scale) > 0 and math.isfinite(float(init_scale))):
+        raise OptionError(f"init_scale {init_scale!r} is not a positive number")
+    w = window or find_window(run_dir, from_step, rank)
+    if w is None and from_step is not None:
+        from ..window import window_spans
+        spans = window_spans(run_dir, rank)
+        if spans:
+            raise OptionError(f"--from {from_step} is outside the saved windows (steps "
+                              + ", ".join(f"{s['first_step']}-{s['last_step']}" for s in spans) + ")")
+    if w is None:
+        raise BundleError(f"no counterfactual window{'' if from_step is None else f' holding step {from_step}'} "
+                          f"in {run_dir}: record with AmpRecorder(..., bundles=BundlePolicy(window_steps=K))")
+    start = w.first_step if from_step is None else int(from_step)
+    if not w.first_step <= start <= w.last_step:
+        raise OptionError(f"--from {start} is outside the window (steps {w.first_step}-{w.last_step})")
+    if steps is not None and int(steps) < 1:
+        raise OptionError(f"--steps {steps} is not a positive number of steps")
+    end = w.last_step if steps is None else min(w.last_step, start + int(steps) - 1)
+    recorded = recorded if recorded is not None else recorded_steps(run_dir, w.rank)
+    ac = w.autocast or {}
+    recorded_precision = {"float16": "fp16", "bfloat16": "bf16"}.get(ac.get("dtype"), "fp32") \
+        if ac.get("enabled") else "fp32"
+    wanted = recorded_precision if precision == "recorded" else precision
+    dev = torch.device(device)
+    with preserved_rng(dev):
+        if isinstance(model, torch.nn.Module):
+            model = copy.deepcopy(model)
+        net = resolve_model(model, w.model_class, forbidden=bundle_folders(w, run_dir))
+        from ..replay.model_spec import load_weights
+        load_weights(net, {**w.params, **w.buffers})
+        with torch.no_grad():
+            for name, b in net.named_buffers():
+                if name in w.extra_buffers:
+                    b.copy_(w.extra_buffers[name])
+        net.to(dev)
+        if wanted == "fp64":
+            net.double()
+        net.train(bool(w.meta.get("training", True)))
+        opt, opt_name = build_optimizer(net, w, optimizer)
+        notes = []
+        if w.meta.get("inputs_exact") is False:
+            notes.append("some inputs were changed in place after their step: those steps re-run on the "
+                         "changed values (record with clone_inputs=True)")
+        result = RerunResult(
+            window_path=w.path, rank=w.rank, window_steps=[w.first_step, w.last_step], trigger_step=w.trigger_step,
+            from_step=start, to_step=end, precision=wanted, recorded_precision=recorded_precision,
+            keep_fp32=list(keep_fp32 or ()), init_scale=None if init_scale is None else float(init_scale),
+            lr_scale=float(lr_scale), optimizer=opt_name, steps=[], notes=notes)
+        recorded_scaler = _scaler(w, recorded, recorded_precision, dev, None)
+        hyper = [_hyper(g) for g in (w.optimizer or {}).get("param_groups") or []]
+        remedy_scaler = None
+        for s in w.steps:
+            if s.step > end:
+                break
+            remedied = s.step >= start
+            if remedied and remedy_scaler is None:
+                remedy_scaler = (_scaler(w, recorded, wanted, dev, init_scale, carry=recorded_scaler, first=s.step)
+                                 if use_scaler else False)
+            scaler = (remedy_scaler or None) if remedied else recorded_scaler
+            prec = wanted if remedied else recorded_precision
+            config = _config(prec, device, resolve_policy(policy, w, prec) if prec in ("fp16", "bf16") else None,
+                             w.precision_flags, tuple(keep_fp32 or ()) if remedied else (),
+                             tuple(fp32_lines or ()) if remedied else ())
+            hyper = s.optimizer_groups or hyper
+            result.steps.append(_train_step(net, opt, scaler, s, hyper, config, recorded.get(s.step),
+                                            lr_scale if remedied else 1.0, loss_fn, dev, remedied))
+    return result
+
+
+def _config(precision, device, policy, flags, fp32_modules, fp32_lines):
+    from ..replay.run_config import RunConfig
+    return RunConfig(precision, device=device, policy=policy, fp32_modules=fp32_modules, fp32_lines=fp32_lines,
+                     precision_flags=flags)
+
+
+def recorded_steps(run_dir, rank: int) -> dict:
+    """{step: (loss, skipped, loss_scale_before)} of the run's rank."""
+    from ..loader import load_run
+    try:
+        run = load_run(run_dir, rank=rank)
+    except Exception:  # noqa: BLE001 - a window copied out of its run: no recorded losses
+        return {}
+    s = run.steps
+    out = {}
+    for row in s.itertuples(index=False):
+        scale = getattr(row, "loss_scale_before", None)
+        out[int(row.step)] = (None if row.loss is None else float(row.loss), bool(row.skipped),
+                              None if scale is None or scale != scale else float(scale))
+    return out
+
+
+def build_optimizer(net, w, optimizer=None):
+    """The optimizer over `net`'s parameters with the window's state."""
+    import torch
+    rec = w.optimizer
+    if rec is None:
+        raise ModelSpecError("the window recorded no optimizer: the rerun needs the one the job used")
+    named = dict(net.named_parameters(remove_duplicate=False))
+    groups = rec.get("param_groups") or []
+    if optimizer is not None:
+        opt = optimizer(net) if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ModelSpecError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+        name = f"{type(opt).__name__} (yours)"
+    else:
+        cls_name = OPTIMIZERS.get(rec.get("class"))
+        if cls_name is None:
+            raise ModelSpecError(f"the run's optimizer {rec.get('class')!r} is not one the rerun rebuilds "
+                                 f"({', '.join(sorted(set(OPTIMIZERS.values())))}): pass --optimizer "
+                                 "package.module:factory, called as factory(model), returning it")
+        cls = getattr(torch.optim, cls_name)
+        built = []
+        for g in groups:
+            try:
+                params = [named[n] for n in g["params"]]
+            except KeyError as exc:
+                raise ModelSpecError(f"the window's optimizer names parameter {exc.args[0]!r}, which the model "
+                                     "lacks; build the model the run trained") from None
+            built.append({**_hyper(g), "params": params})
+        try:
+            opt = cls(built, **({"lr": built[0]["lr"]} if built and "lr" in built[0] else {}))
+        except Exception as exc:  # noqa: BLE001 - recorded hyperparameters this torch refuses
+            raise ModelSpecError(f"rebuilding {cls_name} from the window failed: {type(exc).__name__}: {exc}") from None
+        name = cls_name
+    _load_state(opt, net, w)
+    return opt, name
+
+
+def _hyper(g: dict) -> dict:
+    out = {}
+    for k, v in g.items():
+        if k == "params" or isinstance(v, dict):
+            continue
+        out[k] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def _load_state(opt, net, w) -> None:
+    import torch
+    if not w.optimizer_state:
+        return
+    ids = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    named = dict(net.named_parameters(remove_duplicate=False))
+    state: dict = {}
+    for pname, key, value in w.optimizer_state:
+        p = named.get(pname)
+        if p is None or id(p) not in ids:
+            raise ModelSpecError(f"the window's optimizer state names parameter {pname!r}, which the optimizer "
+                                 "does not hold")
+        state.setdefault(ids[id(p)], {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    sd = opt.state_dict()
+    sd["state"] = state
+    opt.load_state_dict(sd)
+
+
+def _scaler(w, recorded, precision, dev, init_scale, *, carry=None, first=None):
+    """A GradScaler for `precision` (None for fp32/fp64, or a job without
+    an enabled scaler and no `init_scale`): the recorded settings, from
+    `init_scale`, else the scale `carry` (the scaler of the recorded prefix)
+    reached, else the window's saved scale, else the recorded scale of the
+    step."""
+    import torch
+    sc = w.scaler or {}
+    has = w.scaler is not None and sc.get("enabled", True) is not False
+    if precision not in ("fp16", "bf16") or not (has or init_scale is not None):
+        return None
+    scale, tracker = None, 0
+    if init_scale is not None:
+        scale = float(init_scale)
+    elif carry is not None:
+        scale, tracker = carry.get_scale(), int(carry._get_growth_tracker())
+    elif "scale" in w.scaler_state:
+        scale = float(w.scaler_state["scale"].double())
+        tracker = int(w.scaler_state["growth_tracker"]) if "growth_tracker" in w.scaler_state else 0
+    if scale is None:
+        at = recorded.get(first if first is not None else w.first_step)
+        scale = (at[2] if at and at[2] else None) or sc.get("init_scale") or 2.0 ** 16
+    scaler = torch.amp.GradScaler(dev.type, init_scale=scale, growth_factor=sc.get("growth_factor") or 2.0,
+                                  backoff_factor=sc.get("backoff_factor") or 0.5,
+                                  growth_interval=sc.get("growth_interval") or 2000)
+    scaler._lazy_init_scale_growth_tracker(dev)
+    scaler._growth_tracker.fill_(tracker)
+    return scaler
+
+
+def _train_step(net, opt, scaler, s, hyper, config, recorded, lr_scale, loss_fn, dev, remedied) -> RerunStep:
+    import torch
+
+    from ..replay.engine import fp32_modules_kept
+    from ..replay.fp32_lines import float32_lines
+    from ..replay.run_config import autocast_device_types, autocast_for, numerics_flags, set_rng
+    from ..replay.capture import map_tensors
+    from ..replay.outputs import find_loss
+
+    # The step's recorded hyperparameters (a scheduler's lr included), the
+    # learning rate times lr_scale; a step without them keeps the last ones.
+    for g, h in zip(opt.param_groups, hyper):
+        for k in _STEP_KEYS:
+            if k in h and k in g:
+                g[k] = tuple(h[k]) if isinstance(h[k], list) else h[k]
+        if "lr" in h and "lr" in g and not isinstance(g["lr"], torch.Tensor):
+            g["lr"] = h["lr"] * lr_scale
+    dtype = config.dtype
+
+    def cast(t):
+        # As the replay engine casts a step's inputs: float32/float64 runs
+        # take every floating input in their dtype; reduced runs keep float32
+        # inputs and those in their own dtype, others start from float32.
+        t = t.detach().to(dev)
+        if not t.is_floating_point():
+            return t
+        if config.precision in ("fp32", "fp64"):
+            return t.to(dtype)
+        return t if t.dtype in (torch.float32, dtype) else t.float()
+
+    opt.zero_grad(set_to_none=True)
+    scale = scaler.get_scale() if scaler is not None else None
+    total = 0.0
+    finite = True
+    with numerics_flags(config):
+        for k, ((args, kwargs), rng) in enumerate(zip(s.inputs, s.rng)):
+            set_rng(rng.get("cpu"), rng.get("cuda"), dev)
+            args, kwargs = map_tensors(tuple(args), cast), map_tensors(dict(kwargs), cast)
+            devices = autocast_device_types(config)
+            with fp32_modules_kept(net, config.fp32_modules, devices), autocast_for(config), \
+                    float32_lines(config.fp32_lines, devices):
+                output = net(*args, **kwargs)
+                loss = loss_fn(output, k) if loss_fn is not None else find_loss(output)
+            if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ModelSpecError("the rerun needs the loss: the model returned no scalar loss (nor .loss); "
+                                     "pass --loss-fn package.module:function, called as loss_fn(output, "
+                                     "micro_batch) (targets outside the model's inputs are not recorded)")
+            value = float(loss.detach().double())
+            total += value
+            finite = finite and math.isfinite(value)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        skipped = False
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            skipped = scaler.get_scale() < scale  # a backoff: the step found Inf/NaN and was skipped
+        else:
+            opt.step()
+    weights = all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    rec_loss, rec_skipped = (recorded[0], recorded[1]) if recorded else (None, None)
+    return RerunStep(step=s.step, finite=finite and weights, loss=total, recorded_loss=rec_loss, skipped=skipped,
+                     recorded_skipped=rec_skipped, loss_scale=scale, remedied=remedied)

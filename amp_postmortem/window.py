@@ -1,0 +1,202 @@
+"""Counterfactual windows, as the analyzer sees them: `load_window(path)`
+validates and reads one window written by `recorders.bundles.window`
+(`windows/step=S/rank=R/`: window.json and tensors.parquet), as
+`bundle.py` reads a bundle: the same checks (format, version, checksum,
+place, sha256 of every file, sizes before decompression) and nothing
+unpickled or imported: tensors from raw bytes, the rest from JSON.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from recorders import schema
+from recorders.plain import json_checksum
+
+from .errors import BundleError
+from .files import limits
+from .files.models import WindowMeta, validate
+from .files.safe import Damaged, check_inside, numbered_dirs, parse_json, rank_of, read_bytes, shown, step_of
+
+
+@dataclass
+class WindowStep:
+    step: int
+    inputs: list            # per micro-batch: (args: tuple, kwargs: dict)
+    rng: list               # per micro-batch: {"cpu": uint8 Tensor, "cuda": [...]}
+    optimizer_groups: list | None  # the hyperparameters the step used, per group
+    stepped: bool | None
+
+
+@dataclass
+class Window:
+    path: str
+    rank: int
+    first_step: int
+    last_step: int
+    trigger_step: int | None
+    params: dict            # name -> Tensor at the first step's forward
+    buffers: dict
+    extra_buffers: dict     # non-persistent buffers
+    optimizer: dict | None  # {"class", "defaults", "param_groups" (params by name), "state": [...]}
+    optimizer_state: list   # [(param name, key, Tensor or plain value)]
+    scaler: dict | None     # the manifest's scaler entry (init_scale, growth_factor, ...)
+    scaler_state: dict      # "scale", "growth_tracker" -> Tensor, when the scaler had them
+    autocast: dict
+    precision_flags: dict
+    env: dict
+    model_class: str
+    steps: list             # WindowStep, in order
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def step_numbers(self) -> list[int]:
+        return [s.step for s in self.steps]
+
+    def state_dict(self) -> dict:
+        return {**self.params, **self.buffers}
+
+
+def list_windows(run_dir) -> list[tuple[int, int, Path]]:
+    """(first step, rank, path) of every window under `run_dir/windows`."""
+    root = Path(run_dir) / schema.WINDOWS_DIR
+    check_inside(root, run_dir, BundleError)
+    found = []
+    if root.is_dir():
+        for step, sdir in numbered_dirs(root, step_of, run_dir, BundleError):
+            found += [(step, rank, rdir) for rank, rdir in numbered_dirs(sdir, rank_of, run_dir, BundleError)]
+    return sorted(found)
+
+
+def find_window(run_dir, step: int | None = None, rank: int | None = None) -> Window | None:
+    """The window of `rank` (default: the lowest with one) whose steps hold
+    `step` (None: the first window); None when there is none."""
+    if run_dir is None or not Path(run_dir).is_dir():
+        return None
+    for _, r, path in list_windows(run_dir):
+        if rank is not None and r != int(rank):
+            continue
+        w = load_window(path)
+        if step is None or w.first_step <= int(step) <= w.last_step:
+            return w
+    return None
+
+
+def window_spans(run_dir, rank: int | None = None) -> list[dict]:
+    """{"first_step", "last_step", "trigger_step", "rank", "path"} of every
+    window of the run (of `rank`), from window.json alone (no torch: what
+    `summary` reads); a damaged window is left out here (loading it says why)."""
+    out = []
+    if run_dir is None or not Path(run_dir).is_dir():
+        return out
+    for _, r, path in list_windows(run_dir):
+        if rank is not None and r != int(rank):
+            continue
+        try:
+            meta = _read_meta(path / schema.WINDOW_MANIFEST_FILE, path)
+        except BundleError:
+            continue
+        out.append({"first_step": meta["first_step"], "last_step": meta["last_step"],
+                    "trigger_step": meta.get("trigger_step"), "rank": r, "path": str(path)})
+    return out
+
+
+def load_window(path) -> Window:
+    """Validate and read the window at `path` (its directory or window.json);
+    BundleError for a missing, truncated, tampered or newer one."""
+    from .bundle import check_files, read_tensor_file
+    path = Path(path)
+    if path.name == schema.WINDOW_MANIFEST_FILE:
+        path = path.parent
+    meta_path = path / schema.WINDOW_MANIFEST_FILE
+    if not (meta_path.is_file() or os.path.lexists(meta_path)):
+        raise BundleError(f"not a counterfactual window: {meta_path} is missing")
+    meta = _read_meta(meta_path, path)
+    _check_place(path, meta_path, meta)
+    check_files(path, meta, schema.WINDOW_TENSORS_FILE)
+    tensors = read_tensor_file(path / schema.WINDOW_TENSORS_FILE, path, schema.WINDOW_ROLES)
+    try:
+        return _assemble(path, meta, tensors)
+    except BundleError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise BundleError(f"malformed window {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _read_meta(meta_path: Path, root: Path) -> dict:
+    data = read_bytes(meta_path, root, BundleError, limits.MAX_JSON_BYTES)
+    try:
+        meta = parse_json(data, meta_path, BundleError)
+    except Damaged as exc:
+        raise BundleError(f"{meta_path} is truncated or not JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != schema.WINDOW_FORMAT_NAME:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise BundleError(f"{meta_path}: format {fmt!r} is not {schema.WINDOW_FORMAT_NAME!r}")
+    version = str(meta.get("version"))
+    try:
+        major, _ = schema.parse_version(version)
+    except ValueError:
+        raise BundleError(f"{meta_path}: bad window version {version!r}") from None
+    if major > schema.parse_version(schema.WINDOW_SCHEMA_VERSION)[0]:
+        raise BundleError(f"{meta_path}: window format {version} is newer than this amp-postmortem "
+                          f"reads ({schema.WINDOW_SCHEMA_VERSION}); upgrade amp-postmortem")
+    if meta.get("checksum") != json_checksum(meta):
+        raise BundleError(f"{meta_path} fails its checksum (edited or damaged)")
+    return validate(WindowMeta, meta, meta_path, BundleError)
+
+
+def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
+    if path.parent.parent.name != schema.WINDOWS_DIR:
+        return
+    for key, place in (("first_step", step_of(path.parent.name, path.parent, BundleError)),
+                       ("rank", rank_of(path.name, path, BundleError))):
+        if place is not None and meta[key] != place:
+            raise BundleError(f"{shown(meta_path)}: {key}: {meta[key]!r} is not the one of its place "
+                              f"({path.parent.name}/{path.name})")
+    steps = [s["step"] for s in meta["steps"]]
+    if steps[0] != meta["first_step"] or steps[-1] != meta["last_step"] or steps != sorted(set(steps)):
+        raise BundleError(f"{shown(meta_path)}: steps: {steps[:4]}... do not run from first_step "
+                          f"{meta['first_step']} to last_step {meta['last_step']} in order")
+
+
+def _assemble(path: Path, meta: dict, tensors: dict) -> Window:
+    from recorders.tensor_codec import decode_tree
+    def get(role, name, mb=-1):
+        try:
+            return tensors[(role, name, mb)]
+        except KeyError:
+            raise BundleError(f"{path}: window.json refers to a missing {role} tensor {name!r}"
+                              + (f" of micro-batch {mb}" if mb >= 0 else "")) from None
+
+    params = {n: get("param", n) for n in meta["params"]["names"]}
+    for alias, target in meta["params"].get("aliases", {}).items():
+        params[alias] = params[target]
+    non_persistent = set(meta["buffers"].get("non_persistent", []))
+    buffers, extra = {}, {}
+    for n in meta["buffers"]["names"]:
+        (extra if n in non_persistent else buffers)[n] = get("buffer", n)
+    opt = meta.get("optimizer")
+    state = []
+    for e in (opt or {}).get("state", []):
+        state.append((e["param"], e["key"], get("optimizer_state", e["tensor"]) if e.get("tensor") else e.get("value")))
+    scaler = meta.get("scaler")
+    scaler_state = {n: get("scaler_state", n) for n in (scaler or {}).get("tensors", [])}
+    steps = []
+    for s in meta["steps"]:
+        inputs, rngs = [], []
+        for mb in s["micro_batches"]:
+            k = mb["index"]
+            lookup = (lambda name, k=k: get("input", name, k))
+            inputs.append((tuple(decode_tree(mb["args"], lookup)), dict(decode_tree(mb["kwargs"], lookup))))
+            rngs.append({"cpu": get("rng", mb["rng"]["cpu"], k),
+                         "cuda": [get("rng", n, k) for n in mb["rng"].get("cuda", [])]})
+        steps.append(WindowStep(int(s["step"]), inputs, rngs, s.get("optimizer_groups"), s.get("stepped")))
+    return Window(
+        path=str(path), rank=int(meta["rank"]), first_step=int(meta["first_step"]),
+        last_step=int(meta["last_step"]), trigger_step=meta.get("trigger_step"), params=params,
+        buffers=buffers, extra_buffers=extra, optimizer=opt, optimizer_state=state, scaler=scaler,
+        scaler_state=scaler_state,
+        autocast=meta.get("autocast") or {"enabled": False, "device_type": None, "dtype": None},
+        precision_flags=meta.get("precision_flags") or {}, env=meta.get("env") or {},
+        model_class=meta["model_class"], steps=steps, meta=meta)
