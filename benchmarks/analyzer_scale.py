@@ -103,6 +103,12 @@ class Layout:
         self.nan_row = int(np.flatnonzero(self.is_act)[len(self.modules) * 3 // 4])
 
 
+def no_probe_columns(rows: int) -> dict:
+    """The op probe's columns, null on module rows, as the recorder writes
+    them when no probe ran (schema 1.2)."""
+    return {"op": [None] * rows, "op_index": np.full(rows, np.nan), "source": [None] * rows}
+
+
 def full_tier_columns(layout: Layout, absmax, full) -> dict:
     """The full-tier statistics columns of steps x rows `absmax` (null
     where `full` is False), flattened as a shard stores them."""
@@ -228,6 +234,7 @@ def generate(run_dir: Path, *, steps: int, rows: int, steps_per_shard: int, full
             "inf_count": inf_count.ravel(),
             "input_nonfinite": input_nonfinite.ravel(),
             **full_tier_columns(layout, absmax, full),
+            **no_probe_columns(k * n),
         }
         for j, s in enumerate(idx):
             step_row = {
@@ -237,7 +244,7 @@ def generate(run_dir: Path, *, steps: int, rows: int, steps_per_shard: int, full
                 "growth_tracker": int(trackers[s]), "skipped": bool(skipped[s]) or s == nan_at,
                 "lr": [1e-4], "grad_norm": None if skipped[s] else 0.5,
                 "nonfinite_param_grads": 0, "micro_batches": 1,
-                "tier": "full" if s % full_every == 0 else "cheap", "tensor_rows": n,
+                "tier": "full" if s % full_every == 0 else "cheap", "tensor_rows": n, "loss_dtype": "float32",
             }
             # The writer rolls after the shard's last step: hand it the
             # shard's tensor rows with that step (same rows, same order).

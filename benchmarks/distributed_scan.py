@@ -81,6 +81,7 @@ def generate(run_dir: Path, *, ranks: int, steps: int, tensors: int, steps_per_s
             "nan_count": np.zeros(k * n, np.int64), "inf_count": inf_count.ravel(),
             "input_nonfinite": np.broadcast_to(inp, (k, n)).ravel().copy(),
             **analyzer_scale.full_tier_columns(layout, absmax, full),
+            **analyzer_scale.no_probe_columns(k * n),
         }
         shards.append((idx, cols))
     for rank in range(ranks):
@@ -101,7 +102,7 @@ def generate(run_dir: Path, *, ranks: int, steps: int, tensors: int, steps_per_s
                     "loss_scale": float(after[s]), "loss_scale_before": float(before[s]),
                     "growth_tracker": int(s), "skipped": bool(skipped[s]) or bad, "lr": [1e-4],
                     "grad_norm": None if skipped[s] else 0.5, "nonfinite_param_grads": 0, "micro_batches": 1,
-                    "tier": "full" if s % full_every == 0 else "cheap", "tensor_rows": n,
+                    "tier": "full" if s % full_every == 0 else "cheap", "tensor_rows": n, "loss_dtype": "float32",
                 }, cols if j == len(idx) - 1 else None)
         writer.roll()
         manifest = analyzer_scale._manifest(run_id, layout, steps, steps_per_shard, 10 ** 6)

@@ -110,7 +110,10 @@ def watch_cost(tmp: Path, *, steps: int, pause: float, interval: float) -> dict:
     _, _, usage = os.wait4(watch.pid, 0)  # reaped here for its rusage: Popen never waits on it
     wall = time.monotonic() - started
     job.communicate(timeout=60)
-    doc = json.loads(watch.stdout.read())
+    printed = watch.stdout.read()
+    if not printed.strip():  # the watcher failed: say why rather than a JSON error
+        raise RuntimeError(f"the watcher printed nothing: {watch.stderr.read().strip()[-2000:]}")
+    doc = json.loads(printed)
     return {"steps": steps, "wall_s": wall, "watch_cpu_s": usage.ru_utime + usage.ru_stime,
             "polls_max": int(wall / interval) + 1, **doc}
 
