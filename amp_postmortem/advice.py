@@ -348,14 +348,14 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     from .whatif.bisect import bisect_samples, slicing_note
     from .whatif.fix import find_fix
     from .whatif.scale_result import recorded_loss_dtype
-    from .whatif.scale_window import replay_scale_window
+    from .whatif.scale_window import kept_note, replay_scale_window
 
     p = prepare(run.path, step, rank=rank, model=model, device=device, policy=policy, loss_fn=loss_fn,
                 keep_inputs=True)
     notes.extend(p.notes)
     recs = []
     baseline = p.trial()
-    ref_bad = any(n.startswith("the float64 reference") for n in p.notes)
+    ref_bad = not p.reference_finite
     fix = find_fix(None, prepared=p, progress=progress, model=model, device=device, policy=policy,
                    loss_fn=loss_fn) if not ref_bad else None
     if not baseline["saved"]:
@@ -450,7 +450,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                                  device=device, policy=policy, loss_fn=loss_fn,
                                  loss_dtype=recorded_loss_dtype(run, step)[0])
         window = sw.window
-        own = [n for n in sw.notes if n not in p.notes and not n.startswith("replayed with")]
+        own = [n for n in sw.notes if n not in p.notes and not (kept and n == kept_note(kept))]
         drift = window_drift(run, _forward_step(summary)) if scale_findings else {"moves": False}
         if window and drift["moves"]:
             recs.append(_drift_recommendation(

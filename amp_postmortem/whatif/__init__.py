@@ -31,6 +31,10 @@ from ..names import ROOT_DISPLAY
 # A trial whose backward overflows is retried at lower scales down to this
 # one: below 1 a loss scale protects nothing (analyses.scale.LOW_SCALE).
 MIN_BACKOFF_SCALE = 1.0
+# The note a step whose float64 run is non-finite carries (words only:
+# decisions read `Prepared.reference_finite`).
+REFERENCE_NONFINITE_NOTE = ("the float64 reference is itself non-finite: this is not a precision problem "
+                            "(check the data: `bisect`)")
 
 
 @dataclass
@@ -43,6 +47,10 @@ class Prepared:
     reference: object           # float64 StepCapture (inputs kept when asked)
     notes: list = field(default_factory=list)
     backward_start: str = "saved"  # engine.ReplaySession.start_backward
+    # Whether the float64 run's outputs are finite: where it is not, no
+    # precision setting repairs the step (fix, recommend decide on this,
+    # never on the note that says it).
+    reference_finite: bool = True
 
     @property
     def step(self) -> int:
@@ -160,11 +168,12 @@ def prepare_like(prepared, path, **options) -> "Prepared":
                                      precision_flags=dict(bundle.precision_flags or {}))
     reference = session.run(RunConfig("fp64", device=prepared.config.device),
                             keep_inputs=options.get("keep_inputs", False))
-    if not _finite(reference.outputs):
-        notes.append("the float64 reference is itself non-finite: this is not a precision problem "
-                     "(check the data: `bisect`)")
+    reference_finite = _finite(reference.outputs)
+    if not reference_finite:
+        notes.append(REFERENCE_NONFINITE_NOTE)
     return Prepared(bundle=bundle, session=session, precision=prepared.precision, config=config,
-                    reference=reference, notes=notes, backward_start=session.backward_start)
+                    reference=reference, notes=notes, backward_start=session.backward_start,
+                    reference_finite=reference_finite)
 
 
 def build(model, bundle):
@@ -204,11 +213,12 @@ def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", po
     config = RunConfig(precision, device=device, policy=resolve_policy(policy, bundle, precision),
                        loss_scale=scale, precision_flags=dict(bundle.precision_flags or {}))
     reference = session.run(RunConfig("fp64", device=device), keep_inputs=keep_inputs)
-    if not _finite(reference.outputs):
-        notes.append("the float64 reference is itself non-finite: this is not a precision problem "
-                     "(check the data: `bisect`)")
+    reference_finite = _finite(reference.outputs)
+    if not reference_finite:
+        notes.append(REFERENCE_NONFINITE_NOTE)
     return Prepared(bundle=bundle, session=session, precision=precision, config=config,
-                    reference=reference, notes=notes, backward_start=session.backward_start)
+                    reference=reference, notes=notes, backward_start=session.backward_start,
+                    reference_finite=reference_finite)
 
 
 def trial_metrics(run, reference) -> dict:

@@ -179,7 +179,7 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
                        search="not_needed", patch=None, notes=notes, backward_start=p.backward_start)
     if baseline["saved"]:
         return report
-    if any(n.startswith("the float64 reference") for n in notes):
+    if not p.reference_finite:
         report.search = "none"  # no precision setting repairs what float64 cannot compute
         return report
     recorded = p.run(capture=True)
@@ -294,7 +294,7 @@ def try_on_saved_steps(p, modules, progress=None, *, lines=()) -> list:
              else as_recorded)
         why = None
         if not t["saved"]:
-            ref_bad = any(n.startswith("the float64 reference") for n in q.notes)
+            ref_bad = not q.reference_finite
             what = ", ".join([*modules, *(f"line {os.path.basename(f)}:{n}" for f, n in lines)])
             why = ("the float64 replay is non-finite too: no precision setting saves it" if ref_bad else
                    f"with {what} in float32: {t['why']}")
