@@ -344,7 +344,7 @@ def _bundle_step(run: Run, step, rank, notes) -> tuple[int, int | None] | None:
 
 def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, summary) -> list:
     from .replay import resolve_policy
-    from .whatif import prepare
+    from .whatif import Trial, prepare
     from .whatif.bisect import bisect_samples, slicing_note
     from .whatif.fix import find_fix
     from .whatif.scale_result import recorded_loss_dtype
@@ -355,10 +355,11 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     notes.extend(p.notes)
     recs = []
     baseline = p.trial()
+    saved_as_recorded = Trial.of(baseline).saved
     ref_bad = not p.reference_finite
     fix = find_fix(None, prepared=p, progress=progress, model=model, device=device, policy=policy,
                    loss_fn=loss_fn) if not ref_bad else None
-    if not baseline["saved"]:
+    if not saved_as_recorded:
         b = bisect_samples(None, prepared=p, progress=progress)
         note = slicing_note(b.slicing)
         if note:
@@ -407,14 +408,14 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                                                 "not_saved_steps": partial, "window_check":
                                                 modules_check.to_dict() if modules_check else None},
                 verified=True))
-    elif fix is not None and not baseline["saved"]:
+    elif fix is not None and not saved_as_recorded:
         fix_lines = [f"no set of up to {len(fix.candidates)} candidate modules kept in float32 saves step {step}"]
     if is_unstable:
         recs.append(_instability_recommendation(
             unstable, "replay", extra=[verdict.sentence()] + ([beyond] if beyond else []) + fix_lines,
             verified=verdict.verdict is Verdict.TRAINING_INSTABILITY))
     scale_findings = bool(summary.kinds() & _SCALE_FINDINGS)
-    if p.precision == "fp16" and (not baseline["saved"] or scale_findings):
+    if p.precision == "fp16" and (not saved_as_recorded or scale_findings):
         bf16 = p.trial(backoff=False, precision="bf16", loss_scale=1.0,
                        policy=resolve_policy(policy, p.bundle, "bf16"))
         avoids, confirmed, why = bf16_verdict(bf16, p.backward_start)
@@ -472,7 +473,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                                               "checked_steps": sw.checked_steps, "overflow_cause": _cause(sw),
                                               "window_check": sw.window_check.to_dict() if sw.window_check else None},
                 verified=True))
-    fp16_ok = baseline["saved"] or (fix is not None and bool(fix.fix)) or window is not None
+    fp16_ok = saved_as_recorded or (fix is not None and bool(fix.fix)) or window is not None
     data_problem = any(r.kind == "check_data" for r in recs)
     bf16_ok = any(r.kind == "use_bf16" and r.data["avoids"] for r in recs)
     if is_unstable and not ref_bad and not data_problem and not fp16_ok:
@@ -537,13 +538,14 @@ def bf16_verdict(trial: dict, backward_start: str = "saved") -> tuple[bool, bool
     a substitute output gradient (`backward_start` "substitute_mean": the
     saved one was NaN/Inf): a finite trial then avoids the problem, with its
     gradient accuracy unconfirmed."""
-    if trial.get("saved"):
+    from .whatif import NotSavedBy, Trial
+    t = Trial.of(trial)
+    by, why = t.not_saved_by, t.why
+    if by is NotSavedBy.NOTHING:
         return True, True, None
-    why = trial.get("why")
-    if not trial["finite"]:
+    if by is NotSavedBy.NONFINITE:
         return False, True, None  # the trial's state says where
-    culprit = trial.get("culprit") or {}
-    on_gradients = bool(trial.get("params_off")) or culprit.get("phase") == "backward"
+    on_gradients = by is NotSavedBy.PARAMS_OFF or (t.culprit or {}).get("phase") == "backward"
     if on_gradients and backward_start == "substitute_mean":
         return True, False, (f"not decisive: {why}, measured from a substitute output gradient (the saved one "
                              "was NaN/Inf); replay with a loss_fn to confirm")
@@ -561,11 +563,12 @@ def _forward_step(summary) -> int | None:
     return f.step if f is not None else None
 
 
-def _state(t: dict) -> str:
-    if t["finite"]:
-        return "finite" + (f" (at loss scale {t['loss_scale']:g})" if t.get("backoffs") else "")
-    where = [w for w, ok in (("forward", t["forward_finite"]), ("backward", t["backward_finite"])) if not ok]
-    return f"non-finite in the {' and '.join(where)} ({t['nonfinite_values']} NaN/Inf values)"
+def _state(t) -> str:
+    from .whatif import Trial
+    trial = Trial.of(t)
+    if trial.finite:
+        return "finite" + (f" (at loss scale {trial.loss_scale:g})" if trial.backed_off else "")
+    return f"non-finite in the {' and '.join(trial.nonfinite_phases)} ({trial.nonfinite_values} NaN/Inf values)"
 
 
 def _pct(v) -> str:

@@ -94,3 +94,21 @@ def test_the_saved_steps_check_reads_the_typed_reference_status(monkeypatch):
 
 def test_the_producers_note_is_one_constant():
     assert whatif.REFERENCE_NONFINITE_NOTE.startswith("the float64 reference is itself non-finite")
+
+
+def test_a_trial_is_read_into_typed_fields_and_its_failed_check_is_an_enum():
+    from amp_postmortem.whatif import NotSavedBy, Trial
+    base = {"saved": False, "finite": True, "forward_finite": True, "backward_finite": True,
+            "nonfinite_values": 0, "params_off": {}, "culprit": None, "why": "w", "modules": ["a"]}
+    cases = [({**base, "saved": True}, NotSavedBy.NOTHING, ""),
+             ({**base, "finite": False, "backward_finite": False, "nonfinite_values": 4}, NotSavedBy.NONFINITE,
+              "NaN/Inf"),
+             ({**base, "params_off": {"w": 2.0, "b": 1.0}}, NotSavedBy.PARAMS_OFF, "2 param grads off"),
+             ({**base, "culprit": {"name": "q", "phase": "backward"}}, NotSavedBy.BROKEN_MODULE,
+              "q broken (backward)")]
+    for d, by, words in cases:
+        assert Trial.of(d).not_saved_by is by
+        assert fix_mod.not_saved_by(d) == words   # the words come from the enum, in one place
+    t = Trial.of(cases[1][0])
+    assert t.nonfinite_phases == ["backward"] and t.modules == ("a",) and Trial.of(t) is t
+    assert fix_mod._verdict(cases[1][0]) == "NON-FINITE in the backward (4 NaN/Inf values)"

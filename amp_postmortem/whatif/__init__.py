@@ -17,6 +17,7 @@ time, so `scale-window` without a model stays torch-free.
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -35,6 +36,66 @@ MIN_BACKOFF_SCALE = 1.0
 # decisions read `Prepared.reference_finite`).
 REFERENCE_NONFINITE_NOTE = ("the float64 reference is itself non-finite: this is not a precision problem "
                             "(check the data: `bisect`)")
+
+
+class NotSavedBy(enum.Enum):
+    """Which check of `judge` a trial failed (the checks run in this order)."""
+    NOTHING = "nothing"              # saved
+    NONFINITE = "nonfinite"          # NaN/Inf in the forward or the backward, or the run raised
+    PARAMS_OFF = "params_off"        # parameter gradients beyond the broken threshold of float64
+    BROKEN_MODULE = "broken_module"  # a module's own arithmetic is broken (the culprit)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """The typed reading of one trial (`Prepared.trial`'s dict, which stays
+    the output form: `--json` and the reports keep it): what fix, bisect
+    and recommend decide on. `of` tolerates the keys a partial trial lacks."""
+    saved: bool
+    finite: bool
+    forward_finite: bool
+    backward_finite: bool
+    nonfinite_values: int | None
+    loss_scale: float | None
+    backoffs: int
+    grad_rel_err: float | None
+    params_off: dict
+    culprit: dict | None
+    why: str | None
+    error: str | None
+    modules: tuple = ()
+
+    @classmethod
+    def of(cls, t) -> "Trial":
+        if isinstance(t, Trial):
+            return t
+        finite = bool(t.get("finite"))
+        return cls(saved=bool(t.get("saved")), finite=finite,
+                   forward_finite=bool(t.get("forward_finite", finite)),
+                   backward_finite=bool(t.get("backward_finite", finite)),
+                   nonfinite_values=t.get("nonfinite_values"), loss_scale=t.get("loss_scale"),
+                   backoffs=int(t.get("backoffs") or 0), grad_rel_err=t.get("grad_rel_err"),
+                   params_off=dict(t.get("params_off") or {}), culprit=t.get("culprit") or None,
+                   why=t.get("why"), error=t.get("error"), modules=tuple(t.get("modules") or ()))
+
+    @property
+    def not_saved_by(self) -> NotSavedBy:
+        if self.saved:
+            return NotSavedBy.NOTHING
+        if not self.finite:
+            return NotSavedBy.NONFINITE
+        if self.params_off:
+            return NotSavedBy.PARAMS_OFF
+        return NotSavedBy.BROKEN_MODULE
+
+    @property
+    def nonfinite_phases(self) -> list:
+        """"forward" and/or "backward": where the trial holds NaN/Inf."""
+        return [w for w, ok in (("forward", self.forward_finite), ("backward", self.backward_finite)) if not ok]
+
+    @property
+    def backed_off(self) -> bool:
+        return bool(self.backoffs)
 
 
 @dataclass
