@@ -47,6 +47,7 @@ nonfinite_tensor, else request or step_list, else scale_low, else skipped):
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -419,23 +420,14 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
         bf16 = p.trial(backoff=False, precision="bf16", loss_scale=1.0,
                        policy=resolve_policy(policy, p.bundle, "bf16"))
         avoids, confirmed, why = bf16_verdict(bf16, p.backward_start)
-        if avoids:
-            action = "bfloat16 avoids the problem: autocast with dtype=torch.bfloat16, no GradScaler"
-            if not confirmed:
-                action += " (finite; its gradient accuracy is not confirmed)"
-        else:
-            action = "bfloat16 does not avoid the problem"
         bf16_check = None
         if avoids and model is not None:
             from .whatif.window_check import check_over_window, run_of_bundle
             bf16_check = check_over_window(run_of_bundle(p.bundle), step, "bfloat16 autocast and no GradScaler",
                                            model=model, rank=p.rank, precision="bf16", device=device, policy=policy,
                                            loss_fn=loss_fn, use_scaler=False)
-        if bf16_check is not None and bf16_check.status.value == "fails":
-            action = (f"bfloat16 saves step {step} alone, not the steps that follow: the re-run of the saved window "
-                      f"in bfloat16 goes non-finite at step {bf16_check.failed_at}")
         recs.append(Recommendation(
-            "use_bf16", action,
+            "use_bf16", _bf16_action(_bf16_outcome(avoids, confirmed, bf16_check), step, bf16_check),
             [f"bfloat16 replay of step {step} (no loss scale): {_state(bf16)}, gradient error vs float64 "
              f"{_pct(bf16['grad_rel_err'])}" + _substitute(p)] + ([why] if why else [])
             + ([bf16_check.line()] if bf16_check is not None else []), "replay",
@@ -476,31 +468,10 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     fp16_ok = saved_as_recorded or (fix is not None and bool(fix.fix)) or window is not None
     data_problem = any(r.kind == "check_data" for r in recs)
     bf16_ok = any(r.kind == "use_bf16" and r.data["avoids"] for r in recs)
-    if is_unstable and not ref_bad and not data_problem and not fp16_ok:
-        recs.append(Recommendation(
-            "avoid_mixed_precision",
-            "float16 mixed precision is not advisable for this job as it trains now: no float16 configuration "
-            f"keeps step {step} finite; fix the instability first (above)",
-            [f"{p.precision} as recorded: {_state(baseline)}",
-             f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
-             "no loss scale makes it finite"] + ([beyond] if beyond else []), "replay", verified=True))
-    elif not ref_bad and not data_problem and not fp16_ok and bf16_ok and p.precision == "fp16":
-        recs.append(Recommendation(
-            "avoid_mixed_precision",
-            f"float16 mixed precision is not advisable for this job: no float16 configuration keeps step {step} "
-            "finite; use bfloat16 instead (use_bf16 above)",
-            [f"{p.precision} as recorded: {_state(baseline)}",
-             f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
-             "no loss scale makes it finite", f"bfloat16: {_state(bf16)}"], "replay", verified=True))
-    elif not ref_bad and not data_problem and not fp16_ok and not bf16_ok:
-        recs.append(Recommendation(
-            "avoid_mixed_precision",
-            "do not use mixed precision for this model as written: train it in float32 (or move the failing "
-            "code of the model's own forward into a submodule that keep_fp32 can wrap)",
-            [f"{p.precision} as recorded: {_state(baseline)}",
-             f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
-             "no loss scale makes it finite",
-             f"bfloat16: {_state(bf16) if bf16 else 'not tried'}"], "replay", verified=True))
+    avoid = no_fp16_config(unstable=is_unstable, reference_finite=not ref_bad, data_problem=data_problem,
+                           fp16_ok=fp16_ok, bf16_ok=bf16_ok, precision=p.precision)
+    if avoid is not None:
+        recs.append(_avoid_recommendation(avoid, step, p.precision, baseline, fix, bf16, beyond))
     for r in recs:
         check = (r.data or {}).get("window_check") or {}
         if check.get("status") == "fails":
@@ -518,6 +489,77 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                                    [f.message for f in summary.findings if f.kind == "healthy"], "replay",
                                    verified=True))
     return recs
+
+
+class Bf16Outcome(enum.Enum):
+    """What the bfloat16 replay of the step (and its window) shows."""
+    AVOIDS = "avoids"                      # saved, gradients confirmed
+    AVOIDS_UNCONFIRMED = "avoids_unconfirmed"  # finite; its gradients measured from a substitute
+    DOES_NOT_AVOID = "does_not_avoid"
+    STEP_ONLY = "step_only"                # saves the step, the window re-run in bfloat16 fails
+
+
+def _bf16_outcome(avoids: bool, confirmed: bool, window_check) -> Bf16Outcome:
+    from .whatif.window_check import WindowStatus
+    if window_check is not None and window_check.status is WindowStatus.FAILS:
+        return Bf16Outcome.STEP_ONLY
+    if not avoids:
+        return Bf16Outcome.DOES_NOT_AVOID
+    return Bf16Outcome.AVOIDS if confirmed else Bf16Outcome.AVOIDS_UNCONFIRMED
+
+
+def _bf16_action(outcome: Bf16Outcome, step, window_check) -> str:
+    if outcome is Bf16Outcome.STEP_ONLY:
+        return (f"bfloat16 saves step {step} alone, not the steps that follow: the re-run of the saved window "
+                f"in bfloat16 goes non-finite at step {window_check.failed_at}")
+    if outcome is Bf16Outcome.DOES_NOT_AVOID:
+        return "bfloat16 does not avoid the problem"
+    action = "bfloat16 avoids the problem: autocast with dtype=torch.bfloat16, no GradScaler"
+    if outcome is Bf16Outcome.AVOIDS_UNCONFIRMED:
+        action += " (finite; its gradient accuracy is not confirmed)"
+    return action
+
+
+class NoFp16Config(enum.Enum):
+    """Why mixed precision is advised against when no float16 configuration
+    keeps the step finite (`avoid_mixed_precision`)."""
+    INSTABILITY = "instability"   # the training is unstable: fix it first
+    USE_BF16 = "use_bf16"         # bfloat16 avoids it
+    FLOAT32 = "float32"           # nothing tried avoids it: train in float32
+
+
+def no_fp16_config(*, unstable: bool, reference_finite: bool, data_problem: bool, fp16_ok: bool, bf16_ok: bool,
+                   precision: str) -> NoFp16Config | None:
+    """The decision of `avoid_mixed_precision`, None when it does not apply
+    (the float64 run fails too, the data is the problem, or a float16
+    configuration keeps the step finite)."""
+    if not reference_finite or data_problem or fp16_ok:
+        return None
+    if unstable:
+        return NoFp16Config.INSTABILITY
+    if bf16_ok:
+        return NoFp16Config.USE_BF16 if precision == "fp16" else None
+    return NoFp16Config.FLOAT32
+
+
+def _avoid_recommendation(kind: NoFp16Config, step, precision, baseline, fix, bf16, beyond) -> Recommendation:
+    """The words of `avoid_mixed_precision` for the decided `kind`."""
+    tried = [f"{precision} as recorded: {_state(baseline)}",
+             f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
+             "no loss scale makes it finite"]
+    if kind is NoFp16Config.INSTABILITY:
+        action = ("float16 mixed precision is not advisable for this job as it trains now: no float16 configuration "
+                  f"keeps step {step} finite; fix the instability first (above)")
+        evidence = tried + ([beyond] if beyond else [])
+    elif kind is NoFp16Config.USE_BF16:
+        action = (f"float16 mixed precision is not advisable for this job: no float16 configuration keeps step {step} "
+                  "finite; use bfloat16 instead (use_bf16 above)")
+        evidence = tried + [f"bfloat16: {_state(bf16)}"]
+    else:
+        action = ("do not use mixed precision for this model as written: train it in float32 (or move the failing "
+                  "code of the model's own forward into a submodule that keep_fp32 can wrap)")
+        evidence = tried + [f"bfloat16: {_state(bf16) if bf16 else 'not tried'}"]
+    return Recommendation("avoid_mixed_precision", action, evidence, "replay", verified=True)
 
 
 def _saved_steps_lines(fix) -> list:

@@ -112,3 +112,21 @@ def test_a_trial_is_read_into_typed_fields_and_its_failed_check_is_an_enum():
     t = Trial.of(cases[1][0])
     assert t.nonfinite_phases == ["backward"] and t.modules == ("a",) and Trial.of(t) is t
     assert fix_mod._verdict(cases[1][0]) == "NON-FINITE in the backward (4 NaN/Inf values)"
+
+
+def test_recommend_decides_avoid_mixed_precision_and_bf16_as_enums():
+    from amp_postmortem.advice import Bf16Outcome, NoFp16Config, _bf16_outcome, no_fp16_config
+    from amp_postmortem.whatif.window_check import WindowStatus
+    facts = dict(unstable=False, reference_finite=True, data_problem=False, fp16_ok=False, bf16_ok=False,
+                 precision="fp16")
+    assert no_fp16_config(**facts) is NoFp16Config.FLOAT32
+    assert no_fp16_config(**{**facts, "unstable": True, "bf16_ok": True}) is NoFp16Config.INSTABILITY
+    assert no_fp16_config(**{**facts, "bf16_ok": True}) is NoFp16Config.USE_BF16
+    for off in ("reference_finite", "data_problem", "fp16_ok"):
+        flipped = {**facts, off: not facts[off], "unstable": True}
+        assert no_fp16_config(**flipped) is None
+    fails = SimpleNamespace(status=WindowStatus.FAILS, failed_at=7)
+    assert _bf16_outcome(True, True, fails) is Bf16Outcome.STEP_ONLY
+    assert _bf16_outcome(True, False, None) is Bf16Outcome.AVOIDS_UNCONFIRMED
+    assert _bf16_outcome(True, True, SimpleNamespace(status=WindowStatus.VERIFIED)) is Bf16Outcome.AVOIDS
+    assert _bf16_outcome(False, True, None) is Bf16Outcome.DOES_NOT_AVOID
