@@ -391,8 +391,9 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     elif verdict.verdict is Verdict.PRECISION:
         is_unstable = False
     fix_lines = []
+    window_checks = {}  # recommendation kind -> the WindowCheck its `verified` is decided on
     if fix is not None and fix.fix:
-        modules_check = _modules_window_check(p, fix, model, device, policy, loss_fn)
+        modules_check = window_checks["keep_fp32"] = _modules_window_check(p, fix, model, device, policy, loss_fn)
         t = next(t for t in fix.trials if sorted(t["modules"]) == sorted(fix.fix))
         fix_lines = [f"with {', '.join(fix.fix)} in float32 step {step} replays {_state(t)}, gradient error vs "
                      f"float64 {_pct(t['grad_rel_err'])} ({len(fix.trials)} trials, {fix.search} search)"
@@ -426,6 +427,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
             bf16_check = check_over_window(run_of_bundle(p.bundle), step, "bfloat16 autocast and no GradScaler",
                                            model=model, rank=p.rank, precision="bf16", device=device, policy=policy,
                                            loss_fn=loss_fn, use_scaler=False)
+        window_checks["use_bf16"] = bf16_check
         recs.append(Recommendation(
             "use_bf16", _bf16_action(_bf16_outcome(avoids, confirmed, bf16_check), step, bf16_check),
             [f"bfloat16 replay of step {step} (no loss scale): {_state(bf16)}, gradient error vs float64 "
@@ -451,6 +453,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                 "recorded", extra=[f"step {step} replayed: usable 2^{window['min_k']}..2^{window['max_k']} at "
                                    "this step only"]))
         elif window and (sw.recorded_position != "inside" or scale_findings or kept):
+            window_checks["scaler_settings"] = sw.window_check
             checked = [f"saved step {c['step']}: " + (f"finite at 2^{c['max_finite_k']}" if c["finite_at_max"]
                                                       else c["why"]) for c in sw.checked_steps]
             recs.append(Recommendation(
@@ -472,11 +475,12 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                            fp16_ok=fp16_ok, bf16_ok=bf16_ok, precision=p.precision)
     if avoid is not None:
         recs.append(_avoid_recommendation(avoid, step, p.precision, baseline, fix, bf16, beyond))
+    from .whatif.window_check import WindowStatus
     for r in recs:
-        check = (r.data or {}).get("window_check") or {}
-        if check.get("status") == "fails":
+        check = window_checks.get(r.kind)
+        if check is not None and check.status is WindowStatus.FAILS:
             r.verified = False  # it saves the saved step, not the window's steps after it
-            r.why = f"the re-run of the saved window with it goes non-finite at step {check['failed_at']}"
+            r.why = f"the re-run of the saved window with it goes non-finite at step {check.failed_at}"
         elif r.source == "replay" and r.kind != "training_instability":
             r.verified = True  # each rests on replays of the saved steps
         elif r.kind == "gradient_drift":
