@@ -130,3 +130,31 @@ def test_recommend_decides_avoid_mixed_precision_and_bf16_as_enums():
     assert _bf16_outcome(True, False, None) is Bf16Outcome.AVOIDS_UNCONFIRMED
     assert _bf16_outcome(True, True, SimpleNamespace(status=WindowStatus.VERIFIED)) is Bf16Outcome.AVOIDS
     assert _bf16_outcome(False, True, None) is Bf16Outcome.DOES_NOT_AVOID
+
+
+class _BeyondFloat64(__import__("torch").nn.Module):
+    """Its output is Inf in float64 too: no precision setting fixes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = __import__("torch").nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.lin(x) * 1e200 * 1e200
+
+
+def test_recommend_decides_check_data_from_the_typed_status_when_the_note_is_reworded(tmp_path, monkeypatch,
+                                                                                      one_torch_thread):
+    import torch
+
+    import whatif_runs as W
+    from amp_postmortem.advice import recommend
+    from amp_postmortem.loader import load_run
+    torch.manual_seed(0)
+    run = W.record(tmp_path / "beyond_fp64", _BeyondFloat64(), steps=1)
+    monkeypatch.setattr(whatif, "REFERENCE_NONFINITE_NOTE", "REWORDED: float64 overflowed as well")
+    r = recommend(load_run(run), model=_BeyondFloat64)
+    assert r.kinds()[0] == "check_data"
+    assert "the float64 replay is non-finite too: no precision setting fixes it" in r.get("check_data").evidence
+    assert "REWORDED: float64 overflowed as well" in r.notes   # the words pass through untouched
+    assert "keep_fp32" not in r.kinds() and "avoid_mixed_precision" not in r.kinds()
