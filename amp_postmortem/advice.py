@@ -47,6 +47,7 @@ nonfinite_tensor, else request or step_list, else scale_low, else skipped):
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -344,21 +345,22 @@ def _bundle_step(run: Run, step, rank, notes) -> tuple[int, int | None] | None:
 
 def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, summary) -> list:
     from .replay import resolve_policy
-    from .whatif import prepare
+    from .whatif import Trial, prepare
     from .whatif.bisect import bisect_samples, slicing_note
     from .whatif.fix import find_fix
     from .whatif.scale_result import recorded_loss_dtype
-    from .whatif.scale_window import replay_scale_window
+    from .whatif.scale_window import kept_note, replay_scale_window
 
     p = prepare(run.path, step, rank=rank, model=model, device=device, policy=policy, loss_fn=loss_fn,
                 keep_inputs=True)
     notes.extend(p.notes)
     recs = []
     baseline = p.trial()
-    ref_bad = any(n.startswith("the float64 reference") for n in p.notes)
+    saved_as_recorded = Trial.of(baseline).saved
+    ref_bad = not p.reference_finite
     fix = find_fix(None, prepared=p, progress=progress, model=model, device=device, policy=policy,
                    loss_fn=loss_fn) if not ref_bad else None
-    if not baseline["saved"]:
+    if not saved_as_recorded:
         b = bisect_samples(None, prepared=p, progress=progress)
         note = slicing_note(b.slicing)
         if note:
@@ -389,8 +391,9 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     elif verdict.verdict is Verdict.PRECISION:
         is_unstable = False
     fix_lines = []
+    window_checks = {}  # recommendation kind -> the WindowCheck its `verified` is decided on
     if fix is not None and fix.fix:
-        modules_check = _modules_window_check(p, fix, model, device, policy, loss_fn)
+        modules_check = window_checks["keep_fp32"] = _modules_window_check(p, fix, model, device, policy, loss_fn)
         t = next(t for t in fix.trials if sorted(t["modules"]) == sorted(fix.fix))
         fix_lines = [f"with {', '.join(fix.fix)} in float32 step {step} replays {_state(t)}, gradient error vs "
                      f"float64 {_pct(t['grad_rel_err'])} ({len(fix.trials)} trials, {fix.search} search)"
@@ -407,34 +410,26 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                                                 "not_saved_steps": partial, "window_check":
                                                 modules_check.to_dict() if modules_check else None},
                 verified=True))
-    elif fix is not None and not baseline["saved"]:
+    elif fix is not None and not saved_as_recorded:
         fix_lines = [f"no set of up to {len(fix.candidates)} candidate modules kept in float32 saves step {step}"]
     if is_unstable:
         recs.append(_instability_recommendation(
             unstable, "replay", extra=[verdict.sentence()] + ([beyond] if beyond else []) + fix_lines,
             verified=verdict.verdict is Verdict.TRAINING_INSTABILITY))
     scale_findings = bool(summary.kinds() & _SCALE_FINDINGS)
-    if p.precision == "fp16" and (not baseline["saved"] or scale_findings):
+    if p.precision == "fp16" and (not saved_as_recorded or scale_findings):
         bf16 = p.trial(backoff=False, precision="bf16", loss_scale=1.0,
                        policy=resolve_policy(policy, p.bundle, "bf16"))
         avoids, confirmed, why = bf16_verdict(bf16, p.backward_start)
-        if avoids:
-            action = "bfloat16 avoids the problem: autocast with dtype=torch.bfloat16, no GradScaler"
-            if not confirmed:
-                action += " (finite; its gradient accuracy is not confirmed)"
-        else:
-            action = "bfloat16 does not avoid the problem"
         bf16_check = None
         if avoids and model is not None:
             from .whatif.window_check import check_over_window, run_of_bundle
             bf16_check = check_over_window(run_of_bundle(p.bundle), step, "bfloat16 autocast and no GradScaler",
                                            model=model, rank=p.rank, precision="bf16", device=device, policy=policy,
                                            loss_fn=loss_fn, use_scaler=False)
-        if bf16_check is not None and bf16_check.status.value == "fails":
-            action = (f"bfloat16 saves step {step} alone, not the steps that follow: the re-run of the saved window "
-                      f"in bfloat16 goes non-finite at step {bf16_check.failed_at}")
+        window_checks["use_bf16"] = bf16_check
         recs.append(Recommendation(
-            "use_bf16", action,
+            "use_bf16", _bf16_action(_bf16_outcome(avoids, confirmed, bf16_check), step, bf16_check),
             [f"bfloat16 replay of step {step} (no loss scale): {_state(bf16)}, gradient error vs float64 "
              f"{_pct(bf16['grad_rel_err'])}" + _substitute(p)] + ([why] if why else [])
             + ([bf16_check.line()] if bf16_check is not None else []), "replay",
@@ -450,7 +445,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                                  device=device, policy=policy, loss_fn=loss_fn,
                                  loss_dtype=recorded_loss_dtype(run, step)[0])
         window = sw.window
-        own = [n for n in sw.notes if n not in p.notes and not n.startswith("replayed with")]
+        own = [n for n in sw.notes if n not in p.notes and not (kept and n == kept_note(kept))]
         drift = window_drift(run, _forward_step(summary)) if scale_findings else {"moves": False}
         if window and drift["moves"]:
             recs.append(_drift_recommendation(
@@ -458,6 +453,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                 "recorded", extra=[f"step {step} replayed: usable 2^{window['min_k']}..2^{window['max_k']} at "
                                    "this step only"]))
         elif window and (sw.recorded_position != "inside" or scale_findings or kept):
+            window_checks["scaler_settings"] = sw.window_check
             checked = [f"saved step {c['step']}: " + (f"finite at 2^{c['max_finite_k']}" if c["finite_at_max"]
                                                       else c["why"]) for c in sw.checked_steps]
             recs.append(Recommendation(
@@ -472,39 +468,19 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                                               "checked_steps": sw.checked_steps, "overflow_cause": _cause(sw),
                                               "window_check": sw.window_check.to_dict() if sw.window_check else None},
                 verified=True))
-    fp16_ok = baseline["saved"] or (fix is not None and bool(fix.fix)) or window is not None
+    fp16_ok = saved_as_recorded or (fix is not None and bool(fix.fix)) or window is not None
     data_problem = any(r.kind == "check_data" for r in recs)
     bf16_ok = any(r.kind == "use_bf16" and r.data["avoids"] for r in recs)
-    if is_unstable and not ref_bad and not data_problem and not fp16_ok:
-        recs.append(Recommendation(
-            "avoid_mixed_precision",
-            "float16 mixed precision is not advisable for this job as it trains now: no float16 configuration "
-            f"keeps step {step} finite; fix the instability first (above)",
-            [f"{p.precision} as recorded: {_state(baseline)}",
-             f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
-             "no loss scale makes it finite"] + ([beyond] if beyond else []), "replay", verified=True))
-    elif not ref_bad and not data_problem and not fp16_ok and bf16_ok and p.precision == "fp16":
-        recs.append(Recommendation(
-            "avoid_mixed_precision",
-            f"float16 mixed precision is not advisable for this job: no float16 configuration keeps step {step} "
-            "finite; use bfloat16 instead (use_bf16 above)",
-            [f"{p.precision} as recorded: {_state(baseline)}",
-             f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
-             "no loss scale makes it finite", f"bfloat16: {_state(bf16)}"], "replay", verified=True))
-    elif not ref_bad and not data_problem and not fp16_ok and not bf16_ok:
-        recs.append(Recommendation(
-            "avoid_mixed_precision",
-            "do not use mixed precision for this model as written: train it in float32 (or move the failing "
-            "code of the model's own forward into a submodule that keep_fp32 can wrap)",
-            [f"{p.precision} as recorded: {_state(baseline)}",
-             f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
-             "no loss scale makes it finite",
-             f"bfloat16: {_state(bf16) if bf16 else 'not tried'}"], "replay", verified=True))
+    avoid = no_fp16_config(unstable=is_unstable, reference_finite=not ref_bad, data_problem=data_problem,
+                           fp16_ok=fp16_ok, bf16_ok=bf16_ok, precision=p.precision)
+    if avoid is not None:
+        recs.append(_avoid_recommendation(avoid, step, p.precision, baseline, fix, bf16, beyond))
+    from .whatif.window_check import WindowStatus
     for r in recs:
-        check = (r.data or {}).get("window_check") or {}
-        if check.get("status") == "fails":
+        check = window_checks.get(r.kind)
+        if check is not None and check.status is WindowStatus.FAILS:
             r.verified = False  # it saves the saved step, not the window's steps after it
-            r.why = f"the re-run of the saved window with it goes non-finite at step {check['failed_at']}"
+            r.why = f"the re-run of the saved window with it goes non-finite at step {check.failed_at}"
         elif r.source == "replay" and r.kind != "training_instability":
             r.verified = True  # each rests on replays of the saved steps
         elif r.kind == "gradient_drift":
@@ -517,6 +493,77 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
                                    [f.message for f in summary.findings if f.kind == "healthy"], "replay",
                                    verified=True))
     return recs
+
+
+class Bf16Outcome(enum.Enum):
+    """What the bfloat16 replay of the step (and its window) shows."""
+    AVOIDS = "avoids"                      # saved, gradients confirmed
+    AVOIDS_UNCONFIRMED = "avoids_unconfirmed"  # finite; its gradients measured from a substitute
+    DOES_NOT_AVOID = "does_not_avoid"
+    STEP_ONLY = "step_only"                # saves the step, the window re-run in bfloat16 fails
+
+
+def _bf16_outcome(avoids: bool, confirmed: bool, window_check) -> Bf16Outcome:
+    from .whatif.window_check import WindowStatus
+    if window_check is not None and window_check.status is WindowStatus.FAILS:
+        return Bf16Outcome.STEP_ONLY
+    if not avoids:
+        return Bf16Outcome.DOES_NOT_AVOID
+    return Bf16Outcome.AVOIDS if confirmed else Bf16Outcome.AVOIDS_UNCONFIRMED
+
+
+def _bf16_action(outcome: Bf16Outcome, step, window_check) -> str:
+    if outcome is Bf16Outcome.STEP_ONLY:
+        return (f"bfloat16 saves step {step} alone, not the steps that follow: the re-run of the saved window "
+                f"in bfloat16 goes non-finite at step {window_check.failed_at}")
+    if outcome is Bf16Outcome.DOES_NOT_AVOID:
+        return "bfloat16 does not avoid the problem"
+    action = "bfloat16 avoids the problem: autocast with dtype=torch.bfloat16, no GradScaler"
+    if outcome is Bf16Outcome.AVOIDS_UNCONFIRMED:
+        action += " (finite; its gradient accuracy is not confirmed)"
+    return action
+
+
+class NoFp16Config(enum.Enum):
+    """Why mixed precision is advised against when no float16 configuration
+    keeps the step finite (`avoid_mixed_precision`)."""
+    INSTABILITY = "instability"   # the training is unstable: fix it first
+    USE_BF16 = "use_bf16"         # bfloat16 avoids it
+    FLOAT32 = "float32"           # nothing tried avoids it: train in float32
+
+
+def no_fp16_config(*, unstable: bool, reference_finite: bool, data_problem: bool, fp16_ok: bool, bf16_ok: bool,
+                   precision: str) -> NoFp16Config | None:
+    """The decision of `avoid_mixed_precision`, None when it does not apply
+    (the float64 run fails too, the data is the problem, or a float16
+    configuration keeps the step finite)."""
+    if not reference_finite or data_problem or fp16_ok:
+        return None
+    if unstable:
+        return NoFp16Config.INSTABILITY
+    if bf16_ok:
+        return NoFp16Config.USE_BF16 if precision == "fp16" else None
+    return NoFp16Config.FLOAT32
+
+
+def _avoid_recommendation(kind: NoFp16Config, step, precision, baseline, fix, bf16, beyond) -> Recommendation:
+    """The words of `avoid_mixed_precision` for the decided `kind`."""
+    tried = [f"{precision} as recorded: {_state(baseline)}",
+             f"no set of up to {len(fix.candidates) if fix else 0} candidate modules kept in float32 saves it",
+             "no loss scale makes it finite"]
+    if kind is NoFp16Config.INSTABILITY:
+        action = ("float16 mixed precision is not advisable for this job as it trains now: no float16 configuration "
+                  f"keeps step {step} finite; fix the instability first (above)")
+        evidence = tried + ([beyond] if beyond else [])
+    elif kind is NoFp16Config.USE_BF16:
+        action = (f"float16 mixed precision is not advisable for this job: no float16 configuration keeps step {step} "
+                  "finite; use bfloat16 instead (use_bf16 above)")
+        evidence = tried + [f"bfloat16: {_state(bf16)}"]
+    else:
+        action = ("do not use mixed precision for this model as written: train it in float32 (or move the failing "
+                  "code of the model's own forward into a submodule that keep_fp32 can wrap)")
+        evidence = tried + [f"bfloat16: {_state(bf16) if bf16 else 'not tried'}"]
+    return Recommendation("avoid_mixed_precision", action, evidence, "replay", verified=True)
 
 
 def _saved_steps_lines(fix) -> list:
@@ -537,13 +584,14 @@ def bf16_verdict(trial: dict, backward_start: str = "saved") -> tuple[bool, bool
     a substitute output gradient (`backward_start` "substitute_mean": the
     saved one was NaN/Inf): a finite trial then avoids the problem, with its
     gradient accuracy unconfirmed."""
-    if trial.get("saved"):
+    from .whatif import NotSavedBy, Trial
+    t = Trial.of(trial)
+    by, why = t.not_saved_by, t.why
+    if by is NotSavedBy.NOTHING:
         return True, True, None
-    why = trial.get("why")
-    if not trial["finite"]:
+    if by is NotSavedBy.NONFINITE:
         return False, True, None  # the trial's state says where
-    culprit = trial.get("culprit") or {}
-    on_gradients = bool(trial.get("params_off")) or culprit.get("phase") == "backward"
+    on_gradients = by is NotSavedBy.PARAMS_OFF or (t.culprit or {}).get("phase") == "backward"
     if on_gradients and backward_start == "substitute_mean":
         return True, False, (f"not decisive: {why}, measured from a substitute output gradient (the saved one "
                              "was NaN/Inf); replay with a loss_fn to confirm")
@@ -561,11 +609,12 @@ def _forward_step(summary) -> int | None:
     return f.step if f is not None else None
 
 
-def _state(t: dict) -> str:
-    if t["finite"]:
-        return "finite" + (f" (at loss scale {t['loss_scale']:g})" if t.get("backoffs") else "")
-    where = [w for w, ok in (("forward", t["forward_finite"]), ("backward", t["backward_finite"])) if not ok]
-    return f"non-finite in the {' and '.join(where)} ({t['nonfinite_values']} NaN/Inf values)"
+def _state(t) -> str:
+    from .whatif import Trial
+    trial = Trial.of(t)
+    if trial.finite:
+        return "finite" + (f" (at loss scale {trial.loss_scale:g})" if trial.backed_off else "")
+    return f"non-finite in the {' and '.join(trial.nonfinite_phases)} ({trial.nonfinite_values} NaN/Inf values)"
 
 
 def _pct(v) -> str:

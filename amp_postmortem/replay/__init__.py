@@ -58,6 +58,9 @@ class ReplayResult:
     backward_start: str = "saved"   # "saved" | "substitute_mean" | "loss_fn" (engine.start_backward)
     op_trace: list = field(default_factory=list)  # op_trace.ModuleOpTrace.to_dict() per traced module
     op_origin: dict | None = None   # the culprit's first op made non-finite from finite inputs, or None
+    # Whether every module's float64 output is finite: decisions read this,
+    # never the note that says it (not in `to_dict`: `notes` says it there).
+    reference_finite: bool = True
 
     def to_dict(self) -> dict:
         """Plain data; relative errors are inf where a run is non-finite and
@@ -270,7 +273,8 @@ def _replay(bundle, run_dir, precisions, *, model, device, policy, anomaly, loca
         anomaly=_anomaly(session, configs, culprit, runs, order, comparisons) if anomaly else None,
         notes=notes, errors={p: r.error for p, r in runs.items() if r.error},
         backward_start=session.backward_start, op_trace=[t.to_dict() for t in traces],
-        op_origin=origin.to_dict() if origin is not None else None)
+        op_origin=origin.to_dict() if origin is not None else None,
+        reference_finite=not _reference_nonfinite_calls(reference))
 
 
 def _check_traced(net, names) -> None:
@@ -382,10 +386,16 @@ def _module_rows(comparisons: dict) -> list:
     return sorted(rows.values(), key=lambda r: (r["phase"] != "forward", r["order"]))
 
 
+def _reference_nonfinite_calls(reference) -> list:
+    """The modules (display names, forward order of the capture) whose
+    float64 output holds NaN/Inf."""
+    return [c.name or ROOT_DISPLAY for c in reference.calls.values()
+            if any(not bool(torch.isfinite(t).all()) for t in c.outputs)]
+
+
 def _notes(bundle, reference, runs, primary, device, same_device) -> list:
     notes = []
-    bad = [c.name or ROOT_DISPLAY for c in reference.calls.values()
-           if any(not bool(torch.isfinite(t).all()) for t in c.outputs)]
+    bad = _reference_nonfinite_calls(reference)
     if bad:
         notes.append(f"the float64 reference itself is non-finite (first at {bad[0]}): "
                      "not a precision problem; check the data and the model")

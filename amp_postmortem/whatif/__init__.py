@@ -17,6 +17,7 @@ time, so `scale-window` without a model stays torch-free.
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -31,6 +32,70 @@ from ..names import ROOT_DISPLAY
 # A trial whose backward overflows is retried at lower scales down to this
 # one: below 1 a loss scale protects nothing (analyses.scale.LOW_SCALE).
 MIN_BACKOFF_SCALE = 1.0
+# The note a step whose float64 run is non-finite carries (words only:
+# decisions read `Prepared.reference_finite`).
+REFERENCE_NONFINITE_NOTE = ("the float64 reference is itself non-finite: this is not a precision problem "
+                            "(check the data: `bisect`)")
+
+
+class NotSavedBy(enum.Enum):
+    """Which check of `judge` a trial failed (the checks run in this order)."""
+    NOTHING = "nothing"              # saved
+    NONFINITE = "nonfinite"          # NaN/Inf in the forward or the backward, or the run raised
+    PARAMS_OFF = "params_off"        # parameter gradients beyond the broken threshold of float64
+    BROKEN_MODULE = "broken_module"  # a module's own arithmetic is broken (the culprit)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """The typed reading of one trial (`Prepared.trial`'s dict, which stays
+    the output form: `--json` and the reports keep it): what fix, bisect
+    and recommend decide on. `of` tolerates the keys a partial trial lacks."""
+    saved: bool
+    finite: bool
+    forward_finite: bool
+    backward_finite: bool
+    nonfinite_values: int | None
+    loss_scale: float | None
+    backoffs: int
+    grad_rel_err: float | None
+    params_off: dict
+    culprit: dict | None
+    why: str | None
+    error: str | None
+    modules: tuple = ()
+
+    @classmethod
+    def of(cls, t) -> "Trial":
+        if isinstance(t, Trial):
+            return t
+        finite = bool(t.get("finite"))
+        return cls(saved=bool(t.get("saved")), finite=finite,
+                   forward_finite=bool(t.get("forward_finite", finite)),
+                   backward_finite=bool(t.get("backward_finite", finite)),
+                   nonfinite_values=t.get("nonfinite_values"), loss_scale=t.get("loss_scale"),
+                   backoffs=int(t.get("backoffs") or 0), grad_rel_err=t.get("grad_rel_err"),
+                   params_off=dict(t.get("params_off") or {}), culprit=t.get("culprit") or None,
+                   why=t.get("why"), error=t.get("error"), modules=tuple(t.get("modules") or ()))
+
+    @property
+    def not_saved_by(self) -> NotSavedBy:
+        if self.saved:
+            return NotSavedBy.NOTHING
+        if not self.finite:
+            return NotSavedBy.NONFINITE
+        if self.params_off:
+            return NotSavedBy.PARAMS_OFF
+        return NotSavedBy.BROKEN_MODULE
+
+    @property
+    def nonfinite_phases(self) -> list:
+        """"forward" and/or "backward": where the trial holds NaN/Inf."""
+        return [w for w, ok in (("forward", self.forward_finite), ("backward", self.backward_finite)) if not ok]
+
+    @property
+    def backed_off(self) -> bool:
+        return bool(self.backoffs)
 
 
 @dataclass
@@ -43,6 +108,10 @@ class Prepared:
     reference: object           # float64 StepCapture (inputs kept when asked)
     notes: list = field(default_factory=list)
     backward_start: str = "saved"  # engine.ReplaySession.start_backward
+    # Whether the float64 run's outputs are finite: where it is not, no
+    # precision setting repairs the step (fix, recommend decide on this,
+    # never on the note that says it).
+    reference_finite: bool = True
 
     @property
     def step(self) -> int:
@@ -160,11 +229,12 @@ def prepare_like(prepared, path, **options) -> "Prepared":
                                      precision_flags=dict(bundle.precision_flags or {}))
     reference = session.run(RunConfig("fp64", device=prepared.config.device),
                             keep_inputs=options.get("keep_inputs", False))
-    if not _finite(reference.outputs):
-        notes.append("the float64 reference is itself non-finite: this is not a precision problem "
-                     "(check the data: `bisect`)")
+    reference_finite = _finite(reference.outputs)
+    if not reference_finite:
+        notes.append(REFERENCE_NONFINITE_NOTE)
     return Prepared(bundle=bundle, session=session, precision=prepared.precision, config=config,
-                    reference=reference, notes=notes, backward_start=session.backward_start)
+                    reference=reference, notes=notes, backward_start=session.backward_start,
+                    reference_finite=reference_finite)
 
 
 def build(model, bundle):
@@ -204,11 +274,12 @@ def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", po
     config = RunConfig(precision, device=device, policy=resolve_policy(policy, bundle, precision),
                        loss_scale=scale, precision_flags=dict(bundle.precision_flags or {}))
     reference = session.run(RunConfig("fp64", device=device), keep_inputs=keep_inputs)
-    if not _finite(reference.outputs):
-        notes.append("the float64 reference is itself non-finite: this is not a precision problem "
-                     "(check the data: `bisect`)")
+    reference_finite = _finite(reference.outputs)
+    if not reference_finite:
+        notes.append(REFERENCE_NONFINITE_NOTE)
     return Prepared(bundle=bundle, session=session, precision=precision, config=config,
-                    reference=reference, notes=notes, backward_start=session.backward_start)
+                    reference=reference, notes=notes, backward_start=session.backward_start,
+                    reference_finite=reference_finite)
 
 
 def trial_metrics(run, reference) -> dict:

@@ -50,7 +50,7 @@ from enum import Enum
 import pandas as pd
 
 from recorders.plain import plain
-from . import prepare, report_progress
+from . import Trial, prepare, report_progress
 from .fix import not_saved_by
 
 MAX_REPLAYS = 256
@@ -178,7 +178,7 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
         report_progress(progress, "bisecting the batch", min(report.replays, estimate), estimate)
         t = p.trial(backoff=False, batch=list(indices), fp32_modules=tuple(fp32_modules), **changes)
         return {"forward_finite": t["forward_finite"], "backward_finite": t["backward_finite"],
-                "fails": not t["saved"], "not_saved_by": not_saved_by(t)}
+                "fails": not Trial.of(t).saved, "not_saved_by": not_saved_by(t)}
 
     whole = fails(range(n)) if n > 1 else None
     if whole is not None and not whole["fails"]:

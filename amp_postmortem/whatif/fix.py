@@ -53,7 +53,7 @@ import pandas as pd
 
 from recorders.plain import plain
 from ..names import display_name as _display
-from . import fmt_num, prepare, report_progress
+from . import NotSavedBy, Trial, fmt_num, prepare, report_progress
 from .op_fix import OpFixStatus, find_op_fix, work_cost, work_words
 
 MAX_CANDIDATES = 12
@@ -177,9 +177,9 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
     report = FixReport(step=p.step, rank=p.rank, precision=p.precision, policy=p.policy_dict(),
                        loss_scale=p.loss_scale, baseline=baseline, candidates=[], trials=[], fix=None,
                        search="not_needed", patch=None, notes=notes, backward_start=p.backward_start)
-    if baseline["saved"]:
+    if Trial.of(baseline).saved:
         return report
-    if any(n.startswith("the float64 reference") for n in notes):
+    if not p.reference_finite:
         report.search = "none"  # no precision setting repairs what float64 cannot compute
         return report
     recorded = p.run(capture=True)
@@ -199,7 +199,7 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
         return cache[key]
 
     singles = [trial((n,), 1) for n in names]
-    saving = [t for t in singles if t["saved"]]
+    saving = [t for t in singles if Trial.of(t).saved]
     if saving:
         # The first saving candidate in candidate order: the module whose own
         # arithmetic is worst. Another that also saves the step (the one
@@ -290,16 +290,17 @@ def try_on_saved_steps(p, modules, progress=None, *, lines=()) -> list:
     for i, (step, path) in enumerate(others):
         q = prepare_like(p, path, keep_inputs=True)
         as_recorded = q.trial()
-        t = (q.trial(fp32_modules=tuple(modules), fp32_lines=tuple(lines)) if not as_recorded["saved"]
+        saved_as_recorded = Trial.of(as_recorded).saved
+        t = (q.trial(fp32_modules=tuple(modules), fp32_lines=tuple(lines)) if not saved_as_recorded
              else as_recorded)
+        saved = Trial.of(t).saved
         why = None
-        if not t["saved"]:
-            ref_bad = any(n.startswith("the float64 reference") for n in q.notes)
+        if not saved:
+            ref_bad = not q.reference_finite
             what = ", ".join([*modules, *(f"line {os.path.basename(f)}:{n}" for f, n in lines)])
             why = ("the float64 replay is non-finite too: no precision setting saves it" if ref_bad else
                    f"with {what} in float32: {t['why']}")
-        out.append({"step": step, "saved": bool(t["saved"]), "saved_as_recorded": bool(as_recorded["saved"]),
-                    "why": why})
+        out.append({"step": step, "saved": saved, "saved_as_recorded": saved_as_recorded, "why": why})
         report_progress(progress, "trying the fix on the saved steps", i + 1, len(others))
     return out
 
@@ -345,7 +346,7 @@ def _greedy(names, singles, trial, max_set) -> list | None:
         if best_now is not None and _badness(t) >= _badness(best_now):
             return None  # no candidate helps any more
         current, best_now = chosen, t
-        if t["saved"]:
+        if Trial.of(t).saved:
             return _prune(list(current), trial)
     return None
 
@@ -356,13 +357,16 @@ def _prune(members: list, trial) -> list:
         if len(members) == 1:
             break
         rest = [x for x in members if x != m]
-        if trial(tuple(rest), 0)["saved"]:
+        if Trial.of(trial(tuple(rest), 0)).saved:
             members = rest
     return members
 
 
 def _badness(t: dict) -> tuple:
-    return (not t["saved"], t["nonfinite_values"], _finite_or_inf(t["grad_rel_err"]), len(t["modules"]))
+    """How far a trial is from saving the step: unsaved first, then NaN/Inf
+    values, gradient error, set size (the greedy search's order)."""
+    trial = Trial.of(t)
+    return (not trial.saved, trial.nonfinite_values, _finite_or_inf(trial.grad_rel_err), len(trial.modules))
 
 
 def _finite_or_inf(v):
@@ -403,15 +407,18 @@ def patch_lines(model, names) -> str:
     return "\n".join(lines)
 
 
-def not_saved_by(t: dict) -> str:
-    """Which check of `whatif.judge` a trial failed, in a few words."""
-    if t["saved"]:
+def not_saved_by(t) -> str:
+    """Which check of `whatif.judge` a trial failed (`Trial.not_saved_by`),
+    in a few words."""
+    trial = Trial.of(t)
+    by = trial.not_saved_by
+    if by is NotSavedBy.NOTHING:
         return ""
-    if not t["finite"]:
+    if by is NotSavedBy.NONFINITE:
         return "NaN/Inf"
-    if t.get("params_off"):
-        return f"{len(t['params_off'])} param grads off"
-    c = t.get("culprit") or {}
+    if by is NotSavedBy.PARAMS_OFF:
+        return f"{len(trial.params_off)} param grads off"
+    c = trial.culprit or {}
     return f"{_display(c.get('name', ''))} broken ({c.get('phase')})"
 
 
@@ -421,9 +428,10 @@ def _thresholds() -> dict:
             "local_broken_rel_err": attribution.BROKEN_REL}
 
 
-def _verdict(t: dict) -> str:
-    if t["finite"]:
-        at = f" at loss scale {t['loss_scale']:g}" if t.get("backoffs") else ""
-        return (f"saved{at}" if t["saved"] else f"finite{at} but NOT saved: {t['why']}")
-    where = [w for w, ok in (("forward", t["forward_finite"]), ("backward", t["backward_finite"])) if not ok]
-    return f"NON-FINITE in the {' and '.join(where)} ({t['nonfinite_values']} NaN/Inf values)"
+def _verdict(t) -> str:
+    trial = Trial.of(t)
+    if trial.finite:
+        at = f" at loss scale {trial.loss_scale:g}" if trial.backed_off else ""
+        return (f"saved{at}" if trial.saved else f"finite{at} but NOT saved: {trial.why}")
+    return (f"NON-FINITE in the {' and '.join(trial.nonfinite_phases)} "
+            f"({trial.nonfinite_values} NaN/Inf values)")

@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..op_words import op_origin_text
-from . import fmt_num
+from . import Trial, fmt_num
 from .line_patch import LinePatch, NotExact, line_patch
 
 __all__ = ["OpFix", "OpFixStatus", "chosen_op", "find_op_fix", "work_cost", "work_words"]
@@ -159,7 +159,7 @@ def find_op_fix(p, run, culprit, progress=None) -> OpFix:
         return fix
     key = (os.path.abspath(op.source.file), op.source.line)
     fix.trial = p.trial(fp32_lines=(key,))
-    if not fix.trial["saved"]:
+    if not Trial.of(fix.trial).saved:
         fix.status = OpFixStatus.NOT_SAVED
         return fix
     fix.saved_steps_check = try_on_saved_steps(p, (), progress, lines=(key,))

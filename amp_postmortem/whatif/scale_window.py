@@ -107,6 +107,12 @@ class ScaleWindowReport:
 
 
 # ------------------------------------------------------------------ replay
+def kept_note(fp32_modules) -> str:
+    """The note of a window replayed with `fp32_modules` in float32 (the
+    one place its words are made: `recommend` leaves it out by equality)."""
+    return f"replayed with {', '.join(fp32_modules)} kept in float32"
+
+
 def replay_scale_window(source, step=None, *, rank=None, model=None, device: str = "cpu",
                         policy: str = "recorded", precision: str | None = None, loss_fn=None,
                         fp32_modules=(), scales=SCALES, max_underflow: float = MAX_UNDERFLOW,
@@ -149,7 +155,7 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
                                         "the loss's dtype is unknown, so whether the loss itself bounds the "
                                         "scale is not checked; pass --loss-fn to start from the loss"))
     if fp32_modules:
-        notes.append(f"replayed with {', '.join(fp32_modules)} kept in float32")
+        notes.append(kept_note(fp32_modules))
     if rows and all(r["underflow_share"] is None for r in rows):
         notes.append(f"no float16 gradient in the {p.precision} replay: its range is float32's, "
                      "a loss scale is not needed")

@@ -1,0 +1,160 @@
+"""Decisions rest on typed results, never on the words of a note: a
+producer may reword a note (they are output) without changing what `fix`
+or `recommend` decide (issue 23 item 7)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import amp_postmortem
+from amp_postmortem import whatif
+from amp_postmortem.whatif import fix as fix_mod
+
+_TEXT_TESTS = {"startswith", "endswith", "find", "index", "count"}
+
+
+def _note_loops(tree):
+    """(loop variable, node of the loop) for every loop/comprehension over
+    something named `notes`."""
+    for node in ast.walk(tree):
+        gens = node.generators if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp,
+                                                    ast.DictComp)) else []
+        loops = [(g.target, g.iter) for g in gens] + ([(node.target, node.iter)] if isinstance(node, ast.For) else [])
+        for target, it in loops:
+            name = it.attr if isinstance(it, ast.Attribute) else getattr(it, "id", None)
+            if name and name.endswith("notes") and isinstance(target, ast.Name):
+                yield target.id, node
+
+
+def test_no_decision_reads_the_words_of_a_note():
+    """No code in amp_postmortem tests a note's text (startswith, `in`
+    on its words, a regular expression): the bug class this guards is a
+    decision that breaks when a producer rewords its note."""
+    found = []
+    for path in Path(amp_postmortem.__file__).parent.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for var, loop in _note_loops(tree):
+            for sub in ast.walk(loop):
+                if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute)
+                        and sub.func.attr in _TEXT_TESTS and getattr(sub.func.value, "id", None) == var):
+                    found.append(f"{path.name}:{sub.lineno} {var}.{sub.func.attr}")
+                if (isinstance(sub, ast.Compare) and any(isinstance(o, (ast.In, ast.NotIn)) for o in sub.ops)
+                        and isinstance(sub.left, ast.Constant)
+                        and any(getattr(c, "id", None) == var for c in sub.comparators)):
+                    found.append(f"{path.name}:{sub.lineno} '...' in {var}")
+                if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute)
+                        and getattr(sub.func.value, "id", None) == "re"
+                        and any(getattr(a, "id", None) == var for a in sub.args)):
+                    found.append(f"{path.name}:{sub.lineno} re.{sub.func.attr}(..., {var})")
+    assert found == []
+
+
+class _Stub:
+    """A prepared step whose float64 run is non-finite and whose note says
+    so in other words; replaying it is an error (nothing should)."""
+    step, rank, precision, loss_scale, backward_start = 0, 0, "fp16", 256.0, "saved"
+    bundle = SimpleNamespace(step=0, rank=0, path="/nonexistent/bundle")
+
+    def __init__(self, reference_finite: bool):
+        self.reference_finite = reference_finite
+        self.notes = ["REWORDED: float64 itself went NaN"]
+
+    def reference_for(self, *a, **k):
+        return SimpleNamespace(calls={})
+
+    def trial(self, **changes):
+        return {"saved": False, "finite": False, "forward_finite": False, "backward_finite": False,
+                "nonfinite_values": 3, "grad_rel_err": None, "loss_scale": 256.0, "backoffs": 0,
+                "why": "NaN/Inf in the forward", "culprit": None, "params_off": {}}
+
+    def policy_dict(self):
+        return {"device_type": "cpu", "emulated": False}
+
+    def run(self, *a, **k):
+        raise AssertionError("a step whose float64 run is non-finite is not searched")
+
+
+def test_fix_stops_on_the_typed_reference_status_whatever_the_note_says():
+    r = fix_mod.find_fix(None, prepared=_Stub(reference_finite=False))
+    assert r.search == "none" and r.fix is None and r.trials == []
+    assert r.notes == ["REWORDED: float64 itself went NaN"]  # the words pass through untouched
+
+
+def test_the_saved_steps_check_reads_the_typed_reference_status(monkeypatch):
+    """`try_on_saved_steps` says "non-finite too" of another step from its
+    `reference_finite`, not from the wording of its note."""
+    for finite, want in ((False, "the float64 replay is non-finite too: no precision setting saves it"),
+                         (True, "with m in float32: NaN/Inf in the forward")):
+        monkeypatch.setattr(whatif, "other_bundles", lambda p: [(1, "/nonexistent/step1")])
+        monkeypatch.setattr(whatif, "prepare_like", lambda p, path, **k: _Stub(reference_finite=finite))
+        out = fix_mod.try_on_saved_steps(_Stub(True), ["m"])
+        assert out[1] == {"step": 1, "saved": False, "saved_as_recorded": False, "why": want}
+
+
+def test_the_producers_note_is_one_constant():
+    assert whatif.REFERENCE_NONFINITE_NOTE.startswith("the float64 reference is itself non-finite")
+
+
+def test_a_trial_is_read_into_typed_fields_and_its_failed_check_is_an_enum():
+    from amp_postmortem.whatif import NotSavedBy, Trial
+    base = {"saved": False, "finite": True, "forward_finite": True, "backward_finite": True,
+            "nonfinite_values": 0, "params_off": {}, "culprit": None, "why": "w", "modules": ["a"]}
+    cases = [({**base, "saved": True}, NotSavedBy.NOTHING, ""),
+             ({**base, "finite": False, "backward_finite": False, "nonfinite_values": 4}, NotSavedBy.NONFINITE,
+              "NaN/Inf"),
+             ({**base, "params_off": {"w": 2.0, "b": 1.0}}, NotSavedBy.PARAMS_OFF, "2 param grads off"),
+             ({**base, "culprit": {"name": "q", "phase": "backward"}}, NotSavedBy.BROKEN_MODULE,
+              "q broken (backward)")]
+    for d, by, words in cases:
+        assert Trial.of(d).not_saved_by is by
+        assert fix_mod.not_saved_by(d) == words   # the words come from the enum, in one place
+    t = Trial.of(cases[1][0])
+    assert t.nonfinite_phases == ["backward"] and t.modules == ("a",) and Trial.of(t) is t
+    assert fix_mod._verdict(cases[1][0]) == "NON-FINITE in the backward (4 NaN/Inf values)"
+
+
+def test_recommend_decides_avoid_mixed_precision_and_bf16_as_enums():
+    from amp_postmortem.advice import Bf16Outcome, NoFp16Config, _bf16_outcome, no_fp16_config
+    from amp_postmortem.whatif.window_check import WindowStatus
+    facts = dict(unstable=False, reference_finite=True, data_problem=False, fp16_ok=False, bf16_ok=False,
+                 precision="fp16")
+    assert no_fp16_config(**facts) is NoFp16Config.FLOAT32
+    assert no_fp16_config(**{**facts, "unstable": True, "bf16_ok": True}) is NoFp16Config.INSTABILITY
+    assert no_fp16_config(**{**facts, "bf16_ok": True}) is NoFp16Config.USE_BF16
+    for off in ("reference_finite", "data_problem", "fp16_ok"):
+        flipped = {**facts, off: not facts[off], "unstable": True}
+        assert no_fp16_config(**flipped) is None
+    fails = SimpleNamespace(status=WindowStatus.FAILS, failed_at=7)
+    assert _bf16_outcome(True, True, fails) is Bf16Outcome.STEP_ONLY
+    assert _bf16_outcome(True, False, None) is Bf16Outcome.AVOIDS_UNCONFIRMED
+    assert _bf16_outcome(True, True, SimpleNamespace(status=WindowStatus.VERIFIED)) is Bf16Outcome.AVOIDS
+    assert _bf16_outcome(False, True, None) is Bf16Outcome.DOES_NOT_AVOID
+
+
+class _BeyondFloat64(__import__("torch").nn.Module):
+    """Its output is Inf in float64 too: no precision setting fixes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = __import__("torch").nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.lin(x) * 1e200 * 1e200
+
+
+def test_recommend_decides_check_data_from_the_typed_status_when_the_note_is_reworded(tmp_path, monkeypatch,
+                                                                                      one_torch_thread):
+    import torch
+
+    import whatif_runs as W
+    from amp_postmortem.advice import recommend
+    from amp_postmortem.loader import load_run
+    torch.manual_seed(0)
+    run = W.record(tmp_path / "beyond_fp64", _BeyondFloat64(), steps=1)
+    monkeypatch.setattr(whatif, "REFERENCE_NONFINITE_NOTE", "REWORDED: float64 overflowed as well")
+    r = recommend(load_run(run), model=_BeyondFloat64)
+    assert r.kinds()[0] == "check_data"
+    assert "the float64 replay is non-finite too: no precision setting fixes it" in r.get("check_data").evidence
+    assert "REWORDED: float64 overflowed as well" in r.notes   # the words pass through untouched
+    assert "keep_fp32" not in r.kinds() and "avoid_mixed_precision" not in r.kinds()
