@@ -134,26 +134,33 @@ def load_bundle(path, step: int | None = None, rank: int | None = None) -> Bundl
 
 
 def _read_meta(meta_path: Path, root: Path) -> dict:
+    return read_versioned_meta(meta_path, root, format_name=schema.BUNDLE_FORMAT_NAME,
+                               version=schema.BUNDLE_SCHEMA_VERSION, word="bundle", model=BundleMeta)
+
+
+def read_versioned_meta(meta_path: Path, root: Path, *, format_name: str, version: str, word: str, model) -> dict:
+    """The JSON that describes a bundle or a window (`word`), read within
+    the limits, its format name, major version and checksum checked, and
+    validated by its `model`."""
     data = read_bytes(meta_path, root, BundleError, limits.MAX_JSON_BYTES)
     try:
         meta = parse_json(data, meta_path, BundleError)
     except Damaged as exc:
         raise BundleError(f"{meta_path} is truncated or not JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != schema.BUNDLE_FORMAT_NAME:
+    if not isinstance(meta, dict) or meta.get("format") != format_name:
         fmt = meta.get("format") if isinstance(meta, dict) else None
-        raise BundleError(f"{meta_path}: format {fmt!r} is not {schema.BUNDLE_FORMAT_NAME!r}")
-    version = str(meta.get("version"))
+        raise BundleError(f"{meta_path}: format {fmt!r} is not {format_name!r}")
+    found = str(meta.get("version"))
     try:
-        major, _ = schema.parse_version(version)
+        major, _ = schema.parse_version(found)
     except ValueError:
-        raise BundleError(f"{meta_path}: bad bundle version {version!r}") from None
-    ours, _ = schema.parse_version(schema.BUNDLE_SCHEMA_VERSION)
-    if major > ours:
-        raise BundleError(f"{meta_path}: bundle format {version} is newer than this amp-postmortem "
-                          f"reads ({schema.BUNDLE_SCHEMA_VERSION}); upgrade amp-postmortem")
+        raise BundleError(f"{meta_path}: bad {word} version {found!r}") from None
+    if major > schema.parse_version(version)[0]:
+        raise BundleError(f"{meta_path}: {word} format {found} is newer than this amp-postmortem "
+                          f"reads ({version}); upgrade amp-postmortem")
     if meta.get("checksum") != json_checksum(meta):
         raise BundleError(f"{meta_path} fails its checksum (edited or damaged)")
-    return validate(BundleMeta, meta, meta_path, BundleError)
+    return validate(model, meta, meta_path, BundleError)
 
 
 def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
@@ -168,6 +175,13 @@ def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
         if place is not None and meta[key] != place:
             raise BundleError(f"{shown(meta_path)}: {key}: {meta[key]!r} is not the {key} of its place "
                               f"({shown(path.relative_to(run))}: {key} {place})")
+    check_run_id(run, meta_path, meta, "bundle")
+
+
+def check_run_id(run: Path, meta_path: Path, meta: dict, word: str) -> None:
+    """A bundle or window (`word`) inside `run` must name the run's id when
+    both say one: another run's data under this run's name would be a
+    wrong answer without a word."""
     manifest = run / schema.MANIFEST_FILE
     if not (manifest.exists() or os.path.lexists(manifest)):
         return
@@ -178,7 +192,7 @@ def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
         raise BundleError(str(exc)) from None
     if run_id is not None and meta.get("run_id") is not None and meta["run_id"] != run_id:
         raise BundleError(f"{shown(meta_path)}: run_id: {meta['run_id']!r} is not the run's "
-                          f"({run_id!r} in {shown(manifest)}); a bundle of another run was put here")
+                          f"({run_id!r} in {shown(manifest)}); a {word} of another run was put here")
 
 
 def _check_files(path: Path, meta: dict, listed: str = schema.BUNDLE_TENSORS_FILE) -> None:

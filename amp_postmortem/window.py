@@ -12,12 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recorders import schema
-from recorders.plain import json_checksum
 
 from .errors import BundleError
-from .files import limits
 from .files.models import WindowMeta, validate
-from .files.safe import Damaged, check_inside, numbered_dirs, parse_json, rank_of, read_bytes, shown, step_of
+from .files.safe import check_inside, numbered_dirs, rank_of, shown, step_of
 
 
 @dataclass
@@ -125,25 +123,9 @@ def load_window(path) -> Window:
 
 
 def _read_meta(meta_path: Path, root: Path) -> dict:
-    data = read_bytes(meta_path, root, BundleError, limits.MAX_JSON_BYTES)
-    try:
-        meta = parse_json(data, meta_path, BundleError)
-    except Damaged as exc:
-        raise BundleError(f"{meta_path} is truncated or not JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != schema.WINDOW_FORMAT_NAME:
-        fmt = meta.get("format") if isinstance(meta, dict) else None
-        raise BundleError(f"{meta_path}: format {fmt!r} is not {schema.WINDOW_FORMAT_NAME!r}")
-    version = str(meta.get("version"))
-    try:
-        major, _ = schema.parse_version(version)
-    except ValueError:
-        raise BundleError(f"{meta_path}: bad window version {version!r}") from None
-    if major > schema.parse_version(schema.WINDOW_SCHEMA_VERSION)[0]:
-        raise BundleError(f"{meta_path}: window format {version} is newer than this amp-postmortem "
-                          f"reads ({schema.WINDOW_SCHEMA_VERSION}); upgrade amp-postmortem")
-    if meta.get("checksum") != json_checksum(meta):
-        raise BundleError(f"{meta_path} fails its checksum (edited or damaged)")
-    return validate(WindowMeta, meta, meta_path, BundleError)
+    from .bundle import read_versioned_meta  # bundle.py imports torch: only when a window is read
+    return read_versioned_meta(meta_path, root, format_name=schema.WINDOW_FORMAT_NAME,
+                               version=schema.WINDOW_SCHEMA_VERSION, word="window", model=WindowMeta)
 
 
 def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
@@ -154,6 +136,8 @@ def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
         if place is not None and meta[key] != place:
             raise BundleError(f"{shown(meta_path)}: {key}: {meta[key]!r} is not the one of its place "
                               f"({path.parent.name}/{path.name})")
+    from .bundle import check_run_id
+    check_run_id(path.parent.parent.parent, meta_path, meta, "window")
     steps = [s["step"] for s in meta["steps"]]
     if steps[0] != meta["first_step"] or steps[-1] != meta["last_step"] or steps != sorted(set(steps)):
         raise BundleError(f"{shown(meta_path)}: steps: {steps[:4]}... do not run from first_step "

@@ -84,6 +84,19 @@ def test_an_edited_or_damaged_window_is_refused(tmp_path):
         load_window(path)
 
 
+def test_a_window_of_another_run_put_into_a_run_is_refused(tmp_path):
+    # Checksummed anew, so only its run id betrays it: as for bundles.
+    from recorders.plain import json_checksum
+    path = _copy(runs.precision_run(), tmp_path)
+    meta_file = path / schema.WINDOW_MANIFEST_FILE
+    meta = json.loads(meta_file.read_text())
+    meta["run_id"] = "another-run"
+    meta["checksum"] = json_checksum(meta)
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(BundleError, match="a window of another run was put here"):
+        load_window(path)
+
+
 def test_a_restarted_window_reruns_the_recorded_steps_from_its_own_start(tmp_path):
     """Adam's moments and the scaler's scale copied at a later restart: the
     re-run as recorded reproduces the recorded losses from there."""
