@@ -92,6 +92,25 @@ def tensor_from_bytes(data, dtype: str | torch.dtype, shape) -> torch.Tensor:
 
 
 # ------------------------------------------------------------ call arguments
+def encode_inputs(args, kwargs) -> tuple[dict, list]:
+    """One micro-batch's call arguments as a JSON spec (`{"args", "kwargs"}`)
+    and the `(name, tensor)` list its tensor leaves name: one entry per
+    tensor object, a repeated one referenced twice (a bundle's and a
+    window's inputs)."""
+    names: dict[int, str] = {}
+    tensors: list = []
+
+    def name_tensor(path, t):
+        if id(t) not in names:
+            names[id(t)] = path if path not in names.values() else f"{path}#{len(tensors)}"
+            tensors.append((names[id(t)], t))
+        return names[id(t)]
+
+    spec = {"args": encode_tree(tuple(args), name_tensor, "args"),
+            "kwargs": encode_tree(dict(kwargs or {}), name_tensor, "kwargs")}
+    return spec, tensors
+
+
 def encode_tree(obj, name_tensor, path: str = "", _depth: int = 0):
     """JSON tree of `obj`; each tensor leaf is replaced by
     `{"kind": "tensor", "name": name_tensor(path, tensor)}`."""

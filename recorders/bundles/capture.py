@@ -37,7 +37,7 @@ import torch
 from ..manifest import scaler_enabled
 from ..plain import plain
 from ..stats import iter_tensors
-from ..tensor_codec import clone_tree, encode_tree
+from ..tensor_codec import clone_tree, encode_inputs
 from .decisions import BundleDecisions
 from .directory import precision_flags
 from .held import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now
@@ -315,18 +315,8 @@ class BundleCapture:
         cap.params = cap.buffers = None
         p.inputs, p.specs = [], []
         for mb in cap.micro_batches:
-            names: dict[int, str] = {}
-            tensors: list = []
-
-            def name_tensor(path, t, names=names, tensors=tensors):
-                # One row per tensor object; a repeated one is referenced twice.
-                if id(t) not in names:
-                    names[id(t)] = path if path not in names.values() else f"{path}#{len(tensors)}"
-                    tensors.append((names[id(t)], t))
-                return names[id(t)]
-
-            p.specs.append({"args": encode_tree(tuple(mb.args), name_tensor, "args"),
-                            "kwargs": encode_tree(dict(mb.kwargs or {}), name_tensor, "kwargs")})
+            spec, tensors = encode_inputs(mb.args, mb.kwargs)
+            p.specs.append(spec)
             p.inputs.append(tensors)
         opt = self.optimizer
         optimizer = None

@@ -33,7 +33,7 @@ import torch
 from .. import schema
 from ..layout import local
 from ..plain import plain
-from ..tensor_codec import encode_tree
+from ..tensor_codec import encode_inputs
 from .directory import environment, write_bundle
 
 
@@ -262,18 +262,9 @@ def window_records(inventory, snap, steps, specs):
 def _encode_step(step) -> tuple[list, list]:
     specs, inputs = [], []
     for args, kwargs, _, rng in step.micro_batches:
-        names: dict[int, str] = {}
-        tensors: list = []
-
-        def name_tensor(path, t, names=names, tensors=tensors):
-            if id(t) not in names:
-                names[id(t)] = path if path not in names.values() else f"{path}#{len(tensors)}"
-                tensors.append((names[id(t)], t))
-            return names[id(t)]
-
-        specs.append({"args": encode_tree(tuple(args), name_tensor, "args"),
-                      "kwargs": encode_tree(dict(kwargs or {}), name_tensor, "kwargs"),
-                      "rng": {"cpu": "cpu", "cuda": [f"cuda:{i}" for i in range(len(rng.get("cuda", ())))]}})
+        spec, tensors = encode_inputs(args, kwargs)
+        spec["rng"] = {"cpu": "cpu", "cuda": [f"cuda:{i}" for i in range(len(rng.get("cuda", ())))]}
+        specs.append(spec)
         inputs.append(tensors)
     return specs, inputs
 
