@@ -365,14 +365,20 @@ def _check_sizes(file: Path, cols: dict, data_bytes: list[int], group_rows: list
                               f"the {room} bytes its rows' dtypes and shapes declare")
 
 
-def _assemble(path: Path, meta: dict, tensors: dict) -> Bundle:
+def tensor_lookup(tensors: dict, path: Path, described_by: str):
+    """`get(role, name, micro_batch=-1)`: a tensor `described_by` (the JSON
+    file's name) refers to, or a BundleError naming what is missing."""
     def get(role, name, mb=-1):
         try:
             return tensors[(role, name, mb)]
         except KeyError:
-            raise BundleError(f"{path}: bundle.json refers to a missing {role} tensor {name!r}"
+            raise BundleError(f"{path}: {described_by} refers to a missing {role} tensor {name!r}"
                               + (f" of micro-batch {mb}" if mb >= 0 else "")) from None
+    return get
 
+
+def weights_of(meta: dict, get) -> tuple[dict, dict, dict]:
+    """(params with tied aliases, persistent buffers, non-persistent buffers)."""
     params = {n: get("param", n) for n in meta["params"]["names"]}
     for alias, target in meta["params"].get("aliases", {}).items():
         params[alias] = params[target]
@@ -380,21 +386,32 @@ def _assemble(path: Path, meta: dict, tensors: dict) -> Bundle:
     buffers, extra = {}, {}
     for n in meta["buffers"]["names"]:
         (extra if n in non_persistent else buffers)[n] = get("buffer", n)
+    return params, buffers, extra
+
+
+def micro_batch_of(mb: dict, k: int, get) -> tuple[tuple, dict]:
+    """Micro-batch `k`'s ((args, kwargs), {"cpu": ..., "cuda": [...]} RNG states)."""
+    lookup = (lambda name: get("input", name, k))
+    call = (tuple(decode_tree(mb["args"], lookup)), dict(decode_tree(mb["kwargs"], lookup)))
+    rng = {"cpu": get("rng", mb["rng"]["cpu"], k), "cuda": [get("rng", n, k) for n in mb["rng"].get("cuda", [])]}
+    return call, rng
+
+
+def _assemble(path: Path, meta: dict, tensors: dict) -> Bundle:
+    get = tensor_lookup(tensors, path, schema.BUNDLE_MANIFEST_FILE)
+    params, buffers, extra = weights_of(meta, get)
     scale = meta.get("loss_scale")
     scaled = bool(meta.get("grad_outputs_scaled")) and scale not in (None, 0)
     inputs, grads, raw, rngs = [], [], [], []
     for k, mb in enumerate(meta["micro_batches"]):
-        lookup = (lambda name, k=k: get("input", name, k))
-        args = decode_tree(mb["args"], lookup)
-        kwargs = decode_tree(mb["kwargs"], lookup)
-        inputs.append((tuple(args), dict(kwargs)))
+        call, rng = micro_batch_of(mb, k, get)
+        inputs.append(call)
+        rngs.append(rng)
         g_raw = [None if n is None else get("grad_output", n, k) for n in mb["grad_outputs"]]
         raw.append(g_raw)
         # float64 holds every float16/bfloat16/float32 value exactly, and a
         # power-of-two scale divides out exactly.
         grads.append([None if g is None else (g.double() / scale if scaled else g.double()) for g in g_raw])
-        rngs.append({"cpu": get("rng", mb["rng"]["cpu"], k),
-                     "cuda": [get("rng", n, k) for n in mb["rng"].get("cuda", [])]})
     return Bundle(
         path=str(path), step=int(meta["step"]), rank=int(meta["rank"]),
         params=params, buffers=buffers, inputs=inputs, grad_outputs=grads,

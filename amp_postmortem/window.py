@@ -145,21 +145,9 @@ def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
 
 
 def _assemble(path: Path, meta: dict, tensors: dict) -> Window:
-    from recorders.tensor_codec import decode_tree
-    def get(role, name, mb=-1):
-        try:
-            return tensors[(role, name, mb)]
-        except KeyError:
-            raise BundleError(f"{path}: window.json refers to a missing {role} tensor {name!r}"
-                              + (f" of micro-batch {mb}" if mb >= 0 else "")) from None
-
-    params = {n: get("param", n) for n in meta["params"]["names"]}
-    for alias, target in meta["params"].get("aliases", {}).items():
-        params[alias] = params[target]
-    non_persistent = set(meta["buffers"].get("non_persistent", []))
-    buffers, extra = {}, {}
-    for n in meta["buffers"]["names"]:
-        (extra if n in non_persistent else buffers)[n] = get("buffer", n)
+    from .bundle import micro_batch_of, tensor_lookup, weights_of
+    get = tensor_lookup(tensors, path, schema.WINDOW_MANIFEST_FILE)
+    params, buffers, extra = weights_of(meta, get)
     opt = meta.get("optimizer")
     state = []
     for e in (opt or {}).get("state", []):
@@ -170,11 +158,9 @@ def _assemble(path: Path, meta: dict, tensors: dict) -> Window:
     for s in meta["steps"]:
         inputs, rngs = [], []
         for mb in s["micro_batches"]:
-            k = mb["index"]
-            lookup = (lambda name, k=k: get("input", name, k))
-            inputs.append((tuple(decode_tree(mb["args"], lookup)), dict(decode_tree(mb["kwargs"], lookup))))
-            rngs.append({"cpu": get("rng", mb["rng"]["cpu"], k),
-                         "cuda": [get("rng", n, k) for n in mb["rng"].get("cuda", [])]})
+            call, rng = micro_batch_of(mb, mb["index"], get)
+            inputs.append(call)
+            rngs.append(rng)
         steps.append(WindowStep(int(s["step"]), inputs, rngs, s.get("optimizer_groups"), s.get("stepped")))
     return Window(
         path=str(path), rank=int(meta["rank"]), first_step=int(meta["first_step"]),
