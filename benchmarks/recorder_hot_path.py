@@ -18,6 +18,14 @@ the plain step of the same round) beside them.
    - `skeleton`:      the hook shapes the recorder needs, doing nothing: a
                       forward pre- and post-hook per module, a hook on the
                       autograd node of each output, the parameter hooks;
+   - `lean`:          a lower bound for any recorder of the cheap tier's
+                      rows built on Python hooks, not a recorder: per
+                      module call one forward hook keeping the output and a
+                      hook on its autograd node keeping the gradients it
+                      receives and hands back, a hook per parameter keeping
+                      its gradient, every reduction deferred to the step's
+                      end as one stacked absmax per shape; no names, no
+                      inputs, no micro-batches, nothing written (`LeanHooks`);
    - `recorder`:      `AmpRecorder` with its defaults;
    - `recorder_full`: `AmpRecorder(full_every=1)`.
    Reported: wall ms a step and the training thread's CPU time
@@ -66,7 +74,7 @@ import common  # noqa: E402
 import recorder_cost  # noqa: E402
 import recorder_overhead  # noqa: E402
 
-LAUNCH_VARIANTS = ("plain", "noop_hooks", "skeleton", "recorder", "recorder_full")
+LAUNCH_VARIANTS = ("plain", "noop_hooks", "skeleton", "lean", "recorder", "recorder_full")
 GPT_VARIANTS = ("plain", "recorder", "recorder_full")
 RECORDED = {"recorder": {}, "recorder_full": {"full_every": 1}}
 FLOORS = ("aminmax", "amax_abs")
@@ -131,6 +139,57 @@ def attach_skeleton_hooks(model) -> list:
     return handles
 
 
+class LeanHooks:
+    """The `lean` variant (see the module's docstring): what the cheap
+    tier's ~4 rows per module cost in Python at the least, with the
+    reductions batched (a `torch.stack` and one `amax` per shape of tensor
+    for the whole step). It keeps every tensor until the step ends, which a
+    recorder could not (activations would outlive autograd's use of them):
+    it is a bound, measured beside the recorder to show how much of the
+    recorder's cost any design on these hooks would pay."""
+
+    def __init__(self, model):
+        import torch
+        self._torch = torch
+        self.pending: list = []
+        self.absmax_rows = 0
+        self.handles = []
+        pending = self.pending
+
+        def node_hook(grad_inputs, grad_outputs):
+            pending.extend(g for g in grad_outputs if g is not None)
+            pending.extend(g for g in grad_inputs if g is not None)
+
+        def forward_hook(_module, _args, output):
+            for t in _tensors(output):
+                pending.append(t.detach())
+                if t.grad_fn is not None:
+                    t.grad_fn.register_hook(node_hook)
+
+        def param_hook(p):
+            pending.append(p.grad)
+
+        self.handles = [m.register_forward_hook(forward_hook) for m in model.modules()]
+        self.handles += [p.register_post_accumulate_grad_hook(param_hook) for p in model.parameters()]
+
+    def step(self) -> None:
+        groups: dict = {}
+        for t in self.pending:
+            key = (t.shape, t.dtype)
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = []
+            group.append(t)
+        rows = 0
+        for group in groups.values():
+            stacked = self._torch.stack(group)
+            dims = tuple(range(1, stacked.dim()))
+            absmax = stacked.abs().amax(dim=dims) if dims else stacked.abs()
+            rows += len(absmax.tolist())
+        self.absmax_rows = rows
+        self.pending.clear()
+
+
 # ------------------------------------------------------------------ variants
 class Variant:
     """One copy of a model with its optimizer and its instrumentation."""
@@ -139,8 +198,12 @@ class Variant:
                  recorder_options: dict | None = None):
         self.name, self.model, self.opt, self.loss_fn, self.dtype = name, model, opt, loss_fn, dtype
         self.rec = None
+        self.lean = None
         self.handles = []
-        if name == "noop_hooks":
+        if name == "lean":
+            self.lean = LeanHooks(model)
+            self.handles = self.lean.handles
+        elif name == "noop_hooks":
             self.handles = attach_noop_hooks(model)
         elif name == "skeleton":
             self.handles = attach_skeleton_hooks(model)
@@ -162,6 +225,8 @@ class Variant:
         self.opt.zero_grad(set_to_none=True)
         if self.rec is not None:
             self.rec.step(loss)
+        if self.lean is not None:
+            self.lean.step()
         self.wall.append(time.perf_counter() - t0)
         self.cpu.append(time.thread_time() - c0)
         self.losses.append(loss.item())

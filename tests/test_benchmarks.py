@@ -194,3 +194,21 @@ def test_watch_latency_smoke_alerts_and_closes(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert [r["exit_code"] for r in doc["rounds"]] == [1] and doc["rounds"][0]["latency_s"] > 0
     assert doc["clean"]["exit_code"] == 0 and doc["clean"]["watch_cpu_s"] > 0
+
+
+def test_the_lean_bound_reduces_every_output_gradient_and_parameter_gradient_of_a_step():
+    """The `lean` variant is a bound only if it does the rows' work: one
+    absmax per module output, per gradient its nodes receive and hand back,
+    per parameter gradient, every step."""
+    import torch
+    torch.manual_seed(0)
+    model = recorder_hot_path.common.deep_narrow(2, 4)
+    lean = recorder_hot_path.LeanHooks(model)
+    x = torch.randn(3, 4)
+    model(x).square().mean().backward()
+    lean.step()
+    modules = sum(1 for _ in model.modules())
+    params = sum(1 for _ in model.parameters())
+    # Each output and its node's received gradient, its handed-back ones, the parameters'.
+    assert lean.absmax_rows >= 2 * modules + params
+    assert lean.pending == []
