@@ -188,3 +188,45 @@ def test_a_future_crossing_is_projected(collapse_run):
     rep = scale_dynamics(load_run(collapse_run))
     assert rep.underflow_reached_step is None and rep.projected_underflow_step == 99
     assert "at this rate it reaches the gradient underflow level" in rep.reason
+
+
+def _planted_halvings(path, bad_steps, steps=40):
+    """BoomNet under the real recorder and a default GradScaler("cpu")
+    (growth_interval 2000: no growth in 40 steps), its head's weight
+    gradient made Inf after the backward of each step in `bad_steps`: the
+    scaler skips and halves exactly there, whatever the CPU's kernels."""
+    import torch
+    from tiny_models import BoomNet, recorder_at, train
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(steps)]
+
+    def plant(step, model):
+        if step in bad_steps:
+            model.head.weight.grad.mul_(float("inf"))
+
+    train(BoomNet(), data, recorder=recorder_at(path), scaler={}, lr=0.01, before_update=plant)
+    return load_run(path)
+
+
+@pytest.mark.parametrize("bad_steps, onset, calibration", [
+    # the overflow grows more frequent: 2 clean steps, then 1, 1, then every step
+    ({20, 23, 25, 27} | set(range(28, 40)), 20, 0),
+    # the same after two calibration skips of the fresh scaler: they are no onset
+    ({0, 1, 20, 23, 25, 27} | set(range(28, 40)), 20, 2),
+    # a lone back-off 10 steps before the run is not part of it
+    ({10} | set(range(20, 40)), 20, 0),
+])
+def test_the_collapse_onset_is_the_first_planted_halving(tmp_path, one_torch_thread, bad_steps, onset,
+                                                         calibration):
+    run = _planted_halvings(tmp_path / "planted", bad_steps)
+    scale_after = run.steps.set_index("step")["loss_scale"]
+    halvings = [s for s in sorted(bad_steps) if s >= calibration]
+    assert scale_after[halvings[0]] == scale_after[halvings[0] - 1] / 2   # the plant took
+    rep = scale_dynamics(run)
+    assert rep.status == "collapse" and rep.calibration_steps == calibration
+    assert rep.onset_step == onset
+    assert f"since step {onset} " in rep.reason
+    before = [s for s in range(calibration, onset)]
+    assert rep.skip_rate_before_onset == pytest.approx(sum(s in bad_steps for s in before) / len(before))
