@@ -64,9 +64,9 @@ class _Stub:
         return SimpleNamespace(calls={})
 
     def trial(self, **changes):
-        return {"saved": False, "finite": False, "forward_finite": False, "backward_finite": False,
-                "nonfinite_values": 3, "grad_rel_err": None, "loss_scale": 256.0, "backoffs": 0,
-                "why": "NaN/Inf in the forward", "culprit": None, "params_off": {}}
+        return whatif.Trial.of({"saved": False, "finite": False, "forward_finite": False, "backward_finite": False,
+                                "nonfinite_values": 3, "grad_rel_err": None, "loss_scale": 256.0, "backoffs": 0,
+                                "why": "NaN/Inf in the forward", "culprit": None, "params_off": {}})
 
     def policy_dict(self):
         return {"device_type": "cpu", "emulated": False}
@@ -89,7 +89,8 @@ def test_the_saved_steps_check_reads_the_typed_reference_status(monkeypatch):
         monkeypatch.setattr(whatif, "other_bundles", lambda p: [(1, "/nonexistent/step1")])
         monkeypatch.setattr(whatif, "prepare_like", lambda p, path, **k: _Stub(reference_finite=finite))
         out = fix_mod.try_on_saved_steps(_Stub(True), ["m"])
-        assert out[1] == {"step": 1, "saved": False, "saved_as_recorded": False, "why": want}
+        assert out[1] == fix_mod.StepCheck(1, saved=False, saved_as_recorded=False, why=want)
+        assert out[1].to_dict() == {"step": 1, "saved": False, "saved_as_recorded": False, "why": want}
 
 
 def test_the_producers_note_is_one_constant():
