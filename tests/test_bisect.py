@@ -23,7 +23,7 @@ def test_bisection_finds_the_planted_bad_samples():
     assert r.kind is BisectKind.DATA and r.bad_samples == list(W.BAD_SAMPLES)
     assert r.batch_size == W.BATCH and r.bad_share == 2 / 16 and r.unresolved == []
     for s in r.samples:
-        assert s["fp64_finite"] is True and s["input_nonfinite"] == 0 and s["input_absmax"] > 500
+        assert s.fp64_finite is True and s.input_nonfinite == 0 and s.input_absmax > 500
     assert "3, 11" in r.message and "float64 computes them fine" in r.message
     # Whole batch, two halves, then only the failing groups: far fewer than 2n.
     assert r.replays <= 1 + 2 * 2 * 4
@@ -102,8 +102,8 @@ def test_a_few_failing_samples_with_ordinary_inputs_are_a_model_problem(token_ru
     assert r.suspicious_samples == []
     for s in r.samples:
         # Integer inputs: nothing meaningless (a 0 absmax) is reported.
-        assert s["input_absmax"] is None and s["input_nonfinite"] is None and s["suspicious"] is None
-        assert s["fp64_finite"] is True and s["not_saved_by"] == "NaN/Inf"
+        assert s.input_absmax is None and s.input_nonfinite is None and s.suspicious is None
+        assert s.fp64_finite is True and s.to_dict()["not_saved_by"] == "NaN/Inf"
     assert "5, 12" in r.message and "a model (or precision) problem that these samples trigger" in r.message
     assert "data problem" in r.message and "not a data problem" in r.message
     assert r.to_dict()["suspicious_samples"] == []
@@ -113,7 +113,7 @@ def test_suspicious_float_inputs_are_reported_per_sample():
     r = bisect_samples(W.bad_samples_run(), W.BAD_STEP, model=W.AttnNet)
     assert r.suspicious_samples == list(W.BAD_SAMPLES)
     for s in r.samples:
-        assert s["input_absmax"] > 10 * s["passing_absmax"] and "more than 10x" in s["suspicious"]
+        assert s.input_absmax > 10 * s.passing_absmax and "more than 10x" in s.suspicious
 
 
 def test_bisect_fix_and_recommend_share_one_criterion(monkeypatch, token_run):
@@ -141,7 +141,7 @@ def test_one_sample_slices_keep_their_meaning_without_batch_statistics():
     r = bisect_samples(W.bad_samples_run(), W.BAD_STEP, model=W.AttnNet)
     d = r.to_dict()["slicing"]
     assert d["batch_statistics_modules"] == [] and d["min_slice"] == 1 and d["methods"] == ["alone"]
-    assert all(s["judged"] == "alone" for s in r.samples)
+    assert all(s.judged is SliceMethod.ALONE for s in r.samples)
     assert not any("normalise over the batch" in n for n in r.notes)
 
 
@@ -153,7 +153,7 @@ def test_a_batchnorm_cnn_is_bisected_in_slices_of_two():
     s = r.slicing
     assert s.batch_statistics_modules == ("bn", "bn1") and s.min_slice == 2
     assert s.methods() == [SliceMethod.PAIRED] and s.partner is not None and s.partner != W.CNN_BAD_SAMPLE
-    assert r.samples[0]["judged"] == "paired" and r.samples[0]["fp64_finite"] is True
+    assert r.samples[0].judged is SliceMethod.PAIRED and r.samples[0].fp64_finite is True
     assert f"paired with sample {s.partner} (which passes)" in r.message
     note = next(n for n in r.notes if "normalise over the batch" in n)
     assert note == slicing_note(s) and "bn, bn1" in note and "at least 2 samples" in note
@@ -166,8 +166,8 @@ def test_with_no_sample_passing_batchnorm_runs_on_its_running_statistics():
     r = bisect_samples(W.batchnorm_inf_weight_run(), 0, model=W.BatchNormCNN)
     assert r.kind is BisectKind.MODEL and r.bad_samples == list(range(W.CNN_BATCH))
     assert r.slicing.methods() == [SliceMethod.RUNNING_STATISTICS] and r.slicing.partner is None
-    assert {s["judged"] for s in r.samples} == {"running_statistics"}
-    assert all(s["fp64_finite"] for s in r.samples)
+    assert {s.judged for s in r.samples} == {SliceMethod.RUNNING_STATISTICS}
+    assert all(s.fp64_finite for s in r.samples)
     assert "on running statistics" in r.message
     assert any("running statistics (as in eval mode" in n for n in r.notes)
 

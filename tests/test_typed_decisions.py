@@ -50,10 +50,11 @@ def test_no_decision_reads_the_words_of_a_note():
     assert found == []
 
 
-# The keys of a trial's, a saved-step check's and a bfloat16 replay's dict
-# form: read only where the dict is rendered, never decided on.
+# The keys of the dict form of a trial, a saved-step check, a bfloat16
+# replay and a bisected sample: rendered, never decided on.
 _TYPED_KEYS = {"saved", "saved_as_recorded", "fails", "finite", "not_saved_by", "culprit", "params_off", "backoffs",
-               "why", "finite_at_max", "max_finite_k", "avoids", "gradients_confirmed", "modules"}
+               "why", "finite_at_max", "max_finite_k", "avoids", "gradients_confirmed", "modules", "suspicious",
+               "fp64_finite", "judged"}
 # bisect's verdicts (`BisectKind`): compared as the enum, never as its JSON string.
 _BISECT_KINDS = {"not_reproduced", "model", "data", "batch"}
 

@@ -15,8 +15,9 @@ of backoffs. The steps:
    that leads to the collapse, never a clean step before it: the fit can
    land inside the run when its first back-offs come a few clean steps
    apart, so earlier back-offs join it while each came at most
-   `ONSET_SPACING_RATIO` times the spacing of the next one and the scale
-   did not grow in between (calibration skips are never the onset). When that segment is not a
+   `ONSET_SPACING_RATIO` times the spacing of the next one, the scale did
+   not grow in between and it is no growth probe (calibration skips are
+   never the onset). When that segment is not a
    collapse, the fit is repeated on it (binary segmentation), since a
    collapse is a decline that lasts until the end of the run.
 3. Trend after the onset: Kendall's tau (significance `ALPHA`) and the
@@ -326,25 +327,41 @@ def _first_fall(shrank, k: int, grew=None) -> int:
     It can also land inside the run when the run's first back-offs come a
     few clean steps apart (an overflow that grows more frequent): so go on
     back over earlier back-offs while each came at most
-    `ONSET_SPACING_RATIO` times the spacing of the back-off after it and
-    the scale did not grow in between (a growth: it had recovered)."""
+    `ONSET_SPACING_RATIO` times the spacing of the back-off after it, the
+    scale did not grow in between (a growth: it had recovered) and it is
+    no growth probe (a back-off right after a growth returns the scale to
+    where it was: the decline starts after it)."""
+    grew = np.asarray(grew if grew is not None else np.zeros(len(shrank)), bool)
     j = k
-    while j > 0 and shrank[j - 1]:
+    while j > 0 and shrank[j - 1] and not _is_probe(grew, shrank, j - 1):
         j -= 1
     while j < len(shrank) - 1 and not shrank[j]:
         j += 1
     falls = [int(i) for i in np.flatnonzero(np.asarray(shrank, bool))]
     if j not in falls:
         return j
-    grown = np.cumsum(np.asarray(grew, bool)) if grew is not None else np.zeros(len(shrank), int)
+    grown = np.cumsum(grew)
     at = falls.index(j)
     while at > 0:
         earlier, here = falls[at - 1], falls[at]
         spacing_after = falls[at + 1] - here if at + 1 < len(falls) else 1
         if grown[here] != grown[earlier] or here - earlier > ONSET_SPACING_RATIO * spacing_after:
             break
+        if _is_probe(grew, shrank, earlier):
+            break  # the scaler finding its ceiling after a growth: back to where it was, no decline
         at -= 1
     return falls[at]
+
+
+def _is_probe(grew, shrank, i: int) -> bool:
+    """Whether the back-off at i follows a growth (no back-off in between):
+    a growth probe, as `_real_skips` counts it."""
+    for j in range(i - 1, -1, -1):
+        if grew[j]:
+            return True
+        if shrank[j]:
+            return False
+    return False
 
 
 def _real_skips(skipped, grew, shrank) -> tuple[float, int]:

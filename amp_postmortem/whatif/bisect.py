@@ -108,6 +108,28 @@ class SampleSlicing:
                 "unsplit": [list(g) for g in self.unsplit]}
 
 
+@dataclass(frozen=True)
+class BadSample:
+    """A sample that fails alone (or paired, or on running statistics:
+    `judged`), its trial and what its floating inputs look like."""
+    index: int
+    trial: Trial
+    input_absmax: float | None      # None: no floating input
+    passing_absmax: float | None
+    input_nonfinite: int | None
+    fp64_finite: bool
+    suspicious: str | None          # why its inputs are suspicious in themselves, or None
+    judged: SliceMethod
+
+    def to_dict(self) -> dict:
+        """SAMPLE_COLUMNS and `judged` (its `--json` row)."""
+        return {"index": self.index, "forward_finite": self.trial.forward_finite,
+                "backward_finite": self.trial.backward_finite, "not_saved_by": not_saved_by(self.trial),
+                "input_absmax": self.input_absmax, "passing_absmax": self.passing_absmax,
+                "input_nonfinite": self.input_nonfinite, "fp64_finite": self.fp64_finite,
+                "suspicious": self.suspicious, "judged": self.judged.value}
+
+
 class BisectKind(Enum):
     """The verdict (the module's doc); `value` is the `--json` "kind"."""
     NOT_REPRODUCED = "not_reproduced"
@@ -125,7 +147,7 @@ class BisectReport:
     micro_batches: int
     kind: BisectKind
     bad_samples: list
-    samples: list                  # per bad sample: SAMPLE_COLUMNS
+    samples: list                  # [BadSample], per bad sample
     unresolved: list               # index groups that failed but were not split (budget)
     replays: int
     message: str
@@ -136,21 +158,22 @@ class BisectReport:
         return plain({"step": self.step, "rank": self.rank, "precision": self.precision,
                       "batch_size": self.batch_size, "micro_batches": self.micro_batches, "kind": self.kind.value,
                       "bad_samples": self.bad_samples, "bad_share": self.bad_share,
-                      "suspicious_samples": self.suspicious_samples, "samples": self.samples,
+                      "suspicious_samples": self.suspicious_samples,
+                      "samples": [x.to_dict() for x in self.samples],
                       "unresolved": self.unresolved, "replays": self.replays, "message": self.message,
                       "notes": self.notes, "slicing": self.slicing.to_dict()})
 
     @property
     def suspicious_samples(self) -> list:
         """Failing samples whose inputs are suspicious in themselves."""
-        return [s["index"] for s in self.samples if s["suspicious"]]
+        return [s.index for s in self.samples if s.suspicious]
 
     @property
     def bad_share(self) -> float | None:
         return len(self.bad_samples) / self.batch_size if self.batch_size else None
 
     def table(self) -> pd.DataFrame:
-        return pd.DataFrame(self.samples, columns=SAMPLE_COLUMNS)
+        return pd.DataFrame([x.to_dict() for x in self.samples], columns=SAMPLE_COLUMNS)
 
     def lines(self) -> list[str]:
         out = [f"step {self.step}, rank {self.rank}: {self.precision} replay of a batch of {self.batch_size}"
@@ -257,12 +280,8 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
         fp64_per = {i: True for i in bad} if together else {i: _sample_finite(p, slicing.slice_of(i)) for i in bad}
         for i in bad:
             absmax, nonfinite, passing_max = _sample_inputs(stats, i, passing)
-            report.samples.append({"index": i, "forward_finite": alone[i].forward_finite,
-                                   "backward_finite": alone[i].backward_finite,
-                                   "not_saved_by": not_saved_by(alone[i]), "input_absmax": absmax,
-                                   "passing_absmax": passing_max, "input_nonfinite": nonfinite,
-                                   "fp64_finite": fp64_per[i], "suspicious": _suspicious(stats, i, passing),
-                                   "judged": slicing.judged.get(i, SliceMethod.ALONE).value})
+            report.samples.append(BadSample(i, alone[i], absmax, passing_max, nonfinite, fp64_per[i],
+                                            _suspicious(stats, i, passing), slicing.judged.get(i, SliceMethod.ALONE)))
     report.kind, report.message = _verdict(bad, report.unresolved, n, report.samples, bool(stats), slicing)
     note = slicing_note(slicing)
     if note:
@@ -271,7 +290,7 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
 
 
 def _verdict(bad, unresolved, n, samples, floating: bool, slicing: SampleSlicing) -> tuple[BisectKind, str]:
-    fp64_bad = [s["index"] for s in samples if not s["fp64_finite"]]
+    fp64_bad = [s.index for s in samples if not s.fp64_finite]
     fp64 = (f"; samples {_list(fp64_bad)} fail in float64 too (no precision setting is the fix)" if fp64_bad
             else "; float64 computes them fine")
     more = f"; {sum(len(u) for u in unresolved)} samples left unsplit" if unresolved else ""
@@ -280,11 +299,11 @@ def _verdict(bad, unresolved, n, samples, floating: bool, slicing: SampleSlicing
         return BisectKind.MODEL, (f"every one of the {n} samples fails {how}: a model (or precision) problem, "
                          f"not a data problem (see `fix`){fp64}")
     if bad:
-        odd = [s for s in samples if s["suspicious"]]
+        odd = [s for s in samples if s.suspicious]
         head = f"{len(bad)} of {n} samples fail {how}: {_list(bad)}"
         if odd:
-            what = "; ".join(f"sample {s['index']}: {s['suspicious']}" for s in odd[:5])
-            ordinary = [s["index"] for s in samples if not s["suspicious"]]
+            what = "; ".join(f"sample {s.index}: {s.suspicious}" for s in odd[:5])
+            ordinary = [s.index for s in samples if not s.suspicious]
             rest = (f"; samples {_list(ordinary)} fail with ordinary inputs (a model problem they trigger)"
                     if ordinary else "")
             return BisectKind.DATA, f"{head}; their inputs are suspicious ({what}): a data problem{rest}{fp64}{more}"
