@@ -196,8 +196,8 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
     slicing = SampleSlicing(batch_statistics_modules=p.session.batch_statistics_modules,
                             running_statistics_available=p.session.running_statistics_available)
     report = BisectReport(step=p.step, rank=p.rank, precision=p.precision, batch_size=n,
-                          micro_batches=len(p.bundle.inputs), kind=BisectKind.NOT_REPRODUCED, bad_samples=[], samples=[],
-                          unresolved=[], replays=0, message="", notes=notes, slicing=slicing)
+                          micro_batches=len(p.bundle.inputs), kind=BisectKind.NOT_REPRODUCED, bad_samples=[],
+                          samples=[], unresolved=[], replays=0, message="", notes=notes, slicing=slicing)
     if not n:
         report.message = "the saved inputs have no batch dimension: nothing to slice"
         return report
