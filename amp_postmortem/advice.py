@@ -344,37 +344,139 @@ def _bundle_step(run: Run, step, rank, notes) -> tuple[int, int | None] | None:
 
 
 def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, summary) -> list:
+    """The replayed recommendations: each remedy decided on typed outcomes
+    (`decide_*`), its words made by the `*_recommendation` functions."""
     from .replay import resolve_policy
-    from .whatif import Trial, prepare
+    from .whatif import prepare
     from .whatif.bisect import bisect_samples, slicing_note
     from .whatif.fix import find_fix
     from .whatif.scale_result import recorded_loss_dtype
-    from .whatif.scale_window import kept_note, replay_scale_window
+    from .whatif.scale_window import replay_scale_window
 
     p = prepare(run.path, step, rank=rank, model=model, device=device, policy=policy, loss_fn=loss_fn,
                 keep_inputs=True)
     notes.extend(p.notes)
     recs = []
     baseline = p.trial()
-    saved_as_recorded = Trial.of(baseline).saved
-    ref_bad = not p.reference_finite
     fix = find_fix(None, prepared=p, progress=progress, model=model, device=device, policy=policy,
-                   loss_fn=loss_fn) if not ref_bad else None
-    if not saved_as_recorded:
+                   loss_fn=loss_fn) if p.reference_finite else None
+    check_data = None
+    if not baseline.saved:
         b = bisect_samples(None, prepared=p, progress=progress)
         note = slicing_note(b.slicing)
         if note:
             notes.append(note)
-        if ref_bad or b.kind == "data":
-            recs.append(Recommendation(
-                "check_data", f"check the data of step {step}" +
-                (f": samples {', '.join(map(str, b.bad_samples))} of the batch" if b.kind == "data" else ""),
-                [b.message] + (["the float64 replay is non-finite too: no precision setting fixes it"]
-                               if ref_bad else []), "replay",
-                data={"bad_samples": b.bad_samples, "kind": b.kind, "slicing": b.slicing.to_dict()}))
-    from .analyses.instability import LOSS_RISE, find_instability, replay_evidence
+        check_data = decide_check_data(step, p.reference_finite, b)
+        if check_data is not None:
+            recs.append(check_data_recommendation(check_data))
+    instability = decide_instability(run, p, step, model=model, device=device, policy=policy, loss_fn=loss_fn)
+    window_checks = {}  # recommendation kind -> the WindowCheck its `verified` is decided on
+    keep = None
+    if fix is not None and fix.fix:
+        keep = KeepFp32(step, p.precision, fix, _modules_window_check(p, fix, model, device, policy, loss_fn),
+                        _substitute(p))
+        window_checks["keep_fp32"] = keep.window_check
+        if not instability.unstable:
+            recs.append(keep_fp32_recommendation(keep))
+    if instability.unstable:
+        recs.append(_instability_recommendation(
+            instability.report, "replay", extra=[instability.verdict.sentence()]
+            + ([instability.beyond] if instability.beyond else []) + fix_lines(keep, fix, step, baseline.saved),
+            verified=instability.decided))
+    scale_findings = bool(summary.kinds() & _SCALE_FINDINGS)
+    bf16 = None
+    if p.precision == "fp16" and (not baseline.saved or scale_findings):
+        bf16 = decide_bf16(p.trial(backoff=False, precision="bf16", loss_scale=1.0,
+                                   policy=resolve_policy(policy, p.bundle, "bf16")), p, step, model=model,
+                           device=device, policy=policy, loss_fn=loss_fn)
+        window_checks["use_bf16"] = bf16.window_check
+        recs.append(bf16_recommendation(bf16, step, _substitute(p)))
+    kept = tuple(fix.fix) if fix is not None and fix.fix else ()
+    window = None
+    if p.precision == "fp16" and p.reference_finite:
+        sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress, verify=True, model=model,
+                                 device=device, policy=policy, loss_fn=loss_fn,
+                                 loss_dtype=recorded_loss_dtype(run, step)[0])
+        window = sw.window
+        drift = window_drift(run, _forward_step(summary)) if scale_findings else {"moves": False}
+        advice = decide_scale_advice(sw, drift["moves"], scale_findings, kept)
+        if advice is ScaleAdvice.DRIFT:
+            recs.append(_drift_recommendation(
+                drift, summary, [f"{f.kind}: {f.message}" for f in summary.findings if f.kind in _SCALE_FINDINGS],
+                "recorded", extra=[f"step {step} replayed: usable 2^{window['min_k']}..2^{window['max_k']} at "
+                                   "this step only"]))
+        elif advice is ScaleAdvice.SETTINGS:
+            window_checks["scaler_settings"] = sw.window_check
+            recs.append(scaler_settings_recommendation(sw, step, kept, p.notes))
+    fp16_ok = baseline.saved or keep is not None or window is not None
+    avoid = no_fp16_config(unstable=instability.unstable, reference_finite=p.reference_finite,
+                           data_problem=check_data is not None, fp16_ok=fp16_ok,
+                           bf16_ok=bf16 is not None and bf16.avoids, precision=p.precision)
+    if avoid is not None:
+        recs.append(_avoid_recommendation(avoid, step, p.precision, baseline, fix, bf16.trial if bf16 else None,
+                                          instability.beyond))
+    for r in recs:
+        _settle_verified(r, window_checks.get(r.kind))
+    if not recs:
+        recs.append(no_change_recommendation(step, p, baseline, window, summary))
+    return recs
+
+
+def _settle_verified(r: Recommendation, check) -> None:
+    """A replayed recommendation is verified by the replays of the saved
+    steps unless the re-run of the saved window with it fails."""
+    from .whatif.window_check import WindowStatus
+    if check is not None and check.status is WindowStatus.FAILS:
+        r.verified = False  # it saves the saved step, not the window's steps after it
+        r.why = f"the re-run of the saved window with it goes non-finite at step {check.failed_at}"
+    elif r.source == "replay" and r.kind != "training_instability":
+        r.verified = True  # each rests on replays of the saved steps
+    elif r.kind == "gradient_drift":
+        r.why = "the window's drift is estimated from the recorded statistics of steps spread over the run"
+
+
+# ------------------------------------------------ replayed: the decisions
+@dataclass(frozen=True)
+class CheckData:
+    """check_data decided from the replays: the float64 run of the step is
+    non-finite too, and/or `bisect` found the data to blame."""
+    step: int
+    reference_finite: bool
+    bisect: object                 # whatif.bisect.BisectReport
+
+    @property
+    def by_samples(self) -> bool:
+        from .whatif.bisect import BisectKind
+        return self.bisect.kind is BisectKind.DATA
+
+
+def decide_check_data(step: int, reference_finite: bool, bisect) -> CheckData | None:
+    """check_data when no precision setting is the fix: float64 fails too,
+    or a few samples of the batch fail alone with suspicious inputs."""
+    from .whatif.bisect import BisectKind
+    if reference_finite and bisect.kind is not BisectKind.DATA:
+        return None
+    return CheckData(step, reference_finite, bisect)
+
+
+@dataclass(frozen=True)
+class Instability:
+    """Whether the replayed step's failure is the training's: `unstable`,
+    `decided` by a float32 re-run of the saved window (`verdict`), and the
+    float64 replay's range sentence (`beyond`, None when within range)."""
+    unstable: bool
+    decided: bool
+    report: object                 # analyses.instability.InstabilityReport
+    verdict: object                # analyses.precision_verdict.PrecisionVerdict
+    beyond: str | None
+
+
+def decide_instability(run, p, step, *, model, device, policy, loss_fn) -> Instability:
+    from .analyses.instability import LOSS_RISE, failure_step, find_instability, replay_evidence
+    from .analyses.precision_verdict import Verdict
+    from .whatif.verdict import decide
     unstable = find_instability(run)
-    beyond = replay_evidence(run, p.reference, step) if not ref_bad else None
+    beyond = replay_evidence(run, p.reference, step) if p.reference_finite else None
     rose = bool(unstable.loss_rise) and unstable.loss_rise["ratio"] >= LOSS_RISE
     # The float64 replay beyond float16's range is instability only with a
     # rising loss: a model whose exact values exceed 65504 while it trains
@@ -382,117 +484,148 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
     is_unstable = unstable.unstable or (beyond is not None and rose)
     # Decided by a float32 re-run of the saved window when there is one
     # (`whatif/verdict.py`): the recorded evidence only suggests it.
-    from .analyses.precision_verdict import Verdict
-    from .analyses.instability import failure_step
-    from .whatif.verdict import decide
     verdict = decide(run, failure_step(run), model=model, rank=p.rank, device=device, policy=policy, loss_fn=loss_fn)
     if verdict.verdict is Verdict.TRAINING_INSTABILITY:
         is_unstable = True
     elif verdict.verdict is Verdict.PRECISION:
         is_unstable = False
-    fix_lines = []
-    window_checks = {}  # recommendation kind -> the WindowCheck its `verified` is decided on
-    if fix is not None and fix.fix:
-        modules_check = window_checks["keep_fp32"] = _modules_window_check(p, fix, model, device, policy, loss_fn)
-        t = next(t for t in fix.trials if sorted(t["modules"]) == sorted(fix.fix))
-        fix_lines = [f"with {', '.join(fix.fix)} in float32 step {step} replays {_state(t)}, gradient error vs "
-                     f"float64 {_pct(t['grad_rel_err'])} ({len(fix.trials)} trials, {fix.search} search)"
-                     + _substitute(p)] + _saved_steps_lines(fix)
-        if not is_unstable:
-            partial = fix.not_saved_steps
-            recs.append(Recommendation(
-                "keep_fp32", f"keep {', '.join(fix.fix)} in float32" + (
-                    f": it saves step(s) {', '.join(map(str, fix.saved_steps))} but NOT "
-                    f"{', '.join(map(str, partial))} of the saved steps" if partial else ""),
-                [f"step {step} in {p.precision} as recorded: {_state(fix.baseline)}"] + fix_lines
-                + ([modules_check.line()] if modules_check is not None else []),
-                "replay", code=fix.patch, data={"modules": fix.fix, "trial": t, "saved_steps": fix.saved_steps,
-                                                "not_saved_steps": partial, "window_check":
-                                                modules_check.to_dict() if modules_check else None},
-                verified=True))
-    elif fix is not None and not saved_as_recorded:
-        fix_lines = [f"no set of up to {len(fix.candidates)} candidate modules kept in float32 saves step {step}"]
-    if is_unstable:
-        recs.append(_instability_recommendation(
-            unstable, "replay", extra=[verdict.sentence()] + ([beyond] if beyond else []) + fix_lines,
-            verified=verdict.verdict is Verdict.TRAINING_INSTABILITY))
-    scale_findings = bool(summary.kinds() & _SCALE_FINDINGS)
-    if p.precision == "fp16" and (not saved_as_recorded or scale_findings):
-        bf16 = p.trial(backoff=False, precision="bf16", loss_scale=1.0,
-                       policy=resolve_policy(policy, p.bundle, "bf16"))
-        avoids, confirmed, why = bf16_verdict(bf16, p.backward_start)
-        bf16_check = None
-        if avoids and model is not None:
-            from .whatif.window_check import check_over_window, run_of_bundle
-            bf16_check = check_over_window(run_of_bundle(p.bundle), step, "bfloat16 autocast and no GradScaler",
-                                           model=model, rank=p.rank, precision="bf16", device=device, policy=policy,
-                                           loss_fn=loss_fn, use_scaler=False)
-        window_checks["use_bf16"] = bf16_check
-        recs.append(Recommendation(
-            "use_bf16", _bf16_action(_bf16_outcome(avoids, confirmed, bf16_check), step, bf16_check),
-            [f"bfloat16 replay of step {step} (no loss scale): {_state(bf16)}, gradient error vs float64 "
-             f"{_pct(bf16['grad_rel_err'])}" + _substitute(p)] + ([why] if why else [])
-            + ([bf16_check.line()] if bf16_check is not None else []), "replay",
-            code=("torch.autocast(device_type, dtype=torch.bfloat16)" if avoids else None),
-            data={"avoids": avoids, "gradients_confirmed": confirmed, "trial": bf16,
-                  "window_check": bf16_check.to_dict() if bf16_check is not None else None}))
-    else:
-        bf16 = None
-    kept = tuple(fix.fix) if fix is not None and fix.fix else ()
-    window = None
-    if p.precision == "fp16" and not ref_bad:
-        sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress, verify=True, model=model,
-                                 device=device, policy=policy, loss_fn=loss_fn,
-                                 loss_dtype=recorded_loss_dtype(run, step)[0])
-        window = sw.window
-        own = [n for n in sw.notes if n not in p.notes and not (kept and n == kept_note(kept))]
-        drift = window_drift(run, _forward_step(summary)) if scale_findings else {"moves": False}
-        if window and drift["moves"]:
-            recs.append(_drift_recommendation(
-                drift, summary, [f"{f.kind}: {f.message}" for f in summary.findings if f.kind in _SCALE_FINDINGS],
-                "recorded", extra=[f"step {step} replayed: usable 2^{window['min_k']}..2^{window['max_k']} at "
-                                   "this step only"]))
-        elif window and (sw.recorded_position != "inside" or scale_findings or kept):
-            window_checks["scaler_settings"] = sw.window_check
-            checked = [f"saved step {c['step']}: " + (f"finite at 2^{c['max_finite_k']}" if c["finite_at_max"]
-                                                      else c["why"]) for c in sw.checked_steps]
-            recs.append(Recommendation(
-                "scaler_settings", f"keep the loss scale within 2^{window['min_k']}..2^{window['max_k']}",
-                [f"step {step} replayed at 2^{sw.rows[0]['k']}..2^{sw.rows[-1]['k']}"
-                 + (f" with {', '.join(kept)} in float32" if kept else "")
-                 + f": usable 2^{window['min_k']}..2^{window['max_k']}; the recorded scale "
-                   f"{sw.recorded_scale:g} is {sw.recorded_position}"]
-                + [line for line in (sw.edge_line(),) if line] + checked + own
-                + ([sw.window_check.line()] if sw.window_check is not None else []),
-                "replay", code=sw.code, data={"window": window, "settings": sw.settings,
-                                              "checked_steps": sw.checked_steps, "overflow_cause": _cause(sw),
-                                              "window_check": sw.window_check.to_dict() if sw.window_check else None},
-                verified=True))
-    fp16_ok = saved_as_recorded or (fix is not None and bool(fix.fix)) or window is not None
-    data_problem = any(r.kind == "check_data" for r in recs)
-    bf16_ok = any(r.kind == "use_bf16" and r.data["avoids"] for r in recs)
-    avoid = no_fp16_config(unstable=is_unstable, reference_finite=not ref_bad, data_problem=data_problem,
-                           fp16_ok=fp16_ok, bf16_ok=bf16_ok, precision=p.precision)
-    if avoid is not None:
-        recs.append(_avoid_recommendation(avoid, step, p.precision, baseline, fix, bf16, beyond))
-    from .whatif.window_check import WindowStatus
-    for r in recs:
-        check = window_checks.get(r.kind)
-        if check is not None and check.status is WindowStatus.FAILS:
-            r.verified = False  # it saves the saved step, not the window's steps after it
-            r.why = f"the re-run of the saved window with it goes non-finite at step {check.failed_at}"
-        elif r.source == "replay" and r.kind != "training_instability":
-            r.verified = True  # each rests on replays of the saved steps
-        elif r.kind == "gradient_drift":
-            r.why = "the window's drift is estimated from the recorded statistics of steps spread over the run"
-    if not recs:
-        inside = (f"; the recorded loss scale {p.loss_scale:g} is inside the replayed window "
-                  f"2^{window['min_k']}..2^{window['max_k']}" if window else "")
-        recs.append(Recommendation("no_change", f"step {step} replays finite as recorded: nothing to change",
-                                   [f"{p.precision} as recorded: {_state(baseline)}{inside}"] +
-                                   [f.message for f in summary.findings if f.kind == "healthy"], "replay",
-                                   verified=True))
-    return recs
+    return Instability(is_unstable, verdict.verdict is Verdict.TRAINING_INSTABILITY, unstable, verdict, beyond)
+
+
+@dataclass(frozen=True)
+class KeepFp32:
+    """The modules `fix` found, its trial with them, what it does to the
+    other saved steps and the saved window."""
+    step: int
+    precision: str
+    fix: object                    # whatif.fix.FixReport with a fix
+    window_check: object           # WindowCheck of the modules, or None
+    substitute: str = ""           # the substitute-gradient caveat ("" when none)
+
+    @property
+    def trial(self):
+        return next(t for t in self.fix.trials if sorted(t.modules) == sorted(self.fix.fix))
+
+
+@dataclass(frozen=True)
+class Bf16Replay:
+    """The bfloat16 replay of the step (no loss scale) and its window."""
+    trial: object                  # whatif.Trial
+    avoids: bool
+    confirmed: bool
+    why: str | None
+    window_check: object           # WindowCheck in bfloat16, or None
+
+    @property
+    def outcome(self) -> "Bf16Outcome":
+        return _bf16_outcome(self.avoids, self.confirmed, self.window_check)
+
+
+def decide_bf16(trial, p, step, *, model, device, policy, loss_fn) -> Bf16Replay:
+    avoids, confirmed, why = bf16_verdict(trial, p.backward_start)
+    check = None
+    if avoids and model is not None:
+        from .whatif.window_check import check_over_window, run_of_bundle
+        check = check_over_window(run_of_bundle(p.bundle), step, "bfloat16 autocast and no GradScaler",
+                                  model=model, rank=p.rank, precision="bf16", device=device, policy=policy,
+                                  loss_fn=loss_fn, use_scaler=False)
+    return Bf16Replay(trial, avoids, confirmed, why, check)
+
+
+class ScaleAdvice(enum.Enum):
+    """What the replayed loss-scale window advises."""
+    DRIFT = "drift"                # the recorded window moves: no fixed setting (gradient_drift)
+    SETTINGS = "settings"          # GradScaler settings inside the window (scaler_settings)
+
+
+def decide_scale_advice(sw, drift_moves: bool, scale_findings: bool, kept) -> ScaleAdvice | None:
+    """None when there is no window, or the recorded scale sits inside it
+    with nothing that asks about the scale."""
+    if not sw.window:
+        return None
+    if drift_moves:
+        return ScaleAdvice.DRIFT
+    if sw.recorded_position != "inside" or scale_findings or kept:
+        return ScaleAdvice.SETTINGS
+    return None
+
+
+# ---------------------------------------------------- replayed: the words
+def check_data_recommendation(c: CheckData) -> Recommendation:
+    b = c.bisect
+    return Recommendation(
+        "check_data", f"check the data of step {c.step}" +
+        (f": samples {', '.join(map(str, b.bad_samples))} of the batch" if c.by_samples else ""),
+        [b.message] + ([] if c.reference_finite else
+                       ["the float64 replay is non-finite too: no precision setting fixes it"]), "replay",
+        data={"bad_samples": b.bad_samples, "kind": b.kind.value, "slicing": b.slicing.to_dict()})
+
+
+def fix_lines(keep: KeepFp32 | None, fix, step, saved_as_recorded: bool) -> list:
+    """What the module-level fix does, as evidence (keep_fp32's, or the
+    instability's when keep_fp32 is only evidence)."""
+    if keep is not None:
+        t = keep.trial
+        return [f"with {', '.join(fix.fix)} in float32 step {step} replays {_state(t)}, gradient error vs "
+                f"float64 {_pct(t.grad_rel_err)} ({len(fix.trials)} trials, {fix.search} search)"
+                + keep.substitute] + _saved_steps_lines(fix)
+    if fix is not None and not saved_as_recorded:
+        return [f"no set of up to {len(fix.candidates)} candidate modules kept in float32 saves step {step}"]
+    return []
+
+
+def keep_fp32_recommendation(k: KeepFp32) -> Recommendation:
+    fix, check = k.fix, k.window_check
+    partial = fix.not_saved_steps
+    return Recommendation(
+        "keep_fp32", f"keep {', '.join(fix.fix)} in float32" + (
+            f": it saves step(s) {', '.join(map(str, fix.saved_steps))} but NOT "
+            f"{', '.join(map(str, partial))} of the saved steps" if partial else ""),
+        [f"step {k.step} in {k.precision} as recorded: {_state(fix.baseline)}"]
+        + fix_lines(k, fix, k.step, False) + ([check.line()] if check is not None else []),
+        "replay", code=fix.patch, data={"modules": fix.fix, "trial": k.trial.to_dict(), "saved_steps": fix.saved_steps,
+                                        "not_saved_steps": partial, "window_check":
+                                        check.to_dict() if check else None},
+        verified=True)
+
+
+def bf16_recommendation(b: Bf16Replay, step, substitute: str) -> Recommendation:
+    return Recommendation(
+        "use_bf16", _bf16_action(b.outcome, step, b.window_check),
+        [f"bfloat16 replay of step {step} (no loss scale): {_state(b.trial)}, gradient error vs float64 "
+         f"{_pct(b.trial.grad_rel_err)}" + substitute] + ([b.why] if b.why else [])
+        + ([b.window_check.line()] if b.window_check is not None else []), "replay",
+        code=("torch.autocast(device_type, dtype=torch.bfloat16)" if b.avoids else None),
+        data={"avoids": b.avoids, "gradients_confirmed": b.confirmed, "trial": b.trial.to_dict(),
+              "window_check": b.window_check.to_dict() if b.window_check is not None else None})
+
+
+def scaler_settings_recommendation(sw, step, kept, step_notes) -> Recommendation:
+    from .whatif.scale_window import kept_note
+    window = sw.window
+    own = [n for n in sw.notes if n not in step_notes and not (kept and n == kept_note(kept))]
+    return Recommendation(
+        "scaler_settings", f"keep the loss scale within 2^{window['min_k']}..2^{window['max_k']}",
+        [f"step {step} replayed at 2^{sw.rows[0]['k']}..2^{sw.rows[-1]['k']}"
+         + (f" with {', '.join(kept)} in float32" if kept else "")
+         + f": usable 2^{window['min_k']}..2^{window['max_k']}; the recorded scale "
+           f"{sw.recorded_scale:g} is {sw.recorded_position}"]
+        + [line for line in (sw.edge_line(),) if line] + [c.line() for c in sw.checked_steps] + own
+        + ([sw.window_check.line()] if sw.window_check is not None else []),
+        "replay", code=sw.code, data={"window": window, "settings": sw.settings,
+                                      "checked_steps": [c.to_dict() for c in sw.checked_steps],
+                                      "overflow_cause": _cause(sw),
+                                      "window_check": sw.window_check.to_dict() if sw.window_check else None},
+        verified=True)
+
+
+def no_change_recommendation(step, p, baseline, window, summary) -> Recommendation:
+    inside = (f"; the recorded loss scale {p.loss_scale:g} is inside the replayed window "
+              f"2^{window['min_k']}..2^{window['max_k']}" if window else "")
+    return Recommendation("no_change", f"step {step} replays finite as recorded: nothing to change",
+                          [f"{p.precision} as recorded: {_state(baseline)}{inside}"] +
+                          [f.message for f in summary.findings if f.kind == "healthy"], "replay",
+                          verified=True)
 
 
 class Bf16Outcome(enum.Enum):
@@ -572,11 +705,11 @@ def _saved_steps_lines(fix) -> list:
         return []
     out = [f"tried on every saved step of the run: saves {', '.join(map(str, fix.saved_steps))}"
            + (f"; does NOT save {', '.join(map(str, fix.not_saved_steps))}" if fix.not_saved_steps else "")]
-    out += [f"step {c['step']}: {c['why']}" for c in fix.saved_steps_check if not c["saved"]]
+    out += [f"step {c.step}: {c.why}" for c in fix.saved_steps_check if not c.saved]
     return out
 
 
-def bf16_verdict(trial: dict, backward_start: str = "saved") -> tuple[bool, bool, str | None]:
+def bf16_verdict(trial, backward_start: str = "saved") -> tuple[bool, bool, str | None]:
     """(avoids, gradients_confirmed, why) of a bfloat16 trial, judged like
     every other trial (`whatif.judge`: its `saved`), except that a verdict
     resting on the gradients (parameter gradients off float64, or a module
@@ -584,8 +717,8 @@ def bf16_verdict(trial: dict, backward_start: str = "saved") -> tuple[bool, bool
     a substitute output gradient (`backward_start` "substitute_mean": the
     saved one was NaN/Inf): a finite trial then avoids the problem, with its
     gradient accuracy unconfirmed."""
-    from .whatif import NotSavedBy, Trial
-    t = Trial.of(trial)
+    from .whatif import NotSavedBy
+    t = trial
     by, why = t.not_saved_by, t.why
     if by is NotSavedBy.NOTHING:
         return True, True, None
@@ -610,11 +743,10 @@ def _forward_step(summary) -> int | None:
 
 
 def _state(t) -> str:
-    from .whatif import Trial
-    trial = Trial.of(t)
-    if trial.finite:
-        return "finite" + (f" (at loss scale {trial.loss_scale:g})" if trial.backed_off else "")
-    return f"non-finite in the {' and '.join(trial.nonfinite_phases)} ({trial.nonfinite_values} NaN/Inf values)"
+    """A trial's state in a few words (`whatif.Trial`)."""
+    if t.finite:
+        return "finite" + (f" (at loss scale {t.loss_scale:g})" if t.backed_off else "")
+    return f"non-finite in the {' and '.join(t.nonfinite_phases)} ({t.nonfinite_values} NaN/Inf values)"
 
 
 def _pct(v) -> str:

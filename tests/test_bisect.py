@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import whatif_runs as W
 from amp_postmortem.cli import main
-from amp_postmortem.whatif.bisect import SliceMethod, bisect_samples, slicing_note
+from amp_postmortem.whatif.bisect import BisectKind, SliceMethod, bisect_samples, slicing_note
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,10 +20,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_bisection_finds_the_planted_bad_samples():
     r = bisect_samples(W.bad_samples_run(), W.BAD_STEP, model=W.AttnNet)
-    assert r.kind == "data" and r.bad_samples == list(W.BAD_SAMPLES)
+    assert r.kind is BisectKind.DATA and r.bad_samples == list(W.BAD_SAMPLES)
     assert r.batch_size == W.BATCH and r.bad_share == 2 / 16 and r.unresolved == []
     for s in r.samples:
-        assert s["fp64_finite"] is True and s["input_nonfinite"] == 0 and s["input_absmax"] > 500
+        assert s.fp64_finite is True and s.input_nonfinite == 0 and s.input_absmax > 500
     assert "3, 11" in r.message and "float64 computes them fine" in r.message
     # Whole batch, two halves, then only the failing groups: far fewer than 2n.
     assert r.replays <= 1 + 2 * 2 * 4
@@ -31,13 +31,13 @@ def test_bisection_finds_the_planted_bad_samples():
 
 def test_every_sample_failing_is_a_model_problem():
     r = bisect_samples(W.attn_overflow_run(), 0, model=W.AttnNet)
-    assert r.kind == "model" and r.bad_samples == list(range(W.BATCH))
+    assert r.kind is BisectKind.MODEL and r.bad_samples == list(range(W.BATCH))
     assert r.replays == 2 * W.BATCH - 1
 
 
 def test_a_finite_step_has_nothing_to_bisect():
     r = bisect_samples(W.healthy_run(), W.HEALTHY_BUNDLE_STEP, model=W.AttnNet)
-    assert r.kind == "not_reproduced" and r.bad_samples == [] and r.replays == 1
+    assert r.kind is BisectKind.NOT_REPRODUCED and r.bad_samples == [] and r.replays == 1
 
 
 def test_the_replay_budget_leaves_groups_unresolved():
@@ -98,12 +98,12 @@ def test_a_few_failing_samples_with_ordinary_inputs_are_a_model_problem(token_ru
     """Token ids cannot be NaN/Inf or out of range: samples that fail alone
     trigger a model (precision) problem, not a data problem."""
     r = bisect_samples(token_run, 0, model=TokenNet)
-    assert r.bad_samples == list(TOKEN_SAMPLES) and r.kind == "model"
+    assert r.bad_samples == list(TOKEN_SAMPLES) and r.kind is BisectKind.MODEL
     assert r.suspicious_samples == []
     for s in r.samples:
         # Integer inputs: nothing meaningless (a 0 absmax) is reported.
-        assert s["input_absmax"] is None and s["input_nonfinite"] is None and s["suspicious"] is None
-        assert s["fp64_finite"] is True and s["not_saved_by"] == "NaN/Inf"
+        assert s.input_absmax is None and s.input_nonfinite is None and s.suspicious is None
+        assert s.fp64_finite is True and s.to_dict()["not_saved_by"] == "NaN/Inf"
     assert "5, 12" in r.message and "a model (or precision) problem that these samples trigger" in r.message
     assert "data problem" in r.message and "not a data problem" in r.message
     assert r.to_dict()["suspicious_samples"] == []
@@ -113,7 +113,7 @@ def test_suspicious_float_inputs_are_reported_per_sample():
     r = bisect_samples(W.bad_samples_run(), W.BAD_STEP, model=W.AttnNet)
     assert r.suspicious_samples == list(W.BAD_SAMPLES)
     for s in r.samples:
-        assert s["input_absmax"] > 10 * s["passing_absmax"] and "more than 10x" in s["suspicious"]
+        assert s.input_absmax > 10 * s.passing_absmax and "more than 10x" in s.suspicious
 
 
 def test_bisect_fix_and_recommend_share_one_criterion(monkeypatch, token_run):
@@ -126,14 +126,14 @@ def test_bisect_fix_and_recommend_share_one_criterion(monkeypatch, token_run):
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
-        calls.append(out["saved"])
+        calls.append(out.saved)
         return out
     monkeypatch.setattr(whatif, "judge", spy)
     r = bisect_samples(token_run, 0, model=TokenNet)
     assert len(calls) == r.replays
     calls.clear()
     f = find_fix(token_run, 0, model=TokenNet)
-    assert len(calls) == 1 + len(f.trials) and calls[0] is f.baseline["saved"]
+    assert len(calls) == 1 + len(f.trials) and calls[0] is f.baseline.saved
 
 
 # ------------------------------------------------ a model that normalises over the batch
@@ -141,7 +141,7 @@ def test_one_sample_slices_keep_their_meaning_without_batch_statistics():
     r = bisect_samples(W.bad_samples_run(), W.BAD_STEP, model=W.AttnNet)
     d = r.to_dict()["slicing"]
     assert d["batch_statistics_modules"] == [] and d["min_slice"] == 1 and d["methods"] == ["alone"]
-    assert all(s["judged"] == "alone" for s in r.samples)
+    assert all(s.judged is SliceMethod.ALONE for s in r.samples)
     assert not any("normalise over the batch" in n for n in r.notes)
 
 
@@ -149,11 +149,11 @@ def test_a_batchnorm_cnn_is_bisected_in_slices_of_two():
     """One-sample slices raise in BatchNorm1d (training): every slice keeps
     two samples, and the failing ones are judged paired with a passing one."""
     r = bisect_samples(W.batchnorm_bad_sample_run(), 1, model=W.BatchNormCNN)
-    assert r.kind == "data" and r.bad_samples == [W.CNN_BAD_SAMPLE] and r.unresolved == []
+    assert r.kind is BisectKind.DATA and r.bad_samples == [W.CNN_BAD_SAMPLE] and r.unresolved == []
     s = r.slicing
     assert s.batch_statistics_modules == ("bn", "bn1") and s.min_slice == 2
     assert s.methods() == [SliceMethod.PAIRED] and s.partner is not None and s.partner != W.CNN_BAD_SAMPLE
-    assert r.samples[0]["judged"] == "paired" and r.samples[0]["fp64_finite"] is True
+    assert r.samples[0].judged is SliceMethod.PAIRED and r.samples[0].fp64_finite is True
     assert f"paired with sample {s.partner} (which passes)" in r.message
     note = next(n for n in r.notes if "normalise over the batch" in n)
     assert note == slicing_note(s) and "bn, bn1" in note and "at least 2 samples" in note
@@ -164,17 +164,17 @@ def test_with_no_sample_passing_batchnorm_runs_on_its_running_statistics():
     partner, so each sample is judged alone with BatchNorm on its running
     statistics, and the note says so."""
     r = bisect_samples(W.batchnorm_inf_weight_run(), 0, model=W.BatchNormCNN)
-    assert r.kind == "model" and r.bad_samples == list(range(W.CNN_BATCH))
+    assert r.kind is BisectKind.MODEL and r.bad_samples == list(range(W.CNN_BATCH))
     assert r.slicing.methods() == [SliceMethod.RUNNING_STATISTICS] and r.slicing.partner is None
-    assert {s["judged"] for s in r.samples} == {"running_statistics"}
-    assert all(s["fp64_finite"] for s in r.samples)
+    assert {s.judged for s in r.samples} == {SliceMethod.RUNNING_STATISTICS}
+    assert all(s.fp64_finite for s in r.samples)
     assert "on running statistics" in r.message
     assert any("running statistics (as in eval mode" in n for n in r.notes)
 
 
 def test_without_running_statistics_the_groups_stay_whole():
     r = bisect_samples(W.batchnorm_inf_weight_run(False), 0, model=W.BatchNormCNNWithoutRunningStats)
-    assert r.kind == "batch" and r.bad_samples == [] and r.samples == []
+    assert r.kind is BisectKind.BATCH and r.bad_samples == [] and r.samples == []
     assert sorted(i for g in r.unresolved for i in g) == list(range(W.CNN_BATCH))
     assert r.slicing.unsplit == r.unresolved and all(len(g) >= 2 for g in r.unresolved)
     assert "could not be isolated" in r.message

@@ -26,16 +26,16 @@ def scores_fix():
 
 def test_fix_names_the_planted_module(scores_fix):
     r = scores_fix
-    assert r.baseline["forward_finite"] is False and r.baseline["saved"] is False
+    assert r.baseline.forward_finite is False and r.baseline.saved is False
     assert r.candidates[0]["name"] == "scores" and r.candidates[0]["status"] == "broken"
     assert "" not in [c["name"] for c in r.candidates]
     assert r.fix == ["scores"] and r.search == "single"
-    trial = next(t for t in r.trials if t["modules"] == ["scores"])
-    assert trial["finite"] and trial["saved"] and trial["grad_rel_err"] < 0.01
+    trial = next(t for t in r.trials if t.modules == ("scores",))
+    assert trial.finite and trial.saved and trial.grad_rel_err < 0.01
     # The backward at the recorded scale 256 overflows (k is large): the
     # trial is judged where a scaler backing off would land.
-    assert trial["loss_scale"] < W.RECORDED_SCALE and trial["backoffs"] >= 1
-    assert all(not t["saved"] for t in r.trials if t["modules"] != ["scores"])
+    assert trial.loss_scale < W.RECORDED_SCALE and trial.backoffs >= 1
+    assert all(not t.saved for t in r.trials if t.modules != ("scores",))
     assert r.patch == "from recorders.fp32 import keep_fp32\nkeep_fp32(model.scores)"
 
 
@@ -63,8 +63,8 @@ def test_emulated_cuda_policy_is_switched_off_inside_the_kept_module():
 
 def test_greedy_search_when_no_single_module_suffices():
     r = find_fix(W.two_spikes_run(), 0, model=W.TwoSpikes)
-    singles = [t for t in r.trials if len(t["modules"]) == 1]
-    assert singles and not any(t["saved"] for t in singles)
+    singles = [t for t in r.trials if len(t.modules) == 1]
+    assert singles and not any(t.saved for t in singles)
     assert r.search == "greedy" and sorted(r.fix) == ["first", "second"]
     assert r.patch.splitlines()[1:] == ["keep_fp32(model.first)", "keep_fp32(model.second)"]
 
@@ -138,11 +138,11 @@ def test_a_finite_step_with_a_broken_module_is_not_saved_and_the_module_is_named
     r = find_fix(finite_but_broken_run, 0, model=NormNet)
     b = r.baseline
     # Finite as recorded, yet not saved: the replay's own statuses judge it.
-    assert b["finite"] is True and b["saved"] is False and b["why"]
+    assert b.finite is True and b.saved is False and b.why
     assert r.search == "single" and r.fix == ["norm"]
-    kept = next(t for t in r.trials if t["modules"] == ["norm"])
-    assert kept["saved"] and kept["culprit"] is None and kept["params_off"] == {}
-    assert kept["grad_rel_err"] < b["grad_rel_err"] / 10
+    kept = next(t for t in r.trials if t.modules == ("norm",))
+    assert kept.saved and kept.culprit is None and kept.params_off == {}
+    assert kept.grad_rel_err < b.grad_rel_err / 10
     assert r.candidates[0]["name"] == "norm" and r.candidates[0]["status"] == "broken"
     assert "finite but NOT saved" in r.lines()[1]
     assert r.patch.splitlines()[1] == "keep_fp32(model.norm)"
@@ -155,8 +155,8 @@ def test_fix_judges_by_the_same_rule_as_the_replay(finite_but_broken_run):
     rep = replay(finite_but_broken_run, 0, model=NormNet, precisions="fp64,fp16")
     t = prepare(finite_but_broken_run, 0, model=NormNet).trial()
     assert rep.culprit is not None and rep.culprit["name"] == "norm"
-    assert t["finite"] and not t["saved"]
-    assert (t["culprit"] or {}).get("name") == "norm" or t["params_off"]
+    assert t.finite and not t.saved
+    assert (t.culprit or {}).get("name") == "norm" or t.params_off
 
 
 # ------------------------------------------- the fix tried on every saved step
@@ -168,7 +168,7 @@ def test_fix_tells_saved_from_not_saved_steps():
     assert r.fix == ["spike_a"]
     assert (r.saved_steps, r.not_saved_steps) == ([1], [3])
     step3 = r.saved_steps_check[1]
-    assert step3["step"] == 3 and step3["why"].startswith("with spike_a in float32: NaN/Inf in the forward")
+    assert step3.step == 3 and step3.why.startswith("with spike_a in float32: NaN/Inf in the forward")
     assert "does NOT save step(s) 3" in "\n".join(r.lines())
     d = r.to_dict()
     assert (d["saved_steps"], d["not_saved_steps"]) == ([1], [3])

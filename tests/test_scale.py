@@ -188,3 +188,48 @@ def test_a_future_crossing_is_projected(collapse_run):
     rep = scale_dynamics(load_run(collapse_run))
     assert rep.underflow_reached_step is None and rep.projected_underflow_step == 99
     assert "at this rate it reaches the gradient underflow level" in rep.reason
+
+
+def _planted_halvings(path, bad_steps, steps=40, scaler=None):
+    """BoomNet under the real recorder and a GradScaler("cpu") (default:
+    growth_interval 2000, no growth in 40 steps), its head's weight
+    gradient made Inf after the backward of each step in `bad_steps`: the
+    scaler skips and halves exactly there, whatever the CPU's kernels."""
+    import torch
+    from tiny_models import BoomNet, recorder_at, train
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(steps)]
+
+    def plant(step, model):
+        if step in bad_steps:
+            model.head.weight.grad.mul_(float("inf"))
+
+    train(BoomNet(), data, recorder=recorder_at(path), scaler=scaler or {}, lr=0.01, before_update=plant)
+    return load_run(path)
+
+
+@pytest.mark.parametrize("bad_steps, onset, calibration, scaler", [
+    # the overflow grows more frequent: 2 clean steps, then 1, 1, then every step
+    ({20, 23, 25, 27} | set(range(28, 40)), 20, 0, None),
+    # the same after two calibration skips of the fresh scaler: they are no onset
+    ({0, 1, 20, 23, 25, 27} | set(range(28, 40)), 20, 2, None),
+    # a lone back-off 10 steps before the run is not part of it
+    ({10} | set(range(20, 40)), 20, 0, None),
+    # growth every 5 clean steps (4, 9, 14): the back-off at 15 is the growth's probe (back to 1024,
+    # where the scale was); the run that falls below starts at 18
+    ({15, 18, 20} | set(range(21, 40)), 18, 0, {"init_scale": 256.0, "growth_interval": 5}),
+])
+def test_the_collapse_onset_is_the_first_planted_halving(tmp_path, one_torch_thread, bad_steps, onset,
+                                                         calibration, scaler):
+    run = _planted_halvings(tmp_path / "planted", bad_steps, scaler=scaler)
+    scale_after = run.steps.set_index("step")["loss_scale"]
+    scale_before = run.steps.set_index("step")["loss_scale_before"]
+    assert all(scale_after[s] == scale_before[s] / 2 for s in bad_steps)   # each plant took
+    rep = scale_dynamics(run)
+    assert rep.status == "collapse" and rep.calibration_steps == calibration
+    assert rep.onset_step == onset
+    assert f"since step {onset} " in rep.reason
+    before = [s for s in range(calibration, onset)]
+    assert rep.skip_rate_before_onset == pytest.approx(sum(s in bad_steps for s in before) / len(before))

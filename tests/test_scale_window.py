@@ -179,7 +179,7 @@ def test_replayed_window_edges_replay_finite_and_one_past_does_not():
     assert _finite_at(run, 0, top) and not _finite_at(run, 0, top + 1)
     # the other saved step was checked at the top, and the printed
     # GradScaler settings keep every saved step finite
-    assert [c["step"] for c in sw.checked_steps] == [2] and sw.checked_steps[0]["finite_at_max"]
+    assert [c.step for c in sw.checked_steps] == [2] and sw.checked_steps[0].finite_at_max
     k = int(math.log2(sw.settings["init_scale"]))
     assert all(_finite_at(run, s, k) for s in A.LOWER_SCALE_BUNDLES)
 

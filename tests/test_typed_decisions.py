@@ -50,6 +50,81 @@ def test_no_decision_reads_the_words_of_a_note():
     assert found == []
 
 
+# The keys of the dict form of a trial, a saved-step check, a bfloat16
+# replay and a bisected sample: rendered, never decided on.
+_TYPED_KEYS = {"saved", "saved_as_recorded", "fails", "finite", "not_saved_by", "culprit", "params_off", "backoffs",
+               "why", "finite_at_max", "max_finite_k", "avoids", "gradients_confirmed", "modules", "suspicious",
+               "fp64_finite", "judged"}
+# bisect's verdicts (`BisectKind`): compared as the enum, never as its JSON string.
+_BISECT_KINDS = {"not_reproduced", "model", "data", "batch"}
+
+
+def _decision_modules():
+    root = Path(amp_postmortem.__file__).parent
+    return sorted((root / "whatif").glob("*.py")) + [root / "advice.py"]
+
+
+def _readers_of_the_dict_form(tree):
+    """Nodes inside `Trial.of`, the one reader of a trial's dict form."""
+    allowed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "Trial":
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "of":
+                    allowed |= {id(n) for n in ast.walk(fn)}
+    return allowed
+
+
+def test_no_decision_reads_a_trial_or_a_check_as_a_string_keyed_dict():
+    """Trials, saved-step checks and bfloat16 replays are dataclasses:
+    nothing in the what-if modules or in recommend subscripts them (or
+    calls .get) by one of their keys; only `Trial.of` reads the dict form
+    (a `--json` document read back)."""
+    found = []
+    for path in _decision_modules():
+        tree = ast.parse(path.read_text(), str(path))
+        allowed = _readers_of_the_dict_form(tree)
+        for node in ast.walk(tree):
+            if id(node) in allowed:
+                continue
+            key = None
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                    and isinstance(node.slice, ast.Constant):
+                key = node.slice.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                  and node.args and isinstance(node.args[0], ast.Constant)):
+                key = node.args[0].value
+            if key in _TYPED_KEYS:
+                found.append(f"{path.name}:{node.lineno} [{key!r}]")
+    assert found == []
+
+
+def test_bisect_kinds_are_compared_as_the_enum():
+    found = []
+    for path in _decision_modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(x, ast.Attribute) and x.attr == "kind" for x in sides) and any(
+                        isinstance(x, ast.Constant) and x.value in _BISECT_KINDS for x in sides):
+                    found.append(f"{path.name}:{node.lineno}")
+    assert found == []
+
+
+def test_a_typed_trial_renders_the_dict_it_replaced():
+    """`Trial.to_dict` is the `--json` form: the keys (and values) of the
+    dict `Prepared.trial` returned before it was typed."""
+    from amp_postmortem.whatif import Trial
+    metrics = {"finite": True, "forward_finite": True, "backward_finite": True, "nonfinite_values": 0,
+               "nonfinite_params": 0, "loss": 1.5, "loss_rel_err": 0.01, "output_rel_err": 0.02,
+               "grad_rel_err": 0.03, "worst_param": "w", "worst_param_rel_err": 0.04, "params_off": {},
+               "error": None, "loss_scale": 256.0, "backoffs": 0, "saved": True, "why": None, "culprit": None}
+    assert Trial.of(metrics).to_dict() == metrics
+    in_fix = {"modules": ["a", "b"], "round": 2, **metrics}
+    assert Trial.of(in_fix).to_dict() == in_fix
+    assert Trial.of(metrics).with_modules(("a",), 1).to_dict() == {"modules": ["a"], "round": 1, **metrics}
+
+
 class _Stub:
     """A prepared step whose float64 run is non-finite and whose note says
     so in other words; replaying it is an error (nothing should)."""
@@ -64,9 +139,9 @@ class _Stub:
         return SimpleNamespace(calls={})
 
     def trial(self, **changes):
-        return {"saved": False, "finite": False, "forward_finite": False, "backward_finite": False,
-                "nonfinite_values": 3, "grad_rel_err": None, "loss_scale": 256.0, "backoffs": 0,
-                "why": "NaN/Inf in the forward", "culprit": None, "params_off": {}}
+        return whatif.Trial.of({"saved": False, "finite": False, "forward_finite": False, "backward_finite": False,
+                                "nonfinite_values": 3, "grad_rel_err": None, "loss_scale": 256.0, "backoffs": 0,
+                                "why": "NaN/Inf in the forward", "culprit": None, "params_off": {}})
 
     def policy_dict(self):
         return {"device_type": "cpu", "emulated": False}
@@ -89,7 +164,8 @@ def test_the_saved_steps_check_reads_the_typed_reference_status(monkeypatch):
         monkeypatch.setattr(whatif, "other_bundles", lambda p: [(1, "/nonexistent/step1")])
         monkeypatch.setattr(whatif, "prepare_like", lambda p, path, **k: _Stub(reference_finite=finite))
         out = fix_mod.try_on_saved_steps(_Stub(True), ["m"])
-        assert out[1] == {"step": 1, "saved": False, "saved_as_recorded": False, "why": want}
+        assert out[1] == fix_mod.StepCheck(1, saved=False, saved_as_recorded=False, why=want)
+        assert out[1].to_dict() == {"step": 1, "saved": False, "saved_as_recorded": False, "why": want}
 
 
 def test_the_producers_note_is_one_constant():

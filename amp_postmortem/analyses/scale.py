@@ -11,8 +11,13 @@ of backoffs. The steps:
    from a scale that worked).
 2. Onset: the best two-segment piecewise-linear least-squares fit of
    log2(scale) over step (exact, over every break, with cumulative sums)
-   finds the break; the onset is the first step whose scale fell there (the
-   first back-off of the decline, never a clean step before it). When that segment is not a
+   finds the break; the onset is the first back-off of the run of back-offs
+   that leads to the collapse, never a clean step before it: the fit can
+   land inside the run when its first back-offs come a few clean steps
+   apart, so earlier back-offs join it while each came at most
+   `ONSET_SPACING_RATIO` times the spacing of the next one, the scale did
+   not grow in between and it is no growth probe (calibration skips are
+   never the onset). When that segment is not a
    collapse, the fit is repeated on it (binary segmentation), since a
    collapse is a decline that lasts until the end of the run.
 3. Trend after the onset: Kendall's tau (significance `ALPHA`) and the
@@ -70,6 +75,8 @@ STUCK_SKIP_RATE = 0.05        # real-overflow skips per step that pin the scale.
 STUCK_MIN_SKIPS = 5           # ...counted over at least this many skips
 MIN_TREND_STEPS = 8           # fewer post-calibration steps: no trend test
 MIN_SEGMENT = 3               # shortest segment of the change-point fit
+ONSET_SPACING_RATIO = 2.0     # an earlier back-off joins the collapse's run when it came at most this
+                              # many times the spacing of the next back-off (a run that speeds up)
 MAX_DRIVER_STEPS = 500        # most recent skipped steps read for drivers
 MAX_THEILSEN_POINTS = 2000    # Theil-Sen is O(n^2): subsample evenly above this
 
@@ -179,7 +186,7 @@ def scale_dynamics(run: Run) -> ScaleReport:
         collapse = _collapse(x, yy, grew[calib:], shrank[calib:])
     if collapse is not None:
         k, slope, lo, hi, tau, p, drop = collapse
-        k = _first_fall(shrank[calib:], k)
+        k = _first_fall(shrank[calib:], k, grew[calib:])
         onset = int(x[k])
         seg_skips = skipped[calib:]
         report.status = "collapse"
@@ -312,17 +319,49 @@ def _collapse_at(x, y, grew, shrank, k):
 
 
 
-def _first_fall(shrank, k: int) -> int:
-    """The onset as the data has it: the first step whose scale fell. The
-    fitted break can land on a clean step just before the first back-off
-    (or just after one): back over falls that directly precede it, then
-    forward to the first fall."""
+def _first_fall(shrank, k: int, grew=None) -> int:
+    """The onset as the data has it: the first back-off of the run of
+    back-offs that leads to the collapse. The fitted break can land on a
+    clean step just before the first back-off (or just after one): back
+    over falls that directly precede it, then forward to the first fall.
+    It can also land inside the run when the run's first back-offs come a
+    few clean steps apart (an overflow that grows more frequent): so go on
+    back over earlier back-offs while each came at most
+    `ONSET_SPACING_RATIO` times the spacing of the back-off after it, the
+    scale did not grow in between (a growth: it had recovered) and it is
+    no growth probe (a back-off right after a growth returns the scale to
+    where it was: the decline starts after it)."""
+    grew = np.asarray(grew if grew is not None else np.zeros(len(shrank)), bool)
     j = k
-    while j > 0 and shrank[j - 1]:
+    while j > 0 and shrank[j - 1] and not _is_probe(grew, shrank, j - 1):
         j -= 1
     while j < len(shrank) - 1 and not shrank[j]:
         j += 1
-    return j
+    falls = [int(i) for i in np.flatnonzero(np.asarray(shrank, bool))]
+    if j not in falls:
+        return j
+    grown = np.cumsum(grew)
+    at = falls.index(j)
+    while at > 0:
+        earlier, here = falls[at - 1], falls[at]
+        spacing_after = falls[at + 1] - here if at + 1 < len(falls) else 1
+        if grown[here] != grown[earlier] or here - earlier > ONSET_SPACING_RATIO * spacing_after:
+            break
+        if _is_probe(grew, shrank, earlier):
+            break  # the scaler finding its ceiling after a growth: back to where it was, no decline
+        at -= 1
+    return falls[at]
+
+
+def _is_probe(grew, shrank, i: int) -> bool:
+    """Whether the back-off at i follows a growth (no back-off in between):
+    a growth probe, as `_real_skips` counts it."""
+    for j in range(i - 1, -1, -1):
+        if grew[j]:
+            return True
+        if shrank[j]:
+            return False
+    return False
 
 
 def _real_skips(skipped, grew, shrank) -> tuple[float, int]:

@@ -153,135 +153,31 @@ def scaler_words(scaler: dict | None) -> str:
 
 
 def summarize(run: Run, *, window: int | None = None) -> Summary:
-    """Run facts and the findings of `nans`, `scale` and `ranges`, most severe first."""
+    """Run facts and the findings of `nans`, `scale` and `ranges`, most severe first.
+
+    Each `_*_finding` decides on the analyses' typed results whether its
+    finding applies; the words of every finding are made in one place
+    below (`# words`)."""
     nans = find_nans(run)
     scale = scale_dynamics(run)
     ranges = layer_ranges(run, window=WINDOW if window is None else window)
     target = shlex.quote(str(run.path))
-    findings: list[Finding] = []
-
-    fwd = nans.origins.get("forward")
-    bwd = nans.origins.get("backward")
     per_step = run.step_series().steps  # never the whole steps table: millions of rows at 1,000 ranks
     skipped = set(per_step.loc[per_step["skipped_any"], "step"].astype(int))
-    applied_bad = _applied_nonfinite_steps(run)
-    if fwd is not None:
-        findings.append(Finding(
-            "nonfinite", "critical", fwd.step, fwd.name,
-            f"the forward pass turned non-finite at step {fwd.step}: first made by "
-            f"{_display(fwd.name)} ({fwd.kind}, rank {fwd.rank})"
-            + (f"; the loss was NaN/Inf in {len(nans.nonfinite_loss_steps)} step(s)"
-               if nans.nonfinite_loss_steps else ""),
-            f"amp-postmortem nans {target}",
-            {"origin": fwd.to_dict(), "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
-             "propagated_layers": int((~nans.layers["origin"]).sum())}))
-    elif applied_bad:
-        first = applied_bad[0]
-        where = bwd if bwd is not None and bwd.step == first else None
-        findings.append(Finding(
-            "nonfinite", "critical", first, where.name if where else None,
-            f"non-finite gradients were applied by the optimizer in {len(applied_bad)} step(s), first at "
-            f"step {first}" + (f" (born in {_display(where.name)}, {where.kind})" if where else ""),
-            f"amp-postmortem nans {target}",
-            {"applied_steps": len(applied_bad), "origin": where.to_dict() if where else None}))
-
     unstable = find_instability(run)
     verdict = undetermined(run, unstable.failure_step) if unstable.failure_step is not None else None
-    if unstable.unstable:
-        findings.append(instability_finding(unstable, verdict, target))
-
-    if scale.status == "collapse":
-        drivers = ", ".join(_display(d) for d in scale.drivers[:3]) or "unknown"
-        proj = underflow_phrase(scale, "; ")
-        findings.append(Finding(
-            "scale_collapse", "critical", scale.onset_step, scale.drivers[0] if scale.drivers else None,
-            f"the loss scale collapses from step {scale.onset_step}: {scale.halvings_per_kstep:.3g} halvings "
-            f"per 1000 steps, now {scale.final_scale:.3g}; skip rate {_pct(scale.skip_rate_before_onset)} "
-            f"before, {_pct(scale.skip_rate_after_onset)} after; overflows born in {drivers}{proj}",
-            f"amp-postmortem scale {target}",
-            {k: scale.to_dict()[k] for k in ("onset_step", "halvings_per_kstep", "final_scale",
-                                             "skip_rate_before_onset", "skip_rate_after_onset",
-                                             "underflow_scale", "projected_underflow_step",
-                                             "underflow_reached_step", "drivers")}))
-    elif scale.status in ("stuck_low", "growth_blocked"):
-        findings.append(Finding(
-            "stuck_low_scale", "error", scale.last_step, scale.drivers[0] if scale.drivers else None,
-            f"loss scale {scale.status.replace('_', ' ')}: {scale.reason}",
-            f"amp-postmortem scale {target}",
-            {"status": scale.status, "final_scale": scale.final_scale, "skip_rate": scale.skip_rate,
-             "longest_skip_streak": scale.longest_skip_streak}))
-
-    under = ranges.flagged("underflow")
-    if len(under):
-        worst = under.sort_values("recent_underflow_share", ascending=False, kind="stable").iloc[0]
-        where = underflow_measured(run, str(worst["name"]), ranges.first_step, limit=worst["range_dtype"])
-        findings.append(Finding(
-            "grad_underflow", "warning", int(worst["evidence_last_step"]), worst["name"],
-            f"{len(under)} gradient(s) underflow in {worst['range_dtype']} at the recorded scale: "
-            f"{_display(worst['name'])} has {worst['recent_underflow_share']:.0%} of "
-            f"{sampled_values(worst['share_sample_size'])} below the normal "
-            f"limit {_normal_limit(worst['range_dtype'])} {recent_words(worst)}"
-            + _zero_words(worst) + f" ({where['phrase']})",
-            f"amp-postmortem ranges {target}",
-            {"layers": [str(n) for n in under["name"]], "underflow_share": float(worst["underflow_share"]),
-             **_dates(worst), **{k: v for k, v in where.items() if k != "phrase"}}))
-    lapsed = ranges.flagged("underflow_lapsed")
-    if len(lapsed) and not len(under):
-        worst = lapsed.sort_values("underflow_episode_share", ascending=False, kind="stable").iloc[0]
-        findings.append(Finding(
-            "underflow_lapsed", "info", int(worst["underflow_last_step"]), worst["name"],
-            f"no gradient underflows now; {len(lapsed)} did earlier: {_display(worst['name'])} {lapsed_words(worst)}",
-            f"amp-postmortem ranges {target}",
-            {"layers": [str(n) for n in lapsed["name"]], "underflow_share": float(worst["underflow_share"]),
-             **_dates(worst)}))
-
-    risk = ranges.flagged("overflow_risk")
-    if len(risk):
-        worst = risk.sort_values("headroom_bits", na_position="last").iloc[0]
-        forecast = int(worst["overflow_forecast_step"]) if pd.notna(worst["overflow_forecast_step"]) else None
-        beyond = forecast is not None and run.last_step is not None and forecast > run.last_step
-        findings.append(Finding(
-            "overflow_risk", "warning", int(worst["step"]), worst["name"],
-            f"{len(risk)} activation(s) near {worst['range_dtype']} overflow: {_display(worst['name'])} has "
-            f"{worst['headroom_bits']:.3g} bit(s) of headroom at step {int(worst['step'])}"
-            + (f", forecast to overflow at step {forecast}"
-               + (f" (projected, after the run's last step {run.last_step})" if beyond else "")
-               if forecast is not None else ""),
-            f"amp-postmortem ranges {target}",
-            {"layers": [str(n) for n in risk["name"]], "headroom_bits": float(worst["headroom_bits"]),
-             "measured_step": int(worst["step"]), "forecast_step": forecast, "forecast_projected": beyond}))
-
     disabled = _disabled_ranks(run)
-    if disabled:
-        # The steps after the failure are absent: no finding above covers them.
-        r, reason = next(iter(disabled.items()))
-        last = run.step_series().rank_last_steps.get(r)
-        at = _rank_manifest(run, r).get("disabled_at_step")
-        stopped = f"at step {at}" if at is not None else f"after step {last}"
-        findings.append(Finding(
-            "recording_disabled", "error", last, None,
-            f"recording stopped {stopped} on rank(s) {', '.join(map(str, disabled))} "
-            f"({reason}): later steps were not recorded and this analysis cannot see them",
-            "fix the cause (the recorder warned once in the training log), then record again",
-            {"disabled_reasons": {str(k): v for k, v in disabled.items()}, "last_recorded_step": last,
-             "disabled_at_step": at}))
-    unclosed = [r for r in run.ranks if r not in disabled and _rank_manifest(run, r).get("status") == "open"]
-    if unclosed:
-        last = max((run.step_series().rank_last_steps.get(r, -1) for r in unclosed), default=None)
-        findings.append(Finding(
-            "recording_not_closed", "warning", last, None,
-            f"recording of rank(s) {', '.join(map(str, unclosed))} ended without closing and left no stop "
-            f"record (status 'open'): the job was killed or is still running; steps after {last} may be "
-            f"missing from this analysis",
-            "check the job's end in its log (OOM killer, node failure, time limit); amp-postmortem summary "
-            "again once it ends", {"ranks": unclosed, "last_recorded_step": last}))
-
+    found = [_nonfinite_finding(nans, _applied_nonfinite_steps(run), target),
+             instability_finding(unstable, verdict, target) if unstable.unstable else None,
+             _scale_finding(scale, target),
+             *_underflow_findings(run, ranges, target),
+             _overflow_risk_finding(run, ranges, target),
+             _disabled_finding(run, disabled),
+             _not_closed_finding(run, disabled)]
+    findings: list[Finding] = [f for f in found if f is not None]
     if all(f.severity == "info" for f in findings):  # a lapsed underflow is no ailment
-        findings.append(Finding(
-            "healthy", "info", run.last_step, None,
-            f"no non-finite forward, loss scale {scale.status} ({scale.reason}), no layer near float16 "
-            f"overflow or underflow",
-            f"amp-postmortem ranges {target}", {"scale_status": scale.status}))
+        findings.append(Finding("healthy", "info", run.last_step, None, _healthy_words(scale),
+                                f"amp-postmortem ranges {target}", {"scale_status": scale.status}))
 
     # Most severe first; among equals the cause before its consequences
     # (a NaN forward before the backoffs it triggers), then by step.
@@ -290,6 +186,161 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
     failure = next((f for f in findings if f.severity == "critical" and f.step is not None), None)
     facts.update(_losses(per_step, failure.step if failure else None))
     return Summary(run=facts, findings=findings, precision_verdict=verdict)
+
+
+def _nonfinite_finding(nans, applied_bad: list, target: str) -> Finding | None:
+    """A forward that turned non-finite, else non-finite gradients the optimizer applied."""
+    fwd = nans.origins.get("forward")
+    if fwd is not None:
+        return Finding("nonfinite", "critical", fwd.step, fwd.name, _forward_nonfinite_words(fwd, nans),
+                       f"amp-postmortem nans {target}",
+                       {"origin": fwd.to_dict(), "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
+                        "propagated_layers": int((~nans.layers["origin"]).sum())})
+    if not applied_bad:
+        return None
+    bwd = nans.origins.get("backward")
+    where = bwd if bwd is not None and bwd.step == applied_bad[0] else None
+    return Finding("nonfinite", "critical", applied_bad[0], where.name if where else None,
+                   _applied_nonfinite_words(applied_bad, where), f"amp-postmortem nans {target}",
+                   {"applied_steps": len(applied_bad), "origin": where.to_dict() if where else None})
+
+
+def _scale_finding(scale, target: str) -> Finding | None:
+    if scale.status == "collapse":
+        return Finding(
+            "scale_collapse", "critical", scale.onset_step, scale.drivers[0] if scale.drivers else None,
+            _collapse_words(scale), f"amp-postmortem scale {target}",
+            {k: scale.to_dict()[k] for k in ("onset_step", "halvings_per_kstep", "final_scale",
+                                             "skip_rate_before_onset", "skip_rate_after_onset",
+                                             "underflow_scale", "projected_underflow_step",
+                                             "underflow_reached_step", "drivers")})
+    if scale.status in ("stuck_low", "growth_blocked"):
+        return Finding(
+            "stuck_low_scale", "error", scale.last_step, scale.drivers[0] if scale.drivers else None,
+            f"loss scale {scale.status.replace('_', ' ')}: {scale.reason}", f"amp-postmortem scale {target}",
+            {"status": scale.status, "final_scale": scale.final_scale, "skip_rate": scale.skip_rate,
+             "longest_skip_streak": scale.longest_skip_streak})
+    return None
+
+
+def _underflow_findings(run: Run, ranges, target: str) -> list:
+    """Gradients that underflow now (`grad_underflow`), else those that did
+    earlier (`underflow_lapsed`, an info)."""
+    under = ranges.flagged("underflow")
+    if len(under):
+        worst = under.sort_values("recent_underflow_share", ascending=False, kind="stable").iloc[0]
+        where = underflow_measured(run, str(worst["name"]), ranges.first_step, limit=worst["range_dtype"])
+        return [Finding(
+            "grad_underflow", "warning", int(worst["evidence_last_step"]), worst["name"],
+            _underflow_words(len(under), worst, where["phrase"]), f"amp-postmortem ranges {target}",
+            {"layers": [str(n) for n in under["name"]], "underflow_share": float(worst["underflow_share"]),
+             **_dates(worst), **{k: v for k, v in where.items() if k != "phrase"}})]
+    lapsed = ranges.flagged("underflow_lapsed")
+    if not len(lapsed):
+        return []
+    worst = lapsed.sort_values("underflow_episode_share", ascending=False, kind="stable").iloc[0]
+    return [Finding(
+        "underflow_lapsed", "info", int(worst["underflow_last_step"]), worst["name"],
+        _lapsed_words(len(lapsed), worst), f"amp-postmortem ranges {target}",
+        {"layers": [str(n) for n in lapsed["name"]], "underflow_share": float(worst["underflow_share"]),
+         **_dates(worst)})]
+
+
+def _overflow_risk_finding(run: Run, ranges, target: str) -> Finding | None:
+    risk = ranges.flagged("overflow_risk")
+    if not len(risk):
+        return None
+    worst = risk.sort_values("headroom_bits", na_position="last").iloc[0]
+    forecast = int(worst["overflow_forecast_step"]) if pd.notna(worst["overflow_forecast_step"]) else None
+    beyond = forecast is not None and run.last_step is not None and forecast > run.last_step
+    return Finding(
+        "overflow_risk", "warning", int(worst["step"]), worst["name"],
+        _overflow_risk_words(len(risk), worst, forecast, beyond, run.last_step), f"amp-postmortem ranges {target}",
+        {"layers": [str(n) for n in risk["name"]], "headroom_bits": float(worst["headroom_bits"]),
+         "measured_step": int(worst["step"]), "forecast_step": forecast, "forecast_projected": beyond})
+
+
+def _disabled_finding(run: Run, disabled: dict) -> Finding | None:
+    """The steps after a recorder's failure are absent: no finding above covers them."""
+    if not disabled:
+        return None
+    r, reason = next(iter(disabled.items()))
+    last = run.step_series().rank_last_steps.get(r)
+    at = _rank_manifest(run, r).get("disabled_at_step")
+    return Finding(
+        "recording_disabled", "error", last, None, _disabled_words(disabled, reason, at, last),
+        "fix the cause (the recorder warned once in the training log), then record again",
+        {"disabled_reasons": {str(k): v for k, v in disabled.items()}, "last_recorded_step": last,
+         "disabled_at_step": at})
+
+
+def _not_closed_finding(run: Run, disabled: dict) -> Finding | None:
+    unclosed = [r for r in run.ranks if r not in disabled and _rank_manifest(run, r).get("status") == "open"]
+    if not unclosed:
+        return None
+    last = max((run.step_series().rank_last_steps.get(r, -1) for r in unclosed), default=None)
+    return Finding(
+        "recording_not_closed", "warning", last, None, _not_closed_words(unclosed, last),
+        "check the job's end in its log (OOM killer, node failure, time limit); amp-postmortem summary "
+        "again once it ends", {"ranks": unclosed, "last_recorded_step": last})
+
+
+# ------------------------------------------------------------------ words
+def _forward_nonfinite_words(fwd, nans) -> str:
+    return (f"the forward pass turned non-finite at step {fwd.step}: first made by "
+            f"{_display(fwd.name)} ({fwd.kind}, rank {fwd.rank})"
+            + (f"; the loss was NaN/Inf in {len(nans.nonfinite_loss_steps)} step(s)"
+               if nans.nonfinite_loss_steps else ""))
+
+
+def _applied_nonfinite_words(applied_bad: list, where) -> str:
+    return (f"non-finite gradients were applied by the optimizer in {len(applied_bad)} step(s), first at "
+            f"step {applied_bad[0]}" + (f" (born in {_display(where.name)}, {where.kind})" if where else ""))
+
+
+def _collapse_words(scale) -> str:
+    drivers = ", ".join(_display(d) for d in scale.drivers[:3]) or "unknown"
+    return (f"the loss scale collapses from step {scale.onset_step}: {scale.halvings_per_kstep:.3g} halvings "
+            f"per 1000 steps, now {scale.final_scale:.3g}; skip rate {_pct(scale.skip_rate_before_onset)} "
+            f"before, {_pct(scale.skip_rate_after_onset)} after; overflows born in {drivers}"
+            + underflow_phrase(scale, "; "))
+
+
+def _underflow_words(count: int, worst, measured: str) -> str:
+    return (f"{count} gradient(s) underflow in {worst['range_dtype']} at the recorded scale: "
+            f"{_display(worst['name'])} has {worst['recent_underflow_share']:.0%} of "
+            f"{sampled_values(worst['share_sample_size'])} below the normal "
+            f"limit {_normal_limit(worst['range_dtype'])} {recent_words(worst)}"
+            + _zero_words(worst) + f" ({measured})")
+
+
+def _lapsed_words(count: int, worst) -> str:
+    return f"no gradient underflows now; {count} did earlier: {_display(worst['name'])} {lapsed_words(worst)}"
+
+
+def _overflow_risk_words(count: int, worst, forecast, beyond: bool, last_step) -> str:
+    return (f"{count} activation(s) near {worst['range_dtype']} overflow: {_display(worst['name'])} has "
+            f"{worst['headroom_bits']:.3g} bit(s) of headroom at step {int(worst['step'])}"
+            + (f", forecast to overflow at step {forecast}"
+               + (f" (projected, after the run's last step {last_step})" if beyond else "")
+               if forecast is not None else ""))
+
+
+def _disabled_words(disabled: dict, reason, at, last) -> str:
+    stopped = f"at step {at}" if at is not None else f"after step {last}"
+    return (f"recording stopped {stopped} on rank(s) {', '.join(map(str, disabled))} "
+            f"({reason}): later steps were not recorded and this analysis cannot see them")
+
+
+def _not_closed_words(unclosed: list, last) -> str:
+    return (f"recording of rank(s) {', '.join(map(str, unclosed))} ended without closing and left no stop "
+            f"record (status 'open'): the job was killed or is still running; steps after {last} may be "
+            f"missing from this analysis")
+
+
+def _healthy_words(scale) -> str:
+    return (f"no non-finite forward, loss scale {scale.status} ({scale.reason}), no layer near float16 "
+            f"overflow or underflow")
 
 
 def _finding_order(f: Finding) -> tuple:

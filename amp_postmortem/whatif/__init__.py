@@ -17,6 +17,7 @@ time, so `scale-window` without a model stays torch-free.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -48,9 +49,12 @@ class NotSavedBy(enum.Enum):
 
 @dataclass(frozen=True)
 class Trial:
-    """The typed reading of one trial (`Prepared.trial`'s dict, which stays
-    the output form: `--json` and the reports keep it): what fix, bisect
-    and recommend decide on. `of` tolerates the keys a partial trial lacks."""
+    """One trial (`Prepared.trial`): the replay measured against float64
+    (`trial_metrics`) and its `judge`ment. What fix, bisect and recommend
+    decide on; `to_dict` is its `--json` form (the keys are a contract),
+    made only where output is rendered. `modules` and `round` are fix's
+    (None: not a fix trial, and the keys are left out). `of` reads a dict
+    of those keys (tolerating the ones a partial trial lacks)."""
     saved: bool
     finite: bool
     forward_finite: bool
@@ -63,7 +67,14 @@ class Trial:
     culprit: dict | None
     why: str | None
     error: str | None
-    modules: tuple = ()
+    modules: tuple | None = None
+    round: int | None = None
+    nonfinite_params: int | None = None
+    loss: float | None = None
+    loss_rel_err: float | None = None
+    output_rel_err: float | None = None
+    worst_param: str | None = None
+    worst_param_rel_err: float | None = None
 
     @classmethod
     def of(cls, t) -> "Trial":
@@ -76,7 +87,27 @@ class Trial:
                    nonfinite_values=t.get("nonfinite_values"), loss_scale=t.get("loss_scale"),
                    backoffs=int(t.get("backoffs") or 0), grad_rel_err=t.get("grad_rel_err"),
                    params_off=dict(t.get("params_off") or {}), culprit=t.get("culprit") or None,
-                   why=t.get("why"), error=t.get("error"), modules=tuple(t.get("modules") or ()))
+                   why=t.get("why"), error=t.get("error"),
+                   modules=tuple(t["modules"]) if t.get("modules") is not None else None,
+                   round=t.get("round"), nonfinite_params=t.get("nonfinite_params"), loss=t.get("loss"),
+                   loss_rel_err=t.get("loss_rel_err"), output_rel_err=t.get("output_rel_err"),
+                   worst_param=t.get("worst_param"), worst_param_rel_err=t.get("worst_param_rel_err"))
+
+    def to_dict(self) -> dict:
+        """The trial's `--json` form, its keys in their historical order."""
+        head = {} if self.modules is None else {"modules": list(self.modules)}
+        if self.round is not None:
+            head["round"] = self.round
+        return {**head, "finite": self.finite, "forward_finite": self.forward_finite,
+                "backward_finite": self.backward_finite, "nonfinite_values": self.nonfinite_values,
+                "nonfinite_params": self.nonfinite_params, "loss": self.loss, "loss_rel_err": self.loss_rel_err,
+                "output_rel_err": self.output_rel_err, "grad_rel_err": self.grad_rel_err,
+                "worst_param": self.worst_param, "worst_param_rel_err": self.worst_param_rel_err,
+                "params_off": dict(self.params_off), "error": self.error, "loss_scale": self.loss_scale,
+                "backoffs": self.backoffs, "saved": self.saved, "why": self.why, "culprit": self.culprit}
+
+    def with_modules(self, modules, round: int | None = None) -> "Trial":
+        return dataclasses.replace(self, modules=tuple(modules), round=round)
 
     @property
     def not_saved_by(self) -> NotSavedBy:
@@ -142,7 +173,7 @@ class Prepared:
                                           batch=None if batch is None else list(batch),
                                           running_statistics=running_statistics), keep_inputs=keep_inputs)
 
-    def trial(self, *, backoff: bool = True, **changes) -> dict:
+    def trial(self, *, backoff: bool = True, **changes) -> Trial:
         """`trial_metrics` of one replay and its `judge`ment (`saved`,
         `why`, `culprit`). With `backoff`, a trial whose forward is finite
         but whose backward overflows at the recorded loss scale is judged at
@@ -154,15 +185,13 @@ class Prepared:
         reference = self.reference_for(changes.get("batch"), keep_inputs=sliced,
                                        running_statistics=bool(changes.get("running_statistics")))
         t = self._finite_trial(reference, backoff, changes)
-        t.update(judge(self, t, reference, changes))
-        return t
+        return dataclasses.replace(t, **judge(self, t, reference, changes).fields())
 
-    def _finite_trial(self, reference, backoff: bool, changes: dict) -> dict:
+    def _finite_trial(self, reference, backoff: bool, changes: dict) -> Trial:
         changes = dict(changes)
         scale = float(changes.pop("loss_scale", self.loss_scale))
-        first = trial_metrics(self.run(loss_scale=scale, **changes), reference)
-        first.update(loss_scale=scale, backoffs=0)
-        if not backoff or first["finite"] or not first["forward_finite"] or scale <= MIN_BACKOFF_SCALE:
+        first = trial_metrics(self.run(loss_scale=scale, **changes), reference, loss_scale=scale)
+        if not backoff or first.finite or not first.forward_finite or scale <= MIN_BACKOFF_SCALE:
             return first
         # Overflow is monotone in the scale: bisect the halvings for the
         # fewest that make the backward finite.
@@ -170,16 +199,13 @@ class Prepared:
         lo, hi, best = 1, top, None
         while lo <= hi:
             mid = (lo + hi) // 2
-            t = trial_metrics(self.run(loss_scale=scale / 2 ** mid, **changes), reference)
-            if t["finite"]:
-                best, hi = (mid, t), mid - 1
+            t = trial_metrics(self.run(loss_scale=scale / 2 ** mid, **changes), reference,
+                              loss_scale=scale / 2 ** mid, backoffs=mid)
+            if t.finite:
+                best, hi = t, mid - 1
             else:
                 lo = mid + 1
-        if best is None:
-            return first
-        mid, t = best
-        t.update(loss_scale=scale / 2 ** mid, backoffs=mid)
-        return t
+        return first if best is None else best
 
     def policy_dict(self) -> dict:
         p = self.config.policy
@@ -282,10 +308,11 @@ def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", po
                     reference_finite=reference_finite)
 
 
-def trial_metrics(run, reference) -> dict:
+def trial_metrics(run, reference, *, loss_scale: float | None = None, backoffs: int = 0) -> Trial:
     """One replay against float64: finiteness, loss, output and gradient
     error, and the parameters whose gradient is further from float64 than
-    the precision's broken threshold (`params_off`)."""
+    the precision's broken threshold (`params_off`); not yet judged
+    (`judge`), at `loss_scale`, `backoffs` halvings below the recorded one."""
     import torch
 
     from ..replay import attribution
@@ -327,24 +354,27 @@ def trial_metrics(run, reference) -> dict:
         loss_rel = abs(loss - ref_loss) / abs(ref_loss) if ref_loss else abs(loss - ref_loss)
         loss_rel = loss_rel if math.isfinite(loss_rel) else math.inf
     finite = run.error is None and out_bad == 0 and grad_bad == 0
-    return {
-        "finite": finite,
-        "forward_finite": run.error is None and out_bad == 0,
-        "backward_finite": run.error is None and grad_bad == 0,
-        "nonfinite_values": out_bad + grad_bad,
-        "nonfinite_params": len(run.nonfinite_param_grads),
-        "loss": loss,
-        "loss_rel_err": loss_rel,
-        "output_rel_err": out_rel,
-        "grad_rel_err": grad_rel,
-        "worst_param": worst,
-        "worst_param_rel_err": worst_err if worst is not None else None,
-        "params_off": params_off,
-        "error": run.error,
-    }
+    return Trial(saved=False, finite=finite, forward_finite=run.error is None and out_bad == 0,
+                 backward_finite=run.error is None and grad_bad == 0, nonfinite_values=out_bad + grad_bad,
+                 nonfinite_params=len(run.nonfinite_param_grads), loss=loss, loss_rel_err=loss_rel,
+                 output_rel_err=out_rel, grad_rel_err=grad_rel, worst_param=worst,
+                 worst_param_rel_err=worst_err if worst is not None else None, params_off=params_off,
+                 error=run.error, loss_scale=loss_scale, backoffs=backoffs, culprit=None, why=None)
 
 
-def judge(prepared, metrics: dict, reference, changes: dict) -> dict:
+@dataclass(frozen=True)
+class Judgement:
+    """`judge`'s answer: whether the trial saves the step, why not in one
+    sentence (None when saved), the broken module's comparison row."""
+    saved: bool
+    why: str | None = None
+    culprit: dict | None = None
+
+    def fields(self) -> dict:
+        return {"saved": self.saved, "why": self.why, "culprit": self.culprit}
+
+
+def judge(prepared, metrics: Trial, reference, changes: dict) -> Judgement:
     """Whether a trial saves the step: the one criterion of fix, bisect and
     recommend. Saved when (1) the replay is finite end to end, (2) no
     parameter gradient is further from float64 than the replay's broken
@@ -352,32 +382,28 @@ def judge(prepared, metrics: dict, reference, changes: dict) -> dict:
     arithmetic is `broken` under the replay's statuses and thresholds (its
     culprit rule, `attribution.find_culprit`, on local comparisons against
     the float64 run of the same batch). The checks run in that order and
-    stop at the first that fails (the local replays are the costly one).
-    Returns {"saved", "why" (None or one sentence), "culprit"}."""
+    stop at the first that fails (the local replays are the costly one)."""
     from ..replay import attribution
-    if not metrics["finite"]:
-        where = [w for w, ok in (("forward", metrics["forward_finite"]),
-                                 ("backward", metrics["backward_finite"])) if not ok]
-        why = (f"the run raised {metrics['error']}" if metrics.get("error") else
-               f"NaN/Inf in the {' and '.join(where)}")
-        return {"saved": False, "why": why, "culprit": None}
-    if metrics["params_off"]:
-        name, rel = max(metrics["params_off"].items(), key=lambda kv: kv[1])
+    if not metrics.finite:
+        why = (f"the run raised {metrics.error}" if metrics.error else
+               f"NaN/Inf in the {' and '.join(metrics.nonfinite_phases)}")
+        return Judgement(False, why)
+    if metrics.params_off:
+        name, rel = max(metrics.params_off.items(), key=lambda kv: kv[1])
         limit = attribution.PROPAGATED_BROKEN_REL.get(changes.get("precision", prepared.precision), 0.25)
-        return {"saved": False, "culprit": None,
-                "why": f"{len(metrics['params_off'])} parameter gradient(s) more than {limit:g} off float64 "
-                       f"(worst {name}: {rel:.3g})"}
+        return Judgement(False, f"{len(metrics.params_off)} parameter gradient(s) more than {limit:g} off "
+                                f"float64 (worst {name}: {rel:.3g})")
     local_ref = (reference if any(c.inputs is not None for c in reference.calls.values())
                  else prepared.reference_for(changes.get("batch"), keep_inputs=True,
                                              running_statistics=bool(changes.get("running_statistics"))))
     run_changes = {k: v for k, v in changes.items() if k != "loss_scale"}
-    run = prepared.run(capture=True, loss_scale=metrics["loss_scale"], **run_changes)
+    run = prepared.run(capture=True, loss_scale=metrics.loss_scale, **run_changes)
     comparisons = attribution.compare_run(prepared.session, local_ref, run, local=True)
     culprit = attribution.find_culprit(comparisons, run.config.precision)
     if culprit is not None:
-        return {"saved": False, "culprit": culprit,
-                "why": f"{culprit['name'] or ROOT_DISPLAY} is broken in the {culprit['phase']}: {culprit['reason']}"}
-    return {"saved": True, "why": None, "culprit": None}
+        return Judgement(False, f"{culprit['name'] or ROOT_DISPLAY} is broken in the {culprit['phase']}: "
+                                f"{culprit['reason']}", culprit)
+    return Judgement(True)
 
 
 def _nonfinite(tensors) -> int:

@@ -108,6 +108,36 @@ class SampleSlicing:
                 "unsplit": [list(g) for g in self.unsplit]}
 
 
+@dataclass(frozen=True)
+class BadSample:
+    """A sample that fails alone (or paired, or on running statistics:
+    `judged`), its trial and what its floating inputs look like."""
+    index: int
+    trial: Trial
+    input_absmax: float | None      # None: no floating input
+    passing_absmax: float | None
+    input_nonfinite: int | None
+    fp64_finite: bool
+    suspicious: str | None          # why its inputs are suspicious in themselves, or None
+    judged: SliceMethod
+
+    def to_dict(self) -> dict:
+        """SAMPLE_COLUMNS and `judged` (its `--json` row)."""
+        return {"index": self.index, "forward_finite": self.trial.forward_finite,
+                "backward_finite": self.trial.backward_finite, "not_saved_by": not_saved_by(self.trial),
+                "input_absmax": self.input_absmax, "passing_absmax": self.passing_absmax,
+                "input_nonfinite": self.input_nonfinite, "fp64_finite": self.fp64_finite,
+                "suspicious": self.suspicious, "judged": self.judged.value}
+
+
+class BisectKind(Enum):
+    """The verdict (the module's doc); `value` is the `--json` "kind"."""
+    NOT_REPRODUCED = "not_reproduced"
+    MODEL = "model"
+    DATA = "data"
+    BATCH = "batch"
+
+
 @dataclass
 class BisectReport:
     step: int
@@ -115,9 +145,9 @@ class BisectReport:
     precision: str
     batch_size: int | None
     micro_batches: int
-    kind: str                      # not_reproduced | model | data | batch
+    kind: BisectKind
     bad_samples: list
-    samples: list                  # per bad sample: SAMPLE_COLUMNS
+    samples: list                  # [BadSample], per bad sample
     unresolved: list               # index groups that failed but were not split (budget)
     replays: int
     message: str
@@ -126,28 +156,29 @@ class BisectReport:
 
     def to_dict(self) -> dict:
         return plain({"step": self.step, "rank": self.rank, "precision": self.precision,
-                      "batch_size": self.batch_size, "micro_batches": self.micro_batches, "kind": self.kind,
+                      "batch_size": self.batch_size, "micro_batches": self.micro_batches, "kind": self.kind.value,
                       "bad_samples": self.bad_samples, "bad_share": self.bad_share,
-                      "suspicious_samples": self.suspicious_samples, "samples": self.samples,
+                      "suspicious_samples": self.suspicious_samples,
+                      "samples": [x.to_dict() for x in self.samples],
                       "unresolved": self.unresolved, "replays": self.replays, "message": self.message,
                       "notes": self.notes, "slicing": self.slicing.to_dict()})
 
     @property
     def suspicious_samples(self) -> list:
         """Failing samples whose inputs are suspicious in themselves."""
-        return [s["index"] for s in self.samples if s["suspicious"]]
+        return [s.index for s in self.samples if s.suspicious]
 
     @property
     def bad_share(self) -> float | None:
         return len(self.bad_samples) / self.batch_size if self.batch_size else None
 
     def table(self) -> pd.DataFrame:
-        return pd.DataFrame(self.samples, columns=SAMPLE_COLUMNS)
+        return pd.DataFrame([x.to_dict() for x in self.samples], columns=SAMPLE_COLUMNS)
 
     def lines(self) -> list[str]:
         out = [f"step {self.step}, rank {self.rank}: {self.precision} replay of a batch of {self.batch_size}"
                + (f" ({self.micro_batches} micro-batches, same indices in each)" if self.micro_batches > 1 else ""),
-               f"{self.kind}: {self.message}", f"{self.replays} replays"]
+               f"{self.kind.value}: {self.message}", f"{self.replays} replays"]
         out += [f"note: {n}" for n in self.notes]
         return out
 
@@ -165,28 +196,26 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
     slicing = SampleSlicing(batch_statistics_modules=p.session.batch_statistics_modules,
                             running_statistics_available=p.session.running_statistics_available)
     report = BisectReport(step=p.step, rank=p.rank, precision=p.precision, batch_size=n,
-                          micro_batches=len(p.bundle.inputs), kind="not_reproduced", bad_samples=[], samples=[],
-                          unresolved=[], replays=0, message="", notes=notes, slicing=slicing)
+                          micro_batches=len(p.bundle.inputs), kind=BisectKind.NOT_REPRODUCED, bad_samples=[],
+                          samples=[], unresolved=[], replays=0, message="", notes=notes, slicing=slicing)
     if not n:
         report.message = "the saved inputs have no batch dimension: nothing to slice"
         return report
     budget = max(1, int(max_replays))
     estimate = 2 * n  # at most 2n-1 replays when every sample fails
 
-    def fails(indices, **changes) -> dict:
+    def fails(indices, **changes) -> Trial:
         report.replays += 1
         report_progress(progress, "bisecting the batch", min(report.replays, estimate), estimate)
-        t = p.trial(backoff=False, batch=list(indices), fp32_modules=tuple(fp32_modules), **changes)
-        return {"forward_finite": t["forward_finite"], "backward_finite": t["backward_finite"],
-                "fails": not Trial.of(t).saved, "not_saved_by": not_saved_by(t)}
+        return p.trial(backoff=False, batch=list(indices), fp32_modules=tuple(fp32_modules), **changes)
 
     whole = fails(range(n)) if n > 1 else None
-    if whole is not None and not whole["fails"]:
+    if whole is not None and whole.saved:
         report.message = (f"the whole batch replays saved in {p.precision} (finite, gradients within the "
                           "thresholds of float64, no module broken): nothing to bisect "
                           "(see `replay` for whether the step reproduces)")
         return report
-    alone: dict[int, dict] = {}
+    alone: dict[int, Trial] = {}
     passed: set[int] = set()   # samples of a slice that passed: partners for a pair
     small: list[list] = []     # failing groups that two valid slices cannot halve
 
@@ -209,14 +238,14 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
             if len(h) == 1:
                 alone[h[0]] = r
                 slicing.judged[h[0]] = SliceMethod.ALONE
-            if not r["fails"]:
+            if r.saved:
                 passed.update(h)
             results.append(r)
-        if not any(r["fails"] for r in results):
+        if all(r.saved for r in results):
             report.unresolved.append(list(indices))
             return
         for h, r in zip(halves, results):
-            if r["fails"] and len(h) > 1:
+            if not r.saved and len(h) > 1:
                 search(h)
 
     search(list(range(n)))
@@ -237,12 +266,12 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
                 slicing.judged[i] = SliceMethod.RUNNING_STATISTICS
             one = slicing.slice_of(i)
             alone[i] = fails(one.pop("batch"), **one)
-    bad = sorted(i for i, r in alone.items() if r["fails"])
+    bad = sorted(i for i, r in alone.items() if not r.saved)
     report.bad_samples = bad
     stats = input_stats(p.bundle.inputs, n)
     if bad:
         unsplit = {i for g in report.unresolved for i in g}
-        passing = [i for i in range(n) if i not in alone or not alone[i]["fails"]]
+        passing = [i for i in range(n) if i not in alone or alone[i].saved]
         passing = [i for i in passing if i not in unsplit]
         # The failing samples together first (one replay when float64 computes them all); a model
         # normalising over the batch takes them so only when they are enough for a slice.
@@ -251,12 +280,8 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
         fp64_per = {i: True for i in bad} if together else {i: _sample_finite(p, slicing.slice_of(i)) for i in bad}
         for i in bad:
             absmax, nonfinite, passing_max = _sample_inputs(stats, i, passing)
-            report.samples.append({"index": i, "forward_finite": alone[i]["forward_finite"],
-                                   "backward_finite": alone[i]["backward_finite"],
-                                   "not_saved_by": alone[i]["not_saved_by"], "input_absmax": absmax,
-                                   "passing_absmax": passing_max, "input_nonfinite": nonfinite,
-                                   "fp64_finite": fp64_per[i], "suspicious": _suspicious(stats, i, passing),
-                                   "judged": slicing.judged.get(i, SliceMethod.ALONE).value})
+            report.samples.append(BadSample(i, alone[i], absmax, passing_max, nonfinite, fp64_per[i],
+                                            _suspicious(stats, i, passing), slicing.judged.get(i, SliceMethod.ALONE)))
     report.kind, report.message = _verdict(bad, report.unresolved, n, report.samples, bool(stats), slicing)
     note = slicing_note(slicing)
     if note:
@@ -264,37 +289,37 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
     return report
 
 
-def _verdict(bad, unresolved, n, samples, floating: bool, slicing: SampleSlicing) -> tuple[str, str]:
-    fp64_bad = [s["index"] for s in samples if not s["fp64_finite"]]
+def _verdict(bad, unresolved, n, samples, floating: bool, slicing: SampleSlicing) -> tuple[BisectKind, str]:
+    fp64_bad = [s.index for s in samples if not s.fp64_finite]
     fp64 = (f"; samples {_list(fp64_bad)} fail in float64 too (no precision setting is the fix)" if fp64_bad
             else "; float64 computes them fine")
     more = f"; {sum(len(u) for u in unresolved)} samples left unsplit" if unresolved else ""
     how = judged_words(slicing)
     if len(bad) == n:
-        return "model", (f"every one of the {n} samples fails {how}: a model (or precision) problem, "
+        return BisectKind.MODEL, (f"every one of the {n} samples fails {how}: a model (or precision) problem, "
                          f"not a data problem (see `fix`){fp64}")
     if bad:
-        odd = [s for s in samples if s["suspicious"]]
+        odd = [s for s in samples if s.suspicious]
         head = f"{len(bad)} of {n} samples fail {how}: {_list(bad)}"
         if odd:
-            what = "; ".join(f"sample {s['index']}: {s['suspicious']}" for s in odd[:5])
-            ordinary = [s["index"] for s in samples if not s["suspicious"]]
+            what = "; ".join(f"sample {s.index}: {s.suspicious}" for s in odd[:5])
+            ordinary = [s.index for s in samples if not s.suspicious]
             rest = (f"; samples {_list(ordinary)} fail with ordinary inputs (a model problem they trigger)"
                     if ordinary else "")
-            return "data", f"{head}; their inputs are suspicious ({what}): a data problem{rest}{fp64}{more}"
+            return BisectKind.DATA, f"{head}; their inputs are suspicious ({what}): a data problem{rest}{fp64}{more}"
         looks = ("their floating inputs are finite and within the range of the passing samples" if floating
                  else "their inputs are integers (e.g. token ids: never NaN/Inf, no range to compare)")
-        return "model", (f"{head}; {looks}: a model (or precision) problem that these samples trigger, "
+        return BisectKind.MODEL, (f"{head}; {looks}: a model (or precision) problem that these samples trigger, "
                          f"not a data problem (see `fix`){fp64}{more}")
     groups = "; ".join(_list(u) for u in unresolved)
     if unresolved and unresolved == slicing.unsplit:
-        return "batch", (f"the failing samples could not be isolated: the batch-normalising modules need "
+        return BisectKind.BATCH, (f"the failing samples could not be isolated: the batch-normalising modules need "
                          f"slices of at least {slicing.min_slice} samples and nothing could be paired or run "
                          f"on running statistics (see the note); failing groups: {groups}")
     if [len(u) for u in unresolved] == [n]:
-        return "batch", ("no half of the batch fails alone although the whole batch does: the samples fail "
+        return BisectKind.BATCH, ("no half of the batch fails alone although the whole batch does: the samples fail "
                          "only together (batch statistics or a reduction over the batch)")
-    return "batch", f"the failing samples could not be isolated; failing groups: {groups}"
+    return BisectKind.BATCH, f"the failing samples could not be isolated; failing groups: {groups}"
 
 
 # ------------------------------------------------------- slicing in words

@@ -70,16 +70,15 @@ class FixReport:
     precision: str
     policy: dict
     loss_scale: float
-    baseline: dict                  # the recorded precision, nothing kept in float32
+    baseline: Trial                 # the recorded precision, nothing kept in float32 (modules ())
     candidates: list                # [{"name", "phase", "status", "local_rel_err"}], trial order
-    trials: list                    # [{"modules": [...], **trial_metrics, "round"}]
+    trials: list                    # [Trial] with its modules and search round, in trial order
     fix: list | None                # smallest saving set found, or None
     search: str                     # "not_needed", "single", "greedy", "none"
     patch: str | None
     notes: list = field(default_factory=list)
     backward_start: str = "saved"   # engine.ReplaySession.start_backward
-    # The fix tried on every saved step of the run (this one first):
-    # [{"step", "saved", "saved_as_recorded", "why"}]
+    # The fix tried on every saved step of the run (this one first): [StepCheck]
     saved_steps_check: list = field(default_factory=list)
     op_fix: object = None           # op_fix.OpFix, or None (nothing to fix)
     remedies: list = field(default_factory=list)   # Remedy: every one that saves the step, cheapest first
@@ -87,17 +86,19 @@ class FixReport:
 
     @property
     def saved_steps(self) -> list:
-        return sorted(c["step"] for c in self.saved_steps_check if c["saved"])
+        return saved_steps(self.saved_steps_check)
 
     @property
     def not_saved_steps(self) -> list:
-        return sorted(c["step"] for c in self.saved_steps_check if not c["saved"])
+        return not_saved_steps(self.saved_steps_check)
 
     def to_dict(self) -> dict:
         return plain({"step": self.step, "rank": self.rank, "precision": self.precision, "policy": self.policy,
-                      "loss_scale": self.loss_scale, "baseline": self.baseline, "candidates": self.candidates,
-                      "trials": self.trials, "fix": self.fix, "search": self.search, "patch": self.patch,
-                      "saved_steps_check": self.saved_steps_check, "saved_steps": self.saved_steps,
+                      "loss_scale": self.loss_scale, "baseline": self.baseline.to_dict(),
+                      "candidates": self.candidates, "trials": [t.to_dict() for t in self.trials],
+                      "fix": self.fix, "search": self.search, "patch": self.patch,
+                      "saved_steps_check": [c.to_dict() for c in self.saved_steps_check],
+                      "saved_steps": self.saved_steps,
                       "not_saved_steps": self.not_saved_steps,
                       "notes": self.notes, "backward_start": self.backward_start,
                       "thresholds": _thresholds(), "op_fix": self.op_fix.to_dict() if self.op_fix else None,
@@ -106,9 +107,10 @@ class FixReport:
 
     def table(self) -> pd.DataFrame:
         local = {c["name"]: c["local_rel_err"] for c in self.candidates}
-        rows = [{"modules": ",".join(_display(m) for m in t["modules"]),
-                 "local_rel_err": local.get(t["modules"][0]) if len(t["modules"]) == 1 else None,
-                 **{k: t[k] for k in TRIAL_COLUMNS[2:-1]}, "not_saved_by": not_saved_by(t)} for t in self.trials]
+        rows = [{"modules": ",".join(_display(m) for m in t.modules),
+                 "local_rel_err": local.get(t.modules[0]) if len(t.modules) == 1 else None,
+                 **{k: getattr(t, k) for k in TRIAL_COLUMNS[2:-1]}, "not_saved_by": not_saved_by(t)}
+                for t in self.trials]
         return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
 
     def lines(self) -> list[str]:
@@ -116,13 +118,13 @@ class FixReport:
         out = [f"step {self.step}, rank {self.rank}: {self.precision} replay, policy "
                f"{self.policy.get('device_type')}{' (emulated)' if self.policy.get('emulated') else ''}, "
                f"loss scale {self.loss_scale:g}",
-               f"as recorded: {_verdict(b)} (grad error vs float64 {fmt_num(b['grad_rel_err'])}"
+               f"as recorded: {_verdict(b)} (grad error vs float64 {fmt_num(b.grad_rel_err)}"
                + ("" if self.backward_start == "saved" else f", backward from the {self.backward_start} start")
                + ")"]
         out += [f"note: {n}" for n in self.notes]
         if self.search == "not_needed":
-            where = ("" if not b.get("backoffs") else
-                     f" once the scaler backs off to {b['loss_scale']:g} (`scale-window` says more)")
+            where = ("" if not b.backed_off else
+                     f" once the scaler backs off to {b.loss_scale:g} (`scale-window` says more)")
             out.append(f"the step is already saved in the replay{where} (finite, gradients within the "
                        "thresholds of float64, no module broken): nothing to keep in float32")
             return out
@@ -146,7 +148,7 @@ class FixReport:
                        f"{', '.join(map(str, self.saved_steps)) or 'none'}"
                        + (f"; does NOT save step(s) {', '.join(map(str, self.not_saved_steps))}"
                           if self.not_saved_steps else ""))
-            out += [f"  step {c['step']}: {c['why']}" for c in self.saved_steps_check if not c["saved"]]
+            out += [f"  step {c.step}: {c.why}" for c in self.saved_steps_check if not c.saved]
         if len(self.remedies) > 1:
             out.append("remedies by extra float32 work, cheapest first:")
             out += [f"  {i}. {remedy_words(r)}: {work_words(r.fp32_flops, r.fp32_share)}"
@@ -172,12 +174,12 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
     p = prepared or prepare(source, step, rank=rank, model=model, device=device, policy=policy,
                             precision=precision, loss_fn=loss_fn, keep_inputs=True)
     reference = p.reference_for(None, keep_inputs=True)
-    baseline = {"modules": [], **p.trial()}
+    baseline = p.trial().with_modules(())
     notes = list(p.notes)
     report = FixReport(step=p.step, rank=p.rank, precision=p.precision, policy=p.policy_dict(),
                        loss_scale=p.loss_scale, baseline=baseline, candidates=[], trials=[], fix=None,
                        search="not_needed", patch=None, notes=notes, backward_start=p.backward_start)
-    if Trial.of(baseline).saved:
+    if baseline.saved:
         return report
     if not p.reference_finite:
         report.search = "none"  # no precision setting repairs what float64 cannot compute
@@ -188,24 +190,24 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
     report.candidates = candidates = rank_candidates(comparisons, max_candidates)
     names = [c["name"] for c in candidates]
     total = len(names)
-    cache: dict[tuple, dict] = {}
+    cache: dict[tuple, Trial] = {}
 
-    def trial(modules: tuple, rnd: int) -> dict:
+    def trial(modules: tuple, rnd: int) -> Trial:
         key = tuple(sorted(modules))
         if key not in cache:
-            cache[key] = {"modules": list(modules), "round": rnd, **p.trial(fp32_modules=tuple(modules))}
+            cache[key] = p.trial(fp32_modules=tuple(modules)).with_modules(modules, rnd)
             report.trials.append(cache[key])
             report_progress(progress, "keeping modules in float32", len(report.trials), total)
         return cache[key]
 
     singles = [trial((n,), 1) for n in names]
-    saving = [t for t in singles if Trial.of(t).saved]
+    saving = [t for t in singles if t.saved]
     if saving:
         # The first saving candidate in candidate order: the module whose own
         # arithmetic is worst. Another that also saves the step (the one
         # feeding it, whose float32 output makes it compute in float32) does
         # so only by side effect and keeps more of the model out of float16.
-        report.fix, report.search = list(saving[0]["modules"]), "single"
+        report.fix, report.search = list(saving[0].modules), "single"
     elif names:
         chosen = _greedy(names, singles, trial, max_set)
         if chosen:
@@ -285,24 +287,44 @@ def try_on_saved_steps(p, modules, progress=None, *, lines=()) -> list:
     (`whatif.judge`), as recorded and with `modules` (and the source
     `lines`, (file, line) pairs) in float32."""
     from . import other_bundles, prepare_like
-    out = [{"step": p.step, "saved": True, "saved_as_recorded": False, "why": None}]
+    out = [StepCheck(p.step, saved=True, saved_as_recorded=False)]
     others = other_bundles(p)
     for i, (step, path) in enumerate(others):
         q = prepare_like(p, path, keep_inputs=True)
         as_recorded = q.trial()
-        saved_as_recorded = Trial.of(as_recorded).saved
-        t = (q.trial(fp32_modules=tuple(modules), fp32_lines=tuple(lines)) if not saved_as_recorded
+        t = (q.trial(fp32_modules=tuple(modules), fp32_lines=tuple(lines)) if not as_recorded.saved
              else as_recorded)
-        saved = Trial.of(t).saved
         why = None
-        if not saved:
-            ref_bad = not q.reference_finite
+        if not t.saved:
             what = ", ".join([*modules, *(f"line {os.path.basename(f)}:{n}" for f, n in lines)])
-            why = ("the float64 replay is non-finite too: no precision setting saves it" if ref_bad else
-                   f"with {what} in float32: {t['why']}")
-        out.append({"step": step, "saved": saved, "saved_as_recorded": saved_as_recorded, "why": why})
+            why = ("the float64 replay is non-finite too: no precision setting saves it"
+                   if not q.reference_finite else f"with {what} in float32: {t.why}")
+        out.append(StepCheck(step, saved=t.saved, saved_as_recorded=as_recorded.saved, why=why))
         report_progress(progress, "trying the fix on the saved steps", i + 1, len(others))
     return out
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """A remedy tried on one saved step (`try_on_saved_steps`): whether it
+    saves it, whether the step was saved as recorded already, and why not
+    in one sentence (None when saved)."""
+    step: int
+    saved: bool
+    saved_as_recorded: bool
+    why: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "saved": self.saved, "saved_as_recorded": self.saved_as_recorded,
+                "why": self.why}
+
+
+def saved_steps(checks) -> list:
+    return sorted(c.step for c in checks if c.saved)
+
+
+def not_saved_steps(checks) -> list:
+    return sorted(c.step for c in checks if not c.saved)
 
 
 def rank_candidates(comparisons, limit: int = MAX_CANDIDATES) -> list:
@@ -331,7 +353,7 @@ def _descendants(name: str, names) -> int:
 
 def _greedy(names, singles, trial, max_set) -> list | None:
     current: tuple = ()
-    results = {(t["modules"][0],): t for t in singles}
+    results = {(t.modules[0],): t for t in singles}
     best_now = None
     for rnd in range(1, max_set + 1):
         if rnd > 1:
@@ -346,7 +368,7 @@ def _greedy(names, singles, trial, max_set) -> list | None:
         if best_now is not None and _badness(t) >= _badness(best_now):
             return None  # no candidate helps any more
         current, best_now = chosen, t
-        if Trial.of(t).saved:
+        if t.saved:
             return _prune(list(current), trial)
     return None
 
@@ -357,16 +379,15 @@ def _prune(members: list, trial) -> list:
         if len(members) == 1:
             break
         rest = [x for x in members if x != m]
-        if Trial.of(trial(tuple(rest), 0)).saved:
+        if trial(tuple(rest), 0).saved:
             members = rest
     return members
 
 
-def _badness(t: dict) -> tuple:
+def _badness(t: Trial) -> tuple:
     """How far a trial is from saving the step: unsaved first, then NaN/Inf
     values, gradient error, set size (the greedy search's order)."""
-    trial = Trial.of(t)
-    return (not trial.saved, trial.nonfinite_values, _finite_or_inf(trial.grad_rel_err), len(trial.modules))
+    return (not t.saved, t.nonfinite_values, _finite_or_inf(t.grad_rel_err), len(t.modules))
 
 
 def _finite_or_inf(v):

@@ -49,9 +49,9 @@ class OpFix:
     module: str | None = None           # the traced culprit
     op: dict | None = None              # op_trace.OpRecord.to_dict() of the op whose line was tried
     chosen_by: str | None = None        # "origin" | "local_error"
-    trial: dict | None = None           # the step with the line in float32: metrics and judgement
+    trial: Trial | None = None          # the step with the line in float32: metrics and judgement
     patch: LinePatch | None = None
-    saved_steps_check: list = field(default_factory=list)
+    saved_steps_check: list = field(default_factory=list)   # [fix.StepCheck]
     fp32_flops: float | None = None     # forward work moved from float16/bfloat16 to float32
     fp32_share: float | None = None     # ... as a share of the recorded forward's reduced-precision work
     why_none: str | None = None         # NO_OP: the trace's status or error
@@ -66,10 +66,12 @@ class OpFix:
 
     def to_dict(self) -> dict:
         return {"status": self.status.value, "module": self.module, "op": self.op, "chosen_by": self.chosen_by,
-                "where": self.where, "saved": self.saves_step, "trial": self.trial,
-                "patch": self.patch.to_dict() if self.patch else None, "saved_steps_check": self.saved_steps_check,
-                "saved_steps": sorted(c["step"] for c in self.saved_steps_check if c["saved"]),
-                "not_saved_steps": sorted(c["step"] for c in self.saved_steps_check if not c["saved"]),
+                "where": self.where, "saved": self.saves_step,
+                "trial": self.trial.to_dict() if self.trial is not None else None,
+                "patch": self.patch.to_dict() if self.patch else None,
+                "saved_steps_check": [c.to_dict() for c in self.saved_steps_check],
+                "saved_steps": sorted(c.step for c in self.saved_steps_check if c.saved),
+                "not_saved_steps": sorted(c.step for c in self.saved_steps_check if not c.saved),
                 "fp32_flops": self.fp32_flops, "fp32_share": self.fp32_share, "why_none": self.why_none}
 
     def lines(self) -> list[str]:
@@ -84,18 +86,18 @@ class OpFix:
                     "to patch): a module in float32 is the remedy"]
         if self.status is OpFixStatus.NOT_SAVED:
             return [f"op level: the line of the culprit's {what}, {op}, in float32 does not save the step "
-                    f"({self.trial['why']})"]
+                    f"({self.trial.why})"]
         out = [f"op-level fix: run the line of the culprit's {what} in float32: {op}",
                f"  at {self.where}, replace the line with (indented as it is):"]
         out += ["      " + line for line in self.patch.text.splitlines()]
-        if self.trial.get("backoffs"):
-            out.append(f"  (finite once the scaler backs off to loss scale {self.trial['loss_scale']:g}, "
-                       f"{self.trial['backoffs']} halving(s) below the recorded one)")
+        if self.trial.backed_off:
+            out.append(f"  (finite once the scaler backs off to loss scale {self.trial.loss_scale:g}, "
+                       f"{self.trial.backoffs} halving(s) below the recorded one)")
         if not self.patch.exact:
             out.append(f"  no exact rewrite ({_NOT_EXACT_WORDS[self.patch.reason]}): cast the line's float16 inputs "
                        "to float32 (.float()) inside the block; the replay ran the line that way")
         if self.status is OpFixStatus.MOVES_FAILURE:
-            bad = sorted(c["step"] for c in self.saved_steps_check if not c["saved"])
+            bad = sorted(c.step for c in self.saved_steps_check if not c.saved)
             out.append(f"  it does NOT save saved step(s) {', '.join(map(str, bad))}: it only moves the failure")
         out.append(f"  extra float32 work: {work_words(self.fp32_flops, self.fp32_share)}")
         return out
@@ -159,11 +161,11 @@ def find_op_fix(p, run, culprit, progress=None) -> OpFix:
         return fix
     key = (os.path.abspath(op.source.file), op.source.line)
     fix.trial = p.trial(fp32_lines=(key,))
-    if not Trial.of(fix.trial).saved:
+    if not fix.trial.saved:
         fix.status = OpFixStatus.NOT_SAVED
         return fix
     fix.saved_steps_check = try_on_saved_steps(p, (), progress, lines=(key,))
-    fix.status = (OpFixStatus.SAVED if all(c["saved"] for c in fix.saved_steps_check)
+    fix.status = (OpFixStatus.SAVED if all(c.saved for c in fix.saved_steps_check)
                   else OpFixStatus.MOVES_FAILURE)
     fix.fp32_flops, fix.fp32_share, seen = work_cost(p, fp32_lines=(key,))
     inputs = seen.get(key)

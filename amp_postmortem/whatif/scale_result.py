@@ -46,6 +46,24 @@ EDGE_WORDS = {EdgeCause.LOSS_DTYPE: "the loss's own dtype",
               EdgeCause.WEIGHT_GRAD: "a float16 weight-gradient matmul"}
 
 
+@dataclass(frozen=True)
+class SavedStepScale:
+    """Another saved step replayed at the window's top (`verify_window`):
+    finite there, else the highest scale of the window where it is
+    (`max_finite_k`, None: none is) and why in one sentence."""
+    step: int
+    finite_at_max: bool
+    max_finite_k: int | None
+    why: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "finite_at_max": self.finite_at_max, "max_finite_k": self.max_finite_k,
+                "why": self.why}
+
+    def line(self) -> str:
+        return f"saved step {self.step}: " + (f"finite at 2^{self.max_finite_k}" if self.finite_at_max else self.why)
+
+
 @dataclass
 class ScaleWindow:
     method: str                     # "replay" | "estimate"
@@ -66,7 +84,7 @@ class ScaleWindow:
     why: str | None = None
     # Replayed with `verify_window`: the other saved steps at the window's
     # top ([{"step", "finite_at_max", "max_finite_k", "why"}]).
-    checked_steps: list = field(default_factory=list)
+    checked_steps: list = field(default_factory=list)   # [SavedStepScale], verify_window's
     # The overflow edge's cause (EdgeCause) and the tensor that sets it
     # (a layer, a parameter or "<loss>"); the loss's dtype (None: unknown)
     # and the highest k it allows; replays: where the backward started
@@ -82,7 +100,8 @@ class ScaleWindow:
 
     def to_dict(self) -> dict:
         return plain({"method": self.method, "step": self.step, "rank": self.rank,
-                      "verified": self.verified, "why": self.why, "checked_steps": self.checked_steps,
+                      "verified": self.verified, "why": self.why,
+                      "checked_steps": [c.to_dict() for c in self.checked_steps],
                       "overflow_cause": self.overflow_cause.value if self.overflow_cause else None,
                       "overflow_edge_by": self.overflow_edge_by, "loss_dtype": self.loss_dtype,
                       "loss_max_k": self.loss_max_k, "backward_from": self.backward_from,
@@ -136,9 +155,7 @@ class ScaleWindow:
             out.append(self.edge_line())
         if self.code:
             out.append(f"GradScaler settings that stay inside it: {self.code}")
-        for c in self.checked_steps:
-            out.append(f"saved step {c['step']}: " + (f"finite at 2^{c['max_finite_k']}" if c["finite_at_max"]
-                                                      else c["why"]))
+        out += [c.line() for c in self.checked_steps]
         if self.window_check is not None:
             out.append(self.window_check.line())
         out += [f"note: {n}" for n in self.notes[(1 if w is None and self.notes else 0):]]

@@ -71,8 +71,8 @@ from recorders import schema
 from ..errors import OptionError
 from . import report_progress
 from .scale_estimate import estimate_scale_window
-from .scale_result import (LOSS_ROW, MAX_UNDERFLOW, SCALES, EdgeCause, ScaleWindow, calibration_notes, loss_max_k,
-                           position_in_window, scaler_settings, usable_window)
+from .scale_result import (LOSS_ROW, MAX_UNDERFLOW, SCALES, EdgeCause, SavedStepScale, ScaleWindow, calibration_notes,
+                           loss_max_k, position_in_window, scaler_settings, usable_window)
 
 
 @dataclass
@@ -221,23 +221,23 @@ def verify_window(sw: ScaleWindow, prepared, *, fp32_modules=(), progress=None, 
     modules = tuple(fp32_modules)
     for i, (step, path) in enumerate(others):
         q = prepare_like(prepared, path)
-        row = {"step": step, "finite_at_max": True, "max_finite_k": hi, "why": None}
-        if not _replay_at(q, hi, modules, loss_fn, capture=False).finite:
-            row.update(finite_at_max=False, max_finite_k=None)
+        max_finite_k, why = hi, None
+        run = _replay_at(q, hi, modules, loss_fn, capture=False)
+        if not run.finite:
+            max_finite_k = None
             for k in range(hi - 1, lo - 1, -1):
                 run = _replay_at(q, k, modules, loss_fn, capture=False)
                 if run.finite:
-                    row["max_finite_k"] = k
+                    max_finite_k = k
                     break
-            if row["max_finite_k"] is not None:
-                top = min(top, row["max_finite_k"])
-                row["why"] = (f"overflows at 2^{hi}; finite up to 2^{row['max_finite_k']}: the window's top "
-                              "is lowered to keep it finite")
+            if max_finite_k is not None:
+                top = min(top, max_finite_k)
+                why = (f"overflows at 2^{hi}; finite up to 2^{max_finite_k}: the window's top "
+                       "is lowered to keep it finite")
             else:
-                fwd = _forward_finite(run)
-                row["why"] = ("its forward is non-finite at every scale of the window: no loss scale saves it"
-                              if not fwd else f"non-finite at every scale from 2^{lo} to 2^{hi}")
-        checked.append(row)
+                why = ("its forward is non-finite at every scale of the window: no loss scale saves it"
+                       if not _forward_finite(run) else f"non-finite at every scale from 2^{lo} to 2^{hi}")
+        checked.append(SavedStepScale(step, finite_at_max=max_finite_k == hi, max_finite_k=max_finite_k, why=why))
         report_progress(progress, "checking the window on the saved steps", i + 1, len(others))
     window = usable_window(range(lo, top + 1)) if top >= lo else None
     if window is None:
@@ -246,7 +246,7 @@ def verify_window(sw: ScaleWindow, prepared, *, fp32_modules=(), progress=None, 
         notes.append(f"narrowed from 2^{lo}..2^{hi} (step {sw.step} alone) to keep the other saved steps finite")
     if top < hi:
         # The edge is another saved step's now; what overflows there is not told apart.
-        by = next((c["step"] for c in checked if c["max_finite_k"] == top), None)
+        by = next((c.step for c in checked if c.max_finite_k == top), None)
         sw = dataclasses.replace(sw, overflow_cause=None, overflow_edge_by=f"saved step {by}" if by is not None else None)
     settings, code = scaler_settings(window, device_type=_device_type(prepared))
     return dataclasses.replace(sw, window=window, settings=settings, code=code, notes=notes, checked_steps=checked,
