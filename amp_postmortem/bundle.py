@@ -53,6 +53,8 @@ class Bundle:
     micro_batch_rng: list = field(default_factory=list)   # per micro-batch: {"cpu": ..., "cuda": [...]}
     extra_buffers: dict = field(default_factory=dict)     # non-persistent buffers (not in state_dict())
     reasons: list = field(default_factory=list)           # every reason that fired at this step
+    shard_ranks: list = field(default_factory=list)       # a sharded job's: the ranks whose shards
+                                                          # made `params` whole (empty: not sharded)
 
     @property
     def micro_batches(self) -> int:
@@ -121,16 +123,79 @@ def load_bundle(path, step: int | None = None, rank: int | None = None) -> Bundl
         if (path / schema.BUNDLES_DIR).is_dir() or (path / schema.MANIFEST_FILE).is_file():
             raise BundleError(f"{path} is a run directory: pass step= (and rank=) or a bundle directory")
         raise BundleError(f"not a replay bundle: {meta_path} is missing")
-    meta = _read_meta(meta_path, path)
-    _check_place(path, meta_path, meta)
-    _check_files(path, meta)
-    tensors = _read_tensors(path / schema.BUNDLE_TENSORS_FILE, path)
+    meta, tensors = _read_checked(path, meta_path)
     try:
-        return _assemble(path, meta, tensors)
+        bundle = _assemble(path, meta, tensors)
+        if meta["params"].get("placements"):
+            bundle = _made_whole(path, bundle, tensors)
+        return bundle
     except BundleError:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise BundleError(f"malformed bundle {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _read_checked(path: Path, meta_path: Path) -> tuple[dict, dict]:
+    """bundle.json and the tensors of one bundle directory, every check done."""
+    meta = _read_meta(meta_path, path)
+    _check_place(path, meta_path, meta)
+    _check_files(path, meta)
+    return meta, _read_tensors(path / schema.BUNDLE_TENSORS_FILE, path)
+
+
+def _made_whole(path: Path, bundle: Bundle, tensors: dict) -> Bundle:
+    """A sharded job's bundle with its parameters reassembled from every
+    rank's bundle of the same step (`shard_bundle.reassemble`): the rest
+    (inputs, output gradients, RNG, loss) stays this rank's."""
+    from .shard_bundle import reassemble
+    meta, step, rank = bundle.meta, bundle.step, bundle.rank
+    world = meta.get("world_size")
+    if path.parent.parent.name != schema.BUNDLES_DIR or not isinstance(world, int) or world < 1:
+        raise BundleError(f"{path}: a sharded job's bundle holds rank {rank}'s shards only: replay it in its "
+                          f"run directory, beside every rank's bundle of step {step}")
+    step_dir = path.parent
+    others = {r: step_dir / f"rank={r}" for r in range(world) if r != rank}
+    missing = [r for r, p in others.items() if not (p.exists() or os.path.lexists(p))]
+    if missing:
+        ranks = ", ".join(str(r) for r in missing)
+        raise BundleError(f"step {step}: no bundle of rank{'s' if len(missing) > 1 else ''} {ranks} "
+                          f"(a sharded job's replay needs every rank's shards, world_size {world}; "
+                          f"found under {shown(step_dir)})")
+    ranks = {rank: (meta, tensors)}
+    for r, p in others.items():
+        ranks[r] = _read_checked(p, p / schema.BUNDLE_MANIFEST_FILE)
+    for r, (m, _) in sorted(ranks.items()):
+        if m.get("run_id") != meta.get("run_id") or m.get("world_size") != world:
+            raise BundleError(f"step {step}: rank {r}'s bundle is of another run or world size "
+                              f"(run_id {m.get('run_id')!r}, world_size {m.get('world_size')!r}; rank {rank}'s: "
+                              f"{meta.get('run_id')!r}, {world!r})")
+    names, aliases, exact = [], {}, True
+    pieces: dict[str, list] = {}
+    unplaced: dict[str, torch.Tensor] = {}
+    for r, (m, t) in sorted(ranks.items()):
+        placements = m["params"].get("placements") or {}
+        get = tensor_lookup(t, step_dir / f"rank={r}", schema.BUNDLE_MANIFEST_FILE)
+        exact = exact and bool(m["params"]["exact"])
+        aliases.update(m["params"].get("aliases") or {})
+        for n in m["params"]["names"]:
+            if n not in pieces and n not in unplaced:
+                names.append(n)
+            if n in placements:
+                pieces.setdefault(n, []).append((r, get("param", n), placements[n]))
+            elif r == rank or n not in unplaced:
+                unplaced[n] = get("param", n)  # replicated: this rank's copy
+    both = sorted(set(pieces) & set(unplaced))
+    if both:
+        raise BundleError(f"step {step}: parameter {both[0]!r} is placed as a shard on some ranks and "
+                          f"whole on others")
+    params = {n: reassemble(n, pieces[n], step) if n in pieces else unplaced[n] for n in names}
+    for alias, target in aliases.items():
+        if target in params:
+            params[alias] = params[target]
+    bundle.params = params
+    bundle.meta = dict(meta, params=dict(meta["params"], names=names, aliases=aliases, exact=exact))
+    bundle.shard_ranks = sorted(ranks)
+    return bundle
 
 
 def _read_meta(meta_path: Path, root: Path) -> dict:

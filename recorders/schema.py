@@ -20,7 +20,7 @@ SCHEMA_VERSION = "1.3"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"
-BUNDLE_SCHEMA_VERSION = "1.1"
+BUNDLE_SCHEMA_VERSION = "1.2"
 
 # A counterfactual window (`BundlePolicy(window_steps=K)`): the weights,
 # buffers, optimizer and scaler state at a window's first step and every

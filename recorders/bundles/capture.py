@@ -58,11 +58,12 @@ class BundleCapture:
 
     `policy` (`BundlePolicy`): the options, validated there; `enabled`:
     the master switch (False: nothing is held or saved; the manifest still
-    records the policy).
+    records the policy); `window`: False keeps no counterfactual window
+    whatever `policy.window_steps` says (a sharded job's).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, scaler=None, *, policy: BundlePolicy,
-                 enabled: bool = True, run_dir: Path, run_info: dict, post, on_change):
+                 enabled: bool = True, run_dir: Path, run_info: dict, post, on_change, window: bool = True):
         has_scaler = scaler_enabled(scaler)
         self.model = model
         self.optimizer = optimizer
@@ -95,7 +96,7 @@ class BundleCapture:
         # The counterfactual window (window.py): None when off, so that the
         # hooks below cost one attribute test.
         self.window = None
-        if self.enabled and policy.window_steps > 0:
+        if self.enabled and window and policy.window_steps > 0:
             self.window = WindowCapture(model, optimizer, scaler, inventory=inv, steps=policy.window_steps,
                                         max_bytes=policy.max_window_bytes, run_dir=run_dir,
                                         run_info=dict(run_info, has_scaler=has_scaler), post=self._post)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import all_module_names, local, unwrap, user_class
+from ..layout import (all_module_names, canonical_modules, fsdp1_flat_views, is_flat_param, local_value,
+                      shard_placements, unwrap, user_class, version_of)
 
 
 class ModelInventory:
@@ -31,7 +32,7 @@ class ModelInventory:
         self.name_by_id: dict[int, str] = {}
         modules = all_module_names(model)
         for name, p in ((f"{m}.{n}" if m else n, p) for m, mod in modules for n, p in mod._parameters.items()):
-            if p is None or type(p).__name__ == "FlatParameter":
+            if p is None or is_flat_param(p):
                 continue
             if id(p) in self.name_by_id:
                 self.aliases[name] = self.name_by_id[id(p)]
@@ -39,6 +40,19 @@ class ModelInventory:
             self.name_by_id[id(p)] = name
             self.params.append(p)
             self.param_names.append(name)
+        # FSDP1 without use_orig_params: the parameters exist only as slices
+        # of the flat parameters (this rank's part of them).
+        canonical = {m: n for n, m in canonical_modules(model)}
+        for name, view in fsdp1_flat_views(model, canonical):
+            self.name_by_id[id(view)] = name
+            self.params.append(view)
+            self.param_names.append(name)
+            for alias in view.aliases:
+                self.aliases[alias] = name
+        # name -> where this rank's part sits in the whole (sharded only)
+        by_id = shard_placements(model, self.params)
+        self.placements: dict[str, dict] = {n: by_id[id(p)] for n, p in zip(self.param_names, self.params)
+                                            if id(p) in by_id}
         self.buffers: list[torch.Tensor] = []
         self.buffer_names: list[str] = []
         self.non_persistent: list[str] = []
@@ -59,7 +73,7 @@ class ModelInventory:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
     def param_versions(self) -> list[int]:
-        return [p._version for p in self.params]
+        return [version_of(p) for p in self.params]
 
     def buffer_versions(self) -> list[int]:
         return [b._version for b in self.buffers]
@@ -112,21 +126,24 @@ class SnapshotPool:
     `torch._foreach_copy_` (device work only). At most `max_sets` exist."""
 
     def __init__(self, tensors, max_sets: int):
-        self.src = [local(t.detach()) for t in tensors]
+        self.tensors = list(tensors)
         self.max_sets = max_sets
         self.free: list[list] = []
         self.allocated = 0
 
     def take(self):
+        # Local parts read at each copy (a DTensor's local tensor can be
+        # replaced by FSDP2's lazy initialisation); an empty shard copies nothing.
+        src = [local_value(t) for t in self.tensors]
         if self.free:
             snap = self.free.pop()
         elif self.allocated < self.max_sets:
-            snap = [torch.empty_like(t) for t in self.src]
+            snap = [torch.empty_like(t) for t in src]
             self.allocated += 1
         else:
             return None
         with torch.no_grad():
-            torch._foreach_copy_(snap, self.src)
+            torch._foreach_copy_(snap, src)
         return snap
 
     def give(self, snap) -> None:
@@ -141,7 +158,7 @@ def clone_now(tensors) -> list[torch.Tensor]:
     out = []
     with torch.no_grad():
         for t in tensors:
-            t = local(t.detach())
+            t = local_value(t)
             try:
                 out.append(t.clone())
             except RuntimeError:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .. import schema
-from ..layout import local
+from ..layout import local_value
 from ..plain import plain
 from ..tensor_codec import encode_inputs
 from .directory import environment, write_bundle
@@ -135,7 +135,7 @@ class WindowCapture:
         snap = {}
         with torch.no_grad():
             for part, src in parts.items():
-                src = [local(t.detach()) for t in src]
+                src = [local_value(t) for t in src]
                 dst = self._sets.get(part)
                 if dst is None or len(dst) != len(src) or any(
                         d.shape != s.shape or d.dtype != s.dtype or d.device != s.device for d, s in zip(dst, src)):
