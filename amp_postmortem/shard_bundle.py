@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from recorders import schema
+
 from .errors import BundleError
 from .files import limits
 
@@ -44,8 +46,8 @@ def _region(full: torch.Tensor, covered: torch.Tensor, shard: torch.Tensor, plac
                               f"in shape {list(full.shape)}")
         index = tuple(slice(o, o + s) for o, s in zip(offset, shard.shape))
         return full[index], covered[index], shard
-    raise BundleError(f"{where}: placement {kind!r} is not a flat one (flat_offset, numel) or a dtensor one "
-                      f"(global_offset)")
+    raise BundleError(f"{where}: placement {kind!r} is not one of {', '.join(schema.PLACEMENT_KINDS)} "
+                      f"with its offsets (flat: flat_offset, numel; dtensor: global_offset)")
 
 
 def reassemble(name: str, pieces: list[tuple[int, torch.Tensor, dict]], step: int) -> torch.Tensor:

@@ -137,6 +137,12 @@ BUNDLE_TENSOR_COLUMNS: tuple[Column, ...] = (
 )
 
 BUNDLE_ROLES = ("param", "buffer", "input", "grad_output", "rng")
+# How a sharded job's rank holds its part of a parameter (bundle.json
+# `params.placements`, since bundle 1.2): `flat`, the flattened parameter's
+# `[flat_offset : flat_offset + numel]` (FSDP1, both `use_orig_params`
+# settings); `dtensor`, a block at `global_offset` of the row's own shape
+# (FSDP2 and other DTensor layouts: Shard(dim), Replicate()).
+PLACEMENT_KINDS = ("flat", "dtensor")
 # A window's tensors file has the bundle tensor columns; its roles add the
 # optimizer's state tensors (`optimizer_state`, named `state.<i>` as
 # window.json lists them) and the scaler's (`scaler_state`: `scale`,

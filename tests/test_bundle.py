@@ -227,7 +227,7 @@ def test_clean_cpu_steps_copy_no_weights_and_the_nonfinite_step_still_does(tmp_p
     # Step 3 (NaN planted), then 4 and 5, whose weights the update made NaN
     # (close() drops the pools: the parameters' pool is the one over them).
     n_params = len(list(rec.model.parameters()))
-    assert sum(len(pool.src) == n_params for pool in copies) == 3
+    assert sum(len(pool.tensors) == n_params for pool in copies) == 3
     b = load_bundle(run, step=3)
     assert b.meta["params"]["source"] == "pre_step_snapshot" and b.meta["params"]["exact"]
 
@@ -287,6 +287,29 @@ def test_edited_missing_and_newer_bundles_are_refused(saved_bundle, tmp_path):
         find_bundle(run, 7)
     with pytest.raises(BundleError, match="is a run directory"):
         load_bundle(run)
+
+
+def test_a_bundle_of_an_older_minor_version_without_placements_reads_as_before(saved_bundle, tmp_path):
+    b = copy(saved_bundle, tmp_path)
+    meta = json.loads((b / "bundle.json").read_text())
+    assert "placements" not in meta["params"]  # an unsharded job's
+    older = dict(meta, version="1.1")
+    older["checksum"] = json_checksum(older)
+    (b / "bundle.json").write_text(json.dumps(older))
+    loaded = load_bundle(b)
+    assert loaded.shard_ranks == [] and loaded.params.keys() == load_bundle(saved_bundle).params.keys()
+
+
+def test_a_sharded_bundle_out_of_its_run_is_refused_in_one_line(saved_bundle, tmp_path):
+    b = copy(saved_bundle, tmp_path)
+    meta = json.loads((b / "bundle.json").read_text())
+    name = meta["params"]["names"][0]
+    meta["params"]["placements"] = {name: {"kind": "flat", "global_shape": [4], "flat_offset": 0, "numel": 4}}
+    meta["checksum"] = json_checksum(meta)
+    (b / "bundle.json").write_text(json.dumps(meta))
+    with pytest.raises(BundleError, match=r"holds rank 0's shards only: replay it in its run directory") as e:
+        load_bundle(b)
+    assert "\n" not in str(e.value)
 
 
 def test_no_pickle_is_used_to_write_or_read_bundles(tmp_path, monkeypatch):
