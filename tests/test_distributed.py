@@ -204,7 +204,7 @@ def _plant_inf(layout, model, rank):
 
 
 def _bundle_job(layout, rank, root):
-    """Two float32 steps; before step 1's forward rank 1 plants an Inf
+    """Two bfloat16 steps; before step 1's forward rank 1 plants an Inf
     into its shard of `PLANTED`: every rank's loss goes non-finite and
     every rank saves a bundle of its shards. The full weights step 1's
     forward used, gathered by torch itself, are saved beside the run as
@@ -223,7 +223,8 @@ def _bundle_job(layout, rank, root):
                 if rank == 0:
                     np.savez(os.path.join(root, f"{layout}_truth.npz"),
                              **{n: t.detach().float().numpy() for n, t in truth.items()})
-            loss = ((model(x) - y) ** 2).mean()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = ((model(x).float() - y) ** 2).mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -467,11 +468,31 @@ def test_replay_of_a_sharded_step_goes_nonfinite_where_the_job_did(distributed_r
     origin = amp_postmortem.nans(run).origin
     assert (origin.name, origin.step) == (PLANTED.rpartition(".")[0], BUNDLE_STEP)
     result = CliRunner().invoke(main, ["replay", str(run), "--step", str(BUNDLE_STEP), "--rank", "1",
-                                       "--model", f"{__file__}:ShardNet", "--precisions", "fp32", "--json"])
+                                       "--model", f"{__file__}:ShardNet", "--precisions", "fp32,bf16", "--json"])
     assert result.exit_code == 0, result.output
     replayed = json.loads(result.stdout)
     assert replayed["rank"] == 1 and replayed["reproduced"] is True
     assert replayed["reference_nonfinite"][0] == origin.name
+
+
+def test_fix_scale_window_and_recommend_run_on_a_sharded_step(distributed_runs):
+    """The what-ifs on the reassembled step as on an eager one: the planted
+    Inf is in the weights, so float64 fails too and no precision remedy is
+    offered; recommend says to check the data."""
+    root, _ = distributed_runs
+    run, model = str(root / "fsdp1_flat_bundles"), f"{__file__}:ShardNet"
+    at = ["--step", str(BUNDLE_STEP), "--rank", "1", "--model", model, "--json"]
+    fixed = CliRunner().invoke(main, ["fix", run, *at])
+    assert fixed.exit_code == 0, fixed.output
+    fixed = json.loads(fixed.stdout)
+    assert (fixed["rank"], fixed["fix"], fixed["baseline"]["forward_finite"]) == (1, None, False)
+    window = CliRunner().invoke(main, ["scale-window", run, *at])
+    assert window.exit_code == 0, window.output
+    assert json.loads(window.stdout)["replay"]["rank"] == 1
+    advice = CliRunner().invoke(main, ["recommend", run, "--model", model, "--json"])
+    assert advice.exit_code == 0, advice.output
+    advice = json.loads(advice.stdout)
+    assert advice["step"] == BUNDLE_STEP and [r["kind"] for r in advice["recommendations"]] == ["check_data"]
 
 
 def test_a_missing_ranks_bundle_is_named_in_one_line_exit_2(distributed_runs, tmp_path):
