@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 import amp_postmortem
 from amp_postmortem.cli import main
-from recorders import AmpRecorder
+from recorders import AmpRecorder, BundlePolicy
 from tiny_models import TinyNet, batches
 
 LAYOUTS = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2")  # fsdp1_flat: without use_orig_params
@@ -136,7 +136,10 @@ def _worker(rank, world, root, port):
         out[f"{layout}_planted"] = _planted_job(layout, rank, os.path.join(root, f"{layout}_fp32"))
     _tied_job(rank, os.path.join(root, "fsdp1_flat_tied"))
     for layout in SHARDED:
-        _bundle_job(layout, rank, root)
+        recorded = _bundle_job(layout, rank, root)
+        out[f"{layout}_bundle_identical"] = all(
+            torch.equal(a.view(torch.int32), b.view(torch.int32))  # bit for bit: NaN included
+            for a, b in zip(recorded, _bundle_job(layout, rank, root, record=False)))
     with open(os.path.join(root, f"result-{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -203,32 +206,38 @@ def _plant_inf(layout, model, rank):
         flat.data[info.offset_in_shard] = math.inf
 
 
-def _bundle_job(layout, rank, root):
+def _bundle_job(layout, rank, root, record=True):
     """Two bfloat16 steps; before step 1's forward rank 1 plants an Inf
     into its shard of `PLANTED`: every rank's loss goes non-finite and
     every rank saves a bundle of its shards. The full weights step 1's
     forward used, gathered by torch itself, are saved beside the run as
-    truth (`<layout>_truth.npz`, rank 0)."""
+    truth (`<layout>_truth.npz`, rank 0). The recorder keeps a window
+    asked for off (sharded). Returns the final local weights."""
     import numpy as np
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     torch.manual_seed(0)
     model = _wrap(layout, ShardNet())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with AmpRecorder(os.path.join(root, f"{layout}_bundles"), model, optimizer=opt, full_every=1) as rec:
-        for step, (x, y) in enumerate(batches(2, seed=rank)):
-            if step == BUNDLE_STEP:
-                if rank == 1:
-                    _plant_inf(layout, model, rank)
-                truth = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-                if rank == 0:
-                    np.savez(os.path.join(root, f"{layout}_truth.npz"),
-                             **{n: t.detach().float().numpy() for n, t in truth.items()})
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = ((model(x).float() - y) ** 2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+    rec = AmpRecorder(os.path.join(root, f"{layout}_bundles"), model, optimizer=opt, full_every=1,
+                      bundles=BundlePolicy(window_steps=2)) if record else None
+    for step, (x, y) in enumerate(batches(2, seed=rank)):
+        if step == BUNDLE_STEP:
+            if rank == 1:
+                _plant_inf(layout, model, rank)
+            truth = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            if rank == 0 and record:
+                np.savez(os.path.join(root, f"{layout}_truth.npz"),
+                         **{n: t.detach().float().numpy() for n, t in truth.items()})
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ((model(x).float() - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rec:
             rec.step(loss)
+    if rec:
+        rec.close()
+    return [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
 
 
 def _tied_job(rank, run):
@@ -445,7 +454,7 @@ def test_every_rank_saves_its_shards_and_they_reassemble_to_the_full_weights(dis
     metas = [json.loads((run / "bundles" / f"step={BUNDLE_STEP}" / f"rank={r}" / "bundle.json").read_text())
              for r in (0, 1)]
     for m in metas:
-        assert m["version"] == "1.2" and m["params"]["exact"]
+        assert m["version"] == "1.2" and m["params"]["exact"] and m["params"]["source"] == "pre_step_snapshot"
         kinds = {p["kind"] for p in m["params"]["placements"].values()}
         assert kinds == {"dtensor" if layout == "fsdp2" else "flat"}
     local = amp_postmortem.load_bundle(run, step=BUNDLE_STEP, rank=1)
@@ -473,6 +482,17 @@ def test_replay_of_a_sharded_step_goes_nonfinite_where_the_job_did(distributed_r
     replayed = json.loads(result.stdout)
     assert replayed["rank"] == 1 and replayed["reproduced"] is True
     assert replayed["reference_nonfinite"][0] == origin.name
+
+
+@pytest.mark.parametrize("layout", SHARDED)
+def test_saving_sharded_bundles_leaves_training_bit_identical_and_keeps_no_window(distributed_runs, layout):
+    root, results = distributed_runs
+    assert [r[f"{layout}_bundle_identical"] for r in results] == [True, True]
+    run = root / f"{layout}_bundles"
+    for r in (0, 1):
+        bundles = json.loads((run / f"rank={r}" / "manifest.json").read_text())["recorder"]["bundles"]
+        assert bundles["window_steps"] == 2 and "sharded parameters" in bundles["window_disabled"]
+    assert not (run / "windows").exists()
 
 
 def test_fix_scale_window_and_recommend_run_on_a_sharded_step(distributed_runs):
