@@ -55,6 +55,9 @@ class Bundle:
     reasons: list = field(default_factory=list)           # every reason that fired at this step
     shard_ranks: list = field(default_factory=list)       # a sharded job's: the ranks whose shards
                                                           # made `params` whole (empty: not sharded)
+    optimizer_state: list = field(default_factory=list)   # [(param name, key, Tensor or plain value)]
+                                                          # (since 1.2; `optimizer.state_exact` says
+                                                          # whether it is the one the step's update used)
 
     @property
     def micro_batches(self) -> int:
@@ -193,9 +196,36 @@ def _made_whole(path: Path, bundle: Bundle, tensors: dict) -> Bundle:
         if target in params:
             params[alias] = params[target]
     bundle.params = params
+    bundle.optimizer_state = _whole_optimizer_state(step_dir, step, rank, ranks)
     bundle.meta = dict(meta, params=dict(meta["params"], names=names, aliases=aliases, exact=exact))
     bundle.shard_ranks = sorted(ranks)
     return bundle
+
+
+def _whole_optimizer_state(step_dir: Path, step: int, rank: int, ranks: dict) -> list:
+    """Each (parameter, key) of the ranks' optimizer states once: a placed
+    tensor reassembled like its parameter, anything else this rank's (or
+    the lowest rank's that has it)."""
+    from .shard_bundle import reassemble
+    order, pieces, unplaced = [], {}, {}
+    for r, (m, t) in sorted(ranks.items(), key=lambda kv: (kv[0] != rank, kv[0])):
+        get = tensor_lookup(t, step_dir / f"rank={r}", schema.BUNDLE_MANIFEST_FILE)
+        for e in ((m.get("optimizer") or {}).get("state") or []):
+            key = (e["param"], e["key"])
+            if key not in pieces and key not in unplaced:
+                order.append(key)
+            if e.get("placement"):
+                if key in unplaced:
+                    raise BundleError(f"step {step}: optimizer state {key[1]!r} of {key[0]!r} is placed as a "
+                                      f"shard on some ranks and whole on others")
+                pieces.setdefault(key, []).append((r, get("optimizer_state", e["tensor"]), e["placement"]))
+            elif key not in unplaced:
+                if key in pieces:
+                    raise BundleError(f"step {step}: optimizer state {key[1]!r} of {key[0]!r} is placed as a "
+                                      f"shard on some ranks and whole on others")
+                unplaced[key] = get("optimizer_state", e["tensor"]) if e.get("tensor") else e.get("value")
+    return [(n, k, reassemble(f"{n}:{k}", pieces[(n, k)], step) if (n, k) in pieces else unplaced[(n, k)])
+            for n, k in order]
 
 
 def _read_meta(meta_path: Path, root: Path) -> dict:
@@ -454,6 +484,12 @@ def weights_of(meta: dict, get) -> tuple[dict, dict, dict]:
     return params, buffers, extra
 
 
+def optimizer_state_of(meta: dict, get) -> list:
+    """[(param name, key, Tensor or plain value)] of `optimizer.state`."""
+    return [(e["param"], e["key"], get("optimizer_state", e["tensor"]) if e.get("tensor") else e.get("value"))
+            for e in ((meta.get("optimizer") or {}).get("state") or [])]
+
+
 def micro_batch_of(mb: dict, k: int, get) -> tuple[tuple, dict]:
     """Micro-batch `k`'s ((args, kwargs), {"cpu": ..., "cuda": [...]} RNG states)."""
     lookup = (lambda name: get("input", name, k))
@@ -487,6 +523,7 @@ def _assemble(path: Path, meta: dict, tensors: dict) -> Bundle:
         model_class=meta["model_class"], optimizer=meta.get("optimizer"), env=meta.get("env") or {},
         reason=meta["reason"], meta=meta, grad_outputs_raw=raw, micro_batch_rng=rngs,
         extra_buffers=extra, reasons=list(meta.get("reasons") or [meta["reason"]]),
+        optimizer_state=optimizer_state_of(meta, get),
     )
 
 

@@ -145,13 +145,11 @@ def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
 
 
 def _assemble(path: Path, meta: dict, tensors: dict) -> Window:
-    from .bundle import micro_batch_of, tensor_lookup, weights_of
+    from .bundle import micro_batch_of, optimizer_state_of, tensor_lookup, weights_of
     get = tensor_lookup(tensors, path, schema.WINDOW_MANIFEST_FILE)
     params, buffers, extra = weights_of(meta, get)
     opt = meta.get("optimizer")
-    state = []
-    for e in (opt or {}).get("state", []):
-        state.append((e["param"], e["key"], get("optimizer_state", e["tensor"]) if e.get("tensor") else e.get("value")))
+    state = optimizer_state_of(meta, get)
     scaler = meta.get("scaler")
     scaler_state = {n: get("scaler_state", n) for n in (scaler or {}).get("tensors", [])}
     steps = []

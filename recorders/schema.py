@@ -136,7 +136,7 @@ BUNDLE_TENSOR_COLUMNS: tuple[Column, ...] = (
     Column("data", pa.large_binary(), "bytes", "Raw little-endian bytes of the contiguous tensor (bit-exact, also for float16/bfloat16).", False),
 )
 
-BUNDLE_ROLES = ("param", "buffer", "input", "grad_output", "rng")
+BUNDLE_ROLES = ("param", "buffer", "input", "grad_output", "rng", "optimizer_state")  # optimizer_state: since 1.2
 # How a sharded job's rank holds its part of a parameter (bundle.json
 # `params.placements`, since bundle 1.2): `flat`, the flattened parameter's
 # `[flat_offset : flat_offset + numel]` (FSDP1, both `use_orig_params`

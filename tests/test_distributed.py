@@ -214,10 +214,11 @@ def _bundle_job(layout, rank, root, record=True):
     truth (`<layout>_truth.npz`, rank 0). The recorder keeps a window
     asked for off (sharded). Returns the final local weights."""
     import numpy as np
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
     torch.manual_seed(0)
     model = _wrap(layout, ShardNet())
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
     rec = AmpRecorder(os.path.join(root, f"{layout}_bundles"), model, optimizer=opt, full_every=1,
                       bundles=BundlePolicy(window_steps=2)) if record else None
     for step, (x, y) in enumerate(batches(2, seed=rank)):
@@ -225,9 +226,6 @@ def _bundle_job(layout, rank, root, record=True):
             if rank == 1:
                 _plant_inf(layout, model, rank)
             truth = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-            if rank == 0 and record:
-                np.savez(os.path.join(root, f"{layout}_truth.npz"),
-                         **{n: t.detach().float().numpy() for n, t in truth.items()})
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = ((model(x).float() - y) ** 2).mean()
         loss.backward()
@@ -237,6 +235,12 @@ def _bundle_job(layout, rank, root, record=True):
             rec.step(loss)
     if rec:
         rec.close()
+    # The bundle copies the optimizer state when it is saved: after step 1's update.
+    state = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))["state"]
+    if rank == 0 and record:
+        truth.update({f"{n}:{k}": v for n, keys in state.items() for k, v in keys.items()})
+        np.savez(os.path.join(root, f"{layout}_truth.npz"),
+                 **{n: t.detach().float().numpy() for n, t in truth.items()})
     return [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
 
 
@@ -460,11 +464,19 @@ def test_every_rank_saves_its_shards_and_they_reassemble_to_the_full_weights(dis
     local = amp_postmortem.load_bundle(run, step=BUNDLE_STEP, rank=1)
     truth = np.load(root / f"{layout}_truth.npz", allow_pickle=False)
     assert local.shard_ranks == [0, 1]
-    assert sorted(local.params) == sorted(truth.files) == sorted(PARAMS)
-    for name in truth.files:
+    assert sorted(local.params) == sorted(n for n in truth.files if ":" not in n) == sorted(PARAMS)
+    for name in PARAMS:
         got = local.params[name]
         assert list(got.shape) == list(truth[name].shape), name
         assert torch.equal(got, torch.from_numpy(truth[name])), name
+    # Adam's state, reassembled like the weights (its scalar `step` whole)
+    state = {f"{n}:{k}": v for n, k, v in local.optimizer_state}
+    assert sorted(state) == sorted(n for n in truth.files if ":" in n)
+    assert {k.split(":")[1] for k in state} == {"step", "exp_avg", "exp_avg_sq"}
+    for key, got in state.items():
+        torch.testing.assert_close(got.float(), torch.from_numpy(truth[key]), rtol=0, atol=0, equal_nan=True,
+                                   msg=key)
+    assert local.meta["optimizer"]["state_source"] == "copy_after_update"
     assert torch.isinf(local.params[PLANTED]).sum() == 1
     assert local.rank == 1 and local.meta["rank"] == 1  # its own inputs and loss
     assert math.isinf(local.loss) or math.isnan(local.loss)

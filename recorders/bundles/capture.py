@@ -321,17 +321,27 @@ class BundleCapture:
             p.inputs.append(tensors)
         opt = self.optimizer
         optimizer = None
+        p.optimizer_state = []
         if opt is not None:
             hyper = cap.optimizer_groups or [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-            groups = [dict(h, params=[inv.name_by_id.get(id(t), "?") for t in g["params"]])
-                      for h, g in zip(hyper, opt.param_groups)]
+            groups = [dict(h, params=inv.param_names_of(g["params"])) for h, g in zip(hyper, opt.param_groups)]
+            # The state as it is now: the one the step's update used when no
+            # optimizer step ran since its forward (a skipped step's).
+            entries, tensors, placements = inv.optimizer_state(opt)
+            p.optimizer_state = clone_now(tensors)
+            before = cap.opt_steps == self._opt_steps
             optimizer = {"class": f"{type(opt).__module__}.{type(opt).__qualname__}",
                          "defaults": plain({k: v for k, v in opt.defaults.items() if k != "params"}, keep_nonfinite=True),
-                         "param_groups": plain(groups, keep_nonfinite=True)}
+                         "param_groups": plain(groups, keep_nonfinite=True),
+                         "state": [{"param": n, "key": key, **({"tensor": f"state.{v}"} if isinstance(v, int) else v),
+                                    **({"placement": placements[v]} if isinstance(v, int) and placements[v] else {})}
+                                   for n, key, v in entries],
+                         "state_source": "copy_before_update" if before else "copy_after_update",
+                         "state_exact": before}
         p.info = {"inputs_exact": all(t._version == v for mb in cap.micro_batches for t, v in mb.input_versions),
                   "buffers_source": bsource, "buffers_exact": bexact, "optimizer": optimizer}
         p.event = None
-        cuda = [t.device for t in p.params + p.buffers if t.device.type == "cuda"]
+        cuda = [t.device for t in p.params + p.buffers + p.optimizer_state if t.device.type == "cuda"]
         if cuda:
             # The copies are queued on the training stream: the writer thread
             # waits on this event, the training thread never does.

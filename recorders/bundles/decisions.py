@@ -113,4 +113,4 @@ class BundleDecisions:
         except Exception as exc:  # noqa: BLE001 - a failed bundle never stops the recording
             self.miss(p.step, p.order["reasons"], f"{type(exc).__name__}: {exc}", refund=True)
         finally:
-            p.params = p.buffers = p.inputs = p.capture = None
+            p.params = p.buffers = p.inputs = p.capture = p.optimizer_state = None

@@ -170,6 +170,8 @@ def bundle_records(inventory, p):
         yield name, "param", -1, t, src.requires_grad
     for name, t in zip(inventory.buffer_names, p.buffers):
         yield name, "buffer", -1, t, False
+    for i, t in enumerate(p.optimizer_state or ()):
+        yield f"state.{i}", "optimizer_state", -1, t, False
     for k, (mb, tensors) in enumerate(zip(p.capture.micro_batches, p.inputs)):
         for name, t in tensors:
             yield name, "input", k, t, t.requires_grad

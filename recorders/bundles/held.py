@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import (all_module_names, canonical_modules, fsdp1_flat_views, is_flat_param, local_value,
+from ..layout import (FlatView, all_module_names, canonical_modules, fsdp1_flat_views, is_flat_param, local_value,
                       shard_placements, unwrap, user_class, version_of)
+from ..plain import plain
 
 
 class ModelInventory:
@@ -49,6 +50,11 @@ class ModelInventory:
             self.param_names.append(name)
             for alias in view.aliases:
                 self.aliases[alias] = name
+        # FSDP1 without use_orig_params: the optimizer holds the flat
+        # parameters; each one's views, for its state and its groups' names.
+        self._views_of: dict[int, list] = {}
+        for name, view in ((n, p) for n, p in zip(self.param_names, self.params) if isinstance(p, FlatView)):
+            self._views_of.setdefault(id(view.flat), []).append((name, view))
         # name -> where this rank's part sits in the whole (sharded only)
         by_id = shard_placements(model, self.params)
         self.placements: dict[str, dict] = {n: by_id[id(p)] for n, p in zip(self.param_names, self.params)
@@ -68,6 +74,48 @@ class ModelInventory:
                 self.buffer_names.append(full)
                 if bname in skip:
                     self.non_persistent.append(full)
+
+    def param_names_of(self, params) -> list[str]:
+        """The names of an optimizer group's parameters (a flat parameter's:
+        those of the parameters it holds here)."""
+        out = []
+        for p in params:
+            views = self._views_of.get(id(p))
+            out += [n for n, _ in views] if views is not None else [self.name_by_id.get(id(p), "?")]
+        return out
+
+    def optimizer_state(self, opt) -> tuple[list, list, list]:
+        """The optimizer's state as ([(param name, key, tensor index or
+        {"value": plain value})], [tensors], [placement or None per tensor]):
+        a state tensor of its parameter's local shape has the parameter's
+        placement (Adam's moments, momentum), another (a scalar `step`) none;
+        a flat parameter's state is cut into its parameters' slices. The
+        tensors are references (a DTensor's local part, detached)."""
+        entries, tensors, placements = [], [], []
+        state = getattr(opt, "state", None) if opt is not None else None
+        if not state:
+            return entries, tensors, placements
+        for group in opt.param_groups:
+            for p in group["params"]:
+                views = self._views_of.get(id(p))
+                for key, value in (state.get(p) or {}).items():
+                    if not isinstance(value, torch.Tensor):
+                        for name in ([n for n, _ in views] if views is not None else [self.name_by_id.get(id(p), "?")]):
+                            entries.append((name, str(key), {"value": plain(value, keep_nonfinite=True)}))
+                        continue
+                    value = local_value(value)
+                    like_param = value.shape == local_value(p).shape
+                    if views is not None and like_param and value.dim() == 1:
+                        for name, view in views:
+                            entries.append((name, str(key), len(tensors)))
+                            tensors.append(value.narrow(0, view.offset, view.numel))
+                            placements.append(self.placements.get(name))
+                        continue
+                    names = [n for n, _ in views] if views is not None else [self.name_by_id.get(id(p), "?")]
+                    entries += [(name, str(key), len(tensors)) for name in names]
+                    tensors.append(value)
+                    placements.append(self.placements.get(names[0]) if views is None and like_param else None)
+        return entries, tensors, placements
 
     def buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
@@ -118,7 +166,8 @@ class StepCapture:
 
 
 class PendingBundle:
-    __slots__ = ("step", "order", "capture", "params", "buffers", "inputs", "specs", "event", "info")
+    __slots__ = ("step", "order", "capture", "params", "buffers", "inputs", "specs", "event", "info",
+                 "optimizer_state")
 
 
 class SnapshotPool:
