@@ -429,3 +429,33 @@ def test_a_step_asked_for_but_not_recorded_is_listed_as_missed(tmp_path):
                 rec.step()
     assert [s for s, _, _ in list_bundles(tmp_path / "run")] == [2]
     assert [m["step"] for m in manifest(tmp_path / "run")["bundles_missed"]] == [1]
+
+
+def test_the_optimizer_state_is_saved_and_is_the_one_a_skipped_step_would_have_used(tmp_path):
+    """Adam under a GradScaler; step 1's batch holds an Inf, so the scaler
+    skips it: the state saved with its bundle is the one its update would
+    have used (no optimizer step since), `state_exact`."""
+    from tiny_models import TinyNet
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with AmpRecorder(tmp_path / "run", model, optimizer=opt, scaler=scaler) as rec:
+        for step, (x, y) in enumerate(batches(2)):
+            if step == 1:
+                x = x.clone()
+                x[0, 0, 0] = math.inf
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((model(x).float() - y) ** 2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            rec.step(loss)
+    b = load_bundle(tmp_path / "run", step=1)
+    assert b.meta["optimizer"]["state_source"] == "copy_before_update" and b.meta["optimizer"]["state_exact"]
+    names = dict(model.named_parameters())
+    saved = {(n, k): v for n, k, v in b.optimizer_state}
+    expected = {(n, k): v for n, p in names.items() for k, v in opt.state[p].items()}
+    assert saved.keys() == expected.keys() and len(saved) == 3 * len(names)
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)
