@@ -315,7 +315,7 @@ class AmpRecorder:
         # placement, which the analyzer reassembles from every rank's bundle
         # of the step. A window's optimizer state is not placed yet.
         window_off = None
-        if sharded and bundles_enabled and parts.bundle_policy.window_steps > 0:
+        if (sharded or flat_views) and bundles_enabled and parts.bundle_policy.window_steps > 0:
             window_off = "sharded parameters (a window's optimizer state is not reassembled)"
 
         self.schedule = parts.schedule

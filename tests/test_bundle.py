@@ -431,16 +431,14 @@ def test_a_step_asked_for_but_not_recorded_is_listed_as_missed(tmp_path):
     assert [m["step"] for m in manifest(tmp_path / "run")["bundles_missed"]] == [1]
 
 
-def test_the_optimizer_state_is_saved_and_is_the_one_a_skipped_step_would_have_used(tmp_path):
-    """Adam under a GradScaler; step 1's batch holds an Inf, so the scaler
-    skips it: the state saved with its bundle is the one its update would
-    have used (no optimizer step since), `state_exact`."""
+def _adam_job(run, **options):
+    """Adam under a GradScaler; step 1's batch holds an Inf (the scaler skips it)."""
     from tiny_models import TinyNet
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    with AmpRecorder(tmp_path / "run", model, optimizer=opt, scaler=scaler) as rec:
+    with AmpRecorder(run, model, optimizer=opt, scaler=scaler, **options) as rec:
         for step, (x, y) in enumerate(batches(2)):
             if step == 1:
                 x = x.clone()
@@ -452,6 +450,13 @@ def test_the_optimizer_state_is_saved_and_is_the_one_a_skipped_step_would_have_u
             scaler.update()
             opt.zero_grad()
             rec.step(loss)
+    return model, opt
+
+
+def test_the_optimizer_state_is_saved_and_is_the_one_a_skipped_step_would_have_used(tmp_path):
+    """The state saved with the skipped step's bundle is the one its update
+    would have used (no optimizer step since), `state_exact`."""
+    model, opt = _adam_job(tmp_path / "run")
     b = load_bundle(tmp_path / "run", step=1)
     assert b.meta["optimizer"]["state_source"] == "copy_before_update" and b.meta["optimizer"]["state_exact"]
     names = dict(model.named_parameters())
@@ -459,3 +464,22 @@ def test_the_optimizer_state_is_saved_and_is_the_one_a_skipped_step_would_have_u
     expected = {(n, k): v for n, p in names.items() for k, v in opt.state[p].items()}
     assert saved.keys() == expected.keys() and len(saved) == 3 * len(names)
     assert all(torch.equal(saved[k], expected[k]) for k in saved)
+
+
+def raw_bytes(bundle_dir) -> int:
+    """The raw bytes of a bundle's tensors, as its byte cap counts them."""
+    import pyarrow.parquet as pq
+    from recorders.tensor_codec import itemsize, parse_dtype
+    rows = pq.read_table(bundle_dir / schema.BUNDLE_TENSORS_FILE, columns=["dtype", "shape", "offset"]).to_pylist()
+    return sum(math.prod(r["shape"]) * itemsize(parse_dtype(r["dtype"])) for r in rows if r["offset"] == 0)
+
+
+def test_a_bundle_that_fits_only_without_the_optimizer_state_is_saved_without_it(tmp_path):
+    _adam_job(tmp_path / "whole")
+    whole = load_bundle(tmp_path / "whole", step=1)
+    state = sum(t.numel() * t.element_size() for _, _, t in whole.optimizer_state)
+    raw = raw_bytes(find_bundle(tmp_path / "whole", 1))
+    _adam_job(tmp_path / "cut", max_bundle_bytes=raw - state // 2)
+    cut = load_bundle(tmp_path / "cut", step=1)
+    assert cut.optimizer_state == [] and "max_bundle_bytes" in cut.meta["optimizer"]["state_omitted"]
+    assert cut.params.keys() == whole.params.keys()
