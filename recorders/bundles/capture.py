@@ -20,8 +20,14 @@ What happens around step N (training thread unless said otherwise):
   (`triggers`) on N's copied statistics and records a decision (the
   writer-thread part, `BundleDecisions`, lives in `decisions`);
 - next training-thread hook: a "no" releases the capture; a "yes" queues
-  device-side copies of whatever is still live and hands the bundle to the
-  writer thread, which copies it to the host and writes it (`directory`).
+  device-side copies of whatever is still live, and of the optimizer state
+  as it is then, and hands the bundle to the writer thread, which copies it
+  to the host and writes it (`directory`).
+
+Sharded parameters (FSDP1, FSDP2) are held as this rank's local shards
+(`layout.local_value`, read at each copy), and the bundle records where
+each sits in the whole (`ModelInventory.placements`); the analyzer puts
+the ranks' bundles of a step together. No collective is issued.
 
 Nothing on the training path reads a device value: decisions use host-side
 statistics, version counters and what the scaler already synchronised.
