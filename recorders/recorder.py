@@ -316,7 +316,10 @@ class AmpRecorder:
         # of the step. A window's optimizer state is not placed yet.
         window_off = None
         if (sharded or flat_views) and bundles_enabled and parts.bundle_policy.window_steps > 0:
-            window_off = "sharded parameters (a window's optimizer state is not reassembled)"
+            # Each rank starts its window when its own writer has decided
+            # the steps before: the ranks' windows would start at different
+            # steps, whose shards no reader could put together.
+            window_off = "sharded parameters (the ranks' windows would not start at one step)"
 
         self.schedule = parts.schedule
         for s in (parts.bundle_policy.steps if bundles_enabled else ()):

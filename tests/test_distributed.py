@@ -505,6 +505,14 @@ def test_saving_sharded_bundles_leaves_training_bit_identical_and_keeps_no_windo
         bundles = json.loads((run / f"rank={r}" / "manifest.json").read_text())["recorder"]["bundles"]
         assert bundles["window_steps"] == 2 and "sharded parameters" in bundles["window_disabled"]
     assert not (run / "windows").exists()
+    verdict = summary_verdict(run)
+    assert "window_steps" not in verdict["command"] and "keeps no window here: sharded" in verdict["command"]
+
+
+def summary_verdict(run):
+    result = CliRunner().invoke(main, ["summary", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["precision_verdict"]
 
 
 def test_fix_scale_window_and_recommend_run_on_a_sharded_step(distributed_runs):
