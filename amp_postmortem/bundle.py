@@ -157,10 +157,12 @@ def _made_whole(path: Path, bundle: Bundle, tensors: dict) -> Bundle:
         raise BundleError(f"{path}: a sharded job's bundle holds rank {rank}'s shards only: replay it in its "
                           f"run directory, beside every rank's bundle of step {step}")
     step_dir = path.parent
-    others = {r: step_dir / f"rank={r}" for r in range(world) if r != rank}
-    missing = [r for r, p in others.items() if not (p.exists() or os.path.lexists(p))]
+    # The step's rank directories as listed (canonical names, no links).
+    present = dict(numbered_dirs(step_dir, rank_of, step_dir.parent.parent, BundleError))
+    others = {r: d for r, d in sorted(present.items()) if r != rank and r < world}
+    missing = [r for r in range(world) if r != rank and r not in present]
     if missing:
-        ranks = ", ".join(str(r) for r in missing)
+        ranks = ", ".join(str(r) for r in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise BundleError(f"step {step}: no bundle of rank{'s' if len(missing) > 1 else ''} {ranks} "
                           f"(a sharded job's replay needs every rank's shards, world_size {world}; "
                           f"found under {shown(step_dir)})")
