@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import (FlatView, all_module_names, canonical_modules, fsdp1_flat_views, is_flat_param, local_value,
+from ..layout import (all_module_names, canonical_modules, fsdp1_flat_views, is_flat_param, local_value,
                       shard_placements, unwrap, user_class, version_of)
 from ..plain import plain
 
@@ -27,7 +27,7 @@ class ModelInventory:
         # for the bundle's record; names below never carry one.
         self.prefix = _raw_prefix(model)
         self.model_class = f"{cls.__module__}.{cls.__qualname__}"
-        self.params: list[torch.Tensor] = []
+        self.params: list = []  # tensors (a DTensor's local part is read when copied), or FlatViews
         self.param_names: list[str] = []
         self.aliases: dict[str, str] = {}
         self.name_by_id: dict[int, str] = {}
@@ -42,19 +42,18 @@ class ModelInventory:
             self.params.append(p)
             self.param_names.append(name)
         # FSDP1 without use_orig_params: the parameters exist only as slices
-        # of the flat parameters (this rank's part of them).
+        # of the flat parameters (this rank's part of them), and the
+        # optimizer holds the flat ones: each one's views (`_views_of`) name
+        # its state and its groups' parameters.
+        self._views_of: dict[int, list] = {}
         canonical = {m: n for n, m in canonical_modules(model)}
         for name, view in fsdp1_flat_views(model, canonical):
             self.name_by_id[id(view)] = name
             self.params.append(view)
             self.param_names.append(name)
+            self._views_of.setdefault(id(view.flat), []).append((name, view))
             for alias in view.aliases:
                 self.aliases[alias] = name
-        # FSDP1 without use_orig_params: the optimizer holds the flat
-        # parameters; each one's views, for its state and its groups' names.
-        self._views_of: dict[int, list] = {}
-        for name, view in ((n, p) for n, p in zip(self.param_names, self.params) if isinstance(p, FlatView)):
-            self._views_of.setdefault(id(view.flat), []).append((name, view))
         # name -> where this rank's part sits in the whole (sharded only)
         by_id = shard_placements(model, self.params)
         self.placements: dict[str, dict] = {n: by_id[id(p)] for n, p in zip(self.param_names, self.params)
