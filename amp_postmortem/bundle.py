@@ -53,6 +53,11 @@ class Bundle:
     micro_batch_rng: list = field(default_factory=list)   # per micro-batch: {"cpu": ..., "cuda": [...]}
     extra_buffers: dict = field(default_factory=dict)     # non-persistent buffers (not in state_dict())
     reasons: list = field(default_factory=list)           # every reason that fired at this step
+    shard_ranks: list = field(default_factory=list)       # a sharded job's: the ranks whose shards
+                                                          # made `params` whole (empty: not sharded)
+    optimizer_state: list = field(default_factory=list)   # [(param name, key, Tensor or plain value)]
+                                                          # (since 1.2; `optimizer.state_exact` says
+                                                          # whether it is the one the step's update used)
 
     @property
     def micro_batches(self) -> int:
@@ -121,16 +126,108 @@ def load_bundle(path, step: int | None = None, rank: int | None = None) -> Bundl
         if (path / schema.BUNDLES_DIR).is_dir() or (path / schema.MANIFEST_FILE).is_file():
             raise BundleError(f"{path} is a run directory: pass step= (and rank=) or a bundle directory")
         raise BundleError(f"not a replay bundle: {meta_path} is missing")
-    meta = _read_meta(meta_path, path)
-    _check_place(path, meta_path, meta)
-    _check_files(path, meta)
-    tensors = _read_tensors(path / schema.BUNDLE_TENSORS_FILE, path)
+    meta, tensors = _read_checked(path, meta_path)
     try:
-        return _assemble(path, meta, tensors)
+        bundle = _assemble(path, meta, tensors)
+        if meta["params"].get("placements"):
+            bundle = _made_whole(path, bundle, tensors)
+        return bundle
     except BundleError:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise BundleError(f"malformed bundle {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _read_checked(path: Path, meta_path: Path) -> tuple[dict, dict]:
+    """bundle.json and the tensors of one bundle directory, every check done."""
+    meta = _read_meta(meta_path, path)
+    _check_place(path, meta_path, meta)
+    _check_files(path, meta)
+    return meta, _read_tensors(path / schema.BUNDLE_TENSORS_FILE, path)
+
+
+def _made_whole(path: Path, bundle: Bundle, tensors: dict) -> Bundle:
+    """A sharded job's bundle with its parameters reassembled from every
+    rank's bundle of the same step (`shard_bundle.reassemble`): the rest
+    (inputs, output gradients, RNG, loss) stays this rank's."""
+    from .shard_bundle import reassemble
+    meta, step, rank = bundle.meta, bundle.step, bundle.rank
+    world = meta.get("world_size")
+    if path.parent.parent.name != schema.BUNDLES_DIR or not isinstance(world, int) or world < 1:
+        raise BundleError(f"{path}: a sharded job's bundle holds rank {rank}'s shards only: replay it in its "
+                          f"run directory, beside every rank's bundle of step {step}")
+    step_dir = path.parent
+    # The step's rank directories as listed (canonical names, no links).
+    present = dict(numbered_dirs(step_dir, rank_of, step_dir.parent.parent, BundleError))
+    others = {r: d for r, d in sorted(present.items()) if r != rank and r < world}
+    missing = [r for r in range(world) if r != rank and r not in present]
+    if missing:
+        ranks = ", ".join(str(r) for r in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise BundleError(f"step {step}: no bundle of rank{'s' if len(missing) > 1 else ''} {ranks} "
+                          f"(a sharded job's replay needs every rank's shards, world_size {world}; "
+                          f"found under {shown(step_dir)})")
+    ranks = {rank: (meta, tensors)}
+    for r, p in others.items():
+        ranks[r] = _read_checked(p, p / schema.BUNDLE_MANIFEST_FILE)
+    for r, (m, _) in sorted(ranks.items()):
+        if m.get("run_id") != meta.get("run_id") or m.get("world_size") != world:
+            raise BundleError(f"step {step}: rank {r}'s bundle is of another run or world size "
+                              f"(run_id {m.get('run_id')!r}, world_size {m.get('world_size')!r}; rank {rank}'s: "
+                              f"{meta.get('run_id')!r}, {world!r})")
+    names, aliases, exact = [], {}, True
+    pieces: dict[str, list] = {}
+    unplaced: dict[str, torch.Tensor] = {}
+    for r, (m, t) in sorted(ranks.items()):
+        placements = m["params"].get("placements") or {}
+        get = tensor_lookup(t, step_dir / f"rank={r}", schema.BUNDLE_MANIFEST_FILE)
+        exact = exact and bool(m["params"]["exact"])
+        aliases.update(m["params"].get("aliases") or {})
+        for n in m["params"]["names"]:
+            if n not in pieces and n not in unplaced:
+                names.append(n)
+            if n in placements:
+                pieces.setdefault(n, []).append((r, get("param", n), placements[n]))
+            elif r == rank or n not in unplaced:
+                unplaced[n] = get("param", n)  # replicated: this rank's copy
+    both = sorted(set(pieces) & set(unplaced))
+    if both:
+        raise BundleError(f"step {step}: parameter {both[0]!r} is placed as a shard on some ranks and "
+                          f"whole on others")
+    params = {n: reassemble(n, pieces[n], step) if n in pieces else unplaced[n] for n in names}
+    for alias, target in aliases.items():
+        if target in params:
+            params[alias] = params[target]
+    bundle.params = params
+    bundle.optimizer_state = _whole_optimizer_state(step_dir, step, rank, ranks)
+    bundle.meta = dict(meta, params=dict(meta["params"], names=names, aliases=aliases, exact=exact))
+    bundle.shard_ranks = sorted(ranks)
+    return bundle
+
+
+def _whole_optimizer_state(step_dir: Path, step: int, rank: int, ranks: dict) -> list:
+    """Each (parameter, key) of the ranks' optimizer states once: a placed
+    tensor reassembled like its parameter, anything else this rank's (or
+    the lowest rank's that has it)."""
+    from .shard_bundle import reassemble
+    order, pieces, unplaced = [], {}, {}
+    for r, (m, t) in sorted(ranks.items(), key=lambda kv: (kv[0] != rank, kv[0])):
+        get = tensor_lookup(t, step_dir / f"rank={r}", schema.BUNDLE_MANIFEST_FILE)
+        for e in ((m.get("optimizer") or {}).get("state") or []):
+            key = (e["param"], e["key"])
+            if key not in pieces and key not in unplaced:
+                order.append(key)
+            if e.get("placement"):
+                if key in unplaced:
+                    raise BundleError(f"step {step}: optimizer state {key[1]!r} of {key[0]!r} is placed as a "
+                                      f"shard on some ranks and whole on others")
+                pieces.setdefault(key, []).append((r, get("optimizer_state", e["tensor"]), e["placement"]))
+            elif key not in unplaced:
+                if key in pieces:
+                    raise BundleError(f"step {step}: optimizer state {key[1]!r} of {key[0]!r} is placed as a "
+                                      f"shard on some ranks and whole on others")
+                unplaced[key] = get("optimizer_state", e["tensor"]) if e.get("tensor") else e.get("value")
+    return [(n, k, reassemble(f"{n}:{k}", pieces[(n, k)], step) if (n, k) in pieces else unplaced[(n, k)])
+            for n, k in order]
 
 
 def _read_meta(meta_path: Path, root: Path) -> dict:
@@ -389,6 +486,12 @@ def weights_of(meta: dict, get) -> tuple[dict, dict, dict]:
     return params, buffers, extra
 
 
+def optimizer_state_of(meta: dict, get) -> list:
+    """[(param name, key, Tensor or plain value)] of `optimizer.state`."""
+    return [(e["param"], e["key"], get("optimizer_state", e["tensor"]) if e.get("tensor") else e.get("value"))
+            for e in ((meta.get("optimizer") or {}).get("state") or [])]
+
+
 def micro_batch_of(mb: dict, k: int, get) -> tuple[tuple, dict]:
     """Micro-batch `k`'s ((args, kwargs), {"cpu": ..., "cuda": [...]} RNG states)."""
     lookup = (lambda name: get("input", name, k))
@@ -422,6 +525,7 @@ def _assemble(path: Path, meta: dict, tensors: dict) -> Bundle:
         model_class=meta["model_class"], optimizer=meta.get("optimizer"), env=meta.get("env") or {},
         reason=meta["reason"], meta=meta, grad_outputs_raw=raw, micro_batch_rng=rngs,
         extra_buffers=extra, reasons=list(meta.get("reasons") or [meta["reason"]]),
+        optimizer_state=optimizer_state_of(meta, get),
     )
 
 

@@ -37,7 +37,8 @@ def _precisions(ctx, param, value):
 @click.command("replay")
 @click.argument("run", metavar="RUN", type=RUN_LOCATION)
 @click.option("--rank", type=click.IntRange(min=0), default=None,
-              help="The rank whose bundle to replay (default: the lowest rank that saved one).")
+              help="The rank whose bundle to replay (default: the lowest rank that saved one); in a sharded "
+                   "job, whose micro-batches, on the weights made whole from every rank's bundle of the step.")
 @click.option("--step", type=int, required=True, help="The step whose bundle to replay.")
 @click.option("--model", metavar="SPEC", default=None, help=MODEL_HELP)
 @click.option("--loss-fn", metavar="SPEC", default=None, help=LOSS_FN_HELP)

@@ -100,6 +100,28 @@ def window_spans(run_dir, rank: int | None = None) -> list[dict]:
     return out
 
 
+def windows_off(run_dir) -> str | None:
+    """Why the recorder kept no window although one was asked for (a
+    sharded job's: `recorder.bundles.window_disabled` of a rank manifest),
+    else None; unreadable manifests say nothing here."""
+    from .errors import PostmortemError
+    from .loader import read_manifest
+    from .shards import rank_dirs
+    if run_dir is None or not Path(run_dir).is_dir():
+        return None
+    try:
+        for d in rank_dirs(Path(run_dir)).values():
+            manifest = d / schema.MANIFEST_FILE
+            if manifest.is_file():
+                why = ((read_manifest(manifest, run_dir).get("recorder") or {}).get("bundles") or {}).get(
+                    "window_disabled")
+                if isinstance(why, str):
+                    return why
+    except PostmortemError:
+        return None
+    return None
+
+
 def load_window(path) -> Window:
     """Validate and read the window at `path` (its directory or window.json);
     BundleError for a missing, truncated, tampered or newer one."""
@@ -145,13 +167,11 @@ def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
 
 
 def _assemble(path: Path, meta: dict, tensors: dict) -> Window:
-    from .bundle import micro_batch_of, tensor_lookup, weights_of
+    from .bundle import micro_batch_of, optimizer_state_of, tensor_lookup, weights_of
     get = tensor_lookup(tensors, path, schema.WINDOW_MANIFEST_FILE)
     params, buffers, extra = weights_of(meta, get)
     opt = meta.get("optimizer")
-    state = []
-    for e in (opt or {}).get("state", []):
-        state.append((e["param"], e["key"], get("optimizer_state", e["tensor"]) if e.get("tensor") else e.get("value")))
+    state = optimizer_state_of(meta, get)
     scaler = meta.get("scaler")
     scaler_state = {n: get("scaler_state", n) for n in (scaler or {}).get("tensors", [])}
     steps = []

@@ -221,11 +221,14 @@ class FlatView:
     a 1-D view that copies nothing. `shape` is the unsharded shape;
     `sharded`: the flat parameter is sharded across ranks."""
 
-    __slots__ = ("flat", "offset", "numel", "shape", "sharded", "aliases", "__weakref__")
+    __slots__ = ("flat", "offset", "numel", "shape", "sharded", "aliases", "intra_start", "__weakref__")
 
-    def __init__(self, flat, offset: int, numel: int, shape: list[int], sharded: bool, aliases=()):
+    def __init__(self, flat, offset: int, numel: int, shape: list[int], sharded: bool, aliases=(),
+                 intra_start: int = 0):
         self.flat, self.offset, self.numel, self.shape, self.sharded = flat, offset, numel, shape, sharded
         self.aliases = list(aliases)  # a tied parameter's other names
+        # where this part starts in the flattened parameter (`_ShardParamInfo.intra_param_start_idx`)
+        self.intra_start = int(intra_start)
 
     @property
     def dtype(self):
@@ -294,5 +297,73 @@ def fsdp1_flat_views(model: torch.nn.Module, module_names: dict) -> list[tuple[s
                 continue
             name = full_name(info.module, info.module_name, info.param_name)
             out.append((name, FlatView(flat, shard.offset_in_shard, shard.numel_in_shard, list(shape), sharded,
-                                       aliases.get((id(info.module), info.param_name), ()))))
+                                       aliases.get((id(info.module), info.param_name), ()),
+                                       shard.intra_param_start_idx or 0)))
+    return out
+
+
+# ------------------------------------------------------------ placements
+def local_value(t):
+    """The values this rank holds of a parameter, a plain tensor: a
+    DTensor's local shard (`_foreach_copy_` and `clone` of a DTensor would
+    need a sharding strategy), a `FlatView`'s slice of the local
+    FlatParameter, else the tensor itself; detached. Read again at every
+    snapshot: FSDP2's lazy initialisation may give a DTensor a new local
+    tensor after the recorder was built."""
+    if isinstance(t, FlatView):
+        v = t.value()
+        return v if v is not None else t.flat.detach().new_empty((0,))
+    return local(t.detach())
+
+
+def version_of(t) -> int:
+    """The version counter of what `local_value` reads (a FlatView's: its
+    flat parameter's, which every in-place update of it bumps)."""
+    return t.flat._version if isinstance(t, FlatView) else t._version
+
+
+def _placement_name(p) -> str:
+    if p.is_shard():
+        return f"Shard({p.dim})"
+    return "Replicate()" if p.is_replicate() else type(p).__name__
+
+
+def shard_placements(model: torch.nn.Module, params) -> dict[int, dict]:
+    """How this rank's part of each sharded parameter sits in the whole,
+    by `id(param)` (of a `FlatView` for FSDP1 without `use_orig_params`),
+    for the bundle's `params.placements` (docs/FORMAT.md): a DTensor's
+    `{"kind": "dtensor", "global_shape", "global_offset", "placements",
+    "mesh_shape"}` (its local tensor's shape is its row's), an FSDP1
+    parameter's `{"kind": "flat", "global_shape", "flat_offset", "numel"}`
+    (its values are the flattened parameter's `[flat_offset : flat_offset
+    + numel]`). Computed from local metadata: no collective."""
+    out: dict[int, dict] = {}
+    for p in params:
+        if isinstance(p, FlatView):  # stored 1-D, sharded or not: placed like a shard
+            out[id(p)] = {"kind": "flat", "global_shape": list(p.shape), "flat_offset": p.intra_start,
+                          "numel": int(p.numel)}
+            continue
+        if is_dtensor(p) and any(pl.is_shard() for pl in p.placements):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+            _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            out[id(p)] = {"kind": "dtensor", "global_shape": list(p.shape), "global_offset": [int(o) for o in offset],
+                          "placements": [_placement_name(pl) for pl in p.placements],
+                          "mesh_shape": list(p.device_mesh.shape)}
+    mod = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    fsdp = getattr(mod, "FullyShardedDataParallel", None) if mod is not None else None
+    if fsdp is None:
+        return out
+    wanted = {id(p) for p in params}
+    for m in model.modules():
+        handle = getattr(m, "_handle", None) if isinstance(m, fsdp) else None
+        flat = getattr(handle, "flat_param", None)
+        if not getattr(flat, "_params", None) or not getattr(handle, "uses_sharded_strategy", False):
+            continue
+        for p, shape, info in zip(flat._params, flat._shapes, flat._shard_param_infos):
+            if id(p) in wanted:
+                # use_orig_params: the parameter is a 1-D view of its part
+                # of the local shard (empty when it lies on other ranks).
+                start = info.intra_param_start_idx if info.in_shard else 0
+                out[id(p)] = {"kind": "flat", "global_shape": list(shape), "flat_offset": int(start or 0),
+                              "numel": int(info.numel_in_shard or 0) if info.in_shard else 0}
     return out

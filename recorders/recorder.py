@@ -220,7 +220,6 @@ class AmpRecorder:
         self._failed_at_step: int | None = None
         self._writing_step: int | None = None  # the step the writer thread is writing
         self._prior_stance = None  # the compiler stance to restore after an eager step
-        self._bundles_off: str | None = None
         self.compiled = False
         self.rank = int(rank or 0)
         self.world_size = int(world_size or 1)
@@ -312,11 +311,15 @@ class AmpRecorder:
         flat_views = fsdp1_flat_views(model, module_names)
         sharded |= {id(v) for _, v in flat_views if v.sharded}
         bundles_enabled = parts.bundles_enabled
-        if sharded and bundles_enabled:
-            # A bundle holds one rank's shards of the weights: no replay can
-            # run the whole model from it.
-            bundles_enabled = False
-            self._bundles_off = "sharded parameters (a bundle would hold one rank's shards only)"
+        # Sharded parameters: each rank's bundle holds its shards with their
+        # placement, which the analyzer reassembles from every rank's bundle
+        # of the step. A window's optimizer state is not placed yet.
+        window_off = None
+        if (sharded or flat_views) and bundles_enabled and parts.bundle_policy.window_steps > 0:
+            # Each rank starts its window when its own writer has decided
+            # the steps before: the ranks' windows would start at different
+            # steps, whose shards no reader could put together.
+            window_off = "sharded parameters (the ranks' windows would not start at one step)"
 
         self.schedule = parts.schedule
         for s in (parts.bundle_policy.steps if bundles_enabled else ()):
@@ -340,10 +343,10 @@ class AmpRecorder:
                                         "device_type", "device_name", "scaler")}
         self.bundles = BundleCapture(model, optimizer, scaler, policy=parts.bundle_policy, enabled=bundles_enabled,
                                      run_dir=self.run_dir, run_info=run_info, post=self.writer.submit,
-                                     on_change=self._bundles_changed)
+                                     on_change=self._bundles_changed, window=window_off is None)
         job["recorder"]["bundles"] = plain(self.bundles.config, keep_nonfinite=True)
-        if self._bundles_off:
-            job["recorder"]["bundles"]["disabled"] = self._bundles_off
+        if window_off:
+            job["recorder"]["bundles"]["window_disabled"] = window_off
         self.manifest = RunManifest(self.run_dir, self.rank, job)
         if parts.events is not None:
             self.event_detector = EventDetector.of(parts.events)

@@ -20,7 +20,7 @@ SCHEMA_VERSION = "1.3"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"
-BUNDLE_SCHEMA_VERSION = "1.1"
+BUNDLE_SCHEMA_VERSION = "1.2"
 
 # A counterfactual window (`BundlePolicy(window_steps=K)`): the weights,
 # buffers, optimizer and scaler state at a window's first step and every
@@ -136,7 +136,13 @@ BUNDLE_TENSOR_COLUMNS: tuple[Column, ...] = (
     Column("data", pa.large_binary(), "bytes", "Raw little-endian bytes of the contiguous tensor (bit-exact, also for float16/bfloat16).", False),
 )
 
-BUNDLE_ROLES = ("param", "buffer", "input", "grad_output", "rng")
+BUNDLE_ROLES = ("param", "buffer", "input", "grad_output", "rng", "optimizer_state")  # optimizer_state: since 1.2
+# How a sharded job's rank holds its part of a parameter (bundle.json
+# `params.placements`, since bundle 1.2): `flat`, the flattened parameter's
+# `[flat_offset : flat_offset + numel]` (FSDP1, both `use_orig_params`
+# settings); `dtensor`, a block at `global_offset` of the row's own shape
+# (FSDP2 and other DTensor layouts: Shard(dim), Replicate()).
+PLACEMENT_KINDS = ("flat", "dtensor")
 # A window's tensors file has the bundle tensor columns; its roles add the
 # optimizer's state tensors (`optimizer_state`, named `state.<i>` as
 # window.json lists them) and the scaler's (`scaler_state`: `scale`,

@@ -227,7 +227,7 @@ def test_clean_cpu_steps_copy_no_weights_and_the_nonfinite_step_still_does(tmp_p
     # Step 3 (NaN planted), then 4 and 5, whose weights the update made NaN
     # (close() drops the pools: the parameters' pool is the one over them).
     n_params = len(list(rec.model.parameters()))
-    assert sum(len(pool.src) == n_params for pool in copies) == 3
+    assert sum(len(pool.tensors) == n_params for pool in copies) == 3
     b = load_bundle(run, step=3)
     assert b.meta["params"]["source"] == "pre_step_snapshot" and b.meta["params"]["exact"]
 
@@ -287,6 +287,29 @@ def test_edited_missing_and_newer_bundles_are_refused(saved_bundle, tmp_path):
         find_bundle(run, 7)
     with pytest.raises(BundleError, match="is a run directory"):
         load_bundle(run)
+
+
+def test_a_bundle_of_an_older_minor_version_without_placements_reads_as_before(saved_bundle, tmp_path):
+    b = copy(saved_bundle, tmp_path)
+    meta = json.loads((b / "bundle.json").read_text())
+    assert "placements" not in meta["params"]  # an unsharded job's
+    older = dict(meta, version="1.1")
+    older["checksum"] = json_checksum(older)
+    (b / "bundle.json").write_text(json.dumps(older))
+    loaded = load_bundle(b)
+    assert loaded.shard_ranks == [] and loaded.params.keys() == load_bundle(saved_bundle).params.keys()
+
+
+def test_a_sharded_bundle_out_of_its_run_is_refused_in_one_line(saved_bundle, tmp_path):
+    b = copy(saved_bundle, tmp_path)
+    meta = json.loads((b / "bundle.json").read_text())
+    name = meta["params"]["names"][0]
+    meta["params"]["placements"] = {name: {"kind": "flat", "global_shape": [4], "flat_offset": 0, "numel": 4}}
+    meta["checksum"] = json_checksum(meta)
+    (b / "bundle.json").write_text(json.dumps(meta))
+    with pytest.raises(BundleError, match=r"holds rank 0's shards only: replay it in its run directory") as e:
+        load_bundle(b)
+    assert "\n" not in str(e.value)
 
 
 def test_no_pickle_is_used_to_write_or_read_bundles(tmp_path, monkeypatch):
@@ -406,3 +429,57 @@ def test_a_step_asked_for_but_not_recorded_is_listed_as_missed(tmp_path):
                 rec.step()
     assert [s for s, _, _ in list_bundles(tmp_path / "run")] == [2]
     assert [m["step"] for m in manifest(tmp_path / "run")["bundles_missed"]] == [1]
+
+
+def _adam_job(run, **options):
+    """Adam under a GradScaler; step 1's batch holds an Inf (the scaler skips it)."""
+    from tiny_models import TinyNet
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with AmpRecorder(run, model, optimizer=opt, scaler=scaler, **options) as rec:
+        for step, (x, y) in enumerate(batches(2)):
+            if step == 1:
+                x = x.clone()
+                x[0, 0, 0] = math.inf
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((model(x).float() - y) ** 2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            rec.step(loss)
+    return model, opt
+
+
+def test_the_optimizer_state_is_saved_and_is_the_one_a_skipped_step_would_have_used(tmp_path):
+    """The state saved with the skipped step's bundle is the one its update
+    would have used (no optimizer step since), `state_exact`."""
+    model, opt = _adam_job(tmp_path / "run")
+    b = load_bundle(tmp_path / "run", step=1)
+    assert b.meta["optimizer"]["state_source"] == "copy_before_update" and b.meta["optimizer"]["state_exact"]
+    names = dict(model.named_parameters())
+    saved = {(n, k): v for n, k, v in b.optimizer_state}
+    expected = {(n, k): v for n, p in names.items() for k, v in opt.state[p].items()}
+    assert saved.keys() == expected.keys() and len(saved) == 3 * len(names)
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)
+
+
+def raw_bytes(bundle_dir) -> int:
+    """The raw bytes of a bundle's tensors, as its byte cap counts them."""
+    import pyarrow.parquet as pq
+    from recorders.tensor_codec import itemsize, parse_dtype
+    rows = pq.read_table(bundle_dir / schema.BUNDLE_TENSORS_FILE, columns=["dtype", "shape", "offset"]).to_pylist()
+    return sum(math.prod(r["shape"]) * itemsize(parse_dtype(r["dtype"])) for r in rows if r["offset"] == 0)
+
+
+def test_a_bundle_that_fits_only_without_the_optimizer_state_is_saved_without_it(tmp_path):
+    _adam_job(tmp_path / "whole")
+    whole = load_bundle(tmp_path / "whole", step=1)
+    state = sum(t.numel() * t.element_size() for _, _, t in whole.optimizer_state)
+    raw = raw_bytes(find_bundle(tmp_path / "whole", 1))
+    _adam_job(tmp_path / "cut", max_bundle_bytes=raw - state // 2)
+    cut = load_bundle(tmp_path / "cut", step=1)
+    assert cut.optimizer_state == [] and "max_bundle_bytes" in cut.meta["optimizer"]["state_omitted"]
+    assert cut.params.keys() == whole.params.keys()

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 import amp_postmortem
 from amp_postmortem.cli import main
-from recorders import AmpRecorder
+from recorders import AmpRecorder, BundlePolicy
 from tiny_models import TinyNet, batches
 
 LAYOUTS = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2")  # fsdp1_flat: without use_orig_params
@@ -29,6 +29,8 @@ FSDP1 = ("fsdp1", "fsdp1_flat")
 STEPS = 3
 CLIP = 0.5
 NAN_RANK, NAN_STEP = 1, 1  # DDP: this rank's batch of this step holds a NaN
+SHARDED = ("fsdp1", "fsdp1_flat", "fsdp2")
+PLANTED, BUNDLE_STEP = "blocks.1.mlp.0.weight", 1  # rank 1 plants an Inf into its shard of it
 
 
 class ShardNet(TinyNet):
@@ -133,6 +135,11 @@ def _worker(rank, world, root, port):
     for layout in FSDP1:
         out[f"{layout}_planted"] = _planted_job(layout, rank, os.path.join(root, f"{layout}_fp32"))
     _tied_job(rank, os.path.join(root, "fsdp1_flat_tied"))
+    for layout in SHARDED:
+        recorded = _bundle_job(layout, rank, root)
+        out[f"{layout}_bundle_identical"] = all(
+            torch.equal(a.view(torch.int32), b.view(torch.int32))  # bit for bit: NaN included
+            for a, b in zip(recorded, _bundle_job(layout, rank, root, record=False)))
     with open(os.path.join(root, f"result-{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -184,6 +191,57 @@ def _planted_job(layout, rank, run):
             opt.zero_grad()
             rec.step(loss)
     return fqn
+
+
+def _plant_inf(layout, model, rank):
+    """Rank `rank` sets the first value of its shard of `PLANTED` to +Inf
+    (every rank's forward then all-gathers it)."""
+    with torch.no_grad():
+        if layout == "fsdp2":
+            model.get_submodule(PLANTED.rpartition(".")[0]).weight.to_local().view(-1)[0] = math.inf
+            return
+        flat = model._handle.flat_param
+        info = dict(zip(flat._fqns, flat._shard_param_infos))[PLANTED]
+        assert info.in_shard, "the planted parameter must have a part on the planting rank"
+        flat.data[info.offset_in_shard] = math.inf
+
+
+def _bundle_job(layout, rank, root, record=True):
+    """Two bfloat16 steps; before step 1's forward rank 1 plants an Inf
+    into its shard of `PLANTED`: every rank's loss goes non-finite and
+    every rank saves a bundle of its shards. The full weights step 1's
+    forward used, gathered by torch itself, are saved beside the run as
+    truth (`<layout>_truth.npz`, rank 0). The recorder keeps a window
+    asked for off (sharded). Returns the final local weights."""
+    import numpy as np
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    torch.manual_seed(0)
+    model = _wrap(layout, ShardNet())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    rec = AmpRecorder(os.path.join(root, f"{layout}_bundles"), model, optimizer=opt, full_every=1,
+                      bundles=BundlePolicy(window_steps=2)) if record else None
+    for step, (x, y) in enumerate(batches(2, seed=rank)):
+        if step == BUNDLE_STEP:
+            if rank == 1:
+                _plant_inf(layout, model, rank)
+            truth = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ((model(x).float() - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rec:
+            rec.step(loss)
+    if rec:
+        rec.close()
+    # The bundle copies the optimizer state when it is saved: after step 1's update.
+    state = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))["state"]
+    if rank == 0 and record:
+        truth.update({f"{n}:{k}": v for n, keys in state.items() for k, v in keys.items()})
+        np.savez(os.path.join(root, f"{layout}_truth.npz"),
+                 **{n: t.detach().float().numpy() for n, t in truth.items()})
+    return [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
 
 
 def _tied_job(rank, run):
@@ -388,3 +446,103 @@ def test_fsdp1_flat_tied_parameter_is_recorded_once_with_its_alias(distributed_r
     grads = run.scan_tensors(["name", "kind", "numel"], kinds=["param_grad"])
     assert dict(zip(grads["name"], grads["numel"])) == {"a.weight": 64, "a.bias": 8, "b.bias": 8}
     assert run.steps["grad_norm"].notna().all()
+
+
+# ------------------------------------------ bundles of sharded jobs
+@pytest.mark.parametrize("layout", SHARDED)
+def test_every_rank_saves_its_shards_and_they_reassemble_to_the_full_weights(distributed_runs, layout):
+    import numpy as np
+    root, _ = distributed_runs
+    run = root / f"{layout}_bundles"
+    assert [p.name for p in sorted((run / "bundles" / f"step={BUNDLE_STEP}").iterdir())] == ["rank=0", "rank=1"]
+    metas = [json.loads((run / "bundles" / f"step={BUNDLE_STEP}" / f"rank={r}" / "bundle.json").read_text())
+             for r in (0, 1)]
+    for m in metas:
+        assert m["version"] == "1.2" and m["params"]["exact"] and m["params"]["source"] == "pre_step_snapshot"
+        kinds = {p["kind"] for p in m["params"]["placements"].values()}
+        assert kinds == {"dtensor" if layout == "fsdp2" else "flat"}
+    local = amp_postmortem.load_bundle(run, step=BUNDLE_STEP, rank=1)
+    truth = np.load(root / f"{layout}_truth.npz", allow_pickle=False)
+    assert local.shard_ranks == [0, 1]
+    assert sorted(local.params) == sorted(n for n in truth.files if ":" not in n) == sorted(PARAMS)
+    for name in PARAMS:
+        got = local.params[name]
+        assert list(got.shape) == list(truth[name].shape), name
+        assert torch.equal(got, torch.from_numpy(truth[name])), name
+    # Adam's state, reassembled like the weights (its scalar `step` whole)
+    state = {f"{n}:{k}": v for n, k, v in local.optimizer_state}
+    assert sorted(state) == sorted(n for n in truth.files if ":" in n)
+    assert {k.split(":")[1] for k in state} == {"step", "exp_avg", "exp_avg_sq"}
+    for key, got in state.items():
+        torch.testing.assert_close(got.float(), torch.from_numpy(truth[key]), rtol=0, atol=0, equal_nan=True,
+                                   msg=key)
+    assert local.meta["optimizer"]["state_source"] == "copy_after_update"
+    assert torch.isinf(local.params[PLANTED]).sum() == 1
+    assert local.rank == 1 and local.meta["rank"] == 1  # its own inputs and loss
+    assert math.isinf(local.loss) or math.isnan(local.loss)
+
+
+@pytest.mark.parametrize("layout", SHARDED)
+def test_replay_of_a_sharded_step_goes_nonfinite_where_the_job_did(distributed_runs, layout):
+    root, _ = distributed_runs
+    run = root / f"{layout}_bundles"
+    origin = amp_postmortem.nans(run).origin
+    assert (origin.name, origin.step) == (PLANTED.rpartition(".")[0], BUNDLE_STEP)
+    result = CliRunner().invoke(main, ["replay", str(run), "--step", str(BUNDLE_STEP), "--rank", "1",
+                                       "--model", f"{__file__}:ShardNet", "--precisions", "fp32,bf16", "--json"])
+    assert result.exit_code == 0, result.output
+    replayed = json.loads(result.stdout)
+    assert replayed["rank"] == 1 and replayed["reproduced"] is True
+    assert replayed["reference_nonfinite"][0] == origin.name
+
+
+@pytest.mark.parametrize("layout", SHARDED)
+def test_saving_sharded_bundles_leaves_training_bit_identical_and_keeps_no_window(distributed_runs, layout):
+    root, results = distributed_runs
+    assert [r[f"{layout}_bundle_identical"] for r in results] == [True, True]
+    run = root / f"{layout}_bundles"
+    for r in (0, 1):
+        bundles = json.loads((run / f"rank={r}" / "manifest.json").read_text())["recorder"]["bundles"]
+        assert bundles["window_steps"] == 2 and "sharded parameters" in bundles["window_disabled"]
+    assert not (run / "windows").exists()
+    verdict = summary_verdict(run)
+    assert "window_steps" not in verdict["command"] and "keeps no window here: sharded" in verdict["command"]
+
+
+def summary_verdict(run):
+    result = CliRunner().invoke(main, ["summary", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["precision_verdict"]
+
+
+def test_fix_scale_window_and_recommend_run_on_a_sharded_step(distributed_runs):
+    """The what-ifs on the reassembled step as on an eager one: the planted
+    Inf is in the weights, so float64 fails too and no precision remedy is
+    offered; recommend says to check the data."""
+    root, _ = distributed_runs
+    run, model = str(root / "fsdp1_flat_bundles"), f"{__file__}:ShardNet"
+    at = ["--step", str(BUNDLE_STEP), "--rank", "1", "--model", model, "--json"]
+    fixed = CliRunner().invoke(main, ["fix", run, *at])
+    assert fixed.exit_code == 0, fixed.output
+    fixed = json.loads(fixed.stdout)
+    assert (fixed["rank"], fixed["fix"], fixed["baseline"]["forward_finite"]) == (1, None, False)
+    window = CliRunner().invoke(main, ["scale-window", run, *at])
+    assert window.exit_code == 0, window.output
+    assert json.loads(window.stdout)["replay"]["rank"] == 1
+    advice = CliRunner().invoke(main, ["recommend", run, "--model", model, "--json"])
+    assert advice.exit_code == 0, advice.output
+    advice = json.loads(advice.stdout)
+    assert advice["step"] == BUNDLE_STEP and [r["kind"] for r in advice["recommendations"]] == ["check_data"]
+
+
+def test_a_missing_ranks_bundle_is_named_in_one_line_exit_2(distributed_runs, tmp_path):
+    import shutil
+    root, _ = distributed_runs
+    run = tmp_path / "run"
+    shutil.copytree(root / "fsdp2_bundles", run)
+    shutil.rmtree(run / "bundles" / f"step={BUNDLE_STEP}" / "rank=1")
+    result = CliRunner().invoke(main, ["replay", str(run), "--step", str(BUNDLE_STEP),
+                                       "--model", f"{__file__}:ShardNet"])
+    assert result.exit_code == 2
+    line, = result.output.strip().splitlines()
+    assert "no bundle of rank 1" in line and f"step {BUNDLE_STEP}" in line

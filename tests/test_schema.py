@@ -53,3 +53,12 @@ def test_arrow_schemas_match_column_definitions():
     assert schema.TENSOR_SCHEMA.names == [c.name for c in schema.TENSOR_COLUMNS]
     for col in schema.CHEAP_STATS + schema.FULL_STATS:
         assert col in schema.TENSOR_SCHEMA.names
+
+
+def test_format_md_states_the_bundle_version_and_every_placement_kind():
+    text = FORMAT_MD.read_text()
+    assert f"(`amp-postmortem-bundle` `{schema.BUNDLE_SCHEMA_VERSION}`)" in text
+    assert f"`amp-postmortem-bundle`, `MAJOR.MINOR` (`{schema.BUNDLE_SCHEMA_VERSION}`)" in text
+    section = text.split("### Sharded jobs", 1)[1].split("###", 1)[0]
+    for kind in schema.PLACEMENT_KINDS:
+        assert f"`{kind}`" in section

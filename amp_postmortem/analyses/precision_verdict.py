@@ -17,7 +17,7 @@ import enum
 import shlex
 from dataclasses import dataclass
 
-from ..window import window_spans
+from ..window import window_spans, windows_off
 
 DEFAULT_WINDOW_STEPS = 16  # what the record-again advice suggests
 
@@ -81,9 +81,12 @@ def undetermined(run, failure_step: int | None, *, rank: int | None = None) -> P
     target = shlex.quote(str(run.path))
     span = pick_window(window_spans(run.path, rank), failure_step)
     if span is None:
-        command = (f"recording again with AmpRecorder(..., bundles=BundlePolicy(window_steps="
+        compare = f"training the job in float32 and running `amp-postmortem compare FP32_RUN {target}`"
+        off = windows_off(run.path)
+        command = (f"{compare} (the recorder keeps no window here: {off})" if off else
+                   f"recording again with AmpRecorder(..., bundles=BundlePolicy(window_steps="
                    f"{DEFAULT_WINDOW_STEPS})) and running `amp-postmortem summary {target} --model SPEC`, or "
-                   f"by training the job in float32 and running `amp-postmortem compare FP32_RUN {target}`")
+                   f"by {compare}")
         return PrecisionVerdict(Verdict.UNDETERMINED, Basis.NO_WINDOW, failure_step, command=command)
     first, last = span["first_step"], span["last_step"]
     command = (f"amp-postmortem rerun {target} --from {first} --steps {last - first + 1} --precision fp32 "

@@ -192,10 +192,20 @@ class _MicroBatch(_Open):
     rng: _Rng
 
 
+class _Placement(_Open):
+    """Where a rank's shard sits in the whole parameter (a sharded job's)."""
+    kind: StrictStr  # "flat" or "dtensor"; another kind is refused when the shards are reassembled
+    global_shape: list[Count]
+    flat_offset: Count | None = None
+    numel: Count | None = None
+    global_offset: list[Count] | None = None
+
+
 class _Params(_Open):
     names: list[StrictStr]
     aliases: dict[str, StrictStr] = {}
     exact: StrictBool
+    placements: dict[str, _Placement] | None = None
 
 
 class _Buffers(_Open):

@@ -61,6 +61,9 @@ class ReplayResult:
     # Whether every module's float64 output is finite: decisions read this,
     # never the note that says it (not in `to_dict`: `notes` says it there).
     reference_finite: bool = True
+    # The modules whose float64 output holds NaN/Inf, in the order they ran
+    # (the first is where the reference went non-finite first).
+    reference_nonfinite: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """Plain data; relative errors are inf where a run is non-finite and
@@ -74,6 +77,7 @@ class ReplayResult:
             "param_grads": self.param_grads, "anomaly": self.anomaly, "notes": self.notes,
             "errors": self.errors, "thresholds": self.thresholds, "backward_start": self.backward_start,
             "op_origin": self.op_origin, "op_trace": self.op_trace,
+            "reference_nonfinite": self.reference_nonfinite,
         }
 
 
@@ -274,7 +278,8 @@ def _replay(bundle, run_dir, precisions, *, model, device, policy, anomaly, loca
         notes=notes, errors={p: r.error for p, r in runs.items() if r.error},
         backward_start=session.backward_start, op_trace=[t.to_dict() for t in traces],
         op_origin=origin.to_dict() if origin is not None else None,
-        reference_finite=not _reference_nonfinite_calls(reference))
+        reference_finite=not _reference_nonfinite_calls(reference),
+        reference_nonfinite=_reference_nonfinite_calls(reference))
 
 
 def _check_traced(net, names) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from recorders import schema
 
 from ..analyses.precision_verdict import DEFAULT_WINDOW_STEPS, pick_window
-from ..window import load_window, window_spans
+from ..window import load_window, window_spans, windows_off
 
 
 class WindowStatus(enum.Enum):
@@ -36,7 +36,8 @@ class WindowCheck:
     failed_at: int | None = None
     skipped_steps: list | None = None
     recorded_failure: int | None = None   # the recorded run's first non-finite loss in the window
-    why: str | None = None          # NOT_RUN: the re-run's error
+    why: str | None = None          # NOT_RUN: the re-run's error; NO_WINDOW: why the recorder kept none
+                                    # (a sharded job's), or None
 
     @property
     def verified(self) -> bool:
@@ -61,6 +62,8 @@ class WindowCheck:
         if self.status is WindowStatus.NOT_RUN:
             return ("verified on the saved step only, not over the following steps (the saved window of steps "
                     f"{self.window[0]}-{self.window[1]} could not be re-run: {self.why})")
+        if self.why:
+            return f"verified on the saved step only, not over the following steps (no window: {self.why})"
         return ("verified on the saved step only, not over the following steps (no window saved: record with "
                 f"BundlePolicy(window_steps={DEFAULT_WINDOW_STEPS}) to check a remedy over the steps that follow)")
 
@@ -82,7 +85,7 @@ def check_over_window(run_dir, step: int, remedy: str, *, model, rank: int | Non
     from .rerun import rerun_window
     span = pick_window(window_spans(run_dir, rank), step) if run_dir is not None else None
     if span is None:
-        return WindowCheck(WindowStatus.NO_WINDOW, remedy)
+        return WindowCheck(WindowStatus.NO_WINDOW, remedy, why=windows_off(run_dir))
     w = load_window(span["path"])
     lines = tuple((os.path.abspath(f), int(n)) for f, n in fp32_lines)
     try:

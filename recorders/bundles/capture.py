@@ -20,8 +20,14 @@ What happens around step N (training thread unless said otherwise):
   (`triggers`) on N's copied statistics and records a decision (the
   writer-thread part, `BundleDecisions`, lives in `decisions`);
 - next training-thread hook: a "no" releases the capture; a "yes" queues
-  device-side copies of whatever is still live and hands the bundle to the
-  writer thread, which copies it to the host and writes it (`directory`).
+  device-side copies of whatever is still live, and of the optimizer state
+  as it is then, and hands the bundle to the writer thread, which copies it
+  to the host and writes it (`directory`).
+
+Sharded parameters (FSDP1, FSDP2) are held as this rank's local shards
+(`layout.local_value`, read at each copy), and the bundle records where
+each sits in the whole (`ModelInventory.placements`); the analyzer puts
+the ranks' bundles of a step together. No collective is issued.
 
 Nothing on the training path reads a device value: decisions use host-side
 statistics, version counters and what the scaler already synchronised.
@@ -58,11 +64,12 @@ class BundleCapture:
 
     `policy` (`BundlePolicy`): the options, validated there; `enabled`:
     the master switch (False: nothing is held or saved; the manifest still
-    records the policy).
+    records the policy); `window`: False keeps no counterfactual window
+    whatever `policy.window_steps` says (a sharded job's).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, scaler=None, *, policy: BundlePolicy,
-                 enabled: bool = True, run_dir: Path, run_info: dict, post, on_change):
+                 enabled: bool = True, run_dir: Path, run_info: dict, post, on_change, window: bool = True):
         has_scaler = scaler_enabled(scaler)
         self.model = model
         self.optimizer = optimizer
@@ -95,7 +102,7 @@ class BundleCapture:
         # The counterfactual window (window.py): None when off, so that the
         # hooks below cost one attribute test.
         self.window = None
-        if self.enabled and policy.window_steps > 0:
+        if self.enabled and window and policy.window_steps > 0:
             self.window = WindowCapture(model, optimizer, scaler, inventory=inv, steps=policy.window_steps,
                                         max_bytes=policy.max_window_bytes, run_dir=run_dir,
                                         run_info=dict(run_info, has_scaler=has_scaler), post=self._post)
@@ -320,17 +327,27 @@ class BundleCapture:
             p.inputs.append(tensors)
         opt = self.optimizer
         optimizer = None
+        p.optimizer_state = []
         if opt is not None:
             hyper = cap.optimizer_groups or [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-            groups = [dict(h, params=[inv.name_by_id.get(id(t), "?") for t in g["params"]])
-                      for h, g in zip(hyper, opt.param_groups)]
+            groups = [dict(h, params=inv.param_names_of(g["params"])) for h, g in zip(hyper, opt.param_groups)]
+            # The state as it is now: the one the step's update used when no
+            # optimizer step ran since its forward (a skipped step's).
+            entries, tensors, placements = inv.optimizer_state(opt)
+            p.optimizer_state = clone_now(tensors)
+            before = cap.opt_steps == self._opt_steps
             optimizer = {"class": f"{type(opt).__module__}.{type(opt).__qualname__}",
                          "defaults": plain({k: v for k, v in opt.defaults.items() if k != "params"}, keep_nonfinite=True),
-                         "param_groups": plain(groups, keep_nonfinite=True)}
+                         "param_groups": plain(groups, keep_nonfinite=True),
+                         "state": [{"param": n, "key": key, **({"tensor": f"state.{v}"} if isinstance(v, int) else v),
+                                    **({"placement": placements[v]} if isinstance(v, int) and placements[v] else {})}
+                                   for n, key, v in entries],
+                         "state_source": "copy_before_update" if before else "copy_after_update",
+                         "state_exact": before}
         p.info = {"inputs_exact": all(t._version == v for mb in cap.micro_batches for t, v in mb.input_versions),
                   "buffers_source": bsource, "buffers_exact": bexact, "optimizer": optimizer}
         p.event = None
-        cuda = [t.device for t in p.params + p.buffers if t.device.type == "cuda"]
+        cuda = [t.device for t in p.params + p.buffers + p.optimizer_state if t.device.type == "cuda"]
         if cuda:
             # The copies are queued on the training stream: the writer thread
             # waits on this event, the training thread never does.

@@ -98,6 +98,15 @@ class BundleDecisions:
                 p.event.synchronize()
             records = list(bundle_records(self.inventory, p))
             size = sum(t.numel() * t.element_size() for _, _, _, t, _ in records)
+            state = sum(t.numel() * t.element_size() for t in p.optimizer_state or ())
+            if state and self._bytes_saved + size > self.max_bundle_bytes >= self._bytes_saved + size - state:
+                # The replay needs the weights, not the optimizer state: a
+                # bundle that fits without it is saved without it.
+                p.optimizer_state = []
+                p.info["optimizer"] = dict(p.info["optimizer"], state=[], state_omitted=(
+                    f"max_bundle_bytes={self.max_bundle_bytes} would be exceeded by its {state} bytes"))
+                records = list(bundle_records(self.inventory, p))
+                size -= state
             if self._bytes_saved + size > self.max_bundle_bytes:
                 self.miss(p.step, p.order["reasons"], f"max_bundle_bytes={self.max_bundle_bytes} would be "
                           f"exceeded ({self._bytes_saved} saved, {size} more)", refund=True)
@@ -113,4 +122,4 @@ class BundleDecisions:
         except Exception as exc:  # noqa: BLE001 - a failed bundle never stops the recording
             self.miss(p.step, p.order["reasons"], f"{type(exc).__name__}: {exc}", refund=True)
         finally:
-            p.params = p.buffers = p.inputs = p.capture = None
+            p.params = p.buffers = p.inputs = p.capture = p.optimizer_state = None

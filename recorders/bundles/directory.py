@@ -170,6 +170,8 @@ def bundle_records(inventory, p):
         yield name, "param", -1, t, src.requires_grad
     for name, t in zip(inventory.buffer_names, p.buffers):
         yield name, "buffer", -1, t, False
+    for i, t in enumerate(p.optimizer_state or ()):
+        yield f"state.{i}", "optimizer_state", -1, t, False
     for k, (mb, tensors) in enumerate(zip(p.capture.micro_batches, p.inputs)):
         for name, t in tensors:
             yield name, "input", k, t, t.requires_grad
@@ -205,7 +207,8 @@ def bundle_meta(inventory, p, run: dict) -> dict:
         "grad_outputs_scaled": bool(run["has_scaler"]), "skipped": s["skipped"], "stepped": cap.stepped,
         "training": cap.training, "micro_batches": micro_batches,
         "params": {"names": inventory.param_names, "aliases": inventory.aliases,
-                   "source": cap.params_source, "exact": cap.params_exact},
+                   "source": cap.params_source, "exact": cap.params_exact,
+                   **({"placements": inventory.placements} if inventory.placements else {})},
         "buffers": {"names": inventory.buffer_names, "non_persistent": inventory.non_persistent,
                     "source": p.info["buffers_source"], "exact": p.info["buffers_exact"]},
         "inputs_exact": p.info["inputs_exact"],

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import all_module_names, local, unwrap, user_class
+from ..layout import (all_module_names, canonical_modules, fsdp1_flat_views, is_flat_param, local_value,
+                      shard_placements, unwrap, user_class, version_of)
+from ..plain import plain
 
 
 class ModelInventory:
@@ -25,13 +27,13 @@ class ModelInventory:
         # for the bundle's record; names below never carry one.
         self.prefix = _raw_prefix(model)
         self.model_class = f"{cls.__module__}.{cls.__qualname__}"
-        self.params: list[torch.Tensor] = []
+        self.params: list = []  # tensors (a DTensor's local part is read when copied), or FlatViews
         self.param_names: list[str] = []
         self.aliases: dict[str, str] = {}
         self.name_by_id: dict[int, str] = {}
         modules = all_module_names(model)
         for name, p in ((f"{m}.{n}" if m else n, p) for m, mod in modules for n, p in mod._parameters.items()):
-            if p is None or type(p).__name__ == "FlatParameter":
+            if p is None or is_flat_param(p):
                 continue
             if id(p) in self.name_by_id:
                 self.aliases[name] = self.name_by_id[id(p)]
@@ -39,6 +41,23 @@ class ModelInventory:
             self.name_by_id[id(p)] = name
             self.params.append(p)
             self.param_names.append(name)
+        # FSDP1 without use_orig_params: the parameters exist only as slices
+        # of the flat parameters (this rank's part of them), and the
+        # optimizer holds the flat ones: each one's views (`_views_of`) name
+        # its state and its groups' parameters.
+        self._views_of: dict[int, list] = {}
+        canonical = {m: n for n, m in canonical_modules(model)}
+        for name, view in fsdp1_flat_views(model, canonical):
+            self.name_by_id[id(view)] = name
+            self.params.append(view)
+            self.param_names.append(name)
+            self._views_of.setdefault(id(view.flat), []).append((name, view))
+            for alias in view.aliases:
+                self.aliases[alias] = name
+        # name -> where this rank's part sits in the whole (sharded only)
+        by_id = shard_placements(model, self.params)
+        self.placements: dict[str, dict] = {n: by_id[id(p)] for n, p in zip(self.param_names, self.params)
+                                            if id(p) in by_id}
         self.buffers: list[torch.Tensor] = []
         self.buffer_names: list[str] = []
         self.non_persistent: list[str] = []
@@ -55,11 +74,53 @@ class ModelInventory:
                 if bname in skip:
                     self.non_persistent.append(full)
 
+    def param_names_of(self, params) -> list[str]:
+        """The names of an optimizer group's parameters (a flat parameter's:
+        those of the parameters it holds here)."""
+        out = []
+        for p in params:
+            views = self._views_of.get(id(p))
+            out += [n for n, _ in views] if views is not None else [self.name_by_id.get(id(p), "?")]
+        return out
+
+    def optimizer_state(self, opt) -> tuple[list, list, list]:
+        """The optimizer's state as ([(param name, key, tensor index or
+        {"value": plain value})], [tensors], [placement or None per tensor]):
+        a state tensor of its parameter's local shape has the parameter's
+        placement (Adam's moments, momentum), another (a scalar `step`) none;
+        a flat parameter's state is cut into its parameters' slices. The
+        tensors are references (a DTensor's local part, detached)."""
+        entries, tensors, placements = [], [], []
+        state = getattr(opt, "state", None) if opt is not None else None
+        if not state:
+            return entries, tensors, placements
+        for group in opt.param_groups:
+            for p in group["params"]:
+                views = self._views_of.get(id(p))
+                for key, value in (state.get(p) or {}).items():
+                    if not isinstance(value, torch.Tensor):
+                        for name in ([n for n, _ in views] if views is not None else [self.name_by_id.get(id(p), "?")]):
+                            entries.append((name, str(key), {"value": plain(value, keep_nonfinite=True)}))
+                        continue
+                    value = local_value(value)
+                    like_param = value.shape == local_value(p).shape
+                    if views is not None and like_param and value.dim() == 1:
+                        for name, view in views:
+                            entries.append((name, str(key), len(tensors)))
+                            tensors.append(value.narrow(0, view.offset, view.numel))
+                            placements.append(self.placements.get(name))
+                        continue
+                    names = [n for n, _ in views] if views is not None else [self.name_by_id.get(id(p), "?")]
+                    entries += [(name, str(key), len(tensors)) for name in names]
+                    tensors.append(value)
+                    placements.append(self.placements.get(names[0]) if views is None and like_param else None)
+        return entries, tensors, placements
+
     def buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
     def param_versions(self) -> list[int]:
-        return [p._version for p in self.params]
+        return [version_of(p) for p in self.params]
 
     def buffer_versions(self) -> list[int]:
         return [b._version for b in self.buffers]
@@ -104,7 +165,8 @@ class StepCapture:
 
 
 class PendingBundle:
-    __slots__ = ("step", "order", "capture", "params", "buffers", "inputs", "specs", "event", "info")
+    __slots__ = ("step", "order", "capture", "params", "buffers", "inputs", "specs", "event", "info",
+                 "optimizer_state")
 
 
 class SnapshotPool:
@@ -112,21 +174,24 @@ class SnapshotPool:
     `torch._foreach_copy_` (device work only). At most `max_sets` exist."""
 
     def __init__(self, tensors, max_sets: int):
-        self.src = [local(t.detach()) for t in tensors]
+        self.tensors = list(tensors)
         self.max_sets = max_sets
         self.free: list[list] = []
         self.allocated = 0
 
     def take(self):
+        # Local parts read at each copy (a DTensor's local tensor can be
+        # replaced by FSDP2's lazy initialisation); an empty shard copies nothing.
+        src = [local_value(t) for t in self.tensors]
         if self.free:
             snap = self.free.pop()
         elif self.allocated < self.max_sets:
-            snap = [torch.empty_like(t) for t in self.src]
+            snap = [torch.empty_like(t) for t in src]
             self.allocated += 1
         else:
             return None
         with torch.no_grad():
-            torch._foreach_copy_(snap, self.src)
+            torch._foreach_copy_(snap, src)
         return snap
 
     def give(self, snap) -> None:
@@ -141,7 +206,7 @@ def clone_now(tensors) -> list[torch.Tensor]:
     out = []
     with torch.no_grad():
         for t in tensors:
-            t = local(t.detach())
+            t = local_value(t)
             try:
                 out.append(t.clone())
             except RuntimeError:

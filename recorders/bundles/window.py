@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .. import schema
-from ..layout import local
+from ..layout import local_value
 from ..plain import plain
 from ..tensor_codec import encode_inputs
 from .directory import environment, write_bundle
@@ -116,7 +116,7 @@ class WindowCapture:
 
     def _copy_state(self):
         inv = self.inventory
-        opt_entries, opt_tensors = self._optimizer_state()
+        opt_entries, opt_tensors, _ = inv.optimizer_state(self.optimizer)
         scaler_names, scaler_tensors = [], []
         sc = self.scaler
         for name, attr in (("scale", "_scale"), ("growth_tracker", "_growth_tracker")):
@@ -135,7 +135,7 @@ class WindowCapture:
         snap = {}
         with torch.no_grad():
             for part, src in parts.items():
-                src = [local(t.detach()) for t in src]
+                src = [local_value(t) for t in src]
                 dst = self._sets.get(part)
                 if dst is None or len(dst) != len(src) or any(
                         d.shape != s.shape or d.dtype != s.dtype or d.device != s.device for d, s in zip(dst, src)):
@@ -149,26 +149,8 @@ class WindowCapture:
         snap["scaler_names"] = scaler_names
         snap["optimizer_groups"] = None if opt is None else [
             dict(plain({k: v for k, v in g.items() if k != "params"}, keep_nonfinite=True),
-                 params=[inv.name_by_id.get(id(p), "?") for p in g["params"]]) for g in opt.param_groups]
+                 params=inv.param_names_of(g["params"])) for g in opt.param_groups]
         return snap
-
-    def _optimizer_state(self):
-        """[(param name, key, tensor index or plain value)], [tensors]."""
-        opt = self.optimizer
-        entries, tensors = [], []
-        state = getattr(opt, "state", None) if opt is not None else None
-        if not state:
-            return entries, tensors
-        names = self.inventory.name_by_id
-        for group in opt.param_groups:
-            for p in group["params"]:
-                for key, value in (state.get(p) or {}).items():
-                    if isinstance(value, torch.Tensor):
-                        entries.append((names.get(id(p), "?"), str(key), len(tensors)))
-                        tensors.append(value)
-                    else:
-                        entries.append((names.get(id(p), "?"), str(key), {"value": plain(value, keep_nonfinite=True)}))
-        return entries, tensors
 
     def on_micro_batch(self, args, kwargs, rng: dict, versions: list) -> None:
         """`versions`: [(tensor, _version)] of the inputs, as the capture took them."""
