@@ -266,7 +266,7 @@ def test_recommend_claims_instability_only_when_float32_diverges_over_the_window
     assert not all(math.isfinite(v) for v in wr.train(wr.linear_net(), wr.linear_batch, lr=wr.INSTABILITY_LR,
                                                       autocast=False))
     r = api.recommend(wr.instability_run(), model="tests/window_runs.py:linear_net")
-    by = {x.kind: x for x in r.recommendations}
+    by = {x.kind.value: x for x in r.recommendations}
     assert r.kinds()[0] == "training_instability" and by["training_instability"].verified
     assert "keep_fp32" not in r.kinds()
     # bfloat16 saves the saved step, not the runaway steps after it: never verified
@@ -278,7 +278,7 @@ def test_recommend_verifies_a_precision_fix_over_the_window():
     import amp_postmortem as api
     import window_runs as wr
     r = api.recommend(wr.precision_run(), model="tests/window_runs.py:gain_net")
-    by = {x.kind: x for x in r.recommendations}
+    by = {x.kind.value: x for x in r.recommendations}
     assert "training_instability" not in by
     assert by["keep_fp32"].verified and by["keep_fp32"].data["window_check"]["status"] == "verified"
     assert any(e.startswith("verified over the saved window: with keep amp in float32") for e in by["keep_fp32"].evidence)

@@ -41,6 +41,14 @@ class EdgeCause(str, Enum):
     WEIGHT_GRAD = "weight_grad"          # a weight-gradient matmul run in float16
 
 
+class ScalePosition(Enum):
+    """Where the recorded scale sits against the window; `value` is the
+    `--json` "recorded_position"."""
+    INSIDE = "inside"
+    ABOVE = "above"                      # above the overflow edge: its steps overflow
+    BELOW = "below"                      # below the underflow edge
+
+
 EDGE_WORDS = {EdgeCause.LOSS_DTYPE: "the loss's own dtype",
               EdgeCause.ACTIVATION_GRAD: "a module's output gradient",
               EdgeCause.WEIGHT_GRAD: "a float16 weight-gradient matmul"}
@@ -71,7 +79,7 @@ class ScaleWindow:
     rank: int | None
     recorded_scale: float | None
     window: dict | None             # {"min_k", "max_k", "min_scale", "max_scale", "width_bits"}
-    recorded_position: str | None   # "inside" | "above" | "below" | None
+    recorded_position: ScalePosition | None  # None: no window or no recorded scale
     settings: dict | None           # GradScaler keyword arguments
     code: str | None
     rows: list                      # replay: per scale; estimate: per layer
@@ -106,10 +114,15 @@ class ScaleWindow:
                       "overflow_edge_by": self.overflow_edge_by, "loss_dtype": self.loss_dtype,
                       "loss_max_k": self.loss_max_k, "backward_from": self.backward_from,
                       "recorded_scale": self.recorded_scale, "window": self.window,
-                      "recorded_position": self.recorded_position, "settings": self.settings, "code": self.code,
+                      "recorded_position": self.position_words, "settings": self.settings, "code": self.code,
                       "max_underflow": self.max_underflow, "recorded_scaler": self.recorded_scaler,
                       "notes": self.notes, ("scales" if self.method == "replay" else "layers"): self.rows,
                       "window_check": self.window_check.to_dict() if self.window_check is not None else None})
+
+    @property
+    def position_words(self) -> str | None:
+        """`recorded_position` as its `--json` string (None when unknown)."""
+        return self.recorded_position.value if self.recorded_position is not None else None
 
     def edge_line(self) -> str | None:
         """What sets the overflow edge, in words (None when unknown)."""
@@ -147,7 +160,7 @@ class ScaleWindow:
             out.append("no usable scale: " + (self.notes[0] if self.notes else "every scale overflows or underflows"))
         else:
             out.append(f"window: 2^{w['min_k']} .. 2^{w['max_k']} ({w['min_scale']:g} .. {w['max_scale']:g}, "
-                       f"{w['width_bits']} bits); the recorded scale is {self.recorded_position or 'unknown'}")
+                       f"{w['width_bits']} bits); the recorded scale is {self.position_words or 'unknown'}")
         if self.backward_from:
             out.append("backward started from " + BACKWARD_WORDS.get(self.backward_from, self.backward_from)
                        + (f" (the loss is {self.loss_dtype})" if self.loss_dtype else ""))
@@ -210,14 +223,14 @@ def usable_window(usable_ks) -> dict | None:
     return {"min_k": lo, "max_k": hi, "min_scale": 2.0 ** lo, "max_scale": 2.0 ** hi, "width_bits": hi - lo}
 
 
-def position_in_window(window, recorded_k) -> str | None:
+def position_in_window(window, recorded_k) -> ScalePosition | None:
     if window is None or recorded_k is None:
         return None
     if recorded_k > window["max_k"]:
-        return "above"
+        return ScalePosition.ABOVE
     if recorded_k < window["min_k"]:
-        return "below"
-    return "inside"
+        return ScalePosition.BELOW
+    return ScalePosition.INSIDE
 
 
 def scaler_settings(window, device_type: str = "cuda") -> tuple[dict | None, str | None]:
