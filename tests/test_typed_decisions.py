@@ -111,6 +111,93 @@ def test_bisect_kinds_are_compared_as_the_enum():
     assert found == []
 
 
+def _constants(node) -> list:
+    """The string constants a comparison side is or holds (`x in ("a", "b")`)."""
+    if isinstance(node, ast.Constant):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant)]
+    return []
+
+
+def _is_field(node, name: str) -> bool:
+    """`x.name`, or a dict form's `d["name"]` / `d.get("name")`."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == name
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == name
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+            and bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value == name)
+
+
+def _string_compares(tree, name: str, values) -> list[int]:
+    """Lines of the comparisons of a field `name` with one of `values`
+    spelled as a string literal."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_is_field(x, name) for x in sides) and any(v in values for x in sides for v in _constants(x)):
+                found.append(node.lineno)
+    return found
+
+
+def _package_modules():
+    return sorted(Path(amp_postmortem.__file__).parent.rglob("*.py"))
+
+
+def test_the_string_compare_check_finds_what_it_guards():
+    tree = ast.parse("a = r.status == 'collapse'\nb = s.kind in ('keep_fp32', 'x')\nc = d.get('status') != 'healthy'\n"
+                     "ok = r.status is S.COLLAPSE\nok2 = m.get('status') == 'closed'\n")
+    assert _string_compares(tree, "status", {"collapse", "healthy"}) == [1, 3]
+    assert _string_compares(tree, "kind", {"keep_fp32"}) == [2]
+
+
+def test_scale_status_is_compared_as_the_enum():
+    """`ScaleReport.status` is a `ScaleStatus`: nothing in the package
+    compares a status (or a scale report's dict form) with its JSON string."""
+    from amp_postmortem.analyses.scale import ScaleStatus
+    values = {s.value for s in ScaleStatus}
+    found = [f"{p.name}:{line}" for p in _package_modules()
+             for line in _string_compares(ast.parse(p.read_text(), str(p)), "status", values)]
+    assert found == []
+
+
+def test_recommendation_kinds_and_the_recorded_position_are_compared_as_enums():
+    """`Recommendation.kind` is a `RecommendationKind`, a window's
+    `recorded_position` a `ScalePosition`: no comparison with their JSON
+    strings in the decision modules (recommend and the what-ifs), nor,
+    for the kinds no finding shares (a finding's kind is its own string),
+    anywhere in the package."""
+    from amp_postmortem.advice import RecommendationKind
+    from amp_postmortem.names import FINDING_KINDS
+    from amp_postmortem.whatif.scale_result import ScalePosition
+    kinds = {k.value for k in RecommendationKind}
+    positions = {p.value for p in ScalePosition}
+    found = []
+    for path in _package_modules():
+        tree = ast.parse(path.read_text(), str(path))
+        decides = path in _decision_modules()
+        found += [f"{path.name}:{line} kind" for line in
+                  _string_compares(tree, "kind", kinds if decides else kinds - set(FINDING_KINDS))]
+        found += [f"{path.name}:{line} recorded_position" for line in
+                  _string_compares(tree, "recorded_position", positions)]
+    assert found == []
+
+
+def test_the_enums_keep_their_json_strings():
+    """The `--json` values are a contract: the enums' values are the
+    strings the fields held before they were typed."""
+    from amp_postmortem.advice import ORDER, RecommendationKind
+    from amp_postmortem.analyses.scale import ScaleStatus
+    from amp_postmortem.whatif.scale_result import ScalePosition
+    assert {s.value for s in ScaleStatus} == {"no_scaler", "collapse", "stuck_low", "growth_blocked", "healthy"}
+    assert [k.value for k in ORDER] == ["check_data", "training_instability", "keep_fp32", "gradient_drift",
+                                        "use_bf16", "scaler_settings", "avoid_mixed_precision", "no_change"]
+    assert tuple(RecommendationKind) == ORDER
+    assert {p.value for p in ScalePosition} == {"inside", "above", "below"}
+
+
 def test_a_typed_trial_renders_the_dict_it_replaced():
     """`Trial.to_dict` is the `--json` form: the keys (and values) of the
     dict `Prepared.trial` returned before it was typed."""
