@@ -73,6 +73,12 @@ class RecommendationKind(enum.Enum):
     NO_CHANGE = "no_change"
 
 ORDER = tuple(RecommendationKind)
+
+
+class Source(enum.Enum):
+    """What a recommendation rests on; `value` is the `--json` "source"."""
+    REPLAY = "replay"              # what-if replays of saved steps
+    RECORDED = "recorded"          # the recorded statistics alone
 _SCALE_FINDINGS = {"scale_collapse", "stuck_low_scale", "grad_underflow"}
 DRIFT_BITS = 4        # the window "moves" when its overflow edge shifts by more than this
 DRIFT_SAMPLES = 12    # steps at which the window is estimated for that
@@ -83,7 +89,7 @@ class Recommendation:
     kind: RecommendationKind
     action: str
     evidence: list                 # sentences, each citing numbers
-    source: str                    # "replay" | "recorded"
+    source: Source
     code: str | None = None
     data: dict = field(default_factory=dict)
     # Checked by replaying the run's saved steps; else `why` not.
@@ -91,7 +97,7 @@ class Recommendation:
     why: str | None = None
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind.value, "action": self.action, "evidence": self.evidence, "source": self.source,
+        return {"kind": self.kind.value, "action": self.action, "evidence": self.evidence, "source": self.source.value,
                 "code": self.code, "data": self.data, "verified": self.verified, "why": self.why}
 
 
@@ -119,8 +125,9 @@ class Recommendations:
                       "recommendations": [r.to_dict() for r in self.recommendations], "notes": self.notes})
 
     def table(self) -> pd.DataFrame:
-        return pd.DataFrame([{"kind": r.kind.value, "source": r.source, "verified": r.verified, "action": r.action,
-                              "evidence": " | ".join(r.evidence)} for r in self.recommendations],
+        return pd.DataFrame([{"kind": r.kind.value, "source": r.source.value, "verified": r.verified,
+                              "action": r.action, "evidence": " | ".join(r.evidence)}
+                             for r in self.recommendations],
                             columns=["kind", "source", "verified", "action", "evidence"])
 
     def lines(self) -> list[str]:
@@ -130,8 +137,8 @@ class Recommendations:
         for i, r in enumerate(self.recommendations, 1):
             out += ["", f"{i}. [{r.kind.value}] {r.action}"]
             if not r.verified and r.why:
-                out.append(f"   ({'not verified' if r.source == 'replay' else 'estimate, not verified'}: {r.why})")
-            out += [f"   evidence ({r.source}): {e}" for e in r.evidence]
+                out.append(f"   ({'not verified' if r.source is Source.REPLAY else 'estimate, not verified'}: {r.why})")
+            out += [f"   evidence ({r.source.value}): {e}" for e in r.evidence]
             if r.code:
                 out += ["   " + line for line in r.code.splitlines()]
         out += [f"note: {n}" for n in self.notes]
@@ -192,7 +199,7 @@ def _modules_window_check(p, fix, model, device, policy, loss_fn):
     return check_remedy(p, remedy, model=model, device=device, policy=policy, loss_fn=loss_fn)
 
 
-def _instability_recommendation(unstable, source: str, extra=(), verified: bool = False) -> Recommendation:
+def _instability_recommendation(unstable, source: Source, extra=(), verified: bool = False) -> Recommendation:
     """Instability: what helps it (learning rate, warm-up, clipping, the
     layer whose weights grew), never keep_fp32 or the loss scale."""
     action = ("fix the training, not the precision: " + "; ".join(unstable.remedies())
@@ -217,7 +224,7 @@ def _recorded_advice(run: Run, summary) -> list:
     origin = recorded_origin(fwd)
     if "training_instability" in summary.kinds() and origin is not RecordedOrigin.INPUT:
         from .analyses.instability import find_instability
-        return [_instability_recommendation(find_instability(run), "recorded")]
+        return [_instability_recommendation(find_instability(run), Source.RECORDED)]
     recs = []
     if origin is RecordedOrigin.INPUT:
         recs.append(recorded_check_data_recommendation(fwd))
@@ -228,7 +235,7 @@ def _recorded_advice(run: Run, summary) -> list:
         recs.append(recorded_scale_recommendation(scale, summary, fwd))
     if not recs and summary.kinds() <= {"healthy", "overflow_risk"}:
         recs.append(Recommendation(RecommendationKind.NO_CHANGE, "nothing to change: the run is healthy",
-                                   [f.message for f in summary.findings][:3], "recorded"))
+                                   [f.message for f in summary.findings][:3], Source.RECORDED))
     return recs
 
 
@@ -280,14 +287,14 @@ def recorded_check_data_recommendation(fwd) -> Recommendation:
     return Recommendation(
         RecommendationKind.CHECK_DATA,
         f"check the data of step {fwd.step}: the non-finite values came in with the batch",
-        [f"step {fwd.step}: {fwd.message}"], "recorded", data={"step": fwd.step})
+        [f"step {fwd.step}: {fwd.message}"], Source.RECORDED, data={"step": fwd.step})
 
 
 def recorded_keep_fp32_recommendation(fwd, path) -> Recommendation:
     return Recommendation(
         RecommendationKind.KEEP_FP32, f"candidate: keep {fwd.layer} in float32; confirm with "
                                       f"`amp-postmortem fix {path} --step {fwd.step} --model SPEC`",
-        [f"step {fwd.step}: {fwd.message}"], "recorded",
+        [f"step {fwd.step}: {fwd.message}"], Source.RECORDED,
         code=f"from recorders.fp32 import keep_fp32\nkeep_fp32(model.get_submodule({fwd.layer!r}))",
         data={"modules": [fwd.layer], "step": fwd.step})
 
@@ -297,12 +304,12 @@ def recorded_scale_recommendation(scale: RecordedScale, summary, fwd) -> Recomme
     cited = [f"{f.kind}: {f.message}" for f in summary.findings if f.kind in _SCALE_FINDINGS]
     cited += _consequence(summary, fwd)
     if scale.advice is ScaleAdvice.DRIFT:
-        return _drift_recommendation(scale.drift, summary, cited, "recorded")
+        return _drift_recommendation(scale.drift, summary, cited, Source.RECORDED)
     est, before, drift = scale.estimate, scale.before, scale.drift
     first = "once the forward overflow is fixed (keep_fp32 above), " if fwd is not None else ""
     if scale.advice is ScaleAdvice.NO_WINDOW:
         return Recommendation(RecommendationKind.SCALER_SETTINGS, f"{first}no loss scale fits the recorded "
-                              "gradients; see `scale-window` with --model", cited + est.notes[:1], "recorded",
+                              "gradients; see `scale-window` with --model", cited + est.notes[:1], Source.RECORDED,
                               data={"drift": drift})
     w = est.window
     where = (f"step {est.step}, the last clean full-tier step before the forward overflow at step {before}"
@@ -313,7 +320,7 @@ def recorded_scale_recommendation(scale: RecordedScale, summary, fwd) -> Recomme
         cited + [f"{where}: gradient statistics at scale {est.recorded_scale:g} put the window at "
                  f"2^{w['min_k']}..2^{w['max_k']} (recorded scale {est.position_words})"]
         + [line for line in (est.edge_line(), est.loss_caveat()) if line],
-        "recorded", code=est.code, data={"window": w, "settings": est.settings, "step": est.step,
+        Source.RECORDED, code=est.code, data={"window": w, "settings": est.settings, "step": est.step,
                                          "drift": drift, "overflow_cause": _cause(est)})
 
 
@@ -385,7 +392,7 @@ def window_drift(run: Run, before: int | None = None, samples: int = DRIFT_SAMPL
     return out
 
 
-def _drift_recommendation(drift, summary, cited, source, extra=()) -> Recommendation:
+def _drift_recommendation(drift, summary, cited, source: Source, extra=()) -> Recommendation:
     scale = next((f for f in summary.findings if f.kind in ("scale_collapse", "stuck_low_scale")), None)
     drivers = list((scale.evidence.get("drivers") if scale else None) or [])
     first, last = drift["windows"][0], drift["windows"][-1]
@@ -457,7 +464,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
             recs.append(keep_fp32_recommendation(keep))
     if instability.unstable:
         recs.append(_instability_recommendation(
-            instability.report, "replay", extra=[instability.verdict.sentence()]
+            instability.report, Source.REPLAY, extra=[instability.verdict.sentence()]
             + ([instability.beyond] if instability.beyond else []) + fix_lines(keep, fix, step, baseline.saved),
             verified=instability.decided))
     scale_findings = bool(summary.kinds() & _SCALE_FINDINGS)
@@ -480,7 +487,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
         if advice is ScaleAdvice.DRIFT:
             recs.append(_drift_recommendation(
                 drift, summary, [f"{f.kind}: {f.message}" for f in summary.findings if f.kind in _SCALE_FINDINGS],
-                "recorded", extra=[f"step {step} replayed: usable 2^{window['min_k']}..2^{window['max_k']} at "
+                Source.RECORDED, extra=[f"step {step} replayed: usable 2^{window['min_k']}..2^{window['max_k']} at "
                                    "this step only"]))
         elif advice is ScaleAdvice.SETTINGS:
             window_checks[RecommendationKind.SCALER_SETTINGS] = sw.window_check
@@ -506,7 +513,7 @@ def _settle_verified(r: Recommendation, check) -> None:
     if check is not None and check.status is WindowStatus.FAILS:
         r.verified = False  # it saves the saved step, not the window's steps after it
         r.why = f"the re-run of the saved window with it goes non-finite at step {check.failed_at}"
-    elif r.source == "replay" and r.kind is not RecommendationKind.TRAINING_INSTABILITY:
+    elif r.source is Source.REPLAY and r.kind is not RecommendationKind.TRAINING_INSTABILITY:
         r.verified = True  # each rests on replays of the saved steps
     elif r.kind is RecommendationKind.GRADIENT_DRIFT:
         r.why = "the window's drift is estimated from the recorded statistics of steps spread over the run"
@@ -637,7 +644,7 @@ def check_data_recommendation(c: CheckData) -> Recommendation:
         RecommendationKind.CHECK_DATA, f"check the data of step {c.step}" +
         (f": samples {', '.join(map(str, b.bad_samples))} of the batch" if c.by_samples else ""),
         [b.message] + ([] if c.reference_finite else
-                       ["the float64 replay is non-finite too: no precision setting fixes it"]), "replay",
+                       ["the float64 replay is non-finite too: no precision setting fixes it"]), Source.REPLAY,
         data={"bad_samples": b.bad_samples, "kind": b.kind.value, "slicing": b.slicing.to_dict()})
 
 
@@ -647,7 +654,7 @@ def fix_lines(keep: KeepFp32 | None, fix, step, saved_as_recorded: bool) -> list
     if keep is not None:
         t = keep.trial
         return [f"with {', '.join(fix.fix)} in float32 step {step} replays {_state(t)}, gradient error vs "
-                f"float64 {_pct(t.grad_rel_err)} ({len(fix.trials)} trials, {fix.search} search)"
+                f"float64 {_pct(t.grad_rel_err)} ({len(fix.trials)} trials, {fix.search.value} search)"
                 + keep.substitute] + _saved_steps_lines(fix)
     if fix is not None and not saved_as_recorded:
         return [f"no set of up to {len(fix.candidates)} candidate modules kept in float32 saves step {step}"]
@@ -663,9 +670,9 @@ def keep_fp32_recommendation(k: KeepFp32) -> Recommendation:
             f"{', '.join(map(str, partial))} of the saved steps" if partial else ""),
         [f"step {k.step} in {k.precision} as recorded: {_state(fix.baseline)}"]
         + fix_lines(k, fix, k.step, False) + ([check.line()] if check is not None else []),
-        "replay", code=fix.patch, data={"modules": fix.fix, "trial": k.trial.to_dict(), "saved_steps": fix.saved_steps,
-                                        "not_saved_steps": partial, "window_check":
-                                        check.to_dict() if check else None},
+        Source.REPLAY, code=fix.patch,
+        data={"modules": fix.fix, "trial": k.trial.to_dict(), "saved_steps": fix.saved_steps,
+              "not_saved_steps": partial, "window_check": check.to_dict() if check else None},
         verified=True)
 
 
@@ -674,7 +681,7 @@ def bf16_recommendation(b: Bf16Replay, step, substitute: str) -> Recommendation:
         RecommendationKind.USE_BF16, _bf16_action(b.outcome, step, b.window_check),
         [f"bfloat16 replay of step {step} (no loss scale): {_state(b.trial)}, gradient error vs float64 "
          f"{_pct(b.trial.grad_rel_err)}" + substitute] + ([b.why] if b.why else [])
-        + ([b.window_check.line()] if b.window_check is not None else []), "replay",
+        + ([b.window_check.line()] if b.window_check is not None else []), Source.REPLAY,
         code=("torch.autocast(device_type, dtype=torch.bfloat16)" if b.avoids else None),
         data={"avoids": b.avoids, "gradients_confirmed": b.confirmed, "trial": b.trial.to_dict(),
               "window_check": b.window_check.to_dict() if b.window_check is not None else None})
@@ -692,7 +699,7 @@ def scaler_settings_recommendation(sw, step, kept, step_notes) -> Recommendation
            f"{sw.recorded_scale:g} is {sw.position_words}"]
         + [line for line in (sw.edge_line(),) if line] + [c.line() for c in sw.checked_steps] + own
         + ([sw.window_check.line()] if sw.window_check is not None else []),
-        "replay", code=sw.code, data={"window": window, "settings": sw.settings,
+        Source.REPLAY, code=sw.code, data={"window": window, "settings": sw.settings,
                                       "checked_steps": [c.to_dict() for c in sw.checked_steps],
                                       "overflow_cause": _cause(sw),
                                       "window_check": sw.window_check.to_dict() if sw.window_check else None},
@@ -704,7 +711,7 @@ def no_change_recommendation(step, p, baseline, window, summary) -> Recommendati
               f"2^{window['min_k']}..2^{window['max_k']}" if window else "")
     return Recommendation(RecommendationKind.NO_CHANGE, f"step {step} replays finite as recorded: nothing to change",
                           [f"{p.precision} as recorded: {_state(baseline)}{inside}"] +
-                          [f.message for f in summary.findings if f.kind == "healthy"], "replay",
+                          [f.message for f in summary.findings if f.kind == "healthy"], Source.REPLAY,
                           verified=True)
 
 
@@ -776,7 +783,7 @@ def _avoid_recommendation(kind: NoFp16Config, step, precision, baseline, fix, bf
         action = ("do not use mixed precision for this model as written: train it in float32 (or move the failing "
                   "code of the model's own forward into a submodule that keep_fp32 can wrap)")
         evidence = tried + [f"bfloat16: {_state(bf16) if bf16 else 'not tried'}"]
-    return Recommendation(RecommendationKind.AVOID_MIXED_PRECISION, action, evidence, "replay", verified=True)
+    return Recommendation(RecommendationKind.AVOID_MIXED_PRECISION, action, evidence, Source.REPLAY, verified=True)
 
 
 def _saved_steps_lines(fix) -> list:

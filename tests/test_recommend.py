@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 import whatif_runs as W
-from amp_postmortem.advice import recommend
+from amp_postmortem.advice import Source, recommend
 from amp_postmortem.cli import main
 from amp_postmortem.loader import load_run
 
@@ -27,7 +27,7 @@ def test_replayed_recommendations_for_a_module_overflow():
     w = r.get("scaler_settings").data["window"]
     assert w["max_scale"] < W.RECORDED_SCALE  # with scores in fp32 the backward needs a lower scale
     for rec in r.recommendations:
-        assert rec.evidence and rec.source == "replay"
+        assert rec.evidence and rec.source is Source.REPLAY
 
 
 def test_no_configuration_that_works_says_do_not_use_mixed_precision():
@@ -53,8 +53,8 @@ def test_recorded_statistics_alone_name_a_candidate_and_scaler_settings():
     r = recommend(load_run(W.attn_overflow_run()))
     assert not r.replayed and r.step is None
     keep = r.get("keep_fp32")
-    assert keep.source == "recorded" and keep.data["modules"] == ["scores"] and "fix" in keep.action
-    assert r.get("scaler_settings").source == "recorded"
+    assert keep.source is Source.RECORDED and keep.data["modules"] == ["scores"] and "fix" in keep.action
+    assert r.get("scaler_settings").source is Source.RECORDED
     assert any("pass --model" in n for n in r.notes)
 
 
@@ -65,6 +65,7 @@ def test_cli_recommend_and_every_whatif_command_is_documented():
     doc = json.loads(res.stdout)
     assert [x["kind"] for x in doc["recommendations"]] == ["keep_fp32", "use_bf16", "scaler_settings"]
     assert all(x["evidence"] for x in doc["recommendations"])
+    assert {x["source"] for x in doc["recommendations"]} == {"replay"}  # the enum's value: the --json string
     res = CliRunner().invoke(main, ["recommend", str(W.attn_overflow_run())])
     assert res.exit_code == 0 and "[keep_fp32] candidate: keep scores" in res.output
     for name in ("fix", "scale-window", "bisect", "compare", "recommend"):

@@ -15,7 +15,7 @@ import whatif_runs as W
 from amp_postmortem.bundle import load_bundle
 from amp_postmortem.cli import main
 from amp_postmortem.loader import load_run
-from amp_postmortem.whatif.scale_result import ScalePosition
+from amp_postmortem.whatif.scale_result import ScalePosition, WindowMethod
 from amp_postmortem.whatif.scale_window import (MAX_UNDERFLOW, estimate_scale_window, replay_scale_window,
                                                 scaler_settings)
 from recorders.schema import FP16_MIN_NORMAL
@@ -99,7 +99,7 @@ def test_settings_stay_inside_the_window(replayed):
 def test_estimate_from_recorded_statistics_alone(replayed):
     est = estimate_scale_window(load_run(W.healthy_run()), W.HEALTHY_BUNDLE_STEP)
     w, r = est.window, replayed.window
-    assert est.method == "estimate" and est.recorded_scale == W.RECORDED_SCALE
+    assert est.method is WindowMethod.ESTIMATE and est.recorded_scale == W.RECORDED_SCALE
     assert est.recorded_position is ScalePosition.INSIDE
     assert est.to_dict()["recorded_position"] == "inside"  # the enum's value: the --json string
     # The overflow edge from output-gradient absmax is an upper bound; the

@@ -163,25 +163,36 @@ def test_scale_status_is_compared_as_the_enum():
     assert found == []
 
 
-def test_recommendation_kinds_and_the_recorded_position_are_compared_as_enums():
-    """`Recommendation.kind` is a `RecommendationKind`, a window's
-    `recorded_position` a `ScalePosition`: no comparison with their JSON
-    strings in the decision modules (recommend and the what-ifs), nor,
-    for the kinds no finding shares (a finding's kind is its own string),
-    anywhere in the package."""
+def _typed_fields():
+    """(field, its enum) of the decision modules' typed outcomes."""
+    from amp_postmortem.advice import RecommendationKind, Source
+    from amp_postmortem.whatif.fix import FixSearch
+    from amp_postmortem.whatif.op_fix import ChosenBy
+    from amp_postmortem.whatif.scale_result import ScalePosition, WindowMethod
+    return [("kind", RecommendationKind), ("recorded_position", ScalePosition), ("source", Source),
+            ("search", FixSearch), ("chosen_by", ChosenBy), ("method", WindowMethod)]
+
+
+def test_recommendation_kinds_and_the_what_ifs_outcomes_are_compared_as_enums():
+    """`Recommendation.kind` is a `RecommendationKind` (its `source` a
+    `Source`), a window's `recorded_position` a `ScalePosition` (its
+    `method` a `WindowMethod`), fix's `search` a `FixSearch`, an op fix's
+    `chosen_by` a `ChosenBy`: no comparison with their JSON strings in the
+    decision modules (recommend and the what-ifs), nor, for the
+    recommendation kinds no finding shares (a finding's kind is its own
+    string), anywhere in the package."""
     from amp_postmortem.advice import RecommendationKind
     from amp_postmortem.names import FINDING_KINDS
-    from amp_postmortem.whatif.scale_result import ScalePosition
-    kinds = {k.value for k in RecommendationKind}
-    positions = {p.value for p in ScalePosition}
     found = []
     for path in _package_modules():
         tree = ast.parse(path.read_text(), str(path))
-        decides = path in _decision_modules()
-        found += [f"{path.name}:{line} kind" for line in
-                  _string_compares(tree, "kind", kinds if decides else kinds - set(FINDING_KINDS))]
-        found += [f"{path.name}:{line} recorded_position" for line in
-                  _string_compares(tree, "recorded_position", positions)]
+        if path in _decision_modules():
+            for name, typed in _typed_fields():
+                found += [f"{path.name}:{line} {name}" for line in
+                          _string_compares(tree, name, {v.value for v in typed})]
+        else:
+            only_ours = {k.value for k in RecommendationKind} - set(FINDING_KINDS)
+            found += [f"{path.name}:{line} kind" for line in _string_compares(tree, "kind", only_ours)]
     assert found == []
 
 
@@ -196,6 +207,11 @@ def test_the_enums_keep_their_json_strings():
                                         "use_bf16", "scaler_settings", "avoid_mixed_precision", "no_change"]
     assert tuple(RecommendationKind) == ORDER
     assert {p.value for p in ScalePosition} == {"inside", "above", "below"}
+    fields = dict(_typed_fields())
+    assert {v.value for v in fields["source"]} == {"replay", "recorded"}
+    assert {v.value for v in fields["search"]} == {"not_needed", "single", "greedy", "none"}
+    assert {v.value for v in fields["chosen_by"]} == {"origin", "local_error"}
+    assert {v.value for v in fields["method"]} == {"replay", "estimate"}
 
 
 def test_a_typed_trial_renders_the_dict_it_replaced():
@@ -239,7 +255,7 @@ class _Stub:
 
 def test_fix_stops_on_the_typed_reference_status_whatever_the_note_says():
     r = fix_mod.find_fix(None, prepared=_Stub(reference_finite=False))
-    assert r.search == "none" and r.fix is None and r.trials == []
+    assert r.search is fix_mod.FixSearch.NONE and r.fix is None and r.trials == []
     assert r.notes == ["REWORDED: float64 itself went NaN"]  # the words pass through untouched
 
 

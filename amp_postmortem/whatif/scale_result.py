@@ -41,6 +41,12 @@ class EdgeCause(str, Enum):
     WEIGHT_GRAD = "weight_grad"          # a weight-gradient matmul run in float16
 
 
+class WindowMethod(Enum):
+    """How the window was found; `value` is the `--json` "method"."""
+    REPLAY = "replay"                    # every scale replayed on a saved step (`scale_window.py`)
+    ESTIMATE = "estimate"                # estimated from the recorded statistics (`scale_estimate.py`)
+
+
 class ScalePosition(Enum):
     """Where the recorded scale sits against the window; `value` is the
     `--json` "recorded_position"."""
@@ -74,7 +80,7 @@ class SavedStepScale:
 
 @dataclass
 class ScaleWindow:
-    method: str                     # "replay" | "estimate"
+    method: WindowMethod
     step: int | None
     rank: int | None
     recorded_scale: float | None
@@ -107,7 +113,7 @@ class ScaleWindow:
     window_check: object = None
 
     def to_dict(self) -> dict:
-        return plain({"method": self.method, "step": self.step, "rank": self.rank,
+        return plain({"method": self.method.value, "step": self.step, "rank": self.rank,
                       "verified": self.verified, "why": self.why,
                       "checked_steps": [c.to_dict() for c in self.checked_steps],
                       "overflow_cause": self.overflow_cause.value if self.overflow_cause else None,
@@ -116,7 +122,7 @@ class ScaleWindow:
                       "recorded_scale": self.recorded_scale, "window": self.window,
                       "recorded_position": self.position_words, "settings": self.settings, "code": self.code,
                       "max_underflow": self.max_underflow, "recorded_scaler": self.recorded_scaler,
-                      "notes": self.notes, ("scales" if self.method == "replay" else "layers"): self.rows,
+                      "notes": self.notes, ("scales" if self.method is WindowMethod.REPLAY else "layers"): self.rows,
                       "window_check": self.window_check.to_dict() if self.window_check is not None else None})
 
     @property
@@ -145,11 +151,11 @@ class ScaleWindow:
                 "(the scale itself is the backward's first gradient, Inf above 65504)")
 
     def table(self) -> pd.DataFrame:
-        cols = SCALE_COLUMNS if self.method == "replay" else LAYER_COLUMNS
+        cols = SCALE_COLUMNS if self.method is WindowMethod.REPLAY else LAYER_COLUMNS
         return pd.DataFrame(self.rows, columns=cols)
 
     def lines(self) -> list[str]:
-        what = ("replayed" if self.method == "replay" else
+        what = ("replayed" if self.method is WindowMethod.REPLAY else
                 f"estimated from recorded statistics (estimate, not verified: {self.why})" if self.why else
                 "estimated from recorded statistics (estimate, not verified)")
         out = [f"loss-scale window, {what}: step {self.step}"

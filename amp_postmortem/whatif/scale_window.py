@@ -72,7 +72,7 @@ from ..errors import OptionError
 from . import report_progress
 from .scale_estimate import estimate_scale_window
 from .scale_result import (LOSS_ROW, MAX_UNDERFLOW, SCALES, EdgeCause, SavedStepScale, ScaleWindow, calibration_notes,
-                           loss_max_k, position_in_window, scaler_settings, usable_window)
+                           WindowMethod, loss_max_k, position_in_window, scaler_settings, usable_window)
 
 
 @dataclass
@@ -170,7 +170,7 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
     settings, code = scaler_settings(window, device_type=_device_type(p))
     above = next((r for r in rows if window is not None and r["k"] == window["max_k"] + 1), None)
     cause = EdgeCause(above["overflow_cause"]) if above and above["overflow_cause"] else None
-    sw = ScaleWindow(method="replay", step=p.step, rank=p.rank, recorded_scale=p.loss_scale, window=window,
+    sw = ScaleWindow(method=WindowMethod.REPLAY, step=p.step, rank=p.rank, recorded_scale=p.loss_scale, window=window,
                      recorded_position=position_in_window(window, recorded_k), settings=settings, code=code,
                      rows=rows, max_underflow=max_underflow, notes=notes + calibration_notes(p.bundle.scaler, window),
                      recorded_scaler=p.bundle.scaler, verified=True, overflow_cause=cause,
