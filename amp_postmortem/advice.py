@@ -55,7 +55,7 @@ import pandas as pd
 from recorders import schema
 
 from .loader import Run
-from .names import ROOT_DISPLAY
+from .names import ROOT_DISPLAY, BackwardStart
 from .analyses.bundle_choice import pick_bundle
 
 
@@ -796,12 +796,12 @@ def _saved_steps_lines(fix) -> list:
     return out
 
 
-def bf16_verdict(trial, backward_start: str = "saved") -> tuple[bool, bool, str | None]:
+def bf16_verdict(trial, backward_start: BackwardStart = BackwardStart.SAVED) -> tuple[bool, bool, str | None]:
     """(avoids, gradients_confirmed, why) of a bfloat16 trial, judged like
     every other trial (`whatif.judge`: its `saved`), except that a verdict
     resting on the gradients (parameter gradients off float64, or a module
     broken in the backward) is not decisive when the backward started from
-    a substitute output gradient (`backward_start` "substitute_mean": the
+    a substitute output gradient (`BackwardStart.SUBSTITUTE_MEAN`: the
     saved one was NaN/Inf): a finite trial then avoids the problem, with its
     gradient accuracy unconfirmed."""
     from .whatif import NotSavedBy
@@ -812,14 +812,14 @@ def bf16_verdict(trial, backward_start: str = "saved") -> tuple[bool, bool, str 
     if by is NotSavedBy.NONFINITE:
         return False, True, None  # the trial's state says where
     on_gradients = by is NotSavedBy.PARAMS_OFF or (t.culprit or {}).get("phase") == "backward"
-    if on_gradients and backward_start == "substitute_mean":
+    if on_gradients and backward_start is BackwardStart.SUBSTITUTE_MEAN:
         return True, False, (f"not decisive: {why}, measured from a substitute output gradient (the saved one "
                              "was NaN/Inf); replay with a loss_fn to confirm")
     return False, True, why
 
 
 def _substitute(p) -> str:
-    if getattr(p, "backward_start", "saved") != "substitute_mean":
+    if getattr(p, "backward_start", BackwardStart.SAVED) is not BackwardStart.SUBSTITUTE_MEAN:
         return ""
     return " (measured from a substitute output gradient: indicative only)"
 

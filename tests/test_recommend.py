@@ -105,10 +105,12 @@ def test_the_default_bundle_is_the_earliest_nonfinite_one_not_the_first(three_bu
 
 def test_bf16_verdict_does_not_rest_on_gradients_measured_from_a_substitute():
     from amp_postmortem.advice import bf16_verdict as verdict_of
+    from amp_postmortem.names import BackwardStart
     from amp_postmortem.whatif import Trial
 
     def bf16_verdict(t, start):
-        return verdict_of(Trial.of(t), start)   # the typed trial, read from its dict form
+        # the typed trial, read from its dict form; the start as the enum of its --json string
+        return verdict_of(Trial.of(t), BackwardStart(start))
     off = {"finite": True, "saved": False, "params_off": {"w": 3.0}, "culprit": None,
            "why": "1 parameter gradient(s) more than 0.5 off float64 (worst w: 3)"}
     assert bf16_verdict(off, "substitute_mean")[:2] == (True, False)   # finite; gradients unconfirmed

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import amp_postmortem
 from amp_postmortem import whatif
+from amp_postmortem.names import BackwardStart
 from amp_postmortem.whatif import fix as fix_mod
 
 _TEXT_TESTS = {"startswith", "endswith", "find", "index", "count"}
@@ -121,9 +122,15 @@ def _constants(node) -> list:
 
 
 def _is_field(node, name: str) -> bool:
-    """`x.name`, or a dict form's `d["name"]` / `d.get("name")`."""
+    """`x.name`, a variable `name`, `getattr(x, "name", ...)`, or a dict
+    form's `d["name"]` / `d.get("name")`."""
     if isinstance(node, ast.Attribute):
         return node.attr == name
+    if isinstance(node, ast.Name):
+        return node.id == name
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+        return node.args[1].value == name
     if isinstance(node, ast.Subscript):
         return isinstance(node.slice, ast.Constant) and node.slice.value == name
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
@@ -148,8 +155,9 @@ def _package_modules():
 
 def test_the_string_compare_check_finds_what_it_guards():
     tree = ast.parse("a = r.status == 'collapse'\nb = s.kind in ('keep_fp32', 'x')\nc = d.get('status') != 'healthy'\n"
-                     "ok = r.status is S.COLLAPSE\nok2 = m.get('status') == 'closed'\n")
-    assert _string_compares(tree, "status", {"collapse", "healthy"}) == [1, 3]
+                     "ok = r.status is S.COLLAPSE\nok2 = m.get('status') == 'closed'\nd = status == 'healthy'\n"
+                     "e = getattr(p, 'status', 'x') != 'collapse'\n")
+    assert _string_compares(tree, "status", {"collapse", "healthy"}) == [1, 3, 6, 7]
     assert _string_compares(tree, "kind", {"keep_fp32"}) == [2]
 
 
@@ -177,7 +185,8 @@ def test_recommendation_kinds_and_the_what_ifs_outcomes_are_compared_as_enums():
     """`Recommendation.kind` is a `RecommendationKind` (its `source` a
     `Source`), a window's `recorded_position` a `ScalePosition` (its
     `method` a `WindowMethod`), fix's `search` a `FixSearch`, an op fix's
-    `chosen_by` a `ChosenBy`: no comparison with their JSON strings in the
+    `chosen_by` a `ChosenBy`, a replay's `backward_start` a
+    `BackwardStart` (anywhere in the package): no comparison with their JSON strings in the
     decision modules (recommend and the what-ifs), nor, for the
     recommendation kinds no finding shares (a finding's kind is its own
     string), anywhere in the package."""
@@ -193,6 +202,9 @@ def test_recommendation_kinds_and_the_what_ifs_outcomes_are_compared_as_enums():
         else:
             only_ours = {k.value for k in RecommendationKind} - set(FINDING_KINDS)
             found += [f"{path.name}:{line} kind" for line in _string_compares(tree, "kind", only_ours)]
+        # A replay's backward start is decided on in the replay layer too.
+        found += [f"{path.name}:{line} backward_start" for line in
+                  _string_compares(tree, "backward_start", {v.value for v in BackwardStart})]
     assert found == []
 
 
@@ -212,6 +224,7 @@ def test_the_enums_keep_their_json_strings():
     assert {v.value for v in fields["search"]} == {"not_needed", "single", "greedy", "none"}
     assert {v.value for v in fields["chosen_by"]} == {"origin", "local_error"}
     assert {v.value for v in fields["method"]} == {"replay", "estimate"}
+    assert {v.value for v in BackwardStart} == {"saved", "substitute_mean", "loss_fn"}
 
 
 def test_a_typed_trial_renders_the_dict_it_replaced():
@@ -231,7 +244,7 @@ def test_a_typed_trial_renders_the_dict_it_replaced():
 class _Stub:
     """A prepared step whose float64 run is non-finite and whose note says
     so in other words; replaying it is an error (nothing should)."""
-    step, rank, precision, loss_scale, backward_start = 0, 0, "fp16", 256.0, "saved"
+    step, rank, precision, loss_scale, backward_start = 0, 0, "fp16", 256.0, BackwardStart.SAVED
     bundle = SimpleNamespace(step=0, rank=0, path="/nonexistent/bundle")
 
     def __init__(self, reference_finite: bool):

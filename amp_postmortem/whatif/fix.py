@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from recorders.plain import plain
+from ..names import BackwardStart
 from ..names import display_name as _display
 from . import NotSavedBy, Trial, fmt_num, prepare, report_progress
 from .op_fix import OpFixStatus, find_op_fix, work_cost, work_words
@@ -86,7 +87,7 @@ class FixReport:
     search: FixSearch
     patch: str | None
     notes: list = field(default_factory=list)
-    backward_start: str = "saved"   # engine.ReplaySession.start_backward
+    backward_start: BackwardStart = BackwardStart.SAVED   # engine.ReplaySession.start_backward
     # The fix tried on every saved step of the run (this one first): [StepCheck]
     saved_steps_check: list = field(default_factory=list)
     op_fix: object = None           # op_fix.OpFix, or None (nothing to fix)
@@ -109,7 +110,7 @@ class FixReport:
                       "saved_steps_check": [c.to_dict() for c in self.saved_steps_check],
                       "saved_steps": self.saved_steps,
                       "not_saved_steps": self.not_saved_steps,
-                      "notes": self.notes, "backward_start": self.backward_start,
+                      "notes": self.notes, "backward_start": self.backward_start.value,
                       "thresholds": _thresholds(), "op_fix": self.op_fix.to_dict() if self.op_fix else None,
                       "remedies": [r.to_dict() for r in self.remedies],
                       "window_check": self.window_check.to_dict() if self.window_check else None})
@@ -128,7 +129,8 @@ class FixReport:
                f"{self.policy.get('device_type')}{' (emulated)' if self.policy.get('emulated') else ''}, "
                f"loss scale {self.loss_scale:g}",
                f"as recorded: {_verdict(b)} (grad error vs float64 {fmt_num(b.grad_rel_err)}"
-               + ("" if self.backward_start == "saved" else f", backward from the {self.backward_start} start")
+               + ("" if self.backward_start is BackwardStart.SAVED else
+                  f", backward from the {self.backward_start.value} start")
                + ")"]
         out += [f"note: {n}" for n in self.notes]
         if self.search is FixSearch.NOT_NEEDED:
