@@ -34,6 +34,14 @@ class BackwardStart(enum.Enum):
     LOSS_FN = "loss_fn"                    # the gradient of `loss_fn` at the float64 outputs
 
 
+class BackwardFrom(enum.Enum):
+    """What a replayed run's backward was seeded at (`StepCapture`); `value`
+    is the `--json` "backward_from" of a replayed loss-scale window."""
+    LOSS = "loss"                          # the model's loss output, the scale in the loss's own dtype
+    LOSS_FN = "loss_fn"                    # loss_fn's loss, scaled as GradScaler does
+    OUTPUT_GRADIENT = "output_gradient"    # the saved gradient of the outputs, times the scale
+
+
 def display_name(name) -> str:
     """A module name as people read it: the root module as `(model)`."""
     return ROOT_DISPLAY if name == "" else str(name)

@@ -15,6 +15,7 @@ import whatif_runs as W
 from amp_postmortem.bundle import load_bundle
 from amp_postmortem.cli import main
 from amp_postmortem.loader import load_run
+from amp_postmortem.names import BackwardFrom
 from amp_postmortem.whatif.scale_result import ScalePosition, WindowMethod
 from amp_postmortem.whatif.scale_window import (MAX_UNDERFLOW, estimate_scale_window, replay_scale_window,
                                                 scaler_settings)
@@ -319,7 +320,7 @@ def test_the_replayed_window_starts_from_the_loss_and_stops_below_2_16(case):
         "loss_inside": (L.half_loss_inside_run(), L.loss_net, None, "loss")}[case]
     report = api.scale_window(run, step=L.BUNDLE_STEPS[0], model=model, loss_fn=loss_fn, scales=(10, 20))
     sw = report.replay
-    assert sw.backward_from == start and sw.loss_dtype == "float16"
+    assert sw.backward_from is BackwardFrom(start) and sw.loss_dtype == "float16"
     assert sw.window["max_k"] == FP16_LOSS_TOP and sw.overflow_cause.value == "loss_dtype"
     rows = {r["k"]: r for r in sw.rows}
     assert rows[16]["overflow"] and rows[16]["loss_overflow"] and not rows[15]["loss_overflow"]
@@ -331,7 +332,7 @@ def test_the_replayed_window_starts_from_the_loss_and_stops_below_2_16(case):
 def test_a_replay_from_the_output_gradient_alone_says_the_loss_is_not_checked():
     import loss_dtype_runs as L
     sw = replay_scale_window(L.half_loss_run(), L.BUNDLE_STEPS[0], model=L.net, scales=(10, 20))
-    assert sw.backward_from == "output_gradient" and sw.loss_dtype is None
+    assert sw.backward_from is BackwardFrom.OUTPUT_GRADIENT and sw.loss_dtype is None
     assert sw.window["max_k"] > FP16_LOSS_TOP  # what the replay alone cannot see
     assert any("loss's dtype is unknown" in n and "--loss-fn" in n for n in sw.notes)
 
@@ -341,5 +342,5 @@ def test_a_float32_loss_replayed_from_loss_fn_is_not_capped():
     import loss_dtype_runs as L
     sw = api.scale_window(L.float_loss_run(), step=L.BUNDLE_STEPS[0], model=L.net, loss_fn=L.float_loss,
                           scales=(10, 20)).replay
-    assert sw.backward_from == "loss_fn" and sw.loss_dtype == "float32"
+    assert sw.backward_from is BackwardFrom.LOSS_FN and sw.loss_dtype == "float32"
     assert sw.window["max_k"] > FP16_LOSS_TOP and not any(r["loss_overflow"] for r in sw.rows)

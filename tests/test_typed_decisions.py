@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import amp_postmortem
 from amp_postmortem import whatif
-from amp_postmortem.names import BackwardStart
+from amp_postmortem.names import BackwardFrom, BackwardStart
 from amp_postmortem.whatif import fix as fix_mod
 
 _TEXT_TESTS = {"startswith", "endswith", "find", "index", "count"}
@@ -186,7 +186,8 @@ def test_recommendation_kinds_and_the_what_ifs_outcomes_are_compared_as_enums():
     `Source`), a window's `recorded_position` a `ScalePosition` (its
     `method` a `WindowMethod`), fix's `search` a `FixSearch`, an op fix's
     `chosen_by` a `ChosenBy`, a replay's `backward_start` a
-    `BackwardStart` (anywhere in the package): no comparison with their JSON strings in the
+    `BackwardStart` and its `backward_from` a `BackwardFrom` (anywhere in
+    the package): no comparison with their JSON strings in the
     decision modules (recommend and the what-ifs), nor, for the
     recommendation kinds no finding shares (a finding's kind is its own
     string), anywhere in the package."""
@@ -202,9 +203,11 @@ def test_recommendation_kinds_and_the_what_ifs_outcomes_are_compared_as_enums():
         else:
             only_ours = {k.value for k in RecommendationKind} - set(FINDING_KINDS)
             found += [f"{path.name}:{line} kind" for line in _string_compares(tree, "kind", only_ours)]
-        # A replay's backward start is decided on in the replay layer too.
+        # A replay's backward start and seed are decided on in the replay layer too.
         found += [f"{path.name}:{line} backward_start" for line in
                   _string_compares(tree, "backward_start", {v.value for v in BackwardStart})]
+        found += [f"{path.name}:{line} backward_from" for line in
+                  _string_compares(tree, "backward_from", {v.value for v in BackwardFrom})]
     assert found == []
 
 
@@ -225,6 +228,7 @@ def test_the_enums_keep_their_json_strings():
     assert {v.value for v in fields["chosen_by"]} == {"origin", "local_error"}
     assert {v.value for v in fields["method"]} == {"replay", "estimate"}
     assert {v.value for v in BackwardStart} == {"saved", "substitute_mean", "loss_fn"}
+    assert {v.value for v in BackwardFrom} == {"loss", "loss_fn", "output_gradient"}
 
 
 def test_a_typed_trial_renders_the_dict_it_replaced():

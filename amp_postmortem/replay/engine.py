@@ -41,7 +41,7 @@ import torch
 from recorders.stats import iter_tensors
 
 from ..errors import ModelSpecError, PostmortemError
-from ..names import BackwardStart
+from ..names import BackwardFrom, BackwardStart
 from .capture import (AnomalyCatcher, BackwardWatch, CallRecorder, ModuleCall, StepCapture, is_floating, map_tensors,
                       round_to, stateful_copy)
 from .fp32_lines import float32_lines
@@ -295,7 +295,7 @@ class ReplaySession:
                             with autocast_for(config), float32_lines(config.fp32_lines,
                                                                      autocast_device_types(config)):
                                 loss = loss_fn(output, mb)
-                            result.backward_from, result.loss_dtype = "loss_fn", _dtype_name(loss)
+                            result.backward_from, result.loss_dtype = BackwardFrom.LOSS_FN, _dtype_name(loss)
                             _backward_from_loss(loss, config)
                         else:
                             result.backward_from, result.loss_dtype = _backward(outs, grads, config,
@@ -523,5 +523,5 @@ def _backward(outs, grads, config: RunConfig, loss=None):
     # A loss output among the seeds: its seed is the scale in the loss's own
     # dtype, as the scaled loss's backward hands it in training.
     if loss is not None and any(t is loss for t, _ in pairs):
-        return "loss", _dtype_name(loss)
-    return "output_gradient", None
+        return BackwardFrom.LOSS, _dtype_name(loss)
+    return BackwardFrom.OUTPUT_GRADIENT, None

@@ -19,6 +19,8 @@ import pandas as pd
 
 from recorders.plain import plain
 
+from ..names import BackwardFrom
+
 SCALES = (-16, 40)            # k range of the replayed scales 2^k
 MAX_UNDERFLOW = 0.05          # usable: at most 5% of the gradient values flushed/subnormal
 WIDE_WINDOW_BITS = 4
@@ -102,12 +104,12 @@ class ScaleWindow:
     # The overflow edge's cause (EdgeCause) and the tensor that sets it
     # (a layer, a parameter or "<loss>"); the loss's dtype (None: unknown)
     # and the highest k it allows; replays: where the backward started
-    # ("loss", "loss_fn" or "output_gradient", engine's StepCapture).
+    # (engine's StepCapture).
     overflow_cause: EdgeCause | None = None
     overflow_edge_by: str | None = None
     loss_dtype: str | None = None
     loss_max_k: int | None = None
-    backward_from: str | None = None
+    backward_from: BackwardFrom | None = None
     # Replayed with a model: the proposed init_scale re-run over the saved
     # window of steps (`window_check.WindowCheck`), or None (none proposed).
     window_check: object = None
@@ -118,7 +120,8 @@ class ScaleWindow:
                       "checked_steps": [c.to_dict() for c in self.checked_steps],
                       "overflow_cause": self.overflow_cause.value if self.overflow_cause else None,
                       "overflow_edge_by": self.overflow_edge_by, "loss_dtype": self.loss_dtype,
-                      "loss_max_k": self.loss_max_k, "backward_from": self.backward_from,
+                      "loss_max_k": self.loss_max_k,
+                      "backward_from": self.backward_from.value if self.backward_from else None,
                       "recorded_scale": self.recorded_scale, "window": self.window,
                       "recorded_position": self.position_words, "settings": self.settings, "code": self.code,
                       "max_underflow": self.max_underflow, "recorded_scaler": self.recorded_scaler,
@@ -168,7 +171,7 @@ class ScaleWindow:
             out.append(f"window: 2^{w['min_k']} .. 2^{w['max_k']} ({w['min_scale']:g} .. {w['max_scale']:g}, "
                        f"{w['width_bits']} bits); the recorded scale is {self.position_words or 'unknown'}")
         if self.backward_from:
-            out.append("backward started from " + BACKWARD_WORDS.get(self.backward_from, self.backward_from)
+            out.append("backward started from " + BACKWARD_WORDS[self.backward_from]
                        + (f" (the loss is {self.loss_dtype})" if self.loss_dtype else ""))
         if self.edge_line():
             out.append(self.edge_line())
@@ -183,10 +186,10 @@ class ScaleWindow:
 
 
 
-BACKWARD_WORDS = {"loss": "the model's loss output, the scale in the loss's own dtype as in training",
-                  "loss_fn": "loss_fn's loss computed under autocast, scaled as GradScaler does",
-                  "output_gradient": "the saved output gradient times the scale (the loss is outside the "
-                                     "model call)"}
+BACKWARD_WORDS = {BackwardFrom.LOSS: "the model's loss output, the scale in the loss's own dtype as in training",
+                  BackwardFrom.LOSS_FN: "loss_fn's loss computed under autocast, scaled as GradScaler does",
+                  BackwardFrom.OUTPUT_GRADIENT: "the saved output gradient times the scale (the loss is outside "
+                                                "the model call)"}
 
 
 def loss_max_k(dtype: str | None) -> int | None:
