@@ -354,3 +354,24 @@ def test_recommend_decides_check_data_from_the_typed_status_when_the_note_is_rew
     assert "the float64 replay is non-finite too: no precision setting fixes it" in r.get("check_data").evidence
     assert "REWORDED: float64 overflowed as well" in r.notes   # the words pass through untouched
     assert "keep_fp32" not in r.kinds() and "avoid_mixed_precision" not in r.kinds()
+
+
+def test_recommend_decides_the_recorded_origin_as_an_enum():
+    """The recorded branch decides where the forward overflow was born
+    (`recorded_origin`) before any words are made; its words come from
+    the `recorded_*_recommendation` functions."""
+    from amp_postmortem.advice import (RecommendationKind, RecordedOrigin, Source, recorded_check_data_recommendation,
+                                       recorded_keep_fp32_recommendation, recorded_origin)
+
+    def fwd(layer):
+        return SimpleNamespace(layer=layer, step=7, message="m")
+    assert recorded_origin(None) is None
+    assert recorded_origin(fwd("<input>")) is RecordedOrigin.INPUT
+    assert recorded_origin(fwd("blocks.0.attn")) is RecordedOrigin.MODULE
+    assert recorded_origin(fwd("<loss>")) is RecordedOrigin.OTHER
+    assert recorded_origin(fwd(None)) is RecordedOrigin.OTHER
+    check = recorded_check_data_recommendation(fwd("<input>"))
+    assert (check.kind, check.source, check.data) == (RecommendationKind.CHECK_DATA, Source.RECORDED, {"step": 7})
+    keep = recorded_keep_fp32_recommendation(fwd("blocks.0.attn"), "RUN")
+    assert keep.to_dict()["kind"] == "keep_fp32" and keep.to_dict()["source"] == "recorded"
+    assert keep.data == {"modules": ["blocks.0.attn"], "step": 7} and "--step 7" in keep.action
