@@ -52,12 +52,33 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from recorders import schema
+
 from .loader import Run
-from .names import ROOT_DISPLAY
+from .names import ROOT_DISPLAY, BackwardStart
 from .analyses.bundle_choice import pick_bundle
 
-ORDER = ("check_data", "training_instability", "keep_fp32", "gradient_drift", "use_bf16", "scaler_settings", "avoid_mixed_precision",
-         "no_change")
+
+
+class RecommendationKind(enum.Enum):
+    """What a recommendation recommends (the module's doc), in the order
+    they are listed; `value` is the `--json` "kind"."""
+    CHECK_DATA = "check_data"
+    TRAINING_INSTABILITY = "training_instability"
+    KEEP_FP32 = "keep_fp32"
+    GRADIENT_DRIFT = "gradient_drift"
+    USE_BF16 = "use_bf16"
+    SCALER_SETTINGS = "scaler_settings"
+    AVOID_MIXED_PRECISION = "avoid_mixed_precision"
+    NO_CHANGE = "no_change"
+
+ORDER = tuple(RecommendationKind)
+
+
+class Source(enum.Enum):
+    """What a recommendation rests on; `value` is the `--json` "source"."""
+    REPLAY = "replay"              # what-if replays of saved steps
+    RECORDED = "recorded"          # the recorded statistics alone
 _SCALE_FINDINGS = {"scale_collapse", "stuck_low_scale", "grad_underflow"}
 DRIFT_BITS = 4        # the window "moves" when its overflow edge shifts by more than this
 DRIFT_SAMPLES = 12    # steps at which the window is estimated for that
@@ -65,10 +86,10 @@ DRIFT_SAMPLES = 12    # steps at which the window is estimated for that
 
 @dataclass
 class Recommendation:
-    kind: str
+    kind: RecommendationKind
     action: str
     evidence: list                 # sentences, each citing numbers
-    source: str                    # "replay" | "recorded"
+    source: Source
     code: str | None = None
     data: dict = field(default_factory=dict)
     # Checked by replaying the run's saved steps; else `why` not.
@@ -76,7 +97,7 @@ class Recommendation:
     why: str | None = None
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "action": self.action, "evidence": self.evidence, "source": self.source,
+        return {"kind": self.kind.value, "action": self.action, "evidence": self.evidence, "source": self.source.value,
                 "code": self.code, "data": self.data, "verified": self.verified, "why": self.why}
 
 
@@ -90,10 +111,13 @@ class Recommendations:
     show_table = False
 
     def kinds(self) -> list[str]:
-        return [r.kind for r in self.recommendations]
+        """The recommendations' kinds as their `--json` strings."""
+        return [r.kind.value for r in self.recommendations]
 
-    def get(self, kind: str) -> Recommendation | None:
-        return next((r for r in self.recommendations if r.kind == kind), None)
+    def get(self, kind: RecommendationKind | str) -> Recommendation | None:
+        """The recommendation of `kind` (the enum or its `--json` string)."""
+        kind = RecommendationKind(kind)
+        return next((r for r in self.recommendations if r.kind is kind), None)
 
     def to_dict(self) -> dict:
         from recorders.plain import plain
@@ -101,8 +125,9 @@ class Recommendations:
                       "recommendations": [r.to_dict() for r in self.recommendations], "notes": self.notes})
 
     def table(self) -> pd.DataFrame:
-        return pd.DataFrame([{"kind": r.kind, "source": r.source, "verified": r.verified, "action": r.action,
-                              "evidence": " | ".join(r.evidence)} for r in self.recommendations],
+        return pd.DataFrame([{"kind": r.kind.value, "source": r.source.value, "verified": r.verified,
+                              "action": r.action, "evidence": " | ".join(r.evidence)}
+                             for r in self.recommendations],
                             columns=["kind", "source", "verified", "action", "evidence"])
 
     def lines(self) -> list[str]:
@@ -110,10 +135,10 @@ class Recommendations:
                 (f" (replayed step {self.step})" if self.replayed else " (recorded statistics only)"))
         out = [head]
         for i, r in enumerate(self.recommendations, 1):
-            out += ["", f"{i}. [{r.kind}] {r.action}"]
+            out += ["", f"{i}. [{r.kind.value}] {r.action}"]
             if not r.verified and r.why:
-                out.append(f"   ({'not verified' if r.source == 'replay' else 'estimate, not verified'}: {r.why})")
-            out += [f"   evidence ({r.source}): {e}" for e in r.evidence]
+                out.append(f"   ({'not verified' if r.source is Source.REPLAY else 'estimate, not verified'}: {r.why})")
+            out += [f"   evidence ({r.source.value}): {e}" for e in r.evidence]
             if r.code:
                 out += ["   " + line for line in r.code.splitlines()]
         out += [f"note: {n}" for n in self.notes]
@@ -150,10 +175,10 @@ def _sorted(recs):
 def _recorded(run: Run, summary) -> list:
     from .whatif.scale_estimate import unverified_why
     recs = _recorded_advice(run, summary)
-    checks = {"keep_fp32": "replay the saved steps with the module in float32 (`fix`)",
-              "scaler_settings": "replay the saved steps at the window's edges",
-              "gradient_drift": "replay the saved steps at the window's edges (the drift is estimated from "
-                                "steps spread over the run)"}
+    checks = {RecommendationKind.KEEP_FP32: "replay the saved steps with the module in float32 (`fix`)",
+              RecommendationKind.SCALER_SETTINGS: "replay the saved steps at the window's edges",
+              RecommendationKind.GRADIENT_DRIFT: "replay the saved steps at the window's edges (the drift is "
+                                                 "estimated from steps spread over the run)"}
     for r in recs:
         if r.kind in checks:
             r.why = unverified_why(run, checks[r.kind])
@@ -174,7 +199,7 @@ def _modules_window_check(p, fix, model, device, policy, loss_fn):
     return check_remedy(p, remedy, model=model, device=device, policy=policy, loss_fn=loss_fn)
 
 
-def _instability_recommendation(unstable, source: str, extra=(), verified: bool = False) -> Recommendation:
+def _instability_recommendation(unstable, source: Source, extra=(), verified: bool = False) -> Recommendation:
     """Instability: what helps it (learning rate, warm-up, clipping, the
     layer whose weights grew), never keep_fp32 or the loss scale."""
     action = ("fix the training, not the precision: " + "; ".join(unstable.remedies())
@@ -183,7 +208,7 @@ def _instability_recommendation(unstable, source: str, extra=(), verified: bool 
               "suspected training instability (undetermined): " + "; ".join(unstable.remedies())
               + " if a float32 run fails too; if it does not, the problem is float16's")
     return Recommendation(
-        "training_instability", action,
+        RecommendationKind.TRAINING_INSTABILITY, action,
         list(unstable.evidence) + list(extra), source, data=unstable.to_dict(), verified=verified,
         why=None if verified else "from the recorded statistics; a float32 re-run of a saved window "
                                   "(`amp-postmortem rerun RUN --precision fp32 --model SPEC`, recorded with "
@@ -192,55 +217,111 @@ def _instability_recommendation(unstable, source: str, extra=(), verified: bool 
 
 
 def _recorded_advice(run: Run, summary) -> list:
-    recs = []
-    kinds = summary.kinds()
+    """The recorded recommendations: each decided on typed outcomes
+    (`recorded_origin`, `decide_recorded_scale`), its words made by the
+    `recorded_*_recommendation` functions."""
     fwd = _forward_finding(summary)
-    unstable = next((f for f in summary.findings if f.kind == "training_instability"), None)
-    if unstable is not None and not (fwd is not None and fwd.layer == "<input>"):
+    origin = recorded_origin(fwd)
+    if "training_instability" in summary.kinds() and origin is not RecordedOrigin.INPUT:
         from .analyses.instability import find_instability
-        return [_instability_recommendation(find_instability(run), "recorded")]
-    if fwd is not None and fwd.layer == "<input>":
-        recs.append(Recommendation(
-            "check_data", f"check the data of step {fwd.step}: the non-finite values came in with the batch",
-            [f"step {fwd.step}: {fwd.message}"], "recorded", data={"step": fwd.step}))
-    elif fwd is not None and fwd.layer and not fwd.layer.startswith("<"):
-        recs.append(Recommendation(
-            "keep_fp32", f"candidate: keep {fwd.layer} in float32; confirm with "
-                         f"`amp-postmortem fix {run.path} --step {fwd.step} --model SPEC`",
-            [f"step {fwd.step}: {fwd.message}"], "recorded",
-            code=f"from recorders.fp32 import keep_fp32\nkeep_fp32(model.get_submodule({fwd.layer!r}))",
-            data={"modules": [fwd.layer], "step": fwd.step}))
-    if kinds & _SCALE_FINDINGS:
-        from .whatif.scale_window import estimate_scale_window
-        before = fwd.step if fwd is not None else None
-        cited = [f"{f.kind}: {f.message}" for f in summary.findings if f.kind in _SCALE_FINDINGS]
-        cited += _consequence(summary, fwd)
-        drift = window_drift(run, before)
-        if drift["moves"]:
-            recs.append(_drift_recommendation(drift, summary, cited, "recorded"))
-            return recs
-        est = estimate_scale_window(run, before=before)
-        w = est.window
-        first = "once the forward overflow is fixed (keep_fp32 above), " if fwd is not None else ""
-        if w:
-            where = (f"step {est.step}, the last clean full-tier step before the forward overflow at step {before}"
-                     if before is not None else f"step {est.step}")
-            recs.append(Recommendation(
-                "scaler_settings", f"{first}use GradScaler settings inside the estimated window "
-                                   f"2^{w['min_k']}..2^{w['max_k']}",
-                cited + [f"{where}: gradient statistics at scale {est.recorded_scale:g} put the window at "
-                         f"2^{w['min_k']}..2^{w['max_k']} (recorded scale {est.recorded_position})"]
-                + [line for line in (est.edge_line(), est.loss_caveat()) if line],
-                "recorded", code=est.code, data={"window": w, "settings": est.settings, "step": est.step,
-                                                 "drift": drift, "overflow_cause": _cause(est)}))
-        else:
-            recs.append(Recommendation("scaler_settings", f"{first}no loss scale fits the recorded gradients; "
-                                       "see `scale-window` with --model", cited + est.notes[:1], "recorded",
-                                       data={"drift": drift}))
-    if not recs and kinds <= {"healthy", "overflow_risk"}:
-        recs.append(Recommendation("no_change", "nothing to change: the run is healthy",
-                                   [f.message for f in summary.findings][:3], "recorded"))
+        return [_instability_recommendation(find_instability(run), Source.RECORDED)]
+    recs = []
+    if origin is RecordedOrigin.INPUT:
+        recs.append(recorded_check_data_recommendation(fwd))
+    elif origin is RecordedOrigin.MODULE:
+        recs.append(recorded_keep_fp32_recommendation(fwd, run.path))
+    scale = decide_recorded_scale(run, summary, fwd)
+    if scale is not None:
+        recs.append(recorded_scale_recommendation(scale, summary, fwd))
+    if not recs and summary.kinds() <= {"healthy", "overflow_risk"}:
+        recs.append(Recommendation(RecommendationKind.NO_CHANGE, "nothing to change: the run is healthy",
+                                   [f.message for f in summary.findings][:3], Source.RECORDED))
     return recs
+
+
+# ------------------------------------------------ recorded: the decisions
+class RecordedOrigin(enum.Enum):
+    """Where the recorded forward overflow was born, as the advice reads it."""
+    INPUT = "input"                # the batch (`<input>`): check_data
+    MODULE = "module"              # a module: a keep_fp32 candidate
+    OTHER = "other"                # no module (the loss, the root): nothing to keep in float32
+
+
+def recorded_origin(fwd) -> RecordedOrigin | None:
+    """None without a forward origin."""
+    if fwd is None:
+        return None
+    if fwd.layer == schema.INPUT_NAME:
+        return RecordedOrigin.INPUT
+    if fwd.layer and not fwd.layer.startswith("<"):
+        return RecordedOrigin.MODULE
+    return RecordedOrigin.OTHER
+
+
+@dataclass(frozen=True)
+class RecordedScale:
+    """What the recorded statistics advise for the scale findings: the
+    window's drift over the run (before the forward overflow at `before`),
+    else the window estimated at the last clean full-tier step before it."""
+    advice: ScaleAdvice            # DRIFT, SETTINGS or NO_WINDOW
+    drift: dict                    # window_drift's
+    estimate: object               # whatif.scale_result.ScaleWindowResult; None when the window drifts
+    before: int | None
+
+
+def decide_recorded_scale(run: Run, summary, fwd) -> RecordedScale | None:
+    """None without a scale finding (collapse, low scale, underflow)."""
+    if not summary.kinds() & _SCALE_FINDINGS:
+        return None
+    from .whatif.scale_window import estimate_scale_window
+    before = fwd.step if fwd is not None else None
+    drift = window_drift(run, before)
+    if drift["moves"]:
+        return RecordedScale(ScaleAdvice.DRIFT, drift, None, before)
+    est = estimate_scale_window(run, before=before)
+    return RecordedScale(ScaleAdvice.SETTINGS if est.window else ScaleAdvice.NO_WINDOW, drift, est, before)
+
+
+# ------------------------------------------------ recorded: the words
+def recorded_check_data_recommendation(fwd) -> Recommendation:
+    return Recommendation(
+        RecommendationKind.CHECK_DATA,
+        f"check the data of step {fwd.step}: the non-finite values came in with the batch",
+        [f"step {fwd.step}: {fwd.message}"], Source.RECORDED, data={"step": fwd.step})
+
+
+def recorded_keep_fp32_recommendation(fwd, path) -> Recommendation:
+    return Recommendation(
+        RecommendationKind.KEEP_FP32, f"candidate: keep {fwd.layer} in float32; confirm with "
+                                      f"`amp-postmortem fix {path} --step {fwd.step} --model SPEC`",
+        [f"step {fwd.step}: {fwd.message}"], Source.RECORDED,
+        code=f"from recorders.fp32 import keep_fp32\nkeep_fp32(model.get_submodule({fwd.layer!r}))",
+        data={"modules": [fwd.layer], "step": fwd.step})
+
+
+def recorded_scale_recommendation(scale: RecordedScale, summary, fwd) -> Recommendation:
+    """gradient_drift or scaler_settings, citing the scale findings."""
+    cited = [f"{f.kind}: {f.message}" for f in summary.findings if f.kind in _SCALE_FINDINGS]
+    cited += _consequence(summary, fwd)
+    if scale.advice is ScaleAdvice.DRIFT:
+        return _drift_recommendation(scale.drift, summary, cited, Source.RECORDED)
+    est, before, drift = scale.estimate, scale.before, scale.drift
+    first = "once the forward overflow is fixed (keep_fp32 above), " if fwd is not None else ""
+    if scale.advice is ScaleAdvice.NO_WINDOW:
+        return Recommendation(RecommendationKind.SCALER_SETTINGS, f"{first}no loss scale fits the recorded "
+                              "gradients; see `scale-window` with --model", cited + est.notes[:1], Source.RECORDED,
+                              data={"drift": drift})
+    w = est.window
+    where = (f"step {est.step}, the last clean full-tier step before the forward overflow at step {before}"
+             if before is not None else f"step {est.step}")
+    return Recommendation(
+        RecommendationKind.SCALER_SETTINGS, f"{first}use GradScaler settings inside the estimated window "
+                                            f"2^{w['min_k']}..2^{w['max_k']}",
+        cited + [f"{where}: gradient statistics at scale {est.recorded_scale:g} put the window at "
+                 f"2^{w['min_k']}..2^{w['max_k']} (recorded scale {est.position_words})"]
+        + [line for line in (est.edge_line(), est.loss_caveat()) if line],
+        Source.RECORDED, code=est.code, data={"window": w, "settings": est.settings, "step": est.step,
+                                         "drift": drift, "overflow_cause": _cause(est)})
 
 
 def _cause(sw) -> str | None:
@@ -311,21 +392,24 @@ def window_drift(run: Run, before: int | None = None, samples: int = DRIFT_SAMPL
     return out
 
 
-def _drift_recommendation(drift, summary, cited, source, extra=()) -> Recommendation:
+def _drift_recommendation(drift, summary, cited, source: Source, extra=()) -> Recommendation:
     scale = next((f for f in summary.findings if f.kind in ("scale_collapse", "stuck_low_scale")), None)
     drivers = list((scale.evidence.get("drivers") if scale else None) or [])
     first, last = drift["windows"][0], drift["windows"][-1]
+    # Decided on the shift itself (negative: the overflow edge came down),
+    # not on the word `direction` that says it.
+    down = drift["shift_bits"] < 0
     moved = (f"the estimated loss-scale window moves {abs(drift['shift_bits']):g} bits "
-             f"{'down' if drift['direction'] == 'down' else 'up'} over the run: 2^{first['min_k']}..2^{first['max_k']} "
+             f"{'down' if down else 'up'} over the run: 2^{first['min_k']}..2^{first['max_k']} "
              f"at step {first['step']}, 2^{last['min_k']}..2^{last['max_k']} at step {last['step']}")
-    if drift["direction"] == "down":
+    if down:
         grows = ", ".join(d or ROOT_DISPLAY for d in drivers[:3]) or "the layers that overflow"
         action = (f"no fixed GradScaler setting fixes this: the gradients keep growing; fix what grows "
                   f"({grows}: its gradients overflow at the skipped steps)")
     else:
         action = ("no fixed GradScaler setting fixes this: the gradients keep shrinking; find what shrinks "
                   "(`amp-postmortem ranges` lists the layers that underflow)")
-    return Recommendation("gradient_drift", action, cited + [moved] + list(extra), source,
+    return Recommendation(RecommendationKind.GRADIENT_DRIFT, action, cited + [moved] + list(extra), source,
                           data={"drift": drift, "drivers": drivers})
 
 
@@ -370,17 +454,17 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
         if check_data is not None:
             recs.append(check_data_recommendation(check_data))
     instability = decide_instability(run, p, step, model=model, device=device, policy=policy, loss_fn=loss_fn)
-    window_checks = {}  # recommendation kind -> the WindowCheck its `verified` is decided on
+    window_checks = {}  # RecommendationKind -> the WindowCheck its `verified` is decided on
     keep = None
     if fix is not None and fix.fix:
         keep = KeepFp32(step, p.precision, fix, _modules_window_check(p, fix, model, device, policy, loss_fn),
                         _substitute(p))
-        window_checks["keep_fp32"] = keep.window_check
+        window_checks[RecommendationKind.KEEP_FP32] = keep.window_check
         if not instability.unstable:
             recs.append(keep_fp32_recommendation(keep))
     if instability.unstable:
         recs.append(_instability_recommendation(
-            instability.report, "replay", extra=[instability.verdict.sentence()]
+            instability.report, Source.REPLAY, extra=[instability.verdict.sentence()]
             + ([instability.beyond] if instability.beyond else []) + fix_lines(keep, fix, step, baseline.saved),
             verified=instability.decided))
     scale_findings = bool(summary.kinds() & _SCALE_FINDINGS)
@@ -389,7 +473,7 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
         bf16 = decide_bf16(p.trial(backoff=False, precision="bf16", loss_scale=1.0,
                                    policy=resolve_policy(policy, p.bundle, "bf16")), p, step, model=model,
                            device=device, policy=policy, loss_fn=loss_fn)
-        window_checks["use_bf16"] = bf16.window_check
+        window_checks[RecommendationKind.USE_BF16] = bf16.window_check
         recs.append(bf16_recommendation(bf16, step, _substitute(p)))
     kept = tuple(fix.fix) if fix is not None and fix.fix else ()
     window = None
@@ -403,10 +487,10 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
         if advice is ScaleAdvice.DRIFT:
             recs.append(_drift_recommendation(
                 drift, summary, [f"{f.kind}: {f.message}" for f in summary.findings if f.kind in _SCALE_FINDINGS],
-                "recorded", extra=[f"step {step} replayed: usable 2^{window['min_k']}..2^{window['max_k']} at "
+                Source.RECORDED, extra=[f"step {step} replayed: usable 2^{window['min_k']}..2^{window['max_k']} at "
                                    "this step only"]))
         elif advice is ScaleAdvice.SETTINGS:
-            window_checks["scaler_settings"] = sw.window_check
+            window_checks[RecommendationKind.SCALER_SETTINGS] = sw.window_check
             recs.append(scaler_settings_recommendation(sw, step, kept, p.notes))
     fp16_ok = baseline.saved or keep is not None or window is not None
     avoid = no_fp16_config(unstable=instability.unstable, reference_finite=p.reference_finite,
@@ -429,9 +513,9 @@ def _settle_verified(r: Recommendation, check) -> None:
     if check is not None and check.status is WindowStatus.FAILS:
         r.verified = False  # it saves the saved step, not the window's steps after it
         r.why = f"the re-run of the saved window with it goes non-finite at step {check.failed_at}"
-    elif r.source == "replay" and r.kind != "training_instability":
+    elif r.source is Source.REPLAY and r.kind is not RecommendationKind.TRAINING_INSTABILITY:
         r.verified = True  # each rests on replays of the saved steps
-    elif r.kind == "gradient_drift":
+    elif r.kind is RecommendationKind.GRADIENT_DRIFT:
         r.why = "the window's drift is estimated from the recorded statistics of steps spread over the run"
 
 
@@ -533,19 +617,22 @@ def decide_bf16(trial, p, step, *, model, device, policy, loss_fn) -> Bf16Replay
 
 
 class ScaleAdvice(enum.Enum):
-    """What the replayed loss-scale window advises."""
+    """What the loss-scale window advises (replayed: `decide_scale_advice`;
+    estimated from the recorded statistics: `decide_recorded_scale`)."""
     DRIFT = "drift"                # the recorded window moves: no fixed setting (gradient_drift)
     SETTINGS = "settings"          # GradScaler settings inside the window (scaler_settings)
+    NO_WINDOW = "no_window"        # recorded only: no loss scale fits the recorded gradients (scaler_settings)
 
 
 def decide_scale_advice(sw, drift_moves: bool, scale_findings: bool, kept) -> ScaleAdvice | None:
     """None when there is no window, or the recorded scale sits inside it
     with nothing that asks about the scale."""
+    from .whatif.scale_result import ScalePosition
     if not sw.window:
         return None
     if drift_moves:
         return ScaleAdvice.DRIFT
-    if sw.recorded_position != "inside" or scale_findings or kept:
+    if sw.recorded_position is not ScalePosition.INSIDE or scale_findings or kept:
         return ScaleAdvice.SETTINGS
     return None
 
@@ -554,10 +641,10 @@ def decide_scale_advice(sw, drift_moves: bool, scale_findings: bool, kept) -> Sc
 def check_data_recommendation(c: CheckData) -> Recommendation:
     b = c.bisect
     return Recommendation(
-        "check_data", f"check the data of step {c.step}" +
+        RecommendationKind.CHECK_DATA, f"check the data of step {c.step}" +
         (f": samples {', '.join(map(str, b.bad_samples))} of the batch" if c.by_samples else ""),
         [b.message] + ([] if c.reference_finite else
-                       ["the float64 replay is non-finite too: no precision setting fixes it"]), "replay",
+                       ["the float64 replay is non-finite too: no precision setting fixes it"]), Source.REPLAY,
         data={"bad_samples": b.bad_samples, "kind": b.kind.value, "slicing": b.slicing.to_dict()})
 
 
@@ -567,7 +654,7 @@ def fix_lines(keep: KeepFp32 | None, fix, step, saved_as_recorded: bool) -> list
     if keep is not None:
         t = keep.trial
         return [f"with {', '.join(fix.fix)} in float32 step {step} replays {_state(t)}, gradient error vs "
-                f"float64 {_pct(t.grad_rel_err)} ({len(fix.trials)} trials, {fix.search} search)"
+                f"float64 {_pct(t.grad_rel_err)} ({len(fix.trials)} trials, {fix.search.value} search)"
                 + keep.substitute] + _saved_steps_lines(fix)
     if fix is not None and not saved_as_recorded:
         return [f"no set of up to {len(fix.candidates)} candidate modules kept in float32 saves step {step}"]
@@ -578,23 +665,23 @@ def keep_fp32_recommendation(k: KeepFp32) -> Recommendation:
     fix, check = k.fix, k.window_check
     partial = fix.not_saved_steps
     return Recommendation(
-        "keep_fp32", f"keep {', '.join(fix.fix)} in float32" + (
+        RecommendationKind.KEEP_FP32, f"keep {', '.join(fix.fix)} in float32" + (
             f": it saves step(s) {', '.join(map(str, fix.saved_steps))} but NOT "
             f"{', '.join(map(str, partial))} of the saved steps" if partial else ""),
         [f"step {k.step} in {k.precision} as recorded: {_state(fix.baseline)}"]
         + fix_lines(k, fix, k.step, False) + ([check.line()] if check is not None else []),
-        "replay", code=fix.patch, data={"modules": fix.fix, "trial": k.trial.to_dict(), "saved_steps": fix.saved_steps,
-                                        "not_saved_steps": partial, "window_check":
-                                        check.to_dict() if check else None},
+        Source.REPLAY, code=fix.patch,
+        data={"modules": fix.fix, "trial": k.trial.to_dict(), "saved_steps": fix.saved_steps,
+              "not_saved_steps": partial, "window_check": check.to_dict() if check else None},
         verified=True)
 
 
 def bf16_recommendation(b: Bf16Replay, step, substitute: str) -> Recommendation:
     return Recommendation(
-        "use_bf16", _bf16_action(b.outcome, step, b.window_check),
+        RecommendationKind.USE_BF16, _bf16_action(b.outcome, step, b.window_check),
         [f"bfloat16 replay of step {step} (no loss scale): {_state(b.trial)}, gradient error vs float64 "
          f"{_pct(b.trial.grad_rel_err)}" + substitute] + ([b.why] if b.why else [])
-        + ([b.window_check.line()] if b.window_check is not None else []), "replay",
+        + ([b.window_check.line()] if b.window_check is not None else []), Source.REPLAY,
         code=("torch.autocast(device_type, dtype=torch.bfloat16)" if b.avoids else None),
         data={"avoids": b.avoids, "gradients_confirmed": b.confirmed, "trial": b.trial.to_dict(),
               "window_check": b.window_check.to_dict() if b.window_check is not None else None})
@@ -605,14 +692,14 @@ def scaler_settings_recommendation(sw, step, kept, step_notes) -> Recommendation
     window = sw.window
     own = [n for n in sw.notes if n not in step_notes and not (kept and n == kept_note(kept))]
     return Recommendation(
-        "scaler_settings", f"keep the loss scale within 2^{window['min_k']}..2^{window['max_k']}",
+        RecommendationKind.SCALER_SETTINGS, f"keep the loss scale within 2^{window['min_k']}..2^{window['max_k']}",
         [f"step {step} replayed at 2^{sw.rows[0]['k']}..2^{sw.rows[-1]['k']}"
          + (f" with {', '.join(kept)} in float32" if kept else "")
          + f": usable 2^{window['min_k']}..2^{window['max_k']}; the recorded scale "
-           f"{sw.recorded_scale:g} is {sw.recorded_position}"]
+           f"{sw.recorded_scale:g} is {sw.position_words}"]
         + [line for line in (sw.edge_line(),) if line] + [c.line() for c in sw.checked_steps] + own
         + ([sw.window_check.line()] if sw.window_check is not None else []),
-        "replay", code=sw.code, data={"window": window, "settings": sw.settings,
+        Source.REPLAY, code=sw.code, data={"window": window, "settings": sw.settings,
                                       "checked_steps": [c.to_dict() for c in sw.checked_steps],
                                       "overflow_cause": _cause(sw),
                                       "window_check": sw.window_check.to_dict() if sw.window_check else None},
@@ -622,9 +709,9 @@ def scaler_settings_recommendation(sw, step, kept, step_notes) -> Recommendation
 def no_change_recommendation(step, p, baseline, window, summary) -> Recommendation:
     inside = (f"; the recorded loss scale {p.loss_scale:g} is inside the replayed window "
               f"2^{window['min_k']}..2^{window['max_k']}" if window else "")
-    return Recommendation("no_change", f"step {step} replays finite as recorded: nothing to change",
+    return Recommendation(RecommendationKind.NO_CHANGE, f"step {step} replays finite as recorded: nothing to change",
                           [f"{p.precision} as recorded: {_state(baseline)}{inside}"] +
-                          [f.message for f in summary.findings if f.kind == "healthy"], "replay",
+                          [f.message for f in summary.findings if f.kind == "healthy"], Source.REPLAY,
                           verified=True)
 
 
@@ -696,7 +783,7 @@ def _avoid_recommendation(kind: NoFp16Config, step, precision, baseline, fix, bf
         action = ("do not use mixed precision for this model as written: train it in float32 (or move the failing "
                   "code of the model's own forward into a submodule that keep_fp32 can wrap)")
         evidence = tried + [f"bfloat16: {_state(bf16) if bf16 else 'not tried'}"]
-    return Recommendation("avoid_mixed_precision", action, evidence, "replay", verified=True)
+    return Recommendation(RecommendationKind.AVOID_MIXED_PRECISION, action, evidence, Source.REPLAY, verified=True)
 
 
 def _saved_steps_lines(fix) -> list:
@@ -709,12 +796,12 @@ def _saved_steps_lines(fix) -> list:
     return out
 
 
-def bf16_verdict(trial, backward_start: str = "saved") -> tuple[bool, bool, str | None]:
+def bf16_verdict(trial, backward_start: BackwardStart = BackwardStart.SAVED) -> tuple[bool, bool, str | None]:
     """(avoids, gradients_confirmed, why) of a bfloat16 trial, judged like
     every other trial (`whatif.judge`: its `saved`), except that a verdict
     resting on the gradients (parameter gradients off float64, or a module
     broken in the backward) is not decisive when the backward started from
-    a substitute output gradient (`backward_start` "substitute_mean": the
+    a substitute output gradient (`BackwardStart.SUBSTITUTE_MEAN`: the
     saved one was NaN/Inf): a finite trial then avoids the problem, with its
     gradient accuracy unconfirmed."""
     from .whatif import NotSavedBy
@@ -725,14 +812,14 @@ def bf16_verdict(trial, backward_start: str = "saved") -> tuple[bool, bool, str 
     if by is NotSavedBy.NONFINITE:
         return False, True, None  # the trial's state says where
     on_gradients = by is NotSavedBy.PARAMS_OFF or (t.culprit or {}).get("phase") == "backward"
-    if on_gradients and backward_start == "substitute_mean":
+    if on_gradients and backward_start is BackwardStart.SUBSTITUTE_MEAN:
         return True, False, (f"not decisive: {why}, measured from a substitute output gradient (the saved one "
                              "was NaN/Inf); replay with a loss_fn to confirm")
     return False, True, why
 
 
 def _substitute(p) -> str:
-    if getattr(p, "backward_start", "saved") != "substitute_mean":
+    if getattr(p, "backward_start", BackwardStart.SAVED) is not BackwardStart.SUBSTITUTE_MEAN:
         return ""
     return " (measured from a substitute output gradient: indicative only)"
 

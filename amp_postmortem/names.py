@@ -3,6 +3,8 @@ module is shown, and the precisions, autocast policies and devices that the
 API accepts and the CLI offers as choices."""
 from __future__ import annotations
 
+import enum
+
 # The recorder names the root module "" (its name in `named_modules()`);
 # people read it as this.
 ROOT_DISPLAY = "(model)"
@@ -22,6 +24,22 @@ DEVICES = ("cpu", "cuda")
 # (a cause before its consequences); `--fail-on` takes these.
 FINDING_KINDS = ("nonfinite", "training_instability", "scale_collapse", "stuck_low_scale", "grad_underflow", "overflow_risk",
                  "underflow_lapsed", "recording_disabled", "recording_not_closed", "healthy")
+
+
+class BackwardStart(enum.Enum):
+    """Where a replay's backward starts (`engine.ReplaySession`); `value`
+    is the `--json` "backward_start"."""
+    SAVED = "saved"                        # the step's saved output gradient
+    SUBSTITUTE_MEAN = "substitute_mean"    # it was NaN/Inf: the gradient of the outputs' mean instead
+    LOSS_FN = "loss_fn"                    # the gradient of `loss_fn` at the float64 outputs
+
+
+class BackwardFrom(enum.Enum):
+    """What a replayed run's backward was seeded at (`StepCapture`); `value`
+    is the `--json` "backward_from" of a replayed loss-scale window."""
+    LOSS = "loss"                          # the model's loss output, the scale in the loss's own dtype
+    LOSS_FN = "loss_fn"                    # loss_fn's loss, scaled as GradScaler does
+    OUTPUT_GRADIENT = "output_gradient"    # the saved gradient of the outputs, times the scale
 
 
 def display_name(name) -> str:

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import whatif_runs as W
 from amp_postmortem.cli import main
-from amp_postmortem.whatif.fix import find_fix, module_expression
+from amp_postmortem.whatif.fix import FixSearch, find_fix, module_expression
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -29,7 +29,7 @@ def test_fix_names_the_planted_module(scores_fix):
     assert r.baseline.forward_finite is False and r.baseline.saved is False
     assert r.candidates[0]["name"] == "scores" and r.candidates[0]["status"] == "broken"
     assert "" not in [c["name"] for c in r.candidates]
-    assert r.fix == ["scores"] and r.search == "single"
+    assert r.fix == ["scores"] and r.search is FixSearch.SINGLE
     trial = next(t for t in r.trials if t.modules == ("scores",))
     assert trial.finite and trial.saved and trial.grad_rel_err < 0.01
     # The backward at the recorded scale 256 overflows (k is large): the
@@ -65,19 +65,19 @@ def test_greedy_search_when_no_single_module_suffices():
     r = find_fix(W.two_spikes_run(), 0, model=W.TwoSpikes)
     singles = [t for t in r.trials if len(t.modules) == 1]
     assert singles and not any(t.saved for t in singles)
-    assert r.search == "greedy" and sorted(r.fix) == ["first", "second"]
+    assert r.search is FixSearch.GREEDY and sorted(r.fix) == ["first", "second"]
     assert r.patch.splitlines()[1:] == ["keep_fp32(model.first)", "keep_fp32(model.second)"]
 
 
 def test_a_fault_in_the_models_own_forward_has_no_module_fix():
     r = find_fix(W.root_cancel_run(), 0, model=W.RootCancel)
-    assert r.fix is None and r.search == "none" and r.patch is None
+    assert r.fix is None and r.search is FixSearch.NONE and r.patch is None
     assert any("no set of up to" in line for line in r.lines())
 
 
 def test_healthy_step_needs_no_fix():
     r = find_fix(W.healthy_run(), W.HEALTHY_BUNDLE_STEP, model=W.AttnNet)
-    assert r.search == "not_needed" and r.fix is None and r.trials == []
+    assert r.search is FixSearch.NOT_NEEDED and r.fix is None and r.trials == []
 
 
 def test_module_expression_follows_containers():
@@ -139,7 +139,7 @@ def test_a_finite_step_with_a_broken_module_is_not_saved_and_the_module_is_named
     b = r.baseline
     # Finite as recorded, yet not saved: the replay's own statuses judge it.
     assert b.finite is True and b.saved is False and b.why
-    assert r.search == "single" and r.fix == ["norm"]
+    assert r.search is FixSearch.SINGLE and r.fix == ["norm"]
     kept = next(t for t in r.trials if t.modules == ("norm",))
     assert kept.saved and kept.culprit is None and kept.params_off == {}
     assert kept.grad_rel_err < b.grad_rel_err / 10

@@ -246,7 +246,7 @@ def test_an_op_in_torch_code_only_leaves_the_module_as_the_remedy(tmp_path):
 
 def test_without_an_origin_the_op_with_the_largest_own_error_is_chosen():
     from amp_postmortem.replay.op_trace import ModuleOpTrace, OpRecord, TraceStatus
-    from amp_postmortem.whatif.op_fix import chosen_op
+    from amp_postmortem.whatif.op_fix import ChosenBy, chosen_op
 
     def op(i, dtype, err):
         return OpRecord(index=i, op="aten::mul", dtype=dtype, absmax=1.0, nan=0, inf=0, inputs_finite=True,
@@ -254,5 +254,5 @@ def test_without_an_origin_the_op_with_the_largest_own_error_is_chosen():
     trace = ModuleOpTrace("m", "fp16", TraceStatus.FINITE,
                           ops=[op(0, "float16", 1e-3), op(1, "float32", 0.5), op(2, "float16", 0.2), op(3, "float16", None)])
     chosen, why = chosen_op(trace)
-    assert (chosen.index, why) == (2, "local_error")
+    assert (chosen.index, why) == (2, ChosenBy.LOCAL_ERROR)
     assert chosen_op(ModuleOpTrace("m", "fp16", TraceStatus.FINITE, ops=[op(0, "float32", 0.5)])) == (None, None)

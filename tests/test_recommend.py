@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 import whatif_runs as W
-from amp_postmortem.advice import recommend
+from amp_postmortem.advice import Source, recommend
 from amp_postmortem.cli import main
 from amp_postmortem.loader import load_run
 
@@ -27,7 +27,7 @@ def test_replayed_recommendations_for_a_module_overflow():
     w = r.get("scaler_settings").data["window"]
     assert w["max_scale"] < W.RECORDED_SCALE  # with scores in fp32 the backward needs a lower scale
     for rec in r.recommendations:
-        assert rec.evidence and rec.source == "replay"
+        assert rec.evidence and rec.source is Source.REPLAY
 
 
 def test_no_configuration_that_works_says_do_not_use_mixed_precision():
@@ -53,8 +53,8 @@ def test_recorded_statistics_alone_name_a_candidate_and_scaler_settings():
     r = recommend(load_run(W.attn_overflow_run()))
     assert not r.replayed and r.step is None
     keep = r.get("keep_fp32")
-    assert keep.source == "recorded" and keep.data["modules"] == ["scores"] and "fix" in keep.action
-    assert r.get("scaler_settings").source == "recorded"
+    assert keep.source is Source.RECORDED and keep.data["modules"] == ["scores"] and "fix" in keep.action
+    assert r.get("scaler_settings").source is Source.RECORDED
     assert any("pass --model" in n for n in r.notes)
 
 
@@ -65,6 +65,7 @@ def test_cli_recommend_and_every_whatif_command_is_documented():
     doc = json.loads(res.stdout)
     assert [x["kind"] for x in doc["recommendations"]] == ["keep_fp32", "use_bf16", "scaler_settings"]
     assert all(x["evidence"] for x in doc["recommendations"])
+    assert {x["source"] for x in doc["recommendations"]} == {"replay"}  # the enum's value: the --json string
     res = CliRunner().invoke(main, ["recommend", str(W.attn_overflow_run())])
     assert res.exit_code == 0 and "[keep_fp32] candidate: keep scores" in res.output
     for name in ("fix", "scale-window", "bisect", "compare", "recommend"):
@@ -104,10 +105,12 @@ def test_the_default_bundle_is_the_earliest_nonfinite_one_not_the_first(three_bu
 
 def test_bf16_verdict_does_not_rest_on_gradients_measured_from_a_substitute():
     from amp_postmortem.advice import bf16_verdict as verdict_of
+    from amp_postmortem.names import BackwardStart
     from amp_postmortem.whatif import Trial
 
     def bf16_verdict(t, start):
-        return verdict_of(Trial.of(t), start)   # the typed trial, read from its dict form
+        # the typed trial, read from its dict form; the start as the enum of its --json string
+        return verdict_of(Trial.of(t), BackwardStart(start))
     off = {"finite": True, "saved": False, "params_off": {"w": 3.0}, "culprit": None,
            "why": "1 parameter gradient(s) more than 0.5 off float64 (worst w: 3)"}
     assert bf16_verdict(off, "substitute_mean")[:2] == (True, False)   # finite; gradients unconfirmed
@@ -266,7 +269,7 @@ def test_recommend_claims_instability_only_when_float32_diverges_over_the_window
     assert not all(math.isfinite(v) for v in wr.train(wr.linear_net(), wr.linear_batch, lr=wr.INSTABILITY_LR,
                                                       autocast=False))
     r = api.recommend(wr.instability_run(), model="tests/window_runs.py:linear_net")
-    by = {x.kind: x for x in r.recommendations}
+    by = {x.kind.value: x for x in r.recommendations}
     assert r.kinds()[0] == "training_instability" and by["training_instability"].verified
     assert "keep_fp32" not in r.kinds()
     # bfloat16 saves the saved step, not the runaway steps after it: never verified
@@ -278,7 +281,7 @@ def test_recommend_verifies_a_precision_fix_over_the_window():
     import amp_postmortem as api
     import window_runs as wr
     r = api.recommend(wr.precision_run(), model="tests/window_runs.py:gain_net")
-    by = {x.kind: x for x in r.recommendations}
+    by = {x.kind.value: x for x in r.recommendations}
     assert "training_instability" not in by
     assert by["keep_fp32"].verified and by["keep_fp32"].data["window_check"]["status"] == "verified"
     assert any(e.startswith("verified over the saved window: with keep amp in float32") for e in by["keep_fp32"].evidence)

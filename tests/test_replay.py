@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from amp_postmortem.bundle import Bundle
+from amp_postmortem.names import BackwardStart
 from amp_postmortem.replay import ReplaySession, RunConfig, recorded_precision, replay
 from amp_postmortem.replay import attribution
 from amp_postmortem.replay.attribution import ErrorStats
@@ -485,31 +486,32 @@ def test_nonfinite_saved_gradient_starts_every_backward_from_one_documented_subs
     bundle = planted_bundle()  # square_loss of a fp16 NaN output: NaN saved gradient
     assert not all(bool(torch.isfinite(g).all()) for mb in bundle.grad_outputs for g in mb)
     session = ReplaySession(bundle, BlowupNet())
-    assert session.backward_start == "substitute_mean" and session.grad_outputs_nonfinite == 0
+    assert session.backward_start is BackwardStart.SUBSTITUTE_MEAN and session.grad_outputs_nonfinite == 0
     saved, start = bundle.grad_outputs[0][0], session.grad_outputs[0][0]
     bad = ~torch.isfinite(saved)
     assert torch.equal(start[~bad], saved[~bad]) and bool((start[bad] == 1.0 / saved.numel()).all())
     result = replay(bundle, model=BlowupNet, precisions="fp64,fp32,fp16")
-    assert result.backward_start == "substitute_mean" == result.to_dict()["backward_start"]
+    assert result.backward_start is BackwardStart.SUBSTITUTE_MEAN
+    assert result.to_dict()["backward_start"] == "substitute_mean"  # the enum's value: the --json string
     assert any("backward_start: substitute_mean" in n and "not from the step's true gradient" in n
                for n in result.notes)
     # From a finite start, float32's backward is plain float32 rounding: no artefacts.
     assert all(m["status"]["fp32"] == "ok" for m in result.modules if m["phase"] == "backward")
     assert "(backward from the substitute_mean start)" in "\n".join(result.lines())
     p = prepare(bundle, model=BlowupNet)
-    assert p.backward_start == "substitute_mean"
+    assert p.backward_start is BackwardStart.SUBSTITUTE_MEAN
     assert torch.equal(p.session.grad_outputs[0][0], start)
     # A real loss_fn replaces the substitute, and says so.
     with_loss = replay(bundle, model=BlowupNet, precisions="fp64,fp16", local=False,
                        loss_fn=lambda out, mb: square_loss(out))
-    assert with_loss.backward_start == "loss_fn"
+    assert with_loss.backward_start is BackwardStart.LOSS_FN
 
 
 def test_finite_saved_gradient_is_used_as_saved():
     torch.manual_seed(0)
     bundle = make_bundle(DropMLP(), (torch.randn(8, 32),), ce_loss)
     result = replay(bundle, model=DropMLP, precisions="fp64,fp16", local=False)
-    assert result.backward_start == "saved"
+    assert result.backward_start is BackwardStart.SAVED
     assert not any("substitute" in n for n in result.notes)
 
 

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from amp_postmortem.names import BackwardStart
 from amp_postmortem.replay import ReplaySession, RunConfig, replay, resolve_policy
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra; CI installs it
@@ -89,7 +90,7 @@ def overflow_run(tmp_path_factory):
 def test_labels_model_replays_with_one_backward_start_from_its_loss(bf16_run):
     path, trained = bf16_run
     result = replay(path, step=1, model=gpt2, precisions="fp64,bf16", local=False)
-    assert result.reproduced is True and result.backward_start == "saved"
+    assert result.reproduced is True and result.backward_start is BackwardStart.SAVED
     # The loss is found in the ModelOutput and is the training's, exactly.
     assert result.loss["bf16"] == result.loss["recorded"]
     assert result.loss["fp64"] == pytest.approx(result.loss["recorded"], rel=1e-3)
@@ -129,7 +130,7 @@ def test_attention_logit_overflow_names_the_attention_block(overflow_run):
     # Every module, attention blocks included, was replayed alone.
     assert not [m["name"] for m in result.modules if m["status"]["fp16"] == "n/a"]
     # The logits' NaN gradient is no start: the loss (gradient = the loss scale) is.
-    assert result.backward_start == "saved"
+    assert result.backward_start is BackwardStart.SAVED
     assert result.loss["fp16"] != result.loss["fp16"] and result.loss["fp64"] == pytest.approx(4.18, abs=0.01)
 
 

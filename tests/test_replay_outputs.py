@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from amp_postmortem.names import BackwardStart
 from amp_postmortem.replay import ReplaySession, RunConfig, replay, resolve_policy
 from amp_postmortem.replay.outputs import backward_roots, find_loss
 
@@ -104,7 +105,7 @@ def tuple_run(tmp_path_factory):
 def test_tuple_logits_loss_model_replays_like_the_step(tuple_run):
     path, trained = tuple_run
     result = replay(path, step=1, model=TupleLM, precisions="fp64,bf16", local=False)
-    assert result.reproduced is True and result.backward_start == "saved"
+    assert result.reproduced is True and result.backward_start is BackwardStart.SAVED
     assert result.loss["bf16"] == pytest.approx(result.loss["recorded"], rel=0, abs=0)
     assert not any("not a loss" in line for line in result.lines())
     # A model without a Hugging Face-style config saves none.

@@ -93,6 +93,20 @@ def test_attention_overflow_marks_every_skipped_and_nonfinite_loss_step(attentio
     assert attention_overflow.scale["status"] == "collapse" and attention_overflow.scale["onset_step"] == 92
 
 
+def test_a_collapse_onset_is_drawn_from_the_typed_status(attention_overflow):
+    """The onset line comes from `ScaleStatus.COLLAPSE` (gather decides it),
+    not from the dict form's status string: a healthy run draws none."""
+    import dataclasses
+
+    from amp_postmortem.report.figures import loss_and_scale
+    assert attention_overflow.collapse_onset_step == 92
+    texts = [a.text for a in loss_and_scale(attention_overflow).figure.layout.annotations]
+    assert "collapse onset, step 92" in texts
+    healthy = dataclasses.replace(attention_overflow, collapse_onset_step=None)
+    assert not any(t.startswith("collapse onset") for t in
+                   (a.text for a in loss_and_scale(healthy).figure.layout.annotations))
+
+
 def test_attention_overflow_heatmaps_hold_every_layer_in_execution_order(attention_overflow):
     fwd, bwd = attention_overflow.heatmaps
     assert (fwd.phase, bwd.phase) == ("forward", "backward")

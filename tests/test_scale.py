@@ -3,7 +3,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from amp_postmortem.analyses.scale import scale_dynamics, two_segment_breakpoint
+from amp_postmortem.analyses.scale import ScaleStatus, scale_dynamics, two_segment_breakpoint
 from amp_postmortem.loader import Run, load_run
 
 from conftest import COLLAPSE_ONSET, COLLAPSE_STEPS, TINY_SCALE, _collapse, record_run
@@ -11,7 +11,7 @@ from conftest import COLLAPSE_ONSET, COLLAPSE_STEPS, TINY_SCALE, _collapse, reco
 
 def test_collapse_with_known_onset(collapse_run):
     rep = scale_dynamics(load_run(collapse_run))
-    assert rep.status == "collapse"
+    assert rep.status is ScaleStatus.COLLAPSE
     assert abs(rep.onset_step - COLLAPSE_ONSET) <= 3
     # the first step whose scale fell (41 grew, 42 backed off): the data's onset
     assert rep.onset_step == 42
@@ -32,23 +32,24 @@ def test_json_contract(collapse_run):
     assert {"status", "onset_step", "halvings_per_kstep", "skipped_steps", "skip_rate",
             "longest_skip_streak", "final_scale", "drivers"} <= set(d)
     assert d["drivers"] == ["amp", "<loss>"]
+    assert d["status"] == "collapse"  # the enum's value: the --json string
 
 
 def test_healthy_run(healthy_run):
     rep = scale_dynamics(load_run(healthy_run))
-    assert rep.status == "healthy" and rep.onset_step is None
+    assert rep.status is ScaleStatus.HEALTHY and rep.onset_step is None
     assert rep.final_scale == 65536.0
 
 
 def test_tiny_fixed_scale_is_stuck_low(underflow_run):
     rep = scale_dynamics(load_run(underflow_run))
-    assert rep.status == "stuck_low"
+    assert rep.status is ScaleStatus.STUCK_LOW
     assert rep.final_scale == TINY_SCALE and rep.skipped_steps == 0
 
 
 def test_one_forward_overflow_is_not_a_scale_problem(overflow_run):
     rep = scale_dynamics(load_run(overflow_run))
-    assert rep.status == "healthy"
+    assert rep.status is ScaleStatus.HEALTHY
     assert rep.drivers == ["block.boom"]  # the skipped step's overflow was made in the forward
 
 
@@ -60,7 +61,7 @@ def no_scaler_run(tmp_path_factory):
 
 def test_no_scaler(no_scaler_run):
     rep = scale_dynamics(load_run(no_scaler_run))
-    assert rep.status == "no_scaler" and rep.final_scale is None and rep.drivers == []
+    assert rep.status is ScaleStatus.NO_SCALER and rep.final_scale is None and rep.drivers == []
 
 
 def _run(scales_before, scales_after, skipped, **scaler):
@@ -91,7 +92,7 @@ def _simulate(overflows, init=65536.0, interval=2000):
 
 def test_calibration_of_a_fresh_scaler_is_not_a_collapse():
     rep = scale_dynamics(_run(*_simulate([True] * 6 + [False] * 60)))
-    assert rep.status == "healthy" and rep.calibration_steps == 6 and rep.skipped_steps == 6
+    assert rep.status is ScaleStatus.HEALTHY and rep.calibration_steps == 6 and rep.skipped_steps == 6
     # The calibration's halvings are no back-offs from a scale that worked.
     assert rep.backoffs == 0 and "0 backoff(s) after 6 calibration skip(s)" in rep.reason
 
@@ -99,7 +100,7 @@ def test_calibration_of_a_fresh_scaler_is_not_a_collapse():
 def test_growth_blocked():
     before = [1024.0] * 50
     rep = scale_dynamics(_run(before, before, [False] * 50, init_scale=1024.0, growth_interval=10))
-    assert rep.status == "growth_blocked"
+    assert rep.status is ScaleStatus.GROWTH_BLOCKED
 
 
 def test_frequent_real_overflows_pin_the_scale():
@@ -108,20 +109,20 @@ def test_frequent_real_overflows_pin_the_scale():
     flags = [False, False, False, False, True, True] * 12
     rep = scale_dynamics(_run(*_simulate(flags, init=1024.0, interval=2), init_scale=1024.0,
                               growth_interval=2))
-    assert rep.status == "stuck_low" and "not growth probes" in rep.reason
+    assert rep.status is ScaleStatus.STUCK_LOW and "not growth probes" in rep.reason
 
 
 def test_growth_probes_alone_are_healthy():
     flags = [False, False, True] * 20  # every skip follows a growth (growth_interval 2)
     rep = scale_dynamics(_run(*_simulate(flags, init=1024.0, interval=2), init_scale=1024.0,
                               growth_interval=2))
-    assert rep.status == "healthy"
+    assert rep.status is ScaleStatus.HEALTHY
 
 
 def test_steady_halving_series_is_a_collapse_with_the_right_onset():
     flags = [False] * 100 + [i % 4 == 0 for i in range(100)]
     rep = scale_dynamics(_run(*_simulate(flags, init=2.0 ** 15), init_scale=2.0 ** 15))
-    assert rep.status == "collapse"
+    assert rep.status is ScaleStatus.COLLAPSE
     assert abs(rep.onset_step - 100) <= 3
     assert rep.halvings_per_kstep == pytest.approx(250.0)
     assert rep.skip_rate_before_onset == 0.0
@@ -140,7 +141,7 @@ def test_collapse_at_the_end_of_a_long_sawtooth():
         after.append(scale)
     skipped = [a < b for a, b in zip(after, before)]
     rep = scale_dynamics(_run(before, after, skipped, init_scale=2.0 ** 16, growth_interval=100))
-    assert rep.status == "collapse" and 998 <= rep.onset_step <= 1001
+    assert rep.status is ScaleStatus.COLLAPSE and 998 <= rep.onset_step <= 1001
     assert rep.longest_skip_streak == 11 and rep.longest_skip_streak_start == 999  # 999 is a sawtooth backoff
 
 
@@ -164,7 +165,7 @@ def collapse_past_underflow_run(tmp_path_factory):
 def test_a_crossed_underflow_level_is_reported_where_it_was_crossed(collapse_past_underflow_run):
     run = load_run(collapse_past_underflow_run)
     rep = scale_dynamics(run)
-    assert rep.status == "collapse" and rep.final_scale < rep.underflow_scale
+    assert rep.status is ScaleStatus.COLLAPSE and rep.final_scale < rep.underflow_scale
     # already below: the step since which it is, not a "projection" at the last step
     assert rep.projected_underflow_step is None
     assert rep.underflow_reached_step == 100
@@ -228,7 +229,7 @@ def test_the_collapse_onset_is_the_first_planted_halving(tmp_path, one_torch_thr
     scale_before = run.steps.set_index("step")["loss_scale_before"]
     assert all(scale_after[s] == scale_before[s] / 2 for s in bad_steps)   # each plant took
     rep = scale_dynamics(run)
-    assert rep.status == "collapse" and rep.calibration_steps == calibration
+    assert rep.status is ScaleStatus.COLLAPSE and rep.calibration_steps == calibration
     assert rep.onset_step == onset
     assert f"since step {onset} " in rep.reason
     before = [s for s in range(calibration, onset)]

@@ -15,6 +15,8 @@ import whatif_runs as W
 from amp_postmortem.bundle import load_bundle
 from amp_postmortem.cli import main
 from amp_postmortem.loader import load_run
+from amp_postmortem.names import BackwardFrom
+from amp_postmortem.whatif.scale_result import ScalePosition, WindowMethod
 from amp_postmortem.whatif.scale_window import (MAX_UNDERFLOW, estimate_scale_window, replay_scale_window,
                                                 scaler_settings)
 from recorders.schema import FP16_MIN_NORMAL
@@ -75,7 +77,7 @@ def test_window_holds_the_scales_that_work_and_excludes_those_that_fail(replayed
     assert not overflow and underflow > MAX_UNDERFLOW
     rows = {r["k"]: r for r in replayed.rows}
     assert rows[w["max_k"] + 1]["overflow"] and not rows[w["min_k"] - 1]["usable"]
-    assert rows[8]["recorded"] and replayed.recorded_position == "inside"
+    assert rows[8]["recorded"] and replayed.recorded_position is ScalePosition.INSIDE
 
 
 def test_replayed_underflow_share_matches_the_direct_check(replayed):
@@ -98,8 +100,9 @@ def test_settings_stay_inside_the_window(replayed):
 def test_estimate_from_recorded_statistics_alone(replayed):
     est = estimate_scale_window(load_run(W.healthy_run()), W.HEALTHY_BUNDLE_STEP)
     w, r = est.window, replayed.window
-    assert est.method == "estimate" and est.recorded_scale == W.RECORDED_SCALE
-    assert est.recorded_position == "inside"
+    assert est.method is WindowMethod.ESTIMATE and est.recorded_scale == W.RECORDED_SCALE
+    assert est.recorded_position is ScalePosition.INSIDE
+    assert est.to_dict()["recorded_position"] == "inside"  # the enum's value: the --json string
     # The overflow edge from output-gradient absmax is an upper bound; the
     # underflow edge from the fitted distribution lands within 2 bits.
     assert w["max_k"] >= r["max_k"] and abs(w["min_k"] - r["min_k"]) <= 2
@@ -113,7 +116,7 @@ def test_a_nonfinite_forward_has_no_window_until_the_module_is_kept_in_fp32():
     assert bad.window is None and not any(r["forward_finite"] for r in bad.rows)
     assert "forward pass is non-finite at every scale" in bad.notes[0]
     kept = replay_scale_window(W.attn_overflow_run(), 0, model=W.AttnNet, scales=(-2, 4), fp32_modules=("scores",))
-    assert kept.window is not None and kept.recorded_position == "above"
+    assert kept.window is not None and kept.recorded_position is ScalePosition.ABOVE
 
 
 def test_cli_scale_window():
@@ -145,7 +148,7 @@ def test_estimate_from_flushed_gradients_raises_the_scale_above_the_tiny_recorde
     est = estimate_scale_window(load_run(underflow_run))
     assert est.recorded_scale == 2.0 ** -10
     assert est.window is not None and est.window["min_k"] > -10
-    assert est.recorded_position == "below"
+    assert est.recorded_position is ScalePosition.BELOW
 
 
 # ------------------------------------------------ verified against replays
@@ -317,7 +320,7 @@ def test_the_replayed_window_starts_from_the_loss_and_stops_below_2_16(case):
         "loss_inside": (L.half_loss_inside_run(), L.loss_net, None, "loss")}[case]
     report = api.scale_window(run, step=L.BUNDLE_STEPS[0], model=model, loss_fn=loss_fn, scales=(10, 20))
     sw = report.replay
-    assert sw.backward_from == start and sw.loss_dtype == "float16"
+    assert sw.backward_from is BackwardFrom(start) and sw.loss_dtype == "float16"
     assert sw.window["max_k"] == FP16_LOSS_TOP and sw.overflow_cause.value == "loss_dtype"
     rows = {r["k"]: r for r in sw.rows}
     assert rows[16]["overflow"] and rows[16]["loss_overflow"] and not rows[15]["loss_overflow"]
@@ -329,7 +332,7 @@ def test_the_replayed_window_starts_from_the_loss_and_stops_below_2_16(case):
 def test_a_replay_from_the_output_gradient_alone_says_the_loss_is_not_checked():
     import loss_dtype_runs as L
     sw = replay_scale_window(L.half_loss_run(), L.BUNDLE_STEPS[0], model=L.net, scales=(10, 20))
-    assert sw.backward_from == "output_gradient" and sw.loss_dtype is None
+    assert sw.backward_from is BackwardFrom.OUTPUT_GRADIENT and sw.loss_dtype is None
     assert sw.window["max_k"] > FP16_LOSS_TOP  # what the replay alone cannot see
     assert any("loss's dtype is unknown" in n and "--loss-fn" in n for n in sw.notes)
 
@@ -339,5 +342,5 @@ def test_a_float32_loss_replayed_from_loss_fn_is_not_capped():
     import loss_dtype_runs as L
     sw = api.scale_window(L.float_loss_run(), step=L.BUNDLE_STEPS[0], model=L.net, loss_fn=L.float_loss,
                           scales=(10, 20)).replay
-    assert sw.backward_from == "loss_fn" and sw.loss_dtype == "float32"
+    assert sw.backward_from is BackwardFrom.LOSS_FN and sw.loss_dtype == "float32"
     assert sw.window["max_k"] > FP16_LOSS_TOP and not any(r["loss_overflow"] for r in sw.rows)

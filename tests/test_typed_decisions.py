@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import amp_postmortem
 from amp_postmortem import whatif
+from amp_postmortem.names import BackwardFrom, BackwardStart
 from amp_postmortem.whatif import fix as fix_mod
 
 _TEXT_TESTS = {"startswith", "endswith", "find", "index", "count"}
@@ -111,6 +112,125 @@ def test_bisect_kinds_are_compared_as_the_enum():
     assert found == []
 
 
+def _constants(node) -> list:
+    """The string constants a comparison side is or holds (`x in ("a", "b")`)."""
+    if isinstance(node, ast.Constant):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant)]
+    return []
+
+
+def _is_field(node, name: str) -> bool:
+    """`x.name`, a variable `name`, `getattr(x, "name", ...)`, or a dict
+    form's `d["name"]` / `d.get("name")`."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == name
+    if isinstance(node, ast.Name):
+        return node.id == name
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+        return node.args[1].value == name
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == name
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+            and bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value == name)
+
+
+def _string_compares(tree, name: str, values) -> list[int]:
+    """Lines of the comparisons of a field `name` with one of `values`
+    spelled as a string literal."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_is_field(x, name) for x in sides) and any(v in values for x in sides for v in _constants(x)):
+                found.append(node.lineno)
+    return found
+
+
+def _package_modules():
+    return sorted(Path(amp_postmortem.__file__).parent.rglob("*.py"))
+
+
+def test_the_string_compare_check_finds_what_it_guards():
+    tree = ast.parse("a = r.status == 'collapse'\nb = s.kind in ('keep_fp32', 'x')\nc = d.get('status') != 'healthy'\n"
+                     "ok = r.status is S.COLLAPSE\nok2 = m.get('status') == 'closed'\nd = status == 'healthy'\n"
+                     "e = getattr(p, 'status', 'x') != 'collapse'\n")
+    assert _string_compares(tree, "status", {"collapse", "healthy"}) == [1, 3, 6, 7]
+    assert _string_compares(tree, "kind", {"keep_fp32"}) == [2]
+
+
+def test_scale_status_is_compared_as_the_enum():
+    """`ScaleReport.status` is a `ScaleStatus`: nothing in the package
+    compares a status (or a scale report's dict form) with its JSON string."""
+    from amp_postmortem.analyses.scale import ScaleStatus
+    values = {s.value for s in ScaleStatus}
+    found = [f"{p.name}:{line}" for p in _package_modules()
+             for line in _string_compares(ast.parse(p.read_text(), str(p)), "status", values)]
+    assert found == []
+
+
+def _typed_fields():
+    """(field, its enum) of the decision modules' typed outcomes."""
+    from amp_postmortem.advice import RecommendationKind, Source
+    from amp_postmortem.whatif.fix import FixSearch
+    from amp_postmortem.whatif.op_fix import ChosenBy
+    from amp_postmortem.whatif.scale_result import ScalePosition, WindowMethod
+    return [("kind", RecommendationKind), ("recorded_position", ScalePosition), ("source", Source),
+            ("search", FixSearch), ("chosen_by", ChosenBy), ("method", WindowMethod)]
+
+
+def test_recommendation_kinds_and_the_what_ifs_outcomes_are_compared_as_enums():
+    """`Recommendation.kind` is a `RecommendationKind` (its `source` a
+    `Source`), a window's `recorded_position` a `ScalePosition` (its
+    `method` a `WindowMethod`), fix's `search` a `FixSearch`, an op fix's
+    `chosen_by` a `ChosenBy`, a replay's `backward_start` a
+    `BackwardStart` and its `backward_from` a `BackwardFrom` (anywhere in
+    the package): no comparison with their JSON strings in the
+    decision modules (recommend and the what-ifs), nor, for the
+    recommendation kinds no finding shares (a finding's kind is its own
+    string), anywhere in the package."""
+    from amp_postmortem.advice import RecommendationKind
+    from amp_postmortem.names import FINDING_KINDS
+    found = []
+    for path in _package_modules():
+        tree = ast.parse(path.read_text(), str(path))
+        if path in _decision_modules():
+            for name, typed in _typed_fields():
+                found += [f"{path.name}:{line} {name}" for line in
+                          _string_compares(tree, name, {v.value for v in typed})]
+        else:
+            only_ours = {k.value for k in RecommendationKind} - set(FINDING_KINDS)
+            found += [f"{path.name}:{line} kind" for line in _string_compares(tree, "kind", only_ours)]
+        # A replay's backward start and seed are decided on in the replay layer too.
+        found += [f"{path.name}:{line} backward_start" for line in
+                  _string_compares(tree, "backward_start", {v.value for v in BackwardStart})]
+        found += [f"{path.name}:{line} backward_from" for line in
+                  _string_compares(tree, "backward_from", {v.value for v in BackwardFrom})]
+    assert found == []
+
+
+def test_the_enums_keep_their_json_strings():
+    """The `--json` values are a contract: the enums' values are the
+    strings the fields held before they were typed."""
+    from amp_postmortem.advice import ORDER, RecommendationKind
+    from amp_postmortem.analyses.scale import ScaleStatus
+    from amp_postmortem.whatif.scale_result import ScalePosition
+    assert {s.value for s in ScaleStatus} == {"no_scaler", "collapse", "stuck_low", "growth_blocked", "healthy"}
+    assert [k.value for k in ORDER] == ["check_data", "training_instability", "keep_fp32", "gradient_drift",
+                                        "use_bf16", "scaler_settings", "avoid_mixed_precision", "no_change"]
+    assert tuple(RecommendationKind) == ORDER
+    assert {p.value for p in ScalePosition} == {"inside", "above", "below"}
+    fields = dict(_typed_fields())
+    assert {v.value for v in fields["source"]} == {"replay", "recorded"}
+    assert {v.value for v in fields["search"]} == {"not_needed", "single", "greedy", "none"}
+    assert {v.value for v in fields["chosen_by"]} == {"origin", "local_error"}
+    assert {v.value for v in fields["method"]} == {"replay", "estimate"}
+    assert {v.value for v in BackwardStart} == {"saved", "substitute_mean", "loss_fn"}
+    assert {v.value for v in BackwardFrom} == {"loss", "loss_fn", "output_gradient"}
+
+
 def test_a_typed_trial_renders_the_dict_it_replaced():
     """`Trial.to_dict` is the `--json` form: the keys (and values) of the
     dict `Prepared.trial` returned before it was typed."""
@@ -128,7 +248,7 @@ def test_a_typed_trial_renders_the_dict_it_replaced():
 class _Stub:
     """A prepared step whose float64 run is non-finite and whose note says
     so in other words; replaying it is an error (nothing should)."""
-    step, rank, precision, loss_scale, backward_start = 0, 0, "fp16", 256.0, "saved"
+    step, rank, precision, loss_scale, backward_start = 0, 0, "fp16", 256.0, BackwardStart.SAVED
     bundle = SimpleNamespace(step=0, rank=0, path="/nonexistent/bundle")
 
     def __init__(self, reference_finite: bool):
@@ -152,7 +272,7 @@ class _Stub:
 
 def test_fix_stops_on_the_typed_reference_status_whatever_the_note_says():
     r = fix_mod.find_fix(None, prepared=_Stub(reference_finite=False))
-    assert r.search == "none" and r.fix is None and r.trials == []
+    assert r.search is fix_mod.FixSearch.NONE and r.fix is None and r.trials == []
     assert r.notes == ["REWORDED: float64 itself went NaN"]  # the words pass through untouched
 
 
@@ -234,3 +354,24 @@ def test_recommend_decides_check_data_from_the_typed_status_when_the_note_is_rew
     assert "the float64 replay is non-finite too: no precision setting fixes it" in r.get("check_data").evidence
     assert "REWORDED: float64 overflowed as well" in r.notes   # the words pass through untouched
     assert "keep_fp32" not in r.kinds() and "avoid_mixed_precision" not in r.kinds()
+
+
+def test_recommend_decides_the_recorded_origin_as_an_enum():
+    """The recorded branch decides where the forward overflow was born
+    (`recorded_origin`) before any words are made; its words come from
+    the `recorded_*_recommendation` functions."""
+    from amp_postmortem.advice import (RecommendationKind, RecordedOrigin, Source, recorded_check_data_recommendation,
+                                       recorded_keep_fp32_recommendation, recorded_origin)
+
+    def fwd(layer):
+        return SimpleNamespace(layer=layer, step=7, message="m")
+    assert recorded_origin(None) is None
+    assert recorded_origin(fwd("<input>")) is RecordedOrigin.INPUT
+    assert recorded_origin(fwd("blocks.0.attn")) is RecordedOrigin.MODULE
+    assert recorded_origin(fwd("<loss>")) is RecordedOrigin.OTHER
+    assert recorded_origin(fwd(None)) is RecordedOrigin.OTHER
+    check = recorded_check_data_recommendation(fwd("<input>"))
+    assert (check.kind, check.source, check.data) == (RecommendationKind.CHECK_DATA, Source.RECORDED, {"step": 7})
+    keep = recorded_keep_fp32_recommendation(fwd("blocks.0.attn"), "RUN")
+    assert keep.to_dict()["kind"] == "keep_fp32" and keep.to_dict()["source"] == "recorded"
+    assert keep.data == {"modules": ["blocks.0.attn"], "step": 7} and "--step 7" in keep.action

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 
 import numpy as np
 import pandas as pd
@@ -81,9 +82,19 @@ MAX_DRIVER_STEPS = 500        # most recent skipped steps read for drivers
 MAX_THEILSEN_POINTS = 2000    # Theil-Sen is O(n^2): subsample evenly above this
 
 
+class ScaleStatus(Enum):
+    """The loss scale's status (the module's doc, step 4); `value` is the
+    `--json` "status"."""
+    NO_SCALER = "no_scaler"
+    COLLAPSE = "collapse"
+    STUCK_LOW = "stuck_low"
+    GROWTH_BLOCKED = "growth_blocked"
+    HEALTHY = "healthy"
+
+
 @dataclass
 class ScaleReport:
-    status: str
+    status: ScaleStatus
     reason: str
     onset_step: int | None
     halvings_per_kstep: float | None
@@ -113,7 +124,7 @@ class ScaleReport:
     driver_steps: dict = field(default_factory=dict)  # layer -> number of skipped steps it drove
 
     def to_dict(self) -> dict:
-        return plain(asdict(self))
+        return plain(dict(asdict(self), status=self.status.value))
 
     # Readable at the prompt and in Jupyter (display.py).
     __repr__ = report_repr
@@ -128,7 +139,7 @@ class ScaleReport:
         return pd.DataFrame({"field": list(d), "value": ["-" if v is None else v for v in d.values()]})
 
     def lines(self) -> list[str]:
-        return [f"loss scale: {self.status.upper()}: {self.reason}"]
+        return [f"loss scale: {self.status.value.upper()}: {self.reason}"]
 
 
 def scale_dynamics(run: Run) -> ScaleReport:
@@ -143,7 +154,7 @@ def scale_dynamics(run: Run) -> ScaleReport:
                 last_step=int(series["step"].iloc[-1]) if n else None)
     if run.scaler is None or n == 0 or series["loss_scale"].isna().all():
         why = "no enabled GradScaler recorded" if run.scaler is None or n == 0 else "no loss scale recorded"
-        return ScaleReport(status="no_scaler", reason=why, onset_step=None, halvings_per_kstep=None,
+        return ScaleReport(status=ScaleStatus.NO_SCALER, reason=why, onset_step=None, halvings_per_kstep=None,
                            final_scale=None, drivers=[], **base)
 
     series = series[series["loss_scale"].notna()].reset_index(drop=True)
@@ -159,7 +170,7 @@ def scale_dynamics(run: Run) -> ScaleReport:
         while calib < len(skipped) and skipped[calib]:
             calib += 1
 
-    report = ScaleReport(status="healthy", reason="", onset_step=None, halvings_per_kstep=None,
+    report = ScaleReport(status=ScaleStatus.HEALTHY, reason="", onset_step=None, halvings_per_kstep=None,
                          final_scale=float(after[-1]), drivers=[], initial_scale=float(before[0]),
                          min_scale=float(after.min()), max_scale=float(after.max()),
                          growths=int(grew.sum()), backoffs=int(shrank[calib:].sum()), calibration_steps=calib,
@@ -168,7 +179,7 @@ def scale_dynamics(run: Run) -> ScaleReport:
     m = len(x)
     if m == 0:
         report.reason = "every recorded step was skipped while the scaler calibrated"
-        report.status = "stuck_low"
+        report.status = ScaleStatus.STUCK_LOW
         return report
 
     # Trend after calibration as a whole (reported when there is no collapse).
@@ -189,7 +200,7 @@ def scale_dynamics(run: Run) -> ScaleReport:
         k = _first_fall(shrank[calib:], k, grew[calib:])
         onset = int(x[k])
         seg_skips = skipped[calib:]
-        report.status = "collapse"
+        report.status = ScaleStatus.COLLAPSE
         report.onset_step = onset
         report.halvings_per_kstep = -slope * 1000
         report.halvings_per_kstep_ci = [-hi * 1000, -lo * 1000]
@@ -210,15 +221,15 @@ def scale_dynamics(run: Run) -> ScaleReport:
         clean_streak = _longest_streak(~skipped[calib:], x)[0]
         interval = (run.scaler or {}).get("growth_interval")
         if median_late <= LOW_SCALE:
-            report.status = "stuck_low"
+            report.status = ScaleStatus.STUCK_LOW
             report.reason = (f"the scale sits at {median_late:.3g} (<= {LOW_SCALE:g}) in the last half "
                              f"of the run: it amplifies nothing, small gradients underflow")
         elif real_skips >= STUCK_SKIP_RATE and n_real >= STUCK_MIN_SKIPS:
-            report.status = "stuck_low"
+            report.status = ScaleStatus.STUCK_LOW
             report.reason = (f"{real_skips:.1%} of the late steps skip on overflows that are not growth "
                              f"probes; the scale is pinned at about {median_late:.3g}")
         elif report.growths == 0 and interval and clean_streak >= int(interval):
-            report.status = "growth_blocked"
+            report.status = ScaleStatus.GROWTH_BLOCKED
             report.reason = (f"the scale never grew although {clean_streak} consecutive steps were clean "
                              f"(growth_interval {interval})")
         else:

@@ -45,7 +45,7 @@ from .instability import find_instability
 from .precision_verdict import Verdict, undetermined
 from .nans import find_nans
 from .ranges import DTYPE_LIMITS, WINDOW, lapsed_words, layer_ranges, recent_words, sampled_values
-from .scale import scale_dynamics, underflow_phrase
+from .scale import ScaleStatus, scale_dynamics, underflow_phrase
 from ..display import report_html, report_repr
 from ..op_words import run_op_origin_line
 
@@ -177,7 +177,7 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
     findings: list[Finding] = [f for f in found if f is not None]
     if all(f.severity == "info" for f in findings):  # a lapsed underflow is no ailment
         findings.append(Finding("healthy", "info", run.last_step, None, _healthy_words(scale),
-                                f"amp-postmortem ranges {target}", {"scale_status": scale.status}))
+                                f"amp-postmortem ranges {target}", {"scale_status": scale.status.value}))
 
     # Most severe first; among equals the cause before its consequences
     # (a NaN forward before the backoffs it triggers), then by step.
@@ -206,7 +206,7 @@ def _nonfinite_finding(nans, applied_bad: list, target: str) -> Finding | None:
 
 
 def _scale_finding(scale, target: str) -> Finding | None:
-    if scale.status == "collapse":
+    if scale.status is ScaleStatus.COLLAPSE:
         return Finding(
             "scale_collapse", "critical", scale.onset_step, scale.drivers[0] if scale.drivers else None,
             _collapse_words(scale), f"amp-postmortem scale {target}",
@@ -214,11 +214,11 @@ def _scale_finding(scale, target: str) -> Finding | None:
                                              "skip_rate_before_onset", "skip_rate_after_onset",
                                              "underflow_scale", "projected_underflow_step",
                                              "underflow_reached_step", "drivers")})
-    if scale.status in ("stuck_low", "growth_blocked"):
+    if scale.status in (ScaleStatus.STUCK_LOW, ScaleStatus.GROWTH_BLOCKED):
         return Finding(
             "stuck_low_scale", "error", scale.last_step, scale.drivers[0] if scale.drivers else None,
-            f"loss scale {scale.status.replace('_', ' ')}: {scale.reason}", f"amp-postmortem scale {target}",
-            {"status": scale.status, "final_scale": scale.final_scale, "skip_rate": scale.skip_rate,
+            f"loss scale {scale.status.value.replace('_', ' ')}: {scale.reason}", f"amp-postmortem scale {target}",
+            {"status": scale.status.value, "final_scale": scale.final_scale, "skip_rate": scale.skip_rate,
              "longest_skip_streak": scale.longest_skip_streak})
     return None
 
@@ -339,7 +339,7 @@ def _not_closed_words(unclosed: list, last) -> str:
 
 
 def _healthy_words(scale) -> str:
-    return (f"no non-finite forward, loss scale {scale.status} ({scale.reason}), no layer near float16 "
+    return (f"no non-finite forward, loss scale {scale.status.value} ({scale.reason}), no layer near float16 "
             f"overflow or underflow")
 
 
@@ -491,7 +491,7 @@ def _facts(run: Run, nans, scale, skipped) -> dict:
         "ranks": run.ranks, "world_size": run.world_size,
         "device_type": m.get("device_type"), "device_name": m.get("device_name"),
         "model_class": m.get("model_class"), "autocast": run.autocast, "dtype": run.autocast.get("dtype"),
-        "scaler": run.scaler, "scale_status": scale.status, "final_scale": scale.final_scale,
+        "scaler": run.scaler, "scale_status": scale.status.value, "final_scale": scale.final_scale,
         "skipped_steps": len(skipped), "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
         "warnings": list(run.warnings),
     }

@@ -23,7 +23,7 @@ import torch
 from recorders import schema
 
 from ..errors import BundleError, DeviceError, ModelSpecError, PolicyError, PrecisionError
-from ..names import ROOT_DISPLAY
+from ..names import ROOT_DISPLAY, BackwardStart
 from . import attribution, fidelity, op_trace
 from .engine import (DTYPES, POLICY_MODES, PRECISION_OF_DTYPE, PRECISIONS, ReplaySession, RunConfig,
                      StepCapture, preserved_rng)
@@ -55,7 +55,7 @@ class ReplayResult:
     notes: list = field(default_factory=list)
     errors: dict = field(default_factory=dict)  # precision -> the error a run raised
     thresholds: dict = field(default_factory=lambda: dict(attribution.THRESHOLDS))
-    backward_start: str = "saved"   # "saved" | "substitute_mean" | "loss_fn" (engine.start_backward)
+    backward_start: BackwardStart = BackwardStart.SAVED   # engine.start_backward
     op_trace: list = field(default_factory=list)  # op_trace.ModuleOpTrace.to_dict() per traced module
     op_origin: dict | None = None   # the culprit's first op made non-finite from finite inputs, or None
     # Whether every module's float64 output is finite: decisions read this,
@@ -75,7 +75,7 @@ class ReplayResult:
             "culprits": self.culprits, "first_propagated": self.first_propagated,
             "modules": self.modules, "ranking": self.ranking, "loss": self.loss,
             "param_grads": self.param_grads, "anomaly": self.anomaly, "notes": self.notes,
-            "errors": self.errors, "thresholds": self.thresholds, "backward_start": self.backward_start,
+            "errors": self.errors, "thresholds": self.thresholds, "backward_start": self.backward_start.value,
             "op_origin": self.op_origin, "op_trace": self.op_trace,
             "reference_nonfinite": self.reference_nonfinite,
         }
@@ -127,7 +127,8 @@ class ReplayResult:
                     nonfinite[prec] = nonfinite.get(prec, 0) + 1
         flagged = [f"{n} ({', '.join(p for p in g['flagged'] if not g['nonfinite'].get(p))})"
                    for n, g in grads.items() if any(not g["nonfinite"].get(p) for p in g["flagged"])]
-        stand_in = "" if self.backward_start == "saved" else f" (backward from the {self.backward_start} start)"
+        stand_in = ("" if self.backward_start is BackwardStart.SAVED else
+                    f" (backward from the {self.backward_start.value} start)")
         line = f"parameter gradients > 10% off float64{stand_in}: " + (", ".join(flagged) if flagged else "none")
         line += "".join(f"; NaN/Inf in {prec}: {n} of {len(grads)} parameters" for prec, n in nonfinite.items())
         return line
@@ -252,7 +253,7 @@ def _replay(bundle, run_dir, precisions, *, model, device, policy, anomaly, loca
         fid = {"reproduced": None, "basis": f"recorded precision {primary} not replayed"}
     else:
         fid = fidelity.check(runs[primary] if primary != "fp64" else reference, bundle, run_dir,
-                             backward=session.backward_start == "saved")
+                             backward=session.backward_start is BackwardStart.SAVED)
     if fid["reproduced"] is False:
         notes.insert(0, f"the replay did NOT reproduce step {bundle.step} ({fid['basis']}): the diagnosis "
                         "below describes the replay, not necessarily what happened in training")

@@ -19,6 +19,8 @@ import torch
 
 from recorders.stats import iter_tensors
 
+from ..names import BackwardFrom
+
 _FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -139,11 +141,9 @@ class StepCapture:
     param_grads: dict = field(default_factory=dict)  # name -> gradient divided by the loss scale (float64)
     error: str | None = None                          # the run raised (reduced precisions only)
     anomaly: dict | None = None
-    # Where the backward started: "loss" (the model's loss output, seeded
-    # with the scale in its dtype), "loss_fn" (loss_fn's loss, scaled as
-    # GradScaler does) or "output_gradient" (the saved gradient of the
-    # outputs, times the scale); `loss_dtype` the started-from loss's dtype.
-    backward_from: str | None = None
+    # Where the backward started (None: no backward ran); `loss_dtype` the
+    # started-from loss's dtype.
+    backward_from: BackwardFrom | None = None
     loss_dtype: str | None = None
 
     @property

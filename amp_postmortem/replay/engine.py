@@ -41,6 +41,7 @@ import torch
 from recorders.stats import iter_tensors
 
 from ..errors import ModelSpecError, PostmortemError
+from ..names import BackwardFrom, BackwardStart
 from .capture import (AnomalyCatcher, BackwardWatch, CallRecorder, ModuleCall, StepCapture, is_floating, map_tensors,
                       round_to, stateful_copy)
 from .fp32_lines import float32_lines
@@ -107,10 +108,10 @@ class ReplaySession:
         # Where every backward starts: d(loss)/d(outputs), unscaled, per micro-batch.
         self.grad_outputs = list(bundle.grad_outputs)
         self.saved_grad_nonfinite = self.grad_outputs_nonfinite and self._nonfinite_at_roots()
-        self.backward_start = "saved"
+        self.backward_start = BackwardStart.SAVED
         if self.saved_grad_nonfinite:
             self.grad_outputs = substitute_mean(self.grad_outputs)
-            self.backward_start = "substitute_mean"
+            self.backward_start = BackwardStart.SUBSTITUTE_MEAN
 
     @property
     def grad_outputs_nonfinite(self) -> int:
@@ -187,7 +188,7 @@ class ReplaySession:
                     got = torch.autograd.grad(loss, outs, allow_unused=True)
                 grads.append([None if g is None else g.detach() for g in got])
         self.grad_outputs = grads
-        self.backward_start = "loss_fn"
+        self.backward_start = BackwardStart.LOSS_FN
 
     @property
     def batch_statistics_modules(self) -> tuple:
@@ -294,7 +295,7 @@ class ReplaySession:
                             with autocast_for(config), float32_lines(config.fp32_lines,
                                                                      autocast_device_types(config)):
                                 loss = loss_fn(output, mb)
-                            result.backward_from, result.loss_dtype = "loss_fn", _dtype_name(loss)
+                            result.backward_from, result.loss_dtype = BackwardFrom.LOSS_FN, _dtype_name(loss)
                             _backward_from_loss(loss, config)
                         else:
                             result.backward_from, result.loss_dtype = _backward(outs, grads, config,
@@ -522,5 +523,5 @@ def _backward(outs, grads, config: RunConfig, loss=None):
     # A loss output among the seeds: its seed is the scale in the loss's own
     # dtype, as the scaled loss's backward hands it in training.
     if loss is not None and any(t is loss for t, _ in pairs):
-        return "loss", _dtype_name(loss)
-    return "output_gradient", None
+        return BackwardFrom.LOSS, _dtype_name(loss)
+    return BackwardFrom.OUTPUT_GRADIENT, None

@@ -126,6 +126,8 @@ class ReportData:
     # first step whose forward pass turned non-finite (a failure, never one).
     calibration_steps: list = field(default_factory=list)
     first_nonfinite_forward_step: int | None = None
+    # The onset of a loss-scale collapse (`ScaleStatus.COLLAPSE`), else None.
+    collapse_onset_step: int | None = None
 
 
 # ------------------------------------------------------------------ gather
@@ -133,7 +135,7 @@ def gather(run: Run) -> ReportData:
     """Everything the report shows about `run`."""
     # The analyses, through as few call sites as possible.
     from ..analyses.nans import calibration_steps, find_nans
-    from ..analyses.scale import scale_dynamics
+    from ..analyses.scale import ScaleStatus, scale_dynamics
     from ..analyses.summary import summarize
 
     summary = summarize(run)
@@ -154,7 +156,8 @@ def gather(run: Run) -> ReportData:
         scale=scale.to_dict(), first_nonfinite_step=nd["first_nonfinite_step"],
         first_nonfinite_loss_step=nd["first_nonfinite_loss_step"], warnings=list(run.warnings),
         calibration_steps=sorted(calibration_steps(run)),
-        first_nonfinite_forward_step=nans.origins["forward"].step if nans.origins.get("forward") else None)
+        first_nonfinite_forward_step=nans.origins["forward"].step if nans.origins.get("forward") else None,
+        collapse_onset_step=scale.onset_step if scale.status is ScaleStatus.COLLAPSE else None)
 
 
 def step_series(run: Run, *, buckets: int = MAX_LINE_BUCKETS) -> StepSeries:

@@ -88,8 +88,8 @@ def loss_and_scale(data: ReportData) -> Plot:
                                                               "color": COLORS["skipped"]}))
         points += len(s.skipped.steps)
     shapes, notes = [], []
-    onset = data.scale.get("onset_step")
-    if data.scale.get("status") == "collapse" and onset is not None:
+    onset = data.collapse_onset_step
+    if onset is not None:
         _vline(shapes, notes, onset, f"collapse onset, step {onset}", COLORS["onset"], 1.0)
     first = data.first_nonfinite_step
     if first is not None and first in data.calibration_steps:

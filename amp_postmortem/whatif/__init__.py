@@ -22,7 +22,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from ..names import ROOT_DISPLAY
+from ..names import ROOT_DISPLAY, BackwardStart
 
 # A replay "saves" the step (`judge`) when it is finite end to end, no
 # parameter gradient (one with a real gradient) is further from float64 than
@@ -138,7 +138,7 @@ class Prepared:
     config: object              # replay.RunConfig of that precision, as recorded
     reference: object           # float64 StepCapture (inputs kept when asked)
     notes: list = field(default_factory=list)
-    backward_start: str = "saved"  # engine.ReplaySession.start_backward
+    backward_start: BackwardStart = BackwardStart.SAVED  # engine.ReplaySession.start_backward
     # Whether the float64 run's outputs are finite: where it is not, no
     # precision setting repairs the step (fix, recommend decide on this,
     # never on the note that says it).

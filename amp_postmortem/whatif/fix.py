@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from recorders.plain import plain
+from ..names import BackwardStart
 from ..names import display_name as _display
 from . import NotSavedBy, Trial, fmt_num, prepare, report_progress
 from .op_fix import OpFixStatus, find_op_fix, work_cost, work_words
@@ -61,6 +62,15 @@ MAX_SET = 4
 _STATUS_RANK = {"broken": 0, "degraded": 1, "ok": 2}
 TRIAL_COLUMNS = ["modules", "local_rel_err", "forward_finite", "backward_finite", "loss_scale",
                  "nonfinite_values", "loss_rel_err", "output_rel_err", "grad_rel_err", "saved", "not_saved_by"]
+
+
+class FixSearch(enum.Enum):
+    """How the fix was searched for (the module's doc); `value` is the
+    `--json` "search"."""
+    NOT_NEEDED = "not_needed"      # the step is already saved as recorded
+    SINGLE = "single"              # one module saves it
+    GREEDY = "greedy"              # modules added round by round
+    NONE = "none"                  # no set saves it (or float64 fails too: nothing to search)
 
 
 @dataclass
@@ -74,10 +84,10 @@ class FixReport:
     candidates: list                # [{"name", "phase", "status", "local_rel_err"}], trial order
     trials: list                    # [Trial] with its modules and search round, in trial order
     fix: list | None                # smallest saving set found, or None
-    search: str                     # "not_needed", "single", "greedy", "none"
+    search: FixSearch
     patch: str | None
     notes: list = field(default_factory=list)
-    backward_start: str = "saved"   # engine.ReplaySession.start_backward
+    backward_start: BackwardStart = BackwardStart.SAVED   # engine.ReplaySession.start_backward
     # The fix tried on every saved step of the run (this one first): [StepCheck]
     saved_steps_check: list = field(default_factory=list)
     op_fix: object = None           # op_fix.OpFix, or None (nothing to fix)
@@ -96,11 +106,11 @@ class FixReport:
         return plain({"step": self.step, "rank": self.rank, "precision": self.precision, "policy": self.policy,
                       "loss_scale": self.loss_scale, "baseline": self.baseline.to_dict(),
                       "candidates": self.candidates, "trials": [t.to_dict() for t in self.trials],
-                      "fix": self.fix, "search": self.search, "patch": self.patch,
+                      "fix": self.fix, "search": self.search.value, "patch": self.patch,
                       "saved_steps_check": [c.to_dict() for c in self.saved_steps_check],
                       "saved_steps": self.saved_steps,
                       "not_saved_steps": self.not_saved_steps,
-                      "notes": self.notes, "backward_start": self.backward_start,
+                      "notes": self.notes, "backward_start": self.backward_start.value,
                       "thresholds": _thresholds(), "op_fix": self.op_fix.to_dict() if self.op_fix else None,
                       "remedies": [r.to_dict() for r in self.remedies],
                       "window_check": self.window_check.to_dict() if self.window_check else None})
@@ -119,10 +129,11 @@ class FixReport:
                f"{self.policy.get('device_type')}{' (emulated)' if self.policy.get('emulated') else ''}, "
                f"loss scale {self.loss_scale:g}",
                f"as recorded: {_verdict(b)} (grad error vs float64 {fmt_num(b.grad_rel_err)}"
-               + ("" if self.backward_start == "saved" else f", backward from the {self.backward_start} start")
+               + ("" if self.backward_start is BackwardStart.SAVED else
+                  f", backward from the {self.backward_start.value} start")
                + ")"]
         out += [f"note: {n}" for n in self.notes]
-        if self.search == "not_needed":
+        if self.search is FixSearch.NOT_NEEDED:
             where = ("" if not b.backed_off else
                      f" once the scaler backs off to {b.loss_scale:g} (`scale-window` says more)")
             out.append(f"the step is already saved in the replay{where} (finite, gradients within the "
@@ -178,11 +189,11 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
     notes = list(p.notes)
     report = FixReport(step=p.step, rank=p.rank, precision=p.precision, policy=p.policy_dict(),
                        loss_scale=p.loss_scale, baseline=baseline, candidates=[], trials=[], fix=None,
-                       search="not_needed", patch=None, notes=notes, backward_start=p.backward_start)
+                       search=FixSearch.NOT_NEEDED, patch=None, notes=notes, backward_start=p.backward_start)
     if baseline.saved:
         return report
     if not p.reference_finite:
-        report.search = "none"  # no precision setting repairs what float64 cannot compute
+        report.search = FixSearch.NONE  # no precision setting repairs what float64 cannot compute
         return report
     recorded = p.run(capture=True)
     comparisons = attribution.compare_run(p.session, reference, recorded, local=True)
@@ -207,15 +218,15 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
         # arithmetic is worst. Another that also saves the step (the one
         # feeding it, whose float32 output makes it compute in float32) does
         # so only by side effect and keeps more of the model out of float16.
-        report.fix, report.search = list(saving[0].modules), "single"
+        report.fix, report.search = list(saving[0].modules), FixSearch.SINGLE
     elif names:
         chosen = _greedy(names, singles, trial, max_set)
         if chosen:
-            report.fix, report.search = chosen, "greedy"
+            report.fix, report.search = chosen, FixSearch.GREEDY
         else:
-            report.search = "none"
+            report.search = FixSearch.NONE
     else:
-        report.search = "none"
+        report.search = FixSearch.NONE
         notes.append("no module could be replayed alone: no candidate to keep in float32")
     if report.fix:
         net = p.session.model(p.config.weight_dtype)

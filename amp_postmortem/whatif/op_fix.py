@@ -30,7 +30,7 @@ from ..op_words import op_origin_text
 from . import Trial, fmt_num
 from .line_patch import LinePatch, NotExact, line_patch
 
-__all__ = ["OpFix", "OpFixStatus", "chosen_op", "find_op_fix", "work_cost", "work_words"]
+__all__ = ["ChosenBy", "OpFix", "OpFixStatus", "chosen_op", "find_op_fix", "work_cost", "work_words"]
 
 _REDUCED_DTYPES = ("float16", "bfloat16")
 
@@ -43,12 +43,18 @@ class OpFixStatus(enum.Enum):
     NO_OP = "no_op"                  # the op trace names no op (no culprit, or it could not be traced)
 
 
+class ChosenBy(enum.Enum):
+    """Why the op whose line is tried was chosen; `value` is the `--json` "chosen_by"."""
+    ORIGIN = "origin"                # it made NaN/Inf from finite inputs
+    LOCAL_ERROR = "local_error"      # the reduced-precision op with the largest error of its own
+
+
 @dataclass
 class OpFix:
     status: OpFixStatus
     module: str | None = None           # the traced culprit
     op: dict | None = None              # op_trace.OpRecord.to_dict() of the op whose line was tried
-    chosen_by: str | None = None        # "origin" | "local_error"
+    chosen_by: ChosenBy | None = None
     trial: Trial | None = None          # the step with the line in float32: metrics and judgement
     patch: LinePatch | None = None
     saved_steps_check: list = field(default_factory=list)   # [fix.StepCheck]
@@ -65,7 +71,8 @@ class OpFix:
         return f"{self.op['file']}:{self.op['line']}" if self.op and self.op.get("file") else None
 
     def to_dict(self) -> dict:
-        return {"status": self.status.value, "module": self.module, "op": self.op, "chosen_by": self.chosen_by,
+        return {"status": self.status.value, "module": self.module, "op": self.op,
+                "chosen_by": self.chosen_by.value if self.chosen_by else None,
                 "where": self.where, "saved": self.saves_step,
                 "trial": self.trial.to_dict() if self.trial is not None else None,
                 "patch": self.patch.to_dict() if self.patch else None,
@@ -79,7 +86,7 @@ class OpFix:
         if self.status is OpFixStatus.NO_OP:
             return [f"op level: no op to patch ({self.why_none})"]
         op = op_origin_text(self.op)
-        what = "first op made NaN/Inf from finite inputs" if self.chosen_by == "origin" else \
+        what = "first op made NaN/Inf from finite inputs" if self.chosen_by is ChosenBy.ORIGIN else \
             "op with the largest error of its own"
         if self.status is OpFixStatus.NO_LINE:
             return [f"op level: the culprit's {what}, {op}, runs in torch code only (no line of the model's "
@@ -133,11 +140,11 @@ def chosen_op(trace):
     """(the op whose line to try, why): the trace's origin, else its
     reduced-precision op with the largest error of its own; (None, None)."""
     if trace.origin is not None:
-        return trace.origin, "origin"
+        return trace.origin, ChosenBy.ORIGIN
     reduced = [o for o in trace.ops if o.dtype in _REDUCED_DTYPES and o.local_rel_err is not None]
     if not reduced:
         return None, None
-    return max(reduced, key=lambda o: o.local_rel_err), "local_error"
+    return max(reduced, key=lambda o: o.local_rel_err), ChosenBy.LOCAL_ERROR
 
 
 def find_op_fix(p, run, culprit, progress=None) -> OpFix:

@@ -18,7 +18,8 @@ from ..analyses.nans import tied_aliases
 from ..analyses.ranges import zero_split
 from ..errors import StepNotFoundError
 from .scale_result import (LAYER_COLUMNS, LOSS_ROW, MAX_UNDERFLOW, SCALES, EdgeCause, ScaleWindow, calibration_notes,
-                           loss_max_k, position_in_window, recorded_loss_dtype, scaler_settings, usable_window)
+                           WindowMethod, loss_max_k, position_in_window, recorded_loss_dtype, scaler_settings,
+                           usable_window)
 
 LOG2_MIN_NORMAL = -14         # log2(FP16_MIN_NORMAL)
 ASSUMED_LOG2_SIGMA = 3.0      # spread (bits) assumed when every value sits below the normal limit
@@ -92,7 +93,7 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
     settings, code = scaler_settings(window, device_type=(run.autocast or {}).get("device_type")
                                      or run.manifest.get("device_type") or "cuda")
     ranks = sorted(df["rank"].unique())
-    return ScaleWindow(method="estimate", step=int(step), rank=int(ranks[0]) if len(ranks) == 1 else None,
+    return ScaleWindow(method=WindowMethod.ESTIMATE, step=int(step), rank=int(ranks[0]) if len(ranks) == 1 else None,
                        recorded_scale=recorded_scale if len(scale) else None, window=window,
                        recorded_position=position_in_window(window, shift if len(scale) else None), settings=settings,
                        code=code, rows=[{k: lay[k] for k in LAYER_COLUMNS} for lay in layers],
@@ -254,7 +255,7 @@ def _estimated_share(layers, k, norm):
 
 
 def _empty_estimate(step, scale, notes, max_underflow) -> ScaleWindow:
-    return ScaleWindow(method="estimate", step=step, rank=None, recorded_scale=scale, window=None,
+    return ScaleWindow(method=WindowMethod.ESTIMATE, step=step, rank=None, recorded_scale=scale, window=None,
                        recorded_position=None, settings=None, code=None, rows=[], max_underflow=max_underflow,
                        notes=notes, verified=False, why="no recorded statistics to estimate from")
 

@@ -19,6 +19,8 @@ import pandas as pd
 
 from recorders.plain import plain
 
+from ..names import BackwardFrom
+
 SCALES = (-16, 40)            # k range of the replayed scales 2^k
 MAX_UNDERFLOW = 0.05          # usable: at most 5% of the gradient values flushed/subnormal
 WIDE_WINDOW_BITS = 4
@@ -39,6 +41,20 @@ class EdgeCause(str, Enum):
     LOSS_DTYPE = "loss_dtype"            # the scale itself overflows the loss's dtype (a float16 loss: > 65504)
     ACTIVATION_GRAD = "activation_grad"  # a module's output gradient
     WEIGHT_GRAD = "weight_grad"          # a weight-gradient matmul run in float16
+
+
+class WindowMethod(Enum):
+    """How the window was found; `value` is the `--json` "method"."""
+    REPLAY = "replay"                    # every scale replayed on a saved step (`scale_window.py`)
+    ESTIMATE = "estimate"                # estimated from the recorded statistics (`scale_estimate.py`)
+
+
+class ScalePosition(Enum):
+    """Where the recorded scale sits against the window; `value` is the
+    `--json` "recorded_position"."""
+    INSIDE = "inside"
+    ABOVE = "above"                      # above the overflow edge: its steps overflow
+    BELOW = "below"                      # below the underflow edge
 
 
 EDGE_WORDS = {EdgeCause.LOSS_DTYPE: "the loss's own dtype",
@@ -66,12 +82,12 @@ class SavedStepScale:
 
 @dataclass
 class ScaleWindow:
-    method: str                     # "replay" | "estimate"
+    method: WindowMethod
     step: int | None
     rank: int | None
     recorded_scale: float | None
     window: dict | None             # {"min_k", "max_k", "min_scale", "max_scale", "width_bits"}
-    recorded_position: str | None   # "inside" | "above" | "below" | None
+    recorded_position: ScalePosition | None  # None: no window or no recorded scale
     settings: dict | None           # GradScaler keyword arguments
     code: str | None
     rows: list                      # replay: per scale; estimate: per layer
@@ -88,28 +104,34 @@ class ScaleWindow:
     # The overflow edge's cause (EdgeCause) and the tensor that sets it
     # (a layer, a parameter or "<loss>"); the loss's dtype (None: unknown)
     # and the highest k it allows; replays: where the backward started
-    # ("loss", "loss_fn" or "output_gradient", engine's StepCapture).
+    # (engine's StepCapture).
     overflow_cause: EdgeCause | None = None
     overflow_edge_by: str | None = None
     loss_dtype: str | None = None
     loss_max_k: int | None = None
-    backward_from: str | None = None
+    backward_from: BackwardFrom | None = None
     # Replayed with a model: the proposed init_scale re-run over the saved
     # window of steps (`window_check.WindowCheck`), or None (none proposed).
     window_check: object = None
 
     def to_dict(self) -> dict:
-        return plain({"method": self.method, "step": self.step, "rank": self.rank,
+        return plain({"method": self.method.value, "step": self.step, "rank": self.rank,
                       "verified": self.verified, "why": self.why,
                       "checked_steps": [c.to_dict() for c in self.checked_steps],
                       "overflow_cause": self.overflow_cause.value if self.overflow_cause else None,
                       "overflow_edge_by": self.overflow_edge_by, "loss_dtype": self.loss_dtype,
-                      "loss_max_k": self.loss_max_k, "backward_from": self.backward_from,
+                      "loss_max_k": self.loss_max_k,
+                      "backward_from": self.backward_from.value if self.backward_from else None,
                       "recorded_scale": self.recorded_scale, "window": self.window,
-                      "recorded_position": self.recorded_position, "settings": self.settings, "code": self.code,
+                      "recorded_position": self.position_words, "settings": self.settings, "code": self.code,
                       "max_underflow": self.max_underflow, "recorded_scaler": self.recorded_scaler,
-                      "notes": self.notes, ("scales" if self.method == "replay" else "layers"): self.rows,
+                      "notes": self.notes, ("scales" if self.method is WindowMethod.REPLAY else "layers"): self.rows,
                       "window_check": self.window_check.to_dict() if self.window_check is not None else None})
+
+    @property
+    def position_words(self) -> str | None:
+        """`recorded_position` as its `--json` string (None when unknown)."""
+        return self.recorded_position.value if self.recorded_position is not None else None
 
     def edge_line(self) -> str | None:
         """What sets the overflow edge, in words (None when unknown)."""
@@ -132,11 +154,11 @@ class ScaleWindow:
                 "(the scale itself is the backward's first gradient, Inf above 65504)")
 
     def table(self) -> pd.DataFrame:
-        cols = SCALE_COLUMNS if self.method == "replay" else LAYER_COLUMNS
+        cols = SCALE_COLUMNS if self.method is WindowMethod.REPLAY else LAYER_COLUMNS
         return pd.DataFrame(self.rows, columns=cols)
 
     def lines(self) -> list[str]:
-        what = ("replayed" if self.method == "replay" else
+        what = ("replayed" if self.method is WindowMethod.REPLAY else
                 f"estimated from recorded statistics (estimate, not verified: {self.why})" if self.why else
                 "estimated from recorded statistics (estimate, not verified)")
         out = [f"loss-scale window, {what}: step {self.step}"
@@ -147,9 +169,9 @@ class ScaleWindow:
             out.append("no usable scale: " + (self.notes[0] if self.notes else "every scale overflows or underflows"))
         else:
             out.append(f"window: 2^{w['min_k']} .. 2^{w['max_k']} ({w['min_scale']:g} .. {w['max_scale']:g}, "
-                       f"{w['width_bits']} bits); the recorded scale is {self.recorded_position or 'unknown'}")
+                       f"{w['width_bits']} bits); the recorded scale is {self.position_words or 'unknown'}")
         if self.backward_from:
-            out.append("backward started from " + BACKWARD_WORDS.get(self.backward_from, self.backward_from)
+            out.append("backward started from " + BACKWARD_WORDS[self.backward_from]
                        + (f" (the loss is {self.loss_dtype})" if self.loss_dtype else ""))
         if self.edge_line():
             out.append(self.edge_line())
@@ -164,10 +186,10 @@ class ScaleWindow:
 
 
 
-BACKWARD_WORDS = {"loss": "the model's loss output, the scale in the loss's own dtype as in training",
-                  "loss_fn": "loss_fn's loss computed under autocast, scaled as GradScaler does",
-                  "output_gradient": "the saved output gradient times the scale (the loss is outside the "
-                                     "model call)"}
+BACKWARD_WORDS = {BackwardFrom.LOSS: "the model's loss output, the scale in the loss's own dtype as in training",
+                  BackwardFrom.LOSS_FN: "loss_fn's loss computed under autocast, scaled as GradScaler does",
+                  BackwardFrom.OUTPUT_GRADIENT: "the saved output gradient times the scale (the loss is outside "
+                                                "the model call)"}
 
 
 def loss_max_k(dtype: str | None) -> int | None:
@@ -210,14 +232,14 @@ def usable_window(usable_ks) -> dict | None:
     return {"min_k": lo, "max_k": hi, "min_scale": 2.0 ** lo, "max_scale": 2.0 ** hi, "width_bits": hi - lo}
 
 
-def position_in_window(window, recorded_k) -> str | None:
+def position_in_window(window, recorded_k) -> ScalePosition | None:
     if window is None or recorded_k is None:
         return None
     if recorded_k > window["max_k"]:
-        return "above"
+        return ScalePosition.ABOVE
     if recorded_k < window["min_k"]:
-        return "below"
-    return "inside"
+        return ScalePosition.BELOW
+    return ScalePosition.INSIDE
 
 
 def scaler_settings(window, device_type: str = "cuda") -> tuple[dict | None, str | None]:

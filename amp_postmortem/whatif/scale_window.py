@@ -69,10 +69,14 @@ import pandas as pd
 from recorders import schema
 
 from ..errors import OptionError
+from ..names import BackwardFrom
 from . import report_progress
 from .scale_estimate import estimate_scale_window
 from .scale_result import (LOSS_ROW, MAX_UNDERFLOW, SCALES, EdgeCause, SavedStepScale, ScaleWindow, calibration_notes,
-                           loss_max_k, position_in_window, scaler_settings, usable_window)
+                           WindowMethod, loss_max_k, position_in_window, scaler_settings, usable_window)
+
+# Seeded at a loss: its dtype is the loss's (the scale itself is its first gradient).
+_FROM_A_LOSS = (BackwardFrom.LOSS, BackwardFrom.LOSS_FN)
 
 
 @dataclass
@@ -143,12 +147,12 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
         run = _replay_at(p, k, fp32_modules, loss_fn, capture=True)
         if started is None and run.backward_from is not None:
             started = (run.backward_from, run.loss_dtype)
-        dtype = run.loss_dtype if run.backward_from in ("loss", "loss_fn") else loss_dtype
+        dtype = run.loss_dtype if run.backward_from in _FROM_A_LOSS else loss_dtype
         rows.append(_scale_row(k, run, p.reference, max_underflow, recorded_k, dtype))
         report_progress(progress, "replaying loss scales", i + 1, len(ks))
     backward_from, seen_dtype = started or (None, None)
-    loss_dtype = seen_dtype if backward_from in ("loss", "loss_fn") else loss_dtype
-    if backward_from == "output_gradient" and loss_dtype not in ("float32", "float64"):
+    loss_dtype = seen_dtype if backward_from in _FROM_A_LOSS else loss_dtype
+    if backward_from is BackwardFrom.OUTPUT_GRADIENT and loss_dtype not in ("float32", "float64"):
         notes.append("the backward started from the saved output gradient (the loss is computed outside the "
                      "model call): " + (f"the recorded loss dtype {loss_dtype} stands for the loss (a scale "
                                         f"Inf in {loss_dtype} overflows)" if loss_dtype else
@@ -170,7 +174,7 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
     settings, code = scaler_settings(window, device_type=_device_type(p))
     above = next((r for r in rows if window is not None and r["k"] == window["max_k"] + 1), None)
     cause = EdgeCause(above["overflow_cause"]) if above and above["overflow_cause"] else None
-    sw = ScaleWindow(method="replay", step=p.step, rank=p.rank, recorded_scale=p.loss_scale, window=window,
+    sw = ScaleWindow(method=WindowMethod.REPLAY, step=p.step, rank=p.rank, recorded_scale=p.loss_scale, window=window,
                      recorded_position=position_in_window(window, recorded_k), settings=settings, code=code,
                      rows=rows, max_underflow=max_underflow, notes=notes + calibration_notes(p.bundle.scaler, window),
                      recorded_scaler=p.bundle.scaler, verified=True, overflow_cause=cause,
