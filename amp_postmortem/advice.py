@@ -55,12 +55,12 @@ import pandas as pd
 from recorders import schema
 
 from .loader import Run
-from .names import ROOT_DISPLAY, BackwardStart
+from .names import ROOT_DISPLAY, BackwardStart, Word
 from .analyses.bundle_choice import pick_bundle
 
 
 
-class RecommendationKind(enum.Enum):
+class RecommendationKind(Word):
     """What a recommendation recommends (the module's doc), in the order
     they are listed; `value` is the `--json` "kind"."""
     CHECK_DATA = "check_data"
@@ -75,7 +75,7 @@ class RecommendationKind(enum.Enum):
 ORDER = tuple(RecommendationKind)
 
 
-class Source(enum.Enum):
+class Source(Word):
     """What a recommendation rests on; `value` is the `--json` "source"."""
     REPLAY = "replay"              # what-if replays of saved steps
     RECORDED = "recorded"          # the recorded statistics alone

@@ -26,7 +26,21 @@ FINDING_KINDS = ("nonfinite", "training_instability", "scale_collapse", "stuck_l
                  "underflow_lapsed", "recording_disabled", "recording_not_closed", "healthy")
 
 
-class BackwardStart(enum.Enum):
+class Word(str, enum.Enum):
+    """An outcome whose value is its `--json` string. A member equals that
+    string and prints as it (`str()`, f-strings), so a user's code that
+    compared a result's field with the string it held before these were
+    enums (`scale(run).status == "collapse"`) keeps working; our own
+    decisions compare members (tests/test_typed_decisions.py)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class BackwardStart(Word):
     """Where a replay's backward starts (`engine.ReplaySession`); `value`
     is the `--json` "backward_start"."""
     SAVED = "saved"                        # the step's saved output gradient
@@ -34,7 +48,7 @@ class BackwardStart(enum.Enum):
     LOSS_FN = "loss_fn"                    # the gradient of `loss_fn` at the float64 outputs
 
 
-class BackwardFrom(enum.Enum):
+class BackwardFrom(Word):
     """What a replayed run's backward was seeded at (`StepCapture`); `value`
     is the `--json` "backward_from" of a replayed loss-scale window."""
     LOSS = "loss"                          # the model's loss output, the scale in the loss's own dtype

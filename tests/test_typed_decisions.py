@@ -4,6 +4,7 @@ or `recommend` decide (issue 23 item 7)."""
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -375,3 +376,22 @@ def test_recommend_decides_the_recorded_origin_as_an_enum():
     keep = recorded_keep_fp32_recommendation(fwd("blocks.0.attn"), "RUN")
     assert keep.to_dict()["kind"] == "keep_fp32" and keep.to_dict()["source"] == "recorded"
     assert keep.data == {"modules": ["blocks.0.attn"], "step": 7} and "--step 7" in keep.action
+
+
+def test_an_outcome_that_was_a_string_still_equals_and_prints_as_it():
+    """The Python API's results held these outcomes as strings before they
+    were enums: a user's `scale(run).status == "collapse"` and the f-string
+    around it must keep working (`names.Word`)."""
+    from amp_postmortem.advice import RecommendationKind, Source
+    from amp_postmortem.analyses.scale import ScaleStatus
+    from amp_postmortem.names import BackwardFrom, BackwardStart, Word
+    from amp_postmortem.whatif.bisect import BisectKind
+    from amp_postmortem.whatif.fix import FixSearch
+    from amp_postmortem.whatif.op_fix import ChosenBy
+    from amp_postmortem.whatif.scale_result import ScalePosition, WindowMethod
+    for enum_type in (ScaleStatus, RecommendationKind, Source, BackwardStart, BackwardFrom, BisectKind,
+                      FixSearch, ChosenBy, ScalePosition, WindowMethod):
+        assert issubclass(enum_type, Word), enum_type
+        for member in enum_type:
+            assert member == member.value and f"{member}" == member.value and str(member) == member.value
+            assert json.loads(json.dumps(member)) == member.value

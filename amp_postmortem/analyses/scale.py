@@ -63,7 +63,7 @@ from scipy import stats
 from recorders import schema
 from recorders.plain import plain
 
-from ..names import display_name as _display
+from ..names import Word, display_name as _display
 from ..loader import Run
 from .nans import attribute_shared_all, backward_origin, forward_origin
 from .trend import theil_sen
@@ -82,7 +82,7 @@ MAX_DRIVER_STEPS = 500        # most recent skipped steps read for drivers
 MAX_THEILSEN_POINTS = 2000    # Theil-Sen is O(n^2): subsample evenly above this
 
 
-class ScaleStatus(Enum):
+class ScaleStatus(Word):
     """The loss scale's status (the module's doc, step 4); `value` is the
     `--json` "status"."""
     NO_SCALER = "no_scaler"

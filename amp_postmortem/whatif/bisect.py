@@ -50,6 +50,8 @@ from enum import Enum
 import pandas as pd
 
 from recorders.plain import plain
+
+from ..names import Word
 from . import Trial, prepare, report_progress
 from .fix import not_saved_by
 
@@ -130,7 +132,7 @@ class BadSample:
                 "suspicious": self.suspicious, "judged": self.judged.value}
 
 
-class BisectKind(Enum):
+class BisectKind(Word):
     """The verdict (the module's doc); `value` is the `--json` "kind"."""
     NOT_REPRODUCED = "not_reproduced"
     MODEL = "model"

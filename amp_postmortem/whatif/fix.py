@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from recorders.plain import plain
-from ..names import BackwardStart
+from ..names import BackwardStart, Word
 from ..names import display_name as _display
 from . import NotSavedBy, Trial, fmt_num, prepare, report_progress
 from .op_fix import OpFixStatus, find_op_fix, work_cost, work_words
@@ -64,7 +64,7 @@ TRIAL_COLUMNS = ["modules", "local_rel_err", "forward_finite", "backward_finite"
                  "nonfinite_values", "loss_rel_err", "output_rel_err", "grad_rel_err", "saved", "not_saved_by"]
 
 
-class FixSearch(enum.Enum):
+class FixSearch(Word):
     """How the fix was searched for (the module's doc); `value` is the
     `--json` "search"."""
     NOT_NEEDED = "not_needed"      # the step is already saved as recorded

@@ -26,6 +26,7 @@ import enum
 import os
 from dataclasses import dataclass, field
 
+from ..names import Word
 from ..op_words import op_origin_text
 from . import Trial, fmt_num
 from .line_patch import LinePatch, NotExact, line_patch
@@ -43,7 +44,7 @@ class OpFixStatus(enum.Enum):
     NO_OP = "no_op"                  # the op trace names no op (no culprit, or it could not be traced)
 
 
-class ChosenBy(enum.Enum):
+class ChosenBy(Word):
     """Why the op whose line is tried was chosen; `value` is the `--json` "chosen_by"."""
     ORIGIN = "origin"                # it made NaN/Inf from finite inputs
     LOCAL_ERROR = "local_error"      # the reduced-precision op with the largest error of its own

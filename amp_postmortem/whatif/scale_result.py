@@ -19,7 +19,7 @@ import pandas as pd
 
 from recorders.plain import plain
 
-from ..names import BackwardFrom
+from ..names import BackwardFrom, Word
 
 SCALES = (-16, 40)            # k range of the replayed scales 2^k
 MAX_UNDERFLOW = 0.05          # usable: at most 5% of the gradient values flushed/subnormal
@@ -43,13 +43,13 @@ class EdgeCause(str, Enum):
     WEIGHT_GRAD = "weight_grad"          # a weight-gradient matmul run in float16
 
 
-class WindowMethod(Enum):
+class WindowMethod(Word):
     """How the window was found; `value` is the `--json` "method"."""
     REPLAY = "replay"                    # every scale replayed on a saved step (`scale_window.py`)
     ESTIMATE = "estimate"                # estimated from the recorded statistics (`scale_estimate.py`)
 
 
-class ScalePosition(Enum):
+class ScalePosition(Word):
     """Where the recorded scale sits against the window; `value` is the
     `--json` "recorded_position"."""
     INSIDE = "inside"
