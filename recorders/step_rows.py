@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .aggregate import MergePlan, event_rows, merge_rows, without_intermediates
-from .collectors.graph_stats import autocast_info, graph_rows, with_graph_rows
+from .graph_rows import autocast_info, graph_rows, with_graph_rows
 from .manifest import host_float, scaler_enabled
 from .stats import CHEAP_WIDTH, FULL_WIDTH, pack_rows
 

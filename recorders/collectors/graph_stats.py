@@ -20,7 +20,7 @@ execution order), `dtype` a code (`DTYPES`). The backward rows are written
 by `Probe`, an identity autograd Function put on the module's outputs and
 inputs (compiled path only: an eager step gets no autograd node of the
 recorder). Every write is multiplied by `gate` (1: record, 0: a step not
-recorded or a `paused()` pass), a tensor the host fills, so that pausing and
+recorded or a `paused()` pass), a tensor the host chooses, so that pausing and
 the tier schedule never change what the graph does: no guard on a Python
 value, no recompilation. The last buffer row holds the counter, the
 micro-batches (root forwards traced in the graph) and the autocast state as
@@ -30,27 +30,16 @@ the trace saw it.
 wrote it this step (`ran`, set by the traced hook: dynamo replays that
 attribute store after each call of the graph) and it travels with the
 step's one asynchronous copy; the writer thread turns its used slots into
-rows (`graph_rows`).
+rows (`recorders.graph_rows`, where the buffer's layout is defined).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
 from .. import schema
-from ..aggregate import COUNT_KIND as _COUNT_KIND
+from ..graph_rows import (ABSMAX, AUTOCAST_DEVICES, AUTOCAST_DTYPE, AUTOCAST_DEVICE, COUNTER, DTYPE, DTYPES, ENTER,
+                          INPUT_BAD, MICRO_BATCHES, NAN, SEQ, WIDTH)
 from ..stats import float_tensors
-
-WIDTH = 9
-ABSMAX, NAN, INF, INPUT_BAD, TENSORS, NUMEL, SEQ, DTYPE, ENTER = range(WIDTH)
-# Codes of the dtypes a row may have (0: none seen); also autocast's.
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
-AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
-# Columns of the forward buffer's last row (the step's own).
-COUNTER, MICRO_BATCHES, AUTOCAST_DTYPE, AUTOCAST_DEVICE = range(4)
-
 
 def _dtype_code(dtype) -> float:
     for i, d in enumerate(DTYPES):
@@ -66,13 +55,13 @@ class Probe(torch.autograd.Function):
     other slot's backward: a compiled graph keeps the tensors its backward
     uses with their version, and a write by another graph (the root's
     hooks are a frame of their own) between its forward and its backward
-    would make autograd refuse them. The gate is a copy, for the same
-    reason (`paused()` may change it in between)."""
+    would make autograd refuse them. The gate, for the same reason, is
+    never written: `set_gate` chooses one of two constant tensors."""
 
     @staticmethod
     def forward(ctx, x, row, gate):
         ctx.row = row
-        ctx.gate = gate.clone()
+        ctx.gate = gate
         return x.view_as(x)
 
     @staticmethod
@@ -119,8 +108,12 @@ class GraphStats:
         self.device = torch.device(device)
         self.buffer = torch.zeros(len(self.slots) + 1, WIDTH, dtype=torch.float64, device=self.device)
         self.grads = [torch.zeros(WIDTH, dtype=torch.float64, device=self.device) for _ in self.grad_slots]
-        self.gate = torch.ones((), dtype=torch.float64, device=self.device)
-        self._gate_on = True
+        # Two constant tensors, the gate one of them: a gate changed in place
+        # between a graph's forward and its backward (a `paused()` pass in
+        # between) would make autograd refuse the backward (version check).
+        self._gates = (torch.zeros((), dtype=torch.float64, device=self.device),
+                       torch.ones((), dtype=torch.float64, device=self.device))
+        self.gate = self._gates[1]
         self.ran = False  # a traced hook ran since the last `take`
 
     @property
@@ -130,9 +123,7 @@ class GraphStats:
 
     # ------------------------------------------------------------- host
     def set_gate(self, on: bool) -> None:
-        if on != self._gate_on:
-            self._gate_on = on
-            self.gate.fill_(1.0 if on else 0.0)
+        self.gate = self._gates[bool(on)]
 
     def take(self):
         """The values written since the last take (one flat tensor on the
@@ -234,85 +225,3 @@ class GraphStats:
                 self.write(act, t)
             return self.probe_all(grad_out, output)
         return post
-
-
-# ------------------------------------------------------------ writer thread
-def autocast_info(stats: GraphStats, values) -> dict | None:
-    """The autocast state a traced graph saw (None: not traced in a graph,
-    or autocast off there: the eager reading stands)."""
-    last = values[len(stats.slots) * WIDTH:(len(stats.slots) + 1) * WIDTH]
-    code, dev = int(last[AUTOCAST_DTYPE]), int(last[AUTOCAST_DEVICE])
-    if not code or not dev:
-        return None
-    return {"enabled": True, "device_type": AUTOCAST_DEVICES[dev - 1], "dtype": DTYPE_NAMES[code - 1],
-            "cache_enabled": None}
-
-
-def graph_rows(stats: GraphStats, values, width: int) -> tuple[list, list, int]:
-    """(meta, stats rows of `width`, micro-batches traced in the graph) of
-    the used slots of one step's values (`GraphStats.take`, as a float64
-    array). A sort key stands in the `order` field (the caller ranks it
-    among the step's eager rows): forward rows by when their call ended;
-    backward rows by the reverse of their module's forward (the gradient
-    reaching a module's output comes when its forward's end is undone, the
-    one it hands its inputs when its beginning is). A `grad_input` row's
-    `input_nonfinite` is the NaN/Inf count of the gradients its module's
-    outputs received (its `grad_output` slot), as in eager rows."""
-    n = len(stats.slots) + 1
-    fwd = values[: n * WIDTH].reshape(n, WIDTH)
-    bwd = values[n * WIDTH:].reshape(-1, WIDTH)
-    used = {}
-    for (name, kind), v in list(zip(stats.slots, fwd)) + list(zip(stats.grad_slots, bwd)):
-        if v[TENSORS] > 0:
-            used[(name, kind)] = v
-    pad = (math.nan,) * (width - 4)
-    meta, rows = [], []
-    for (name, kind), v in used.items():
-        act = fwd[stats.index[(name, "activation")]] if kind in ("grad_output", "grad_input") else None
-        if kind == "activation":
-            phase, key, bad = "forward", float(v[SEQ]), float(v[INPUT_BAD])
-        elif kind == "input":
-            phase, key, bad = "forward", float(v[SEQ]), math.nan
-        elif kind == "grad_output":
-            phase, key, bad = "backward", -float(act[SEQ]), math.nan
-        else:
-            out = used.get((name, "grad_output"))
-            phase, key = "backward", -float(act[ENTER])
-            bad = float(out[NAN] + out[INF]) if out is not None else math.nan
-        code = int(v[DTYPE])
-        meta.append((name, kind, phase, key, 0, DTYPE_NAMES[code - 1] if code else None, int(v[NUMEL]), None))
-        rows.append((float(v[ABSMAX]), float(v[NAN]), float(v[INF]), bad) + pad)
-    return meta, rows, int(fwd[-1][MICRO_BATCHES])
-
-
-def with_graph_rows(meta: list, rows, gmeta: list, grows: list, fwd_anchor) -> tuple[list, object]:
-    """The step's eager rows (`meta`, `rows`: an array) and its graph rows
-    together, every row's `order` its rank in the step's execution order,
-    per phase. The graph's forward rows come before the eager forward row
-    of order `fwd_anchor` (the order the eager root's inputs left off at;
-    None: before every eager one: the root ran in the graph); its backward
-    rows before the eager parameter gradients (their hooks run after the
-    compiled backward) and after any other eager backward row (the
-    gradient reaching an eager root's output, which reaches the graph
-    next)."""
-    import numpy as np
-
-    param_orders = [m[3] for m in meta if m[1] == "param_grad"]
-    other_bwd = [m[3] for m in meta if m[2] == "backward" and m[1] != "param_grad"]
-    bwd_anchor = min(param_orders) if param_orders else (max(other_bwd) + 1 if other_bwd else 0)
-    anchors = {"forward": 0 if fwd_anchor is None else fwd_anchor, "backward": bwd_anchor}
-    # (eager order, 1, 0) and (anchor, 0, seq): dense ranks of the keys
-    keys = [None if m[1] == _COUNT_KIND else (m[3], 1, 0.0) for m in meta]
-    keys += [(anchors[m[2]], 0, m[3]) for m in gmeta]
-    all_meta = list(meta) + list(gmeta)
-    out = []
-    for phase in ("forward", "backward"):
-        ranks = {k: r for r, k in enumerate(sorted({k for k, m in zip(keys, all_meta)
-                                                    if k is not None and m[2] == phase}))}
-        for i, (k, m) in enumerate(zip(keys, all_meta)):
-            if m[2] == phase and k is not None:
-                keys[i] = ranks[k]
-    for k, m in zip(keys, all_meta):
-        out.append(m if k is None else (m[0], m[1], m[2], int(k)) + tuple(m[4:]))
-    extra = np.asarray(grows, dtype=np.float64).reshape(len(grows), -1)
-    return out, np.concatenate([np.asarray(rows).reshape(-1, extra.shape[1]), extra])
