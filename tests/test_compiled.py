@@ -87,7 +87,13 @@ def _pairs(run, step):
 def test_every_recorded_step_has_eagers_rows(jobs, attach):
     run, eager = jobs[attach][0], jobs["eager"][0]
     for step in range(STEPS):
-        assert _pairs(run, step) == _pairs(eager, step), step
+        want = _pairs(eager, step)
+        if attach == "before" and step == 0:
+            # Attached before compiling, the recorder learns of the graph
+            # when its first step ends: that full-tier step ran compiled,
+            # with the graph's cheap rows and no `param` (weight) rows.
+            want = {(name, kind) for name, kind in want if kind != "param"}
+        assert _pairs(run, step) == want, step
     compiled_step = amp_postmortem.load_run(run).scan_tensors(["step", "name", "kind", "call"], steps=[1])
     kinds = set(compiled_step["kind"])
     assert {"input", "activation", "grad_output", "grad_input", "param_grad", "loss"} <= kinds
