@@ -3,8 +3,11 @@
 `TrainingHooks` builds one collector per concern (`recorders/collectors/`:
 forward and inputs, backward, parameter gradients and the gradient norm,
 checkpoint recompute, autocast, and with a probe the op probe) around one
-`Shared` (the step in progress), registers their hooks and removes them. `AmpRecorder` owns the
-lifecycle and hands the finished step to the writer thread.
+`Shared` (the step in progress), registers their hooks and removes them;
+`graph` (`GraphStats`) is what the module hooks run while dynamo traces
+them (the rows of compiled modules), its buffer taken at each step's end.
+`AmpRecorder` owns the lifecycle and hands the finished step to the writer
+thread.
 """
 from __future__ import annotations
 

@@ -134,9 +134,10 @@ class AmpRecorder:
             loss passed.
         eager_full_steps: with a compiled model, run full-tier steps eagerly
             (`torch.compiler.set_stance("force_eager")` for that step) so
-            they record every module; such a step computes with eager
-            rounding, which a backend like inductor may not share. False:
-            every step stays compiled (boundary, loss and gradient rows only).
+            they record the full tier's statistics; such a step computes
+            with eager rounding, which a backend like inductor may not
+            share. False: every step stays compiled (the cheap tier's rows,
+            computed in the graph: `collectors.graph_stats`).
         probe: the op probe, off by default: glob patterns of module names
             (`["blocks.*.attn"]`) or a `ProbeOptions` (`recorders.options`,
             its options documented there). While a probed module's forward

@@ -73,21 +73,28 @@ class Probe(torch.autograd.Function):
 def write(row, gate, t, counter=None, input_bad=None) -> None:
     """Add the cheap statistics of `t` to `row` (a buffer row), times
     `gate` (tensor ops only); `counter`: advanced, and its value kept as
-    the row's `seq`."""
+    the row's `seq`. One write of the row: each in-place write of a view
+    is a kernel of its own in the graph."""
     d = t.detach()
     # The same definitions as the eager rows (`stats._device_stats`):
-    # counts of NaN and Inf, the largest finite magnitude.
-    nan = torch.isnan(d).sum().to(torch.float64)
-    inf = torch.isinf(d).sum().to(torch.float64)
-    top = torch.nan_to_num(d.abs(), nan=0.0, posinf=0.0, neginf=0.0).amax().to(torch.float64)
-    one = torch.ones((), dtype=torch.float64, device=row.device)
-    bad = input_bad if input_bad is not None else torch.zeros((), dtype=torch.float64, device=row.device)
-    row[ABSMAX].copy_(torch.maximum(row[ABSMAX], top * gate))
-    row[NAN:SEQ].add_(torch.stack([nan, inf, bad, one, one * d.numel()]) * gate)
+    # counts of NaN and Inf, the largest finite magnitude; one pass over
+    # `d` once the compiler fuses the three reductions.
+    nan = torch.isnan(d).sum()
+    inf = torch.isinf(d).sum()
+    top = torch.nan_to_num(d.abs(), nan=0.0, posinf=0.0, neginf=0.0).amax()
+    zero = torch.zeros((), dtype=torch.float64, device=row.device)
+    bad = input_bad if input_bad is not None else zero
     if counter is not None:
         counter.add_(gate)
-        row[SEQ].copy_(torch.where(gate > 0, counter, row[SEQ]))
-    row[DTYPE].fill_(_dtype_code(d.dtype))
+        seq = torch.where(gate > 0, counter, row[SEQ])
+    else:
+        seq = row[SEQ]
+    delta = torch.stack([zero, nan.to(torch.float64), inf.to(torch.float64), bad, zero + 1.0,
+                         zero + d.numel(), zero, zero, zero]) * gate
+    new = row + delta
+    new = torch.stack([torch.maximum(row[ABSMAX], top.to(torch.float64) * gate), *new[NAN:SEQ], seq,
+                       zero + _dtype_code(d.dtype), row[ENTER]])
+    row.copy_(new)
 
 
 class GraphStats:
