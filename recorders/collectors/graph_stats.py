@@ -7,26 +7,24 @@ they call this collector's hooks instead, whose code is tensor operations
 only: the compiler puts them in the graph, next to the code that makes each
 tensor, and no Python runs per module per step.
 
-Each row has a slot bound at attach time (a watched module's `activation`,
-`grad_output` and `grad_input`, and the model's `<input>`) in one float64
-buffer on the model's device, written in place:
-
-    absmax, nan_count, inf_count, input_nonfinite, tensors, numel, seq, dtype
-
-`absmax` by max, the counts and `numel` by sum (micro-batches, calls and
-the tensors of a tuple output add up, as eager rows merge); `seq` is the
-value of a counter every write advances (the row's place in the graph's
-execution order), `dtype` a code (`DTYPES`). The backward rows are written
-by `Probe`, an identity autograd Function put on the module's outputs and
-inputs (compiled path only: an eager step gets no autograd node of the
-recorder). Every write is multiplied by `gate` (1: record, 0: a step not
-recorded or a `paused()` pass), a tensor the host chooses, so that pausing and
-the tier schedule never change what the graph does: no guard on a Python
-value, no recompilation. The last buffer row holds the counter, the
+Each row has a slot bound at attach time: the model's `<input>` and each
+watched module's `activation` in one float64 forward buffer on the model's
+device, and each module's `grad_output` and `grad_input` in a small tensor
+of its own (see `Probe`), all written in place, their layout in
+`recorders.graph_rows`. `absmax` by max, the counts and `numel` by sum
+(micro-batches, calls and the tensors of a tuple output add up, as eager
+rows merge); `seq` and `enter` are a counter's values when a call ended and
+began (the rows' order). The backward rows are written by `Probe`, an
+identity autograd Function put on the module's outputs and inputs
+(compiled path only: an eager step gets no autograd node of the recorder).
+Every write is multiplied by `gate` (1: record, 0: a step not recorded or a
+`paused()` pass), a tensor the host chooses, so that pausing and the tier
+schedule never change what the graph does: no guard on a Python value, no
+recompilation. The forward buffer's last row holds the counter, the
 micro-batches (root forwards traced in the graph) and the autocast state as
 the trace saw it.
 
-`rec.step()` takes the buffer (`take`: one clone, one zero) when a graph
+`rec.step()` takes the values (`take`: one copy, the buffers zeroed) when a graph
 wrote it this step (`ran`, set by the traced hook: dynamo replays that
 attribute store after each call of the graph) and it travels with the
 step's one asynchronous copy; the writer thread turns its used slots into
@@ -40,6 +38,7 @@ from .. import schema
 from ..graph_rows import (ABSMAX, AUTOCAST_DEVICES, AUTOCAST_DTYPE, AUTOCAST_DEVICE, COUNTER, DTYPE, DTYPES, ENTER,
                           INPUT_BAD, MICRO_BATCHES, NAN, SEQ, WIDTH)
 from ..stats import float_tensors
+
 
 def _dtype_code(dtype) -> float:
     for i, d in enumerate(DTYPES):
