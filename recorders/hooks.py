@@ -3,8 +3,11 @@
 `TrainingHooks` builds one collector per concern (`recorders/collectors/`:
 forward and inputs, backward, parameter gradients and the gradient norm,
 checkpoint recompute, autocast, and with a probe the op probe) around one
-`Shared` (the step in progress), registers their hooks and removes them. `AmpRecorder` owns the
-lifecycle and hands the finished step to the writer thread.
+`Shared` (the step in progress), registers their hooks and removes them;
+`graph` (`GraphStats`) is what the module hooks run while dynamo traces
+them (the rows of compiled modules), its buffer taken at each step's end.
+`AmpRecorder` owns the lifecycle and hands the finished step to the writer
+thread.
 """
 from __future__ import annotations
 
@@ -12,11 +15,22 @@ from . import schema
 from .collectors.autocast import AutocastWatch
 from .collectors.backward import BackwardCollector
 from .collectors.forward import ForwardCollector
+from .collectors.graph_stats import GraphStats
 from .collectors.params import ParamGradCollector
 from .collectors.probe import ProbeCollector
 from .collectors.recompute import CheckpointRecompute
 from .collectors.state import Shared, StepState
 from .manifest import scaler_enabled
+
+
+def model_device(model):
+    """The device of the model's first parameter or buffer (the CPU for
+    a model without any)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return "cpu"
 
 
 class TrainingHooks:
@@ -53,10 +67,13 @@ class TrainingHooks:
         self.backward = BackwardCollector(self.shared, on_root_grad=self.params.await_backward_end)
         self.recompute = CheckpointRecompute(self.shared, self.backward)
         self.autocast_watch = AutocastWatch(self.shared, on_autocast, active=lambda: self.forward.active())
+        # The rows of modules traced into a compiled graph: one slot each,
+        # bound now (a hook added after the first compiled call never runs).
+        self.graph = GraphStats(watched, device=model_device(model))
         self.forward = ForwardCollector(
             self.shared, model=model, modules=modules, watched=watched, params=params,
             sharded=set(sharded), backward=self.backward, recompute=self.recompute,
-            autocast=self.autocast_watch, flat_views=flat_views)
+            autocast=self.autocast_watch, flat_views=flat_views, graph=self.graph)
         self.probe = None
         if probe is not None and (probed or probe_leaves):
             self.probe = ProbeCollector(self.shared, modules=modules, named=probed, leaves=probe_leaves,
@@ -77,6 +94,7 @@ class TrainingHooks:
     @paused.setter
     def paused(self, depth: int) -> None:
         self.shared.paused = depth
+        self.graph.set_gate(self.shared.state.record and not depth)
 
     @property
     def autocast(self) -> dict | None:
@@ -87,6 +105,7 @@ class TrainingHooks:
         """Start collecting the step `step_id` at `tier` ('full', 'cheap' or
         None: not recorded)."""
         self.shared.state = StepState(step_id, tier is not None, tier == "full")
+        self.graph.set_gate(tier is not None and not self.shared.paused)
 
     def raise_to_full(self) -> bool:
         """Record the step in progress at the full tier, when it is recorded
@@ -128,4 +147,6 @@ class TrainingHooks:
             shared.add_row(st, schema.LOSS_NAME, "loss", "forward", st.fwd_order, 0, loss, s)
             st.fwd_order += 1
         self.forward.end_step(st)
+        values = self.graph.take()
+        st.graph_values = values if st.record else None
         return st

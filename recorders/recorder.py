@@ -67,9 +67,10 @@ from .writer_thread import WriterThread
 
 
 COMPILED_STEPS_RECORD = (
-    "loss, loss scale, skipped, parameter gradients (param_grad rows, grad_norm) and, with the "
-    "recorder attached to the compiled module, the model's inputs and outputs; per-module rows "
-    "only on full-tier steps (replay runs eagerly and gives the per-module detail of any bundle)")
+    "the cheap tier's rows of every watched module (activation, grad_output, grad_input, <input>), "
+    "computed by tensor operations inside the compiled graph (inductor's fused rounding), one row "
+    "per module and kind (call 0: a module's calls merged), min/max/mean/rms and the shares null; "
+    "loss, loss scale, skipped, parameter gradients (param_grad rows, grad_norm) as eager")
 
 
 class AmpRecorder:
@@ -133,9 +134,10 @@ class AmpRecorder:
             loss passed.
         eager_full_steps: with a compiled model, run full-tier steps eagerly
             (`torch.compiler.set_stance("force_eager")` for that step) so
-            they record every module; such a step computes with eager
-            rounding, which a backend like inductor may not share. False:
-            every step stays compiled (boundary, loss and gradient rows only).
+            they record the full tier's statistics; such a step computes
+            with eager rounding, which a backend like inductor may not
+            share. False: every step stays compiled (the cheap tier's rows,
+            computed in the graph: `collectors.graph_stats`).
         probe: the op probe, off by default: glob patterns of module names
             (`["blocks.*.attn"]`) or a `ProbeOptions` (`recorders.options`,
             its options documented there). While a probed module's forward
@@ -405,14 +407,15 @@ class AmpRecorder:
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
 
-    def _guard(self, fn, traced: bool = True):
+    def _guard(self, fn, traced: bool = True, in_graph=None):
         """Wrap a hook: any exception switches recording off, never the job.
         A `traced` hook (one that dynamo may trace: module hooks inside a
-        compiled model) returns at once while compiling, so a compiled graph
-        carries none of its code, no graph break and no recompilation."""
+        compiled model) does not run its eager body while compiling: it
+        calls `in_graph` instead (`collectors.graph_stats`: tensor ops the
+        graph takes in, no graph break, no recompilation) or returns."""
         def hook(*args, **kwargs):
             if traced and torch.compiler.is_compiling():
-                return None
+                return in_graph(*args, **kwargs) if in_graph is not None else None
             if not self._enabled:
                 return None
             try:
@@ -535,12 +538,14 @@ class AmpRecorder:
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else None
         self._leave_tier()
         finished = self.hooks.end_step(loss_t)
-        if not self.compiled and finished.record and finished.micro_batches == 0 and finished.param_grads:
-            # Gradients arrived but no forward hook ran: the model ran as a
-            # compiled graph (compiled after the recorder was attached).
+        if not self.compiled and finished.record and (
+                finished.graph_values is not None or (finished.micro_batches == 0 and finished.param_grads)):
+            # A traced hook wrote the in-graph statistics, or gradients
+            # arrived but no forward hook ran: the model ran as a compiled
+            # graph (compiled after the recorder was attached).
             self.compiled = True
             self._note_compiled()
-        pending = self.rows.pack(finished, step_id, loss, loss_t, loss_dtype=dtype)
+        pending = self.rows.pack(finished, step_id, loss, loss_t, loss_dtype=dtype, graph_slots=self.hooks.graph)
         self.bundles.on_step_end(step_id, loss=loss_t if loss_t is not None else loss, stepped=pending.stepped)
         self._submit(functools.partial(self._write_step, pending))
         self._step_counter = step_id + 1
@@ -704,6 +709,12 @@ class AmpRecorder:
             for event in self.event_detector.observe(summary):
                 self.events.post(event)
         self.bundles.on_step_summary(summary)
+        graph_autocast = summary.get("graph_autocast")
+        if graph_autocast is not None and not (self.manifest.data.get("autocast") or {}).get("enabled"):
+            # The root's forward ran in a compiled graph: no eager hook
+            # read autocast, the graph's trace did.
+            self.manifest.set_autocast(graph_autocast)
+            self._journaled_first_step = False  # on disk with this step
         rolled = self.shards.pending_steps == 0
         if not rolled and time.monotonic() - self._last_roll > self.parts.writer.flush_interval_s:
             self.shards.roll()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 FORMAT_NAME = "amp-postmortem-run"
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"

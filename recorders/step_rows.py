@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .aggregate import MergePlan, event_rows, merge_rows, without_intermediates
+from .graph_rows import autocast_info, graph_rows, with_graph_rows
 from .manifest import host_float, scaler_enabled
 from .stats import CHEAP_WIDTH, FULL_WIDTH, pack_rows
 
@@ -24,7 +25,7 @@ class PendingStep:
 
     __slots__ = ("step", "wall_time", "tier", "micro_batches", "lr", "meta", "width",
                  "packed", "host_rows", "event", "host_scalars", "dev_scalar_keys", "stepped", "has_scaler",
-                 "loss_dtype")
+                 "loss_dtype", "graph_slots", "graph_size", "graph_anchor", "eager_micro_batches")
 
 
 class StepRows:
@@ -50,11 +51,19 @@ class StepRows:
         return float(getattr(self.scaler, "_init_scale", math.nan))
 
     # ------------------------------------------------------ training thread
-    def pack(self, st, step_id: int, loss, loss_t, loss_dtype: str | None = None) -> PendingStep:
+    def pack(self, st, step_id: int, loss, loss_t, loss_dtype: str | None = None,
+             graph_slots: list | None = None) -> PendingStep:
         """`st`: the hooks' finished StepState; `loss`: as passed to
         `rec.step()`, `loss_t` its detached tensor (or None); `loss_dtype`:
-        the backpropagated loss's dtype name (`loss_tap.loss_dtype`)."""
+        the backpropagated loss's dtype name (`loss_tap.loss_dtype`);
+        `graph_slots`: the in-graph statistics (`GraphStats`), whose
+        values `st.graph_values` holds when a compiled graph wrote them."""
         p = PendingStep()
+        p.eager_micro_batches = st.micro_batches
+        p.graph_anchor = st.graph_anchor
+        graph = st.graph_values if graph_slots is not None else None
+        p.graph_slots = graph_slots if graph is not None else None
+        p.graph_size = graph.numel() if graph is not None else 0
         p.step = step_id
         p.loss_dtype = loss_dtype
         p.wall_time = time.time()
@@ -111,6 +120,8 @@ class StepRows:
         else:
             flat = [pack_rows(st.stats)] if st.stats else []
         flat += [d.to(device).reshape(1) for d in dev]
+        if graph is not None:  # last: `rows` finds it at the end
+            flat.append(graph.reshape(-1).to(device))
         p.host_scalars = host
         p.dev_scalar_keys = keys
         p.event = None
@@ -149,11 +160,21 @@ class StepRows:
         scalars = dict(p.host_scalars)
         for i, k in enumerate(p.dev_scalar_keys):
             scalars[k] = float(values[offset + i])
+        meta, micro_batches, autocast = p.meta, p.micro_batches, None
+        if p.graph_slots is not None:
+            block = values[len(values) - p.graph_size:]
+            gmeta, grows, graph_mb = graph_rows(p.graph_slots, block, p.width)
+            autocast = autocast_info(p.graph_slots, block)
+            if not p.eager_micro_batches and graph_mb:
+                micro_batches = graph_mb  # the root's forward ran in the graph
+            if gmeta:
+                meta, rows = with_graph_rows(meta, rows, gmeta, grows, p.graph_anchor)
+                n = len(meta)
         cols = None
         if n:
-            if self._plan is None or self._plan.meta != p.meta:
-                self._plan = MergePlan.of(p.meta)
-            cols = merge_rows(p.meta, rows, self._plan)
+            if self._plan is None or self._plan.meta != meta:
+                self._plan = MergePlan.of(meta)
+            cols = merge_rows(meta, rows, self._plan)
 
         skipped = False
         before, after = scalars.get("loss_scale_before"), scalars.get("loss_scale")
@@ -165,7 +186,7 @@ class StepRows:
             elif p.stepped is not None:
                 skipped = not p.stepped
         elif p.stepped is not None:
-            skipped = not p.stepped and p.micro_batches > 0
+            skipped = not p.stepped and micro_batches > 0
 
         nonfinite_params = 0
         nonfinite_rows = 0
@@ -191,7 +212,7 @@ class StepRows:
             "lr": p.lr,
             "grad_norm": grad_norm(sq, nonfinite_params),
             "nonfinite_param_grads": nonfinite_params if cols is not None else None,
-            "micro_batches": p.micro_batches,
+            "micro_batches": micro_batches,
             "tier": p.tier,
             "tensor_rows": len(cols["name"]) if cols is not None else 0,
             "sharded_grad_sqsum": scalars.get("sharded_grad_sqsum"),
@@ -205,6 +226,8 @@ class StepRows:
             # op probe's `intermediate` rows are for the analyzer only.
             "nonfinite_rows": nonfinite_rows,
             "columns": without_intermediates(cols) if cols is not None else None,
+            # What autocast a compiled graph ran under (None: no graph, or off).
+            "graph_autocast": autocast,
         }
         return step_row, cols, summary
 

@@ -186,6 +186,8 @@ def test_compile_overhead_smoke_reports_no_recompilation(tmp_path):
     for v in compile_overhead.VARIANTS:
         assert variants[v]["recompiles_after_warmup"] == 0 and variants[v]["ratio"] > 0
         assert variants[v]["losses_identical_to_compiled"] is True  # eager backend: deterministic
+    # Every module's rows on the compiled steps, attached before or after compiling.
+    assert variants["after"]["tensor_rows_last_step"] == variants["before"]["tensor_rows_last_step"] > 20
 
 
 def test_watch_latency_smoke_alerts_and_closes(tmp_path, capsys):

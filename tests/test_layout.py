@@ -1,9 +1,9 @@
 """The recorder around wrapped models, in one process: `torch.compile` with
 the recorder attached after or before compiling, and activation
 checkpointing (reentrant, non-reentrant, `checkpoint_wrapper`). Training
-stays bit-identical, rows carry the user's names, compiled graphs carry no
-recorder code (no extra graph, no graph break) and every module's forward
-is recorded once."""
+stays bit-identical, rows carry the user's names, compiled graphs have no
+graph break and compile once, compiled steps carry every module's rows, and
+every module's forward is recorded once."""
 from __future__ import annotations
 
 import pytest
@@ -82,9 +82,11 @@ def test_compiled_model_records_without_graph_breaks_or_recompiles(attach, eager
 
     assert recorded[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(recorded[1], plain[1]))
     assert dict(counters["graph_break"]) == plain_breaks == {}
-    # One graph, compiled once: the eager full-tier steps (0 and 3 when
-    # attached to the compiled module) neither recompile nor invalidate it.
-    assert recorded[2] == ([0, 1, 1, 1] if attach == "after" else [1, 1, 1, 1])
+    # Compiled once: the eager full-tier steps (0 and 3 when attached to the
+    # compiled module, 3 when attached before) neither recompile nor
+    # invalidate the graphs (the root's hooks, traced when attached before
+    # compiling, are frames of their own).
+    assert len(set(recorded[2][1:])) == 1 and (recorded[2][0] == 0) == (attach == "after")
     assert plain[2] == [1, 1, 1, 1]
 
     loaded = amp_postmortem.load_run(run)
@@ -96,13 +98,10 @@ def test_compiled_model_records_without_graph_breaks_or_recompiles(attach, eager
     eager = _rows(eager_run)
     # Full-tier step 3 ran eagerly: every row of the eager run, same values.
     assert rows[rows["step"] == 3].reset_index(drop=True).equals(eager[eager["step"] == 3].reset_index(drop=True))
-    compiled_step = rows[rows["step"] == 1]
-    boundary = {"input", "activation", "grad_output"} if attach == "after" else set()
-    assert set(compiled_step["kind"]) == {"loss", "param_grad"} | boundary
-    if attach == "after":
-        assert set(compiled_step.loc[compiled_step["kind"] == "activation", "name"]) == {""}
-    eager_grads = eager[(eager["step"] == 1) & (eager["kind"] == "param_grad")].reset_index(drop=True)
-    assert compiled_step[compiled_step["kind"] == "param_grad"].reset_index(drop=True).equals(eager_grads)
+    # A compiled step: every row of the eager run, computed in the graph
+    # (this backend runs the graph's ops eagerly: the same values).
+    compiled_step = rows[rows["step"] == 1].reset_index(drop=True)
+    assert compiled_step.equals(eager[eager["step"] == 1].reset_index(drop=True))
     assert loaded.steps["grad_norm"].tolist() == amp_postmortem.load_run(eager_run).steps["grad_norm"].tolist()
 
 
@@ -113,7 +112,10 @@ def test_eager_full_steps_off_keeps_every_step_compiled(tmp_path):
     _, _, graphs = _train(TinyNet(), batches(STEPS), _recorder(run, eager_full_steps=False), compile_="after")
     assert graphs == [1, 1, 1, 1]  # step 0, full tier, compiled too
     rows = _rows(run)
-    assert set(rows.loc[rows["kind"] == "activation", "name"]) == {""}
+    # The graph's cheap rows on every step, the full tier's own included.
+    names = {n for n, _ in canonical_modules(TinyNet())}
+    for step in range(STEPS):
+        assert set(rows.loc[(rows["step"] == step) & (rows["kind"] == "activation"), "name"]) == names
     assert amp_postmortem.load_run(run).manifest["compiled"]["eager_steps"] == "none (eager_full_steps=False)"
 
 

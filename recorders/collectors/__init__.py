@@ -11,7 +11,10 @@
   the end of each backward pass, the optimizer's pre-step hook;
 - `recompute.CheckpointRecompute`: a reentrant checkpoint's recomputation,
   where its region's backward hooks are set;
-- `autocast.AutocastWatch`: what autocast really ran.
+- `autocast.AutocastWatch`: what autocast really ran;
+- `graph_stats.GraphStats`: the cheap rows of modules traced into a
+  compiled graph, computed there (what the hooks above run while dynamo
+  traces them).
 
 Every hook only enqueues device work and appends host-side metadata;
 nothing here reads a device value.

@@ -40,9 +40,13 @@ class AutocastWatch:
         self._from_child = False  # the root's children have told what ran
         self._children_ran = False  # ... in the step in progress
 
-    def register(self, model, handles: list) -> None:
+    def register(self, model, handles: list, graph=None) -> None:
+        """`graph`: the in-graph statistics (`graph_stats.GraphStats`),
+        which read autocast where dynamo traces the children."""
         for child in unwrap(model).children():
-            handles.append(child.register_forward_pre_hook(self.shared.guard(self._on_child_pre)))
+            hook = self.shared.guard(self._on_child_pre) if graph is None else \
+                self.shared.guard(self._on_child_pre, in_graph=graph.child_pre)
+            handles.append(child.register_forward_pre_hook(hook))
 
     def at_first_forward(self) -> None:
         if self.autocast is None:

@@ -14,6 +14,7 @@ from ..layout import local
 from ..stats import CHEAP_WIDTH, FULL_WIDTH, float_tensors, pad_row
 from .autocast import AutocastWatch
 from .backward import BackwardCollector, input_edges
+from .graph_stats import GraphStats
 from .recompute import CheckpointRecompute
 from .state import CallContext, Shared, TensorInfo, in_backward
 
@@ -26,8 +27,9 @@ class ForwardCollector:
 
     def __init__(self, shared: Shared, *, model, modules: dict, watched: list, params: list,
                  sharded, backward: BackwardCollector, recompute: CheckpointRecompute,
-                 autocast: AutocastWatch, flat_views=()):
+                 autocast: AutocastWatch, flat_views=(), graph: GraphStats | None = None):
         self.shared = shared
+        self.graph = graph  # the in-graph rows of compiled modules (None: none)
         self.model = model
         self.modules = modules
         self.watched = watched
@@ -41,14 +43,21 @@ class ForwardCollector:
         self._root_runs = False  # the root's own forward has run (it opens micro-batches)
 
     def register(self, handles: list) -> None:
-        guard = self.shared.guard
+        graph = self.graph
+
+        def guard(fn, in_graph=None):
+            # While dynamo traces, a hook runs the in-graph statistics in
+            # place of its eager body (collectors.graph_stats).
+            return self.shared.guard(fn) if graph is None else self.shared.guard(fn, in_graph=in_graph)
         handles.append(self.model.register_forward_pre_hook(
-            guard(self._on_root_pre), with_kwargs=True, prepend=True))
-        self.autocast.register(self.model, handles)
+            guard(self._on_root_pre, graph and graph.root_pre), with_kwargs=True, prepend=True))
+        self.autocast.register(self.model, handles, graph)
         for name in self.watched:
             m = self.modules[name]
-            handles.append(m.register_forward_pre_hook(guard(self._make_pre(name, m)), with_kwargs=True))
-            handles.append(m.register_forward_hook(guard(self._make_post(name, m)), with_kwargs=True))
+            handles.append(m.register_forward_pre_hook(
+                guard(self._make_pre(name, m), graph and graph.module_pre(name)), with_kwargs=True))
+            handles.append(m.register_forward_hook(
+                guard(self._make_post(name, m), graph and graph.module_post(name)), with_kwargs=True))
         # Registered last, so it runs after the root's own post-hook above;
         # always_call: a forward that raises still ends the root's forward.
         handles.append(self.model.register_forward_hook(
@@ -121,8 +130,12 @@ class ForwardCollector:
             self._model_input_rows(st, args, kwargs)
             self.shared.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs,
                                                      self.autocast.autocast)
-            return
-        self._start_micro_batch(st, args, kwargs, from_root=True)
+        else:
+            self._start_micro_batch(st, args, kwargs, from_root=True)
+        if st.graph_anchor is None:
+            # A compiled model's graph runs inside this eager root call:
+            # its forward rows come after the inputs' (step_rows).
+            st.graph_anchor = st.fwd_order
 
     def _start_micro_batch(self, st, args, kwargs, from_root):
         """A micro-batch starts at the root's forward or, when the root's

@@ -75,6 +75,11 @@ class StepState:
         self.in_forward = 0  # depth of root forwards being recorded (checkpointing's no_grad regions count)
         self.param_values: list[tuple] = []
         self.device = None
+        # Compiled modules: the in-graph statistics' buffer of the step
+        # (graph_stats.GraphStats.take; None: no graph wrote it), and the
+        # forward order of the eager row a graph's forward rows come before.
+        self.graph_values = None
+        self.graph_anchor = None
 
 
 class TensorInfo:

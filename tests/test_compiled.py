@@ -1,0 +1,194 @@
+"""Per-module rows inside compiled graphs (`recorders/collectors/graph_stats.py`),
+with inductor, the recorder attached before and after `torch.compile`: every
+recorded step has eager's set of (name, kind) rows, dynamo's counters stay
+clean after warm-up (no graph break, no new graph on full-tier steps or in
+a `paused()` pass), the training is the same job's without the recorder, a
+planted Inf is found at its layer, and bf16 autocast is read from the graph.
+
+Inductor compiles take tens of seconds on 2 cores: one compiled job per
+attach mode and one without the recorder, shared by the module's tests."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+import amp_postmortem
+from recorders import AmpRecorder
+from recorders.collectors.graph_stats import GraphStats
+from recorders.graph_rows import graph_rows, with_graph_rows
+from tiny_models import TinyNet, batches
+
+STEPS = 6
+FULL_EVERY = 4  # steps 0 and 4 full (eager), the others compiled
+PAUSED_AT = 2  # a paused forward pass (gradients on) in this step
+PLANT_AT = 5  # an Inf planted in blocks.1.mlp.0's weight before this step's forward
+PLANTED = "blocks.1.mlp.0"
+
+
+def _job(attach, run, backend="inductor"):
+    """(losses, graph breaks, frames compiled after each step, unique graphs
+    after each step) of a bf16 autocast job on TinyNet."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rec = None
+    if attach == "before":
+        rec = AmpRecorder(run, model, optimizer=opt, full_every=FULL_EVERY)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter) if attach != "eager" else model
+    if attach in ("after", "eager"):
+        rec = AmpRecorder(run, compiled, optimizer=opt, full_every=FULL_EVERY)
+    losses, frames, graphs = [], [], []
+    for step, (x, y) in enumerate(batches(STEPS)):
+        if step == PLANT_AT:
+            with torch.no_grad():
+                model.blocks[1].mlp[0].weight[3, 5] = math.inf
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ((compiled(x).float() - y) ** 2).mean()
+        if step == PAUSED_AT and rec is not None:
+            with rec.paused(), torch.autocast("cpu", dtype=torch.bfloat16):
+                compiled(x)  # an eval pass with gradients enabled: not recorded
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rec is not None:
+            rec.step(loss)
+        losses.append(loss.item())
+        frames.append(counter.frame_count)
+        graphs.append(counters["stats"]["unique_graphs"])
+    breaks = dict(counters["graph_break"])
+    if rec is not None:
+        rec.close()
+    return losses, breaks, frames, graphs
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compiled")
+    out = {"plain": _job("plain", None)}
+    for attach in ("eager", "after", "before"):
+        out[attach] = (root / attach, *_job(attach, root / attach))
+    return out
+
+
+def _pairs(run, step):
+    rows = amp_postmortem.load_run(run).scan_tensors(["step", "name", "kind"], steps=[step])
+    return set(zip(rows["name"], rows["kind"]))
+
+
+@pytest.mark.parametrize("attach", ["after", "before"])
+def test_every_recorded_step_has_eagers_rows(jobs, attach):
+    run, eager = jobs[attach][0], jobs["eager"][0]
+    for step in range(STEPS):
+        want = _pairs(eager, step)
+        if attach == "before" and step == 0:
+            # Attached before compiling, the recorder learns of the graph
+            # when its first step ends: that full-tier step ran compiled,
+            # with the graph's cheap rows and no `param` (weight) rows.
+            want = {(name, kind) for name, kind in want if kind != "param"}
+        assert _pairs(run, step) == want, step
+    compiled_step = amp_postmortem.load_run(run).scan_tensors(["step", "name", "kind", "call"], steps=[1])
+    kinds = set(compiled_step["kind"])
+    assert {"input", "activation", "grad_output", "grad_input", "param_grad", "loss"} <= kinds
+    assert set(compiled_step["call"]) == {0}
+
+
+@pytest.mark.parametrize("attach", ["after", "before"])
+def test_compiled_rows_equal_eager_rows_of_the_same_values(jobs, attach):
+    """Step 1 computes from the same weights in both runs (step 0 ran
+    eagerly in the compiled runs too); inductor rounds its fused kernels
+    its own way, so values are compared loosely, sizes and dtypes exactly."""
+    cols = ["name", "kind", "numel", "dtype", "absmax", "nan_count", "inf_count"]
+    run, eager = jobs[attach][0], jobs["eager"][0]
+    got = amp_postmortem.load_run(run).scan_tensors(["step", *cols], steps=[1]).set_index(["name", "kind"])
+    want = amp_postmortem.load_run(eager).scan_tensors(["step", *cols], steps=[1]).set_index(["name", "kind"])
+    got = got.loc[want.index]
+    assert got["numel"].tolist() == want["numel"].tolist()
+    assert got["dtype"].tolist() == want["dtype"].tolist()
+    assert (got["nan_count"] + got["inf_count"]).sum() == 0
+    assert ((got["absmax"] - want["absmax"]).abs() <= 0.05 * want["absmax"] + 1e-3).all()
+
+
+@pytest.mark.parametrize("attach", ["after", "before"])
+def test_no_graph_break_and_no_recompilation_after_warm_up(jobs, attach):
+    _, _, breaks, frames, graphs = jobs[attach]
+    _, plain_breaks, plain_frames, _ = jobs["plain"]
+    assert breaks == plain_breaks == {}
+    # Compiled by step 1 (step 0 is full tier: eager when attached after);
+    # the eager full-tier step 4, the paused pass of step 2 and the planted
+    # Inf compile nothing new.
+    assert len(set(frames[1:])) == 1 and len(set(graphs[1:])) == 1, (frames, graphs)
+    assert len(set(plain_frames)) == 1
+
+
+@pytest.mark.parametrize("attach", ["after", "before"])
+def test_training_is_the_jobs_without_the_recorder(jobs, attach):
+    losses, plain = jobs[attach][1], jobs["plain"][0]
+    # The recorder's statistics only read the tensors; where inductor fuses
+    # them into its kernels the training's bits may move (see FORMAT.md):
+    # up to the planted step, the losses agree to bf16's resolution.
+    assert losses[:PLANT_AT] == pytest.approx(plain[:PLANT_AT], rel=2 ** -7)
+    assert not math.isfinite(losses[PLANT_AT]) and not math.isfinite(plain[PLANT_AT])
+
+
+@pytest.mark.parametrize("attach", ["after", "before"])
+def test_a_planted_inf_is_found_at_its_layer(jobs, attach):
+    report = amp_postmortem.nans(jobs[attach][0])
+    assert report.first_nonfinite_step == PLANT_AT
+    assert report.origins["forward"].name == PLANTED
+
+
+@pytest.mark.parametrize("attach", ["after", "before"])
+def test_paused_passes_are_not_recorded(jobs, attach):
+    run = amp_postmortem.load_run(jobs[attach][0])
+    rows = run.scan_tensors(["step", "name", "kind", "numel"], steps=[PAUSED_AT - 1, PAUSED_AT])
+    a = rows[rows["step"] == PAUSED_AT - 1].set_index(["name", "kind"])["numel"]
+    b = rows[rows["step"] == PAUSED_AT].set_index(["name", "kind"])["numel"]
+    assert b.loc[a.index].tolist() == a.tolist()
+    assert run.steps["micro_batches"].tolist() == [1] * STEPS
+
+
+@pytest.mark.parametrize("attach", ["after", "before"])
+def test_bf16_autocast_is_read_under_compile(jobs, attach):
+    manifest = amp_postmortem.load_run(jobs[attach][0]).manifest
+    assert manifest["autocast"]["enabled"] is True
+    assert manifest["autocast"]["dtype"] == "bfloat16"
+    assert manifest["compiled"]["detected"] is True
+
+
+def test_graph_rows_are_ranked_among_the_eager_rows():
+    """Host side, no compile: a written buffer becomes rows whose orders
+    interleave with the eager rows (inputs first, the graph, the eager
+    root; the gradient reaching the eager root, the graph's backward, the
+    parameter gradients)."""
+    import numpy as np
+    stats = GraphStats(["", "a"], device="cpu")
+    buf = stats.buffer
+    act = stats.index[("a", "activation")]
+    buf[act, [0, 4, 5, 6, 7, 8]] = torch.tensor([2.0, 1, 6, 2, 2, 1], dtype=torch.float64)
+    stats.grads[stats.index[("a", "grad_output")]][[0, 2, 4, 5, 7]] = torch.tensor(
+        [1.0, 1, 1, 6, 2], dtype=torch.float64)
+    stats.grads[stats.index[("a", "grad_input")]][[0, 4, 5, 7]] = torch.tensor([1.0, 1, 4, 2], dtype=torch.float64)
+    stats.ran = True
+    values = stats.take().numpy()
+    assert stats.take() is None and float(buf.abs().sum()) == 0
+    gmeta, grows, _ = graph_rows(stats, values, 4)
+    eager_meta = [("<input>", "input", "forward", 0, 0, "float32", 4, None),
+                  ("", "activation", "forward", 1, 0, "float32", 2, None),
+                  ("", "grad_output", "backward", 0, 0, "float32", 2, None),
+                  ("w", "param_grad", "backward", 1, 0, "float32", 6, None)]
+    meta, rows = with_graph_rows(eager_meta, np.zeros((4, 4)), gmeta, grows, fwd_anchor=1)
+    order = {(m[0], m[1]): m[3] for m in meta}
+    assert order == {("<input>", "input"): 0, ("a", "activation"): 1, ("", "activation"): 2,
+                     ("", "grad_output"): 0, ("a", "grad_output"): 1, ("a", "grad_input"): 2,
+                     ("w", "param_grad"): 3}
+    grad_input = rows[[i for i, m in enumerate(meta) if m[1] == "grad_input"][0]]
+    assert grad_input[3] == 1.0  # its output's gradient held one Inf
+    assert [m[5] for m in meta if m[0] == "a"] == ["bfloat16"] * 3
