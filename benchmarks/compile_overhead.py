@@ -9,12 +9,14 @@ inductor. Variants, each its own identical copy of the model:
 - `compiled_again`: the same, a second copy: how far two compiled copies
   agree with each other (inductor's own run-to-run determinism);
 - `after`:    the recorder attached to the compiled module;
-- `before`:   the recorder attached to the model, then compiled.
+- `before`:   the recorder attached to the model, then compiled;
+- `before_rows`: the same with `compiled_rows=True` (every module's cheap
+  rows computed inside the graph on every step).
 
 The recorder keeps its defaults (cheap tier every step, full tier every 100
-steps): compiled steps record the cheap tier's rows of every module, computed
-inside the graph (`recorders/collectors/graph_stats.py`), the loss and the
-parameter gradients; full-tier steps run eagerly (none among the measured
+steps): compiled steps record the loss and the parameter gradients and, in
+`before_rows`, the cheap tier's rows of every module, computed inside the
+graph (`recorders/collectors/graph_stats.py`); full-tier steps run eagerly (none among the measured
 rounds). Rounds interleave the variants in a shuffled order after warm-up
 (compilation); reported: median step time, its ratio to `compiled` (the
 budget: at most `BUDGET`), the graphs compiled after warm-up
@@ -38,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-VARIANTS = ("compiled", "compiled_again", "after", "before")
+VARIANTS = ("compiled", "compiled_again", "after", "before", "before_rows")
 BUDGET = 1.10  # the recorder's compiled step, at most this times the compiled step without it
 FULL_SIZE = dict(vocab=2048, d_model=256, n_layers=4, n_heads=4, seq=128, batch=16)
 SMOKE_SIZE = dict(vocab=64, d_model=32, n_layers=1, n_heads=2, seq=16, batch=2)
@@ -54,8 +56,9 @@ class Job:
         self.counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
         self.rec = None
         from recorders import AmpRecorder
-        if variant == "before":
-            self.rec = AmpRecorder(run_dir / variant, model, optimizer=self.opt)
+        if variant in ("before", "before_rows"):
+            self.rec = AmpRecorder(run_dir / variant, model, optimizer=self.opt,
+                                   compiled_rows=variant == "before_rows")
         self.model = torch.compile(model, backend=self.counter)
         if variant == "after":
             self.rec = AmpRecorder(run_dir / variant, self.model, optimizer=self.opt)

@@ -35,7 +35,8 @@ def model_device(model):
 
 class TrainingHooks:
     """The hooks on the model, its parameters and the optimizer, and the
-    state of the step in progress.
+    state of the step in progress. `compiled_rows`: the cheap rows of
+    modules traced into a compiled graph are computed there (`GraphStats`).
 
     `guard(fn)` wraps every hook (the recorder's: an exception turns
     recording off, never the training), `guard_call(fn, a, b)` the
@@ -51,7 +52,7 @@ class TrainingHooks:
     def __init__(self, model, *, optimizer, scaler, watched: list[str],
                  watch_param, near_overflow: float, guard, guard_call, bundles, on_autocast,
                  modules: dict | None = None, params: list | None = None, sharded=frozenset(),
-                 late_grads=frozenset(), flat_views=(), probe=None, probed=(), probe_leaves=(), on_probe_error=None):
+                 late_grads=frozenset(), flat_views=(), compiled_rows=True, probe=None, probed=(), probe_leaves=(), on_probe_error=None):
         self.model = model
         self.shared = Shared(near_overflow=near_overflow, guard=guard, guard_call=guard_call, bundles=bundles)
         # name -> module to hook: the unwrapped modules; the root ("") is
@@ -69,7 +70,7 @@ class TrainingHooks:
         self.autocast_watch = AutocastWatch(self.shared, on_autocast, active=lambda: self.forward.active())
         # The rows of modules traced into a compiled graph: one slot each,
         # bound now (a hook added after the first compiled call never runs).
-        self.graph = GraphStats(watched, device=model_device(model))
+        self.graph = GraphStats(watched, device=model_device(model), rows=compiled_rows)
         self.forward = ForwardCollector(
             self.shared, model=model, modules=modules, watched=watched, params=params,
             sharded=set(sharded), backward=self.backward, recompute=self.recompute,

@@ -72,6 +72,11 @@ COMPILED_STEPS_RECORD = (
     "per module and kind (call 0: a module's calls merged), min/max/mean/rms and the shares null; "
     "loss, loss scale, skipped, parameter gradients (param_grad rows, grad_norm) as eager")
 
+COMPILED_STEPS_WITHOUT_ROWS = (
+    "loss, loss scale, skipped, parameter gradients (param_grad rows, grad_norm) and, with the "
+    "recorder attached to the compiled module, the model's inputs and outputs (compiled_rows=False: "
+    "no statistic inside the graph)")
+
 
 class AmpRecorder:
     """Record per-step scalars and per-layer statistics of a training job.
@@ -138,6 +143,19 @@ class AmpRecorder:
             with eager rounding, which a backend like inductor may not
             share. False: every step stays compiled (the cheap tier's rows,
             computed in the graph: `collectors.graph_stats`).
+        compiled_rows: with a compiled model, True computes the cheap
+            tier's rows of every watched module inside the compiled graph on
+            every recorded step (`collectors.graph_stats`). Off by default:
+            on the CPU it costs 2.5x the compiled step of the benchmark GPT
+            (`benchmarks/RESULTS.md`), and the statistics, which read
+            tensors only, give the compiler more consumers of them, which
+            can change its fusion and so the training's rounding by a bit
+            (as `eager_full_steps` does on full-tier steps). False: no
+            statistic in the graph; compiled steps carry the loss, the loss
+            scale and the parameter gradients, and per-module rows come from
+            the eager full-tier steps. With `eager_full_steps=False` too the
+            training is bit-identical to the compiled job's without the
+            recorder.
         probe: the op probe, off by default: glob patterns of module names
             (`["blocks.*.attn"]`) or a `ProbeOptions` (`recorders.options`,
             its options documented there). While a probed module's forward
@@ -181,7 +199,7 @@ class AmpRecorder:
                  storage: StorageOptions | None = None, writer: WriterOptions | None = None,
                  on_event=None, include=("*",), exclude=(), near_overflow: float = schema.FP16_MAX,
                  rank: int | None = None, world_size: int | None = None, run_id: str | None = None,
-                 capture_loss: bool = True, eager_full_steps: bool = True, probe=None,
+                 capture_loss: bool = True, eager_full_steps: bool = True, compiled_rows: bool = False, probe=None,
                  cheap_every=UNSET, full_every=UNSET, full_after_event=UNSET,
                  steps_per_shard=UNSET, flush_interval_s=UNSET, durable_interval_s=UNSET, max_queue=UNSET,
                  bundle_triggers=UNSET, bundle_steps=UNSET, max_bundles=UNSET, max_bundle_bytes=UNSET,
@@ -216,6 +234,7 @@ class AmpRecorder:
         self.include = tuple([include] if isinstance(include, str) else include)
         self.exclude = tuple([exclude] if isinstance(exclude, str) else exclude)
         self.eager_full_steps = bool(eager_full_steps)
+        self.compiled_rows = bool(compiled_rows)
         self._enabled = True
         self._closed = False
         self._failure: BaseException | None = None
@@ -331,7 +350,7 @@ class AmpRecorder:
         writing = parts.writer
         options = {"include": list(self.include), "exclude": list(self.exclude), **self.schedule.config(),
                    "steps_per_shard": writing.steps_per_shard, "near_overflow": float(near_overflow),
-                   "eager_full_steps": self.eager_full_steps,
+                   "eager_full_steps": self.eager_full_steps, "compiled_rows": self.compiled_rows,
                    "flush_interval_s": writing.flush_interval_s, "durable_interval_s": writing.durable_interval_s}
         if parts.probe is not None:
             options["probe"] = {**parts.probe.config(), "probed": probed}
@@ -358,7 +377,7 @@ class AmpRecorder:
         self.hooks = TrainingHooks(
             model, optimizer=optimizer, scaler=scaler, watched=watched, modules=dict(modules),
             params=params, sharded=sharded, late_grads=fsdp1_sharded_params(model, sharded_only=False),
-            flat_views=flat_views,
+            flat_views=flat_views, compiled_rows=self.compiled_rows,
             watch_param=self._matches,
             near_overflow=float(near_overflow), guard=self._guard, guard_call=self._guard_call,
             bundles=self.bundles, probe=parts.probe, probed=probed, probe_leaves=probe_leaves,
@@ -573,7 +592,8 @@ class AmpRecorder:
     def _note_compiled(self) -> None:
         if not self.compiled:
             return
-        info = {"detected": True, "compiled_steps": COMPILED_STEPS_RECORD,
+        info = {"detected": True,
+                "compiled_steps": COMPILED_STEPS_RECORD if self.compiled_rows else COMPILED_STEPS_WITHOUT_ROWS,
                 "eager_steps": ("full-tier steps run eagerly (torch.compiler.set_stance('force_eager')) "
                                 "and carry every row of an eager run, computed with eager rounding"
                                 if self.eager_full_steps else "none (eager_full_steps=False)")}

@@ -30,7 +30,7 @@ PLANT_AT = 5  # an Inf planted in blocks.1.mlp.0's weight before this step's for
 PLANTED = "blocks.1.mlp.0"
 
 
-def _job(attach, run, backend="inductor"):
+def _job(attach, run, backend="inductor", **options):
     """(losses, graph breaks, frames compiled after each step, unique graphs
     after each step) of a bf16 autocast job on TinyNet."""
     torch._dynamo.reset()
@@ -39,12 +39,13 @@ def _job(attach, run, backend="inductor"):
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     rec = None
+    options.setdefault("compiled_rows", True)  # off by default: the rows in the graph are what is tested
     if attach == "before":
-        rec = AmpRecorder(run, model, optimizer=opt, full_every=FULL_EVERY)
+        rec = AmpRecorder(run, model, optimizer=opt, full_every=FULL_EVERY, **options)
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter) if attach != "eager" else model
     if attach in ("after", "eager"):
-        rec = AmpRecorder(run, compiled, optimizer=opt, full_every=FULL_EVERY)
+        rec = AmpRecorder(run, compiled, optimizer=opt, full_every=FULL_EVERY, **options)
     losses, frames, graphs = [], [], []
     for step, (x, y) in enumerate(batches(STEPS)):
         if step == PLANT_AT:
@@ -192,3 +193,23 @@ def test_graph_rows_are_ranked_among_the_eager_rows():
     grad_input = rows[[i for i, m in enumerate(meta) if m[1] == "grad_input"][0]]
     assert grad_input[3] == 1.0  # its output's gradient held one Inf
     assert [m[5] for m in meta if m[0] == "a"] == ["bfloat16"] * 3
+
+
+def test_compiled_rows_off_puts_no_statistic_in_the_graph_and_changes_no_bit(jobs, tmp_path):
+    """`compiled_rows=False` with `eager_full_steps=False`: the inductor job
+    trains to the bit as the same compiled job without the recorder (the
+    in-graph statistics, and eager full-tier steps, can change inductor's
+    rounding), and compiled steps keep the loss and the parameter
+    gradients, no module row."""
+    run = tmp_path / "off"
+    losses, breaks, frames, _ = _job("before", run, compiled_rows=False, eager_full_steps=False)
+    plain_losses = jobs["plain"][0]
+    assert losses[:PLANT_AT] == plain_losses[:PLANT_AT]
+    assert not breaks and frames[-1] == frames[1]
+    loaded = amp_postmortem.load_run(run)
+    assert loaded.manifest["recorder"]["compiled_rows"] is False
+    rows = loaded.scan_tensors(["step", "name", "kind"])
+    for step in range(1, STEPS):
+        kinds = set(rows.loc[rows["step"] == step, "kind"])
+        assert "param_grad" in kinds and "loss" in kinds
+        assert not kinds & {"activation", "grad_output", "grad_input"}, (step, kinds)

@@ -78,7 +78,7 @@ def test_compiled_model_records_without_graph_breaks_or_recompiles(attach, eager
     counters.clear()
     torch.manual_seed(0)
     run = tmp_path / "compiled"
-    recorded = _train(TinyNet(), batches(STEPS), _recorder(run), compile_=attach)
+    recorded = _train(TinyNet(), batches(STEPS), _recorder(run, compiled_rows=True), compile_=attach)
 
     assert recorded[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(recorded[1], plain[1]))
     assert dict(counters["graph_break"]) == plain_breaks == {}
@@ -109,7 +109,8 @@ def test_eager_full_steps_off_keeps_every_step_compiled(tmp_path):
     torch._dynamo.reset()
     torch.manual_seed(0)
     run = tmp_path / "compiled"
-    _, _, graphs = _train(TinyNet(), batches(STEPS), _recorder(run, eager_full_steps=False), compile_="after")
+    _, _, graphs = _train(TinyNet(), batches(STEPS), _recorder(run, eager_full_steps=False, compiled_rows=True),
+                          compile_="after")
     assert graphs == [1, 1, 1, 1]  # step 0, full tier, compiled too
     rows = _rows(run)
     # The graph's cheap rows on every step, the full tier's own included.

@@ -105,7 +105,7 @@ def test_parts_and_the_equivalent_flat_keywords_record_the_same_options(tmp_path
     # the format as before parts existed: the same keys, in the same order
     options = _recorder_options(tmp_path / "parts")
     assert list(options) == ["include", "exclude", "cheap_every", "full_every", "full_after_event",
-                             "steps_per_shard", "near_overflow", "eager_full_steps", "flush_interval_s",
+                             "steps_per_shard", "near_overflow", "eager_full_steps", "compiled_rows", "flush_interval_s",
                              "durable_interval_s", "bundles"]
     assert options["bundles"] == {
         "bundles": True, "bundle_triggers": ["skipped", "scale_low"], "bundle_steps": [1], "max_bundles": 2,

@@ -98,9 +98,12 @@ def write(row, gate, t, counter=None, input_bad=None) -> None:
 
 class GraphStats:
     """`watched`: the watched module names ("" the model); `device`: where
-    the buffers live (the model's parameters')."""
+    the buffers live (the model's parameters'); `rows` False: no module's
+    statistics in the graph (`AmpRecorder(compiled_rows=False)`), only the
+    micro-batches and the autocast state, which read no training tensor."""
 
-    def __init__(self, watched: list[str], device):
+    def __init__(self, watched: list[str], device, rows: bool = True):
+        self.rows = rows
         self.slots: list[tuple[str, str]] = [(schema.INPUT_NAME, "input")]
         self.index: dict[tuple[str, str], int] = {}
         for name in watched:
@@ -204,6 +207,8 @@ class GraphStats:
         self.ran = True
         self.buffer[-1, MICRO_BATCHES].add_(self.gate)
         self.note_autocast()
+        if not self.rows:
+            return None
         for t in float_tensors((args, kwargs)):
             self.write(0, t)
         return None
@@ -214,6 +219,8 @@ class GraphStats:
         return None
 
     def module_pre(self, name: str):
+        if not self.rows:
+            return None  # the module's hook returns at once while dynamo traces
         act, grad_in = self.index[(name, "activation")], self.index[(name, "grad_input")]
 
         def pre(module, args, kwargs):
@@ -224,6 +231,8 @@ class GraphStats:
         return pre
 
     def module_post(self, name: str):
+        if not self.rows:
+            return None
         act, grad_out = self.index[(name, "activation")], self.index[(name, "grad_output")]
 
         def post(module, args, kwargs, output):
