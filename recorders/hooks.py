@@ -52,7 +52,7 @@ class TrainingHooks:
     def __init__(self, model, *, optimizer, scaler, watched: list[str],
                  watch_param, near_overflow: float, guard, guard_call, bundles, on_autocast,
                  modules: dict | None = None, params: list | None = None, sharded=frozenset(),
-                 late_grads=frozenset(), flat_views=(), compiled_rows=True, probe=None, probed=(), probe_leaves=(), on_probe_error=None):
+                 late_grads=frozenset(), flat_views=(), compiled_rows=False, probe=None, probed=(), probe_leaves=(), on_probe_error=None):
         self.model = model
         self.shared = Shared(near_overflow=near_overflow, guard=guard, guard_call=guard_call, bundles=bundles)
         # name -> module to hook: the unwrapped modules; the root ("") is

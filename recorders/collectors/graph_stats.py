@@ -110,7 +110,9 @@ class GraphStats:
             self.index[(name, "activation")] = len(self.slots)
             self.slots.append((name, "activation"))
         self.grad_slots: list[tuple[str, str]] = []
-        for name in watched:
+        # Without module rows no probe writes a gradient slot: none are
+        # made, so each step's `take` copies and zeroes the last row only.
+        for name in (watched if rows else ()):
             for kind in ("grad_output", "grad_input"):
                 self.index[(name, kind)] = len(self.grad_slots)
                 self.grad_slots.append((name, kind))
