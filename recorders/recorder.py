@@ -138,15 +138,18 @@ class AmpRecorder:
             `step()` wins unless a captured one is NaN/Inf. False: only the
             loss passed.
         eager_full_steps: with a compiled model, run full-tier steps eagerly
-            (`torch.compiler.set_stance("force_eager")` for that step) so
-            they record the full tier's statistics; such a step computes
-            with eager rounding, which a backend like inductor may not
-            share. False: every step stays compiled (the cheap tier's rows,
-            computed in the graph: `collectors.graph_stats`).
+            (`torch.compiler.set_stance("force_eager")`, process-wide: held
+            during the model's forwards when the recorder is attached to
+            the compiled module, from the previous `step()` when attached
+            before compiling; see `_enter_tier`) so they record the full
+            tier's statistics; such a step computes with eager rounding,
+            which a backend like inductor may not share. False: every step
+            stays compiled (the cheap tier's rows, computed in the graph:
+            `collectors.graph_stats`).
         compiled_rows: with a compiled model, True computes the cheap
             tier's rows of every watched module inside the compiled graph on
             every recorded step (`collectors.graph_stats`). Off by default:
-            on the CPU it costs 2.5x the compiled step of the benchmark GPT
+            on the CPU it costs 1.26x the compiled step of the benchmark GPT
             (`benchmarks/RESULTS.md`), and the statistics, which read
             tensors only, give the compiler more consumers of them, which
             can change its fusion and so the training's rounding by a bit
@@ -241,6 +244,10 @@ class AmpRecorder:
         self._failed_at_step: int | None = None
         self._writing_step: int | None = None  # the step the writer thread is writing
         self._prior_stance = None  # the compiler stance to restore after an eager step
+        # Whether the next forwards of the model run eagerly (a full-tier step
+        # of a compiled model whose root's hooks run outside its graph).
+        self._eager_forwards = False
+        self._stance_handles: list = []
         self.compiled = False
         self.rank = int(rank or 0)
         self.world_size = int(world_size or 1)
@@ -399,6 +406,7 @@ class AmpRecorder:
         self.manifest.write()
         self.writer.start()
         self.hooks.register()
+        self._register_stance_hooks(model)
         if self.capture_loss:
             self.loss_tap = self._loss_tap(scaler)
         self._enter_tier(self.schedule.tier(0))
@@ -414,6 +422,10 @@ class AmpRecorder:
 
     def _unhook(self) -> None:
         self._leave_tier()
+        self._eager_forwards = False
+        for h in self._stance_handles:
+            h.remove()
+        self._stance_handles = []
         if self.hooks is not None:
             self.hooks.remove()
         if self.loss_tap is not None:
@@ -556,6 +568,7 @@ class AmpRecorder:
         loss = step_loss(taken, loss)
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else None
         self._leave_tier()
+        self._eager_forwards = False
         finished = self.hooks.end_step(loss_t)
         if not self.compiled and finished.record and (
                 finished.graph_values is not None or (finished.micro_batches == 0 and finished.param_grads)):
@@ -576,11 +589,43 @@ class AmpRecorder:
     def _enter_tier(self, tier) -> None:
         """A full-tier step of a compiled model runs eagerly, so that every
         module's hooks fire; compiled steps keep their graphs (a stance
-        change neither invalidates nor recompiles them)."""
-        if not (self.compiled and self.eager_full_steps and tier == "full") or self._prior_stance is not None:
+        change neither invalidates nor recompiles them).
+
+        The stance is the whole process's: every compiled function runs
+        eagerly while it holds. Where the root's hooks run outside the
+        compiled graph (the recorder attached to the compiled module), it
+        holds only during the root's forwards (`_register_stance_hooks`),
+        so that other compiled code (a compiled loss or optimizer step, an
+        EMA or evaluation model, another recorded job) keeps its graphs.
+        Attached before compiling, the root's hooks run inside the graph,
+        too late to choose it: the stance then holds from the previous
+        `step()` to this step's."""
+        full = self.compiled and self.eager_full_steps and tier == "full"
+        if self._stance_handles:
+            self._eager_forwards = full
+            return
+        if not full or self._prior_stance is not None:
             return
         from torch._dynamo import eval_frame
         self._prior_stance = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+
+    def _register_stance_hooks(self, model) -> None:
+        """The root's forwards of a full-tier step run eagerly: only for a
+        model compiled before it was attached whose own hooks run outside
+        the graph (an `OptimizedModule`, or a wrapper around one; not
+        `module.compile()`, whose hooks are compiled with it)."""
+        if not (self.compiled and self.eager_full_steps) or getattr(model, "_compiled_call_impl", None) is not None:
+            return
+
+        def enter(module, args):
+            if self._eager_forwards and self._prior_stance is None:
+                from torch._dynamo import eval_frame
+                self._prior_stance = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+
+        def leave(module, args, output):
+            self._leave_tier()
+        self._stance_handles = [model.register_forward_pre_hook(self._guard(enter, traced=False), prepend=True),
+                                model.register_forward_hook(self._guard(leave, traced=False), always_call=True)]
 
     def _leave_tier(self) -> None:
         if self._prior_stance is None:

@@ -213,3 +213,79 @@ def test_compiled_rows_off_puts_no_statistic_in_the_graph_and_changes_no_bit(job
         kinds = set(rows.loc[rows["step"] == step, "kind"])
         assert "param_grad" in kinds and "loss" in kinds
         assert not kinds & {"activation", "grad_output", "grad_input"}, (step, kinds)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_in_graph_statistics_are_the_eager_definitions_under_inductor(dtype):
+    """`graph_stats.write` compiled by inductor counts NaN and Inf exactly
+    and takes the largest finite magnitude, as `isnan`, `isinf` and
+    `nan_to_num` define them eagerly (the graph's formulation differs for
+    speed: comparisons and int32 sums); an all-non-finite tensor's maximum
+    is 0, and a planted value is found wherever it lies."""
+    from recorders.collectors import graph_stats
+    from recorders.graph_rows import ABSMAX, INF, NAN, NUMEL, WIDTH
+
+    def stats(t):
+        row = torch.zeros(WIDTH, dtype=torch.float64)
+        graph_stats.write(row, torch.ones((), dtype=torch.float64), t)
+        return row
+
+    compiled = torch.compile(stats, backend="inductor", fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    x = torch.randn(257, 131, generator=g).to(dtype)
+    cases.append(x)
+    y = x.clone()
+    y.view(-1)[[0, 77, 33000]] = float("nan")
+    y.view(-1)[[5, 9000]] = float("inf")
+    y.view(-1)[-1] = float("-inf")
+    y.view(-1)[123] = 60000.0 if dtype != torch.bfloat16 else 1e30
+    cases.append(y)
+    cases.append(torch.full((64,), float("nan"), dtype=dtype))
+    cases.append(torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=dtype))
+    for t in cases:
+        got = compiled(t)
+        assert got[NAN] == torch.isnan(t).sum().item()
+        assert got[INF] == torch.isinf(t).sum().item()
+        assert got[NUMEL] == t.numel()
+        want = torch.nan_to_num(t.abs().double(), nan=0.0, posinf=0.0, neginf=0.0).max().item()
+        assert got[ABSMAX].item() == want
+
+
+def test_full_tier_eager_forwards_leave_other_compiled_code_compiled(tmp_path):
+    """Attached to the compiled module, a full-tier step runs the model's
+    forwards eagerly (every module's rows) while every other compiled
+    function of the process (a compiled loss, an EMA or evaluation model,
+    another job) keeps running compiled, before, inside and after the
+    step: the compiler's stance is process-wide and is held only during the
+    root's forwards. The old recorder held it from one `step()` to the next
+    (and from construction), so `other` ran eagerly there."""
+    torch._dynamo.reset()
+
+    def probe(x):
+        # Traced by dynamo: the compiled branch; run eagerly: the other.
+        return x + 1 if torch.compiler.is_compiling() else x - 1
+
+    other = torch.compile(probe, backend="eager")
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    compiled = torch.compile(model, backend="eager")
+    rec = AmpRecorder(tmp_path / "run", compiled, optimizer=opt, full_every=2, compiled_rows=False)
+    z = torch.zeros(3)
+    ran_compiled = []
+    for step, (x, y) in enumerate(batches(4)):
+        ran_compiled.append(other(z)[0].item() == 1)
+        loss = ((compiled(x) - y) ** 2).mean()
+        ran_compiled.append(other(z)[0].item() == 1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rec.step(loss)
+        ran_compiled.append(other(z)[0].item() == 1)
+    rec.close()
+    assert all(ran_compiled), ran_compiled
+    rows = amp_postmortem.load_run(tmp_path / "run").scan_tensors(["step", "name", "kind"])
+    activations = rows[rows["kind"] == "activation"].groupby("step")["name"].nunique()
+    # Full-tier steps 0 and 2 ran eagerly: every watched module's rows.
+    assert activations.get(0, 0) == activations.get(2, 0) > 1

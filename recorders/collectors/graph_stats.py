@@ -32,6 +32,8 @@ rows (`recorders.graph_rows`, where the buffer's layout is defined).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import schema
@@ -69,6 +71,21 @@ class Probe(torch.autograd.Function):
         return grad, None, None
 
 
+_INT32_MAX = 2 ** 31 - 1
+
+
+def nonfinite_counts(d):
+    """The NaN and Inf counts of `d` as graph operations: `d != d` and
+    `|d| == inf`, summed in int32 (int64 past int32's range: the shape
+    decides, at trace time). Written so because inductor's CPU code for
+    `isnan(d).sum()` and `isinf(d).sum()` (int64 sums of the masks) is not
+    vectorised: on the benchmark GPT those counts were most of the 2.5x
+    the in-graph rows cost, the comparisons and int32 sums fuse into the
+    one pass that also takes the maximum (`benchmarks/RESULTS.md`)."""
+    dtype = torch.int32 if d.numel() <= _INT32_MAX else torch.int64
+    return (d != d).sum(dtype=dtype), (d.abs() == math.inf).sum(dtype=dtype)
+
+
 def write(row, gate, t, counter=None, input_bad=None) -> None:
     """Add the cheap statistics of `t` to `row` (a buffer row), times
     `gate` (tensor ops only); `counter`: advanced, and its value kept as
@@ -78,9 +95,9 @@ def write(row, gate, t, counter=None, input_bad=None) -> None:
     # The same definitions as the eager rows (`stats._device_stats`):
     # counts of NaN and Inf, the largest finite magnitude; one pass over
     # `d` once the compiler fuses the three reductions.
-    nan = torch.isnan(d).sum()
-    inf = torch.isinf(d).sum()
-    top = torch.nan_to_num(d.abs(), nan=0.0, posinf=0.0, neginf=0.0).amax()
+    nan, inf = nonfinite_counts(d)
+    a = d.abs()
+    top = torch.where(a < math.inf, a, 0).amax()
     zero = torch.zeros((), dtype=torch.float64, device=row.device)
     bad = input_bad if input_bad is not None else zero
     if counter is not None:
@@ -164,8 +181,8 @@ class GraphStats:
             return
         bad = None
         for t in tensors:
-            d = t.detach()
-            n = (torch.isnan(d).sum() + torch.isinf(d).sum()).to(torch.float64)
+            nan, inf = nonfinite_counts(t.detach())
+            n = (nan + inf).to(torch.float64)
             bad = n if bad is None else bad + n
         row[INPUT_BAD].add_(bad * gate)
 
