@@ -220,8 +220,9 @@ def test_in_graph_statistics_are_the_eager_definitions_under_inductor(dtype):
     """`graph_stats.write` compiled by inductor counts NaN and Inf exactly
     and takes the largest finite magnitude, as `isnan`, `isinf` and
     `nan_to_num` define them eagerly (the graph's formulation differs for
-    speed: comparisons and int32 sums); an all-non-finite tensor's maximum
-    is 0, and a planted value is found wherever it lies."""
+    speed: comparisons and int32 sums), as does the inputs' NaN/Inf total;
+    an all-non-finite tensor's maximum is 0, and a planted value is found
+    wherever it lies."""
     from recorders.collectors import graph_stats
     from recorders.graph_rows import ABSMAX, INF, NAN, NUMEL, WIDTH
 
@@ -231,6 +232,7 @@ def test_in_graph_statistics_are_the_eager_definitions_under_inductor(dtype):
         return row
 
     compiled = torch.compile(stats, backend="inductor", fullgraph=True)
+    compiled_total = torch.compile(graph_stats.nonfinite_total, backend="inductor", fullgraph=True)
     g = torch.Generator().manual_seed(3)
     cases = []
     x = torch.randn(257, 131, generator=g).to(dtype)
@@ -250,6 +252,7 @@ def test_in_graph_statistics_are_the_eager_definitions_under_inductor(dtype):
         assert got[NUMEL] == t.numel()
         want = torch.nan_to_num(t.abs().double(), nan=0.0, posinf=0.0, neginf=0.0).max().item()
         assert got[ABSMAX].item() == want
+        assert compiled_total(t).item() == (~torch.isfinite(t)).sum().item()
 
 
 def test_full_tier_eager_forwards_leave_other_compiled_code_compiled(tmp_path):

@@ -86,6 +86,13 @@ def nonfinite_counts(d):
     return (d != d).sum(dtype=dtype), (d.abs() == math.inf).sum(dtype=dtype)
 
 
+def nonfinite_total(d):
+    """NaN and Inf together (`input_nonfinite`): the values whose magnitude
+    is not below inf, one comparison and one sum."""
+    dtype = torch.int32 if d.numel() <= _INT32_MAX else torch.int64
+    return (~(d.abs() < math.inf)).sum(dtype=dtype)
+
+
 def write(row, gate, t, counter=None, input_bad=None) -> None:
     """Add the cheap statistics of `t` to `row` (a buffer row), times
     `gate` (tensor ops only); `counter`: advanced, and its value kept as
@@ -181,8 +188,7 @@ class GraphStats:
             return
         bad = None
         for t in tensors:
-            nan, inf = nonfinite_counts(t.detach())
-            n = (nan + inf).to(torch.float64)
+            n = nonfinite_total(t.detach()).to(torch.float64)
             bad = n if bad is None else bad + n
         row[INPUT_BAD].add_(bad * gate)
 
