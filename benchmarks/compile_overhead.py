@@ -21,7 +21,9 @@ rounds). Rounds interleave the variants in a shuffled order after warm-up
 (compilation); reported: median step time, its ratio to `compiled` (the
 budget: at most `BUDGET`), the graphs compiled after warm-up
 (recompilations), the graph breaks and the tensor rows of the last step, per
-variant.
+variant; and the floor: one eager `aminmax` over every tensor the in-graph
+rows read, timed in the same rounds, as a ratio to `compiled`
+(`floor_aminmax`).
 
     python benchmarks/compile_overhead.py                  # ~5 min on 2 cores
     python benchmarks/compile_overhead.py --smoke          # seconds (eager backend)
@@ -67,11 +69,9 @@ class Job:
 
     def step(self, batch) -> float:
         import torch
-        import torch.nn.functional as F
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = self.model(batch[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, self.size["vocab"]), batch[:, 1:].reshape(-1))
+            loss = _loss_fn(self.size)(self.model, batch)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -82,6 +82,14 @@ class Job:
         return dt
 
 
+def _loss_fn(size: dict):
+    def loss_fn(model, batch):
+        import torch.nn.functional as F
+        logits = model(batch[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, size["vocab"]), batch[:, 1:].reshape(-1))
+    return loss_fn
+
+
 def measure(size: dict, backend: str, steps: int, warmup: int, seed: int) -> dict:
     import torch
     from torch._dynamo.utils import counters
@@ -89,6 +97,14 @@ def measure(size: dict, backend: str, steps: int, warmup: int, seed: int) -> dic
     batches = [torch.randint(0, size["vocab"], (size["batch"], size["seq"] + 1), generator=g)
                for _ in range(warmup + steps)]
     out = {}
+    # The floor: one eager aminmax over every tensor the in-graph rows read
+    # (each module's outputs, the gradients reaching them and handed to its
+    # inputs, the parameters' gradients), timed in the same rounds; the
+    # least any recorder of every value pays, in eager kernels.
+    import recorder_hot_path
+    tensors = recorder_hot_path.recorded_tensors(common.gpt_of(size), _loss_fn(size), batches[0], torch.bfloat16)
+    floor_pass = recorder_hot_path.reduction_pass(tensors, "aminmax")
+    floor_times: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         jobs = {v: Job(v, size, backend, Path(tmp), seed) for v in VARIANTS}
         breaks_before = sum(counters["graph_break"].values())
@@ -98,11 +114,17 @@ def measure(size: dict, backend: str, steps: int, warmup: int, seed: int) -> dic
         frames_warm = {v: jobs[v].counter.frame_count for v in VARIANTS}
         rng = random.Random(seed)
         for i in range(warmup, warmup + steps):
-            order = list(VARIANTS)
+            order = [*VARIANTS, None]
             rng.shuffle(order)
             for v in order:
-                jobs[v].times.append(jobs[v].step(batches[i]))
+                if v is None:
+                    floor_times.append(floor_pass())
+                else:
+                    jobs[v].times.append(jobs[v].step(batches[i]))
         base = common.median(jobs["compiled"].times)
+        floor_ms = common.median(floor_times) * 1e3 if floor_times else 0.0
+        out["floor_aminmax"] = {"tensors": len(tensors), "values": sum(t.numel() for t in tensors),
+                                "ms_per_step": floor_ms, "ratio": (base * 1e3 + floor_ms) / (base * 1e3)}
         for v, job in jobs.items():
             if job.rec is not None:
                 job.rec.close()
@@ -142,6 +164,10 @@ def main(argv=None) -> int:
     rows = [{"variant": v, **doc["variants"][v]} for v in VARIANTS]
     common.print_table(rows, ["variant", "median_ms", "ratio", "within_budget", "graphs_compiled",
                               "recompiles_after_warmup", "tensor_rows_last_step", "losses_identical_to_compiled"])
+    floor = doc["variants"]["floor_aminmax"]
+    print(f"floor: one eager aminmax over the {floor['tensors']} tensors the in-graph rows read "
+          f"({floor['values']} values): {floor['ms_per_step']:.1f} ms a step, ratio {floor['ratio']:.3f}",
+          file=sys.stderr)
     common.write_json(doc, args.json_path)
     return 0
 

@@ -181,7 +181,9 @@ def test_compile_overhead_smoke_reports_no_recompilation(tmp_path):
     assert compile_overhead.main(["--smoke", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     variants = doc["variants"]
-    assert set(variants) == {"compiled", "compiled_again", "after", "before", "before_rows", "graph_breaks_total"}
+    assert set(variants) == {"compiled", "compiled_again", "after", "before", "before_rows", "graph_breaks_total",
+                             "floor_aminmax"}
+    assert variants["floor_aminmax"]["tensors"] > 0 and variants["floor_aminmax"]["ratio"] > 1
     assert variants["graph_breaks_total"] == 0
     for v in compile_overhead.VARIANTS:
         assert variants[v]["recompiles_after_warmup"] == 0 and variants[v]["ratio"] > 0
