@@ -149,7 +149,7 @@ class AmpRecorder:
         compiled_rows: with a compiled model, True computes the cheap
             tier's rows of every watched module inside the compiled graph on
             every recorded step (`collectors.graph_stats`). Off by default:
-            on the CPU it costs 1.26x the compiled step of the benchmark GPT
+            on the CPU it costs 1.2x the compiled step of the benchmark GPT
             (`benchmarks/RESULTS.md`), and the statistics, which read
             tensors only, give the compiler more consumers of them, which
             can change its fusion and so the training's rounding by a bit
