@@ -292,3 +292,30 @@ def test_full_tier_eager_forwards_leave_other_compiled_code_compiled(tmp_path):
     activations = rows[rows["kind"] == "activation"].groupby("step")["name"].nunique()
     # Full-tier steps 0 and 2 ran eagerly: every watched module's rows.
     assert activations.get(0, 0) == activations.get(2, 0) > 1
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_in_graph_statistics_trace_symbolic_and_data_dependent_sizes(dynamic):
+    """A module output whose size is symbolic (dynamic shapes) or data
+    dependent (a mask's selection, as in mixture-of-experts routing) traces
+    with no guard on its size and counts exactly: the counts' dtype is
+    chosen without comparing the size."""
+    from recorders.collectors import graph_stats
+    from recorders.graph_rows import ABSMAX, INF, NAN, NUMEL, WIDTH
+    torch._dynamo.reset()
+
+    def stats(x):
+        y = x[x > 0.5]
+        row = torch.zeros(WIDTH, dtype=torch.float64)
+        graph_stats.write(row, torch.ones((), dtype=torch.float64), y)
+        return row, graph_stats.nonfinite_total(y), y
+
+    compiled = torch.compile(stats, backend="inductor", fullgraph=True, dynamic=dynamic)
+    for n in (100, 300):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        x[3], x[7] = math.inf, math.nan  # NaN is not > 0.5: not selected
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            row, total, y = compiled(x)
+        assert row[NAN] == 0 and row[INF] == 1 and total == 1
+        assert row[NUMEL] == y.numel()
+        assert row[ABSMAX] == y[torch.isfinite(y)].abs().max().double()

@@ -74,23 +74,34 @@ class Probe(torch.autograd.Function):
 _INT32_MAX = 2 ** 31 - 1
 
 
+def _count_dtype(d):
+    """int32 where the size is known to be within its range; int64 where
+    it is not, or is symbolic (dynamic shapes, a data-dependent size such
+    as a mask's selection): `statically_known_true` decides without adding
+    a guard, where comparing the size would add one, or fail to trace a
+    data-dependent size (dynamo hides SymInt from `type` and
+    `isinstance`). Imported here: it loads sympy, and this runs only while
+    dynamo traces."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return torch.int32 if statically_known_true(d.numel() <= _INT32_MAX) else torch.int64
+
+
 def nonfinite_counts(d):
     """The NaN and Inf counts of `d` as graph operations: `d != d` and
-    `|d| == inf`, summed in int32 (int64 past int32's range: the shape
-    decides, at trace time). Written so because inductor's CPU code for
+    `|d| == inf`, summed in int32 (int64 past int32's range or for a
+    symbolic size: `_count_dtype`, at trace time). Written so because inductor's CPU code for
     `isnan(d).sum()` and `isinf(d).sum()` (int64 sums of the masks) is not
     vectorised: on the benchmark GPT those counts were most of the 2.5x
     the in-graph rows cost, the comparisons and int32 sums fuse into the
     one pass that also takes the maximum (`benchmarks/RESULTS.md`)."""
-    dtype = torch.int32 if d.numel() <= _INT32_MAX else torch.int64
+    dtype = _count_dtype(d)
     return (d != d).sum(dtype=dtype), (d.abs() == math.inf).sum(dtype=dtype)
 
 
 def nonfinite_total(d):
     """NaN and Inf together (`input_nonfinite`): the values whose magnitude
     is not below inf, one comparison and one sum."""
-    dtype = torch.int32 if d.numel() <= _INT32_MAX else torch.int64
-    return (~(d.abs() < math.inf)).sum(dtype=dtype)
+    return (~(d.abs() < math.inf)).sum(dtype=_count_dtype(d))
 
 
 def write(row, gate, t, counter=None, input_bad=None) -> None:
