@@ -232,7 +232,10 @@ def test_watch_of_a_run_on_s3_alerts_on_a_planted_nan(s3, tmp_path):
 
 def test_watch_of_a_clean_run_on_s3_ends_when_it_closes_and_reads_only_what_changed(s3, tmp_path):
     uri = f"s3://{BUCKET}/runs/watch-clean"
-    job = _job(tmp_path, uri, steps=30, pause=0.1)
+    # 0.25 s a step: the watch starts once the run is on the store (the
+    # job's first uploads), and at 0.1 s a busy CI machine left it 6 looks
+    # of the job's last steps, too few for what follows to mean anything.
+    job = _job(tmp_path, uri, steps=30, pause=0.25)
     try:
         _on_store(s3, uri, job)
         watcher = RunWatcher(uri)
@@ -251,7 +254,7 @@ def test_watch_of_a_clean_run_on_s3_ends_when_it_closes_and_reads_only_what_chan
     # A look at an unchanged store downloads nothing: the watch analysed the
     # run at its first look (and its first pair, if the look came before),
     # at the close, and at a rejudge if a loaded machine made the job last
-    # 30 s; not once per look (30 steps at 0.1 s: ~15 looks at 0.2 s).
+    # 30 s; not once per look (30 steps at 0.25 s: ~35 looks at 0.2 s).
     assert len(looks) >= 8 and watcher.analyses <= 4, (len(looks), watcher.analyses)
     # The watch can end on the uploaded status slot before the job's last
     # uploads (its manifest) land; the job has exited now, so one look
