@@ -568,7 +568,6 @@ class AmpRecorder:
         loss = step_loss(taken, loss)
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else None
         self._leave_tier()
-        self._eager_forwards = False
         finished = self.hooks.end_step(loss_t)
         if not self.compiled and finished.record and (
                 finished.graph_values is not None or (finished.micro_batches == 0 and finished.param_grads)):
@@ -604,10 +603,13 @@ class AmpRecorder:
         if self._stance_handles:
             self._eager_forwards = full
             return
-        if not full or self._prior_stance is not None:
-            return
-        from torch._dynamo import eval_frame
-        self._prior_stance = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+        if full:
+            self._force_eager()
+
+    def _force_eager(self) -> None:
+        if self._prior_stance is None:
+            from torch._dynamo import eval_frame
+            self._prior_stance = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
 
     def _register_stance_hooks(self, model) -> None:
         """The root's forwards of a full-tier step run eagerly: only for a
@@ -618,9 +620,8 @@ class AmpRecorder:
             return
 
         def enter(module, args):
-            if self._eager_forwards and self._prior_stance is None:
-                from torch._dynamo import eval_frame
-                self._prior_stance = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+            if self._eager_forwards:
+                self._force_eager()
 
         def leave(module, args, output):
             self._leave_tier()

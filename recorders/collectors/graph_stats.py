@@ -89,11 +89,12 @@ def _count_dtype(d):
 def nonfinite_counts(d):
     """The NaN and Inf counts of `d` as graph operations: `d != d` and
     `|d| == inf`, summed in int32 (int64 past int32's range or for a
-    symbolic size: `_count_dtype`, at trace time). Written so because inductor's CPU code for
-    `isnan(d).sum()` and `isinf(d).sum()` (int64 sums of the masks) is not
-    vectorised: on the benchmark GPT those counts were most of the 2.5x
-    the in-graph rows cost, the comparisons and int32 sums fuse into the
-    one pass that also takes the maximum (`benchmarks/RESULTS.md`)."""
+    symbolic size: `_count_dtype`, at trace time). Written so because
+    inductor's CPU code for `isnan(d).sum()` and `isinf(d).sum()` (int64
+    sums of the masks) is not vectorised: on the benchmark GPT those counts
+    were most of the 2.5x the in-graph rows cost; the comparisons and int32
+    sums fuse into the one pass that also takes the maximum
+    (`benchmarks/RESULTS.md`)."""
     dtype = _count_dtype(d)
     return (d != d).sum(dtype=dtype), (d.abs() == math.inf).sum(dtype=dtype)
 
