@@ -53,6 +53,7 @@ class Job:
         import torch
         torch.manual_seed(seed)
         self.variant, self.size = variant, size
+        self.loss_fn = _loss_fn(size)
         model = common.gpt_of(size)
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
@@ -71,7 +72,7 @@ class Job:
         import torch
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = _loss_fn(self.size)(self.model, batch)
+            loss = self.loss_fn(self.model, batch)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
