@@ -27,7 +27,17 @@ the plain step of the same round) beside them.
                       end as one stacked absmax per shape; no names, no
                       inputs, no micro-batches, nothing written (`LeanHooks`);
    - `recorder`:      `AmpRecorder` with its defaults;
-   - `recorder_full`: `AmpRecorder(full_every=1)`.
+   - `recorder_full`: `AmpRecorder(full_every=1)`;
+   - `device_general`, `device_staged`: the recorder's path for tensors
+                      on a GPU, run on these CPU tensors (a proxy for a GPU
+                      job's host time: what each launches, dispatched on
+                      the CPU): the statistics by their definitions, about
+                      twelve operations a row (`GeneralDevicePath`, what a
+                      GPU job ran before the stage), and the stage that a
+                      GPU job runs now (`recorders/staged_stats.py`: one
+                      copy a row, a fixed number of operations a step).
+                      Both make device rows, so the bundles copy the
+                      weights every step, as on a GPU.
    Reported: wall ms a step and the training thread's CPU time
    (`time.thread_time`, steady when other jobs load the machine), their
    ratios to `plain`, microseconds per watched module per step (the
@@ -74,9 +84,10 @@ import common  # noqa: E402
 import recorder_cost  # noqa: E402
 import recorder_overhead  # noqa: E402
 
-LAUNCH_VARIANTS = ("plain", "noop_hooks", "skeleton", "lean", "recorder", "recorder_full")
+LAUNCH_VARIANTS = ("plain", "noop_hooks", "skeleton", "lean", "recorder", "recorder_full",
+                   "device_general", "device_staged")
 GPT_VARIANTS = ("plain", "recorder", "recorder_full")
-RECORDED = {"recorder": {}, "recorder_full": {"full_every": 1}}
+RECORDED = {"recorder": {}, "recorder_full": {"full_every": 1}, "device_general": {}, "device_staged": {}}
 FLOORS = ("aminmax", "amax_abs")
 
 LAUNCH_FULL = dict(blocks=48, width=16, batch=8)
@@ -190,6 +201,33 @@ class LeanHooks:
         self.pending.clear()
 
 
+class GeneralDevicePath:
+    """A stage (`recorders.staged_stats.StatsStage`'s interface) that
+    stages nothing: each row's statistics by their definitions
+    (`stats._device_stats`, about twelve operations), as a GPU job's rows
+    were computed before the stage; on CPU tensors here, for
+    `device_general`."""
+
+    on_cpu = True
+
+    def put(self, t, scale=None):
+        import torch
+        from recorders.stats import _device_stats
+        d = t.detach()
+        if d.numel() == 0 or d.dtype == torch.float64:
+            return None
+        return _device_stats(d, False, None, scale, 65504.0)
+
+    def flush(self) -> None:
+        pass
+
+
+def _device_path(rec, name: str) -> None:
+    """Route `rec`'s cheap rows through the GPU's path on CPU tensors."""
+    from recorders.staged_stats import StatsStage
+    rec.hooks.shared.stage = GeneralDevicePath() if name == "device_general" else StatsStage(on_cpu=True)
+
+
 # ------------------------------------------------------------------ variants
 class Variant:
     """One copy of a model with its optimizer and its instrumentation."""
@@ -210,6 +248,8 @@ class Variant:
         elif recorder_options is not None:
             from recorders import AmpRecorder
             self.rec = AmpRecorder(run_dir / name, model, optimizer=opt, **recorder_options)
+            if name.startswith("device_"):
+                _device_path(self.rec, name)
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self.losses: list[float] = []

@@ -148,6 +148,7 @@ class TrainingHooks:
             shared.add_row(st, schema.LOSS_NAME, "loss", "forward", st.fwd_order, 0, loss, s)
             st.fwd_order += 1
         self.forward.end_step(st)
+        shared.flush_stage()  # every row is in: the staged ones get their values
         values = self.graph.take()
         st.graph_values = values if st.record else None
         return st

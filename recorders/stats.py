@@ -25,6 +25,9 @@ dtype (float32 for 16-bit tensors), over the values divided by their
 largest magnitude when their squares could overflow (`_mean_rms`: a tenth
 of the cost of float64 sums on the CPU; relative error ~1e-6).
 
+The cheap tier of a small tensor on a GPU does not come here: its rows
+are staged and reduced together (`staged_stats`), to the same values.
+
 Layout of the vector follows `schema.CHEAP_STATS` / `schema.FULL_STATS`.
 """
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 
 from . import schema
 from .layout import PLAIN_TENSORS, local
+from .staged_stats import StagedRow
 
 CHEAP_WIDTH = len(schema.CHEAP_STATS)
 FULL_WIDTH = len(schema.FULL_STATS)
@@ -234,12 +238,14 @@ def pad_row(stats, width: int):
 
 def pack_rows(rows: list) -> torch.Tensor:
     """A step's rows (equal widths) as one flat float64 tensor: host rows
-    in one call, device rows stacked on their device (no host round trip)."""
-    device = next((r.device for r in rows if isinstance(r, torch.Tensor)), None)
+    in one call, device rows stacked on their device (no host round trip);
+    a staged row (`staged_stats.StagedRow`) by its value, set when the
+    stage was flushed."""
+    device = next((r.device for r in rows if isinstance(r, (torch.Tensor, StagedRow))), None)
     if device is None:
         return torch.tensor(rows, dtype=torch.float64).reshape(-1)
-    return torch.stack([r if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=torch.float64, device=device)
-                        for r in rows]).reshape(-1)
+    return torch.stack([r if isinstance(r, torch.Tensor) else r.value if type(r) is StagedRow
+                        else torch.tensor(r, dtype=torch.float64, device=device) for r in rows]).reshape(-1)
 
 
 def _device_stats(d, full, input_nonfinite, scale, near_overflow):

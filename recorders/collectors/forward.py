@@ -99,7 +99,7 @@ class ForwardCollector:
             if hit is not None and hit[0]() is t:
                 rows.append(hit[1])
                 continue
-            s = shared.count_stats(t)
+            s = shared.count_stats(st, t)
             row = shared.add_row(st, "", COUNT_KIND, "forward", -1, 0, t,
                                  pad_row(s, FULL_WIDTH if st.full else CHEAP_WIDTH))
             shared.note_producer(st, t, row)

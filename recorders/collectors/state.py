@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from ..layout import PLAIN_TENSORS, local
+from ..staged_stats import StatsStage
 from ..stats import cheap_host_stats, row_stats
 
 
@@ -125,6 +126,11 @@ def eager(fn):
     return fn
 
 
+# The keywords of `Shared.stats` the stage serves (a gradient unscaled by the
+# loss scale); any other takes the general path.
+_STAGED_OPTIONS = frozenset(("scale", "unscale"))
+
+
 class Shared:
     """What every collector reads: the step in progress (`state`, replaced
     each step), the `paused()` depth, the options of the statistics, the
@@ -132,7 +138,10 @@ class Shared:
 
     `guard(fn)` wraps a long-lived hook (an exception turns recording off,
     never the training); `guard_call(fn, a, b)` is the same for the
-    backward hooks set anew for every module call, as one small object."""
+    backward hooks set anew for every module call, as one small object.
+    `stage`: where the cheap tier's statistics of small device tensors wait
+    to be reduced together (`staged_stats`), flushed at each step's end
+    (`flush_stage`)."""
 
     def __init__(self, *, near_overflow: float, guard, guard_call, bundles):
         self.state = StepState(0, False, False)
@@ -141,6 +150,7 @@ class Shared:
         self.guard = guard
         self.guard_call = guard_call
         self.bundles = bundles
+        self.stage = StatsStage()
 
     def add_row(self, st, name, kind, phase, order, call, t, stats, inputs=None) -> int:
         """Append a row for tensor `t`; `inputs`: the rows whose NaN/Inf
@@ -162,17 +172,29 @@ class Shared:
         return len(rows) - 1
 
     def stats(self, st, t, **kw):
-        if not kw and not st.full and type(t) in PLAIN_TENSORS and t.is_cpu:
+        if not kw and not st.full and type(t) in PLAIN_TENSORS and t.is_cpu and not self.stage.on_cpu:
             # The usual row, without the general path's keyword call.
             values = cheap_host_stats(t)
             if values is not None:
                 return values
+        if not st.full and kw.keys() <= _STAGED_OPTIONS:
+            staged = self.stage.put(t, kw.get("scale") if kw.get("unscale") else None)
+            if staged is not None:
+                return staged
         return row_stats(t, full=st.full, near_overflow=self.near_overflow, **kw)
 
-    def count_stats(self, t):
+    def count_stats(self, st, t):
         """The cheap statistics of an input no watched row produced: only
         its NaN/Inf counts are read (a count-only row)."""
+        if not st.full:
+            staged = self.stage.put(t)
+            if staged is not None:
+                return staged
         return row_stats(t, full=False, near_overflow=self.near_overflow)
+
+    def flush_stage(self) -> None:
+        """Give every staged row of the step its values (device work)."""
+        self.stage.flush()
 
     @staticmethod
     def note_producer(st, t, row):
