@@ -149,3 +149,37 @@ def test_calibration_only_for_the_scalers_leading_skips():
     rep = find_nans(load_run(A.lower_scale_run()))
     assert rep.origins["backward"].step == 0 and rep.backward_calibration
     assert "a calibration skip" in next(x for x in rep.lines() if x.startswith("backward origin"))
+
+
+def test_a_skip_in_a_run_without_a_scaler_is_the_loops_own_not_the_scalers(tmp_path):
+    """No GradScaler: the loop skips `opt.step()` when a gradient is not
+    finite (as fairseq's and HF's loops can). The backward origin's step was
+    skipped with a finite forward, and the words say the loop skipped it,
+    not that a loss scaler backed off."""
+    import math
+
+    import torch
+
+    from recorders import AmpRecorder
+    from tiny_models import BoomNet
+
+    torch.manual_seed(0)
+    model = BoomNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(3)
+    with AmpRecorder(tmp_path / "run", model, optimizer=opt) as rec:
+        for step in range(4):
+            model.amp.gain = math.nan if step == 2 else 1.0  # a NaN born in the backward pass
+            x, y = torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            if all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None):
+                opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    rep = find_nans(load_run(tmp_path / "run"))
+    assert rep.origins["backward"].step == 2 and rep.origins["forward"] is None
+    assert rep.backward_scaler_handled and not rep.has_scaler and not rep.backward_calibration
+    line = next(x for x in rep.lines() if x.startswith("backward origin"))
+    assert "the training loop skipped it" in line and "loss scaler skipped" not in line
+    assert rep.to_dict()["has_scaler"] is False

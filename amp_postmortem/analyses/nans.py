@@ -78,6 +78,9 @@ class NanReport:
     skipped_steps: int = 0
     backward_scaler_handled: bool = False  # the backward origin's step was skipped with a finite forward
     backward_calibration: bool = False     # ...and it is one of the scaler's leading calibration skips
+    # The run had an enabled loss scaler. Without one a skipped step is the
+    # training loop's own skip (the optimizer did not step), never a back-off.
+    has_scaler: bool = True
     shards_scanned: int = 0
     shards_total: int = 0
     # With a model: `replay.run_origin.RunOpOrigin.to_dict()` of a replayed
@@ -96,6 +99,7 @@ class NanReport:
             "skipped_steps": self.skipped_steps,
             "backward_scaler_handled": self.backward_scaler_handled,
             "backward_calibration": self.backward_calibration,
+            "has_scaler": self.has_scaler,
             "shards_scanned": self.shards_scanned,
             "shards_total": self.shards_total,
             "op_origin": self.op_origin,
@@ -128,10 +132,14 @@ class NanReport:
             if phase == "backward" and self.backward_scaler_handled:
                 # "Calibration" only for what the scaler really calibrated:
                 # the leading skips of a run that starts at its init_scale.
-                absorbed = (" (a calibration skip: the scaler's first steps, backing off from its init_scale)"
-                            if self.backward_calibration else
-                            " (a step the loss scaler skipped and backed off on; the forward and loss were "
-                            "finite)")
+                if not self.has_scaler:
+                    absorbed = (" (a step whose optimizer step did not run: the training loop skipped it, "
+                                "the run has no loss scaler; the forward and loss were finite)")
+                elif self.backward_calibration:
+                    absorbed = " (a calibration skip: the scaler's first steps, backing off from its init_scale)"
+                else:
+                    absorbed = (" (a step the loss scaler skipped and backed off on; the forward and loss were "
+                                "finite)")
             out.append(f"{phase} origin: {where}, {o.kind}, step {o.step}, rank {o.rank}{guess}{absorbed}")
         if self.nonfinite_loss_steps:
             out.append(f"non-finite loss in {len(self.nonfinite_loss_steps)} step(s), "
@@ -180,6 +188,7 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
     return NanReport(
         origin=origin, origins=origins, layers=layers[LAYER_COLUMNS], backward_scaler_handled=handled,
         backward_calibration=handled and origins["backward"].step in calibration_steps(run),
+        has_scaler=run.scaler is not None,
         first_nonfinite_step=int(layers["first_step"].min()) if len(layers) else None,
         nonfinite_loss_steps=facts.nonfinite_loss_steps, skipped_steps=facts.skipped_steps,
         shards_scanned=len(run.scanned_files), shards_total=len(run.tensor_shards),
