@@ -2,7 +2,7 @@
 with and without AmpRecorder.
 
 The benchmark model of `recorder_overhead.py` (GPT-style, 4 layers, d_model
-256, sequence 128, batch 16), bfloat16 autocast, AdamW, compiled with
+256, sequence 128, batch 16), bfloat16 autocast (`--dtype fp32`: none), AdamW, compiled with
 inductor. Variants, each its own identical copy of the model:
 
 - `compiled`: `torch.compile(model)`, no recorder;
@@ -49,10 +49,11 @@ SMOKE_SIZE = dict(vocab=64, d_model=32, n_layers=1, n_heads=2, seq=16, batch=2)
 
 
 class Job:
-    def __init__(self, variant: str, size: dict, backend, run_dir: Path, seed: int):
+    def __init__(self, variant: str, size: dict, backend, run_dir: Path, seed: int, dtype: str = "bf16"):
         import torch
         torch.manual_seed(seed)
         self.variant, self.size = variant, size
+        self.autocast = dtype == "bf16"
         self.loss_fn = _loss_fn(size)
         model = common.gpt_of(size)
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -71,7 +72,7 @@ class Job:
     def step(self, batch) -> float:
         import torch
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
             loss = self.loss_fn(self.model, batch)
         loss.backward()
         self.opt.step()
@@ -91,7 +92,7 @@ def _loss_fn(size: dict):
     return loss_fn
 
 
-def measure(size: dict, backend: str, steps: int, warmup: int, seed: int) -> dict:
+def measure(size: dict, backend: str, steps: int, warmup: int, seed: int, dtype: str = "bf16") -> dict:
     import torch
     from torch._dynamo.utils import counters
     g = torch.Generator().manual_seed(seed)
@@ -103,11 +104,12 @@ def measure(size: dict, backend: str, steps: int, warmup: int, seed: int) -> dic
     # inputs, the parameters' gradients), timed in the same rounds; the
     # least any recorder of every value pays, in eager kernels.
     import recorder_hot_path
-    tensors = recorder_hot_path.recorded_tensors(common.gpt_of(size), _loss_fn(size), batches[0], torch.bfloat16)
+    tensors = recorder_hot_path.recorded_tensors(common.gpt_of(size), _loss_fn(size), batches[0],
+                                                 torch.bfloat16 if dtype == "bf16" else torch.float32)
     floor_pass = recorder_hot_path.reduction_pass(tensors, "aminmax")
     floor_times: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = {v: Job(v, size, backend, Path(tmp), seed) for v in VARIANTS}
+        jobs = {v: Job(v, size, backend, Path(tmp), seed, dtype) for v in VARIANTS}
         breaks_before = sum(counters["graph_break"].values())
         for i in range(warmup):  # compilation happens here
             for v in VARIANTS:
@@ -149,6 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
+                    help="bf16: bfloat16 autocast (the default); fp32: autocast off (a CPU without bf16 "
+                         "instructions runs bf16 matmuls tens of times slower)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--smoke", action="store_true", help="tiny model, eager backend, few steps (CI)")
     ap.add_argument("--json", dest="json_path", default=None, help="also write the JSON here")
@@ -160,8 +165,8 @@ def main(argv=None) -> int:
     size = SMOKE_SIZE if args.smoke else FULL_SIZE
     backend = "eager" if args.smoke else args.backend
     steps, warmup = (3, 2) if args.smoke else (args.steps, args.warmup)
-    doc = {"machine": common.machine_info(), "size": size, "backend": backend, "steps": steps,
-           "warmup": warmup, "variants": measure(size, backend, steps, warmup, args.seed)}
+    doc = {"machine": common.machine_info(), "size": size, "backend": backend, "dtype": args.dtype,
+           "steps": steps, "warmup": warmup, "variants": measure(size, backend, steps, warmup, args.seed, args.dtype)}
     rows = [{"variant": v, **doc["variants"][v]} for v in VARIANTS]
     common.print_table(rows, ["variant", "median_ms", "ratio", "within_budget", "graphs_compiled",
                               "recompiles_after_warmup", "tensor_rows_last_step", "losses_identical_to_compiled"])

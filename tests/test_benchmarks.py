@@ -191,6 +191,15 @@ def test_compile_overhead_smoke_reports_no_recompilation(tmp_path):
     # compiled_rows=True: every module's rows on the compiled steps; by
     # default the loss and the parameter gradients only.
     assert variants["before_rows"]["tensor_rows_last_step"] > variants["before"]["tensor_rows_last_step"] > 0
+    assert doc["dtype"] == "bf16"
+
+
+def test_compile_overhead_runs_in_float32_for_a_cpu_without_bf16(tmp_path):
+    out = tmp_path / "compile.json"
+    assert compile_overhead.main(["--smoke", "--dtype", "fp32", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["dtype"] == "fp32"
+    assert all(doc["variants"][v]["losses_identical_to_compiled"] is True for v in compile_overhead.VARIANTS)
 
 
 def test_watch_latency_smoke_alerts_and_closes(tmp_path, capsys):
