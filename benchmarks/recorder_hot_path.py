@@ -212,11 +212,12 @@ class GeneralDevicePath:
 
     def put(self, t, scale=None):
         import torch
+        from recorders import schema
         from recorders.stats import _device_stats
         d = t.detach()
         if d.numel() == 0 or d.dtype == torch.float64:
             return None
-        return _device_stats(d, False, None, scale, 65504.0)
+        return _device_stats(d, False, None, scale, schema.FP16_MAX)
 
     def flush(self) -> None:
         pass

@@ -31,7 +31,6 @@ tests' way to run this path without a GPU.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import weakref
 
@@ -75,9 +74,8 @@ class StatsStage:
         self._device = None
         self._buffer = None
         self._views: dict = {}  # (start, shape) -> the buffer's view there
-        self._used = 0
         self._rows: list[StagedRow] = []
-        self._lengths: list[int] = []
+        self._offsets: list[int] = [0]  # where each staged row starts, and the end of the last
         self._scaled: list[bool] = []
         self._scale = None  # the loss-scale tensor of this flush's scaled rows
         self._recent: dict = {}  # id(tensor) -> (weakref, version, scale, row): a tensor seen twice
@@ -103,12 +101,13 @@ class StatsStage:
         if hit is not None and hit[1] == version and hit[2] is scale and hit[0]() is d:
             return hit[3]  # a container's output is its last child's: staged once
         device = d.device
-        if (device != self._device or self._used + n > self.capacity
+        start = self._offsets[-1]  # the values staged so far
+        if (device != self._device or start + n > self.capacity
                 or (scale is not None and self._scale is not None and scale is not self._scale)):
             self.flush()
             if device != self._device:
                 self._use(device)
-        start = self._used
+            start = 0
         # The buffer's view for this place and shape, made once: the rows
         # come in the same order every step, and slicing a tensor costs
         # three times the copy.
@@ -121,11 +120,10 @@ class StatsStage:
         # One kernel: the copy converts and gathers strides; detached, or
         # the buffer would join the autograd graph of a forward output.
         dst.copy_(d.detach() if d.requires_grad else d)
-        self._used = start + n
         row = StagedRow(device)
         self.staged += 1
         self._rows.append(row)
-        self._lengths.append(n)
+        self._offsets.append(start + n)
         self._scaled.append(scale is not None)
         if scale is not None:
             self._scale = scale
@@ -140,16 +138,15 @@ class StatsStage:
         rows = self._rows
         if not rows:
             return
-        lengths, scaled, scale = self._lengths, self._scaled, self._scale
-        self._rows, self._lengths, self._scaled, self._scale = [], [], [], None
+        starts, scaled, scale = self._offsets, self._scaled, self._scale
+        self._rows, self._offsets, self._scaled, self._scale = [], [0], [], None
         self._recent = {}
-        used, self._used = self._used, 0
         device = self._device
         mask = self._const(device, torch.bool, scaled) if scale is not None else None
         # Offsets, not lengths: CUDA's segment_reduce would otherwise build
         # them on the device, three more launches per reduction.
-        offsets = self._const(device, torch.int64, [0, *itertools.accumulate(lengths)])
-        values = _reduce(self._buffer[:used], offsets, mask, scale)
+        offsets = self._const(device, torch.int64, starts)
+        values = _reduce(self._buffer[:starts[-1]], offsets, mask, scale)
         for row, v in zip(rows, values.unbind(0)):
             row.value = v
 

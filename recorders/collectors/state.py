@@ -187,9 +187,7 @@ class Shared:
         """The cheap statistics of an input no watched row produced: only
         its NaN/Inf counts are read (a count-only row)."""
         if not st.full:
-            staged = self.stage.put(t)
-            if staged is not None:
-                return staged
+            return self.stats(st, t)  # the cheap tier's row: host path, stage or general path
         return row_stats(t, full=False, near_overflow=self.near_overflow)
 
     def flush_stage(self) -> None:
