@@ -161,6 +161,13 @@ def _buffers(job) -> dict:
     rec = job.rec
     w = rec.shards
     per_step = job.buffer_bytes_per_step
+    deadline = time.monotonic() + 10.0
+    while not per_step and time.monotonic() < deadline:
+        # The writer thread runs a step behind the training: in a short run
+        # on a loaded machine every sample can come before its first step
+        # (seen in CI: a 3-step smoke run sampled 0). Wait for one.
+        time.sleep(0.02)
+        per_step = _writer_bytes_per_step(rec)
     return {
         "queue_max_steps": rec.writer.max_queue,
         "writer_steps_per_shard": w.steps_per_shard,
