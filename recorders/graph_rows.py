@@ -1,10 +1,10 @@
 """The in-graph statistics' buffer (`collectors.graph_stats.GraphStats`)
 turned into a step's rows, on the writer thread; and its layout.
 
-One step's values are the forward buffer (a row per `GraphStats.slots`
-entry, then the step's own row: the counter, the micro-batches traced in
-the graph, the autocast codes), then a row per `GraphStats.grad_slots`
-entry, each row `WIDTH` float64 values:
+One step's values are the forward rows (a row per `GraphStats.slots`
+entry, then the step's own row: the micro-batches traced in the graph, the
+autocast codes), then a row per `GraphStats.grad_slots` entry, each row
+`WIDTH` float64 values:
 
     absmax, nan_count, inf_count, input_nonfinite, tensors, numel, seq, dtype, enter
 
@@ -25,8 +25,9 @@ ABSMAX, NAN, INF, INPUT_BAD, TENSORS, NUMEL, SEQ, DTYPE, ENTER = range(WIDTH)
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 DTYPES = tuple(getattr(torch, name) for name in DTYPE_NAMES)
 AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
-# Columns of the forward buffer's last row (the step's own).
-COUNTER, MICRO_BATCHES, AUTOCAST_DTYPE, AUTOCAST_DEVICE = range(4)
+# Columns of the forward rows' last row (the step's own; column 0 unused:
+# the counter is a tensor of its own).
+MICRO_BATCHES, AUTOCAST_DTYPE, AUTOCAST_DEVICE = range(1, 4)
 
 
 def autocast_info(stats, values) -> dict | None:

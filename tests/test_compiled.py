@@ -174,15 +174,14 @@ def test_graph_rows_are_ranked_among_the_eager_rows():
     parameter gradients)."""
     import numpy as np
     stats = GraphStats(["", "a"], device="cpu")
-    buf = stats.buffer
     act = stats.index[("a", "activation")]
-    buf[act, [0, 4, 5, 6, 7, 8]] = torch.tensor([2.0, 1, 6, 2, 2, 1], dtype=torch.float64)
+    stats.fwd[act][[0, 4, 5, 6, 7, 8]] = torch.tensor([2.0, 1, 6, 2, 2, 1], dtype=torch.float64)
     stats.grads[stats.index[("a", "grad_output")]][[0, 2, 4, 5, 7]] = torch.tensor(
         [1.0, 1, 1, 6, 2], dtype=torch.float64)
     stats.grads[stats.index[("a", "grad_input")]][[0, 4, 5, 7]] = torch.tensor([1.0, 1, 4, 2], dtype=torch.float64)
     stats.ran = True
     values = stats.take().numpy()
-    assert stats.take() is None and float(buf.abs().sum()) == 0
+    assert stats.take() is None and all(float(r.abs().sum()) == 0 for r in stats.fwd + stats.grads)
     gmeta, grows, _ = graph_rows(stats, values, 4)
     eager_meta = [("<input>", "input", "forward", 0, 0, "float32", 4, None),
                   ("", "activation", "forward", 1, 0, "float32", 2, None),
@@ -277,6 +276,140 @@ def test_in_graph_statistics_are_the_eager_definitions_under_inductor(dtype):
         want = torch.nan_to_num(t.abs().double(), nan=0.0, posinf=0.0, neginf=0.0).max().item()
         assert got[ABSMAX].item() == want
         assert compiled_total(t).item() == (~torch.isfinite(t)).sum().item()
+
+
+@pytest.mark.parametrize("dtype,k", [(torch.float16, 1000.0), (torch.bfloat16, 3.4e36), (torch.float32, 1e37)])
+def test_in_graph_statistics_of_a_fused_product_count_its_stored_values(dtype, k):
+    """A tensor made by a pointwise op in the same compiled graph: inductor
+    fuses the statistics into the kernel that makes it and hands them the
+    float32 product before its rounding to `dtype`. Products past the
+    dtype's largest value are Inf in the tensor (and in eager's rows), and
+    the in-graph counts say so (they once counted none, with an Inf
+    maximum, as 70000 < inf in float32). The products are exact in
+    float32, so eager's rounding and the compiled one agree bit for bit."""
+    from recorders.collectors import graph_stats
+    from recorders.graph_rows import ABSMAX, INF, NAN, WIDTH
+
+    def stats(x, k):
+        y = x * k
+        row = torch.zeros(WIDTH, dtype=torch.float64)
+        graph_stats.write(row, torch.ones((), dtype=torch.float64), y)
+        return y, row, graph_stats.nonfinite_total(y)
+
+    torch._dynamo.reset()
+    # 65.5 and 65.51 times 1000 round to float16's largest value, 66 and
+    # 100 past it; the bfloat16 and float32 products of 100 overflow too.
+    x = torch.tensor([1.0, 100.0, -66.0, 2.0, -3.0, 65.5, 65.51, 0.5] * 40, dtype=dtype)
+    y, row, total = torch.compile(stats, backend="inductor", fullgraph=True)(x, k)
+    want_inf = torch.isinf(y).sum().item()
+    assert want_inf > 0 and torch.equal(y, x * k)
+    assert row[INF] == want_inf and row[NAN] == 0 and total == want_inf
+    assert row[ABSMAX] == y[torch.isfinite(y)].abs().max().double()
+
+
+def test_a_float16_overflow_made_in_the_graph_is_found_at_its_module(tmp_path):
+    """End to end, float16 autocast, inductor, `compiled_rows`: a module
+    whose product overflows float16 inside the compiled graph is where
+    `nans` finds the first Inf, with eager's count, attached before
+    compiling (hooks traced) and after (the root's own rows eager)."""
+    from collections import OrderedDict
+
+    class Gain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("k", torch.ones((), dtype=torch.float16))
+
+        def forward(self, x):
+            return x.to(torch.float16) * self.k
+
+    x = torch.arange(-100.0, 100.0, 2.0).reshape(25, 4)  # exact in float16
+    want_inf = int((x.abs() * 1000 >= 65520).sum())
+    for attach in ("before", "after"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(OrderedDict(
+            [("gain", Gain()), ("head", torch.nn.Linear(4, 1))]))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        run = tmp_path / attach
+        rec = AmpRecorder(run, model, optimizer=opt, full_every=100, compiled_rows=True) \
+            if attach == "before" else None
+        compiled = torch.compile(model, backend="inductor")
+        if rec is None:
+            rec = AmpRecorder(run, compiled, optimizer=opt, full_every=100, compiled_rows=True)
+        for step in range(3):
+            if step == 2:
+                model.gain.k.fill_(1000.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = compiled(x)
+            loss = out.float().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+        rec.close()
+        rows = amp_postmortem.load_run(run).scan_tensors(["step", "name", "kind", "inf_count", "input_nonfinite"],
+                                                         steps=[2])
+        gain = rows[(rows["name"] == "gain") & (rows["kind"] == "activation")]
+        head = rows[(rows["name"] == "head") & (rows["kind"] == "activation")]
+        assert len(gain) == 1 and len(head) == 1, attach
+        assert gain["input_nonfinite"].iloc[0] == 0 and gain["inf_count"].iloc[0] == want_inf, attach
+        assert head["input_nonfinite"].iloc[0] == gain["inf_count"].iloc[0], attach
+        report = amp_postmortem.nans(run)
+        assert report.first_nonfinite_step == 2, attach
+        assert report.origins["forward"].name == "gain", attach
+
+
+def test_in_graph_statistics_are_operations_the_partitioner_fuses():
+    """Every operation the in-graph rows add to AOT autograd's joint graph
+    (inductor's decompositions applied) is one its partitioner counts as
+    fusible, but the `copy_` that applies a row's final value to its
+    tensor. An unfusible one (the `stack` and `select_scatter` of an
+    indexed write into a shared buffer, a functional `copy`) between a
+    statistic and the rest of the forward makes the partitioner's "used
+    far apart" rule ban recomputing later readers of the same tensor in the
+    backward: on the benchmark GPT it saved GELU's derivative from the
+    forward in float32 instead of recomputing it (`benchmarks/RESULTS.md`)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import get_default_op_list, min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    op_types = get_default_op_list()
+    unfusible = set()
+
+    def partition(joint, inputs, **kwargs):
+        for node in joint.graph.nodes:
+            if node.op == "call_function" and not op_types.is_fusible(node) and not op_types.is_view(node):
+                unfusible.add(node.target)
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    def unfusible_of(fn):
+        torch._dynamo.reset()
+        unfusible.clear()
+        x = torch.randn(8, 4, requires_grad=True)
+        torch.compile(fn, backend=backend, fullgraph=True)(x).sum().backward()
+        return set(unfusible)
+
+    def keep(graph, _):
+        return make_boxed_func(graph.forward)
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=partition,
+                           decompositions=select_decomp_table())
+    stats = GraphStats(["", "m"], device="cpu")
+    model = torch.nn.Linear(4, 4)
+
+    def plain(x):
+        return model(x).relu()
+
+    def recorded(x):
+        stats.root_pre(model, (x,), {})
+        stats.module_pre("m")(model, (x,), {})
+        y = model(x).relu()
+        return stats.module_post("m")(model, (x,), {}, y)
+
+    assert unfusible_of(recorded) - unfusible_of(plain) == {torch.ops.aten.copy_.default}
+    values = stats.take()
+    assert values is not None and values.abs().sum() > 0
 
 
 def test_full_tier_eager_forwards_leave_other_compiled_code_compiled(tmp_path):

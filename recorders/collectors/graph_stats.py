@@ -7,11 +7,10 @@ they call this collector's hooks instead, whose code is tensor operations
 only: the compiler puts them in the graph, next to the code that makes each
 tensor, and no Python runs per module per step.
 
-Each row has a slot bound at attach time: the model's `<input>` and each
-watched module's `activation` in one float64 forward buffer on the model's
-device, and each module's `grad_output` and `grad_input` in a small tensor
-of its own (see `Probe`), all written in place, their layout in
-`recorders.graph_rows`. `absmax` by max, the counts and `numel` by sum
+Each row has a slot bound at attach time, a float64 tensor of its own on
+the model's device: the model's `<input>`, each watched module's
+`activation`, `grad_output` and `grad_input` (see `Probe`), each written in
+place as a whole (`_put`), their layout in `recorders.graph_rows`. `absmax` by max, the counts and `numel` by sum
 (micro-batches, calls and the tensors of a tuple output add up, as eager
 rows merge); `seq` and `enter` are a counter's values when a call ended and
 began (the rows' order). The backward rows are written by `Probe`, an
@@ -20,9 +19,20 @@ identity autograd Function put on the module's outputs and inputs
 Every write is multiplied by `gate` (1: record, 0: a step not recorded or a
 `paused()` pass), a tensor the host chooses, so that pausing and the tier
 schedule never change what the graph does: no guard on a Python value, no
-recompilation. The forward buffer's last row holds the counter, the
-micro-batches (root forwards traced in the graph) and the autocast state as
-the trace saw it.
+recompilation. The step's own row holds the micro-batches (root forwards
+traced in the graph) and the autocast state as the trace saw it; the
+counter is a tensor of its own.
+
+Why a tensor per row, each replaced whole by `where` on its columns: an
+indexed write into a shared buffer is a `select_scatter` (or a `stack` to
+build the row), operations that AOT autograd's partitioner does not count
+as fusible. Its "used far apart" rule then bans recomputing, in the
+backward, any operation that reads the same tensor as a statistic and comes
+later in the forward: on the benchmark GPT the partitioner stopped
+recomputing GELU's derivative in the backward and saved it from the
+forward in float32 instead. Whole-row `where`, `add` and `maximum` are
+fusible, so the statistics leave the partition as it is without them
+(`benchmarks/RESULTS.md`).
 
 `rec.step()` takes the values (`take`: one copy, the buffers zeroed) when a graph
 wrote it this step (`ran`, set by the traced hook: dynamo replays that
@@ -37,8 +47,8 @@ import math
 import torch
 
 from .. import schema
-from ..graph_rows import (ABSMAX, AUTOCAST_DEVICES, AUTOCAST_DTYPE, AUTOCAST_DEVICE, COUNTER, DTYPE, DTYPES, ENTER,
-                          INPUT_BAD, MICRO_BATCHES, NAN, SEQ, WIDTH)
+from ..graph_rows import (ABSMAX, AUTOCAST_DEVICES, AUTOCAST_DTYPE, AUTOCAST_DEVICE, DTYPE, DTYPES, ENTER, INF,
+                          INPUT_BAD, MICRO_BATCHES, NAN, NUMEL, SEQ, TENSORS, WIDTH)
 from ..stats import float_tensors
 
 
@@ -86,50 +96,103 @@ def _count_dtype(d):
     return torch.int32 if statically_known_true(d.numel() <= _INT32_MAX) else torch.int64
 
 
+def overflow_at(dtype) -> float:
+    """The least magnitude that `dtype` stores as Inf: for float16 and
+    bfloat16, halfway from the largest finite value to the next power of
+    two (round to nearest even rounds it up); math.inf for the others."""
+    if dtype in (torch.float16, torch.bfloat16):
+        top = torch.finfo(dtype).max
+        return top + (2.0 ** math.ceil(math.log2(top)) - top) / 2
+    return math.inf
+
+
+def magnitudes(d):
+    """(|d|, |d| as compared, the bound it is compared with): the values
+    `d`'s dtype stores as Inf are those of magnitude at least the bound.
+
+    Inductor keeps a fused pointwise result in float32 and rounds it to the
+    tensor's dtype only where it stores it, and a statistic fused into the
+    same kernel reads the float32 value (`emulate_precision_casts` off, its
+    default): a float16 product of 70000 is Inf in the tensor and finite to
+    a comparison with inf. So float16 and bfloat16 magnitudes are compared
+    in float32 with `overflow_at` (a Python number compared with a float16
+    tensor would be cast to float16 first, and 65520 is Inf there): the
+    counts are the stored values' whether the statistic reads the stored
+    tensor or the unrounded one, as rounding is monotonic and rounded
+    values lie on the same sides of the bound."""
+    a = d.abs()
+    bound = overflow_at(d.dtype)
+    return a, (a.float() if bound != math.inf else a), bound
+
+
 def nonfinite_counts(d):
     """The NaN and Inf counts of `d` as graph operations: `d != d` and
-    `|d| == inf`, summed in int32 (int64 past int32's range or for a
-    symbolic size: `_count_dtype`, at trace time). Written so because
-    inductor's CPU code for `isnan(d).sum()` and `isinf(d).sum()` (int64
-    sums of the masks) is not vectorised: on the benchmark GPT those counts
-    were most of the 2.5x the in-graph rows cost; the comparisons and int32
-    sums fuse into the one pass that also takes the maximum
+    `|d| >= bound` (`magnitudes`), summed in int32 (int64 past int32's
+    range or for a symbolic size: `_count_dtype`, at trace time). Written
+    so because inductor's CPU code for `isnan(d).sum()` and `isinf(d).sum()`
+    (int64 sums of the masks) is not vectorised: on the benchmark GPT those
+    counts were most of the 2.5x the in-graph rows cost; the comparisons and
+    int32 sums fuse into the one pass that also takes the maximum
     (`benchmarks/RESULTS.md`)."""
     dtype = _count_dtype(d)
-    return (d != d).sum(dtype=dtype), (d.abs() == math.inf).sum(dtype=dtype)
+    _, m, bound = magnitudes(d)
+    return (d != d).sum(dtype=dtype), (m >= bound).sum(dtype=dtype)
 
 
 def nonfinite_total(d):
     """NaN and Inf together (`input_nonfinite`): the values whose magnitude
-    is not below inf, one comparison and one sum."""
-    return (~(d.abs() < math.inf)).sum(dtype=_count_dtype(d))
+    is not below the bound (`magnitudes`), one comparison and one sum."""
+    _, m, bound = magnitudes(d)
+    return (~(m < bound)).sum(dtype=_count_dtype(d))
+
+
+def _col(row, col: int):
+    """float64 1 at column `col` of a row, 0 elsewhere (fusible ops)."""
+    return (torch.arange(WIDTH, device=row.device) == col).to(torch.float64)
+
+
+def _put(row, col: int, value, new=None):
+    """`new` (default `row`) with column `col` replaced by `value`, a 0-d
+    tensor: a `where` over the row, not an indexed write (see the module's
+    docstring)."""
+    return torch.where(torch.arange(WIDTH, device=row.device) == col, value, row if new is None else new)
+
+
+def _assign(row, new) -> None:
+    """`row.copy_(new)` for the finite values a row holds, written as
+    `row.mul_(0).add_(new)`: a functional `copy` is an operation the
+    partitioner does not fuse, and a row written twice in one graph (a
+    module's call begins and ends; a module called twice) would put one
+    between the statistics and the rest of the forward."""
+    row.mul_(0).add_(new)
 
 
 def write(row, gate, t, counter=None, input_bad=None) -> None:
-    """Add the cheap statistics of `t` to `row` (a buffer row), times
+    """Add the cheap statistics of `t` to `row` (a row tensor), times
     `gate` (tensor ops only); `counter`: advanced, and its value kept as
-    the row's `seq`. One write of the row: each in-place write of a view
-    is a kernel of its own in the graph."""
+    the row's `seq`. One write of the row, whole: an indexed write would be
+    an operation the partitioner does not fuse (the module's docstring)."""
     d = t.detach()
     # The same definitions as the eager rows (`stats._device_stats`):
-    # counts of NaN and Inf, the largest finite magnitude; one pass over
-    # `d` once the compiler fuses the three reductions.
+    # counts of NaN and Inf, the largest finite magnitude, of the values as
+    # `d`'s dtype stores them (`magnitudes`); one pass over `d` once the
+    # compiler fuses the three reductions. The maximum is taken in `d`'s
+    # dtype: an unrounded float32 maximum is rounded as the tensor's values
+    # are (the largest rounded value is the rounded largest value).
     nan, inf = nonfinite_counts(d)
-    a = d.abs()
-    top = torch.where(a < math.inf, a, 0).amax()
-    zero = torch.zeros((), dtype=torch.float64, device=row.device)
-    bad = input_bad if input_bad is not None else zero
+    a, m, bound = magnitudes(d)
+    top = torch.where(m < bound, a, 0).amax().to(torch.float64)
+    delta = (_col(row, NAN) * nan.to(torch.float64) + _col(row, INF) * inf.to(torch.float64)
+             + _col(row, TENSORS) + _col(row, NUMEL) * d.numel())
+    if input_bad is not None:
+        delta = delta + _col(row, INPUT_BAD) * input_bad
+    new = row + delta * gate
+    new = _put(row, ABSMAX, torch.maximum(row[ABSMAX], top * gate), new)
     if counter is not None:
         counter.add_(gate)
-        seq = torch.where(gate > 0, counter, row[SEQ])
-    else:
-        seq = row[SEQ]
-    delta = torch.stack([zero, nan.to(torch.float64), inf.to(torch.float64), bad, zero + 1.0,
-                         zero + d.numel(), zero, zero, zero]) * gate
-    new = row + delta
-    new = torch.stack([torch.maximum(row[ABSMAX], top.to(torch.float64) * gate), *new[NAN:SEQ], seq,
-                       zero + _dtype_code(d.dtype), row[ENTER]])
-    row.copy_(new)
+        new = _put(row, SEQ, torch.where(gate > 0, counter, row[SEQ]), new)
+    new = _put(row, DTYPE, torch.full((), _dtype_code(d.dtype), dtype=torch.float64, device=row.device), new)
+    _assign(row, new)
 
 
 class GraphStats:
@@ -147,14 +210,20 @@ class GraphStats:
             self.slots.append((name, "activation"))
         self.grad_slots: list[tuple[str, str]] = []
         # Without module rows no probe writes a gradient slot: none are
-        # made, so each step's `take` copies and zeroes the last row only.
+        # made, so each step's `take` copies and zeroes the step's row only.
         for name in (watched if rows else ()):
             for kind in ("grad_output", "grad_input"):
                 self.index[(name, kind)] = len(self.grad_slots)
                 self.grad_slots.append((name, kind))
         self.device = torch.device(device)
-        self.buffer = torch.zeros(len(self.slots) + 1, WIDTH, dtype=torch.float64, device=self.device)
+        # A tensor per forward slot, then the step's own row (`fwd[-1]`),
+        # and per gradient slot (the module's docstring says why).
+        self.fwd = [torch.zeros(WIDTH, dtype=torch.float64, device=self.device) for _ in range(len(self.slots) + 1)]
         self.grads = [torch.zeros(WIDTH, dtype=torch.float64, device=self.device) for _ in self.grad_slots]
+        # One value, not 0-d: under AOT autograd (torch 2.13) an in-place
+        # change of a 0-d tensor held by a Python object was dropped, with
+        # the writes that read it (seen with `aot_eager` and inductor).
+        self.counter = torch.zeros(1, dtype=torch.float64, device=self.device)
         # Two constant tensors, the gate one of them: a gate changed in place
         # between a graph's forward and its backward (a `paused()` pass in
         # between) would make autograd refuse the backward (version check).
@@ -174,48 +243,48 @@ class GraphStats:
 
     def take(self):
         """The values written since the last take (one flat tensor on the
-        buffers' device: the forward buffer, then the gradient rows), the
-        buffers zeroed; None when no graph wrote them."""
+        rows' device: the forward rows, the step's row, then the gradient
+        rows), the rows zeroed; None when no graph wrote them."""
         if not self.ran:
             return None
         self.ran = False
-        out = torch.cat([self.buffer.reshape(-1), torch.stack(self.grads).reshape(-1)]) if self.grads \
-            else self.buffer.reshape(-1).clone()
-        self.buffer.zero_()
-        if self.grads:
-            torch._foreach_zero_(self.grads)
+        rows = self.fwd + self.grads
+        out = torch.cat(rows)  # a new tensor: zeroing the rows leaves it
+        torch._foreach_zero_(rows + [self.counter])
         return out
 
     # ------------------------------------------------------ in the graph
     def write(self, slot: int, t) -> None:
-        write(self.buffer[slot], self.gate, t, counter=self.buffer[-1, COUNTER])
+        write(self.fwd[slot], self.gate, t, counter=self.counter)
 
     def note_input_bad(self, slot: int, tensors) -> None:
         """Add the NaN/Inf count of a call's inputs to `slot`'s
         `input_nonfinite`; mark where the call began (`ENTER`)."""
-        row, gate, counter = self.buffer[slot], self.gate, self.buffer[-1, COUNTER]
+        row, gate, counter = self.fwd[slot], self.gate, self.counter
         counter.add_(gate)
-        row[ENTER].copy_(torch.where(gate > 0, counter, row[ENTER]))
-        if not tensors:
-            return
+        new = _put(row, ENTER, torch.where(gate > 0, counter, row[ENTER]))
         bad = None
         for t in tensors:
             n = nonfinite_total(t.detach()).to(torch.float64)
             bad = n if bad is None else bad + n
-        row[INPUT_BAD].add_(bad * gate)
+        if bad is not None:
+            new = new + _col(row, INPUT_BAD) * (bad * gate)
+        _assign(row, new)
 
     def note_autocast(self) -> None:
         """The autocast state as this trace runs (dynamo guards on it: a
-        graph is traced per state), kept as the buffer's codes."""
+        graph is traced per state), kept as the step's row's codes."""
         for i, dev in enumerate(AUTOCAST_DEVICES):
             try:
                 on = torch.is_autocast_enabled(dev)
             except (RuntimeError, TypeError, AttributeError):
                 continue
             if on:
-                row = self.buffer[-1]
-                row[AUTOCAST_DTYPE].fill_(_dtype_code(torch.get_autocast_dtype(dev)))
-                row[AUTOCAST_DEVICE].fill_(float(i + 1))
+                row = self.fwd[-1]
+                code = torch.full((), _dtype_code(torch.get_autocast_dtype(dev)), dtype=torch.float64,
+                                  device=row.device)
+                where = torch.full((), float(i + 1), dtype=torch.float64, device=row.device)
+                _assign(row, _put(row, AUTOCAST_DEVICE, where, _put(row, AUTOCAST_DTYPE, code)))
                 return
 
     def probe(self, slot: int, t):
@@ -242,7 +311,8 @@ class GraphStats:
     # hooks (called by the eager hooks' guard while dynamo traces)
     def root_pre(self, module, args, kwargs):
         self.ran = True
-        self.buffer[-1, MICRO_BATCHES].add_(self.gate)
+        step = self.fwd[-1]
+        step.add_(_col(step, MICRO_BATCHES) * self.gate)
         self.note_autocast()
         if not self.rows:
             return None
