@@ -9,11 +9,12 @@ tensor, and no Python runs per module per step.
 
 Each row has a slot bound at attach time, a float64 tensor of its own on
 the model's device: the model's `<input>`, each watched module's
-`activation`, `grad_output` and `grad_input` (see `Probe`), each written in
-place as a whole (`_put`), their layout in `recorders.graph_rows`. `absmax` by max, the counts and `numel` by sum
-(micro-batches, calls and the tensors of a tuple output add up, as eager
-rows merge); `seq` and `enter` are a counter's values when a call ended and
-began (the rows' order). The backward rows are written by `Probe`, an
+`activation`, `grad_output` and `grad_input` (see `Probe`), each replaced
+whole in place (`_put`, `_assign`), their layout in `recorders.graph_rows`.
+`absmax` by max, the counts and `numel` by sum (micro-batches, calls and
+the tensors of a tuple output add up, as eager rows merge); `seq` and
+`enter` are a counter's values when a call ended and began (the rows'
+order). The backward rows are written by `Probe`, an
 identity autograd Function put on the module's outputs and inputs
 (compiled path only: an eager step gets no autograd node of the recorder).
 Every write is multiplied by `gate` (1: record, 0: a step not recorded or a
@@ -152,9 +153,9 @@ def _col(row, col: int):
 
 
 def _put(row, col: int, value, new=None):
-    """`new` (default `row`) with column `col` replaced by `value`, a 0-d
-    tensor: a `where` over the row, not an indexed write (see the module's
-    docstring)."""
+    """`new` (default `row`) with column `col` replaced by `value`, a tensor
+    of one value: a `where` over the row, not an indexed write (see the
+    module's docstring)."""
     return torch.where(torch.arange(WIDTH, device=row.device) == col, value, row if new is None else new)
 
 
