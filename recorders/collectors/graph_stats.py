@@ -147,16 +147,21 @@ def nonfinite_total(d):
     return (~(m < bound)).sum(dtype=_count_dtype(d))
 
 
+def _is_col(row, col: int):
+    """True at column `col` of a row (fusible ops: no indexed write)."""
+    return torch.arange(WIDTH, device=row.device) == col
+
+
 def _col(row, col: int):
-    """float64 1 at column `col` of a row, 0 elsewhere (fusible ops)."""
-    return (torch.arange(WIDTH, device=row.device) == col).to(torch.float64)
+    """float64 1 at column `col` of a row, 0 elsewhere."""
+    return _is_col(row, col).to(torch.float64)
 
 
 def _put(row, col: int, value, new=None):
     """`new` (default `row`) with column `col` replaced by `value`, a tensor
     of one value: a `where` over the row, not an indexed write (see the
     module's docstring)."""
-    return torch.where(torch.arange(WIDTH, device=row.device) == col, value, row if new is None else new)
+    return torch.where(_is_col(row, col), value, row if new is None else new)
 
 
 def _assign(row, new) -> None:
