@@ -127,17 +127,19 @@ def magnitudes(d):
 
 
 def nonfinite_counts(d):
-    """The NaN and Inf counts of `d` as graph operations: `d != d` and
-    `|d| >= bound` (`magnitudes`), summed in int32 (int64 past int32's
+    """The NaN and Inf counts of `d` as graph operations: `d != d` summed,
+    and the Inf count as `nonfinite_total` less the NaN count (a NaN's
+    magnitude is not below the bound either), in int32 (int64 past int32's
     range or for a symbolic size: `_count_dtype`, at trace time). Written
     so because inductor's CPU code for `isnan(d).sum()` and `isinf(d).sum()`
     (int64 sums of the masks) is not vectorised: on the benchmark GPT those
     counts were most of the 2.5x the in-graph rows cost; the comparisons and
     int32 sums fuse into the one pass that also takes the maximum
-    (`benchmarks/RESULTS.md`)."""
-    dtype = _count_dtype(d)
-    _, m, bound = magnitudes(d)
-    return (d != d).sum(dtype=dtype), (m >= bound).sum(dtype=dtype)
+    (`benchmarks/RESULTS.md`). The comparison with the bound is the one the
+    maximum and the next module's input count make: fused, the three share
+    it, and the Inf count costs one scalar subtraction."""
+    nan = (d != d).sum(dtype=_count_dtype(d))
+    return nan, nonfinite_total(d) - nan
 
 
 def nonfinite_total(d):
