@@ -144,9 +144,14 @@ def nonfinite_counts(d):
 
 def nonfinite_total(d):
     """NaN and Inf together (`input_nonfinite`): the values whose magnitude
-    is not below the bound (`magnitudes`), one comparison and one sum."""
+    is not below the bound (`magnitudes`), as the size less the count of
+    those below it. One comparison and one sum; counting `~(m < bound)`
+    instead costs a negation of the mask a value, which inductor's CPU code
+    does not fold into the comparison (a compiled GELU over 2M bfloat16
+    values with the statistics of its input and output, on an AMD Zen 5:
+    0.46 ms of statistics with the negation, 0.38 without)."""
     _, m, bound = magnitudes(d)
-    return (~(m < bound)).sum(dtype=_count_dtype(d))
+    return d.numel() - (m < bound).sum(dtype=_count_dtype(d))
 
 
 def _is_col(row, col: int):
