@@ -27,10 +27,21 @@ Origins, per phase, in the first step where that phase has a non-finite row
   and travelled in float16 (its weight-gradient matmul ran in float16; an
   embedding's float32 gradient cannot overflow there), the one with the
   largest such gradient when several did; `aliases` lists the others.
+
+A rule that rests on a row being finite needs that row recorded: a step
+of a compiled model without in-graph rows (`compiled_rows=False`) holds
+the loss and the parameter gradients, no module's activation or gradient.
+There the absence of a non-finite row says nothing, so each origin carries
+its `basis` (`OriginBasis`): the rule met, no row met it, the rows that would
+decide were not recorded on that step, or made inside a module whose
+watched submodules have no row there. For the last two the first later
+step whose rows decide it names the layer (`later_origins`), evidence of
+that step, not of the first.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 import numpy as np
 import pandas as pd
@@ -50,6 +61,34 @@ LAYER_COLUMNS = ["name", "kind", "phase", "first_step", "order", "rank", "origin
                  "inf_count", "module", "last_step", "nonfinite_steps"]
 
 
+class OriginBasis(str, Enum):
+    """What an origin rests on (`Origin.basis`; the JSON's `basis`)."""
+    RULE = "rule"              # a row met the rule: the origin is certain
+    FIRST_ROW = "first_row"    # no row met the rule: the first non-finite row is named
+    UNRECORDED = "unrecorded"  # the rows that would decide were not recorded on that step
+    WITHIN = "within"          # made inside this module; its watched submodules have no row there
+
+
+# Kinds whose presence in a step decides the rules (`coverage`).
+_DECIDING_KINDS = ("activation", "grad_output", "grad_input")
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What one step recorded on one rank, as far as the origin rules need
+    it: the kinds among `_DECIDING_KINDS` with a row, and whether a module
+    below the model has an activation row, and a `grad_output` row (not
+    only the model's own: a recorder attached to a compiled module records
+    its boundary only)."""
+    kinds: frozenset
+    module_activations: bool
+    module_gradients: bool
+
+    def outputs_recorded(self, name: str) -> bool:
+        """Whether module `name`'s `grad_output` rows were recorded."""
+        return "grad_output" in self.kinds and (name == "" or self.module_gradients)
+
+
 @dataclass(frozen=True)
 class Origin:
     name: str        # module qualified name, or "<input>" / "<loss>"
@@ -59,13 +98,23 @@ class Origin:
     rank: int
     order: int | None
     tensor: str      # name of that row (a parameter name for param_grad)
-    certain: bool = True  # False: no row met the rule, the first non-finite row is named
+    certain: bool = True  # False: see `basis`
     aliases: tuple = ()   # a tied parameter's other names (param_grad origins)
+    basis: OriginBasis = OriginBasis.RULE
 
     def to_dict(self) -> dict:
         return {"name": self.name, "phase": self.phase, "kind": self.kind, "step": self.step,
                 "rank": self.rank, "order": self.order, "tensor": self.tensor, "certain": self.certain,
-                "aliases": list(self.aliases)}
+                "aliases": list(self.aliases), "basis": self.basis.value}
+
+    @property
+    def undetermined(self) -> bool:
+        """Its step lacked the rows that decide it: the row named is no origin."""
+        return self.basis in (OriginBasis.UNRECORDED, OriginBasis.WITHIN)
+
+
+def _uncertain(o: Origin, basis: OriginBasis) -> Origin:
+    return replace(o, certain=False, basis=basis)
 
 
 @dataclass
@@ -86,12 +135,24 @@ class NanReport:
     # With a model: `replay.run_origin.RunOpOrigin.to_dict()` of a replayed
     # bundle (the API adds it; this analysis never replays). None without one.
     op_origin: dict | None = None
+    # Per phase: where the origin's step lacked the rows that decide it
+    # (`OriginBasis.UNRECORDED`, `OriginBasis.WITHIN`), the certain origin of the first
+    # later step whose module rows hold a NaN/Inf; else None.
+    later_origins: dict = field(default_factory=dict)
+    compiled_without_rows: bool = False  # a compiled model, no module rows in its graph
+    # The step whose optimizer update applied non-finite gradients, when
+    # it leaves the later steps' rows unable to decide (None: it did not).
+    weights_nonfinite_from: int | None = None
 
     def to_dict(self) -> dict:
         layers = [{k: plain(v) for k, v in row.items()} for row in self.layers.to_dict("records")]
         return {
             "origin": self.origin.to_dict() if self.origin else None,
             "origins": {p: (o.to_dict() if o else None) for p, o in self.origins.items()},
+            "later_origins": {p: (o.to_dict() if o else None) for p, o in
+                              ((p, self.later_origins.get(p)) for p in ("forward", "backward"))},
+            "compiled_without_rows": self.compiled_without_rows,
+            "weights_nonfinite_from": self.weights_nonfinite_from,
             "layers": layers,
             "first_nonfinite_step": self.first_nonfinite_step,
             "nonfinite_loss_steps": len(self.nonfinite_loss_steps),
@@ -111,7 +172,15 @@ class NanReport:
 
     def table(self) -> pd.DataFrame:
         t = self.layers.copy()
-        t.insert(0, "role", np.where(t["origin"], "ORIGIN", "propagated"))
+        role = np.where(t["origin"], "ORIGIN", "propagated").astype(object)
+        # The first row of a step without the rows that decide: neither.
+        for o in self.origins.values():
+            if o is not None and o.undetermined:
+                key = _origin_row(o, self.origins)
+                if key is not None:
+                    hit = (t["name"] == key[0]) & (t["kind"] == key[1]) & (t["first_step"] == o.step)
+                    role[hit.to_numpy()] = "undetermined"
+        t.insert(0, "role", role)
         return t.drop(columns=["origin"])
 
     def lines(self) -> list[str]:
@@ -127,7 +196,8 @@ class NanReport:
                                         else "")
             if o.aliases:
                 where += f" (its weight gradient; a tied parameter, also named {', '.join(o.aliases)})"
-            guess = "" if o.certain else " [no row met the rule: first non-finite row shown]"
+            guess = "" if o.certain else " " + basis_words(o, self.later_origins.get(phase),
+                                                           self.compiled_without_rows, self.weights_nonfinite_from)
             absorbed = ""
             if phase == "backward" and self.backward_scaler_handled:
                 # "Calibration" only for what the scaler really calibrated:
@@ -149,6 +219,27 @@ class NanReport:
         return out
 
 
+def basis_words(o: Origin, later: Origin | None, compiled_without_rows: bool,
+                weights_nonfinite_from: int | None = None) -> str:
+    """Why an origin is not certain, and what a later step showed, in
+    brackets (`NanReport.lines`, the summary's finding)."""
+    if o.basis is OriginBasis.FIRST_ROW:
+        return "[no row met the rule: first non-finite row shown]"
+    what = ("made inside it; which of its modules made it is undetermined: their rows were not recorded "
+            "on this step" if o.basis is OriginBasis.WITHIN else
+            "the first non-finite row recorded; the layer that made it is undetermined: the rows that "
+            "decide it were not recorded on this step")
+    if compiled_without_rows:
+        what += " (a compiled step: AmpRecorder(compiled_rows=True) records every module inside the graph)"
+    if later is not None:
+        what += (f"; step {later.step}, the first later step whose module rows decide it, names "
+                 f"{_display(later.name)} ({later.kind})")
+    elif weights_nonfinite_from is not None:
+        what += (f"; the later steps with module rows ran on weights made non-finite by step "
+                 f"{weights_nonfinite_from}'s update: they cannot decide it")
+    return f"[{what}]"
+
+
 def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = None) -> NanReport:
     """Rank layers by first non-finite appearance and name the origins."""
     acc = _Accumulator()
@@ -161,14 +252,39 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
             acc.add(rows)
 
     origins = {"forward": None, "backward": None}
-    for phase in ("forward", "backward"):
-        rows = acc.first_rows.get(phase)
-        if rows is not None:
-            origins[phase] = forward_origin(rows) if phase == "forward" else backward_origin(rows)
+    later = {"forward": None, "backward": None}
+    corrupted = None  # the step whose update made the weights non-finite, when it voids `later`
+    firsts = {p: acc.first_rows.get(p) for p in origins}
+    seconds = {p: acc.first_module_rows.get(p) for p in origins}
+    known = [g for g in list(firsts.values()) + list(seconds.values()) if g is not None]
+    covered = coverage(run, {int(g["step"].iloc[0]) for g in known}, pd.concat(known) if known else None)
+    below = watched_below(run)
+
+    def origin_of(phase, rows):
+        cov = covered.get((int(rows["step"].iloc[0]), int(rows["rank"].iloc[0])))
+        return forward_origin(rows, cov, below) if phase == "forward" else backward_origin(rows, cov)
+
+    for phase in origins:
+        if firsts[phase] is not None:
+            origins[phase] = origin_of(phase, firsts[phase])
+        o = origins[phase]
+        if o is not None and o.undetermined and seconds[phase] is not None:
+            # The first later step whose module rows hold a NaN/Inf may
+            # decide, unless the optimizer applied non-finite gradients in
+            # between: that step's NaN then comes from the weights.
+            o2 = origin_of(phase, seconds[phase])
+            if o2 is not None and o2.certain and o2.step > o.step:
+                applied = [s for s in applied_nonfinite_steps(run) if o.step <= s < o2.step]
+                if applied:
+                    corrupted = applied[0] if corrupted is None else min(corrupted, applied[0])
+                else:
+                    later[phase] = o2
     candidates = [o for o in origins.values() if o is not None]
     facts = run.step_facts(from_step, to_step)
     if origins["backward"] is not None:
         origins["backward"] = attribute_shared(run, origins["backward"])
+    if later["backward"] is not None:
+        later["backward"] = attribute_shared(run, later["backward"])
     handled = _scaler_handled(origins["backward"], origins["forward"], facts)
     # The headline origin is the first of the two, except that a backward
     # overflow the loss scaler absorbed (a skipped step whose forward and loss
@@ -179,7 +295,10 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
 
     layers = acc.layers()
     layers["origin"] = False
-    for o in candidates:
+    # ORIGIN marks a certain origin's row: a first row named for want of
+    # rows that decide is no origin, the later step's layer is.
+    for o in [o for o in candidates if not o.undetermined] + \
+            [o for o in later.values() if o is not None]:
         key = _origin_row(o, origins)
         if key is not None:
             hit = (layers["name"] == key[0]) & (layers["kind"] == key[1]) & (layers["first_step"] == o.step)
@@ -192,11 +311,32 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
         first_nonfinite_step=int(layers["first_step"].min()) if len(layers) else None,
         nonfinite_loss_steps=facts.nonfinite_loss_steps, skipped_steps=facts.skipped_steps,
         shards_scanned=len(run.scanned_files), shards_total=len(run.tensor_shards),
+        later_origins=later, compiled_without_rows=compiled_without_rows(run), weights_nonfinite_from=corrupted,
     )
 
 
-def forward_origin(rows: pd.DataFrame) -> Origin | None:
-    """Forward origin among one step's non-finite rows (one rank)."""
+def applied_nonfinite_steps(run: Run) -> list[int]:
+    """Steps whose non-finite parameter gradients the optimizer applied (no
+    scaler, or it missed them), ascending."""
+    s = run.step_series().steps
+    return sorted(int(v) for v in s.loc[s["applied_nonfinite_any"], "step"])
+
+
+def compiled_without_rows(run: Run) -> bool:
+    """The recorder saw a compiled model and computed no module rows inside
+    its graph (`AmpRecorder(compiled_rows=False)`, the default)."""
+    m = run.manifest
+    compiled = m.get("compiled") if isinstance(m.get("compiled"), dict) else {}
+    options = m.get("recorder") if isinstance(m.get("recorder"), dict) else {}
+    return bool(compiled.get("detected")) and not options.get("compiled_rows", False)
+
+
+def forward_origin(rows: pd.DataFrame, covered: Coverage | None = None,
+                   has_submodules=lambda name: False) -> Origin | None:
+    """Forward origin among one step's non-finite rows (one rank).
+    `covered`: what the step recorded (`coverage`; None: every row, as an
+    eager step); `has_submodules(name)`: whether a module has watched
+    submodules (`watched_below`)."""
     rows = rows[rows["phase"] == "forward"].sort_values("order", kind="stable")
     if rows.empty:
         return None
@@ -209,17 +349,27 @@ def forward_origin(rows: pd.DataFrame) -> Origin | None:
     made_here = acts[acts["input_nonfinite"].isna() | (acts["input_nonfinite"] == 0)]
     if len(made_here):
         r = made_here.iloc[0]
-        return Origin(r["name"], "forward", "activation", step, rank, int(r["order"]), r["name"])
+        o = Origin(r["name"], "forward", "activation", step, rank, int(r["order"]), r["name"])
+        if covered is not None and not covered.module_activations and has_submodules(r["name"]):
+            return _uncertain(o, OriginBasis.WITHIN)  # the model's output, its layers unrecorded
+        return o
     if acts.empty and (rows["kind"] == "loss").any():
         r = rows[rows["kind"] == "loss"].iloc[0]
-        return Origin(schema.LOSS_NAME, "forward", "loss", step, rank, int(r["order"]), schema.LOSS_NAME)
+        o = Origin(schema.LOSS_NAME, "forward", "loss", step, rank, int(r["order"]), schema.LOSS_NAME)
+        # "Every activation was finite" needs activations recorded.
+        return o if covered is None or "activation" in covered.kinds else _uncertain(o, OriginBasis.UNRECORDED)
     r = rows.iloc[0]
-    return Origin(r["name"], "forward", r["kind"], step, rank, int(r["order"]), r["name"], certain=False)
+    return Origin(r["name"], "forward", r["kind"], step, rank, int(r["order"]), r["name"], certain=False,
+                  basis=OriginBasis.FIRST_ROW)
 
 
-def backward_origin(rows: pd.DataFrame) -> Origin | None:
+def backward_origin(rows: pd.DataFrame, covered: Coverage | None = None) -> Origin | None:
     """Backward origin among one step's non-finite rows (one rank). A row
-    absent from `rows` was finite (or not recorded)."""
+    absent from `rows` was finite, or not recorded: `covered` (`coverage`;
+    None: every row recorded) says which. Without `grad_output` rows on
+    the step (a compiled step without in-graph rows) no module can be shown
+    to have received a finite gradient, and the parameter gradients' order
+    is that of their hooks, not of the computation."""
     rows = rows[rows["phase"] == "backward"].sort_values("order", kind="stable")
     if rows.empty:
         return None
@@ -231,18 +381,77 @@ def backward_origin(rows: pd.DataFrame) -> Origin | None:
         return Origin(schema.LOSS_NAME, "backward", "loss", step, rank, int(r["order"]), "")
     bad_out = set(zip(gout["name"], gout["call"]))
     bad_out_modules = set(gout["name"])
+    undecided = False  # a rule needed a row the step did not record
+
+    def recorded(name: str) -> bool:
+        nonlocal undecided
+        ok = covered is None or covered.outputs_recorded(name)
+        undecided = undecided or not ok
+        return ok
+
     for r in rows.itertuples(index=False):
         if r.kind == "grad_input":
-            received_bad = (r.input_nonfinite > 0) if not pd.isna(r.input_nonfinite) \
-                else (r.name, r.call) in bad_out
+            if not pd.isna(r.input_nonfinite):
+                received_bad = r.input_nonfinite > 0
+            elif recorded(r.name):
+                received_bad = (r.name, r.call) in bad_out
+            else:
+                continue
             if not received_bad:
                 return Origin(r.name, "backward", "grad_input", step, rank, int(r.order), r.name)
         elif r.kind == "param_grad":
             owner = r.name.rpartition(".")[0]
-            if owner not in bad_out_modules:
+            if recorded(owner) and owner not in bad_out_modules:
                 return Origin(owner, "backward", "param_grad", step, rank, int(r.order), r.name)
     r = rows.iloc[0]
-    return Origin(r["name"], "backward", r["kind"], step, rank, int(r["order"]), r["name"], certain=False)
+    return Origin(r["name"], "backward", r["kind"], step, rank, int(r["order"]), r["name"], certain=False,
+                  basis=OriginBasis.UNRECORDED if undecided else OriginBasis.FIRST_ROW)
+
+
+def coverage(run: Run, steps, rows: pd.DataFrame | None = None) -> dict[tuple[int, int], Coverage]:
+    """{(step, rank): Coverage} of `steps`, streamed (a summary per step
+    kept, not its rows). `rows`: those steps' non-finite rows, already
+    read: a step where they show module rows of each phase they hold (the
+    usual eager case) is not read again."""
+    steps = sorted({int(s) for s in steps})
+    kinds: dict[tuple[int, int], set] = {}
+    below: dict[str, set] = {"activation": set(), "grad_output": set()}
+
+    def add(df):
+        for (step, rank, kind), _ in df.groupby(["step", "rank", "kind"], sort=False):
+            kinds.setdefault((int(step), int(rank)), set()).add(kind)
+        for kind, keys in below.items():
+            sub = df[(df["kind"] == kind) & (df["name"] != "")]
+            keys.update(zip(sub["step"].astype(int), sub["rank"].astype(int)))
+
+    todo = steps
+    if rows is not None and len(rows):
+        known = rows[rows["step"].isin(steps) & rows["kind"].isin(_DECIDING_KINDS)]
+        add(known)
+        settled = set()
+        for step, g in rows[rows["step"].isin(steps)].groupby("step"):
+            key = (int(step), int(g["rank"].min()))
+            need = [("activation" if ph == "forward" else "grad_output") for ph in set(g["phase"])]
+            if all(key in below[k] for k in need):
+                settled.add(int(step))
+        todo = [s for s in steps if s not in settled]
+    if todo:
+        for batch in run.iter_tensor_batches(["step", "rank", "name", "kind"], steps=todo,
+                                             kinds=_DECIDING_KINDS, label="reading what the steps recorded"):
+            add(batch.to_pandas())
+    return {(s, r): Coverage(frozenset(kinds.get((s, r), ())), (s, r) in below["activation"],
+                             (s, r) in below["grad_output"]) for s in steps for r in run.ranks}
+
+
+def watched_below(run: Run):
+    """`has_submodules(name)` for `forward_origin`, from the manifest's
+    module list (a run without one: False)."""
+    watched = [m.get("name") for m in run.manifest.get("modules") or [] if m.get("watched")]
+    watched = [n for n in watched if isinstance(n, str)]
+
+    def has_submodules(name: str) -> bool:
+        return any(n != name and (name == "" or n.startswith(name + ".")) for n in watched)
+    return has_submodules
 
 
 def backward_origins(run: Run, steps) -> dict[int, Origin]:
@@ -337,20 +546,19 @@ class _Accumulator:
         self._last_seen: dict[tuple, int] = {}  # (name, kind, rank) -> last step counted
         self._counts: dict[tuple, int] = {}     # (name, kind) -> non-finite (step, rank) pairs
         self.first_rows: dict[str, pd.DataFrame] = {}
+        # Per phase, the rows of the first step with a non-finite row of a
+        # module below the model (an activation; a gradient at its output or
+        # inputs): a step whose module rows were recorded.
+        self.first_module_rows: dict[str, pd.DataFrame] = {}
 
     def add(self, df: pd.DataFrame) -> None:
         df = df.assign(_ph=(df["phase"] == "backward").astype(np.int8))
         df = df.sort_values(["step", "_ph", "order", "rank"], kind="stable")
         for phase, g in df.groupby("phase"):
-            step = int(g["step"].min())
-            g = g[g["step"] == step]
-            rank = int(g["rank"].min())
-            g = g[g["rank"] == rank]
-            cur = self.first_rows.get(phase)
-            if cur is None or (step, rank) < (int(cur["step"].iloc[0]), int(cur["rank"].iloc[0])):
-                self.first_rows[phase] = g
-            elif (step, rank) == (int(cur["step"].iloc[0]), int(cur["rank"].iloc[0])):
-                self.first_rows[phase] = pd.concat([cur, g])  # a step split over two batches
+            _keep_first(self.first_rows, phase, g, g)
+            module = g["kind"].isin(_MODULE_KINDS[phase]) & (g["name"] != "")
+            if module.any():
+                _keep_first(self.first_module_rows, phase, g, g[module])
 
         firsts = df.groupby(["name", "kind"], sort=False).head(1)
         firsts = firsts.assign(first_step=firsts["step"], last_step=firsts["step"])
@@ -388,6 +596,23 @@ class _Accumulator:
         for c in ("first_step", "order", "rank", "nan_count", "inf_count", "last_step", "nonfinite_steps"):
             t[c] = t[c].astype("int64")
         return t
+
+
+_MODULE_KINDS = {"forward": ("activation",), "backward": ("grad_output", "grad_input")}
+
+
+def _keep_first(firsts: dict, phase: str, g: pd.DataFrame, which: pd.DataFrame) -> None:
+    """Keep in `firsts[phase]` the rows of `g` of the first (step, rank)
+    among `which`'s rows, when it comes before the kept one (the same: a
+    step split over two batches, joined)."""
+    step = int(which["step"].min())
+    rank = int(which.loc[which["step"] == step, "rank"].min())
+    g = g[(g["step"] == step) & (g["rank"] == rank)]
+    cur = firsts.get(phase)
+    if cur is None or (step, rank) < (int(cur["step"].iloc[0]), int(cur["rank"].iloc[0])):
+        firsts[phase] = g
+    elif (step, rank) == (int(cur["step"].iloc[0]), int(cur["rank"].iloc[0])):
+        firsts[phase] = pd.concat([cur, g])
 
 
 def _scaler_handled(backward: Origin | None, forward: Origin | None, facts) -> bool:

@@ -43,7 +43,7 @@ from ..names import display_name as _display
 from ..loader import Run
 from .instability import find_instability
 from .precision_verdict import Verdict, undetermined
-from .nans import find_nans
+from .nans import applied_nonfinite_steps, basis_words, find_nans
 from .ranges import DTYPE_LIMITS, WINDOW, lapsed_words, layer_ranges, recent_words, sampled_values
 from .scale import ScaleStatus, scale_dynamics, underflow_phrase
 from ..display import report_html, report_repr
@@ -167,7 +167,7 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
     unstable = find_instability(run)
     verdict = undetermined(run, unstable.failure_step) if unstable.failure_step is not None else None
     disabled = _disabled_ranks(run)
-    found = [_nonfinite_finding(nans, _applied_nonfinite_steps(run), target),
+    found = [_nonfinite_finding(nans, applied_nonfinite_steps(run), target),
              instability_finding(unstable, verdict, target) if unstable.unstable else None,
              _scale_finding(scale, target),
              *_underflow_findings(run, ranges, target),
@@ -192,14 +192,19 @@ def _nonfinite_finding(nans, applied_bad: list, target: str) -> Finding | None:
     """A forward that turned non-finite, else non-finite gradients the optimizer applied."""
     fwd = nans.origins.get("forward")
     if fwd is not None:
-        return Finding("nonfinite", "critical", fwd.step, fwd.name, _forward_nonfinite_words(fwd, nans),
+        # The finding's layer: the origin when its step decides it, else
+        # the later step's that does, else none (undetermined).
+        later = nans.later_origins.get("forward")
+        layer = (later.name if later else None) if fwd.undetermined else fwd.name
+        return Finding("nonfinite", "critical", fwd.step, layer, _forward_nonfinite_words(fwd, nans),
                        f"amp-postmortem nans {target}",
                        {"origin": fwd.to_dict(), "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
-                        "propagated_layers": int((~nans.layers["origin"]).sum())})
+                        "propagated_layers": int((~nans.layers["origin"]).sum()),
+                        "later_origin": later.to_dict() if later else None})
     if not applied_bad:
         return None
     bwd = nans.origins.get("backward")
-    where = bwd if bwd is not None and bwd.step == applied_bad[0] else None
+    where = bwd if bwd is not None and bwd.step == applied_bad[0] and not bwd.undetermined else None
     return Finding("nonfinite", "critical", applied_bad[0], where.name if where else None,
                    _applied_nonfinite_words(applied_bad, where), f"amp-postmortem nans {target}",
                    {"applied_steps": len(applied_bad), "origin": where.to_dict() if where else None})
@@ -287,8 +292,11 @@ def _not_closed_finding(run: Run, disabled: dict) -> Finding | None:
 
 # ------------------------------------------------------------------ words
 def _forward_nonfinite_words(fwd, nans) -> str:
-    return (f"the forward pass turned non-finite at step {fwd.step}: first made by "
-            f"{_display(fwd.name)} ({fwd.kind}, rank {fwd.rank})"
+    made = "first recorded in" if fwd.undetermined else "first made by"
+    why = "" if not fwd.undetermined else " " + basis_words(
+        fwd, nans.later_origins.get("forward"), nans.compiled_without_rows, nans.weights_nonfinite_from)
+    return (f"the forward pass turned non-finite at step {fwd.step}: {made} "
+            f"{_display(fwd.name)} ({fwd.kind}, rank {fwd.rank}){why}"
             + (f"; the loss was NaN/Inf in {len(nans.nonfinite_loss_steps)} step(s)"
                if nans.nonfinite_loss_steps else ""))
 
@@ -299,7 +307,7 @@ def _applied_nonfinite_words(applied_bad: list, where) -> str:
 
 
 def _collapse_words(scale) -> str:
-    drivers = ", ".join(_display(d) for d in scale.drivers[:3]) or "unknown"
+    drivers = ", ".join(_display(d) for d in scale.drivers[:3]) or "undetermined"
     return (f"the loss scale collapses from step {scale.onset_step}: {scale.halvings_per_kstep:.3g} halvings "
             f"per 1000 steps, now {scale.final_scale:.3g}; skip rate {_pct(scale.skip_rate_before_onset)} "
             f"before, {_pct(scale.skip_rate_after_onset)} after; overflows born in {drivers}"
@@ -475,12 +483,6 @@ def _full_tier_rows_of(rows, name: str):
     keep = pc.and_(pc.and_(pc.equal(rows["name"], name), pc.is_valid(rows["below_normal_share"])),
                    pc.equal(pc.add(rows["nan_count"], rows["inf_count"]), 0))
     return rows.filter(keep)
-
-
-def _applied_nonfinite_steps(run: Run) -> list[int]:
-    """Steps whose non-finite parameter gradients were not skipped (no scaler, or it missed them)."""
-    s = run.step_series().steps
-    return [int(v) for v in s.loc[s["applied_nonfinite_any"], "step"]]
 
 
 def _facts(run: Run, nans, scale, skipped) -> dict:

@@ -281,7 +281,10 @@ def spread_lines(spread: Spread) -> list[str]:
             continue
         chain = [f"{display_name(n)} ({k})" for n, k, g in zip(rows["name"], rows["kind"], rows["origin"]) if not g]
         more = "" if len(chain) <= 12 else f" ... ({len(chain) - 12} more)"
-        out.append(f"{phase}: origin {display_name(o['name'])} ({o['kind']}, step {o['step']}, rank {o['rank']})"
+        # A step without the rows that decide (`nans.OriginBasis`) names no origin.
+        head = ("origin undetermined, first recorded in" if o.get("basis") in ("unrecorded", "within")
+                else "origin")
+        out.append(f"{phase}: {head} {display_name(o['name'])} ({o['kind']}, step {o['step']}, rank {o['rank']})"
                    + (f", then {', '.join(chain[:12])}{more}" if chain else ""))
     return out
 
