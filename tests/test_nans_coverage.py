@@ -103,7 +103,8 @@ def test_a_later_step_with_module_rows_names_the_layer(tmp_path, attach):
     assert fwd.step == PLANT_AT and not fwd.certain
     # Attached to the compiled module the model's output row was recorded:
     # made inside the model, which of its layers undetermined.
-    assert (fwd.basis, fwd.name) == ((OriginBasis.UNRECORDED, "<loss>") if attach == "before" else (OriginBasis.WITHIN, ""))
+    expected = (OriginBasis.UNRECORDED, "<loss>") if attach == "before" else (OriginBasis.WITHIN, "")
+    assert (fwd.basis, fwd.name) == expected
     later = rep.later_origins["forward"]
     assert later is not None and later.step > PLANT_AT and later.certain
     assert (later.name, later.kind) == (PLANTED, "activation")

@@ -32,8 +32,8 @@ A rule that rests on a row being finite needs that row recorded: a step
 of a compiled model without in-graph rows (`compiled_rows=False`) holds
 the loss and the parameter gradients, no module's activation or gradient.
 There the absence of a non-finite row says nothing, so each origin carries
-its `basis` (`OriginBasis`): the rule met, no row met it, the rows that would
-decide were not recorded on that step, or made inside a module whose
+its `basis` (`OriginBasis`): the rule met, no row met it, the rows that
+would decide were not recorded on that step, or made inside a module whose
 watched submodules have no row there. For the last two the first later
 step whose rows decide it names the layer (`later_origins`), evidence of
 that step, not of the first.
@@ -136,8 +136,8 @@ class NanReport:
     # bundle (the API adds it; this analysis never replays). None without one.
     op_origin: dict | None = None
     # Per phase: where the origin's step lacked the rows that decide it
-    # (`OriginBasis.UNRECORDED`, `OriginBasis.WITHIN`), the certain origin of the first
-    # later step whose module rows hold a NaN/Inf; else None.
+    # (`Origin.undetermined`), the certain origin of the first later step
+    # whose module rows hold a NaN/Inf; else None.
     later_origins: dict = field(default_factory=dict)
     compiled_without_rows: bool = False  # a compiled model, no module rows in its graph
     # The step whose optimizer update applied non-finite gradients, when
