@@ -173,3 +173,17 @@ def test_a_parameter_gradient_is_an_origin_only_where_its_modules_gradient_was_r
     # A grad_input with its own measured input count decides without coverage.
     rows = _rows((3, 0, "a", "grad_input", "backward", 0, 0, 0, 9, 0))
     assert backward_origin(rows, NOTHING).certain
+
+
+def test_a_step_whose_origin_needs_no_coverage_is_not_read_again(overflow_run, monkeypatch):
+    """An eager run's origins (an activation made from finite inputs, the
+    gradient non-finite where it enters the model) are the same whatever
+    was recorded: no shard is opened to ask what the step recorded."""
+    from amp_postmortem.analyses import nans
+
+    calls = []
+    real = nans.coverage
+    monkeypatch.setattr(nans, "coverage", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    rep = find_nans(load_run(overflow_run))
+    assert rep.origins["forward"].certain and rep.origins["backward"].certain
+    assert calls == []

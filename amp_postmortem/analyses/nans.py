@@ -256,13 +256,10 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
     corrupted = None  # the step whose update made the weights non-finite, when it voids `later`
     firsts = {p: acc.first_rows.get(p) for p in origins}
     seconds = {p: acc.first_module_rows.get(p) for p in origins}
-    known = [g for g in list(firsts.values()) + list(seconds.values()) if g is not None]
-    covered = coverage(run, {int(g["step"].iloc[0]) for g in known}, pd.concat(known) if known else None)
     below = watched_below(run)
 
     def origin_of(phase, rows):
-        cov = covered.get((int(rows["step"].iloc[0]), int(rows["rank"].iloc[0])))
-        return forward_origin(rows, cov, below) if phase == "forward" else backward_origin(rows, cov)
+        return origins_of(run, {0: rows}, phase, below)[0]
 
     for phase in origins:
         if firsts[phase] is not None:
@@ -310,7 +307,7 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
         has_scaler=run.scaler is not None,
         first_nonfinite_step=int(layers["first_step"].min()) if len(layers) else None,
         nonfinite_loss_steps=facts.nonfinite_loss_steps, skipped_steps=facts.skipped_steps,
-        shards_scanned=len(run.scanned_files), shards_total=len(run.tensor_shards),
+        shards_scanned=len(set(run.scanned_files)), shards_total=len(run.tensor_shards),
         later_origins=later, compiled_without_rows=compiled_without_rows(run), weights_nonfinite_from=corrupted,
     )
 
@@ -406,6 +403,39 @@ def backward_origin(rows: pd.DataFrame, covered: Coverage | None = None) -> Orig
     r = rows.iloc[0]
     return Origin(r["name"], "backward", r["kind"], step, rank, int(r["order"]), r["name"], certain=False,
                   basis=OriginBasis.UNRECORDED if undecided else OriginBasis.FIRST_ROW)
+
+
+_NOTHING_RECORDED = Coverage(frozenset(), False, False)
+
+
+def origins_of(run: Run, groups: dict, phase: str | None = None, below=None) -> dict:
+    """{key: Origin | None} of `groups` ({key: one step's non-finite rows,
+    one rank}): `phase`'s origin, or (None) the forward origin, else the
+    backward one. A step's coverage is read only where it changes the
+    answer: where the origin is the same whether every row or none was
+    recorded, no shard is opened for it."""
+    below = watched_below(run) if below is None else below
+
+    def origin(rows, cov):
+        if phase == "forward":
+            return forward_origin(rows, cov, below)
+        if phase == "backward":
+            return backward_origin(rows, cov)
+        return forward_origin(rows, cov, below) or backward_origin(rows, cov)
+
+    out, todo = {}, {}
+    for key, rows in groups.items():
+        either = origin(rows, None)
+        if either == origin(rows, _NOTHING_RECORDED):
+            out[key] = either
+        else:
+            todo[key] = rows
+    if todo:
+        rows = pd.concat(list(todo.values()))
+        covered = coverage(run, rows["step"].unique(), rows)
+        for key, g in todo.items():
+            out[key] = origin(g, covered.get((int(g["step"].iloc[0]), int(g["rank"].iloc[0]))))
+    return {key: out[key] for key in groups}  # in `groups`' order (scale's drivers break ties by it)
 
 
 def coverage(run: Run, steps, rows: pd.DataFrame | None = None) -> dict[tuple[int, int], Coverage]:

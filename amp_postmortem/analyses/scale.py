@@ -65,7 +65,7 @@ from recorders.plain import plain
 
 from ..names import Word, display_name as _display
 from ..loader import Run
-from .nans import attribute_shared_all, backward_origin, coverage, forward_origin, watched_below
+from .nans import attribute_shared_all, origins_of
 from .trend import theil_sen
 from ..display import report_html, report_repr
 
@@ -449,17 +449,9 @@ def _drivers(run: Run, series, skipped, steps, from_step) -> tuple[list[str], di
     cols = ["step", "rank", "name", "kind", "phase", "order", "call", "nan_count", "inf_count",
             "input_nonfinite"]
     rows = run.scan_tensors(cols, steps=picked, nonfinite_only=True, label="reading skipped steps")
-    covered = coverage(run, rows["step"].unique(), rows) if len(rows) else {}
-    below = watched_below(run)
-    origins = {}
-    for step, g in rows.groupby("step", sort=True):
-        rank = int(g["rank"].min())
-        g = g[g["rank"] == rank]
-        cov = covered.get((int(step), rank))
-        o = forward_origin(g, cov, below) or backward_origin(g, cov)
-        # A step whose recorded rows cannot decide names no driver.
-        if o is not None and not o.undetermined:
-            origins[int(step)] = o
+    groups = {int(step): g[g["rank"] == g["rank"].min()] for step, g in rows.groupby("step", sort=True)}
+    # A step whose recorded rows cannot decide names no driver.
+    origins = {step: o for step, o in origins_of(run, groups).items() if o is not None and not o.undetermined}
     counts: dict[str, int] = {}
     for o in attribute_shared_all(run, origins).values():
         counts[o.name] = counts.get(o.name, 0) + 1
