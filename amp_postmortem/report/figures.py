@@ -12,7 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .data import Heatmap, ReportData, Spread
+from ..analyses.nans import OriginBasis
 from ..names import display_name
+
+_UNDETERMINED = (OriginBasis.UNRECORDED.value, OriginBasis.WITHIN.value)
 
 LOW_RANGE_BITS = 64.0   # headroom below this: a float16/float8 tensor (float16 spans about 2^40)
 COLORS = {"loss": "#1f77b4", "scale": "#2ca02c", "skipped": "#ff7f0e", "nonfinite": "#d62728",
@@ -282,8 +285,7 @@ def spread_lines(spread: Spread) -> list[str]:
         chain = [f"{display_name(n)} ({k})" for n, k, g in zip(rows["name"], rows["kind"], rows["origin"]) if not g]
         more = "" if len(chain) <= 12 else f" ... ({len(chain) - 12} more)"
         # A step without the rows that decide (`nans.OriginBasis`) names no origin.
-        head = ("origin undetermined, first recorded in" if o.get("basis") in ("unrecorded", "within")
-                else "origin")
+        head = "origin undetermined, first recorded in" if o.get("basis") in _UNDETERMINED else "origin"
         out.append(f"{phase}: {head} {display_name(o['name'])} ({o['kind']}, step {o['step']}, rank {o['rank']})"
                    + (f", then {', '.join(chain[:12])}{more}" if chain else ""))
     return out
