@@ -187,3 +187,18 @@ def test_a_step_whose_origin_needs_no_coverage_is_not_read_again(overflow_run, m
     rep = find_nans(load_run(overflow_run))
     assert rep.origins["forward"].certain and rep.origins["backward"].certain
     assert calls == []
+
+
+def test_the_reports_spread_line_calls_an_undetermined_origin_so(tmp_path):
+    from amp_postmortem.report.data import Spread
+    from amp_postmortem.report.figures import spread_lines
+
+    run = tmp_path / "run"
+    _job(run, "before", 7)
+    rep = find_nans(load_run(run))
+    d = rep.to_dict()
+    layers = pd.DataFrame(d["layers"])
+    line = spread_lines(Spread(rank=0, origin=d["origin"], origins=d["origins"], layers=layers,
+                               total_layers=len(layers)))[0]
+    assert line.startswith("forward: origin undetermined, first recorded in <loss> (loss, step 5")
+    assert "then <loss>" not in line

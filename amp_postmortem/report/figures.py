@@ -282,10 +282,14 @@ def spread_lines(spread: Spread) -> list[str]:
         rows = spread.layers[spread.layers["phase"] == phase]
         if o is None:
             continue
-        chain = [f"{display_name(n)} ({k})" for n, k, g in zip(rows["name"], rows["kind"], rows["origin"]) if not g]
+        # A step without the rows that decide (`nans.OriginBasis`) names no
+        # origin: its first recorded row leads, and is not repeated after.
+        undetermined = o.get("basis") in _UNDETERMINED
+        head = "origin undetermined, first recorded in" if undetermined else "origin"
+        first = (o.get("tensor"), o.get("kind")) if undetermined else None
+        chain = [f"{display_name(n)} ({k})" for n, k, g in zip(rows["name"], rows["kind"], rows["origin"])
+                 if not g and (n, k) != first]
         more = "" if len(chain) <= 12 else f" ... ({len(chain) - 12} more)"
-        # A step without the rows that decide (`nans.OriginBasis`) names no origin.
-        head = "origin undetermined, first recorded in" if o.get("basis") in _UNDETERMINED else "origin"
         out.append(f"{phase}: {head} {display_name(o['name'])} ({o['kind']}, step {o['step']}, rank {o['rank']})"
                    + (f", then {', '.join(chain[:12])}{more}" if chain else ""))
     return out
