@@ -476,7 +476,11 @@ def coverage(run: Run, steps, rows: pd.DataFrame | None = None) -> dict[tuple[in
 def watched_below(run: Run):
     """`has_submodules(name)` for `forward_origin`, from the manifest's
     module list (a run without one: False)."""
-    watched = [m.get("name") for m in run.manifest.get("modules") or [] if m.get("watched")]
+    modules = run.manifest.get("modules")
+    # A manifest is data from another machine: anything but a list of
+    # objects with a string name counts as no module list.
+    watched = [m.get("name") for m in (modules if isinstance(modules, list) else [])
+               if isinstance(m, dict) and m.get("watched") is True]
     watched = [n for n in watched if isinstance(n, str)]
 
     def has_submodules(name: str) -> bool:
