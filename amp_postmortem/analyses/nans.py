@@ -257,9 +257,10 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
     firsts = {p: acc.first_rows.get(p) for p in origins}
     seconds = {p: acc.first_module_rows.get(p) for p in origins}
     below = watched_below(run)
+    covered: dict = {}  # the steps' coverage, read once for both phases
 
     def origin_of(phase, rows):
-        return origins_of(run, {0: rows}, phase, below)[0]
+        return origins_of(run, {0: rows}, phase, below, covered)[0]
 
     for phase in origins:
         if firsts[phase] is not None:
@@ -408,12 +409,13 @@ def backward_origin(rows: pd.DataFrame, covered: Coverage | None = None) -> Orig
 _NOTHING_RECORDED = Coverage(frozenset(), False, False)
 
 
-def origins_of(run: Run, groups: dict, phase: str | None = None, below=None) -> dict:
+def origins_of(run: Run, groups: dict, phase: str | None = None, below=None, covered: dict | None = None) -> dict:
     """{key: Origin | None} of `groups` ({key: one step's non-finite rows,
     one rank}): `phase`'s origin, or (None) the forward origin, else the
     backward one. A step's coverage is read only where it changes the
     answer: where the origin is the same whether every row or none was
-    recorded, no shard is opened for it."""
+    recorded, no shard is opened for it. `covered`: coverage already read
+    ({(step, rank): Coverage}), added to here (a caller asking twice)."""
     below = watched_below(run) if below is None else below
 
     def origin(rows, cov):
@@ -430,9 +432,12 @@ def origins_of(run: Run, groups: dict, phase: str | None = None, below=None) -> 
             out[key] = either
         else:
             todo[key] = rows
+    covered = {} if covered is None else covered
     if todo:
         rows = pd.concat(list(todo.values()))
-        covered = coverage(run, rows["step"].unique(), rows)
+        steps = [s for s in rows["step"].unique() if not any(k[0] == s for k in covered)]
+        if steps:
+            covered.update(coverage(run, steps, rows))
         for key, g in todo.items():
             out[key] = origin(g, covered.get((int(g["step"].iloc[0]), int(g["rank"].iloc[0]))))
     return {key: out[key] for key in groups}  # in `groups`' order (scale's drivers break ties by it)
