@@ -323,3 +323,21 @@ def test_a_store_that_stops_answering_is_asked_again_then_an_error(tmp_path, mon
                                                    r"\(ConnectionError: store unreachable\)$"):
             watcher.poll()
     assert watcher.analyses == 1  # the run never changed: analysed once
+
+
+def test_a_recorder_making_its_run_is_waited_for_a_stray_directory_is_no_run(tmp_path):
+    """Between a recorder's first rank directory and its first manifest the
+    directory is a run being made: the watch waits (it once ended there in
+    an error). A directory holding anything else is no run."""
+    from amp_postmortem.errors import RunNotFoundError
+
+    run = tmp_path / "run"
+    (run / "rank=0" / "journal").mkdir(parents=True)
+    (run / ".manifest.json.tmp").write_text("{")
+    watcher = RunWatcher(run)
+    assert watcher.poll().events == []
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("not a run")
+    with pytest.raises(RunNotFoundError, match="is not an amp-postmortem run"):
+        RunWatcher(other).poll()

@@ -66,7 +66,7 @@ from recorders.storage import is_spool
 from ..errors import EmptyRunError, OptionError, PostmortemError, RunNotFoundError
 from ..loader import load_run, read_manifest, with_status_slot
 from ..names import FINDING_KINDS
-from ..shards import error_text, rank_dirs
+from ..shards import RANK_DIR, error_text, rank_dirs
 from ..store import StorePath, fresh_view, run_location, shallow_view
 from ..tail import RunTail
 from .summary import SEVERITIES, Finding, summarize
@@ -263,10 +263,13 @@ class RunWatcher:
             self._fingerprint = fingerprint  # no step yet: nothing to read before a file changes
             return None
         except RunNotFoundError:
-            if not self.remote and (must or any(self.path.iterdir())):
+            if not self.remote and (must or not _starting(self.path)):
                 raise
             if not self.remote:
-                self._fingerprint = fingerprint  # an empty directory: the job has not started
+                # An empty directory, or one a starting recorder is filling
+                # (its rank directories come before its manifests): the job
+                # has not started. Anything else is no run.
+                self._fingerprint = fingerprint
                 return None
             # On a store: its manifest not uploaded yet, or a transient error.
             self._errors += 1
@@ -383,6 +386,18 @@ def follow(watcher: RunWatcher, *, interval: float = DEFAULT_INTERVAL,
             return
         # The analysis counts against the interval: a look every `interval`.
         sleep(max(0.0, interval - (time.monotonic() - started)))
+
+
+def _starting(path: Path) -> bool:
+    """Whether `path` holds nothing but what a recorder makes before its
+    first manifest: rank directories without one, hidden temporary files."""
+    try:
+        entries = list(path.iterdir())
+    except OSError:
+        return False
+    return all(e.name.startswith(".") or (RANK_DIR.fullmatch(e.name) is not None and e.is_dir()
+                                          and not (e / schema.MANIFEST_FILE).exists())
+               for e in entries)
 
 
 def _stat(p: Path):
