@@ -266,9 +266,9 @@ class RunWatcher:
             if not self.remote and (must or not _starting(self.path)):
                 raise
             if not self.remote:
-                # An empty directory, or one a starting recorder is filling
-                # (its rank directories come before its manifests): the job
-                # has not started. Anything else is no run.
+                # An empty directory, or one starting recorders are filling
+                # (rank directories come before the run's manifest): the
+                # job has not started. Anything else is no run.
                 self._fingerprint = fingerprint
                 return None
             # On a store: its manifest not uploaded yet, or a transient error.
@@ -389,14 +389,14 @@ def follow(watcher: RunWatcher, *, interval: float = DEFAULT_INTERVAL,
 
 
 def _starting(path: Path) -> bool:
-    """Whether `path` holds nothing but what a recorder makes before its
-    first manifest: rank directories without one, hidden temporary files."""
+    """Whether `path` holds nothing but what recorders make before the
+    run's manifest: rank directories (another rank's may already hold its
+    own manifest) and hidden temporary files."""
     try:
         entries = list(path.iterdir())
     except OSError:
         return False
-    return all(e.name.startswith(".") or (RANK_DIR.fullmatch(e.name) is not None and e.is_dir()
-                                          and not (e / schema.MANIFEST_FILE).exists())
+    return all(e.name.startswith(".") or (RANK_DIR.fullmatch(e.name) is not None and e.is_dir())
                for e in entries)
 
 
