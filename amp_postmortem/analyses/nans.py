@@ -98,9 +98,13 @@ class Origin:
     rank: int
     order: int | None
     tensor: str      # name of that row (a parameter name for param_grad)
-    certain: bool = True  # False: see `basis`
     aliases: tuple = ()   # a tied parameter's other names (param_grad origins)
     basis: OriginBasis = OriginBasis.RULE
+
+    @property
+    def certain(self) -> bool:
+        """A row met the rule (the JSON's `certain`, beside `basis`)."""
+        return self.basis is OriginBasis.RULE
 
     def to_dict(self) -> dict:
         return {"name": self.name, "phase": self.phase, "kind": self.kind, "step": self.step,
@@ -114,7 +118,7 @@ class Origin:
 
 
 def _uncertain(o: Origin, basis: OriginBasis) -> Origin:
-    return replace(o, certain=False, basis=basis)
+    return replace(o, basis=basis)
 
 
 @dataclass
@@ -357,7 +361,7 @@ def forward_origin(rows: pd.DataFrame, covered: Coverage | None = None,
         # "Every activation was finite" needs activations recorded.
         return o if covered is None or "activation" in covered.kinds else _uncertain(o, OriginBasis.UNRECORDED)
     r = rows.iloc[0]
-    return Origin(r["name"], "forward", r["kind"], step, rank, int(r["order"]), r["name"], certain=False,
+    return Origin(r["name"], "forward", r["kind"], step, rank, int(r["order"]), r["name"],
                   basis=OriginBasis.FIRST_ROW)
 
 
@@ -402,7 +406,7 @@ def backward_origin(rows: pd.DataFrame, covered: Coverage | None = None) -> Orig
             if recorded(owner) and owner not in bad_out_modules:
                 return Origin(owner, "backward", "param_grad", step, rank, int(r.order), r.name)
     r = rows.iloc[0]
-    return Origin(r["name"], "backward", r["kind"], step, rank, int(r["order"]), r["name"], certain=False,
+    return Origin(r["name"], "backward", r["kind"], step, rank, int(r["order"]), r["name"],
                   basis=OriginBasis.UNRECORDED if undecided else OriginBasis.FIRST_ROW)
 
 
