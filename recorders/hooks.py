@@ -8,6 +8,14 @@ checkpoint recompute, autocast, and with a probe the op probe) around one
 them (the rows of compiled modules), its buffer taken at each step's end.
 `AmpRecorder` owns the lifecycle and hands the finished step to the writer
 thread.
+
+With `sampled_hooks`, the collectors' hooks are registered only for the
+steps recorded (`begin_step` adds them before the step's first forward and
+removes them when a step that is not recorded comes): the other steps run
+with the root's two hooks and the optimizer's (`SentinelHooks`), so torch's
+dispatch finds nothing to call on any other module, parameter or autograd
+node. Without it (every step recorded, or a compiled model, whose graphs
+guard on its hooks), they stay registered from `register()` to `remove()`.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ from .collectors.graph_stats import GraphStats
 from .collectors.params import ParamGradCollector
 from .collectors.probe import ProbeCollector
 from .collectors.recompute import CheckpointRecompute
+from .collectors.sentinel import SentinelHooks
 from .collectors.state import Shared, StepState
 from .manifest import scaler_enabled
 
@@ -52,7 +61,8 @@ class TrainingHooks:
     def __init__(self, model, *, optimizer, scaler, watched: list[str],
                  watch_param, near_overflow: float, guard, guard_call, bundles, on_autocast,
                  modules: dict | None = None, params: list | None = None, sharded=frozenset(),
-                 late_grads=frozenset(), flat_views=(), compiled_rows=False, probe=None, probed=(), probe_leaves=(), on_probe_error=None):
+                 late_grads=frozenset(), flat_views=(), compiled_rows=False, probe=None, probed=(), probe_leaves=(), on_probe_error=None,
+                 sampled_hooks: bool = False):
         self.model = model
         self.shared = Shared(near_overflow=near_overflow, guard=guard, guard_call=guard_call, bundles=bundles)
         # name -> module to hook: the unwrapped modules; the root ("") is
@@ -80,7 +90,12 @@ class TrainingHooks:
             self.probe = ProbeCollector(self.shared, modules=modules, named=probed, leaves=probe_leaves,
                                         active=self.forward.active, fail=on_probe_error,
                                         max_ops=probe.max_ops_per_call)
-        self.handles: list = []
+        self.sentinel = SentinelHooks(self.shared, model=model, params=self.params)
+        self.sampled_hooks = bool(sampled_hooks)
+        self.handles: list = []  # the hooks of every step (the root's, the optimizer's)
+        self.step_handles: list = []  # the collectors' hooks
+        self.attached = False  # the collectors' hooks are registered
+        self.registered = False
 
     # The state the recorder reads and sets.
     @property
@@ -107,32 +122,65 @@ class TrainingHooks:
         None: not recorded)."""
         self.shared.state = StepState(step_id, tier is not None, tier == "full")
         self.graph.set_gate(tier is not None and not self.shared.paused)
+        if self.registered and self.sampled_hooks:
+            if tier is not None:
+                self.attach()
+            else:
+                self.detach()
 
     def raise_to_full(self) -> bool:
-        """Record the step in progress at the full tier, when it is recorded
-        and nothing of it has been yet; False when its forward has begun (a
-        full step needs full rows from its first hook on)."""
+        """Record the step in progress at the full tier, when nothing of it
+        has been yet (a step not sampled included: its hooks are added
+        now); False when its forward has begun (a full step needs full rows
+        from its first hook on)."""
         st = self.shared.state
         if st.micro_batches or st.meta:
             return False
-        st.full = st.record
+        if not st.record:
+            if not self.sampled_hooks:
+                return True  # every step's hooks are there: an unrecorded step stays so
+            st.record = True
+            self.graph.set_gate(not self.shared.paused)
+            self.attach()
+        st.full = True
         return True
 
+    def keep_attached(self) -> None:
+        """From now on the collectors' hooks stay registered (a model found
+        compiled: its graphs guard on the hooks they were traced with)."""
+        self.sampled_hooks = False
+        if self.registered:
+            self.attach()
+
     def register(self) -> None:
-        self.forward.register(self.handles)
-        self.params.register(self.handles)
+        self.registered = True
+        self.sentinel.register(self.handles)
+        self.params.register_step_hook(self.handles)
+        if not self.sampled_hooks or self.shared.state.record:
+            self.attach()
+
+    def attach(self) -> None:
+        """Register the collectors' hooks (no-op when they are)."""
+        if self.attached:
+            return
+        self.attached = True
+        self.forward.register(self.step_handles)
+        self.params.register(self.step_handles)
         if self.probe is not None:
-            self.probe.register(self.handles)  # after the forward collector's (see its doc)
+            self.probe.register(self.step_handles)  # after the forward collector's (see its doc)
+
+    def detach(self) -> None:
+        """Remove the collectors' hooks; between steps only (see `remove`)."""
+        if self.attached:
+            self.attached = False
+            _remove_all(self.step_handles)
 
     def remove(self) -> None:
         # Never called from inside a hook: removing forward hooks while
         # torch iterates over them would break the user's forward pass.
-        for h in self.handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self.handles = []
+        self.detach()
+        _remove_all(self.handles)
+        self.registered = False
 
     def end_step(self, loss) -> StepState:
         """Add the rows known only at step end (gradients still awaited,
@@ -152,3 +200,12 @@ class TrainingHooks:
         values = self.graph.take()
         st.graph_values = values if st.record else None
         return st
+
+
+def _remove_all(handles: list) -> None:
+    for h in handles:
+        try:
+            h.remove()
+        except Exception:
+            pass
+    handles.clear()

@@ -367,3 +367,16 @@ def shard_placements(model: torch.nn.Module, params) -> dict[int, dict]:
                 out[id(p)] = {"kind": "flat", "global_shape": list(shape), "flat_offset": int(start or 0),
                               "numel": int(info.numel_in_shard or 0) if info.in_shard else 0}
     return out
+
+
+def is_distributed_wrapper(model: torch.nn.Module) -> bool:
+    """A DDP, DataParallel or FSDP wrapper anywhere in the model's chain, or
+    an FSDP2 module (`fully_shard`): its forward or backward takes part in
+    collectives (or scatters over devices)."""
+    for m in wrapper_chain(model):
+        attr = _wrapper_attr(m)
+        if attr is not None and attr != "_orig_mod" and attr != "_checkpoint_wrapped_module":
+            return True
+    fsdp2 = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
+    cls = getattr(fsdp2, "FSDPModule", None) if fsdp2 is not None else None
+    return cls is not None and any(isinstance(m, cls) for m in unwrap(model).modules())

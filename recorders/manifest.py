@@ -58,6 +58,13 @@ class RunManifest:
         if missed:
             self.data["bundles_missed"] = list(missed)
 
+    def note_reexecution(self, entry: dict, capped: int) -> None:
+        """A re-execution's entry (`step_rows.reexecution_check`), and how
+        many events the cap left without one so far."""
+        if entry is not None:
+            self.data.setdefault("reexecutions", []).append(plain(entry, keep_nonfinite=True))
+        self.data["reexecutions_capped"] = int(capped)
+
     def set_recording(self, *, status: str | None = None, dropped_steps: int = 0,
                       failure: BaseException | None = None, failed_at_step: int | None = None) -> None:
         if status is not None:

@@ -19,7 +19,7 @@ from .bundles.policy import BundlePolicy
 from .errors import OptionError, option_float, option_int
 from .events import EventPolicy, event_policy
 from .journal import DEFAULT_DURABLE_INTERVAL_S
-from .schedule import RecordSchedule
+from .schedule import MODES, RecordSchedule
 from .storage import DEFAULT_SPOOL_MAX_BYTES, DEFAULT_UPLOAD_TIMEOUT_S
 
 
@@ -200,14 +200,18 @@ class RecorderParts:
 
 
 def parts_from_flat(flat: dict, *, schedule=None, bundles=True, storage=None, writer=None,
-                    on_event=None, probe=None) -> RecorderParts:
+                    on_event=None, probe=None, mode: str = "sentinel") -> RecorderParts:
     """The parts, from those passed in and the flat keywords given (`flat`:
     name -> value, only the keywords the caller passed). `bundles`: True
     (the policy of the flat keywords, else the default one), False (no
     bundles; the flat keywords still say what the manifest records) or a
     `BundlePolicy`. `on_event`: None, a callable (`EventPolicy(on_event)`)
     or an `EventPolicy`. `probe`: None, module name patterns or a
-    `ProbeOptions` (`probe_options`)."""
+    `ProbeOptions` (`probe_options`). `mode`: `"sentinel"` (`RecordSchedule()`'s
+    defaults) or `"every_step"` (`RecordSchedule.every_step()`'s), for the
+    schedule's fields no flat keyword sets."""
+    if mode not in MODES:
+        raise OptionError(f"mode={mode!r}: give one of {', '.join(map(repr, MODES))}")
     given = {"schedule": schedule, "writer": writer, "storage": storage,
              "bundles": bundles if isinstance(bundles, BundlePolicy) else None}
     fields: dict[str, dict] = {part: {} for part in PART_TYPES}
@@ -224,7 +228,9 @@ def parts_from_flat(flat: dict, *, schedule=None, bundles=True, storage=None, wr
     if not isinstance(bundles, (BundlePolicy, bool, int)) and bundles is not None:
         raise OptionError(f"bundles={bundles!r}: give True, False or a BundlePolicy")
     return RecorderParts(
-        schedule=schedule if schedule is not None else RecordSchedule(**fields["schedule"]),
+        schedule=schedule if schedule is not None else (
+            RecordSchedule.every_step(**fields["schedule"]) if mode == "every_step"
+            else RecordSchedule(**fields["schedule"])),
         bundles_enabled=isinstance(bundles, BundlePolicy) or bool(bundles),
         bundle_policy=given["bundles"] or BundlePolicy(**fields["bundles"]),
         storage=storage if storage is not None else StorageOptions(**fields["storage"]),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import os
 import threading
 import time
 import warnings
@@ -51,11 +52,12 @@ from .events import EventDetector
 from .hooks import TrainingHooks
 from .lease import LeaseHeldError, RankLease
 from .layout import (canonical_modules, canonical_parameters, fsdp1_flat_views, fsdp1_shapes, fsdp1_sharded_params,
-                     is_compiled, sharded_param_ids, user_class)
+                     is_compiled, is_distributed_wrapper, sharded_param_ids, user_class)
 from .loss_tap import MicroBatchLosses, OutputLossTap, ScaleTap, loss_dtype, step_loss
 from .manifest import RunManifest, bare_manifest, describe_job, distributed_rank_world, failure_reason
 from .options import FLAT_OPTIONS, UNSET, StorageOptions, WriterOptions, parts_from_flat
 from .plain import plain
+from .reexecute import ReexecuteTrigger, Reexecutor, Refusal, host_facts, reexecute_policy
 from .run_id import shared_run_id
 from .schedule import RecordSchedule
 from .status_slot import StatusSlot, write_fallback
@@ -65,6 +67,8 @@ from .unwrap import unwrap_optimizer, unwrap_scaler
 from .writer import Publisher, ShardWriter
 from .writer_thread import WriterThread
 
+
+MODE_ENV = "AMP_POSTMORTEM_MODE"
 
 COMPILED_STEPS_RECORD = (
     "the cheap tier's rows of every watched module (activation, grad_output, grad_input, <input>), "
@@ -168,6 +172,26 @@ class AmpRecorder:
             line), so `ranges` names an op near float16's 65504 that never
             reaches the module's output. Costs a Python call and cheap
             statistics per op of the probed modules; nothing without it.
+        reexecute: re-execute in full, inside the job, a step that was not
+            sampled and whose step facts show an event (a skip, a NaN/Inf
+            loss or gradient, a spike): True (`ReexecutePolicy()`: the
+            first of each kind, then one per 1000 steps of a kind, at most
+            16), a `ReexecutePolicy` (`recorders.reexecute`, its options
+            documented there) or False. It re-runs the step's forward and
+            backward from the held inputs, RNG states, output gradients and
+            weights, with every hook, writes those rows marked re-executed
+            and checks them against the recorded facts; the training's
+            numbers are untouched. Needs bundles (what they hold is what it
+            re-runs); refused under DDP/FSDP and on compiled models.
+        mode: `"sentinel"` (the default): step facts every step (loss,
+            loss scale, skip, gradient norm and non-finite gradient count),
+            per-module rows on sampled steps only (`RecordSchedule()`: every
+            50th step, the full tier every 500th), no hook on any other
+            module on the other steps, and the failing step re-executed;
+            `"every_step"`: every module's rows on every step
+            (`RecordSchedule.every_step()`), 3x a launch-bound step. Flat
+            schedule keywords override the mode's fields; None reads
+            `$AMP_POSTMORTEM_MODE`, else "sentinel".
 
     The flat keywords of earlier versions set one field of a part each
     (`recorders.options.FLAT_OPTIONS`); a part and one of its own flat
@@ -203,6 +227,7 @@ class AmpRecorder:
                  on_event=None, include=("*",), exclude=(), near_overflow: float = schema.FP16_MAX,
                  rank: int | None = None, world_size: int | None = None, run_id: str | None = None,
                  capture_loss: bool = True, eager_full_steps: bool = True, compiled_rows: bool = False, probe=None,
+                 reexecute=True, mode: str | None = None,
                  cheap_every=UNSET, full_every=UNSET, full_after_event=UNSET,
                  steps_per_shard=UNSET, flush_interval_s=UNSET, durable_interval_s=UNSET, max_queue=UNSET,
                  bundle_triggers=UNSET, bundle_steps=UNSET, max_bundles=UNSET, max_bundle_bytes=UNSET,
@@ -212,8 +237,11 @@ class AmpRecorder:
                  spool_dir=UNSET, spool_max_bytes=UNSET, upload_timeout_s=UNSET):
         flat = {name: value for name, value in locals().items() if name in FLAT_OPTIONS and value is not UNSET}
         # A bad option raises here, in the caller's line, before anything is written.
+        # $AMP_POSTMORTEM_MODE: the mode of a job whose script is not edited.
+        mode = mode if mode is not None else os.environ.get(MODE_ENV) or "sentinel"
+        self.mode = mode
         self.parts = parts = parts_from_flat(flat, schedule=schedule, bundles=bundles, storage=storage,
-                                             writer=writer, on_event=on_event, probe=probe)
+                                             writer=writer, on_event=on_event, probe=probe, mode=mode)
         self.run_location = str(run_dir)
         self.upload_report = None  # storage.UploadReport after close() of a URI run
         self.run_dir = None  # the local directory written (a URI run's spool), once opened
@@ -269,6 +297,9 @@ class AmpRecorder:
         self.capture_loss = bool(capture_loss)
         self.losses = MicroBatchLosses()
         self.loss_tap = None
+        self.reexecute_policy = reexecute_policy(reexecute)  # a bad value raises here
+        self.reexec_trigger = None
+        self.reexecutor = None
         try:
             self._build(run_dir, model, optimizer, scaler, rank=rank, world_size=world_size, run_id=run_id,
                         parts=parts, near_overflow=near_overflow)
@@ -355,7 +386,8 @@ class AmpRecorder:
             self.schedule.request(s)
         probed, probe_leaves = probe_targets(parts.probe, modules, watched)
         writing = parts.writer
-        options = {"include": list(self.include), "exclude": list(self.exclude), **self.schedule.config(),
+        options = {"include": list(self.include), "exclude": list(self.exclude), "mode": self.mode,
+                   **self.schedule.config(),
                    "steps_per_shard": writing.steps_per_shard, "near_overflow": float(near_overflow),
                    "eager_full_steps": self.eager_full_steps, "compiled_rows": self.compiled_rows,
                    "flush_interval_s": writing.flush_interval_s, "durable_interval_s": writing.durable_interval_s}
@@ -375,6 +407,14 @@ class AmpRecorder:
         job["recorder"]["bundles"] = plain(self.bundles.config, keep_nonfinite=True)
         if window_off:
             job["recorder"]["bundles"]["window_disabled"] = window_off
+        # Re-execution replays held steps: without bundles nothing is held.
+        refuse = None
+        if self.reexecute_policy is not None and bundles_enabled:
+            self.reexec_trigger = ReexecuteTrigger(self.reexecute_policy)
+            if self.world_size > 1 or sharded or flat_views or is_distributed_wrapper(model):
+                refuse = Refusal.DISTRIBUTED
+        job["recorder"]["reexecute"] = (dict(self.reexecute_policy.config(), refused=refuse and refuse.value)
+                                        if self.reexec_trigger is not None else None)
         self.manifest = RunManifest(self.run_dir, self.rank, job)
         if parts.events is not None:
             self.event_detector = EventDetector.of(parts.events)
@@ -389,7 +429,10 @@ class AmpRecorder:
             near_overflow=float(near_overflow), guard=self._guard, guard_call=self._guard_call,
             bundles=self.bundles, probe=parts.probe, probed=probed, probe_leaves=probe_leaves,
             on_probe_error=self._fail,
-            on_autocast=lambda info: self._submit(functools.partial(self.manifest.set_autocast, info)))
+            on_autocast=lambda info: self._submit(functools.partial(self.manifest.set_autocast, info)),
+            sampled_hooks=self.schedule.cheap_every > 1 and not is_compiled(model))
+        if self.reexec_trigger is not None:
+            self.reexecutor = Reexecutor(model, self.hooks, self.bundles, refuse=refuse)
         self.compiled = is_compiled(model)
         self._note_compiled()
         self.hooks.begin_step(0, self.schedule.tier(0))
@@ -575,14 +618,37 @@ class AmpRecorder:
             # arrived but no forward hook ran: the model ran as a compiled
             # graph (compiled after the recorder was attached).
             self.compiled = True
+            self.hooks.keep_attached()
             self._note_compiled()
-        pending = self.rows.pack(finished, step_id, loss, loss_t, loss_dtype=dtype, graph_slots=self.hooks.graph)
+        reexecution = self._reexecute(finished, loss_t) if self.reexec_trigger is not None else None
+        pending = self.rows.pack(finished, step_id, loss, loss_t, loss_dtype=dtype, graph_slots=self.hooks.graph,
+                                 reexecution=reexecution)
         self.bundles.on_step_end(step_id, loss=loss_t if loss_t is not None else loss, stepped=pending.stepped)
         self._submit(functools.partial(self._write_step, pending))
         self._step_counter = step_id + 1
         tier = self.schedule.tier(step_id + 1)
         self.hooks.begin_step(step_id + 1, tier)
         self._enter_tier(tier)
+
+    def _reexecute(self, finished, loss_t):
+        """A step not sampled whose host facts show an event, re-executed in
+        full (`reexecute`); None when none is asked for (or capped)."""
+        if finished.record:
+            return None  # sampled: its rows are there
+        skipped = (self.scaler is not None and self.optimizer is not None and not finished.stepped
+                   and (finished.micro_batches or finished.backward_passes) > 0)
+        facts = host_facts(finished, loss_t, skipped=skipped)
+        if facts is None:
+            return None
+        decision = self.reexec_trigger.decide(facts)
+        if decision.kind is None or decision.capped:
+            return None
+        scale = self.rows.scale_before if self.scaler is not None else None
+        outcome = self.reexecutor.run(finished.step_id, decision.kind,
+                                      scale=scale if isinstance(scale, torch.Tensor) else None,
+                                      compiled=self.compiled)
+        self.losses.take()  # what the re-execution's forward handed the loss tap
+        return outcome
 
     # -------------------------------------------------------------- compile
     def _enter_tier(self, tier) -> None:
@@ -775,6 +841,9 @@ class AmpRecorder:
             for event in self.event_detector.observe(summary):
                 self.events.post(event)
         self.bundles.on_step_summary(summary)
+        if self.reexec_trigger is not None and (summary.get("reexecution") is not None
+                                                or self.reexec_trigger.capped):
+            self.manifest.note_reexecution(summary.get("reexecution"), self.reexec_trigger.capped)
         graph_autocast = summary.get("graph_autocast")
         if graph_autocast is not None and not (self.manifest.data.get("autocast") or {}).get("enabled"):
             # The root's forward ran in a compiled graph: no eager hook

@@ -27,6 +27,10 @@ from .errors import option_int
 CHEAP = "cheap"
 FULL = "full"
 
+# The options of `RecordSchedule.every_step()` (`AmpRecorder(mode="every_step")`).
+EVERY_STEP = {"cheap_every": 1, "full_every": 100, "full_after_event": 20}
+MODES = ("sentinel", "every_step")
+
 # What `note_event` may be told (a step can be several at once).
 EVENT_KINDS = ("skipped", "nonfinite_forward", "nonfinite_gradient", "nonfinite_loss")
 
@@ -55,7 +59,7 @@ class RecordSchedule:
     each recorder its own. A subclass may override `tier` (a pure
     `step -> tier` decision, like `torch.profiler.schedule`)."""
 
-    def __init__(self, *, cheap_every: int = 1, full_every: int = 100, full_after_event: int = 20):
+    def __init__(self, *, cheap_every: int = 50, full_every: int = 500, full_after_event: int = 0):
         self.cheap_every = max(1, option_int("cheap_every", cheap_every))
         self.full_every = option_int("full_every", full_every)
         self.full_after_event = option_int("full_after_event", full_after_event)
@@ -63,6 +67,16 @@ class RecordSchedule:
         self.full_window = (0, -1)
         self.kinds_seen: set[str] = set()  # writer thread only
         self._requested: set[int] = set()
+
+    @classmethod
+    def every_step(cls, **options) -> "RecordSchedule":
+        """Every step recorded (the cheap tier's rows of every module), the
+        full tier every 100 steps and in a burst of 20 after the first event
+        of each kind (`options` override any of the three): the recorder's
+        default before the sentinel (`AmpRecorder(mode="every_step")`).
+        Every module's hooks then run on every step (3x a launch-bound
+        step: see the README's cost table)."""
+        return cls(**{**EVERY_STEP, **options})
 
     def tier(self, step: int) -> str | None:
         """'full', 'cheap' or None (the step is not recorded)."""

@@ -16,8 +16,13 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 FORMAT_NAME = "amp-postmortem-run"
-SCHEMA_VERSION = "1.4"
+SCHEMA_VERSION = "1.5"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
+
+# The manifest's `framework.name` (since 1.5): which framework's recorder
+# wrote the run. A manifest without `framework` was written by the PyTorch
+# recorder (every run before 1.5 was).
+FRAMEWORKS = ("torch", "keras", "flax")
 
 BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"
 BUNDLE_SCHEMA_VERSION = "1.2"
@@ -83,10 +88,12 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("grad_norm", pa.float64(), "-", "L2 norm of the unscaled parameter gradients, taken when the last backward pass of the step ended: before any clipping (Inf/NaN when any gradient is non-finite). On disk, this rank's gradients (local shards of sharded ones); the loader combines ranks into the global norm."),
     Column("nonfinite_param_grads", pa.int32(), "params", "Number of parameters whose gradient holds a NaN or Inf."),
     Column("micro_batches", pa.int32(), "-", "Forward passes of the model (in grad mode) aggregated into this step; without a root forward, passes between two backwards."),
-    Column("tier", pa.string(), "-", "`cheap` or `full`: which statistics the tensor rows of this step carry."),
+    Column("tier", pa.string(), "-", "`cheap` or `full`: which statistics the tensor rows of this step carry; null when the step was not sampled (its step facts only, no tensor rows, unless re-executed: then `full`). Runs before schema 1.5 say `cheap` for such steps."),
     Column("tensor_rows", pa.int32(), "rows", "Number of rows this step wrote to the tensors table."),
     Column("sharded_grad_sqsum", pa.float64(), "-", "Sum of squares of this rank's local shards of sharded (FSDP) gradients, unscaled; part of this rank's `grad_norm`. Null when no gradient is sharded."),
     Column("loss_dtype", pa.string(), "-", "torch dtype of the loss the step backpropagated, e.g. `float16` (a float16 loss under autocast): the first micro-batch's as it went through the scaler (or was handed to `add_loss`), else the one the model returned, else the tensor passed to `rec.step()`. The scale times d(loss)/d(loss) is the backward's first gradient, in this dtype. Null when no loss tensor was seen, and in runs recorded before schema 1.3."),
+    Column("reexecuted", pa.bool_(), "-", "True when this step's tensor rows come from a re-execution of the step inside the job (the step was not sampled, its step facts showed an event: the recorder ran its forward and backward again from the held inputs, RNG states, output gradients and weights); its step facts are still the step's own. Null in runs recorded before schema 1.5."),
+    Column("reexecution", pa.string(), "-", "How a re-execution asked for by this step's event went: `exact` (the re-executed gradient norm, non-finite gradient count and loss have the recorded bits), `close` (within 1e-3 relative, the same non-finite counts: nondeterministic kernels), `differs` (not reproduced: nondeterminism beyond rounding or a faulty device), `unchecked` (nothing to compare), `refused` (not re-executed; the manifest's `reexecutions` says why). Null when none was asked for."),
 )
 
 TENSOR_COLUMNS: tuple[Column, ...] = (

@@ -25,7 +25,8 @@ class PendingStep:
 
     __slots__ = ("step", "wall_time", "tier", "micro_batches", "lr", "meta", "width",
                  "packed", "host_rows", "event", "host_scalars", "dev_scalar_keys", "stepped", "has_scaler",
-                 "loss_dtype", "graph_slots", "graph_size", "graph_anchor", "eager_micro_batches")
+                 "loss_dtype", "graph_slots", "graph_size", "graph_anchor", "eager_micro_batches",
+                 "recorded", "reexecution", "norm_names")
 
 
 class StepRows:
@@ -52,13 +53,21 @@ class StepRows:
 
     # ------------------------------------------------------ training thread
     def pack(self, st, step_id: int, loss, loss_t, loss_dtype: str | None = None,
-             graph_slots: list | None = None) -> PendingStep:
+             graph_slots: list | None = None, reexecution=None) -> PendingStep:
         """`st`: the hooks' finished StepState; `loss`: as passed to
         `rec.step()`, `loss_t` its detached tensor (or None); `loss_dtype`:
         the backpropagated loss's dtype name (`loss_tap.loss_dtype`);
         `graph_slots`: the in-graph statistics (`GraphStats`), whose
-        values `st.graph_values` holds when a compiled graph wrote them."""
+        values `st.graph_values` holds when a compiled graph wrote them;
+        `reexecution`: the step's `reexecute.Outcome` (None: none was
+        asked), whose re-executed state gives the step's rows."""
         p = PendingStep()
+        facts = st
+        p.recorded = st.record
+        p.reexecution = reexecution
+        p.norm_names = None
+        if reexecution is not None and reexecution.state is not None:
+            st = reexecution.state  # the rows: the re-execution's; the facts: the step's
         p.eager_micro_batches = st.micro_batches
         p.graph_anchor = st.graph_anchor
         graph = st.graph_values if graph_slots is not None else None
@@ -67,16 +76,16 @@ class StepRows:
         p.step = step_id
         p.loss_dtype = loss_dtype
         p.wall_time = time.time()
-        p.tier = "full" if st.full else "cheap"
+        p.tier = ("full" if st.full else "cheap") if st.record else None
         # A model compiled after the recorder was attached runs no forward
         # hook: its micro-batches are counted by their backward passes.
-        p.micro_batches = st.micro_batches or st.backward_passes
+        p.micro_batches = facts.micro_batches or facts.backward_passes
         p.lr = None
         if self.optimizer is not None:
             p.lr = [host_float(g.get("lr")) for g in self.optimizer.param_groups]
         p.meta = st.meta
         p.width = FULL_WIDTH if st.full else CHEAP_WIDTH
-        p.stepped = st.stepped if self.optimizer is not None else None
+        p.stepped = facts.stepped if self.optimizer is not None else None
         p.has_scaler = self.scaler is not None
         host, dev, keys = {}, [], []
 
@@ -102,12 +111,22 @@ class StepRows:
             # The scale the next step's backward uses; cloned because
             # GradScaler.update() changes it in place.
             self.scale_before = scale.detach().clone() if isinstance(scale, torch.Tensor) else self.scale_before
-        if st.grad_sqsum is not None:
-            put("grad_sqsum", st.grad_sqsum)
-        if st.sharded_sqsum is not None:
-            put("sharded_grad_sqsum", st.sharded_sqsum)
-        elif st.param_grads and all(v[2] is not None for v in st.param_grads.values()):
-            put("grad_sqsum", torch.stack([v[2] for v in st.param_grads.values()]).sum())
+        if facts.grad_sqsum is not None:
+            put("grad_sqsum", facts.grad_sqsum)
+        if facts.sharded_sqsum is not None:
+            put("sharded_grad_sqsum", facts.sharded_sqsum)
+        if facts.grad_nonfinite is not None:
+            put("grad_nonfinite", facts.grad_nonfinite)
+        if st is not facts:
+            # What the re-execution measured, against the facts above.
+            for key, value in (("reexec_grad_sqsum", st.grad_sqsum), ("reexec_grad_nonfinite", st.grad_nonfinite),
+                               ("reexec_loss", reexecution.loss)):
+                if value is not None:
+                    put(key, value)
+            if facts.grad_norms is not None:
+                p.norm_names = facts.grad_norm_names
+                for i, v in enumerate(facts.grad_norms):
+                    put(f"norm.{i}", v)
 
         device = st.device or (dev[0].device if dev else torch.device("cpu"))
         p.host_rows = None
@@ -198,8 +217,14 @@ class StepRows:
             nonfinite_rows = int(bad.sum())
             kinds = np.array(cols["kind"], dtype=object)
             nonfinite_params = int((bad & (kinds == "param_grad")).sum())
+        counted = scalars.get("grad_nonfinite")
+        if counted is not None and (not p.recorded or p.reexecution is not None):
+            # Not sampled: the facts' count (a re-execution's rows are
+            # checked against it, not taken for it).
+            nonfinite_params = int(counted)
         sq = scalars.get("grad_sqsum")
         tracker = scalars.get("growth_tracker", math.nan)
+        check = reexecution_check(p, scalars) if p.reexecution is not None else None
         step_row = {
             "step": p.step,
             "rank": self.rank,
@@ -211,12 +236,14 @@ class StepRows:
             "skipped": bool(skipped),
             "lr": p.lr,
             "grad_norm": grad_norm(sq, nonfinite_params),
-            "nonfinite_param_grads": nonfinite_params if cols is not None else None,
+            "nonfinite_param_grads": nonfinite_params if cols is not None or counted is not None else None,
             "micro_batches": micro_batches,
             "tier": p.tier,
             "tensor_rows": len(cols["name"]) if cols is not None else 0,
             "sharded_grad_sqsum": scalars.get("sharded_grad_sqsum"),
             "loss_dtype": p.loss_dtype,
+            "reexecuted": check is not None and check["check"] != "refused",
+            "reexecution": check["check"] if check is not None else None,
         }
         summary = {
             "step": p.step, "skipped": bool(skipped), "loss": scalars.get("loss"),
@@ -228,8 +255,46 @@ class StepRows:
             "columns": without_intermediates(cols) if cols is not None else None,
             # What autocast a compiled graph ran under (None: no graph, or off).
             "graph_autocast": autocast,
+            "reexecution": check,
         }
         return step_row, cols, summary
+
+
+def reexecution_check(p: PendingStep, scalars: dict) -> dict:
+    """The manifest's entry of a re-execution: the event, and how its facts
+    compare with the recorded ones (`reexecute.Check`), or why it was
+    refused (`reexecute.Refusal`)."""
+    out = p.reexecution
+    entry = {"step": p.step, "kind": out.kind}
+    if out.state is None:
+        entry.update(check="refused", reason=out.refusal.value if out.refusal else None)
+        if out.detail:
+            entry["detail"] = out.detail
+        return entry
+    recorded = {"grad_sqsum": scalars.get("grad_sqsum"), "nonfinite_grads": scalars.get("grad_nonfinite"),
+                "loss": scalars.get("loss")}
+    again = {"grad_sqsum": scalars.get("reexec_grad_sqsum"), "nonfinite_grads": scalars.get("reexec_grad_nonfinite"),
+             "loss": scalars.get("reexec_loss")}
+    names = p.norm_names or []
+    norms = [scalars.get(f"norm.{i}") for i in range(len(names))]
+    entry["recorded_nonfinite_grads"] = [n for n, v in zip(names, norms) if v is not None and not math.isfinite(v)]
+    entry["backward"] = bool(out.backward)
+    compared = [k for k in recorded if recorded[k] is not None and again[k] is not None]
+    if not compared:
+        entry["check"] = "unchecked"
+        return entry
+    same_bits = all(_same(recorded[k], again[k]) for k in compared)
+    close = all(_same(recorded[k], again[k]) or (
+        math.isfinite(recorded[k]) and math.isfinite(again[k])
+        and abs(recorded[k] - again[k]) <= 1e-3 * max(abs(recorded[k]), abs(again[k]))) for k in compared)
+    entry["check"] = "exact" if same_bits else "close" if close else "differs"
+    entry["recorded"] = {k: recorded[k] for k in compared}
+    entry["reexecuted"] = {k: again[k] for k in compared}
+    return entry
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def step_events(summary: dict) -> list[str]:

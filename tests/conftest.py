@@ -4,10 +4,27 @@ named after the fault planted in it."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+
+# The suite was written against every-step recording, and most of its tests
+# are about what every-step recording writes (rows of every module on every
+# step): they run in that mode, the one `AmpRecorder(mode="every_step")`
+# and `$AMP_POSTMORTEM_MODE` select (subprocesses inherit it). The default
+# (the sentinel: step facts every step, sampled rows, the failing step
+# re-executed) is tested where it is the point: tests that take the
+# `sentinel_mode` fixture (test_sentinel.py, and every comparison of the two
+# modes) run without it.
+os.environ["AMP_POSTMORTEM_MODE"] = "every_step"
+
+
+@pytest.fixture
+def sentinel_mode(monkeypatch):
+    """The recorder's own default mode (no $AMP_POSTMORTEM_MODE)."""
+    monkeypatch.delenv("AMP_POSTMORTEM_MODE", raising=False)
 
 # ------------------------------------------------------------ analyzer runs
 # Planted-fault constants the tests pin against.

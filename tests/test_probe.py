@@ -116,7 +116,7 @@ def test_without_a_probe_nothing_is_hooked_or_written(tmp_path):
     probed = train(ProbeNet(), batches(2, shape=(2, 6)), close=False,
                    recorder=recorder_at(tmp_path / "probed", probe=["block.norm"])).rec
     assert plain.hooks.probe is None
-    assert len(probed.hooks.handles) == len(plain.hooks.handles) + 2  # one pre-hook, one forward hook
+    assert len(probed.hooks.step_handles) == len(plain.hooks.step_handles) + 2  # one pre-hook, one forward hook
     plain.close()
     probed.close()
     assert "probe" not in load_run(tmp_path / "plain").manifest["recorder"]

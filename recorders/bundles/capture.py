@@ -220,6 +220,17 @@ class BundleCapture:
             self.window.on_pre_step()
         self._opt_steps += 1
 
+    def held(self, step: int) -> StepCapture | None:
+        """What is held of `step`: the step being closed, or a held one."""
+        cap = self._current
+        if cap is not None and cap.step == step:
+            return cap
+        return self._held.get(step)
+
+    def unchanged(self, cap) -> bool:
+        """The weights are still those of `cap`'s forward (`_unchanged`)."""
+        return self._unchanged(cap)
+
     def _secure(self, cap, params, source, pooled=False) -> None:
         cap.params, cap.params_source, cap.params_pooled = params, source, pooled
         cap.params_exact = self._unchanged(cap)

@@ -63,30 +63,43 @@ class ParamGradCollector:
         self.optimizer = optimizer
         self._sharded = set(sharded)
         self._late_grads = set(late_grads)
-        self._grad_params: list = []
         self._late_params: list = []
         self._flat_views = list(flat_views)
-        self._grad_views: list = []  # the watched ones
+        # The gradients the norm and the non-finite count are taken over:
+        # the watched parameters', hooked or not (a step that is not
+        # sampled hooks none of them).
+        self._grad_params = [(pname, p) for pname, p in params if p.requires_grad and self._watched(pname)]
+        self._grad_views = [(pname, v) for pname, v in self._flat_views
+                            if v.requires_grad and self._watched(pname)]
+        # The scale a re-execution's gradients were made with (the scale in
+        # force during the step re-executed, not the one after its update).
+        self.scale_override = None
+
+    def _watched(self, pname: str) -> bool:
+        return pname.rpartition(".")[0] in self._watched_modules or self._watch_param(pname)
+
+    def register_step_hook(self, handles: list) -> None:
+        """The optimizer's pre-step hook: on every step, sampled or not."""
+        if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
+            handles.append(self.optimizer.register_step_pre_hook(
+                eager(self.shared.guard(self._on_opt_pre, traced=False))))
 
     def register(self, handles: list) -> None:
+        """A post-accumulate-grad hook per watched parameter (sampled steps)."""
         guard = self.shared.guard
-        for pname, p in self.params:
-            if p.requires_grad and (pname.rpartition(".")[0] in self._watched_modules or self._watch_param(pname)):
-                self._grad_params.append(p)
-                hook = self._make_param_hook(pname, p)
-                if id(p) in self._late_grads:
-                    self._late_params.append((pname, p, hook))
-                    continue
-                # Run eagerly even when the backward runs inside compiled
-                # code: dynamo would otherwise compile one frame per shape.
-                handles.append(p.register_post_accumulate_grad_hook(eager(guard(hook, traced=False))))
-        self._grad_views = [(pname, v) for pname, v in self._flat_views
-                            if v.requires_grad and (pname.rpartition(".")[0] in self._watched_modules
-                                                    or self._watch_param(pname))]
-        if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
-            handles.append(self.optimizer.register_step_pre_hook(eager(guard(self._on_opt_pre, traced=False))))
+        self._late_params = []
+        for pname, p in self._grad_params:
+            hook = self._make_param_hook(pname, p)
+            if id(p) in self._late_grads:
+                self._late_params.append((pname, p, hook))
+                continue
+            # Run eagerly even when the backward runs inside compiled
+            # code: dynamo would otherwise compile one frame per shape.
+            handles.append(p.register_post_accumulate_grad_hook(eager(guard(hook, traced=False))))
 
     def scale_tensor(self):
+        if self.scale_override is not None:
+            return self.scale_override
         if self.scaler is None:
             return None
         s = getattr(self.scaler, "_scale", None)
@@ -151,24 +164,25 @@ class ParamGradCollector:
 
     def _on_backward_end(self, st) -> None:
         shared = self.shared
-        if shared.state is not st or shared.paused or not st.record:
+        if shared.state is not st or shared.paused:
             return
         st.backward_passes += 1
-        st.last_sum = None  # its gradient need not outlive the pass
-        for pname, p, hook in self._late_params:
-            hook(p)
-        for pname, view in self._grad_views:
-            g = view.grad()
-            if g is not None:
-                self._record_grad(st, pname, g)
+        if st.record:
+            st.last_sum = None  # its gradient need not outlive the pass
+            for pname, p, hook in self._late_params:
+                hook(p)
+            for pname, view in self._grad_views:
+                g = view.grad()
+                if g is not None:
+                    self._record_grad(st, pname, g)
         self._measure_grad_norm(st, self.scale_tensor())
 
     def _measure_grad_norm(self, st, scale) -> None:
         """Square sums of this rank's gradients (local shards), unscaled
         with `scale` (None: already unscaled); every micro-batch's backward
         overwrites them, so the last one's accumulated gradients count."""
-        grads, sharded = [], []
-        for p in self._grad_params:
+        grads, sharded, names = [], [], []
+        for pname, p in self._grad_params:
             g = p.grad
             if g is not None:
                 # A gradient needs no detach unless it carries a graph
@@ -178,17 +192,26 @@ class ParamGradCollector:
                 if g.numel():
                     grads.append(g)
                     sharded.append(id(p) in self._sharded)
-        for _, view in self._grad_views:
+                    names.append(pname)
+        for pname, view in self._grad_views:
             g = view.grad()
             if g is not None and g.numel():
                 grads.append(g)
                 sharded.append(view.sharded)
+                names.append(pname)
         if not grads:
             return
-        sq = grad_norms(grads) ** 2
+        norms = grad_norms(grads)
+        sq = norms ** 2
         if scale is not None:
             sq = sq / scale.detach().to(torch.float64) ** 2
         st.grad_sqsum = sq.sum()
+        # A gradient's norm is finite exactly when its values are (the
+        # float32 norm's overflow is taken again in float64: grad_norms),
+        # so the same reduction counts the non-finite gradients.
+        st.grad_nonfinite = (~torch.isfinite(norms)).sum()
+        st.grad_norm_names = names
+        st.grad_norms = norms
         if any(sharded):
             st.sharded_sqsum = sq[torch.tensor(sharded, device=sq.device)].sum()
 
@@ -213,10 +236,18 @@ class ParamGradCollector:
     def _on_opt_pre(self, optimizer, args, kwargs):
         st = self.shared.state
         st.stepped = True
-        if st.record and st.grad_sqsum is None:
+        if st.grad_sqsum is None:
             # No backward pass was seen ending (gradients set by hand, say):
             # the gradients as the optimizer gets them. A fused optimizer
             # stepped by GradScaler gets them still scaled, with the scale.
             scale = getattr(optimizer, "grad_scale", None)
             self._measure_grad_norm(st, scale if isinstance(scale, torch.Tensor) else None)
-        self.shared.bundles.on_optimizer_pre_step(clean_on_host=st.record and self._clean_on_host(st))
+        if st.record:
+            clean = self._clean_on_host(st)
+        else:
+            # Not sampled: no rows, only the gradient facts. On the CPU
+            # they are host values (read without a sync): finite gradients
+            # leave a non-finite loss as the only trigger (as above).
+            sq = st.grad_sqsum
+            clean = sq is not None and sq.device.type == "cpu" and bool(torch.isfinite(sq))
+        self.shared.bundles.on_optimizer_pre_step(clean_on_host=clean)

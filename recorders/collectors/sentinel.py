@@ -1,0 +1,84 @@
+"""The hooks of a step that is not sampled: the root's, and nothing else.
+
+On such a step no watched module, parameter or autograd node carries a hook
+of the recorder: the step facts (the loss, the loss scale, the skip, the
+gradient norm and non-finite gradient count) need none, and what a
+re-execution of the step needs (`reexecute`) is what the root sees: its
+inputs and RNG states when its forward begins, the gradients that reach its
+outputs when the backward begins (one tensor hook per floating output), and
+from that first gradient the end of the backward pass, where the gradient
+facts are taken (`ParamGradCollector.await_backward_end`).
+
+On sampled steps these hooks do nothing: the full set (`ForwardCollector`
+and the others, registered for that step) records the step as before.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from ..stats import float_tensors
+from .autocast import read_autocast
+from .state import Shared, in_backward
+
+
+class SentinelHooks:
+    """`params`: the `ParamGradCollector`, whose backward-end measurement
+    gives the gradient facts."""
+
+    def __init__(self, shared: Shared, *, model, params):
+        self.shared = shared
+        self.model = model
+        self.params = params
+        self._root_ref = weakref.ref(model)
+        self._autocast = None  # as the current step's first forward saw it
+
+    def register(self, handles: list) -> None:
+        guard = self.shared.guard
+        handles.append(self.model.register_forward_pre_hook(guard(self._on_root_pre, traced=False),
+                                                            with_kwargs=True))
+        handles.append(self.model.register_forward_hook(guard(self._on_root_post, traced=False),
+                                                        with_kwargs=True))
+
+    def _active(self, module):
+        shared = self.shared
+        st = shared.state
+        if st.record or shared.paused or module is not self._root_ref():
+            return None
+        if in_backward() or not torch.is_grad_enabled():
+            return None  # a checkpoint's recomputation, an evaluation pass
+        return st
+
+    def _on_root_pre(self, module, args, kwargs):
+        st = self._active(module)
+        if st is None or st.in_forward:
+            return
+        st.in_forward = 1
+        if st.micro_batches == 0:
+            self._autocast = read_autocast()
+        st.micro_batches += 1
+        st.forward_open = True
+        self.shared.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs, self._autocast)
+
+    def _on_root_post(self, module, args, kwargs, output):
+        st = self._active(module)
+        if st is None or not st.in_forward:
+            return
+        st.in_forward = 0
+        outs = [t for t in float_tensors(output) if t.requires_grad]
+        micro_batch = st.micro_batches - 1
+        self.shared.bundles.on_model_outputs(micro_batch, len(outs))
+        guard = self.shared.guard
+        for idx, t in enumerate(outs):
+            t.register_hook(guard(functools.partial(self.on_output_grad, st, micro_batch, idx), traced=False))
+
+    def on_output_grad(self, st, micro_batch: int, idx: int, grad) -> None:
+        shared = self.shared
+        if shared.state is not st or grad is None:
+            return
+        st.forward_open = False
+        shared.bundles.on_model_output_grad(micro_batch, idx, grad)
+        self.params.await_backward_end(st)
+

@@ -1,0 +1,361 @@
+"""The failing step, re-executed in full inside the job.
+
+A step that is not sampled is recorded as its step facts only. When those
+facts show an event, the recorder runs that step's forward and backward
+again, at once, with every collector's hook, from what `BundleCapture` holds
+for it: the root's inputs and RNG states of each micro-batch, the gradients
+that reached the root's outputs (so the loss, wherever the loop computes it,
+need not be known), and the weights the forward used. The rows it records
+are the step's rows, marked re-executed (`steps.reexecuted`), and the facts
+the re-execution measured are compared with the recorded ones
+(`steps.reexecution`): a step that does not reproduce is itself a finding
+(nondeterminism, a faulty device). Megatron's rerun state machine re-runs a
+step for the same reason.
+
+The training's numbers stay bit-identical: the re-execution never steps the
+optimizer or the scaler, and restores what a forward and backward change
+(parameter gradients, buffers such as BatchNorm's running statistics, the
+RNG states, the train/eval mode, and the weights where it had to swap in
+the held ones).
+
+What is held, and so what can be re-executed:
+- a skipped step (a GradScaler found Inf/NaN): the weights are intact, and
+  the skip is a host value (the scaler synchronised for it): re-executed at
+  the `rec.step()` that closes it, with no copy of anything;
+- a job without a scaler: its optimizer has already stepped when the event
+  is known, so the weights of the step's forward are those
+  `BundlePolicy.snapshot_params` copies before each update ("auto": every
+  step of such a job, one set of the parameters, a second while the writer
+  decides); without them the step is refused (`Refusal.WEIGHTS_NOT_HELD`);
+- a device job's loss and gradient counts are device values that
+  `rec.step()` never reads (that would synchronise): there only the skip,
+  a host value, asks for a re-execution; an event the step facts show on
+  the writer thread (a bf16 job's NaN loss) has the schedule record the
+  next step in full instead (`RecordSchedule.note_event`);
+- DDP and FSDP: never in the job (its backward would issue collectives the
+  other ranks do not join): the saved bundle and the offline `replay` stand
+  for it (`Refusal.DISTRIBUTED`); a compiled model likewise
+  (`Refusal.COMPILED`).
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import OptionError, option_float, option_int
+from .loss_tap import find_loss
+from .stats import float_tensors
+
+# The events that ask for a re-execution (`ReexecutePolicy.kinds`).
+KINDS = ("skipped", "nonfinite_loss", "nonfinite_gradient", "spike")
+
+
+@dataclass(frozen=True)
+class ReexecutePolicy:
+    """When the recorder re-executes a step in full: `AmpRecorder(reexecute=...)`
+    (keywords; their one definition).
+
+    kinds: the events that ask for one: `skipped` (the scaler skipped the
+        step), `nonfinite_loss`, `nonfinite_gradient` (a NaN/Inf gradient on
+        a step the scaler did not skip, or with no scaler), `spike` (the loss
+        or the gradient norm above `spike_factor` times the median of its
+        last `spike_window` finite values).
+    min_interval: steps between two re-executions of a kind already
+        re-executed once (the first of each kind always is; 1000).
+    max_reexecutions: at most this many in a run (16).
+    spike_factor, spike_window: the spike rule (10.0, 50 steps; at least 10
+        values before a spike is judged).
+
+    A re-execution costs about a full-tier step; on a diverging job, where
+    every step is an event, the cap keeps the job cheap."""
+
+    kinds: tuple = KINDS
+    min_interval: int = 1000
+    max_reexecutions: int = 16
+    spike_factor: float = 10.0
+    spike_window: int = 50
+
+    def __post_init__(self):
+        kinds = (self.kinds,) if isinstance(self.kinds, str) else tuple(self.kinds)
+        unknown = [k for k in kinds if k not in KINDS]
+        if unknown:
+            raise OptionError(f"reexecute kinds {unknown}: choose among {', '.join(KINDS)}")
+        object.__setattr__(self, "kinds", kinds)
+        object.__setattr__(self, "min_interval", max(1, option_int("min_interval", self.min_interval)))
+        object.__setattr__(self, "max_reexecutions", option_int("max_reexecutions", self.max_reexecutions))
+        object.__setattr__(self, "spike_factor", option_float("spike_factor", self.spike_factor))
+        object.__setattr__(self, "spike_window", max(10, option_int("spike_window", self.spike_window)))
+
+    def config(self) -> dict:
+        return {"kinds": list(self.kinds), "min_interval": self.min_interval,
+                "max_reexecutions": self.max_reexecutions, "spike_factor": self.spike_factor,
+                "spike_window": self.spike_window}
+
+
+def reexecute_policy(value) -> ReexecutePolicy | None:
+    """`AmpRecorder(reexecute=)`: True (the default policy), False/None (never)
+    or a `ReexecutePolicy`."""
+    if isinstance(value, ReexecutePolicy):
+        return value
+    if value is True:
+        return ReexecutePolicy()
+    if value is False or value is None:
+        return None
+    raise OptionError(f"reexecute={value!r}: give True, False or a ReexecutePolicy")
+
+
+class Refusal(enum.Enum):
+    """Why an event's step was not re-executed (the manifest's words: `value`)."""
+    NOT_CAPTURED = "not_captured"          # no forward of the root was held for the step
+    DISTRIBUTED = "distributed"            # DDP/FSDP: collectives the other ranks do not join
+    COMPILED = "compiled"                  # a compiled model: its graphs guard on the hooks
+    WEIGHTS_NOT_HELD = "weights_not_held"  # the optimizer stepped and no copy of the weights was held
+    INPUTS_CHANGED = "inputs_changed"      # the loop wrote into the held inputs since
+    FAILED = "failed"                      # the re-execution raised (restored; recording goes on)
+
+
+class Check(enum.Enum):
+    """How the re-execution's facts compare with the recorded ones."""
+    EXACT = "exact"        # the same bits: gradient norm, non-finite gradients, loss
+    CLOSE = "close"        # the same non-finite gradients; norms within 1e-3 (nondeterministic kernels)
+    DIFFERS = "differs"    # not reproduced: nondeterminism beyond rounding, or a faulty device
+    UNCHECKED = "unchecked"  # nothing to compare (no gradient facts on either side)
+
+
+@dataclass
+class StepFacts:
+    """A step's facts as host values (None: unknown)."""
+    step: int
+    skipped: bool = False
+    loss: float | None = None
+    grad_norm: float | None = None
+    nonfinite_grads: int | None = None
+
+
+@dataclass
+class Decision:
+    kind: str | None = None
+    capped: bool = False
+
+
+@dataclass
+class Outcome:
+    """A re-execution, done (`state`: the re-executed step's `StepState`) or refused."""
+    step: int
+    kind: str
+    refusal: Refusal | None = None
+    detail: str | None = None
+    state: object = None
+    loss: torch.Tensor | None = None
+    backward: bool = False  # the backward ran too (gradients of the root's outputs were held)
+    facts: dict = field(default_factory=dict)
+
+
+class ReexecuteTrigger:
+    """Which steps' facts ask for a re-execution: the first event of each
+    kind, then one per `min_interval` steps of a kind, at most
+    `max_reexecutions` (training thread; pure on its inputs)."""
+
+    def __init__(self, policy: ReexecutePolicy):
+        self.policy = policy
+        self.last: dict[str, int] = {}
+        self.count = 0
+        self.capped = 0
+        self._losses: deque = deque(maxlen=policy.spike_window)
+        self._norms: deque = deque(maxlen=policy.spike_window)
+
+    def decide(self, facts: StepFacts) -> Decision:
+        kind = self._event(facts)
+        self._remember(facts)
+        if kind is None or kind not in self.policy.kinds:
+            return Decision()
+        last = self.last.get(kind)
+        if self.count >= self.policy.max_reexecutions or (
+                last is not None and facts.step - last < self.policy.min_interval):
+            self.capped += 1
+            return Decision(kind, capped=True)
+        self.last[kind] = facts.step
+        self.count += 1
+        return Decision(kind)
+
+    def _event(self, f: StepFacts) -> str | None:
+        if f.skipped:
+            return "skipped"
+        if f.loss is not None and not math.isfinite(f.loss):
+            return "nonfinite_loss"
+        if f.nonfinite_grads:
+            return "nonfinite_gradient"
+        if self._spike(f.loss, self._losses) or self._spike(f.grad_norm, self._norms):
+            return "spike"
+        return None
+
+    def _spike(self, value, history) -> bool:
+        if value is None or not math.isfinite(value) or len(history) < 10:
+            return False
+        ordered = sorted(history)
+        median = ordered[len(ordered) // 2]
+        return median > 0 and abs(value) > self.policy.spike_factor * abs(median)
+
+    def _remember(self, f: StepFacts) -> None:
+        if not f.skipped:
+            for value, history in ((f.loss, self._losses), (f.grad_norm, self._norms)):
+                if value is not None and math.isfinite(value):
+                    history.append(value)
+
+
+def host_facts(st, loss_t, *, skipped: bool) -> StepFacts | None:
+    """The step's facts when every one is a host value already (a CPU job;
+    a skip, which the scaler synchronised for): None when a device value
+    would have to be read."""
+    tensors = [t for t in (loss_t, st.grad_sqsum, st.grad_nonfinite) if t is not None]
+    if skipped:
+        return StepFacts(st.step_id, skipped=True)
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    loss = float(loss_t.float()) if loss_t is not None and loss_t.numel() == 1 else None
+    sq = float(st.grad_sqsum) if st.grad_sqsum is not None else None
+    norm = math.sqrt(sq) if sq is not None and sq >= 0 else (sq if sq is None else math.nan)
+    count = int(st.grad_nonfinite) if st.grad_nonfinite is not None else None
+    return StepFacts(st.step_id, loss=loss, grad_norm=norm, nonfinite_grads=count)
+
+
+class Reexecutor:
+    """Runs a held step again with every hook. `hooks`: the recorder's
+    `TrainingHooks`; `bundles`: its `BundleCapture` (what is held);
+    `refuse`: a `Refusal` that holds for the whole job (DDP/FSDP), or None."""
+
+    def __init__(self, model, hooks, bundles, *, refuse: Refusal | None = None):
+        self.model = model
+        self.hooks = hooks
+        self.bundles = bundles
+        self.refuse = refuse
+        self.inventory = bundles.inventory
+
+    def run(self, step: int, kind: str, *, scale, compiled: bool) -> Outcome:
+        """Re-execute the held step `step` (`scale`: the loss scale its
+        backward used, None without a scaler)."""
+        if self.refuse is not None:
+            return Outcome(step, kind, self.refuse)
+        if compiled:
+            return Outcome(step, kind, Refusal.COMPILED)
+        cap = self.bundles.held(step)
+        if cap is None or not cap.micro_batches:
+            return Outcome(step, kind, Refusal.NOT_CAPTURED)
+        if not all(t._version == v for mb in cap.micro_batches for t, v in mb.input_versions):
+            return Outcome(step, kind, Refusal.INPUTS_CHANGED)
+        weights = None
+        if not self.bundles.unchanged(cap):
+            if cap.params is None or not cap.params_exact:
+                return Outcome(step, kind, Refusal.WEIGHTS_NOT_HELD)
+            weights = cap.params
+        try:
+            return self._run(cap, kind, weights, scale)
+        except Exception as exc:  # noqa: BLE001 - restored; the training goes on
+            return Outcome(step, kind, Refusal.FAILED, detail=f"{type(exc).__name__}: {exc}")
+
+    def _run(self, cap, kind, weights, scale) -> Outcome:
+        from .collectors.state import StepState
+        hooks, bundles, model = self.hooks, self.bundles, self.model
+        params = list(model.parameters())
+        saved = _Saved(model, params, self.inventory.buffers, weights, self.inventory.params)
+        prior_state, was_attached = hooks.shared.state, hooks.attached
+        st = StepState(cap.step, True, True)
+        out = Outcome(cap.step, kind)
+        bundles.enabled = False  # the capture must not take the re-execution for a new step
+        hooks.params.scale_override = scale
+        try:
+            saved.swap_in()
+            hooks.shared.state = st
+            hooks.attach()
+            model.train(cap.training)
+            losses = []
+            for mb in cap.micro_batches:
+                _set_rng(mb.rng)
+                with _autocast(cap.autocast):
+                    output = model(*mb.args, **mb.kwargs)
+                loss = find_loss(output)
+                if loss is not None:
+                    losses.append(loss.detach())
+                outs = [t for t in float_tensors(output) if t.requires_grad]
+                pairs = [(outs[i], g) for i, g in sorted(mb.grads.items()) if i < len(outs) and g is not None]
+                if pairs:
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                    out.backward = True
+                del output, outs, pairs
+            hooks.end_step(None)
+            out.state = st
+            if losses and len(losses) == len(cap.micro_batches):
+                out.loss = torch.stack([l.float() for l in losses]).mean()
+        finally:
+            hooks.params.scale_override = None
+            hooks.shared.state = prior_state
+            if not was_attached:
+                hooks.detach()
+            saved.restore()
+            bundles.enabled = True
+        return out
+
+
+class _Saved:
+    """What a forward and backward change, saved to be put back: gradients
+    (references), buffers and weights (copies), RNG states, the mode."""
+
+    def __init__(self, model, params, buffers, weights, weight_tensors):
+        self.model = model
+        self.training = model.training
+        self.grads = [(p, p.grad) for p in params]
+        self.buffers = [(b, b.detach().clone()) for b in buffers]
+        self.rng = _rng_state()
+        self.weights = weights
+        self.weight_tensors = weight_tensors
+        self.current = None
+
+    def swap_in(self) -> None:
+        for p, _ in self.grads:
+            p.grad = None
+        if self.weights is not None:
+            with torch.no_grad():
+                self.current = [t.detach().clone() for t in self.weight_tensors]
+                for t, w in zip(self.weight_tensors, self.weights):
+                    t.copy_(w)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for p, g in self.grads:
+                p.grad = g
+            for b, value in self.buffers:
+                b.copy_(value)
+            if self.current is not None:
+                for t, w in zip(self.weight_tensors, self.current):
+                    t.copy_(w)
+        _set_rng(self.rng)
+        self.model.train(self.training)
+
+
+def _rng_state() -> dict:
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _set_rng(rng: dict) -> None:
+    if rng.get("cpu") is not None:
+        torch.set_rng_state(rng["cpu"])
+    if rng.get("cuda") is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _autocast(info: dict | None):
+    """The autocast the step's forward ran under (none: as the re-execution
+    is called, outside any)."""
+    info = info or {}
+    if not info.get("enabled"):
+        return contextlib.nullcontext()
+    return torch.autocast(info["device_type"], dtype=getattr(torch, info["dtype"]),
+                          cache_enabled=info.get("cache_enabled", True))

@@ -1,0 +1,206 @@
+"""The sentinel (the recorder's default mode): step facts every step, module
+rows on sampled steps, no hook on any module but the root on the others, and
+the failing step re-executed in the job. Each planted fault is recorded in
+both modes, from the same seed; the answers (origin layer, step, kind, the
+summary's lead finding) and the training's numbers must be the same."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import amp_postmortem as ap
+from conftest import _collapse, _input_nan, _overflow, record_run
+from recorders import AmpRecorder
+from recorders.reexecute import ReexecutePolicy
+from recorders.schedule import RecordSchedule
+from tiny_models import BoomNet, ConvBN, TinyNet, batches, recorder_at, train
+
+pytestmark = pytest.mark.usefixtures("sentinel_mode")
+
+
+def _manifest(run) -> dict:
+    return json.loads((run / "rank=0" / "manifest.json").read_text())
+
+
+def _origins(run) -> dict:
+    out = ap.nans(run).to_dict()["origins"]
+    return {phase: o and {k: o[k] for k in ("name", "kind", "phase", "step")} for phase, o in out.items()}
+
+
+def _lead(run) -> tuple:
+    findings = ap.summary(run).to_dict()["findings"]
+    lead = findings[0]
+    return lead["kind"], lead["severity"], lead["step"], lead["layer"]
+
+
+def _both(tmp_path, **kwargs):
+    """The same job recorded in both modes: (sentinel run, every-step run)."""
+    runs = []
+    for mode in ("sentinel", "every_step"):
+        runs.append(record_run(tmp_path / mode, mode=mode, **kwargs))
+    return runs
+
+
+SCENARIOS = {
+    "forward_overflow": dict(steps=12, plant=_overflow,
+                             scaler_kwargs={"init_scale": 2.0 ** 8, "growth_interval": 10 ** 6}),
+    "input_nan": dict(steps=6, plant=_input_nan, scaler_kwargs={"init_scale": 2.0 ** 8}),
+    "scale_collapse": dict(steps=80, plant=_collapse, scaler_kwargs={"growth_interval": 10}, lr=0.0,
+                           fixed_batch=True),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_both_modes_give_the_same_answers(tmp_path, scenario):
+    sentinel, every = _both(tmp_path, **SCENARIOS[scenario])
+    assert _origins(sentinel) == _origins(every)
+    assert _lead(sentinel) == _lead(every)
+    steps_s, steps_e = (ap.load_run(r).steps for r in (sentinel, every))
+    # The step facts are every step's in both modes, with the same values.
+    for col in ("loss", "loss_scale", "skipped", "grad_norm", "nonfinite_param_grads"):
+        assert steps_s[col].tolist() == pytest.approx(steps_e[col].tolist(), nan_ok=True), col
+    # The sentinel recorded rows of the sampled steps and the re-executed ones only.
+    sampled = steps_s[steps_s["tier"].notna()]
+    assert set(sampled["step"]) < set(steps_e["step"])
+    assert (sampled[~sampled["reexecuted"].astype(bool)]["step"] % 50 == 0).all()
+
+
+def test_collapse_onset_and_drivers_match(tmp_path):
+    sentinel, every = _both(tmp_path, **SCENARIOS["scale_collapse"])
+    a, b = ap.scale(sentinel).to_dict(), ap.scale(every).to_dict()
+    for key in ("status", "onset_step", "skipped_steps", "halvings_per_kstep", "final_scale"):
+        assert a[key] == b[key], key
+    # The drivers come from the skipped steps' rows: every one in the
+    # every-step run, the re-executed ones (the first, then the cap's) in the
+    # sentinel's; the lead driver is the same.
+    assert a["drivers"][0] == b["drivers"][0] == "amp"
+
+
+def test_the_failing_step_is_reexecuted_exactly_and_training_is_untouched(tmp_path):
+    runs, params = [], []
+    for mode in ("sentinel", "every_step"):
+        torch.manual_seed(0)
+        model = BoomNet()
+        data = batches(12, d_in=4, d_out=1, shape=(16,))
+        t = train(model, data, recorder=recorder_at(tmp_path / mode, mode=mode),
+                  on_step=_overflow, scaler={"init_scale": 2.0 ** 8})
+        runs.append(tmp_path / mode)
+        params.append(t.params)
+    # Recording must never change the training's numbers.
+    assert all(torch.equal(a, b) for a, b in zip(*params))
+    entries = _manifest(runs[0])["reexecutions"]
+    assert [(e["step"], e["kind"], e["check"]) for e in entries] == [(7, "skipped", "exact")]
+    assert entries[0]["backward"] is True
+    steps = ap.load_run(runs[0]).steps.set_index("step")
+    assert bool(steps.loc[7, "reexecuted"]) and steps.loc[7, "tier"] == "full"
+    assert steps.loc[7, "reexecution"] == "exact"
+    assert steps.loc[3, "tensor_rows"] == 0 and not isinstance(steps.loc[3, "reexecution"], str)
+
+
+def test_steps_not_sampled_carry_no_module_hook(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = AmpRecorder(tmp_path / "run", model, optimizer=opt, schedule=RecordSchedule(cheap_every=3, full_every=0))
+
+    def hooked():
+        subs = [m for name, m in model.named_modules() if name]
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in subs) + sum(
+            len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    seen = []
+    for step, (x, y) in enumerate(batches(6)):
+        seen.append(hooked())
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        rec.step()
+    rec.close()
+    assert [s > 0 for s in seen] == [True, False, False, True, False, False]
+    assert hooked() == 0
+    steps = ap.load_run(tmp_path / "run").steps
+    assert [t if isinstance(t, str) else None for t in steps["tier"]] == ["cheap", None, None, "cheap", None, None]
+    assert steps["grad_norm"].notna().all() and (steps["nonfinite_param_grads"] == 0).all()
+
+
+def test_a_batchnorm_cnn_is_reexecuted_with_its_running_statistics_restored(tmp_path):
+    def plant(step, model, x):
+        if step == 5:
+            x.mul_(1e5)  # the first conv's output overflows float16
+    results = []
+    for mode in ("sentinel", "every_step"):
+        torch.manual_seed(0)
+        model = ConvBN()
+        g = torch.Generator().manual_seed(0)
+        data = [(torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 10, generator=g)) for _ in range(8)]
+        t = train(model, data, recorder=recorder_at(tmp_path / mode, mode=mode), on_step=plant,
+                  scaler={"init_scale": 2.0 ** 8})
+        results.append((t, [b.clone() for b in model.buffers()]))
+    (a, buf_a), (b, buf_b) = results
+    same = lambda x, y: torch.allclose(x.double(), y.double(), rtol=0, atol=0, equal_nan=True)  # noqa: E731
+    assert all(same(x, y) for x, y in zip(a.params, b.params))
+    assert all(same(x, y) for x, y in zip(buf_a, buf_b))
+    assert _origins(tmp_path / "sentinel") == _origins(tmp_path / "every_step")
+    assert _origins(tmp_path / "sentinel")["forward"]["step"] == 5
+
+
+def test_without_a_scaler_the_step_is_reexecuted_from_the_held_weights(tmp_path):
+    """No scaler: the optimizer applied the NaN before the event is known;
+    the re-execution runs on the weights held before the update."""
+    def plant(step, model, x):
+        if step == 4:
+            x[0, 0, 0] = float("nan")
+    results = []
+    for mode in ("sentinel", "every_step"):
+        torch.manual_seed(0)
+        t = train(TinyNet(), batches(8), recorder=recorder_at(tmp_path / mode, mode=mode), on_step=plant,
+                  dtype=torch.bfloat16, scaler=None)
+        results.append(t.params)
+    assert all(torch.allclose(x, y, equal_nan=True, rtol=0, atol=0) for x, y in zip(*results))
+    entry = _manifest(tmp_path / "sentinel")["reexecutions"][0]
+    assert (entry["step"], entry["kind"], entry["check"]) == (4, "nonfinite_loss", "exact")
+    assert _origins(tmp_path / "sentinel") == _origins(tmp_path / "every_step")
+
+
+def test_reexecutions_are_capped_on_a_diverging_job(tmp_path):
+    def plant(step, model, x):
+        x.mul_(1e6 if step >= 2 else 1.0)  # every step from 2 overflows
+    torch.manual_seed(0)
+    train(TinyNet(), batches(30),
+          recorder=recorder_at(tmp_path / "run", reexecute=ReexecutePolicy(min_interval=10)),
+          on_step=plant, scaler={"init_scale": 2.0 ** 8})
+    m = _manifest(tmp_path / "run")
+    assert [e["step"] for e in m["reexecutions"]] == [2, 12, 22]
+    assert m["reexecutions_capped"] == 30 - 2 - 3
+
+
+def test_a_refused_reexecution_is_said_and_the_origin_is_not_invented(tmp_path):
+    torch.manual_seed(0)
+    train(BoomNet(), batches(12, d_in=4, d_out=1, shape=(16,)),
+          recorder=recorder_at(tmp_path / "run", bundles=False), on_step=_overflow,
+          scaler={"init_scale": 2.0 ** 8, "growth_interval": 10 ** 6})
+    steps = ap.load_run(tmp_path / "run").steps.set_index("step")
+    assert bool(steps.loc[7, "skipped"]) and steps.loc[7, "tensor_rows"] == 0
+    origin = ap.nans(tmp_path / "run").to_dict()["origin"]
+    # No rows of step 7: no layer is named as its origin.
+    assert origin is None or origin["step"] != 7 or origin["name"] not in ("block.boom",)
+
+
+def test_every_step_mode_and_the_env_variable(tmp_path, monkeypatch):
+    model = TinyNet()
+    assert AmpRecorder(tmp_path / "a", model, mode="every_step").schedule.cheap_every == 1
+    monkeypatch.setenv("AMP_POSTMORTEM_MODE", "every_step")
+    rec = AmpRecorder(tmp_path / "b", model, full_every=7)
+    assert (rec.schedule.cheap_every, rec.schedule.full_every) == (1, 7)
+    rec.close()
+    monkeypatch.delenv("AMP_POSTMORTEM_MODE")
+    rec = AmpRecorder(tmp_path / "c", model)
+    assert (rec.schedule.cheap_every, rec.schedule.full_every, rec.mode) == (50, 500, "sentinel")
+    rec.close()
+    from recorders.errors import OptionError
+    with pytest.raises(OptionError, match="mode="):
+        AmpRecorder(tmp_path / "d", model, mode="sometimes")
+    with pytest.raises(OptionError, match="reexecute kinds"):
+        ReexecutePolicy(kinds=("skipped", "typo"))
