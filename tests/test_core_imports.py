@@ -34,7 +34,10 @@ CORE_ALLOWED = {"torch", "numpy", "pyarrow", "recorders"} | set(sys.stdlib_modul
 # needs it, so a job that does not use it never imports it.
 LAZY_EDGE = {"storage.py": {"fsspec"}}  # the filesystem of a URI pyarrow does not open itself
 FRAMEWORKS = {"integrations/transformers.py": {"transformers"},
-              "integrations/lightning.py": {"lightning", "pytorch_lightning"}}
+              "integrations/lightning.py": {"lightning", "pytorch_lightning"},
+              # The recorders of other frameworks: each imported only by who records with it.
+              "keras_recorder.py": {"keras", "tensorflow", "jax"},
+              "flax_recorder.py": {"jax", "flax", "optax"}}
 
 
 def _foreign_imports():

@@ -1,0 +1,206 @@
+"""A run written from host-side numbers: the part the Keras and Flax
+recorders share (and any other framework's).
+
+The PyTorch recorder reduces its statistics on the device and hands the
+writer packed tensors; a recorder of another framework reduces them inside
+its own compiled step and gets back a few numbers per step. `HostRun` takes
+those numbers (one `StepRecord` per step, its rows as `TensorRow`s), writes
+them with the same `ShardWriter` (shards, journal, index) and a manifest
+of the same format, so the analyzer reads the run as it reads a PyTorch one.
+It imports neither torch nor any other framework.
+
+Lifecycle: construct, `write_step()`, `flush()`, `close()` (idempotent),
+context manager. Steps are written on the calling thread (a step of these
+recorders is a handful of rows).
+"""
+from __future__ import annotations
+
+import math
+import platform
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import schema
+from .writer import ShardWriter, atomic_write_json
+
+try:
+    from importlib.metadata import version as _dist_version
+    PACKAGE_VERSION = _dist_version("amp-postmortem")
+except Exception:  # noqa: BLE001 - not installed (running from a source tree)
+    PACKAGE_VERSION = "0+unknown"
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One row of the tensors table, cheap tier (docs/FORMAT.md, "Table: tensors")."""
+    name: str
+    kind: str
+    phase: str
+    order: int
+    call: int
+    dtype: str
+    numel: int
+    absmax: float
+    nan_count: int
+    inf_count: int
+    input_nonfinite: int | None = None
+
+
+@dataclass
+class StepRecord:
+    """What one optimizer step of a non-torch framework says, on the host.
+    `loss_scale_before`/`loss_scale`: the scale the step's backward used and
+    the one the next step uses (None without a dynamic loss scale);
+    `skipped`: the scale's own finiteness check refused the update."""
+    step: int
+    loss: float | None
+    loss_scale_before: float | None = None
+    loss_scale: float | None = None
+    growth_tracker: int | None = None
+    skipped: bool = False
+    lr: list | None = None
+    grad_norm: float | None = None
+    loss_dtype: str | None = None
+    micro_batches: int = 1
+    rows: list = field(default_factory=list)  # TensorRow, forward rows first
+    wall_time: float | None = None
+
+
+def framework_entry(name: str, version: str | None, backend: str | None = None) -> dict:
+    """The manifest's `framework` object (schema 1.5)."""
+    if name not in schema.FRAMEWORKS:
+        raise ValueError(f"framework {name!r} is not one of {', '.join(schema.FRAMEWORKS)}")
+    return {"name": name, "version": version, "backend": backend}
+
+
+def tensor_columns(step: int, rank: int, rows: list[TensorRow]) -> dict | None:
+    """The rows as the column dict `ShardWriter.add_step` takes (null full-tier
+    statistics as NaN, string columns as lists)."""
+    if not rows:
+        return None
+    n = len(rows)
+    nan = np.full(n, math.nan)
+
+    def floats(attr):
+        return np.array([math.nan if getattr(r, attr) is None else float(getattr(r, attr)) for r in rows])
+
+    cols = {
+        "step": np.full(n, step, dtype=np.int64),
+        "rank": np.full(n, rank, dtype=np.int32),
+        "name": [r.name for r in rows],
+        "kind": [r.kind for r in rows],
+        "phase": [r.phase for r in rows],
+        "order": np.array([r.order for r in rows], dtype=np.int32),
+        "call": np.array([r.call for r in rows], dtype=np.int32),
+        "dtype": [r.dtype for r in rows],
+        "numel": np.array([r.numel for r in rows], dtype=np.int64),
+        "absmax": floats("absmax"),
+        "nan_count": np.array([r.nan_count for r in rows], dtype=np.int64),
+        "inf_count": np.array([r.inf_count for r in rows], dtype=np.int64),
+        "input_nonfinite": floats("input_nonfinite"),
+        "op": [None] * n, "op_index": nan.copy(), "source": [None] * n,
+    }
+    for c in schema.FULL_STATS:
+        cols.setdefault(c, nan.copy())
+    return cols
+
+
+class HostRun:
+    """Writes one rank's run from `StepRecord`s.
+
+    `framework`: `framework_entry(...)`; `model_class`: the user's model
+    class as `module.QualName`; `modules`: `{"name", "type", "watched"}` per
+    layer; `params`: `{"name", "shape", "dtype", "requires_grad"}` per
+    variable; `scaler`, `optimizer`, `autocast`: the manifest's objects
+    (docs/FORMAT.md, "Manifest"); `recorder_options`: the recorder's own
+    configuration, as the manifest's `recorder`."""
+
+    def __init__(self, run_dir, *, framework: dict, model_class: str, modules: list, params: list,
+                 scaler: dict | None = None, optimizer: dict | None = None, autocast: dict | None = None,
+                 recorder_options: dict | None = None, device_type: str = "cpu",
+                 steps_per_shard: int = 1000, run_id: str | None = None, rank: int = 0, world_size: int = 1):
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.rank_dir = self.run_dir / schema.RANK_DIR.format(rank=rank)
+        self.rank_dir.mkdir(parents=True, exist_ok=True)
+        self.manifest = {
+            "format": schema.FORMAT_NAME, "schema_version": schema.SCHEMA_VERSION,
+            "run_id": run_id or uuid.uuid4().hex, "created_at": time.time(),
+            "package_version": PACKAGE_VERSION, "torch_version": None, "framework": framework,
+            "rank": rank, "world_size": world_size, "device_type": device_type,
+            "device_name": platform.processor() or platform.machine() or device_type,
+            "model_class": model_class, "model_config": None, "autocast": autocast,
+            "scaler": scaler, "optimizer": optimizer, "recorder": recorder_options or {},
+            "modules": list(modules), "params": [{"sharded": False, **p} for p in params],
+            "bundles": [], "status": "open", "steps_recorded": 0, "first_step": None,
+            "last_step": None, "dropped_steps": 0, "disabled_reason": None, "disabled_at_step": None,
+        }
+        self.shards = ShardWriter(self.rank_dir, run_id=self.manifest["run_id"], rank=rank,
+                                  world_size=world_size, steps_per_shard=steps_per_shard)
+        self._closed = False
+        self._write_manifest()
+
+    def set_autocast(self, autocast: dict | None) -> None:
+        self.manifest["autocast"] = autocast
+
+    def set_scaler(self, scaler: dict | None) -> None:
+        self.manifest["scaler"] = scaler
+
+    def write_step(self, record: StepRecord) -> None:
+        if self._closed:
+            return
+        rows = record.rows
+        param_bad = sum(1 for r in rows if r.kind == "param_grad" and (r.nan_count or r.inf_count))
+        has_grads = any(r.kind == "param_grad" for r in rows)
+        step_row = {
+            "step": int(record.step), "rank": self.rank,
+            "wall_time": record.wall_time if record.wall_time is not None else time.time(),
+            "loss": record.loss,
+            "loss_scale": record.loss_scale, "loss_scale_before": record.loss_scale_before,
+            "growth_tracker": record.growth_tracker, "skipped": bool(record.skipped),
+            "lr": record.lr, "grad_norm": record.grad_norm,
+            "nonfinite_param_grads": param_bad if has_grads else None,
+            "micro_batches": int(record.micro_batches),
+            # Schema 1.5: a step without tensor rows (not sampled) has no tier.
+            "tier": "cheap" if rows else None,
+            "tensor_rows": len(rows), "sharded_grad_sqsum": None, "loss_dtype": record.loss_dtype,
+        }
+        self.shards.add_step(step_row, tensor_columns(record.step, self.rank, rows))
+        m = self.manifest
+        m["steps_recorded"] += 1
+        m["first_step"] = record.step if m["first_step"] is None else min(m["first_step"], record.step)
+        m["last_step"] = record.step if m["last_step"] is None else max(m["last_step"], record.step)
+        if m["steps_recorded"] == 1:
+            self._write_manifest()
+
+    def flush(self) -> None:
+        """Write the buffered steps as a shard pair and the manifest."""
+        self.shards.roll()
+        self.shards.wait_published()
+        self._write_manifest()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.shards.roll()
+        self.shards.wait_published()
+        self.shards.journal.close()
+        self.manifest["status"] = "closed"
+        self._write_manifest()
+        self._closed = True
+
+    def _write_manifest(self) -> None:
+        atomic_write_json(self.rank_dir / schema.MANIFEST_FILE, self.manifest)
+        if self.rank == 0:
+            atomic_write_json(self.run_dir / schema.MANIFEST_FILE, self.manifest)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

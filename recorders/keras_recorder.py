@@ -1,0 +1,586 @@
+"""The Keras 3 recorder (TensorFlow and JAX backends): a callback that
+writes the run format the PyTorch recorder writes.
+
+    rec = KerasRecorder("runs/exp1", model)
+    model.fit(x, y, callbacks=[rec])
+    rec.close()
+
+Per step: the step's own loss (what `compute_loss` returned, unscaled; not
+the running mean of `logs["loss"]`), the loss scale before and after and an
+exact skip flag from the `LossScaleOptimizer` (its own finiteness check of
+the gradients), the unscaled gradient norm; and the cheap tier's rows: each
+layer's output (`activation`, `input_nonfinite` from its inputs), the
+model's `<input>`, the `<loss>` and every trainable variable's unscaled
+gradient (`param_grad`). All of it is reduced inside the compiled train
+step, to five numbers per row, and leaves the device once per step.
+
+How the numbers leave the step. Every layer's `call`, the model's
+`compute_loss` and `train_step` and the optimizer's `apply` /
+`stateless_apply` get instance-level wrappers (removed by `close()`), and
+the train function is made again so that it traces them. On TensorFlow the
+rows ride in the train step's logs under a private key, which a wrapper of
+`model.train_function` takes out before any other callback sees the logs.
+On JAX the forward runs inside `jax.value_and_grad`, whose tracers cannot
+leave it except as its outputs, and values written into Keras variables
+inside the step are dropped by its stateless scope (they stay 0): the rows
+leave through one `jax.debug.callback` for the forward and one for the
+update, and the callback waits for them (`jax.effects_barrier`).
+
+A model with its own `train_step` is recorded as long as that step calls
+`self.compute_loss(...)` and `self.optimizer.apply(...)` (as Keras' guide to
+custom train steps writes it); a step that computes its loss by other
+means hands it over with `rec.add_loss(loss)` inside the step.
+
+Not supported (refused with `KerasRecorderError`): `steps_per_execution > 1`
+(callbacks see every N-th batch, and a train function then runs N steps)
+and an optimizer with `gradient_accumulation_steps` (the skip flag would
+name micro-batches, not optimizer steps).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import keras
+import numpy as np
+from keras import ops
+
+from . import schema
+from .errors import OptionError
+from .host_run import HostRun, StepRecord, TensorRow, framework_entry
+
+LOGS_KEY = "_amp_postmortem"
+# [absmax, nan_count, inf_count, input_nonfinite, numel] of one row, float32
+# (counts exact up to 2**24 values per row).
+STAT_WIDTH = 5
+SCALARS = ("loss", "loss_scale_before", "loss_scale", "growth_tracker", "skipped", "grad_sqsum", "lr")
+
+
+class KerasRecorderError(OptionError):
+    """A Keras set-up the recorder cannot record truthfully (one line)."""
+
+
+# ------------------------------------------------------------ in the graph
+def _floating(tree) -> list:
+    out = []
+    for t in keras.tree.flatten(tree):
+        if t is None or not hasattr(t, "dtype") or not hasattr(t, "shape"):
+            continue
+        try:
+            dtype = keras.backend.standardize_dtype(t.dtype)
+        except Exception:  # noqa: BLE001 - not an array
+            continue
+        if "float" in dtype:
+            out.append(t)
+    return out
+
+
+def _nonfinite_count(tensors) -> object:
+    total = ops.zeros((), "float32")
+    for t in tensors:
+        total = total + ops.cast(ops.sum(ops.cast(ops.logical_not(ops.isfinite(t)), "int32")), "float32")
+    return total
+
+
+def row_stats(tensors: list, inputs: list = (), scale=None):
+    """The row's five numbers, in the graph: the largest finite magnitude,
+    the NaN and Inf counts, the non-finite values among `inputs`, the number
+    of values; `scale`: divide by it first (gradients, unscaled)."""
+    absmax = ops.zeros((), "float32")
+    nans = ops.zeros((), "float32")
+    infs = ops.zeros((), "float32")
+    numel = 0
+    for t in tensors:
+        x = ops.cast(t, "float32")
+        if scale is not None:
+            x = x / scale
+        finite = ops.isfinite(x)
+        absmax = ops.maximum(absmax, ops.max(ops.where(finite, ops.abs(x), ops.zeros_like(x))))
+        nans = nans + ops.cast(ops.sum(ops.cast(ops.isnan(x), "int32")), "float32")
+        infs = infs + ops.cast(ops.sum(ops.cast(ops.isinf(x), "int32")), "float32")
+        numel = numel + ops.cast(ops.size(x), "float32")
+    return ops.stack([absmax, nans, infs, _nonfinite_count(inputs), ops.cast(numel, "float32")])
+
+
+def _dtype(tensors) -> str:
+    return keras.backend.standardize_dtype(tensors[0].dtype) if tensors else "float32"
+
+
+def keras_name(path: str, root: str) -> str:
+    """A Keras path as a PyTorch-style qualified name: `block/dense/kernel`
+    -> `block.dense.kernel`, without the model's own name in front."""
+    if path.startswith(root + "/"):
+        path = path[len(root) + 1:]
+    return path.replace("/", ".")
+
+
+def layers_of(model) -> list:
+    """The model's sublayers, nested ones included, without input layers
+    (they compute nothing)."""
+    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)
+            if not isinstance(layer, keras.layers.InputLayer)]
+
+
+def layer_name(layer, root: str) -> str:
+    return keras_name(getattr(layer, "path", None) or layer.name, root)
+
+
+class _Trace:
+    """What one trace of the train step collects (static names, graph values)."""
+
+    def __init__(self):
+        self.forward: list = []      # (name, kind, call, dtype)
+        self.forward_stats: list = []
+        self.calls: dict = {}
+        self.grads: list = []        # (name, dtype)
+        self.grad_stats: list = []
+        self.scalars: dict = {}
+        self.loss_dtype: str | None = None
+
+    def add_forward(self, name, kind, dtype, stats):
+        call = self.calls.get((name, kind), 0)
+        self.calls[(name, kind)] = call + 1
+        self.forward.append((name, kind, call, dtype))
+        self.forward_stats.append(stats)
+
+
+def _stack(stats):
+    return ops.stack(stats) if stats else ops.zeros((0, STAT_WIDTH), "float32")
+
+
+# ---------------------------------------------------------------- taps
+class LayerTaps:
+    """Wraps every sublayer's `call` so that, while a train step is traced,
+    its output's statistics join the trace. `remove()` restores them."""
+
+    def __init__(self, model, trace_of):
+        self._wrapped = []
+        root = model.name
+        for layer in layers_of(model):
+            self._wrap(layer, layer_name(layer, root), trace_of)
+
+    def _wrap(self, layer, name, trace_of):
+        original = layer.call
+        had_own = "call" in layer.__dict__
+
+        def call(*args, **kwargs):
+            out = original(*args, **kwargs)
+            trace = trace_of()
+            if trace is not None:
+                outs = _floating(out)
+                if outs:
+                    trace.add_forward(name, "activation", _dtype(outs),
+                                      row_stats(outs, _floating((args, kwargs))))
+            return out
+
+        object.__setattr__(layer, "call", call)
+        self._wrapped.append((layer, original, had_own))
+
+    def remove(self):
+        for layer, original, had_own in self._wrapped:
+            if had_own:
+                object.__setattr__(layer, "call", original)
+            else:
+                try:
+                    object.__delattr__(layer, "call")
+                except AttributeError:
+                    pass
+        self._wrapped = []
+
+
+def _set(obj, attr, value):
+    object.__setattr__(obj, attr, value)
+
+
+def _restore(obj, attr, had_own, original):
+    if had_own:
+        _set(obj, attr, original)
+    else:
+        try:
+            object.__delattr__(obj, attr)
+        except AttributeError:
+            pass
+
+
+class KerasRecorder(keras.callbacks.Callback):
+    """Records a Keras 3 model's training into `run_dir` (docs/FORMAT.md).
+
+    `model`: the model `fit` trains (compiled before the first `fit`).
+    `every`: record the per-row statistics every N steps (the steps table
+    gets every step; N > 1 still computes the rows in the graph every step,
+    only fewer reach the disk). `steps_per_shard`: as the PyTorch
+    recorder's. Use as a callback of `model.fit`; `close()` (idempotent) or
+    a `with` block ends the run."""
+
+    def __init__(self, run_dir, model, *, every: int = 1, steps_per_shard: int = 1000,
+                 run_id: str | None = None):
+        super().__init__()
+        if int(every) < 1:
+            raise KerasRecorderError(f"every={every!r}: record every N >= 1 steps")
+        self.run_dir = run_dir
+        self.every = int(every)
+        self.backend = keras.backend.backend()
+        if self.backend not in ("tensorflow", "jax"):
+            raise KerasRecorderError(f"Keras backend {self.backend!r} is not recorded; "
+                                     f"use KERAS_BACKEND=tensorflow or jax (or AmpRecorder for torch)")
+        self._model = model
+        self._steps_per_shard = steps_per_shard
+        self._run_id = run_id
+        self.run: HostRun | None = None
+        self.step_index = 0
+        self._trace: _Trace | None = None
+        self._restore: list = []
+        self._layer_taps: LayerTaps | None = None
+        self._received: dict = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---------------------------------------------------------- lifecycle
+    def on_train_begin(self, logs=None):
+        model = self._model
+        spe = int(getattr(model, "steps_per_execution", 1) or 1)
+        if spe > 1:
+            raise KerasRecorderError(
+                f"steps_per_execution={spe}: Keras runs {spe} steps per call and callbacks see every "
+                f"{spe}th batch; compile with steps_per_execution=1 to record every step")
+        opt = model.optimizer
+        inner = getattr(opt, "inner_optimizer", opt)
+        ga = getattr(opt, "gradient_accumulation_steps", None) or getattr(inner, "gradient_accumulation_steps", None)
+        if ga and int(ga) > 1:
+            raise KerasRecorderError(
+                f"gradient_accumulation_steps={ga}: the loss scale's skip flag would count micro-batches; "
+                f"record without gradient accumulation")
+        if self.run is None:
+            self.run = self._start_run(model)
+        if self._layer_taps is None:
+            self._install(model)
+        if self.backend == "tensorflow":
+            model.make_train_function(force=True)
+            self._wrap_train_function(model)
+        else:
+            model.make_train_function(force=True)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.backend == "jax":
+            import jax
+            jax.effects_barrier()
+        with self._lock:
+            received, self._received = self._received, {}
+        if not received:
+            return
+        self._write(received)
+
+    def on_train_end(self, logs=None):
+        if self.run is not None:
+            self.run.flush()
+
+    def flush(self):
+        if self.run is not None:
+            self.run.flush()
+
+    def close(self):
+        """Remove every wrapper, write the last shard, mark the run closed. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for undo in reversed(self._restore):
+            undo()
+        self._restore = []
+        if self._layer_taps is not None:
+            self._layer_taps.remove()
+        if self.run is not None:
+            self.run.close()
+        if self._model is not None and getattr(self._model, "train_function", None) is not None:
+            self._model.train_function = None  # made again without the wrappers
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def add_loss(self, loss):
+        """In a custom `train_step` that does not call `self.compute_loss`:
+        hand the step's unscaled loss to the recorder (inside the step)."""
+        trace = self._trace
+        if trace is not None:
+            self._note_loss(trace, loss)
+        return loss
+
+    # ----------------------------------------------------- the manifest
+    def _start_run(self, model) -> HostRun:
+        opt = model.optimizer
+        policy = model.dtype_policy
+        compute, variable = policy.compute_dtype, policy.variable_dtype
+        version = keras.__version__
+        if self.backend == "tensorflow":
+            import tensorflow as tf
+            version = f"keras {keras.__version__}, tensorflow {tf.__version__}"
+        else:
+            import jax
+            version = f"keras {keras.__version__}, jax {jax.__version__}"
+        root = model.name
+        modules = [{"name": layer_name(layer, root), "type": _class_name(type(layer)), "watched": True}
+                   for layer in layers_of(model)]
+        params = [{"name": keras_name(v.path, root), "shape": list(v.shape), "dtype": v.dtype,
+                   "requires_grad": bool(v.trainable)} for v in model.weights]
+        return HostRun(
+            self.run_dir, framework=framework_entry("keras", version, self.backend),
+            model_class=_class_name(type(model)), modules=modules, params=params,
+            scaler=describe_loss_scale(opt), optimizer=describe_optimizer(opt),
+            autocast={"enabled": compute != variable, "device_type": "cpu", "dtype": compute,
+                      "cache_enabled": None, "policy": policy.name},
+            recorder_options={"recorder": "keras", "every": self.every, "steps_per_shard": self._steps_per_shard},
+            steps_per_shard=self._steps_per_shard, run_id=self._run_id)
+
+    # ---------------------------------------------------------- wrappers
+    def _install(self, model):
+        self._layer_taps = LayerTaps(model, lambda: self._trace)
+        self._wrap_method(model, "train_step", self._train_step_wrapper)
+        self._wrap_method(model, "compute_loss", self._compute_loss_wrapper)
+        opt = model.optimizer
+        self._wrap_method(opt, "apply", self._apply_wrapper)
+        if self.backend == "jax":
+            self._wrap_method(opt, "stateless_apply", self._stateless_apply_wrapper)
+
+    def _wrap_method(self, obj, attr, make):
+        had_own = attr in obj.__dict__
+        original = getattr(obj, attr)
+        _set(obj, attr, make(original))
+        self._restore.append(lambda: _restore(obj, attr, had_own, original))
+
+    def _wrap_train_function(self, model):
+        inner = model.train_function
+
+        def train_function(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            if isinstance(out, dict) and LOGS_KEY in out:
+                out = dict(out)
+                payload = out.pop(LOGS_KEY)
+                with self._lock:
+                    self._received.update(self._host_payload(payload))
+            return out
+
+        model.train_function = train_function
+
+    def _train_step_wrapper(self, original):
+        def train_step(*args, **kwargs):
+            outer, self._trace = self._trace, _Trace()
+            trace = self._trace
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self._trace = outer
+            if self.backend == "tensorflow" and isinstance(out, dict):
+                out = dict(out)
+                out[LOGS_KEY] = self._graph_payload(trace)
+            return out
+        return train_step
+
+    def _note_loss(self, trace, loss):
+        trace.scalars["loss"] = ops.cast(loss, "float32")
+        trace.loss_dtype = keras.backend.standardize_dtype(loss.dtype)
+        trace.add_forward(schema.LOSS_NAME, "loss", trace.loss_dtype, row_stats([loss]))
+
+    def _compute_loss_wrapper(self, original):
+        def compute_loss(*args, **kwargs):
+            loss = original(*args, **kwargs)
+            trace = self._trace
+            if trace is None:
+                return loss
+            x = kwargs.get("x", args[0] if args else None)
+            inputs = _floating(x)
+            if inputs:
+                stats = row_stats(inputs)
+                call = trace.calls.get((schema.INPUT_NAME, "input"), 0)
+                trace.calls[(schema.INPUT_NAME, "input")] = call + 1
+                trace.forward.insert(0, (schema.INPUT_NAME, "input", call, _dtype(inputs)))
+                trace.forward_stats.insert(0, stats)
+            self._note_loss(trace, loss)
+            if self.backend == "jax":
+                self._emit_jax("forward", trace.forward, _stack(trace.forward_stats),
+                               {"loss": trace.scalars["loss"]}, trace.loss_dtype)
+            return loss
+        return compute_loss
+
+    def _grad_rows(self, trace, grads, variables, scale):
+        root = self._model.name
+        scale = ops.cast(scale, "float32")
+        sqsum = ops.zeros((), "float32")
+        for g, v in zip(grads, variables):
+            if g is None:
+                continue
+            trace.grads.append((keras_name(v.path, root), keras.backend.standardize_dtype(g.dtype)))
+            trace.grad_stats.append(row_stats([g], scale=scale))
+            g32 = ops.cast(g, "float32") / scale
+            sqsum = sqsum + ops.sum(g32 * g32)
+        return sqsum
+
+    def _variables(self, trainable_variables):
+        return list(trainable_variables) if trainable_variables is not None else list(
+            self._model.trainable_variables)
+
+    def _apply_wrapper(self, original):
+        opt = self._model.optimizer
+
+        def apply(grads, trainable_variables=None, *args, **kwargs):
+            trace = self._trace
+            if trace is None or self.backend == "jax":
+                return original(grads, trainable_variables, *args, **kwargs)
+            grads = list(grads)
+            scaled = _is_loss_scale(opt)
+            before = _scale_value(opt) if scaled else ops.ones((), "float32")
+            finite = opt.check_finite(grads) if scaled else ops.convert_to_tensor(True)
+            sqsum = self._grad_rows(trace, grads, self._variables(trainable_variables), before)
+            out = original(grads, trainable_variables, *args, **kwargs)
+            trace.scalars.update({
+                "loss_scale_before": before,
+                "loss_scale": _scale_value(opt) if scaled else ops.ones((), "float32"),
+                "growth_tracker": ops.cast(opt.step_counter, "float32") if scaled else ops.zeros((), "float32"),
+                "skipped": 1.0 - ops.cast(finite, "float32"),
+                "grad_sqsum": sqsum, "lr": ops.cast(opt.learning_rate, "float32")})
+            return out
+        return apply
+
+    def _stateless_apply_wrapper(self, original):
+        opt = self._model.optimizer
+
+        def stateless_apply(optimizer_variables, grads, trainable_variables):
+            trace = self._trace
+            if trace is None:
+                return original(optimizer_variables, grads, trainable_variables)
+            grads = list(grads)
+            scaled = _is_loss_scale(opt)
+            ids = [id(v) for v in opt.variables]
+            if scaled:
+                i_scale, i_count = ids.index(id(opt.dynamic_scale)), ids.index(id(opt.step_counter))
+                before = ops.cast(optimizer_variables[i_scale], "float32")
+                finite = opt.check_finite(grads)
+            else:
+                before, finite = ops.ones((), "float32"), ops.convert_to_tensor(True)
+            sqsum = self._grad_rows(trace, grads, self._model.trainable_variables, before)
+            new_trainable, new_opt_vars = original(optimizer_variables, grads, trainable_variables)
+            after = ops.cast(new_opt_vars[i_scale], "float32") if scaled else ops.ones((), "float32")
+            tracker = ops.cast(new_opt_vars[i_count], "float32") if scaled else ops.zeros((), "float32")
+            lr = _jax_lr(opt, optimizer_variables, ids)
+            scalars = {"loss_scale_before": before, "loss_scale": after, "growth_tracker": tracker,
+                       "skipped": 1.0 - ops.cast(finite, "float32"), "grad_sqsum": sqsum, "lr": lr}
+            self._emit_jax("update", trace.grads, _stack(trace.grad_stats), scalars, None)
+            return new_trainable, new_opt_vars
+        return stateless_apply
+
+    # ------------------------------------------------------ transports
+    def _graph_payload(self, trace: _Trace) -> dict:
+        # Names are static: kept on the host, keyed by the trace (TF traces
+        # the step once, again for a last batch of another shape: the same
+        # names).
+        self._tf_meta = (list(trace.forward), list(trace.grads), trace.loss_dtype)
+        scalars = [ops.cast(trace.scalars.get(k, math.nan), "float32") for k in SCALARS]
+        return {"forward": _stack(trace.forward_stats), "grads": _stack(trace.grad_stats),
+                "scalars": ops.stack(scalars)}
+
+    def _host_payload(self, payload) -> dict:
+        forward_meta, grad_meta, loss_dtype = self._tf_meta
+        scalars = np.asarray(payload["scalars"], dtype=np.float64)
+        return {"forward": (forward_meta, np.asarray(payload["forward"])),
+                "update": (grad_meta, np.asarray(payload["grads"])),
+                "scalars": dict(zip(SCALARS, scalars.tolist())), "loss_dtype": loss_dtype}
+
+    def _emit_jax(self, part, meta, stats, scalars, loss_dtype):
+        import jax
+        meta = list(meta)
+        names = sorted(scalars)
+
+        def receive(stats_host, *values):
+            with self._lock:
+                self._received[part] = (meta, np.asarray(stats_host))
+                self._received.setdefault("scalars", {}).update(
+                    {k: float(np.asarray(v)) for k, v in zip(names, values)})
+                if loss_dtype is not None:
+                    self._received["loss_dtype"] = loss_dtype
+
+        jax.debug.callback(receive, stats, *[scalars[k] for k in names])
+
+    # ----------------------------------------------------------- host side
+    def _write(self, received: dict) -> None:
+        step = self.step_index
+        self.step_index += 1
+        s = received.get("scalars", {})
+        scaled = _is_loss_scale(self._model.optimizer)
+        skipped = bool(s.get("skipped", 0.0) >= 0.5)
+        rows = []
+        if step % self.every == 0 or skipped or not _finite(s.get("loss")):
+            forward_meta, forward = received.get("forward", ([], np.empty((0, STAT_WIDTH))))
+            for order, ((name, kind, call, dtype), v) in enumerate(zip(forward_meta, forward)):
+                rows.append(_row(name, kind, "forward", order, call, dtype, v,
+                                 input_nonfinite=kind == "activation"))
+            grad_meta, grads = received.get("update", ([], np.empty((0, STAT_WIDTH))))
+            # Backward order: autograd visits the last layer's variables first.
+            for order, ((name, dtype), v) in enumerate(reversed(list(zip(grad_meta, grads)))):
+                rows.append(_row(name, "param_grad", "backward", order, 0, dtype, v))
+        sq = s.get("grad_sqsum")
+        self.run.write_step(StepRecord(
+            step=step, loss=s.get("loss"),
+            loss_scale_before=s.get("loss_scale_before") if scaled else None,
+            loss_scale=s.get("loss_scale") if scaled else None,
+            growth_tracker=int(s["growth_tracker"]) if scaled and _finite(s.get("growth_tracker")) else None,
+            skipped=skipped, lr=[s["lr"]] if _finite(s.get("lr")) else None,
+            grad_norm=math.sqrt(sq) if sq is not None and sq >= 0 else sq,
+            loss_dtype=received.get("loss_dtype"), rows=rows, wall_time=time.time()))
+
+
+def _row(name, kind, phase, order, call, dtype, v, input_nonfinite=False) -> TensorRow:
+    return TensorRow(name=name, kind=kind, phase=phase, order=order, call=call, dtype=dtype,
+                     numel=int(v[4]), absmax=float(v[0]), nan_count=int(v[1]), inf_count=int(v[2]),
+                     input_nonfinite=int(v[3]) if input_nonfinite else None)
+
+
+def _finite(v) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def _class_name(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_loss_scale(opt) -> bool:
+    return isinstance(opt, keras.optimizers.LossScaleOptimizer)
+
+
+def _scale_value(opt):
+    if not opt.built:  # built by its first apply: the scale it starts with
+        return ops.cast(opt.initial_scale, "float32")
+    return ops.cast(ops.convert_to_tensor(opt.dynamic_scale), "float32")
+
+
+def _jax_lr(opt, optimizer_variables, ids):
+    inner = getattr(opt, "inner_optimizer", opt)
+    lr_var = getattr(inner, "_learning_rate", None)
+    if lr_var is not None and id(lr_var) in ids:
+        return ops.cast(optimizer_variables[ids.index(id(lr_var))], "float32")
+    try:
+        return ops.cast(ops.convert_to_tensor(opt.learning_rate), "float32")
+    except Exception:  # noqa: BLE001 - a schedule: not recorded
+        return ops.convert_to_tensor(math.nan, "float32")
+
+
+def describe_loss_scale(opt) -> dict | None:
+    """The manifest's `scaler` for a `LossScaleOptimizer` (None otherwise)."""
+    if not _is_loss_scale(opt):
+        return None
+    return {"class": _class_name(type(opt)), "enabled": True,
+            "init_scale": float(opt.initial_scale), "growth_factor": 2.0, "backoff_factor": 0.5,
+            "growth_interval": int(opt.dynamic_growth_steps)}
+
+
+def describe_optimizer(opt) -> dict | None:
+    if opt is None:
+        return None
+    inner = getattr(opt, "inner_optimizer", opt)
+    try:
+        lr = float(ops.convert_to_numpy(inner.learning_rate))
+    except Exception:  # noqa: BLE001 - a schedule
+        lr = None
+    return {"class": _class_name(type(inner)), "defaults": {"lr": lr}}

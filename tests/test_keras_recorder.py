@@ -1,0 +1,122 @@
+"""The Keras 3 recorder (recorders/keras_recorder.py) on both backends:
+runs made by `tests/keras_runs.py` in a process per backend (Keras picks
+its backend at import), read by the real analyzer. What is pinned is the
+story (origin layer and step, the collapse's onset, a quiet healthy run,
+exact skip flags), not values of CPU float16 kernels."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("keras")
+
+from amp_postmortem.cli import main  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module", params=["tensorflow", "jax"])
+def runs(request, tmp_path_factory):
+    pytest.importorskip(request.param)
+    out = tmp_path_factory.mktemp(f"keras_{request.param}")
+    env = {**os.environ, "KERAS_BACKEND": request.param, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    subprocess.run([sys.executable, str(HERE / "keras_runs.py"), str(out)], env=env, check=True,
+                   capture_output=True, text=True, timeout=300)
+    return request.param, out
+
+
+def cli_json(*args) -> dict:
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def findings(run_dir) -> dict:
+    return {f["kind"]: f for f in cli_json("summary", str(run_dir))["findings"]}
+
+
+def test_the_manifest_names_the_framework_and_its_backend(runs):
+    backend, out = runs
+    manifest = json.loads((out / "overflow" / "manifest.json").read_text())
+    assert manifest["framework"]["name"] == "keras"
+    assert manifest["framework"]["backend"] == backend
+    assert manifest["schema_version"] == "1.5"
+    assert manifest["scaler"]["init_scale"] == 2.0 ** 15
+    assert manifest["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "float16",
+                                    "cache_enabled": None, "policy": "mixed_float16"}
+    assert [m["name"] for m in manifest["modules"]] == ["d1", "blowup", "d2"]
+
+
+def test_the_planted_exp_overflow_is_traced_to_its_layer_and_step(runs):
+    _, out = runs
+    found = findings(out / "overflow")
+    assert found["nonfinite"]["layer"] == "blowup"
+    assert found["nonfinite"]["step"] == 3
+    nans = cli_json("nans", str(out / "overflow"))
+    assert json.dumps(nans).count('"blowup"') >= 1
+
+
+def test_each_step_has_its_own_loss_and_rows_in_call_order(runs):
+    _, out = runs
+    steps = pd.read_parquet(out / "overflow" / "rank=0" / "steps")
+    assert list(steps["step"]) == [0, 1, 2, 3, 4, 5]
+    # The step's own loss: finite before the overflow, NaN/Inf from it on
+    # (the running mean of logs["loss"] would stay NaN, not say which).
+    assert steps["loss"].iloc[:3].notna().all() and (steps["loss"].iloc[:3] < 1e3).all()
+    assert not steps["loss"].iloc[3:].apply(lambda v: pd.notna(v) and abs(v) < float("inf")).any()
+    assert steps["skipped"].iloc[3:].all()
+    tensors = pd.read_parquet(out / "overflow" / "rank=0" / "tensors")
+    step0 = tensors[tensors.step == 0]
+    forward = step0[step0.phase == "forward"].sort_values("order")
+    assert list(forward["name"]) == ["<input>", "d1", "blowup", "d2", "<loss>"]
+    assert list(forward["dtype"])[1:4] == ["float16"] * 3
+    grads = step0[step0.kind == "param_grad"]
+    assert sorted(grads["name"]) == ["d1.bias", "d1.kernel", "d2.bias", "d2.kernel"]
+
+
+def test_the_skip_flag_is_the_loss_scale_optimizers_own(runs):
+    _, out = runs
+    steps = pd.read_parquet(out / "collapse" / "rank=0" / "steps")
+    # Skipped exactly when the scale halved; never skipped when it did not.
+    halved = steps["loss_scale"] == steps["loss_scale_before"] / 2
+    assert (steps["skipped"] == halved).all()
+    assert not steps["skipped"].iloc[:10].any() and steps["skipped"].iloc[10:].all()
+    assert (steps["loss_scale_before"].iloc[1:].values == steps["loss_scale"].iloc[:-1].values).all()
+
+
+def test_the_loss_scale_collapse_is_found(runs):
+    _, out = runs
+    found = findings(out / "collapse")
+    assert found["scale_collapse"]["step"] == 10
+    assert "nonfinite" not in found
+
+
+def test_the_healthy_run_is_quiet(runs):
+    _, out = runs
+    assert set(findings(out / "healthy")) == {"healthy"}
+    for command in ("scale", "ranges"):
+        cli_json(command, str(out / "healthy"))
+
+
+def test_steps_per_execution_above_one_is_refused(tmp_path):
+    code = (
+        "import keras, numpy as np\n"
+        "from recorders.keras_recorder import KerasRecorder, KerasRecorderError\n"
+        "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+        "m.compile(optimizer='sgd', loss='mse', steps_per_execution=4)\n"
+        f"rec = KerasRecorder({str(tmp_path / 'run')!r}, m)\n"
+        "try:\n"
+        "    m.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=2, verbose=0, callbacks=[rec])\n"
+        "except KerasRecorderError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(HERE.parent)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "refused: steps_per_execution=4" in out.stdout, out.stderr[-2000:]
