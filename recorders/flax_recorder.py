@@ -1,0 +1,325 @@
+"""The Flax nnx + optax recorder: writes the run format the PyTorch
+recorder writes.
+
+With the helper, the user's step (not jitted yet) is jitted by the recorder
+and returns a dict:
+
+    rec = FlaxRecorder("runs/exp1", model, optimizer=optimizer, loss_scale=scale)
+    train_step = rec.wrap(train_step)      # was: train_step = nnx.jit(train_step)
+    ...
+    out = train_step(model, optimizer, scale, batch)   # records one step
+    rec.close()
+
+`train_step(...)` returns a dict with `loss` (unscaled) and, when it has
+them, `grads` (the unscaled gradients, any pytree; taken out of the dict
+the caller gets back), `loss_scale_before` (the scale the backward used),
+`loss_scale` (the scale the next step uses) and `skipped` (true when the
+dynamic scale refused the update: the step's own finiteness decision, so
+the flag is exact). Every module method's output (`nnx.capture` with
+`nnx.Intermediate`) and every gradient leaf is reduced inside the jitted
+step to five numbers ([absmax, NaN count, Inf count, -, numel]); those and
+the scalars are the only values that leave the device.
+
+Without the helper, call `rec.step(loss=..., loss_scale_before=...,
+loss_scale=..., skipped=..., grad_norm=...)` after each step, and for
+module rows return `module_stats(intermediates)` / `tree_stats(grads)`
+from your own jitted step and pass them as `forward=` / `grads=`.
+
+Order of the `activation` rows: modules in definition order, children
+before their parent (how a model written in call order runs); a module
+called twice has `call` 0 and 1.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import schema
+from .host_run import HostRun, StepRecord, TensorRow, framework_entry
+
+STAT_WIDTH = 5
+
+
+# ------------------------------------------------------------ in the graph
+def array_stats(x, scale=None):
+    """[absmax, NaN count, Inf count, 0, numel] of one array, float32, in the graph."""
+    x = jnp.asarray(x).astype(jnp.float32)
+    if scale is not None:
+        x = x / scale
+    finite = jnp.isfinite(x)
+    absmax = jnp.max(jnp.where(finite, jnp.abs(x), 0.0), initial=0.0)
+    return jnp.stack([absmax, jnp.sum(jnp.isnan(x)).astype(jnp.float32),
+                      jnp.sum(jnp.isinf(x)).astype(jnp.float32), jnp.float32(0), jnp.float32(x.size)])
+
+
+def _key(k):
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return str(k)
+
+
+def tree_stats(tree, scale=None):
+    """(names, [n, 5] stats) of every floating leaf of a pytree (gradients):
+    names `a.b.kernel`, statistics reduced in the graph."""
+    names, stats = [], []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            continue
+        parts = [str(_key(k)) for k in path if _key(k) != "value"]
+        names.append((".".join(parts), str(leaf.dtype)))
+        stats.append(array_stats(leaf, scale))
+    return names, (jnp.stack(stats) if stats else jnp.zeros((0, STAT_WIDTH), jnp.float32))
+
+
+def module_stats(intermediates):
+    """(rows, [n, 5] stats) of `nnx.capture(..., nnx.Intermediate,
+    method_outputs=nnx.Intermediate)`'s state: one row per module method
+    call, (module name, method, call, dtype)."""
+    calls: dict = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(intermediates):
+        keys = [_key(k) for k in path]
+        call = keys[-1] if isinstance(keys[-1], int) else 0
+        names = [k for k in keys if isinstance(k, str) and k != "value"]
+        if not names or not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            continue
+        module, method = tuple(names[:-1]), names[-1]
+        calls.setdefault((module, method, call), []).append(leaf)
+    rows, stats = [], []
+    for (module, method, call), leaves in calls.items():
+        parts = [array_stats(leaf) for leaf in leaves]
+        merged = jnp.stack([jnp.max(jnp.stack([p[0] for p in parts])),
+                            sum(p[1] for p in parts), sum(p[2] for p in parts), jnp.float32(0),
+                            sum(p[4] for p in parts)])
+        rows.append((module, method, call, str(leaves[0].dtype)))
+        stats.append(merged)
+    return rows, (jnp.stack(stats) if stats else jnp.zeros((0, STAT_WIDTH), jnp.float32))
+
+
+def module_order(model) -> dict:
+    """Module path -> its position when children finish before their
+    parent, in definition order (post-order of the module tree)."""
+    pre = list(definition_order(model))
+    index = {p: i for i, p in enumerate(pre)}
+
+    def key(p):
+        return tuple(index.get(p[:i], math.inf) for i in range(1, len(p) + 1)) + (math.inf,)
+
+    return {p: i for i, p in enumerate(sorted(pre, key=key))}
+
+
+def definition_order(node, path=(), seen=None):
+    """Module paths in pre-order, attributes in the order `__init__` set
+    them (`nnx.iter_graph` sorts them by name)."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    yield path
+    for attr, value in vars(node).items():
+        children = [(str(i), v) for i, v in enumerate(value)] if isinstance(value, (list, tuple)) else [(None, value)]
+        for sub, child in children:
+            if isinstance(child, nnx.Module):
+                yield from definition_order(child, path + ((attr,) if sub is None else (attr, sub)), seen)
+
+
+def module_name(module: tuple, method: str) -> str:
+    name = ".".join(module)
+    return name if method == "__call__" else (f"{name}.{method}" if name else method)
+
+
+# ------------------------------------------------------------ the recorder
+class FlaxRecorder:
+    """Records a Flax nnx model's training into `run_dir` (docs/FORMAT.md).
+
+    `model`: the `nnx.Module` trained; `optimizer`: the `nnx.Optimizer`
+    (its class and learning rate go to the manifest); `loss_scale`: the
+    dynamic loss scale in use, jmp's `DynamicLossScale` or any object with
+    `loss_scale`, `period` and `factor` (None: no scaling); `every`: write
+    the per-row statistics every N steps (and on every step with a skip or a
+    non-finite loss); `steps_per_shard`: as the PyTorch recorder's."""
+
+    def __init__(self, run_dir, model, *, optimizer=None, loss_scale=None, every: int = 1,
+                 steps_per_shard: int = 1000, run_id: str | None = None):
+        if int(every) < 1:
+            raise ValueError(f"every={every!r}: record every N >= 1 steps")
+        self.every = int(every)
+        self.step_index = 0
+        self._order = module_order(model)
+        self._scaled = loss_scale is not None
+        policy_dtype = _param_dtype(model)
+        modules = [{"name": module_name(p, "__call__"), "type": _class_name(type(node)), "watched": True}
+                   for p, node in ((tuple(str(x) for x in path), node) for path, node in nnx.iter_graph(model))
+                   if isinstance(node, nnx.Module)]
+        params = [{"name": name, "shape": list(v.shape), "dtype": str(v.dtype), "requires_grad": True}
+                  for name, v in _params(model)]
+        self.run = HostRun(
+            run_dir, framework=framework_entry("flax", _versions()), model_class=_class_name(type(model)),
+            modules=modules, params=params, scaler=describe_loss_scale(loss_scale),
+            optimizer=describe_optimizer(optimizer),
+            autocast={"enabled": policy_dtype not in (None, "float32"), "device_type": jax.default_backend(),
+                      "dtype": policy_dtype, "cache_enabled": None},
+            recorder_options={"recorder": "flax", "every": self.every, "steps_per_shard": steps_per_shard},
+            device_type=jax.default_backend(), steps_per_shard=steps_per_shard, run_id=run_id)
+
+    # ---------------------------------------------------------- the helper
+    def wrap(self, step_fn, *, jit: bool = True):
+        """`step_fn` jitted (`nnx.jit`) so that each call also returns the
+        module and gradient statistics, recorded as one step. See the
+        module's docstring for what `step_fn` returns."""
+        names: dict = {}
+
+        def instrumented(*args, **kwargs):
+            captured = nnx.capture(step_fn, nnx.Intermediate, method_outputs=nnx.Intermediate)
+            out, intermediates = captured(*args, **kwargs)
+            if not isinstance(out, dict) or "loss" not in out:
+                raise TypeError("a step wrapped by FlaxRecorder.wrap returns a dict with at least 'loss'")
+            out = dict(out)
+            grads = out.pop("grads", None)
+            forward_rows, forward = module_stats(intermediates)
+            grad_rows, grad_stats = tree_stats(grads) if grads is not None else ([], None)
+            names["forward"], names["grads"] = forward_rows, grad_rows
+            loss = jnp.asarray(out["loss"])
+            names["loss_dtype"] = str(loss.dtype)
+            payload = {"forward": forward, "loss": array_stats(loss)}
+            if grads is not None:
+                payload["grads"] = grad_stats
+                leaves = [g.astype(jnp.float32) for g in jax.tree_util.tree_leaves(grads)
+                          if hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.floating)]
+                payload["grad_sqsum"] = sum(jnp.sum(g * g) for g in leaves)
+            for k in ("loss_scale_before", "loss_scale", "skipped"):
+                if k in out:
+                    payload[k] = jnp.asarray(out[k]).astype(jnp.float32)
+            return out, payload
+
+        compiled = nnx.jit(instrumented) if jit else instrumented
+
+        def recorded_step(*args, **kwargs):
+            out, payload = compiled(*args, **kwargs)
+            host = jax.device_get(payload)  # a few numbers per module: one transfer
+            self._record(names, host)
+            return out
+
+        return recorded_step
+
+    def _record(self, names: dict, host: dict) -> None:
+        loss_stats = np.asarray(host["loss"])
+        loss = float(loss_stats[0]) if loss_stats[1] == 0 and loss_stats[2] == 0 else math.nan
+        forward = []
+        for (module, method, call, dtype), v in zip(names["forward"], np.asarray(host["forward"])):
+            forward.append((self._order.get(module, len(self._order)), call, module_name(module, method), dtype, v))
+        forward.sort(key=lambda r: (r[0], r[1]))
+        forward_rows = [(name, "activation", call, dtype, v) for _, call, name, dtype, v in forward]
+        forward_rows.append((schema.LOSS_NAME, "loss", 0, names.get("loss_dtype", "float32"), loss_stats))
+        grads = None
+        if "grads" in host:
+            grads = [(name, dtype, v) for (name, dtype), v in zip(names["grads"], np.asarray(host["grads"]))]
+        sq = host.get("grad_sqsum")
+        self.step(loss=loss, loss_scale_before=_opt_float(host.get("loss_scale_before")),
+                  loss_scale=_opt_float(host.get("loss_scale")),
+                  skipped=bool(host["skipped"] >= 0.5) if "skipped" in host else False,
+                  grad_norm=math.sqrt(float(sq)) if sq is not None and float(sq) >= 0 else _opt_float(sq),
+                  forward=forward_rows, grads=grads, loss_dtype=names.get("loss_dtype"))
+
+    # ------------------------------------------------- the documented call
+    def step(self, *, loss, loss_scale_before=None, loss_scale=None, skipped: bool = False,
+             grad_norm=None, lr=None, forward=None, grads=None, loss_dtype=None, step: int | None = None):
+        """Record one optimizer step from host values (floats, or jax
+        scalars: read here). `forward`: (name, kind, call, dtype, stats)
+        per row in execution order; `grads`: (name, dtype, stats) per
+        gradient, stats the five numbers of `array_stats` (unscaled
+        gradients)."""
+        index = self.step_index if step is None else int(step)
+        self.step_index = index + 1
+        loss = _opt_float(loss)
+        rows = []
+        if index % self.every == 0 or skipped or loss is None or not math.isfinite(loss):
+            for order, (name, kind, call, dtype, v) in enumerate(forward or ()):
+                # nnx.capture keeps outputs only: the inputs' NaN/Inf are unknown (null).
+                rows.append(_row(name, kind, "forward", order, call, dtype, v))
+            for order, (name, dtype, v) in enumerate(reversed(list(grads or ()))):
+                rows.append(_row(name, "param_grad", "backward", order, 0, dtype, v))
+        self.run.write_step(StepRecord(
+            step=index, loss=loss,
+            loss_scale_before=_opt_float(loss_scale_before) if self._scaled else None,
+            loss_scale=_opt_float(loss_scale) if self._scaled else None,
+            skipped=bool(skipped), lr=[float(lr)] if lr is not None else None,
+            grad_norm=_opt_float(grad_norm), loss_dtype=loss_dtype, rows=rows, wall_time=time.time()))
+
+    def flush(self):
+        self.run.flush()
+
+    def close(self):
+        """Write the last shard and mark the run closed. Idempotent."""
+        self.run.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def _row(name, kind, phase, order, call, dtype, v, input_nonfinite=False) -> TensorRow:
+    v = np.asarray(v, dtype=np.float64)
+    return TensorRow(name=name, kind=kind, phase=phase, order=order, call=int(call), dtype=dtype,
+                     numel=int(v[4]), absmax=float(v[0]), nan_count=int(v[1]), inf_count=int(v[2]),
+                     input_nonfinite=int(v[3]) if input_nonfinite else None)
+
+
+def _opt_float(v):
+    return None if v is None else float(np.asarray(v))
+
+
+def _class_name(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _versions() -> str:
+    import flax
+    import optax
+    return f"flax {flax.__version__}, jax {jax.__version__}, optax {optax.__version__}"
+
+
+def _params(model):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        parts = [str(_key(k)) for k in path if _key(k) != "value"]
+        yield ".".join(parts), leaf
+
+
+def _param_dtype(model) -> str | None:
+    """The compute dtype of the model's layers (their `dtype`), when one."""
+    for _, node in nnx.iter_graph(model):
+        dtype = getattr(node, "dtype", None) if isinstance(node, nnx.Module) else None
+        if dtype is not None:
+            return str(jnp.dtype(dtype))
+    return None
+
+
+def describe_loss_scale(loss_scale) -> dict | None:
+    if loss_scale is None:
+        return None
+    init = getattr(loss_scale, "loss_scale", None)
+    try:
+        init = float(np.asarray(init)) if init is not None else None
+    except (TypeError, ValueError):
+        init = None
+    period = getattr(loss_scale, "period", None)
+    factor = getattr(loss_scale, "factor", None)
+    return {"class": _class_name(type(loss_scale)), "enabled": True, "init_scale": init,
+            "growth_factor": float(factor) if factor is not None else None,
+            "backoff_factor": 1.0 / float(factor) if factor else None,
+            "growth_interval": int(period) if period is not None else None}
+
+
+def describe_optimizer(optimizer) -> dict | None:
+    if optimizer is None:
+        return None
+    tx = getattr(optimizer, "tx", None)
+    return {"class": _class_name(type(optimizer)), "defaults": {"tx": repr(type(tx).__name__) if tx else None}}

@@ -1,0 +1,160 @@
+"""The Flax nnx + optax recorder (recorders/flax_recorder.py): a tiny
+float16 model with a hand-written dynamic loss scale (jmp's rule: halve on
+a non-finite gradient and skip the update, double after `period` clean
+steps), recorded with `FlaxRecorder.wrap`, read by the real analyzer. The
+story is pinned (origin module and step, collapse onset, a quiet healthy
+run), not CPU float16 values."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pytest
+
+jax = pytest.importorskip("jax")
+nnx = pytest.importorskip("flax.nnx")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+
+from amp_postmortem.cli import main  # noqa: E402
+from recorders.flax_recorder import FlaxRecorder  # noqa: E402
+
+BATCH = 8
+
+
+@dataclass
+class DynamicScale:
+    """What the manifest reads of a jmp-style scale (jmp.DynamicLossScale)."""
+    loss_scale: float
+    period: int = 2000
+    factor: int = 2
+
+
+class Blowup(nnx.Module):
+    def __call__(self, x):
+        return jnp.exp(x)
+
+
+class HugeGrad(nnx.Module):
+    """The identity forward; once its input exceeds 5 in magnitude, its
+    gradient is 1e20 times the incoming one (Inf in float16)."""
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        big = x32 * jax.lax.stop_gradient(jnp.where(jnp.max(jnp.abs(x32)) > 5.0, 1e20, 0.0))
+        return (x32 + big - jax.lax.stop_gradient(big)).astype(x.dtype)
+
+
+class Relu(nnx.Module):
+    def __call__(self, x):
+        return jax.nn.relu(x)
+
+
+class Net(nnx.Module):
+    def __init__(self, middle, rngs):
+        self.d1 = nnx.Linear(4, 8, dtype=jnp.float16, rngs=rngs)
+        self.mid = middle
+        self.d2 = nnx.Linear(8, 1, dtype=jnp.float16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.d2(self.mid(self.d1(x)))
+
+
+def train_step(model, optimizer, scale, x, y):
+    def loss_fn(model):
+        pred = model(x).astype(jnp.float32)
+        loss = jnp.mean((pred - y) ** 2)
+        return loss * scale, loss
+    (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+    finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    safe = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    before = nnx.state(model, nnx.Param)
+    optimizer.update(model, safe)
+    nnx.update(model, jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                   nnx.state(model, nnx.Param), before))
+    new_scale = jnp.where(finite, scale, scale / 2)
+    return {"loss": loss, "grads": grads, "loss_scale_before": scale, "loss_scale": new_scale,
+            "skipped": jnp.logical_not(finite)}
+
+
+def record(run_dir, middle, xs, y, scale=2.0 ** 15):
+    model = Net(middle, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+    with FlaxRecorder(run_dir, model, optimizer=optimizer, loss_scale=DynamicScale(scale)) as rec:
+        step = rec.wrap(train_step)
+        s = jnp.float32(scale)
+        for x in xs:
+            s = step(model, optimizer, s, x, y)["loss_scale"]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("flax")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((BATCH, 4)) * 0.1, jnp.float32)
+    y = jnp.asarray(rng.standard_normal((BATCH, 1)) * 0.1, jnp.float32)
+    return {
+        "overflow": record(out / "overflow", Blowup(), [x] * 3 + [x * 1000.0] * 3, y),
+        "collapse": record(out / "collapse", HugeGrad(), [x] * 10 + [x * 100.0] * 20, y),
+        "healthy": record(out / "healthy", Relu(), [x] * 20, y, scale=2.0 ** 8),
+    }
+
+
+def cli_json(*args) -> dict:
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def findings(run_dir) -> dict:
+    return {f["kind"]: f for f in cli_json("summary", str(run_dir))["findings"]}
+
+
+def test_the_manifest_names_flax(runs):
+    manifest = json.loads((runs["overflow"] / "manifest.json").read_text())
+    assert manifest["framework"]["name"] == "flax"
+    assert manifest["scaler"]["init_scale"] == 2.0 ** 15 and manifest["scaler"]["backoff_factor"] == 0.5
+    assert manifest["autocast"]["dtype"] == "float16"
+
+
+def test_the_planted_exp_overflow_is_traced_to_its_module_and_step(runs):
+    found = findings(runs["overflow"])
+    assert found["nonfinite"]["layer"] == "mid"
+    assert found["nonfinite"]["step"] == 3
+
+
+def test_rows_in_call_order_with_the_steps_own_loss(runs):
+    tensors = pd.read_parquet(runs["overflow"] / "rank=0" / "tensors")
+    step0 = tensors[(tensors.step == 0) & (tensors.phase == "forward")].sort_values("order")
+    assert list(step0["name"]) == ["d1", "mid", "d2", "", "<loss>"]
+    grads = tensors[(tensors.step == 0) & (tensors.kind == "param_grad")]
+    assert sorted(grads["name"]) == ["d1.bias", "d1.kernel", "d2.bias", "d2.kernel"]
+    steps = pd.read_parquet(runs["overflow"] / "rank=0" / "steps")
+    assert steps["loss"].iloc[:3].notna().all()
+    assert steps["skipped"].iloc[3:].all() and not steps["skipped"].iloc[:3].any()
+
+
+def test_the_loss_scale_collapse_is_found(runs):
+    found = findings(runs["collapse"])
+    assert found["scale_collapse"]["step"] == 10
+    assert "nonfinite" not in found
+
+
+def test_the_healthy_run_is_quiet(runs):
+    assert set(findings(runs["healthy"])) == {"healthy"}
+    for command in ("scale", "ranges", "nans"):
+        cli_json(command, str(runs["healthy"]))
+
+
+def test_step_without_the_helper(tmp_path):
+    model = Net(Relu(), nnx.Rngs(0))
+    with FlaxRecorder(tmp_path / "run", model, loss_scale=DynamicScale(1024.0)) as rec:
+        rec.step(loss=0.5, loss_scale_before=1024.0, loss_scale=1024.0, skipped=False, grad_norm=0.1)
+        rec.step(loss=float("nan"), loss_scale_before=1024.0, loss_scale=512.0, skipped=True)
+    steps = pd.read_parquet(tmp_path / "run" / "rank=0" / "steps")
+    assert list(steps["skipped"]) == [False, True]
+    assert list(steps["loss_scale"]) == [1024.0, 512.0]
