@@ -10,7 +10,7 @@ import sys
 # Not pandas: pyarrow imports it by itself when it is installed (at the
 # first Parquet write), whatever the recorder does.
 FORBIDDEN = ("transformers", "accelerate", "lightning", "pytorch_lightning", "scipy", "click",
-             "amp_postmortem")
+             "amp_postmortem", "tensorflow", "keras", "jax", "flax", "optax")
 
 
 def test_recording_imports_no_framework_and_no_analyzer(tmp_path):
