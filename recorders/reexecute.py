@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .collectors.state import StepState
 from .errors import OptionError, option_float, option_int
 from .loss_tap import find_loss
 from .stats import float_tensors
@@ -259,7 +260,6 @@ class Reexecutor:
             return Outcome(step, kind, Refusal.FAILED, detail=f"{type(exc).__name__}: {exc}")
 
     def _run(self, cap, kind, weights, scale) -> Outcome:
-        from .collectors.state import StepState
         hooks, bundles, model = self.hooks, self.bundles, self.model
         params = list(model.parameters())
         saved = _Saved(model, params, self.inventory.buffers, weights, self.inventory.params)

@@ -330,7 +330,7 @@ RECORDER_LAYERS = [  # each imports only from its own layer and the ones before 
     {"layout", "tensor_codec", "aggregate", "stats", "staged_stats", "loss_tap", "schedule", "events"},  # a tensor's and a step's values
     {"index", "journal", "writer", "writer_thread", "event_thread", "lease", "status_slot", "storage"},  # threads, files, stores
     {"manifest", "run_id", "step_rows", "graph_rows", "host_run"},              # the job described, rows
-    {"collectors", "hooks", "bundles"},                                         # the parts on the training path
+    {"collectors", "hooks", "bundles", "reexecute"},                            # the parts on the training path
     {"options"},                                                                # the parts a user passes in
     {"recorder"},                                                               # AmpRecorder assembles them
     {"integrations", "keras_recorder", "flax_recorder"},                        # the frameworks' glue and recorders

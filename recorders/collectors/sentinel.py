@@ -36,11 +36,13 @@ class SentinelHooks:
         self._autocast = None  # as the current step's first forward saw it
 
     def register(self, handles: list) -> None:
+        # Traced (the default guard): inside a graph dynamo compiles (the
+        # recorder attached before compiling) they do nothing, so that they
+        # add no graph break; the optimizer's pre-step hook then takes the
+        # gradient facts.
         guard = self.shared.guard
-        handles.append(self.model.register_forward_pre_hook(guard(self._on_root_pre, traced=False),
-                                                            with_kwargs=True))
-        handles.append(self.model.register_forward_hook(guard(self._on_root_post, traced=False),
-                                                        with_kwargs=True))
+        handles.append(self.model.register_forward_pre_hook(guard(self._on_root_pre), with_kwargs=True))
+        handles.append(self.model.register_forward_hook(guard(self._on_root_post), with_kwargs=True))
 
     def _active(self, module):
         shared = self.shared
