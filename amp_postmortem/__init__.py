@@ -83,7 +83,7 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
     from .analyses.summary import summarize
     r = load_run(_replayable(run, model), rank=rank, engine=engine, scheduler=scheduler, progress=progress)
     with _engine_of(r):
-        report = summarize(r, window=window)
+        report = summarize(r, window=window, model_spec=model if isinstance(model, str) else None)
         failing = next((f for f in report.findings if f.kind == "nonfinite"), None)
         if failing is not None:
             origin = (failing.evidence.get("origin") or {})
@@ -108,20 +108,26 @@ def _decide_precision(report, run, model, rank, device, policy, loss_fn):
     apply_verdict(report, verdict, unstable, shlex.quote(str(run.path)))
 
 
-def watch(run, *, rank: int | None = None, fail_on="critical", interval: float = 2.0, window: int = 1000):
+def watch(run, *, rank: int | None = None, fail_on="critical", interval: float = 2.0, window: int = 1000,
+          wait_timeout: float = 120.0):
     """Follow a running job's run (`amp-postmortem watch`), a directory or a URI: an
     iterator of each new finding of `summary`, once (`FindingSeen`), then
     how the watch ended (`WatchEnd`, with `exit_code`), at the first finding
     at or above `fail_on` (a severity such as "critical", or finding kinds;
     None: never), when the job closes its recording, or when recording
-    stops. `interval`: seconds between looks; `window` as for `summary`.
+    stops. `interval`: seconds between looks; `window` as for `summary`;
+    `wait_timeout`: seconds to wait for a run that does not exist yet (a
+    job that has just started), then RunNotFoundError.
     On a store, alerts wait for the step's shard pair to be uploaded, and
     the watch never ends with `job_gone`. See `analyses/watch.py`."""
-    from .analyses.watch import RunWatcher, follow
+    from .analyses.watch import watch_run
     from .errors import OptionError
     if not interval > 0:
         raise OptionError(f"interval {interval!r} is not a positive number of seconds (e.g. 2)")
-    return follow(RunWatcher(_local(run), rank=rank, fail_on=fail_on, window=window), interval=interval)
+    if not wait_timeout >= 0:
+        raise OptionError(f"wait_timeout {wait_timeout!r} is not a number of seconds >= 0 (e.g. 120)")
+    return watch_run(_local(run), rank=rank, fail_on=fail_on, window=window, interval=interval,
+                     wait_timeout=wait_timeout)
 
 
 def nans(run, *, rank: int | None = None, from_step: int | None = None, to_step: int | None = None,
@@ -177,16 +183,30 @@ def compare(run_a, run_b, *, rank: int | None = None, threshold: float = 0.1, pe
 # `loss_fn(output, micro_batch)`: a callable or a spec naming one; gives the
 # losses (and a finite backward start) when the model does not return its loss.
 
-def replay(run, *, step: int, rank: int | None = None, model=None, device: str = "cpu",
+def replay(run, *, step: int | None = None, rank: int | None = None, model=None, device: str = "cpu",
            precisions=PRECISIONS, policy: str = "recorded", anomaly: bool = False, loss_fn=None, trace=()):
     """Replay a saved step per precision and name the culprit (`amp-postmortem
     replay`). `run` may also be a bundle directory or a loaded `Bundle`.
-    `trace`: module names to trace op by op besides the culprit (`--trace`)."""
+    `step`: the bundle's step; None: the bundle of the first failure
+    (`analyses.bundle_choice.choose_bundle`), said in the result
+    (`bundle_choice`). `trace`: module names to trace op by op besides the
+    culprit (`--trace`)."""
     _check_device(device)
     from .replay import replay as run_replay
     from .replay.model_spec import resolve_loss_fn
-    return _result(run_replay(_source(run), step, rank=rank, model=model, device=device, precisions=precisions,
-                              policy=policy, anomaly=anomaly, loss_fn=resolve_loss_fn(loss_fn), trace=trace))
+    source, choice = _source(run), None
+    if step is None and _is_run(source):
+        from .analyses.bundle_choice import choose_bundle
+        from .errors import BundleError
+        choice = choose_bundle(load_run(source, rank=rank), rank)
+        if choice is None:
+            raise BundleError(f"no replay bundles in {source} (nothing under bundles/): the recorder saves one "
+                              f"at a failing step; give a bundle directory, or record with bundles")
+        step, rank = choice.bundle.step, choice.bundle.rank
+    result = run_replay(source, step, rank=rank, model=model, device=device, precisions=precisions,
+                        policy=policy, anomaly=anomaly, loss_fn=resolve_loss_fn(loss_fn), trace=trace)
+    result.bundle_choice = choice
+    return _result(result)
 
 
 def fix(run, *, step: int, rank: int | None = None, model=None, device: str = "cpu", policy: str = "recorded",

@@ -19,10 +19,11 @@ from recorders import schema
 from recorders.plain import json_checksum
 from recorders.tensor_codec import decode_tree, itemsize, parse_dtype, tensor_from_bytes
 
+from .bundle_dirs import list_bundles  # noqa: F401  (part of this module's API)
 from .errors import BundleError, PostmortemError
 from .files import limits
 from .files.models import BundleMeta, validate
-from .files.safe import Damaged, check_inside, numbered_dirs, open_regular, parse_json, rank_of, read_bytes, shown, step_of
+from .files.safe import Damaged, numbered_dirs, open_regular, parse_json, rank_of, read_bytes, shown, step_of
 
 
 @dataclass
@@ -73,19 +74,6 @@ class Bundle:
     def state_dict(self) -> dict:
         """Parameters and buffers by qualified name, for `load_state_dict(strict=True)`."""
         return {**self.params, **self.buffers}
-
-
-def list_bundles(run_dir) -> list[tuple[int, int, Path]]:
-    """(step, rank, path) of every complete bundle under `run_dir/bundles`.
-    A `step=`/`rank=` name that is not canonical (`rank=00` would alias
-    rank 0) or a linked directory is refused (BundleError)."""
-    root = Path(run_dir) / schema.BUNDLES_DIR
-    check_inside(root, run_dir, BundleError)
-    found = []
-    if root.is_dir():
-        for step, sdir in numbered_dirs(root, step_of, run_dir, BundleError):
-            found += [(step, rank, rdir) for rank, rdir in numbered_dirs(sdir, rank_of, run_dir, BundleError)]
-    return sorted(found)
 
 
 def find_bundle(run_dir, step: int, rank: int | None = None) -> Path:

@@ -22,6 +22,7 @@ import click
 import amp_postmortem as api
 
 from .errors import PostmortemError
+from .analyses.fail_on import SEVERITIES, fail_rule
 from .names import FINDING_KINDS
 from .cli_whatif import replay_options
 from .output import (StderrProgress, api_default, emit_event, engine_options, output_options, run_options,
@@ -35,7 +36,7 @@ op_origin_options = replay_options(
 
 EXIT_USAGE = 2  # unusable input, like click's usage errors
 EXIT_BUG = 1    # an unexpected exception: a bug to report
-EXIT_INTERRUPTED = 130  # `watch` stopped by Ctrl-C (SIGINT), as shells report it
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (SIGINT), as shells report it
 
 
 class CliError(click.ClickException):
@@ -47,8 +48,9 @@ class InternalError(click.ClickException):
 
 
 class _Group(click.Group):
-    """Turns library errors into one `Error: ...` line (exit 2) and bugs into
-    one `Error: internal error: ...` line (exit 1)."""
+    """Turns library errors into one `Error: ...` line (exit 2), bugs into
+    one `Error: internal error: ...` line (exit 1) and Ctrl-C into one
+    `stopped (interrupted)` line (exit 130)."""
 
     def invoke(self, ctx):
         debug = ctx.params.get("debug") or os.environ.get("AMP_POSTMORTEM_DEBUG")
@@ -60,6 +62,10 @@ class _Group(click.Group):
             if debug:
                 raise
             raise CliError(str(exc)) from None
+        except KeyboardInterrupt:
+            # Stopped by the user: not a finding or a bug (1), nor unusable input (2).
+            click.echo("stopped (interrupted)", err=True)
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
         except BrokenPipeError:
             # `amp-postmortem nans RUN | head`: the reader left early; not an
             # error. Point stdout at /dev/null so the final flush is quiet.
@@ -88,7 +94,8 @@ def main(debug):
     takes --json (and --csv for tables) for machines. Each is also a Python
     function: `amp_postmortem.summary("runs/exp1").to_dict()` is what
     `--json` prints. Exit code 0 when the analysis ran, 2 for unusable
-    input, 1 for an internal error.
+    input, 1 for an internal error (or a `--fail-on` finding), 130 when
+    stopped with Ctrl-C.
     """
 
 
@@ -158,23 +165,28 @@ def ranges(run, **options):
 
 
 def _fail_on(ctx, param, value):
-    if not value:
-        return set()
-    kinds = {k.strip() for k in value.split(",") if k.strip()}
-    unknown = sorted(kinds - set(FINDING_KINDS))
-    if unknown:
-        raise click.BadParameter(f"unknown finding kind(s) {', '.join(unknown)}; "
-                                 f"valid: {', '.join(FINDING_KINDS)}")
-    return kinds
+    """--fail-on: a severity or finding kinds, checked before any run is
+    read (`analyses.fail_on.fail_rule`); a bad value is one `Error:` line."""
+    if value is None:
+        return None
+    try:
+        fail_rule(value)
+    except PostmortemError as exc:
+        raise CliError(str(exc)) from None
+    return value
+
+
+FAIL_ON_HELP = ("a severity (" + ", ".join(SEVERITIES) + ": a finding of it or worse) or finding kinds ("
+                + ", ".join(FINDING_KINDS) + ")")
 
 
 @main.command()
 @run_options
 @click.option("--window", type=click.IntRange(min=0), default=api_default(api.summary, "window"), show_default=True,
               help="Judge float16 ranges over the last N recorded steps (0: the whole run), as `ranges`.")
-@click.option("--fail-on", metavar="KIND[,KIND]", callback=_fail_on, default=None,
-              help="Exit with code 1 when a finding of these kinds exists (for CI): "
-                   + ", ".join(FINDING_KINDS) + ".")
+@click.option("--fail-on", metavar="LEVEL|KIND[,KIND]", callback=_fail_on, default=None,
+              help="Exit with code 1 when a finding of this severity or worse, or of these kinds, exists "
+                   "(for CI): " + FAIL_ON_HELP + ".")
 @op_origin_options
 @engine_options
 @output_options(csv=True)
@@ -191,34 +203,40 @@ def summary(run, fail_on, **options):
     \b
         amp-postmortem summary runs/exp1
         amp-postmortem summary runs/exp1 --fail-on nonfinite,scale_collapse
+        amp-postmortem summary runs/exp1 --fail-on critical
         amp-postmortem summary runs/exp1 --model mypkg.models:build
     """
     report = api.summary(run, **options, progress=StderrProgress())
-    failing = fail_on & report.kinds()
-    return report, (1 if failing else 0)
+    return report, (1 if report.failing(fail_on) else 0)
 
 
 @main.command()
 @run_options
 @click.option("--fail-on", metavar="LEVEL|KIND[,KIND]", default=api_default(api.watch, "fail_on"),
-              show_default=True,
-              help="Stop with exit code 1 at the first finding of this severity or worse (critical, error, "
-                   "warning), or of these kinds (as summary's --fail-on).")
+              show_default=True, callback=_fail_on,
+              help="Stop with exit code 1 at the first finding of this severity or worse, or of these kinds "
+                   "(as summary's --fail-on): " + FAIL_ON_HELP + ".")
 @click.option("--interval", type=float, default=api_default(api.watch, "interval"), show_default=True,
               help="Seconds between looks at the run: an alert comes at most this long (plus one analysis) "
                    "after its step reaches the disk (on a store: after its shard pair is uploaded).")
 @click.option("--window", type=click.IntRange(min=0), default=api_default(api.watch, "window"), show_default=True,
               help="Judge float16 ranges over the last N recorded steps (0: the whole run), as `summary`.")
+@click.option("--wait-timeout", type=float, default=api_default(api.watch, "wait_timeout"), show_default=True,
+              help="Seconds to wait for a run that does not exist yet (a job started a moment ago) before "
+                   "giving up with exit code 2; 0: do not wait.")
 @stream_options
 def watch(run, fmt, **options):
     """Follow a running job's run (a directory, or a URI such as
     s3://bucket/run) and print each new finding of `summary` once, as it
-    appears. Exit codes: 1 at the first finding at or above --fail-on; 0
+    appears; a run that does not exist yet is waited for (--wait-timeout),
+    so `python train.py & amp-postmortem watch runs/exp1` works. Exit
+    codes: 1 at the first finding at or above --fail-on; 0
     when the job closes its recording without one; 3 when recording stops
     early (the recorder switched itself off, or the job's process on this
     host is gone without closing: never judged for a run on a store); 2
-    for unusable input (a missing run, a recorder's local spool, a store
-    that does not answer); 130 when stopped with Ctrl-C. On a store an
+    for unusable input (a run still missing after --wait-timeout, a file,
+    a recorder's local spool, a store that does not answer); 130 when
+    stopped with Ctrl-C. On a store an
     alert waits for the step's shard pair to be uploaded (every
     steps_per_shard steps or flush_interval_s seconds).
 

@@ -39,7 +39,9 @@ def _precisions(ctx, param, value):
 @click.option("--rank", type=click.IntRange(min=0), default=None,
               help="The rank whose bundle to replay (default: the lowest rank that saved one); in a sharded "
                    "job, whose micro-batches, on the weights made whole from every rank's bundle of the step.")
-@click.option("--step", type=int, required=True, help="The step whose bundle to replay.")
+@click.option("--step", type=int, default=None,
+              help="The step whose bundle to replay (default: the bundle of the first failure, "
+                   "as `summary` names it; the output says which).")
 @click.option("--model", metavar="SPEC", default=None, help=MODEL_HELP)
 @click.option("--loss-fn", metavar="SPEC", default=None, help=LOSS_FN_HELP)
 @click.option("--device", type=click.Choice(DEVICES), default=api_default(api.replay, "device"), show_default=True,
@@ -62,9 +64,11 @@ def replay_command(run, **options):
     fed the float64 run's inputs rounded as the precision would. Says first
     whether the replay reproduced the recorded step, and, from an op trace of
     the culprit, the first operation (and source line) whose output turned
-    NaN/Inf from finite inputs.
+    NaN/Inf from finite inputs. Without --step: the bundle of the first
+    failure (else the most telling one saved), and it says so.
 
     \b
+        amp-postmortem replay runs/exp1 --model mypkg.models:build
         amp-postmortem replay runs/exp1 --step 1234 --model mypkg.models:build
         amp-postmortem replay runs/exp1 --step 1234 --model train.py:make_model --precisions fp16,bf16 --json
         amp-postmortem replay runs/exp1 --step 1234 --model mypkg.models:build --trace blocks.1.attn

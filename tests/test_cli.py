@@ -75,6 +75,30 @@ def test_fail_on(overflow_run, healthy_run):
     assert invoke("summary", healthy_run, "--fail-on", "nonfinite,scale_collapse").exit_code == 0
     result = invoke("summary", healthy_run, "--fail-on", "nonfinite,bogus")
     assert result.exit_code == 2 and "unknown finding kind(s) bogus" in result.output
+    assert result.output.count("\n") == 1 and result.output.startswith("Error: fail_on 'nonfinite,bogus' ")
+
+
+def test_fail_on_takes_a_severity_in_summary_as_in_watch(overflow_run, healthy_run, underflow_run):
+    # The same words as `watch --fail-on`: a severity means that one or worse.
+    assert invoke("summary", overflow_run, "--fail-on", "critical").exit_code == 1
+    assert invoke("summary", underflow_run, "--fail-on", "critical").exit_code == 0  # an error and a warning
+    assert invoke("summary", underflow_run, "--fail-on", "error").exit_code == 1
+    assert invoke("summary", underflow_run, "--fail-on", "warning").exit_code == 1
+    # The healthy finding is an info, but no ailment: never a failure.
+    assert invoke("summary", healthy_run, "--fail-on", "info").exit_code == 0
+    assert invoke("summary", healthy_run, "--fail-on", "healthy").exit_code == 1  # asked for by kind
+
+
+def test_ctrl_c_is_one_line_and_exit_130_in_every_command(overflow_run, monkeypatch):
+    import amp_postmortem
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    for command in ("summary", "nans", "scale", "ranges"):
+        monkeypatch.setattr(amp_postmortem, command, interrupted)
+        result = invoke(command, overflow_run)
+        assert result.exit_code == 130, (command, result.output)
+        assert result.stderr == "stopped (interrupted)\n" and result.stdout == ""
 
 
 def _one_error_line(result):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -475,6 +476,72 @@ def test_cli_errors_are_one_line(saved_run, args, message):
     result = cli(saved_run / "run", *args)
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_cli_without_step_replays_the_first_failure_and_says_so(saved_run):
+    spec = f"{saved_run / 'planted_model.py'}:planted"
+    result = cli(saved_run / "run", "--model", spec, "--precisions", "fp16")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == ("no --step given: replaying the bundle of step 3 (rank 0, saved for nonfinite_loss, "
+                        "nonfinite_tensor): the first failure's")
+    assert lines[1].startswith("step 3, rank 0: replayed on cpu")
+    doc = json.loads(cli(saved_run / "run", "--model", spec, "--precisions", "fp16", "--json").stdout)
+    assert doc["step"] == 3 and doc["bundle_choice"] == {"step": 3, "rank": 0, "failure": True,
+                                                         "reasons": ["nonfinite_loss", "nonfinite_tensor"]}
+    named = json.loads(cli(saved_run / "run", "--step", 3, "--model", spec, "--precisions", "fp16",
+                           "--json").stdout)
+    assert named["bundle_choice"] is None  # a step given: nothing chosen
+
+
+def test_cli_without_step_on_a_run_with_no_bundle_is_one_line(saved_run, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(saved_run / "run", run)
+    shutil.rmtree(run / "bundles")
+    result = cli(run, "--model", f"{saved_run / 'planted_model.py'}:planted")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"Error: no replay bundles in {run} (nothing under bundles/)")
+
+
+def test_a_typo_in_the_factory_name_names_the_users_file_and_the_missing_name(saved_run):
+    path = saved_run / "planted_model.py"
+    result = cli(saved_run / "run", "--step", 3, "--model", f"{path}:planted_modle")
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"Error: model spec '{path}:planted_modle': 'planted_modle' not found in "
+                             f"'{path}'; did you mean 'planted'?\n")
+    assert "_amp_postmortem_model" not in result.output
+
+
+SLOW_FACTORY = """
+import sys, time
+
+
+def slow():
+    print("building", file=sys.stderr, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_ctrl_c_during_a_replay_is_one_line_and_exit_130(saved_run, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    (tmp_path / "slow_model.py").write_text(SLOW_FACTORY)
+    repo = Path(__file__).resolve().parents[1]
+    replay_cli = subprocess.Popen(
+        [sys.executable, "-m", "amp_postmortem", "replay", str(saved_run / "run"), "--step", "3", "--model",
+         f"{tmp_path / 'slow_model.py'}:slow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=str(repo)))
+    try:
+        assert replay_cli.stderr.readline() == "building\n"  # inside the user's factory
+        replay_cli.send_signal(signal.SIGINT)
+        out, err = replay_cli.communicate(timeout=60)
+    finally:
+        replay_cli.kill()
+    assert replay_cli.returncode == 130 and out == ""
+    assert err == "stopped (interrupted)\n"
 
 
 # ------------------------------------------------- backward start, anomaly

@@ -1,4 +1,6 @@
 """Summary findings by severity, on runs with planted faults."""
+import json
+
 from amp_postmortem.analyses.summary import FINDING_KINDS, summarize
 from amp_postmortem.loader import load_run
 
@@ -14,7 +16,8 @@ def test_forward_overflow(overflow_run):
     assert _kinds(s) == ["nonfinite"]
     f = s.findings[0]
     assert (f.severity, f.step, f.layer) == ("critical", OVERFLOW_STEP, "block.boom")
-    assert f.next_command == f"amp-postmortem nans {overflow_run}"
+    # A bundle was saved at the failing step: its replay is the next step.
+    assert f.next_command == f"amp-postmortem replay {overflow_run} --step {OVERFLOW_STEP} --model SPEC"
 
 
 def test_nan_input(input_nan_run):
@@ -78,8 +81,10 @@ def test_no_layer_none_and_the_loss_at_first_last_and_failure(healthy_run, overf
 
 def test_the_json_keeps_its_keys_and_adds_the_losses(overflow_run):
     d = summarize(load_run(overflow_run)).to_dict()
-    # op_origin: added with --model (issue 24); precision_verdict: the failed run's (issue 23)
-    assert set(d) == {"run", "findings", "op_origin", "precision_verdict"} and d["op_origin"] is None
+    # op_origin: added with --model (issue 24); precision_verdict: the failed run's (issue 23);
+    # what was saved for replays (issue 38)
+    assert set(d) == {"run", "findings", "op_origin", "precision_verdict", "bundles", "windows", "bundle_choice",
+                      "replay_command"} and d["op_origin"] is None
     assert {"path", "run_id", "status", "steps", "first_step", "last_step", "ranks", "world_size", "device_type",
             "device_name", "model_class", "autocast", "dtype", "scaler", "scale_status", "final_scale",
             "skipped_steps", "nonfinite_loss_steps", "warnings", "first_loss", "last_loss", "failure_step",
@@ -119,3 +124,48 @@ def test_an_underflow_that_stopped_is_an_info_with_its_dates_not_a_warning():
     assert f.evidence["recent_underflow_share"] == 0.0
     d = s.to_dict()["findings"][0]
     assert d["kind"] == "underflow_lapsed" and d["kind"] in FINDING_KINDS
+
+
+# ------------------------------------------------- saved bundles, next: replay
+def _cli(*args):
+    from click.testing import CliRunner
+    from amp_postmortem.cli import main
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_summary_lists_the_saved_bundles_and_points_the_failure_to_its_replay(overflow_run):
+    out = _cli("summary", overflow_run).stdout.splitlines()
+    replay = f"amp-postmortem replay {overflow_run} --step {OVERFLOW_STEP} --model SPEC"
+    assert f"            next: {replay}" in out  # the non-finite finding's next step
+    assert f"saved for replay: bundles of step(s) {OVERFLOW_STEP} (nonfinite_loss, nonfinite_tensor); " \
+           "no window of steps" in out
+    assert out.count(f"next: {replay}") + out.count(f"            next: {replay}") == 1  # said once
+    doc = json.loads(_cli("summary", overflow_run, "--json").stdout)
+    assert doc["bundles"] == [{"step": OVERFLOW_STEP, "rank": 0, "reasons": ["nonfinite_loss", "nonfinite_tensor"]}]
+    assert doc["windows"] == [] and doc["replay_command"] == replay
+    assert doc["bundle_choice"] == {**doc["bundles"][0], "failure": True}
+    assert doc["findings"][0]["next_command"] == replay
+    assert {"run", "findings", "op_origin", "precision_verdict"} <= set(doc)  # the keys that were there stay
+
+
+def test_a_collapse_suggests_the_replay_of_its_most_telling_bundle(collapse_run):
+    out = _cli("summary", collapse_run).stdout.splitlines()
+    assert "saved for replay: bundles of step(s) 44 (skipped), 78 (scale_low); no window of steps" in out
+    assert f"next: amp-postmortem replay {collapse_run} --step 78 --model SPEC" in out
+
+
+def test_a_healthy_run_lists_its_bundle_but_suggests_no_replay(healthy_run):
+    out = _cli("summary", healthy_run).stdout
+    assert "saved for replay: bundles of step(s) 15 (skipped); no window of steps" in out
+    assert "amp-postmortem replay" not in out
+    assert json.loads(_cli("summary", healthy_run, "--json").stdout)["bundle_choice"]["failure"] is False
+
+
+def test_a_damaged_bundles_folder_is_a_warning_not_an_error(overflow_run, copy_run):
+    run = copy_run(overflow_run)
+    (run / "bundles" / f"step={OVERFLOW_STEP}").rename(run / "bundles" / f"step=0{OVERFLOW_STEP}")
+    result = _cli("summary", run, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["bundles"] == [] and doc["replay_command"] is None
+    assert any(w.startswith("the replay bundles cannot be listed: ") for w in doc["warnings"])

@@ -120,16 +120,66 @@ def test_watch_exits_0_when_a_clean_job_closes(tmp_path):
     assert "Traceback" not in err
 
 
-def test_a_missing_run_directory_is_one_line_and_exit_2(tmp_path):
-    watch = _watch(tmp_path / "nowhere")
+def test_a_run_directory_still_missing_after_the_wait_is_one_line_and_exit_2(tmp_path):
+    watch = _watch(tmp_path / "nowhere", "--wait-timeout", "1.5")
     out, err = watch.communicate(timeout=60)
     assert watch.returncode == 2 and out == ""
-    assert err.strip().splitlines() == [f"Error: run directory not found: {tmp_path / 'nowhere'}"]
+    assert err.strip().splitlines()[-1] == (f"Error: run directory not found: {tmp_path / 'nowhere'} (waited 1.5 s "
+                                            "for it to appear; --wait-timeout)")
+    assert "Traceback" not in err
+
+
+def test_watch_started_before_the_job_waits_for_its_run_directory(tmp_path):
+    """The README's `python train.py & amp-postmortem watch RUN`, the watch
+    first: the directory appears only once the job's recorder starts."""
+    run = tmp_path / "not_yet" / "run"
+    watch = _watch(run)
+    time.sleep(1.5)
+    assert watch.poll() is None and not run.exists()  # still waiting
+    job = _job(tmp_path, run, steps=8, pause=0.1)
+    try:
+        job_out, job_err = job.communicate(timeout=180)
+        assert job.returncode == 0, job_err
+        out, err = watch.communicate(timeout=60)
+    finally:
+        watch.kill()
+    assert watch.returncode == 0, err
+    assert out.splitlines()[-1].startswith("the job closed its recording (last step 7)")
+
+
+def test_a_file_given_as_the_run_is_not_a_run_directory(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a run")
+    result = CliRunner().invoke(main, ["watch", str(notes)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {notes} is not a run directory (it is a file); pass the directory the recorder writes (the one "
+        "that holds manifest.json)"]
+
+
+def test_the_wait_is_bounded_by_its_timeout_and_looks_every_interval(tmp_path):
+    from amp_postmortem.analyses.watch import await_run
+    from amp_postmortem.errors import RunNotFoundError
+    now = [0.0]
+    naps = []
+
+    def sleep(s):
+        naps.append(s)
+        now[0] += s
+    with pytest.raises(RunNotFoundError, match=r"^run directory not found: .*nowhere \(waited 5 s"):
+        await_run(tmp_path / "nowhere", timeout=5, interval=2, sleep=sleep, clock=lambda: now[0])
+    assert naps == [2, 2, 1]
+    made = tmp_path / "made"
+
+    def make(s):
+        made.mkdir()
+    assert await_run(made, timeout=5, interval=2, sleep=make, clock=lambda: 0.0) == made
 
 
 @pytest.mark.parametrize("argv, message", [
     (["{run}", "--fail-on", "bogus"], "fail_on 'bogus' is neither a severity"),
     (["{run}", "--interval", "0"], "interval 0.0 is not a positive number"),
+    (["{run}", "--wait-timeout", "-1"], "wait_timeout -1.0 is not a number of seconds >= 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(healthy_run, argv, message):
     result = CliRunner().invoke(main, ["watch", *[a.format(run=healthy_run) for a in argv]])
@@ -292,9 +342,9 @@ def test_a_killed_job_on_s3_is_never_called_gone(s3, tmp_path):
 
 
 def test_a_missing_run_on_s3_is_one_line_and_exit_2(s3):
-    result = CliRunner().invoke(main, ["watch", f"s3://{BUCKET}/runs/nothing-here"])
+    result = CliRunner().invoke(main, ["watch", f"s3://{BUCKET}/runs/nothing-here", "--wait-timeout", "0"])
     assert result.exit_code == 2
-    assert result.output.strip().splitlines() == [f"Error: run directory not found: s3://{BUCKET}/runs/nothing-here"]
+    assert result.stderr.strip().splitlines()[-1] == f"Error: run directory not found: s3://{BUCKET}/runs/nothing-here"
 
 
 def test_a_store_that_stops_answering_is_asked_again_then_an_error(tmp_path, monkeypatch):

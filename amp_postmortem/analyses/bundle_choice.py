@@ -1,6 +1,7 @@
 """Which saved replay bundle to replay when the user names no step."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI's help text reads this module: keep it light
@@ -22,33 +23,80 @@ def priority_description() -> str:
     return "the earliest bundle saved for " + ", else ".join(groups)
 
 
-def pick_bundle(run: Run, rank: int | None = None) -> tuple[int, int, list] | None:
-    """(step, rank, reasons) of the bundle `recommend --model` replays by
-    default: the one saved for the most telling reason (`BUNDLE_PRIORITY`:
-    a non-finite loss or tensor first, then the steps the user asked for,
-    then a scale fallen below its floor, then a skipped step), the earliest
-    among equals.
-    Reasons come from the run and rank manifests (key "bundles"), else from
-    the bundle's own bundle.json."""
-    from ..bundle import list_bundles
+@dataclass(frozen=True)
+class SavedBundle:
+    """A replay bundle the run saved: its step, rank and why it was saved."""
+    step: int
+    rank: int
+    reasons: tuple
+
+    @property
+    def priority(self) -> int:
+        """Its place in `BUNDLE_PRIORITY` (lower: says more)."""
+        return min((BUNDLE_PRIORITY.get(x, len(BUNDLE_PRIORITY)) for x in self.reasons),
+                   default=len(BUNDLE_PRIORITY))
+
+    @property
+    def failure(self) -> bool:
+        """Saved at a step that went non-finite (a loss or a tensor)."""
+        return self.priority == 0
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "rank": self.rank, "reasons": list(self.reasons)}
+
+
+@dataclass(frozen=True)
+class BundleChoice:
+    """The bundle a command replays when the user names no step."""
+    bundle: SavedBundle
+
+    def to_dict(self) -> dict:
+        return {**self.bundle.to_dict(), "failure": self.bundle.failure}
+
+    def sentence(self) -> str:
+        """The choice in words (the one place they are made)."""
+        b = self.bundle
+        why = ", ".join(b.reasons) or "no recorded reason"
+        head = f"no --step given: replaying the bundle of step {b.step} (rank {b.rank}, saved for {why})"
+        return head + (": the first failure's" if b.failure else
+                       ": no bundle of a non-finite step was saved, so " + priority_description())
+
+
+def saved_bundles(run: Run, rank: int | None = None) -> list[SavedBundle]:
+    """Every bundle of the run (of `rank`), by step then rank, with the
+    reasons it was saved: from the run and rank manifests (key "bundles"),
+    else from the bundle's own bundle.json. BundleError for a bundles
+    folder holding a name that is not canonical (`bundle.list_bundles`)."""
+    from ..bundle_dirs import list_bundles
     listed = {}
     for m in [run.manifest, *run.rank_manifests.values()]:
         for b in m.get("bundles") or []:
             if isinstance(b, dict) and "step" in b:
                 why = b.get("reasons") or ([b["reason"]] if b.get("reason") else [])
                 listed[(int(b["step"]), int(b.get("rank", 0)))] = list(why)
-    found = []
-    for s, r, path in list_bundles(run.path):
-        if rank is not None and r != rank:
-            continue
-        reasons = listed.get((s, r)) or _bundle_reasons(path)
-        best = min((BUNDLE_PRIORITY.get(x, len(BUNDLE_PRIORITY)) for x in reasons),
-                   default=len(BUNDLE_PRIORITY))
-        found.append((best, s, r, reasons))
+    return [SavedBundle(s, r, tuple(listed.get((s, r)) or _bundle_reasons(path)))
+            for s, r, path in list_bundles(run.path) if rank is None or r == rank]
+
+
+def pick_bundle(run: Run, rank: int | None = None) -> tuple[int, int, list] | None:
+    """(step, rank, reasons) of the bundle `recommend --model` and `replay`
+    without --step replay by default: the one saved for the most telling
+    reason (`BUNDLE_PRIORITY`: a non-finite loss or tensor first, then the
+    steps the user asked for, then a scale fallen below its floor, then a
+    skipped step), the earliest among equals."""
+    choice = choose_bundle(run, rank)
+    if choice is None:
+        return None
+    b = choice.bundle
+    return b.step, b.rank, list(b.reasons)
+
+
+def choose_bundle(run: Run, rank: int | None = None) -> BundleChoice | None:
+    """`pick_bundle`'s choice, typed; None when the run saved no bundle."""
+    found = saved_bundles(run, rank)
     if not found:
         return None
-    _, s, r, reasons = min(found, key=lambda t: t[:3])
-    return s, r, reasons
+    return BundleChoice(min(found, key=lambda b: (b.priority, b.step, b.rank)))
 
 
 def _bundle_reasons(path) -> list:

@@ -34,13 +34,17 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
+from ..errors import BundleError
 from ..names import FINDING_KINDS
 from ..names import display_name as _display
+from ..window import window_spans
+from .bundle_choice import choose_bundle, saved_bundles
 from ..loader import Run
+from .fail_on import SEVERITIES, fail_rule
 from .instability import find_instability
 from .precision_verdict import Verdict, undetermined
 from .nans import applied_nonfinite_steps, basis_words, find_nans
@@ -49,7 +53,6 @@ from .scale import ScaleStatus, scale_dynamics, underflow_phrase
 from ..display import report_html, report_repr
 from ..op_words import run_op_origin_line
 
-SEVERITIES = ("critical", "error", "warning", "info")
 
 
 @dataclass
@@ -86,14 +89,37 @@ class Summary:
     # Precision or instability (`precision_verdict.PrecisionVerdict`) of a
     # failed run: undetermined here; decided by the API given a model.
     precision_verdict: object = None
+    # What the run saved for replays: bundles (`bundle_choice.SavedBundle`)
+    # and windows of steps (`window.window_spans`), and the bundle a
+    # `replay` without --step takes (`bundle_choice.BundleChoice`, or None).
+    bundles: list = field(default_factory=list)
+    windows: list = field(default_factory=list)
+    bundle_choice: object = None
+    replay_command: str | None = None  # the exact `replay` command of that bundle
     show_table = False  # the readable view lists the findings in `lines()`
 
     def kinds(self) -> set[str]:
         return {f.kind for f in self.findings}
 
+    def failing(self, fail_on) -> list[Finding]:
+        """The findings that `--fail-on` fails on (`fail_rule`)."""
+        fails = fail_rule(fail_on)
+        return [f for f in self.findings if fails(f)]
+
+    def _suggests_replay(self) -> bool:
+        """A replay is the next step when something is wrong (an info is no
+        ailment) and no finding already points to it."""
+        return (self.replay_command is not None and any(f.severity != "info" for f in self.findings)
+                and self.replay_command not in (f.next_command for f in self.findings))
+
     def to_dict(self) -> dict:
         return {"run": self.run, "findings": [f.to_dict() for f in self.findings], "op_origin": self.op_origin,
-                "precision_verdict": None if self.precision_verdict is None else self.precision_verdict.to_dict()}
+                "precision_verdict": None if self.precision_verdict is None else self.precision_verdict.to_dict(),
+                "bundles": [b.to_dict() for b in self.bundles],
+                "windows": [{k: w[k] for k in ("first_step", "last_step", "trigger_step", "rank")}
+                            for w in self.windows],
+                "bundle_choice": None if self.bundle_choice is None else self.bundle_choice.to_dict(),
+                "replay_command": self.replay_command}
 
     # Readable at the prompt and in Jupyter (display.py).
     __repr__ = report_repr
@@ -120,6 +146,8 @@ class Summary:
         ] + [line for f in self.findings for line in f.lines()] + (
             [] if self.op_origin is None else ["", run_op_origin_line(self.op_origin)]) + (
             [] if self.precision_verdict is None else ["", self.precision_verdict.sentence()]) + [
+            "", saved_words(self.bundles, self.windows)] + (
+            [f"next: {self.replay_command}"] if self._suggests_replay() else []) + [
             "",
             # The pictures of the same run (`report`, `export`: the report extra).
             f"plots: amp-postmortem report {shlex.quote(str(r['path']))}",
@@ -152,8 +180,10 @@ def scaler_words(scaler: dict | None) -> str:
             f"{num('growth_interval')} clean steps, backoff x{num('backoff_factor')}")
 
 
-def summarize(run: Run, *, window: int | None = None) -> Summary:
-    """Run facts and the findings of `nans`, `scale` and `ranges`, most severe first.
+def summarize(run: Run, *, window: int | None = None, model_spec: str | None = None) -> Summary:
+    """Run facts and the findings of `nans`, `scale` and `ranges`, most severe first,
+    and what the run saved for replays. `model_spec`: the `--model` the
+    replay commands it suggests name (default: the placeholder `SPEC`).
 
     Each `_*_finding` decides on the analyses' typed results whether its
     finding applies; the words of every finding are made in one place
@@ -175,6 +205,9 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
              _disabled_finding(run, disabled),
              _not_closed_finding(run, disabled)]
     findings: list[Finding] = [f for f in found if f is not None]
+    bundles, windows, choice = _saved(run)
+    replay = replay_command(target, choice, model_spec)
+    findings = [_with_replay(f, bundles, target, model_spec) for f in findings]
     if all(f.severity == "info" for f in findings):  # a lapsed underflow is no ailment
         findings.append(Finding("healthy", "info", run.last_step, None, _healthy_words(scale),
                                 f"amp-postmortem ranges {target}", {"scale_status": scale.status.value}))
@@ -185,7 +218,8 @@ def summarize(run: Run, *, window: int | None = None) -> Summary:
     facts = _facts(run, nans, scale, skipped)
     failure = next((f for f in findings if f.severity == "critical" and f.step is not None), None)
     facts.update(_losses(per_step, failure.step if failure else None))
-    return Summary(run=facts, findings=findings, precision_verdict=verdict)
+    return Summary(run=facts, findings=findings, precision_verdict=verdict, bundles=bundles,
+                   windows=windows, bundle_choice=choice, replay_command=replay)
 
 
 def _nonfinite_finding(nans, applied_bad: list, target: str) -> Finding | None:
@@ -208,6 +242,36 @@ def _nonfinite_finding(nans, applied_bad: list, target: str) -> Finding | None:
     return Finding("nonfinite", "critical", applied_bad[0], where.name if where else None,
                    _applied_nonfinite_words(applied_bad, where), f"amp-postmortem nans {target}",
                    {"applied_steps": len(applied_bad), "origin": where.to_dict() if where else None})
+
+
+def _saved(run: Run) -> tuple[list, list, object]:
+    """The run's bundles, its windows of steps and the bundle `replay` takes
+    without --step; none, with a warning, for a folder that cannot be listed."""
+    try:
+        bundles, choice = saved_bundles(run), choose_bundle(run)
+    except BundleError as exc:
+        run.warnings.append(f"the replay bundles cannot be listed: {exc}")
+        bundles, choice = [], None
+    try:
+        windows = window_spans(run.path)
+    except BundleError as exc:
+        run.warnings.append(f"the windows of steps cannot be listed: {exc}")
+        windows = []
+    return bundles, windows, choice
+
+
+def _with_replay(f: Finding, bundles: list, target: str, model_spec: str | None) -> Finding:
+    """A non-finite finding whose step saved a bundle points to its replay,
+    the op-level next step (`nans` names the layers it already says)."""
+    at = next((b for b in bundles if b.step == f.step), None)
+    if f.kind != "nonfinite" or at is None:
+        return f
+    return replace(f, next_command=_replay_words(target, at, model_spec))
+
+
+def replay_command(target: str, choice, model_spec: str | None) -> str | None:
+    """The exact `replay` command of the bundle `replay` takes without --step."""
+    return None if choice is None else _replay_words(target, choice.bundle, model_spec)
 
 
 def _scale_finding(scale, target: str) -> Finding | None:
@@ -291,6 +355,25 @@ def _not_closed_finding(run: Run, disabled: dict) -> Finding | None:
 
 
 # ------------------------------------------------------------------ words
+def _replay_words(target: str, bundle, model_spec: str | None) -> str:
+    rank = f" --rank {bundle.rank}" if bundle.rank else ""
+    model = shlex.quote(model_spec) if model_spec else "SPEC"
+    return f"amp-postmortem replay {target} --step {bundle.step}{rank} --model {model}"
+
+
+def saved_words(bundles: list, windows: list) -> str:
+    """What the run saved for replays, in one line."""
+    ranked = any(b.rank for b in bundles) or any(w["rank"] for w in windows)
+
+    def on(rank) -> str:
+        return f" rank {rank}" if ranked else ""
+    saved = (", ".join(f"{b.step}{on(b.rank)} ({', '.join(b.reasons) or 'no reason recorded'})" for b in bundles)
+             or "none")
+    spans = ", ".join(f"{w['first_step']}-{w['last_step']}{on(w['rank'])}" for w in windows)
+    return f"saved for replay: bundles of step(s) {saved}; " + (
+        f"windows of steps {spans}" if spans else "no window of steps")
+
+
 def _forward_nonfinite_words(fwd, nans) -> str:
     made = "first recorded in" if fwd.undetermined else "first made by"
     why = "" if not fwd.undetermined else " " + basis_words(

@@ -65,14 +65,18 @@ from recorders.storage import is_spool
 
 from ..errors import EmptyRunError, OptionError, PostmortemError, RunNotFoundError
 from ..loader import load_run, read_manifest, with_status_slot
-from ..names import FINDING_KINDS
 from ..shards import RANK_DIR, error_text, rank_dirs
 from ..store import StorePath, fresh_view, run_location, shallow_view
 from ..tail import RunTail
-from .summary import SEVERITIES, Finding, summarize
+from .fail_on import fail_rule
+from .summary import Finding, summarize
 
 DEFAULT_FAIL_ON = "critical"
 DEFAULT_INTERVAL = 2.0  # seconds between looks: an alert comes at most this (plus one analysis) after a step
+# Seconds a watch waits for a run that does not exist yet: a job's recorder
+# makes its directory after the imports, the data and the model are ready,
+# which takes tens of seconds for a large model.
+DEFAULT_WAIT_TIMEOUT = 120.0
 # Kinds that are no news while a job runs: "healthy" until something is
 # found, "not closed" because the job is still running (`job_gone` says
 # when it is not).
@@ -165,22 +169,6 @@ def finding_key(f: Finding) -> tuple:
     return (f.kind, f.layer) if f.kind in _CONDITIONS else (f.kind, f.step, f.layer)
 
 
-def fail_rule(fail_on) -> Callable[[Finding], bool]:
-    """`fail_on`: a severity (`critical`: that or worse), kinds (a list or
-    `"kind,kind"`), or None (never)."""
-    if fail_on is None:
-        return lambda f: False
-    if isinstance(fail_on, str) and fail_on in SEVERITIES:
-        rank = SEVERITIES.index(fail_on)
-        return lambda f: f.kind not in _NOT_NEWS and SEVERITIES.index(f.severity) <= rank
-    kinds = {k.strip() for k in (fail_on.split(",") if isinstance(fail_on, str) else fail_on) if k.strip()}
-    unknown = sorted(kinds - set(FINDING_KINDS))
-    if unknown or not kinds:
-        raise OptionError(f"fail_on {fail_on!r} is neither a severity ({', '.join(SEVERITIES)}) nor finding "
-                          f"kinds ({', '.join(FINDING_KINDS)})")
-    return lambda f: f.kind in kinds
-
-
 class RunWatcher:
     """One run (a local directory or a URI) followed; `poll()` looks once."""
 
@@ -188,14 +176,7 @@ class RunWatcher:
         self.path = run_location(path)  # a Path, or a StorePath for a URI
         self.remote = isinstance(self.path, StorePath)
         self._look_errors = 0
-        if self.remote:
-            try:
-                found = shallow_view(self.path).exists()
-            except (OSError, pa.ArrowException) as exc:
-                raise RunNotFoundError(f"cannot read the run {self.path} ({error_text(exc)})") from None
-        else:
-            found = self.path.is_dir()
-        if not found:
+        if not run_exists(self.path):
             raise RunNotFoundError(f"run directory not found: {self.path}")
         self.rank = rank
         self.window = window
@@ -373,6 +354,55 @@ class RunWatcher:
                 except OSError:
                     continue
         return tuple(sorted(o for o in out if o is not None))
+
+
+def run_exists(location) -> bool:
+    """Whether the run's directory (a Path) or prefix on a store (a
+    StorePath) exists; a file where the run should be is an error."""
+    if isinstance(location, StorePath):
+        try:
+            return shallow_view(location).exists()
+        except (OSError, pa.ArrowException) as exc:
+            raise RunNotFoundError(f"cannot read the run {location} ({error_text(exc)})") from None
+    if location.exists() and not location.is_dir():
+        raise RunNotFoundError(f"{location} is not a run directory (it is a file); pass the directory the "
+                               f"recorder writes (the one that holds {schema.MANIFEST_FILE})")
+    return location.is_dir()
+
+
+def await_run(path, *, timeout: float = DEFAULT_WAIT_TIMEOUT, interval: float = DEFAULT_INTERVAL,
+              sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic):
+    """The run's location once it exists: a job started a moment before its
+    watch (`python train.py & amp-postmortem watch RUN`) makes its
+    directory only when its recorder starts. Looked at every `interval`
+    seconds for up to `timeout` seconds, then RunNotFoundError."""
+    location = run_location(path)
+    deadline = clock() + timeout
+    while not run_exists(location):
+        left = deadline - clock()
+        if left <= 0:
+            waited = f" (waited {timeout:g} s for it to appear; --wait-timeout)" if timeout > 0 else ""
+            raise RunNotFoundError(f"run directory not found: {location}{waited}")
+        sleep(min(interval, left))
+    return location
+
+
+def watch_run(path, *, rank: int | None = None, fail_on=DEFAULT_FAIL_ON, window: int = 1000,
+              interval: float = DEFAULT_INTERVAL, wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
+              sleep: Callable[[float], None] = time.sleep) -> Iterator:
+    """`amp-postmortem watch`: wait for the run (`await_run`), then follow
+    it (`follow`). A generator: nothing is read before the first event is
+    asked for; `fail_on`, and a file given as a local run, are refused at once."""
+    fail_rule(fail_on)
+    location = run_location(path)
+    if not isinstance(location, StorePath):
+        run_exists(location)
+    return _watch_run(path, rank, fail_on, window, interval, wait_timeout, sleep)
+
+
+def _watch_run(path, rank, fail_on, window, interval, wait_timeout, sleep):
+    await_run(path, timeout=wait_timeout, interval=interval, sleep=sleep)
+    yield from follow(RunWatcher(path, rank=rank, fail_on=fail_on, window=window), interval=interval, sleep=sleep)
 
 
 def follow(watcher: RunWatcher, *, interval: float = DEFAULT_INTERVAL,

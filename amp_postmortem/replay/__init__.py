@@ -64,6 +64,8 @@ class ReplayResult:
     # The modules whose float64 output holds NaN/Inf, in the order they ran
     # (the first is where the reference went non-finite first).
     reference_nonfinite: list = field(default_factory=list)
+    # The bundle replayed when no step was given (`bundle_choice.BundleChoice`), else None.
+    bundle_choice: object = None
 
     def to_dict(self) -> dict:
         """Plain data; relative errors are inf where a run is non-finite and
@@ -78,13 +80,15 @@ class ReplayResult:
             "errors": self.errors, "thresholds": self.thresholds, "backward_start": self.backward_start.value,
             "op_origin": self.op_origin, "op_trace": self.op_trace,
             "reference_nonfinite": self.reference_nonfinite,
+            "bundle_choice": None if self.bundle_choice is None else self.bundle_choice.to_dict(),
         }
 
 
     def lines(self) -> list[str]:
         """The verdict, fidelity first: never a diagnosis without it."""
         p = self.policy
-        out = [f"step {self.step}, rank {self.rank}: replayed on {self.device} under the "
+        out = [] if self.bundle_choice is None else [self.bundle_choice.sentence()]
+        out += [f"step {self.step}, rank {self.rank}: replayed on {self.device} under the "
                f"{p['device_type']} autocast policy{' (emulated)' if p['emulated'] else ''}, "
                f"recorded precision {self.recorded_precision}, loss scale {p['loss_scale']:g}"]
         verdict = {True: "reproduced", False: "NOT REPRODUCED", None: "unknown"}[self.reproduced]

@@ -18,6 +18,7 @@ lacks is an error that lists them, never a silent partial load.
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.machinery
 import importlib.util
@@ -50,7 +51,7 @@ def resolve_factory(spec: str, *, what: str = "model spec", error=ModelSpecError
         module = _load_file(where, said)
     else:
         module = _import(where, said)
-    return _getattr_path(module, attr, said)
+    return _getattr_path(module, attr, said, where)
 
 
 def resolve_loss_fn(loss_fn):
@@ -99,14 +100,21 @@ def _import(module_name: str, said: tuple):
                     f"{type(exc).__name__}: {exc}") from exc
 
 
-def _getattr_path(obj, dotted: str, said: tuple):
+def _getattr_path(obj, dotted: str, said: tuple, where: str):
+    """`obj.a.b` for `dotted` "a.b"; a missing name is said in the user's
+    words: their file or module (`where`, as they wrote it) and the name,
+    never the name this module loaded their file under."""
     spec, error = said
+    walked = []
     for part in dotted.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise error(f"{spec}: {part!r} not found in "
-                        f"{getattr(obj, '__name__', obj)!r}") from None
+            owner = where if not walked else f"{'.'.join(walked)} of {where}"
+            near = difflib.get_close_matches(part, [n for n in dir(obj) if not n.startswith("_")], n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise error(f"{spec}: {part!r} not found in {owner!r}{hint}") from None
+        walked.append(part)
     if not callable(obj):
         raise error(f"{spec}: {dotted!r} is not callable")
     return obj
