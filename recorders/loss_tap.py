@@ -21,6 +21,7 @@ call `AmpRecorder.add_loss`.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 
@@ -70,6 +71,12 @@ def step_loss(taken, explicit=None):
     losses = backpropagated or returned
     if not losses:
         return explicit
+    if isinstance(explicit, torch.Tensor) and explicit.numel() == 1 and all(
+            t.device.type == "cpu" and t.numel() == 1 for t in losses) and all(
+            math.isfinite(float(t)) for t in losses):
+        # Host values (the CPU): every captured loss is finite, so the one
+        # passed wins, with no operation on the training path.
+        return explicit.detach().reshape(())
     device = losses[0].device
     total = torch.stack([t.to(device=device, dtype=torch.float64).sum() for t in losses]).sum()
     if not backpropagated:

@@ -70,6 +70,11 @@ from .writer_thread import WriterThread
 
 MODE_ENV = "AMP_POSTMORTEM_MODE"
 
+# Clean steps handed to the writer thread together (`_hold_back`): at most
+# this many, at most this late.
+HOLD_BACK_STEPS = 32
+HOLD_BACK_S = 0.25
+
 COMPILED_STEPS_RECORD = (
     "the cheap tier's rows of every watched module (activation, grad_output, grad_input, <input>), "
     "computed by tensor operations inside the compiled graph (inductor's fused rounding), one row "
@@ -285,6 +290,8 @@ class AmpRecorder:
         self._dropped_steps = 0
         self._last_roll = time.monotonic()
         self._journaled_first_step = False  # the manifest rewritten after it (see _write_step)
+        self._held_back: list = []  # clean steps not yet handed to the writer thread (_hold_back)
+        self._held_back_since = 0.0
         self._lock = threading.Lock()
         self.manifest = None
         self.hooks = None
@@ -620,11 +627,14 @@ class AmpRecorder:
             self.compiled = True
             self.hooks.keep_attached()
             self._note_compiled()
-        reexecution = self._reexecute(finished, loss_t) if self.reexec_trigger is not None else None
+        reexecution, clean = self._reexecute(finished, loss_t) if self.reexec_trigger is not None else (None, False)
         pending = self.rows.pack(finished, step_id, loss, loss_t, loss_dtype=dtype, graph_slots=self.hooks.graph,
                                  reexecution=reexecution)
         self.bundles.on_step_end(step_id, loss=loss_t if loss_t is not None else loss, stepped=pending.stepped)
-        self._submit(functools.partial(self._write_step, pending))
+        if clean:
+            self._hold_back(pending)
+        else:
+            self._submit(functools.partial(self._write_step, pending))
         self._step_counter = step_id + 1
         tier = self.schedule.tier(step_id + 1)
         self.hooks.begin_step(step_id + 1, tier)
@@ -632,23 +642,24 @@ class AmpRecorder:
 
     def _reexecute(self, finished, loss_t):
         """A step not sampled whose host facts show an event, re-executed in
-        full (`reexecute`); None when none is asked for (or capped)."""
+        full (`reexecute`): (its `Outcome`, or None when none is asked for or
+        the cap says no; whether the step is clean: not sampled, its facts
+        host values that show no event)."""
         if finished.record:
-            return None  # sampled: its rows are there
+            return None, False  # sampled: its rows are there
         skipped = (self.scaler is not None and self.optimizer is not None and not finished.stepped
                    and (finished.micro_batches or finished.backward_passes) > 0)
-        facts = host_facts(finished, loss_t, skipped=skipped)
+        scale = self.rows.scale_before if self.scaler is not None else None
+        scale = scale if isinstance(scale, torch.Tensor) else None
+        facts = host_facts(finished, loss_t, skipped=skipped, scale=scale)
         if facts is None:
-            return None
+            return None, False
         decision = self.reexec_trigger.decide(facts)
         if decision.kind is None or decision.capped:
-            return None
-        scale = self.rows.scale_before if self.scaler is not None else None
-        outcome = self.reexecutor.run(finished.step_id, decision.kind,
-                                      scale=scale if isinstance(scale, torch.Tensor) else None,
-                                      compiled=self.compiled)
+            return None, decision.kind is None
+        outcome = self.reexecutor.run(finished.step_id, decision.kind, scale=scale, compiled=self.compiled)
         self.losses.take()  # what the re-execution's forward handed the loss tap
-        return outcome
+        return outcome, False
 
     # -------------------------------------------------------------- compile
     def _enter_tier(self, tier) -> None:
@@ -714,7 +725,25 @@ class AmpRecorder:
         else:
             self.manifest.set_compiled(info)
 
+    def _hold_back(self, pending) -> None:
+        """A clean step (`_reexecute`) waits for a few more before they go to
+        the writer thread as one job: one hand-over (a lock and a wake-up)
+        per HOLD_BACK_STEPS steps, at most HOLD_BACK_S late. Any other job
+        sends them first (`_submit`), so the writer's order is the steps'."""
+        if not self._held_back:
+            self._held_back_since = time.monotonic()
+        self._held_back.append(pending)
+        if len(self._held_back) >= HOLD_BACK_STEPS or time.monotonic() - self._held_back_since >= HOLD_BACK_S:
+            self._release_held()
+
+    def _release_held(self) -> None:
+        batch, self._held_back = self._held_back, []
+        if batch and not self.writer.submit(functools.partial(self._write_steps, batch)):
+            self._dropped_steps += len(batch)
+
     def _submit(self, job) -> None:
+        if self._held_back:
+            self._release_held()
         if not self.writer.submit(job):
             # Never make the training wait for the disk: drop and count.
             self._dropped_steps += 1
@@ -757,6 +786,7 @@ class AmpRecorder:
         training longer)."""
         if self._closed or self.writer is None or not self.writer.alive:
             return
+        self._release_held()
         if self.events is not None:
             self.writer.barrier()
             self.events.wait_idle(FLUSH_WAIT_S)
@@ -776,6 +806,8 @@ class AmpRecorder:
             return
         self._closed = True
         self._unhook()
+        if self.writer is not None and self.writer.alive and self._held_back:
+            self._release_held()
         if self.events is not None:
             # The last steps' events reach the callback, and its errors the
             # final manifest.
@@ -829,6 +861,10 @@ class AmpRecorder:
         return False
 
     # --------------------------------------------------------- writer thread
+    def _write_steps(self, batch: list) -> None:
+        for pending in batch:
+            self._write_step(pending)
+
     def _write_step(self, pending) -> None:
         self._writing_step = pending.step
         step_row, columns, summary = self.rows.rows(pending)

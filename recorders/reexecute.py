@@ -50,7 +50,7 @@ import torch
 from .collectors.state import StepState
 from .errors import OptionError, option_float, option_int
 from .loss_tap import find_loss
-from .stats import float_tensors
+from .stats import float_tensors, grad_facts
 
 # The events that ask for a re-execution (`ReexecutePolicy.kinds`).
 KINDS = ("skipped", "nonfinite_loss", "nonfinite_gradient", "spike")
@@ -209,19 +209,25 @@ class ReexecuteTrigger:
                     history.append(value)
 
 
-def host_facts(st, loss_t, *, skipped: bool) -> StepFacts | None:
+def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
     """The step's facts when every one is a host value already (a CPU job;
     a skip, which the scaler synchronised for): None when a device value
-    would have to be read."""
-    tensors = [t for t in (loss_t, st.grad_sqsum, st.grad_nonfinite) if t is not None]
+    would have to be read. `scale`: the loss scale the step's backward used
+    (its gradient norms are divided by it)."""
     if skipped:
         return StepFacts(st.step_id, skipped=True)
+    tensors = [t for t in (loss_t, st.grad_sqsum, st.grad_nonfinite, st.grad_norms, scale) if t is not None]
     if any(t.device.type != "cpu" for t in tensors):
         return None
     loss = float(loss_t.float()) if loss_t is not None and loss_t.numel() == 1 else None
-    sq = float(st.grad_sqsum) if st.grad_sqsum is not None else None
-    norm = math.sqrt(sq) if sq is not None and sq >= 0 else (sq if sq is None else math.nan)
-    count = int(st.grad_nonfinite) if st.grad_nonfinite is not None else None
+    sq, count = None, None
+    if st.grad_norms is not None:
+        sq, count, _ = grad_facts(st.grad_norms, float(scale) if scale is not None and st.grad_scale is not None
+                                  else None)
+    elif st.grad_sqsum is not None:
+        sq = float(st.grad_sqsum)
+        count = int(st.grad_nonfinite) if st.grad_nonfinite is not None else None
+    norm = None if sq is None else math.sqrt(sq) if sq >= 0 else math.nan
     return StepFacts(st.step_id, loss=loss, grad_norm=norm, nonfinite_grads=count)
 
 

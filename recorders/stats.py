@@ -38,6 +38,7 @@ import threading
 import weakref
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from . import schema
@@ -597,3 +598,17 @@ class _Memo:
 
 
 _memo = _Memo()
+
+
+def grad_facts(norms, unscale_by: float | None) -> tuple[float, int, list]:
+    """From each gradient's norm (as taken: scaled by the loss scale when
+    `unscale_by` is given): the square sum of the unscaled gradients, how
+    many gradients hold a NaN/Inf (a norm is finite exactly when its values
+    are) and their positions. float64 on the host, off the training path."""
+    norms = np.asarray(norms.numpy() if hasattr(norms, "numpy") else norms, dtype=np.float64)
+    if unscale_by is not None:
+        norms = norms / unscale_by
+    bad = np.flatnonzero(~np.isfinite(norms))
+    with np.errstate(over="ignore", invalid="ignore"):
+        sq = float(np.sum(norms * norms))
+    return sq, int(len(bad)), bad.tolist()

@@ -17,7 +17,7 @@ import torch
 from .aggregate import MergePlan, event_rows, merge_rows, without_intermediates
 from .graph_rows import autocast_info, graph_rows, with_graph_rows
 from .manifest import host_float, scaler_enabled
-from .stats import CHEAP_WIDTH, FULL_WIDTH, pack_rows
+from .stats import CHEAP_WIDTH, FULL_WIDTH, grad_facts, pack_rows
 
 
 class PendingStep:
@@ -87,14 +87,26 @@ class StepRows:
         p.width = FULL_WIDTH if st.full else CHEAP_WIDTH
         p.stepped = facts.stepped if self.optimizer is not None else None
         p.has_scaler = self.scaler is not None
-        host, dev, keys = {}, [], []
+        host, dev, keys = {}, [], []  # keys: (key, 0 for a scalar, else the vector's length), in dev's order
 
-        def put(key, value):
+        def put(key, value, mutable=False):
             if isinstance(value, torch.Tensor):
-                dev.append(value.detach().reshape(()).to(torch.float64))
-                keys.append(key)
+                if value.device.type == "cpu":
+                    # Read by the writer thread: no operation here but a
+                    # copy of what the job changes in place (the scale).
+                    host[key] = value.detach().clone() if mutable else value.detach()
+                else:
+                    dev.append(value.detach().reshape(()).to(torch.float64))
+                    keys.append((key, 0))
             else:
                 host[key] = math.nan if value is None else float(value)
+
+        def put_vector(key, value):
+            if value.device.type == "cpu":
+                host[key] = value.detach()
+            else:
+                keys.append((key, value.numel()))
+                dev.append(value.detach().reshape(-1).to(torch.float64))
 
         if loss_t is not None and loss_t.numel() == 1:
             put("loss", loss_t)
@@ -105,28 +117,27 @@ class StepRows:
         if p.has_scaler:
             put("loss_scale_before", self.scale_before)
             scale = getattr(self.scaler, "_scale", None)
-            put("loss_scale", scale if isinstance(scale, torch.Tensor) else getattr(self.scaler, "_init_scale", None))
+            put("loss_scale", scale if isinstance(scale, torch.Tensor) else getattr(self.scaler, "_init_scale", None),
+                mutable=True)
             tracker = getattr(self.scaler, "_growth_tracker", None)
-            put("growth_tracker", tracker if isinstance(tracker, torch.Tensor) else None)
+            put("growth_tracker", tracker if isinstance(tracker, torch.Tensor) else None, mutable=True)
             # The scale the next step's backward uses; cloned because
             # GradScaler.update() changes it in place.
             self.scale_before = scale.detach().clone() if isinstance(scale, torch.Tensor) else self.scale_before
-        if facts.grad_sqsum is not None:
-            put("grad_sqsum", facts.grad_sqsum)
+        for prefix, state in (("", facts),) + ((("reexec_", st),) if st is not facts else ()):
+            # The gradient facts, and what a re-execution measured against them.
+            if state.grad_sqsum is not None:
+                put(prefix + "grad_sqsum", state.grad_sqsum)
+            if state.grad_nonfinite is not None:
+                put(prefix + "grad_nonfinite", state.grad_nonfinite)
+            if state.grad_norms is not None:
+                put_vector(prefix + "grad_norms", state.grad_norms)
+                host[prefix + "grad_unscale"] = state.grad_scale is not None
+        p.norm_names = facts.grad_norm_names
         if facts.sharded_sqsum is not None:
             put("sharded_grad_sqsum", facts.sharded_sqsum)
-        if facts.grad_nonfinite is not None:
-            put("grad_nonfinite", facts.grad_nonfinite)
-        if st is not facts:
-            # What the re-execution measured, against the facts above.
-            for key, value in (("reexec_grad_sqsum", st.grad_sqsum), ("reexec_grad_nonfinite", st.grad_nonfinite),
-                               ("reexec_loss", reexecution.loss)):
-                if value is not None:
-                    put(key, value)
-            if facts.grad_norms is not None:
-                p.norm_names = facts.grad_norm_names
-                for i, v in enumerate(facts.grad_norms):
-                    put(f"norm.{i}", v)
+        if st is not facts and reexecution.loss is not None:
+            put("reexec_loss", reexecution.loss)
 
         device = st.device or (dev[0].device if dev else torch.device("cpu"))
         p.host_rows = None
@@ -138,7 +149,7 @@ class StepRows:
             flat = []
         else:
             flat = [pack_rows(st.stats)] if st.stats else []
-        flat += [d.to(device).reshape(1) for d in dev]
+        flat += [d.to(device).reshape(-1) for d in dev]
         if graph is not None:  # last: `rows` finds it at the end
             flat.append(graph.reshape(-1).to(device))
         p.host_scalars = host
@@ -176,9 +187,19 @@ class StepRows:
         else:
             rows = values[: n * p.width].reshape(n, p.width) if n else np.empty((0, p.width))
             offset = n * p.width
-        scalars = dict(p.host_scalars)
-        for i, k in enumerate(p.dev_scalar_keys):
-            scalars[k] = float(values[offset + i])
+        scalars = {k: float(v) if isinstance(v, torch.Tensor) and v.dim() == 0 else v
+                   for k, v in p.host_scalars.items()}
+        for k, length in p.dev_scalar_keys:
+            scalars[k] = float(values[offset]) if not length else values[offset:offset + length]
+            offset += max(1, length)
+        for prefix in ("", "reexec_"):
+            norms = scalars.pop(prefix + "grad_norms", None)
+            if norms is not None:
+                before = scalars.get("loss_scale_before")
+                sq, count, bad = grad_facts(norms, before if scalars.get(prefix + "grad_unscale") else None)
+                scalars[prefix + "grad_sqsum"], scalars[prefix + "grad_nonfinite"] = sq, count
+                if not prefix:
+                    scalars["nonfinite_grad_positions"] = bad
         meta, micro_batches, autocast = p.meta, p.micro_batches, None
         if p.graph_slots is not None:
             block = values[len(values) - p.graph_size:]
@@ -276,8 +297,7 @@ def reexecution_check(p: PendingStep, scalars: dict) -> dict:
     again = {"grad_sqsum": scalars.get("reexec_grad_sqsum"), "nonfinite_grads": scalars.get("reexec_grad_nonfinite"),
              "loss": scalars.get("reexec_loss")}
     names = p.norm_names or []
-    norms = [scalars.get(f"norm.{i}") for i in range(len(names))]
-    entry["recorded_nonfinite_grads"] = [n for n, v in zip(names, norms) if v is not None and not math.isfinite(v)]
+    entry["recorded_nonfinite_grads"] = [names[i] for i in scalars.get("nonfinite_grad_positions", ()) if i < len(names)]
     entry["backward"] = bool(out.backward)
     compared = [k for k in recorded if recorded[k] is not None and again[k] is not None]
     if not compared:

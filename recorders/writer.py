@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,19 @@ def _column_array(parts: list, type_: pa.DataType) -> pa.Array:
     if values.dtype.kind == "f" and not pa.types.is_floating(type_):
         return pa.array(values, from_pandas=True).cast(type_)
     return pa.array(values, type=type_, from_pandas=values.dtype.kind == "f")
+
+
+# How late a step with no tensor row and nothing urgent may reach the journal
+# (the OS): with the journal's fsync interval, a killed job still loses at most
+# `durable_interval_s` plus this.
+JOURNAL_BATCH_STEPS = 64
+JOURNAL_BATCH_S = 0.5
+
+
+def _urgent_step(step_row: dict) -> bool:
+    """A skip, a NaN/Inf loss or gradient norm: journalled and fsynced at once."""
+    return bool(step_row.get("skipped") or _nonfinite(step_row.get("loss"))
+                or _nonfinite(step_row.get("grad_norm")) or step_row.get("nonfinite_param_grads"))
 
 
 def _nonfinite(v) -> bool:
@@ -169,6 +183,12 @@ class ShardWriter:
         self.row_group_rows = row_group_rows
         self._step_rows: list[dict] = []
         self._step_batches: list[pa.RecordBatch] = []
+        # Steps with no tensor row and nothing urgent (a sentinel's step
+        # facts), not yet in the journal: written together, at most
+        # JOURNAL_BATCH_STEPS or JOURNAL_BATCH_S late (one IPC batch and
+        # flush a step was most of the writer thread's time).
+        self._unjournaled: list[dict] = []
+        self._unjournaled_since = 0.0
         self._tensor_batches: list[pa.RecordBatch] = []
         self._tensor_rows = 0
         self._nonfinite_rows = 0
@@ -204,6 +224,19 @@ class ShardWriter:
     def add_step(self, step_row: dict, tensor_columns: dict | None) -> None:
         if self._orphans:
             self.compact_orphans()
+        has_rows = tensor_columns is not None and len(tensor_columns["step"])
+        if not has_rows and not _urgent_step(step_row):
+            if not self._unjournaled:
+                self._unjournaled_since = time.monotonic()
+            self._unjournaled.append(step_row)
+            self._step_rows.append(step_row)
+            if (len(self._unjournaled) >= JOURNAL_BATCH_STEPS
+                    or time.monotonic() - self._unjournaled_since >= JOURNAL_BATCH_S):
+                self.journal_pending()
+            if len(self._step_rows) >= self.steps_per_shard:
+                self.roll()
+            return
+        self.journal_pending()
         steps_batch = pa.RecordBatch.from_pylist([step_row], schema=schema.STEP_SCHEMA)
         nonfinite = 0
         if tensor_columns is not None and len(tensor_columns["step"]):
@@ -220,8 +253,7 @@ class ShardWriter:
             tensors_batch = self._empty_tensors
         # A step with a NaN/Inf or a skip is what a post-mortem needs: on
         # disk before the writer takes the next step, whatever kills the job.
-        urgent = bool(nonfinite or step_row.get("skipped") or _nonfinite(step_row.get("loss"))
-                      or _nonfinite(step_row.get("grad_norm")))
+        urgent = bool(nonfinite or _urgent_step(step_row))
         self.journal.append(self.shard_index, tensors_batch, steps_batch, urgent=urgent)
         self._step_rows.append(step_row)
         self._step_batches.append(steps_batch)
@@ -245,8 +277,19 @@ class ShardWriter:
             return array
         return _column_array([values], column.type)
 
+    def journal_pending(self) -> None:
+        """The steps held back from the journal (`add_step`), written as one
+        batch, in order before any later step."""
+        if self._unjournaled:
+            batch = pa.RecordBatch.from_pylist(self._unjournaled, schema=schema.STEP_SCHEMA)
+            self._unjournaled = []
+            self._step_batches.append(batch)
+            self.journal.append(self.shard_index, self._empty_tensors, batch)
+
     def sync_journal(self) -> None:
-        """fsync what the journal holds unsynced (the writer thread, idle)."""
+        """fsync what the journal holds unsynced (the writer thread, idle),
+        the steps held back included."""
+        self.journal_pending()
         self.journal.sync()
 
     def _metadata(self, table: str, first, last, nonfinite, run_id: str | None = None,
@@ -275,6 +318,7 @@ class ShardWriter:
             self.compact_orphans()
         if not self._step_rows:
             return
+        self.journal_pending()
         if self.has_room is not None and not self.has_room():
             self.dropped_steps += len(self._step_rows)
             self.journal.discard(self.shard_index)
@@ -355,6 +399,7 @@ class ShardWriter:
     def _reset(self) -> None:
         self._step_rows = []
         self._step_batches = []
+        self._unjournaled = []
         self._tensor_batches = []
         self._tensor_rows = 0
         self._nonfinite_rows = 0

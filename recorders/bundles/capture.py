@@ -167,7 +167,10 @@ class BundleCapture:
         cap.opt_steps = self._opt_steps
         cap.buffers = self._buffer_pool.take() if self._buffer_pool is not None else None
         cap.autocast = dict(autocast or {})
-        cap.precision = precision_flags()
+        # Global switches that rarely change: read when a bundle is made of
+        # the step (`_finalize`), not at every step's forward, unless a
+        # window (which starts at any step) needs them now.
+        cap.precision = precision_flags() if self.window is not None else None
         cap.training = bool(self.model.training)
         if self._request_pending:
             cap.explicit.append("request")
@@ -316,6 +319,8 @@ class BundleCapture:
         inv = self.inventory
         p = PendingBundle()
         p.step, p.order, p.capture = cap.step, order, cap
+        if cap.precision is None:
+            cap.precision = precision_flags()
         if cap.params is None:
             exact = self._unchanged(cap)
             cap.params, cap.params_exact = clone_now(inv.params), exact

@@ -11,7 +11,7 @@ from ..layout import PLAIN_TENSORS, local
 from .state import Shared, dtype_name, eager
 
 
-def grad_norms(grads: list, on_host: bool | None = None) -> torch.Tensor:
+def grad_norms(grads: list, on_host: bool | None = None, as_float64: bool = True) -> torch.Tensor:
     """The L2 norm of each gradient, as a float64 vector on their device.
 
     On a GPU: one fused pass in float64 (a scaled float16 gradient's norm
@@ -22,7 +22,8 @@ def grad_norms(grads: list, on_host: bool | None = None) -> torch.Tensor:
     overflowed there (Inf from finite values too large to square in float32)
     is taken again in float64; reading that flag costs nothing in host
     memory. `on_host`: None reads it off the gradients' device (a test
-    runs the device path on the CPU)."""
+    runs the device path on the CPU). `as_float64=False`: the CPU's float32
+    norms are left in float32 (their reader converts)."""
     if on_host is None:
         on_host = grads[0].device.type == "cpu"
     if not on_host:
@@ -35,11 +36,13 @@ def grad_norms(grads: list, on_host: bool | None = None) -> torch.Tensor:
         norms = torch._foreach_norm(grads, 2)
     else:
         norms = torch._foreach_norm(grads, 2, dtype=work)
-    norms = torch.stack(norms).to(torch.float64)
-    overflow = torch.isinf(norms)
-    if overflow.any():
-        for i in overflow.nonzero().flatten().tolist():
-            norms[i] = torch.linalg.vector_norm(grads[i], dtype=torch.float64)
+    norms = torch.stack(norms)
+    if as_float64 or norms.dtype != torch.float64 and not bool(torch.isfinite(norms).all()):
+        norms = norms.to(torch.float64)
+        overflow = torch.isinf(norms)
+        if overflow.any():
+            for i in overflow.nonzero().flatten().tolist():
+                norms[i] = torch.linalg.vector_norm(grads[i], dtype=torch.float64)
     return norms
 
 
@@ -201,19 +204,23 @@ class ParamGradCollector:
                 names.append(pname)
         if not grads:
             return
-        norms = grad_norms(grads)
-        sq = norms ** 2
-        if scale is not None:
-            sq = sq / scale.detach().to(torch.float64) ** 2
-        st.grad_sqsum = sq.sum()
-        # A gradient's norm is finite exactly when its values are (the
-        # float32 norm's overflow is taken again in float64: grad_norms),
-        # so the same reduction counts the non-finite gradients.
-        st.grad_nonfinite = (~torch.isfinite(norms)).sum()
-        st.grad_norm_names = names
-        st.grad_norms = norms
         if any(sharded):
+            # The sharded part's square sum needs the mask: taken here.
+            sq = grad_norms(grads) ** 2
+            if scale is not None:
+                sq = sq / scale.detach().to(torch.float64) ** 2
+            st.grad_sqsum = sq.sum()
             st.sharded_sqsum = sq[torch.tensor(sharded, device=sq.device)].sum()
+            st.grad_nonfinite = (~torch.isfinite(sq)).sum()
+            return
+        # One multi-tensor reduction; the square sum, the unscaling and the
+        # non-finite count (a gradient's norm is finite exactly when its
+        # values are: grad_norms takes a float32 overflow again in float64)
+        # are left to whoever reads the norms (`StepRows`, off the training
+        # thread, or `reexecute.host_facts` on the CPU).
+        st.grad_norms = grad_norms(grads, as_float64=False)
+        st.grad_norm_names = names
+        st.grad_scale = scale.detach().reshape(()) if scale is not None else None
 
     @staticmethod
     def _clean_on_host(st) -> bool:
@@ -236,7 +243,7 @@ class ParamGradCollector:
     def _on_opt_pre(self, optimizer, args, kwargs):
         st = self.shared.state
         st.stepped = True
-        if st.grad_sqsum is None:
+        if st.grad_sqsum is None and st.grad_norms is None:
             # No backward pass was seen ending (gradients set by hand, say):
             # the gradients as the optimizer gets them. A fused optimizer
             # stepped by GradScaler gets them still scaled, with the scale.
@@ -248,6 +255,6 @@ class ParamGradCollector:
             # Not sampled: no rows, only the gradient facts. On the CPU
             # they are host values (read without a sync): finite gradients
             # leave a non-finite loss as the only trigger (as above).
-            sq = st.grad_sqsum
-            clean = sq is not None and sq.device.type == "cpu" and bool(torch.isfinite(sq))
+            norms = st.grad_norms if st.grad_norms is not None else st.grad_sqsum
+            clean = norms is not None and norms.device.type == "cpu" and bool(torch.isfinite(norms).all())
         self.shared.bundles.on_optimizer_pre_step(clean_on_host=clean)

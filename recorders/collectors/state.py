@@ -71,9 +71,10 @@ class StepState:
         self.stepped = False
         self.grad_sqsum = None  # square sum of this rank's unscaled gradients (local shards), on the device
         self.sharded_sqsum = None  # its part from the local shards of sharded gradients
-        self.grad_nonfinite = None  # how many of those gradients hold a NaN/Inf, on the device
-        self.grad_norms = None  # their norms (scaled as they were), on the device ...
-        self.grad_norm_names = None  # ... and their parameters' names
+        self.grad_nonfinite = None  # how many of those gradients hold a NaN/Inf (sharded jobs), on the device
+        self.grad_norms = None  # else each gradient's norm (scaled as they were), on the device ...
+        self.grad_norm_names = None  # ... their parameters' names ...
+        self.grad_scale = None  # ... and the scale to divide them by (None: unscaled already)
         self.backward_task = None  # the autograd graph task whose end is awaited
         self.backward_passes = 0  # ended backward passes (counts micro-batches a compiled forward hides)
         self.in_forward = 0  # depth of root forwards being recorded (checkpointing's no_grad regions count)
