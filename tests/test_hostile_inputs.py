@@ -125,18 +125,53 @@ def _index(run: Path) -> Path:
     return run / "rank=0" / "index" / "part-000000.json"
 
 
-def test_an_index_nested_200000_deep_is_refused(run):
-    _index(run).write_text(_deep(DEEP))
-    _error(_cli("nans", run), "index/part-000000.json", "nested")
+# An index is never needed (docs/FORMAT.md, "Table: shard index"): one that
+# cannot be used is named in a warning, and its pair is read from the
+# footers, with the answers of a run without indexes.
+FALLBACK = "the index is ignored and its shard pair read from the footers"
 
 
-def test_an_index_field_of_the_wrong_type_is_refused(run):
-    _edit_json(_index(run), lambda d: d.update(first_step="zero"))
-    _error(_cli("nans", run), "index/part-000000.json", "first_step")
+def _without_index(run: Path, tmp_path: Path, command: str) -> dict:
+    plain = tmp_path / "plain"
+    shutil.copytree(run, plain)
+    _index(plain).unlink()
+    return json.loads(_cli(command, plain, "--json").stdout.replace(str(plain), str(run)))
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda p: p.write_text(_deep(DEEP)), "nested"),
+    (lambda p: _edit_json(p, lambda d: d.update(first_step="zero")), "first_step"),
+    (lambda p: _edit_json(p, lambda d: d.update(schema_version="x.y")), "unreadable schema_version 'x.y'"),
+    (lambda p: _edit_json(p, lambda d: d.update(schema_version="99.0")), "uses run format version 99.0"),
+    (lambda p: p.write_bytes(b'{"format": "amp-postmortem-shard-index", '), "not JSON"),
+    (lambda p: p.write_bytes(b'{"format": "\xff"}'), "not UTF-8"),
+], ids=["nested", "wrong_type", "bad_version", "newer_version", "truncated", "not_utf8"])
+@pytest.mark.parametrize("command", ["nans", "summary"])
+def test_an_unusable_index_falls_back_to_the_footers_with_a_warning(run, tmp_path, damage, says, command):
+    expected = _without_index(run, tmp_path, command)
+    damage(_index(run))
+    result = _cli(command, run, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    warning, = [w for w in doc.pop("warnings") if FALLBACK in w]
+    assert "index/part-000000.json" in warning and says in warning, warning
+    expected.pop("warnings")
+    if command == "summary":  # the run facts repeat the warnings
+        doc["run"].pop("warnings"), expected["run"].pop("warnings")
+    assert doc == expected
+    assert "Warning: " in _cli(command, run).stderr  # said to a person too
 
 
 # ------------------------------------------------- special files, names
-@pytest.mark.parametrize("where", ["manifest.json", "rank=0/manifest.json", "rank=0/index/part-000000.json",
+def test_a_fifo_in_place_of_an_index_never_hangs_and_is_left_for_the_footers(run):
+    os.unlink(_index(run))
+    os.mkfifo(_index(run))
+    result = _cli_in_subprocess("summary", run, timeout=60)  # a hang fails here
+    assert result.returncode == 0, result.stderr
+    assert "index/part-000000.json: is a FIFO" in result.stderr and FALLBACK in result.stderr
+
+
+@pytest.mark.parametrize("where", ["manifest.json", "rank=0/manifest.json",
                                    "rank=0/steps/part-000000.parquet", "rank=0/tensors/part-000000.parquet"])
 def test_a_fifo_in_place_of_a_file_never_hangs(run, where):
     path = run / where
