@@ -12,10 +12,13 @@ from .files.safe import check_inside, numbered_dirs, rank_of, step_of
 
 
 def list_bundles(run_dir) -> list[tuple[int, int, Path]]:
-    """(step, rank, path) of every complete bundle under `run_dir/bundles`.
+    """(step, rank, path) of every complete bundle under `run_dir/bundles`
+    (a directory, or a run's `StorePath` on an object store).
     A `step=`/`rank=` name that is not canonical (`rank=00` would alias
     rank 0) or a linked directory is refused (BundleError)."""
-    root = Path(run_dir) / schema.BUNDLES_DIR
+    # A run on a store is listed through its StorePath, which walks as a Path does.
+    run_dir = run_dir if hasattr(run_dir, "iterdir") else Path(run_dir)
+    root = run_dir / schema.BUNDLES_DIR
     check_inside(root, run_dir, BundleError)
     found = []
     if root.is_dir():

@@ -391,16 +391,17 @@ def watch_run(path, *, rank: int | None = None, fail_on=DEFAULT_FAIL_ON, window:
               interval: float = DEFAULT_INTERVAL, wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
               sleep: Callable[[float], None] = time.sleep) -> Iterator:
     """`amp-postmortem watch`: wait for the run (`await_run`), then follow
-    it (`follow`). A generator: nothing is read before the first event is
-    asked for; `fail_on`, and a file given as a local run, are refused at once."""
+    it (`follow`). What can be refused now is: `fail_on`, a file given as a
+    local run, a local directory that is no run to watch (a spool); a run
+    still to appear is waited for when the first event is asked for."""
     fail_rule(fail_on)
     location = run_location(path)
-    if not isinstance(location, StorePath):
-        run_exists(location)
-    return _watch_run(path, rank, fail_on, window, interval, wait_timeout, sleep)
+    if not isinstance(location, StorePath) and run_exists(location):
+        return follow(RunWatcher(path, rank=rank, fail_on=fail_on, window=window), interval=interval, sleep=sleep)
+    return _awaited(path, rank, fail_on, window, interval, wait_timeout, sleep)
 
 
-def _watch_run(path, rank, fail_on, window, interval, wait_timeout, sleep):
+def _awaited(path, rank, fail_on, window, interval, wait_timeout, sleep):
     await_run(path, timeout=wait_timeout, interval=interval, sleep=sleep)
     yield from follow(RunWatcher(path, rank=rank, fail_on=fail_on, window=window), interval=interval, sleep=sleep)
 
