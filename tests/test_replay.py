@@ -544,6 +544,72 @@ def test_ctrl_c_during_a_replay_is_one_line_and_exit_130(saved_run, tmp_path):
     assert err == "stopped (interrupted)\n"
 
 
+TWICE_MODEL_FILE = """
+import torch.nn as nn
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = 1.0
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class Twice(nn.Module):
+    \"\"\"`act` runs before and after `gate`: two calls of one module.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.act = nn.ReLU()
+        self.gate = Gate()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.act(self.gate(self.act(self.fc(x)))))
+
+
+def planted():
+    net = Twice()
+    net.gate.gain = 1e6
+    return net
+"""
+
+
+def test_a_module_called_twice_has_its_calls_named_apart_and_the_true_first_is_named(tmp_path):
+    """`gate` overflows float16 between the two calls of `act`: the first
+    over the threshold is `gate`, not `act` (whose second call only carries
+    the Inf on); the calls are `act#0` and `act#1`."""
+    import importlib.util
+    (tmp_path / "twice_model.py").write_text(TWICE_MODEL_FILE)
+    spec = importlib.util.spec_from_file_location("twice_model_rec", tmp_path / "twice_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(4)]
+
+    def plant(step, model, x):
+        model.gate.gain = 1e6 if step == 2 else 1.0
+
+    train(mod.Twice(), data, recorder=recorder_at(tmp_path / "run", hold_steps=3), lr=0.01,
+          scaler={"init_scale": 2.0 ** 8, "growth_interval": 10 ** 6}, on_step=plant)
+    args = (tmp_path / "run", "--step", 2, "--model", f"{tmp_path / 'twice_model.py'}:planted", "--precisions", "fp16")
+    result = cli(*args)
+    assert result.exit_code == 0, result.output
+    assert "first over the threshold end to end in fp16: gate, forward" in result.stdout
+    assert "culprit: gate, forward, fp16:" in result.stdout
+    doc = json.loads(cli(*args, "--json").stdout)
+    forward = [(m["label"], m["name"], m["call"]) for m in doc["modules"] if m["phase"] == "forward"]
+    assert forward == [("fc", "fc", 0), ("act#0", "act", 0), ("gate", "gate", 0), ("act#1", "act", 1),
+                       ("head", "head", 0), ("", "", 0)]  # the root last: forwards complete inside out
+    assert doc["first_propagated"]["fp16"]["label"] == "gate"
+    table = cli(*args, "--csv").stdout.splitlines()
+    assert [row.split(",")[0] for row in table[1:5]] == ["fc", "act#0", "gate", "act#1"]
+
+
 # ------------------------------------------------- backward start, anomaly
 def test_nonfinite_saved_gradient_starts_every_backward_from_one_documented_substitute():
     """replay, fix and bisect start the backward by one rule (the engine's):

@@ -95,11 +95,11 @@ class ReplayResult:
         out.append(f"fidelity: {verdict} ({self.fidelity.get('basis')})")
         out.extend(f"note: {n}" for n in self.notes)
         c = self.culprit
-        out.append(f"culprit: {c['name'] or ROOT_DISPLAY}, {c['phase']}, {c['precision']}: {c['reason']}" if c
+        out.append(f"culprit: {_shown(c)}, {c['phase']}, {c['precision']}: {c['reason']}" if c
                    else "culprit: none (no module's own arithmetic is broken)")
         for prec, first in self.first_propagated.items():
             if first:
-                out.append(f"first over the threshold end to end in {prec}: {first['name'] or ROOT_DISPLAY}, "
+                out.append(f"first over the threshold end to end in {prec}: {_shown(first)}, "
                            f"{first['phase']} ({first['reason']})")
         if self.op_origin:
             out.append(f"op origin: {op_origin_text(self.op_origin)}")
@@ -145,7 +145,7 @@ class ReplayResult:
         precisions = [p for p in self.precisions if p != "fp64"]
         rows = []
         for m in self.modules:
-            row = {"name": m["name"], "phase": m["phase"]}
+            row = {"name": m.get("label") or m["name"], "phase": m["phase"]}
             for p in precisions:
                 row[p] = m["status"].get(p)
                 row[f"{p}_local"] = m["local_rel_err"].get(p)
@@ -153,6 +153,12 @@ class ReplayResult:
             rows.append(row)
         return pd.DataFrame(rows, columns=["name", "phase"] + [c for p in precisions
                                                               for c in (p, f"{p}_local", f"{p}_prop")])
+
+
+def _shown(named: dict) -> str:
+    """A module call of a result as people read it: `act#1` for the second
+    call of a module called twice, the root module as `(model)`."""
+    return named.get("label") or named["name"] or ROOT_DISPLAY
 
 
 def _fmt(v) -> str:
@@ -380,8 +386,9 @@ def _module_rows(comparisons: dict) -> list:
     rows: dict = {}
     for p, comps in comparisons.items():
         for c in comps:
-            row = rows.setdefault((c.name, c.phase), {
-                "name": c.name, "phase": c.phase, "order": c.order, "status": {}, "reason": {},
+            row = rows.setdefault((c.name, c.call, c.phase), {
+                "name": c.name, "call": c.call, "label": c.label, "phase": c.phase, "order": c.order,
+                "status": {}, "reason": {},
                 "local_rel_err": {}, "propagated_rel_err": {}, "propagated_status": {},
                 "broken_inside": {}, "local": {}, "propagated": {}})
             status, reason = c.status

@@ -249,10 +249,15 @@ THRESHOLDS = {
 # ------------------------------------------------------------- comparisons
 @dataclass
 class ModuleComparison:
-    """One module, one phase, one precision, merged over its calls."""
+    """One call of a module, one phase, one precision, merged over the
+    micro-batches: the k-th call of a module in each micro-batch is one
+    comparison, so a module called twice (an activation applied before and
+    after a gate) is two, named apart (`label`)."""
     name: str
     phase: str                      # "forward" | "backward"
     order: int                      # first position in the reference's execution order
+    call: int = 0                   # which call of the module in its micro-batch (from 0)
+    label: str = ""                 # the name people read: `act#1` for a module called more than once
     propagated: ErrorStats = field(default_factory=ErrorStats)
     local: ErrorStats = field(default_factory=ErrorStats)
     local_done: bool = False
@@ -280,20 +285,39 @@ def compare_run(session, reference, run, *, local: bool = True, modules=None) ->
         run_call = run.calls.get(key)
         if run_call is None:
             continue
-        name = ref_call.name
-        fwd = found.setdefault((name, "forward"), ModuleComparison(name, "forward", ref_call.forward_order))
+        name, call = ref_call.name, ref_call.call
+        fwd = found.setdefault((name, call, "forward"),
+                               ModuleComparison(name, "forward", ref_call.forward_order, call))
+        fwd.order = min(fwd.order, ref_call.forward_order)
         for x, r in zip(run_call.outputs, ref_call.outputs):
             fwd.propagated.add(x, r, dtype=dtype)
         bwd = None
         if ref_call.backward_order is not None:
-            bwd = found.setdefault((name, "backward"), ModuleComparison(name, "backward", ref_call.backward_order))
+            bwd = found.setdefault((name, call, "backward"),
+                                   ModuleComparison(name, "backward", ref_call.backward_order, call))
             bwd.order = min(bwd.order, ref_call.backward_order)
             for g, r in zip(run_call.grad_outputs, ref_call.grad_outputs):
                 if g is not None and r is not None:
                     bwd.propagated.add(g, r, scale, dtype=dtype)
         if local and ref_call.inputs is not None and (modules is None or name in modules):
             _compare_local(session, ref_config, run.config, ref_call, run_call, fwd, bwd, scale)
+    called = {}
+    for name, call, _ in found:
+        called[name] = max(called.get(name, 0), call + 1)
+    for c in found.values():
+        c.label = call_label(c.name, c.call, called[c.name])
     return sorted(found.values(), key=lambda c: (c.phase != "forward", c.order))
+
+
+def call_label(name: str, call: int, calls: int) -> str:
+    """A module call as people read it: the module's name, with `#k` (its
+    k-th call in a micro-batch, from 0) when it is called more than once."""
+    return name if calls <= 1 else f"{name}#{call}"
+
+
+def _named(c) -> dict:
+    """The keys that say which module call a comparison is (`--json`)."""
+    return {"name": c.name, "call": c.call, "label": c.label}
 
 
 def _compare_local(session, ref_config, config, ref_call, run_call, fwd, bwd, scale):
@@ -359,16 +383,17 @@ def find_culprit(comparisons: list, precision: str) -> dict | None:
         inner = [c for c in broken if not any(_is_inside(o.name, c.name) for o in broken)]
         if inner:
             c = min(inner, key=lambda c: c.order)
-            return {"name": c.name, "phase": phase, "precision": precision, "reason": c.status[1]}
+            return {**_named(c), "phase": phase, "precision": precision, "reason": c.status[1]}
     return None
 
 
 def first_propagated(comparisons: list, precision: str) -> dict | None:
-    """First module whose end-to-end error crosses the threshold."""
+    """First module call (in `comparisons`' order: forward, then backward,
+    each by execution) whose end-to-end error crosses the threshold."""
     for c in comparisons:
         status, reason = propagated_status(c.propagated, precision)
         if status == "broken":
-            return {"name": c.name, "phase": c.phase, "precision": precision,
+            return {**_named(c), "phase": c.phase, "precision": precision,
                     "rel_err": c.propagated.rel_l2, "reason": reason}
     return None
 
@@ -384,5 +409,5 @@ def rank_by_local_error(comparisons: list, precision: str) -> list:
     """Modules by their own (local) error, worst first."""
     done = [c for c in comparisons if c.local_done and not c.local.empty]
     done.sort(key=lambda c: (-c.local.rel_l2, -c.local.ratio_to_rounding, c.phase, c.order))
-    return [{"name": c.name, "phase": c.phase, "precision": precision, "local_rel_err": c.local.rel_l2,
+    return [{**_named(c), "phase": c.phase, "precision": precision, "local_rel_err": c.local.rel_l2,
              "ratio_to_rounding": c.local.ratio_to_rounding, "status": c.status[0]} for c in done]

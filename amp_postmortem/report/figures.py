@@ -341,7 +341,7 @@ def replay_errors(replay: dict) -> Plot:
     go = _go()
     precisions = [p for p in replay.get("precisions", []) if p != "fp64"]
     modules = replay.get("modules") or []
-    labels = [f"{m.get('phase', '')[:3]} {display_name(m.get('name'))}" for m in modules]
+    labels = [f"{m.get('phase', '')[:3]} {m.get('label') or display_name(m.get('name'))}" for m in modules]
     finite = [v for m in modules for p in precisions
               for v in [(m.get("local_rel_err") or {}).get(p)] if isinstance(v, (int, float)) and v > 0]
     ceiling = max(finite, default=1.0) * 10
