@@ -2,8 +2,8 @@
 mlflow`: the CLI faces of `amp_postmortem.report`,
 `amp_postmortem.export_tensorboard`, `export_tracking.export_mlflow` and
 `export_wandb`. No logic here; registered in `cli.py`. The `report` extra
-(plotly, tensorboard, mlflow-skinny) and the `wandb` extra, imported only
-when a command runs.
+(plotly, tensorboard), the `mlflow` extra and the `wandb` extra, imported
+only when a command runs.
 """
 from __future__ import annotations
 
@@ -72,8 +72,9 @@ def tensorboard_command(run, rank, logdir):
 @export_group.command("mlflow")
 @run_options
 @click.option("--tracking-uri", metavar="URI", default=None,
-              help="MLflow tracking URI: a server, or a directory / file: URI for MLflow's file store "
-                   "(default: $MLFLOW_TRACKING_URI, else ./mlruns).")
+              help="MLflow tracking URI: a server (http://...), a database (sqlite:///mlflow.db), or a "
+                   "directory / file: URI for MLflow's file store, which MLflow 3 opens only with "
+                   "MLFLOW_ALLOW_FILE_STORE=true (default: $MLFLOW_TRACKING_URI, else ./mlruns).")
 @click.option("--experiment", metavar="NAME", default=None,
               help="MLflow experiment to log into, created if missing (default: amp-postmortem).")
 @output_options(csv=False)
@@ -82,11 +83,13 @@ def mlflow_command(run, rank, tracking_uri, experiment):
     per step and per layer its headroom to its dtype's overflow limit as
     metrics; the findings of `summary` as tags and as the table artifact
     findings.json. One MLflow run per rank. Needs
-    `pip install 'amp-postmortem[mlflow]'` (or the `report` extra).
+    `pip install 'amp-postmortem[mlflow]'`.
 
     \b
-        amp-postmortem export mlflow runs/exp1 --tracking-uri mlruns --experiment exp1
-        mlflow ui --backend-store-uri mlruns
+        amp-postmortem export mlflow runs/exp1 --tracking-uri sqlite:///mlflow.db --experiment exp1
+        mlflow ui --backend-store-uri sqlite:///mlflow.db
+        amp-postmortem export mlflow runs/exp1 --tracking-uri mlruns
+        MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri mlruns
     """
     return api.export_mlflow(run, rank=rank, tracking_uri=tracking_uri, experiment=experiment)
 

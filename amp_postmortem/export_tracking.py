@@ -11,7 +11,7 @@ The findings of `summary` go in as tags (`amp_postmortem.findings`, one
 `amp_postmortem.finding.<kind>` each) and as the table artifact
 `findings.json`. One MLflow run per rank.
 
-Written through `MlflowClient` (the `report` extra's `mlflow-skinny`), not the
+Written through `MlflowClient` (the `mlflow` extra's `mlflow-skinny`), not the
 fluent `mlflow.start_run`: no global active run is left behind in the
 caller's process.
 """
@@ -34,7 +34,9 @@ from .loader import Run
 
 EXTRA_HINT = "pip install 'amp-postmortem[mlflow]'"
 DEFAULT_EXPERIMENT = "amp-postmortem"
-DEFAULT_TRACKING_URI = "./mlruns"  # mlflow's own default is sqlite:///mlflow.db: SQLAlchemy, not in mlflow-skinny
+# MLflow 3's own default is sqlite:///mlflow.db, a database this export can write too (the
+# `mlflow` extra holds SQLAlchemy); a directory is the store that asks for nothing more.
+DEFAULT_TRACKING_URI = "./mlruns"
 FINDINGS_ARTIFACT = "findings.json"
 # MLflow's limits: at most 1000 metrics per log_batch call, tag values of 8000 characters.
 METRICS_PER_BATCH = 1000

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from mlflow.tracking import MlflowClient  # the `report` extra holds mlflow-skinny
+from mlflow.tracking import MlflowClient  # the `mlflow` extra holds mlflow-skinny
 
 from amp_postmortem.analyses.summary import summarize
 from amp_postmortem.cli import main
@@ -33,6 +33,57 @@ def client_of(monkeypatch):
 
 def history(client, run_id, key) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+def test_the_report_extra_installs_no_mlflow_the_mlflow_extra_does():
+    import tomllib
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    assert not any("mlflow" in req for req in extras["report"])
+    assert any(req.startswith("mlflow-skinny") for req in extras["mlflow"])
+    assert any(req.startswith("sqlalchemy") for req in extras["mlflow"])  # what a sqlite:/// store needs
+
+
+def test_export_to_a_sqlite_store_reads_back_with_mlflows_client(overflow_run, tmp_path, monkeypatch):
+    """MLflow 3's default store, a database: no opt-out needed to read it."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = CliRunner().invoke(main, ["export", "mlflow", str(overflow_run), "--tracking-uri", uri,
+                                       "--experiment", "tiny", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["tracking_uri"] == uri and doc["steps"] == 12
+    client = MlflowClient(tracking_uri=uri)
+    (run_id,) = doc["run_ids"]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert sorted(history(client, run_id, "loss")) == list(range(12))
+    assert history(client, run_id, "skipped")[OVERFLOW_STEP] == 1.0
+    assert client.get_run(run_id).data.tags["amp_postmortem.finding_kinds"] == "nonfinite"
+
+
+def test_a_file_store_reads_back_only_with_the_opt_out_the_readme_names(overflow_run, tmp_path, monkeypatch):
+    """MLflow 3 refuses to open a file store unless MLFLOW_ALLOW_FILE_STORE
+    is set: the export sets it for itself; a reader must set it too (README)."""
+    import subprocess
+    import sys
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    store = tmp_path / "mlruns"
+    result = CliRunner().invoke(main, ["export", "mlflow", str(overflow_run), "--tracking-uri", str(store),
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    (run_id,) = json.loads(result.stdout)["run_ids"]
+    # A reader of its own (MLflow caches the stores it opened in a process).
+    read = ("import sys; from mlflow.tracking import MlflowClient; "
+            "print(MlflowClient(tracking_uri=sys.argv[1]).get_run(sys.argv[2]).info.status)")
+
+    def reader(**env):
+        plain = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
+        return subprocess.run([sys.executable, "-c", read, str(store), run_id], capture_output=True, text=True,
+                              env={**plain, **env}, timeout=120)
+    refused = reader()
+    assert refused.returncode != 0 and "MLFLOW_ALLOW_FILE_STORE" in refused.stderr
+    allowed = reader(MLFLOW_ALLOW_FILE_STORE="true")  # the README's opt-out
+    assert allowed.returncode == 0 and allowed.stdout.strip() == "FINISHED", allowed.stderr
 
 
 def test_step_metrics_headroom_and_findings_read_back_from_the_file_store(overflow_run, tmp_path, monkeypatch,

@@ -32,7 +32,7 @@ README = REPO / "README.md"
 # the runtime dependencies alone, then every extra and the tests. `.ci/run`
 # runs both commands' parts, and other tools copy them from the README verbatim.
 LIGHT_INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ."
-INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[dev,hf,lightning,report,s3,dask,wandb,tensorflow,jax]'"
+INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[dev,hf,lightning,report,mlflow,s3,dask,wandb,tensorflow,jax]'"
 SETUP_COMMANDS = (
     f"{LIGHT_INSTALL} && amp-postmortem summary sample_runs/attention_overflow",
     f"{INSTALL} && python -m pytest",

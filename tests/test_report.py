@@ -390,3 +390,54 @@ def test_the_facts_in_words_the_calibration_skip_and_apart_ticks_are_on_the_draw
     scale_labels = loss["ticks"]["y2tick"]
     assert len(scale_labels) >= 3 and all(t["text"].startswith("2^") for t in scale_labels)
     assert overlapping(scale_labels) == []  # 2^16 .. 2^40: one label per exponent would collide
+
+
+def test_an_ordinary_skip_is_drawn_as_a_skip_and_the_failure_as_the_failure(tmp_path):
+    """After calibration, one step's gradients overflow and the scaler skips
+    it (step 4: through `amp`'s backward only); block.boom's forward
+    overflows at step 9, the failure. The skip is drawn in the skip colour, dotted,
+    and never labelled the first non-finite value."""
+    from conftest import record_run
+
+    from amp_postmortem.loader import load_run
+    from amp_postmortem.report.data import gather
+    from amp_postmortem.report.figures import COLORS, loss_and_scale
+
+    def skip_at_4_fail_at_9(step, model, x):
+        model.block.boom.gain = 1e6 if step == 9 else 1.0
+        # An infinite gain on the gradient: non-finite gradients at step 4
+        # whatever the float16 kernels compute, a finite forward.
+        model.amp.gain = float("inf") if step == 4 else 1.0
+
+    run = record_run(tmp_path / "skip_then_fail", steps=12, plant=skip_at_4_fail_at_9,
+                     scaler_kwargs={"init_scale": 2.0 ** 8, "growth_interval": 10 ** 6})
+    data = gather(load_run(run))
+    assert data.failure_step == 9 and data.first_nonfinite_forward_step == 9
+    layout = loss_and_scale(data).figure.layout
+    notes = {a.text: a for a in layout.annotations}
+    assert data.first_skip_step == 4 and data.first_nonfinite_step == 4
+    skip = notes["first scaler skip, step 4 (gradients overflowed, the step was skipped: normal)"]
+    assert skip.font.color == COLORS["skipped"]
+    skip_line, failure_line = sorted(layout.shapes, key=lambda sh: sh.x0)
+    assert (skip_line.x0, skip_line.line.color, skip_line.line.dash) == (4, COLORS["skipped"], "dot")
+    assert (failure_line.x0, failure_line.line.color, failure_line.line.dash) == (9, COLORS["nonfinite"], "dash")
+    failure = notes["first non-finite value, step 9"]
+    assert failure.font.color == COLORS["nonfinite"]
+    assert [t for t in notes if t.startswith("first non-finite value")] == ["first non-finite value, step 9"]
+
+
+def test_a_skip_before_the_failure_is_never_the_failure():
+    from amp_postmortem.report.data import _failure_step
+    assert _failure_step(None, None, []) is None
+    assert _failure_step(9, 9, []) == 9 and _failure_step(None, 12, [11]) == 11 and _failure_step(9, None, [3]) == 3
+
+
+def test_log_axes_get_few_readable_labels():
+    from amp_postmortem.report.figures import MAX_LOG_TICKS, log10_axis
+    # Under two decades: 1, 2, 5 times each power of ten, not every digit.
+    assert log10_axis([0.5, 3.0]) == {"type": "log", "dtick": "D2", "exponentformat": "power"}
+    assert log10_axis([1e-3, 1e3])["dtick"] == 1          # 6 decades: one label each
+    assert log10_axis([1e-30, 1e10])["dtick"] == 5        # 40 decades: every 5th
+    for decades in range(2, 300, 7):
+        assert decades / log10_axis([1.0, 10.0 ** decades])["dtick"] <= MAX_LOG_TICKS
+    assert log10_axis([]) == log10_axis([float("nan"), 0.0, -1.0])  # nothing to place: the short form

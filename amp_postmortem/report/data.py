@@ -128,13 +128,20 @@ class ReportData:
     first_nonfinite_forward_step: int | None = None
     # The onset of a loss-scale collapse (`ScaleStatus.COLLAPSE`), else None.
     collapse_onset_step: int | None = None
+    # The failure: the first step whose forward or loss went non-finite, or
+    # whose non-finite gradients the optimizer applied; None when none did.
+    failure_step: int | None = None
+    # The first non-finite value when it came earlier than the failure in a
+    # step the scaler skipped after its calibration (an ordinary skip: how a
+    # dynamic loss scale probes), else None.
+    first_skip_step: int | None = None
 
 
 # ------------------------------------------------------------------ gather
 def gather(run: Run) -> ReportData:
     """Everything the report shows about `run`."""
     # The analyses, through as few call sites as possible.
-    from ..analyses.nans import calibration_steps, find_nans
+    from ..analyses.nans import applied_nonfinite_steps, calibration_steps, find_nans
     from ..analyses.scale import ScaleStatus, scale_dynamics
     from ..analyses.summary import summarize
 
@@ -150,14 +157,27 @@ def gather(run: Run) -> ReportData:
     series = step_series(run)
     heatmaps, underflow = scan_tensors(run)
     nd = nans.to_dict()
+    calibration = sorted(calibration_steps(run))
+    forward = nans.origins["forward"].step if nans.origins.get("forward") else None
+    failure = _failure_step(forward, nd["first_nonfinite_loss_step"], applied_nonfinite_steps(run))
+    first = nd["first_nonfinite_step"]
+    skip = (first if first is not None and first not in calibration and (failure is None or first < failure)
+            else None)
     return ReportData(
         series=series, heatmaps=heatmaps, underflow=underflow, spreads=spreads,
         facts=facts(run, summary.run), findings=[f.to_dict() for f in summary.findings],
         scale=scale.to_dict(), first_nonfinite_step=nd["first_nonfinite_step"],
         first_nonfinite_loss_step=nd["first_nonfinite_loss_step"], warnings=list(run.warnings),
-        calibration_steps=sorted(calibration_steps(run)),
-        first_nonfinite_forward_step=nans.origins["forward"].step if nans.origins.get("forward") else None,
-        collapse_onset_step=scale.onset_step if scale.status is ScaleStatus.COLLAPSE else None)
+        calibration_steps=calibration, first_nonfinite_forward_step=forward,
+        collapse_onset_step=scale.onset_step if scale.status is ScaleStatus.COLLAPSE else None,
+        failure_step=failure, first_skip_step=skip)
+
+
+def _failure_step(forward: int | None, loss: int | None, applied: list) -> int | None:
+    """The first step that failed training: a non-finite forward or loss, or
+    non-finite gradients applied (a skipped step is the scaler's business)."""
+    steps = [s for s in (forward, loss, applied[0] if applied else None) if s is not None]
+    return min(steps) if steps else None
 
 
 def step_series(run: Run, *, buckets: int = MAX_LINE_BUCKETS) -> StepSeries:

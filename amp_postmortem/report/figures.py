@@ -102,10 +102,15 @@ def loss_and_scale(data: ReportData) -> Plot:
         span = f"step {calib[0]}" if len(calib) == 1 else f"steps {calib[0]}-{calib[-1]}"
         _vline(shapes, notes, first, f"scaler calibration skip ({span}, normal)", COLORS["skipped"], 0.79,
                dash="dot")
-        first = data.first_nonfinite_forward_step  # the failure, if the forward ever failed
-    if first is not None:
-        _vline(shapes, notes, first, f"first non-finite value, step {first}", COLORS["nonfinite"], 0.93)
-    if data.first_nonfinite_loss_step is not None and data.first_nonfinite_loss_step != first:
+    elif data.first_skip_step is not None:
+        # Overflowing gradients the scaler skipped before any failure: an
+        # ordinary backoff, drawn as a skip, never as the failure.
+        _vline(shapes, notes, data.first_skip_step, f"first scaler skip, step {data.first_skip_step} "
+               "(gradients overflowed, the step was skipped: normal)", COLORS["skipped"], 0.79, dash="dot")
+    failure = data.failure_step
+    if failure is not None:
+        _vline(shapes, notes, failure, f"first non-finite value, step {failure}", COLORS["nonfinite"], 0.93)
+    if data.first_nonfinite_loss_step is not None and data.first_nonfinite_loss_step != failure:
         _vline(shapes, notes, data.first_nonfinite_loss_step,
                f"first non-finite loss, step {data.first_nonfinite_loss_step}", COLORS["nonfinite"], 0.86)
     fig.update_layout(
@@ -136,6 +141,27 @@ def log2_dtick(values) -> int:
         k += 1
         step = (1, 2, 5)[k % 3] * 10 ** (k // 3)
     return step
+
+
+# A log axis spanning under two decades gets plotly's minor labels (every
+# digit: "1 9 8 7 ... 2" crowded together); above that, one label per
+# decade, or per 2, 5, 10 ... decades, keeps them within this many.
+MAX_LOG_TICKS = 8
+
+
+def log10_axis(values) -> dict:
+    """The tick settings of a log axis showing `values`: labels at 1, 2 and
+    5 times each power of ten over a short span, else at powers of ten, a
+    power every 1, 2, 5, 10, ... decades."""
+    finite = [math.log10(v) for v in np.asarray(values, dtype=float).ravel() if math.isfinite(v) and v > 0]
+    span = (max(finite) - min(finite)) if finite else 0.0
+    if span < 2:
+        return {"type": "log", "dtick": "D2", "exponentformat": "power"}
+    step, k = 1, 0
+    while span / step > MAX_LOG_TICKS:
+        k += 1
+        step = (1, 2, 5)[k % 3] * 10 ** (k // 3)
+    return {"type": "log", "dtick": step, "exponentformat": "power"}
 
 
 def _vline(shapes, notes, step, text, color, y, dash="dash"):
@@ -306,7 +332,7 @@ def grad_norm_and_underflow(data: ReportData) -> Plot:
         fig.add_trace(go.Scatter(x=_list(s.grad_norm.steps), y=_list(s.grad_norm.values), mode="lines",
                                  name="grad norm (unscaled)", line={"color": COLORS["grad_norm"], "width": 1}))
         points += len(s.grad_norm.steps)
-        fig.update_layout(yaxis={"type": "log" if positive else "linear"})
+        fig.update_layout(yaxis=log10_axis(s.grad_norm.values) if positive else {"type": "linear"})
     if len(s.nonfinite_grad_norm.steps):
         top = float(np.max(s.grad_norm.values)) if len(s.grad_norm.values) else 1.0
         fig.add_trace(go.Scatter(x=_list(s.nonfinite_grad_norm.steps), y=[top] * len(s.nonfinite_grad_norm.steps),
@@ -361,7 +387,8 @@ def replay_errors(replay: dict) -> Plot:
                              text=["NaN/Inf" if b else "" for b in broken], textposition="outside",
                              hovertemplate="%{x}: %{y:.3g}<extra>" + p + "</extra>"))
         points += sum(1 for y in ys if y is not None)
-    fig.update_layout(barmode="group", yaxis={"type": "log", "title": {"text": "relative error vs float64"}},
+    heights = [y for trace in fig.data for y in trace.y if y is not None]
+    fig.update_layout(barmode="group", yaxis={**log10_axis(heights), "title": {"text": "relative error vs float64"}},
                       xaxis={"tickangle": -60, "tickfont": {"size": 9}}, height=460,
                       margin={"t": 30, "b": 160}, legend={"orientation": "h", "y": 1.08})
     culprit = replay.get("culprit")
