@@ -190,8 +190,14 @@ def replay(run, *, step: int | None = None, rank: int | None = None, model=None,
     `step`: the bundle's step; None: the bundle of the first failure
     (`analyses.bundle_choice.choose_bundle`), said in the result
     (`bundle_choice`). `trace`: module names to trace op by op besides the
-    culprit (`--trace`)."""
+    culprit (`--trace`). A Keras or Flax run replays in its own framework
+    (`framework_replay`: float32 the reference, the layer whose own
+    arithmetic breaks named); its framework is imported only then."""
     _check_device(device)
+    from .framework_replay import bundle_framework
+    if bundle_framework(getattr(run, "path", run), step, rank) is not None:
+        return _framework_replay(run, step=step, rank=rank, model=model, precisions=precisions, policy=policy,
+                                 anomaly=anomaly, loss_fn=loss_fn, trace=trace)
     from .replay import replay as run_replay
     from .replay.model_spec import resolve_loss_fn
     source, choice = _source(run), None
@@ -205,6 +211,22 @@ def replay(run, *, step: int | None = None, rank: int | None = None, model=None,
         step, rank = choice.bundle.step, choice.bundle.rank
     result = run_replay(source, step, rank=rank, model=model, device=device, precisions=precisions,
                         policy=policy, anomaly=anomaly, loss_fn=resolve_loss_fn(loss_fn), trace=trace)
+    result.bundle_choice = choice
+    return _result(result)
+
+
+def _framework_replay(run, *, step, rank, **options):
+    from .framework_replay import replay_array_bundle
+    source, choice = _path(run), None
+    if step is None and _is_run(source):
+        from .analyses.bundle_choice import choose_bundle
+        from .errors import BundleError
+        choice = choose_bundle(load_run(source, rank=rank), rank)
+        if choice is None:
+            raise BundleError(f"no replay bundles in {source} (nothing under bundles/): the recorder saves one "
+                              f"at a failing step; give a bundle directory, or record with bundles")
+        step, rank = choice.bundle.step, choice.bundle.rank
+    result = replay_array_bundle(source, step, rank=rank, **options)
     result.bundle_choice = choice
     return _result(result)
 

@@ -25,6 +25,16 @@ loss_scale=..., skipped=..., grad_norm=...)` after each step, and for
 module rows return `module_stats(intermediates)` / `tree_stats(grads)`
 from your own jitted step and pass them as `forward=` / `grads=`.
 
+Replay bundles (`bundles=`, a `host_bundle.BundleTriggers`; None: off):
+with the helper, the arguments of the model's first call in the step (the
+root module's `__call__`, seen while the step is traced) come back from the
+jitted step as device arrays, held by reference until the next step; at
+the first step with a non-finite loss or NaN/Inf in a module output they
+and the model's `nnx.Param`s are written pickle-free (`host_bundle.py`) for
+`amp-postmortem replay RUN --step N --model FILE:factory`. The parameters
+are read after the step: those the forward used when the step was skipped
+(`params.exact`).
+
 Order of the `activation` rows: modules in definition order, children
 before their parent (how a model written in call order runs); a module
 called twice has `call` 0 and 1.
@@ -40,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from . import schema
+from .host_bundle import BundleTriggers, encode_tree, write_bundle
 from .host_run import HostRun, StepRecord, TensorRow, framework_entry
 
 STAT_WIDTH = 5
@@ -142,29 +153,37 @@ class FlaxRecorder:
     dynamic loss scale in use, jmp's `DynamicLossScale` or any object with
     `loss_scale`, `period` and `factor` (None: no scaling); `every`: write
     the per-row statistics every N steps (and on every step with a skip or a
-    non-finite loss); `steps_per_shard`: as the PyTorch recorder's."""
+    non-finite loss); `steps_per_shard`: as the PyTorch recorder's;
+    `bundles`: when to save a replay bundle (a `BundleTriggers`; None:
+    never; needs `wrap`)."""
 
     def __init__(self, run_dir, model, *, optimizer=None, loss_scale=None, every: int = 1,
-                 steps_per_shard: int = 1000, run_id: str | None = None):
+                 steps_per_shard: int = 1000, run_id: str | None = None,
+                 bundles: BundleTriggers | None = BundleTriggers()):
         if int(every) < 1:
             raise ValueError(f"every={every!r}: record every N >= 1 steps")
         self.every = int(every)
         self.step_index = 0
         self._order = module_order(model)
         self._scaled = loss_scale is not None
+        self._model = model
+        self.run_dir = run_dir
+        self.bundles = bundles if bundles is not None and bundles.enabled else None
+        self._held = None  # (argument tree, device arrays) of the last step's model call
         policy_dtype = _param_dtype(model)
         modules = [{"name": module_name(p, "__call__"), "type": _class_name(type(node)), "watched": True}
                    for p, node in ((tuple(str(x) for x in path), node) for path, node in nnx.iter_graph(model))
                    if isinstance(node, nnx.Module)]
         params = [{"name": name, "shape": list(v.shape), "dtype": str(v.dtype), "requires_grad": True}
-                  for name, v in _params(model)]
+                  for name, v in named_params(model)]
         self.run = HostRun(
             run_dir, framework=framework_entry("flax", _versions()), model_class=_class_name(type(model)),
             modules=modules, params=params, scaler=describe_loss_scale(loss_scale),
             optimizer=describe_optimizer(optimizer),
             autocast={"enabled": policy_dtype not in (None, "float32"), "device_type": jax.default_backend(),
                       "dtype": policy_dtype, "cache_enabled": None},
-            recorder_options={"recorder": "flax", "every": self.every, "steps_per_shard": steps_per_shard},
+            recorder_options={"recorder": "flax", "every": self.every, "steps_per_shard": steps_per_shard,
+                              "bundles": self.bundles.options() if self.bundles is not None else None},
             device_type=jax.default_backend(), steps_per_shard=steps_per_shard, run_id=run_id)
 
     # ---------------------------------------------------------- the helper
@@ -176,7 +195,12 @@ class FlaxRecorder:
 
         def instrumented(*args, **kwargs):
             captured = nnx.capture(step_fn, nnx.Intermediate, method_outputs=nnx.Intermediate)
-            out, intermediates = captured(*args, **kwargs)
+            with RootCallTap(type(self._model), active=self.bundles is not None) as tap:
+                out, intermediates = captured(*args, **kwargs)
+            held: dict = {}
+            names["inputs"] = None if tap.arguments is None else {
+                "args": [encode_tree(a, "input/x", held) for a in tap.arguments[0]],
+                "kwargs": [[k, encode_tree(v, "input/x", held)] for k, v in tap.arguments[1].items()]}
             if not isinstance(out, dict) or "loss" not in out:
                 raise TypeError("a step wrapped by FlaxRecorder.wrap returns a dict with at least 'loss'")
             out = dict(out)
@@ -195,12 +219,13 @@ class FlaxRecorder:
             for k in ("loss_scale_before", "loss_scale", "skipped"):
                 if k in out:
                     payload[k] = jnp.asarray(out[k]).astype(jnp.float32)
-            return out, payload
+            return out, payload, held
 
         compiled = nnx.jit(instrumented) if jit else instrumented
 
         def recorded_step(*args, **kwargs):
-            out, payload = compiled(*args, **kwargs)
+            out, payload, held = compiled(*args, **kwargs)
+            self._held = (names.get("inputs"), held)  # device arrays: copied only for a bundle
             host = jax.device_get(payload)  # a few numbers per module: one transfer
             self._record(names, host)
             return out
@@ -244,12 +269,40 @@ class FlaxRecorder:
                 rows.append(_row(name, kind, "forward", order, call, dtype, v))
             for order, (name, dtype, v) in enumerate(reversed(list(grads or ()))):
                 rows.append(_row(name, "param_grad", "backward", order, 0, dtype, v))
+        if self.bundles is not None and self._held is not None and self._held[0] is not None:
+            self._maybe_save_bundle(index, loss, bool(skipped), rows, loss_dtype, _opt_float(loss_scale_before))
         self.run.write_step(StepRecord(
             step=index, loss=loss,
             loss_scale_before=_opt_float(loss_scale_before) if self._scaled else None,
             loss_scale=_opt_float(loss_scale) if self._scaled else None,
             skipped=bool(skipped), lr=[float(lr)] if lr is not None else None,
             grad_norm=_opt_float(grad_norm), loss_dtype=loss_dtype, rows=rows, wall_time=time.time()))
+
+    def _maybe_save_bundle(self, step, loss, skipped, rows, loss_dtype, loss_scale) -> None:
+        bad = [{"name": r.name, "call": r.call} for r in rows
+               if r.phase == "forward" and r.kind == "activation" and (r.nan_count or r.inf_count)]
+        reasons = self.bundles.reasons(step, loss, bool(bad))
+        if not reasons:
+            return
+        tree, held = self._held
+        arrays = dict(jax.device_get(held))
+        names = []
+        for name, leaf in named_params(self._model):
+            arrays[f"param/{name}"] = np.asarray(jax.device_get(leaf))
+            names.append(name)
+        manifest = self.run.manifest
+        meta = {
+            "framework": manifest["framework"], "run_id": manifest["run_id"], "world_size": 1,
+            "reason": reasons[0], "reasons": reasons, "loss": loss, "loss_dtype": loss_dtype,
+            "loss_scale": loss_scale if self._scaled else None, "skipped": skipped, "model_class": manifest["model_class"],
+            "policy": {"name": None, "compute_dtype": (manifest["autocast"] or {}).get("dtype"),
+                       "variable_dtype": None},
+            # Read after the step: unchanged when the step was skipped.
+            "params": {"names": names, "exact": skipped, "source": "after_skipped_step" if skipped
+                       else "after_update"},
+            "inputs": tree, "recorded_nonfinite": bad,
+        }
+        self.run.add_bundle(write_bundle(self.run_dir, rank=0, step=step, meta=meta, arrays=arrays))
 
     def flush(self):
         self.run.flush()
@@ -263,6 +316,39 @@ class FlaxRecorder:
 
     def __exit__(self, *exc):
         self.close()
+        return False
+
+
+class RootCallTap:
+    """While a step is traced, the arguments of the first call of a module
+    of class `cls` (the model): a class-level wrapper of `__call__`
+    (Python looks special methods up on the type), removed on exit."""
+
+    def __init__(self, cls, *, active: bool = True):
+        self.cls, self.active, self.arguments = cls, active, None
+
+    def __enter__(self):
+        if not self.active:
+            return self
+        cls, had_own, original = self.cls, "__call__" in self.cls.__dict__, self.cls.__call__
+        tap = self
+
+        def __call__(module, *args, **kwargs):
+            if tap.arguments is None:
+                tap.arguments = (args, kwargs)
+            return original(module, *args, **kwargs)
+
+        cls.__call__ = __call__
+        self._restore = (had_own, original)
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            had_own, original = self._restore
+            if had_own:
+                self.cls.__call__ = original
+            else:
+                del self.cls.__call__
         return False
 
 
@@ -287,7 +373,7 @@ def _versions() -> str:
     return f"flax {flax.__version__}, jax {jax.__version__}, optax {optax.__version__}"
 
 
-def _params(model):
+def named_params(model):
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
         parts = [str(_key(k)) for k in path if _key(k) != "value"]
         yield ".".join(parts), leaf

@@ -177,6 +177,12 @@ class HostRun:
         if m["steps_recorded"] == 1:
             self._write_manifest()
 
+    def add_bundle(self, entry: dict) -> None:
+        """List a written replay bundle (`host_bundle.write_bundle`'s entry)
+        in the manifest, rewritten at once."""
+        self.manifest["bundles"].append(entry)
+        self._write_manifest()
+
     def flush(self) -> None:
         """Write the buffered steps as a shard pair and the manifest."""
         self.shards.roll()

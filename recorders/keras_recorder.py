@@ -31,6 +31,16 @@ A model with its own `train_step` is recorded as long as that step calls
 custom train steps writes it); a step that computes its loss by other
 means hands it over with `rec.add_loss(loss)` inside the step.
 
+Replay bundles (`bundles=`, a `host_bundle.BundleTriggers`; None: off):
+at the first step with a non-finite loss and the first with NaN/Inf in a
+forward row, the step's batch (x, y, sample weights: the train function is
+wrapped to hold a reference to the batch it pulls, nothing is copied unless
+a bundle is saved) and the model's variables are written, pickle-free
+(`host_bundle.py`); `amp-postmortem replay RUN --step N --model
+FILE:factory` re-runs it. The variables are read after the step: exactly
+those the forward used when the loss scale skipped the update
+(`params.exact`), else the updated ones.
+
 Not supported (refused with `KerasRecorderError`): `steps_per_execution > 1`
 (callbacks see every N-th batch, and a train function then runs N steps)
 and an optimizer with `gradient_accumulation_steps` (the skip flag would
@@ -48,6 +58,7 @@ from keras import ops
 
 from . import schema
 from .errors import OptionError
+from .host_bundle import BundleTriggers, encode_tree, write_bundle
 from .host_run import HostRun, StepRecord, TensorRow, framework_entry
 
 LOGS_KEY = "_amp_postmortem"
@@ -210,11 +221,12 @@ class KerasRecorder(keras.callbacks.Callback):
     `every`: record the per-row statistics every N steps (the steps table
     gets every step; N > 1 still computes the rows in the graph every step,
     only fewer reach the disk). `steps_per_shard`: as the PyTorch
-    recorder's. Use as a callback of `model.fit`; `close()` (idempotent) or
-    a `with` block ends the run."""
+    recorder's; `bundles`: when to save a replay bundle (a
+    `BundleTriggers`; None: never). Use as a callback of `model.fit`;
+    `close()` (idempotent) or a `with` block ends the run."""
 
     def __init__(self, run_dir, model, *, every: int = 1, steps_per_shard: int = 1000,
-                 run_id: str | None = None):
+                 run_id: str | None = None, bundles: BundleTriggers | None = BundleTriggers()):
         super().__init__()
         if int(every) < 1:
             raise KerasRecorderError(f"every={every!r}: record every N >= 1 steps")
@@ -235,6 +247,8 @@ class KerasRecorder(keras.callbacks.Callback):
         self._received: dict = {}
         self._lock = threading.Lock()
         self._closed = False
+        self.bundles = bundles if bundles is not None and bundles.enabled else None
+        self._batch = None  # the batch the last train function call pulled (a reference)
 
     # ---------------------------------------------------------- lifecycle
     def on_train_begin(self, logs=None):
@@ -255,11 +269,9 @@ class KerasRecorder(keras.callbacks.Callback):
             self.run = self._start_run(model)
         if self._layer_taps is None:
             self._install(model)
-        if self.backend == "tensorflow":
-            model.make_train_function(force=True)
+        model.make_train_function(force=True)
+        if self.backend == "tensorflow" or self.bundles is not None:
             self._wrap_train_function(model)
-        else:
-            model.make_train_function(force=True)
 
     def on_train_batch_end(self, batch, logs=None):
         if self.backend == "jax":
@@ -332,7 +344,8 @@ class KerasRecorder(keras.callbacks.Callback):
             scaler=describe_loss_scale(opt), optimizer=describe_optimizer(opt),
             autocast={"enabled": compute != variable, "device_type": "cpu", "dtype": compute,
                       "cache_enabled": None, "policy": policy.name},
-            recorder_options={"recorder": "keras", "every": self.every, "steps_per_shard": self._steps_per_shard},
+            recorder_options={"recorder": "keras", "every": self.every, "steps_per_shard": self._steps_per_shard,
+                              "bundles": self.bundles.options() if self.bundles is not None else None},
             steps_per_shard=self._steps_per_shard, run_id=self._run_id)
 
     # ---------------------------------------------------------- wrappers
@@ -353,9 +366,18 @@ class KerasRecorder(keras.callbacks.Callback):
 
     def _wrap_train_function(self, model):
         inner = model.train_function
+        hold = self.bundles is not None
 
         def train_function(*args, **kwargs):
+            if hold:
+                # Pull the batch here (both backends' train functions take a
+                # plain iterator too) and keep a reference for a bundle.
+                *state, iterator = args
+                self._batch = next(iterator)
+                args = (*state, iter([self._batch]))
             out = inner(*args, **kwargs)
+            if self.backend == "jax":
+                return out
             if isinstance(out, dict) and LOGS_KEY in out:
                 out = dict(out)
                 payload = out.pop(LOGS_KEY)
@@ -529,12 +551,61 @@ class KerasRecorder(keras.callbacks.Callback):
             skipped=skipped, lr=[s["lr"]] if _finite(s.get("lr")) else None,
             grad_norm=math.sqrt(sq) if sq is not None and sq >= 0 else sq,
             loss_dtype=received.get("loss_dtype"), rows=rows, wall_time=time.time()))
+        if self.bundles is not None:
+            self._maybe_save_bundle(step, s, skipped, rows, received.get("loss_dtype"))
+
+    def _maybe_save_bundle(self, step, s, skipped, rows, loss_dtype) -> None:
+        bad = [{"name": r.name, "call": r.call} for r in rows
+               if r.phase == "forward" and r.kind == "activation" and (r.nan_count or r.inf_count)]
+        reasons = self.bundles.reasons(step, s.get("loss"), bool(bad))
+        if not reasons or self._batch is None:
+            return
+        model = self.model  # the property syncs the JAX backend's state into the variables
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(self._batch)
+        arrays: dict = {}
+        root = model.name
+        for v in model.weights:
+            arrays[f"param/{keras_name(v.path, root)}"] = ops.convert_to_numpy(v)
+        inputs = encode_tree(_numpy_tree(x), "input/x", arrays)
+        scaled = _is_loss_scale(model.optimizer)
+        policy = model.dtype_policy
+        meta = {
+            "framework": self.run.manifest["framework"], "run_id": self.run.manifest["run_id"],
+            "world_size": 1, "reason": reasons[0], "reasons": reasons,
+            "loss": s.get("loss"), "loss_dtype": loss_dtype,
+            "loss_scale": s.get("loss_scale_before") if scaled else None, "skipped": skipped,
+            "model_class": self.run.manifest["model_class"],
+            "policy": {"name": policy.name, "compute_dtype": policy.compute_dtype,
+                       "variable_dtype": policy.variable_dtype},
+            "params": {"names": [keras_name(v.path, root) for v in model.weights],
+                       # Read after the step: unchanged when the loss scale refused the update.
+                       "exact": bool(skipped), "source": "after_skipped_step" if skipped else "after_update"},
+            "inputs": {"args": [inputs], "kwargs": []},
+            "targets": encode_tree(_numpy_tree(y), "target/y", arrays),
+            "sample_weight": encode_tree(_numpy_tree(sample_weight), "sample_weight/w", arrays),
+            "recorded_nonfinite": bad,
+        }
+        self.run.add_bundle(write_bundle(self.run_dir, rank=0, step=step, meta=meta, arrays=arrays))
 
 
 def _row(name, kind, phase, order, call, dtype, v, input_nonfinite=False) -> TensorRow:
     return TensorRow(name=name, kind=kind, phase=phase, order=order, call=call, dtype=dtype,
                      numel=int(v[4]), absmax=float(v[0]), nan_count=int(v[1]), inf_count=int(v[2]),
                      input_nonfinite=int(v[3]) if input_nonfinite else None)
+
+
+def _numpy_tree(tree):
+    return keras.tree.map_structure(
+        lambda t: ops.convert_to_numpy(t) if t is not None and hasattr(t, "shape") else t, tree)
+
+
+def layer_policies(model) -> dict:
+    """`{layer name: dtype policy name}` of every layer whose policy is not
+    the model's (the manifest's `recorder.layer_policies`: evidence for a
+    disagreeing policy)."""
+    root, own = model.name, model.dtype_policy.name
+    return {layer_name(layer, root): layer.dtype_policy.name for layer in layers_of(model)
+            if getattr(layer, "dtype_policy", None) is not None and layer.dtype_policy.name != own}
 
 
 def _finite(v) -> bool:

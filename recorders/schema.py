@@ -27,6 +27,17 @@ FRAMEWORKS = ("torch", "keras", "flax")
 BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"
 BUNDLE_SCHEMA_VERSION = "1.2"
 
+# The replay bundles of the Keras and Flax recorders (since run format 1.5):
+# `bundle.json` and one `arrays.npz` whose members are .npy arrays read with
+# pickle off (docs/FORMAT.md, "Array bundles"). Same place as a PyTorch
+# bundle (`bundles/step=N/rank=R/`), another format name.
+ARRAY_BUNDLE_FORMAT_NAME = "amp-postmortem-array-bundle"
+ARRAY_BUNDLE_SCHEMA_VERSION = "1.0"
+ARRAY_BUNDLE_ARRAYS_FILE = "arrays.npz"
+# `param`: a variable by its run name; `input`: a leaf of the model call's
+# arguments; `target`, `sample_weight`: Keras' y and sample weights.
+ARRAY_BUNDLE_ROLES = ("param", "input", "target", "sample_weight")
+
 # A counterfactual window (`BundlePolicy(window_steps=K)`): the weights,
 # buffers, optimizer and scaler state at a window's first step and every
 # step's inputs and RNG since, written when a bundle trigger fires.

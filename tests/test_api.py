@@ -281,9 +281,9 @@ def test_cli_choices_come_from_the_one_vocabulary():
 LAYERS = [  # each imports only from its own layer and the ones before it
     {"errors", "names", "op_words", "display"},
     {"loader", "shard_rows", "shards", "bundle", "bundle_dirs", "shard_bundle", "window", "store", "index", "step_facts", "step_series", "engines",
-     "journal", "files", "tail"},
+     "journal", "files", "tail", "array_bundle"},
     {"analyses"},
-    {"replay"},
+    {"replay", "framework_replay"},
     {"whatif"},
     {"advice"},
     {"report", "export", "export_tracking"},
@@ -329,7 +329,7 @@ RECORDER_LAYERS = [  # each imports only from its own layer and the ones before 
     {"errors", "schema", "plain", "unwrap", "fp32"},                            # the format, pure helpers
     {"layout", "tensor_codec", "aggregate", "stats", "staged_stats", "loss_tap", "schedule", "events"},  # a tensor's and a step's values
     {"index", "journal", "writer", "writer_thread", "event_thread", "lease", "status_slot", "storage"},  # threads, files, stores
-    {"manifest", "run_id", "step_rows", "graph_rows", "host_run"},              # the job described, rows
+    {"manifest", "run_id", "step_rows", "graph_rows", "host_run", "host_bundle"},  # the job described, rows
     {"collectors", "hooks", "bundles", "reexecute"},                            # the parts on the training path
     {"options"},                                                                # the parts a user passes in
     {"recorder"},                                                               # AmpRecorder assembles them

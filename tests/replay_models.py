@@ -1,0 +1,40 @@
+"""Model factories of the Keras and Flax replay tests
+(tests/test_framework_replay.py), given to `replay --model FILE:factory`
+as a user gives theirs. `d1` sums its four inputs (kernel of ones), so
+inputs of 5.0 make `exp` see 20: e**20 overflows float16, not float32."""
+from __future__ import annotations
+
+
+def keras_model():
+    import keras
+    from keras import ops
+
+    class Blowup(keras.layers.Layer):
+        def call(self, x):
+            return ops.exp(x)
+
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(8, name="d1", kernel_initializer="ones")(inp)
+    h = Blowup(name="blowup")(h)
+    out = keras.layers.Dense(1, name="d2")(h)
+    return keras.Model(inp, out, name="net")
+
+
+def flax_model():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Blowup(nnx.Module):
+        def __call__(self, x):
+            return jnp.exp(x)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.d1 = nnx.Linear(4, 8, dtype=jnp.float16, kernel_init=nnx.initializers.ones, rngs=rngs)
+            self.mid = Blowup()
+            self.d2 = nnx.Linear(8, 1, dtype=jnp.float16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.d2(self.mid(self.d1(x)))
+
+    return Net(nnx.Rngs(0))
