@@ -209,3 +209,20 @@ def test_reading_a_bundle_imports_no_framework(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=HERE.parent, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
     assert out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+# ------------------------------- the other commands read a Flax run as is
+def test_compare_report_watch_and_export_read_a_flax_run(flax_run, tmp_path):
+    compared = cli("compare", flax_run, flax_run, "--json")
+    assert compared.exit_code == 0, compared.output
+    watched = cli("watch", flax_run, "--fail-on", "critical", "--json")
+    assert watched.exit_code == 1, watched.output
+    finding = json.loads(watched.output.splitlines()[-2])
+    assert (finding["kind"], finding["step"], finding["layer"]) == ("nonfinite", 3, "mid")
+    pytest.importorskip("plotly")
+    page = tmp_path / "report.html"
+    reported = cli("report", flax_run, "-o", page)
+    assert reported.exit_code == 0 and "mid" in page.read_text(), reported.output
+    pytest.importorskip("tensorboard")
+    exported = cli("export", "tensorboard", flax_run, "--logdir", tmp_path / "tb")
+    assert exported.exit_code == 0 and "of 5 step(s)" in exported.output, exported.output
