@@ -66,6 +66,7 @@ class RecommendationKind(Word):
     CHECK_DATA = "check_data"
     TRAINING_INSTABILITY = "training_instability"
     KEEP_FP32 = "keep_fp32"
+    ADD_GRAD_SCALER = "add_grad_scaler"
     GRADIENT_DRIFT = "gradient_drift"
     USE_BF16 = "use_bf16"
     SCALER_SETTINGS = "scaler_settings"
@@ -79,7 +80,8 @@ class Source(Word):
     """What a recommendation rests on; `value` is the `--json` "source"."""
     REPLAY = "replay"              # what-if replays of saved steps
     RECORDED = "recorded"          # the recorded statistics alone
-_SCALE_FINDINGS = {"scale_collapse", "stuck_low_scale", "grad_underflow"}
+_SCALE_FINDINGS = {"scale_collapse", "stuck_low_scale", "grad_underflow", "unscaled_fp16_backward"}
+DEFAULT_SCALE_K = 16  # GradScaler's default init_scale, 2^16
 DRIFT_BITS = 4        # the window "moves" when its overflow edge shifts by more than this
 DRIFT_SAMPLES = 12    # steps at which the window is estimated for that
 
@@ -230,10 +232,14 @@ def _recorded_advice(run: Run, summary) -> list:
         recs.append(recorded_check_data_recommendation(fwd))
     elif origin is RecordedOrigin.MODULE:
         recs.append(recorded_keep_fp32_recommendation(fwd, run.path))
+    unscaled = _unscaled_finding(summary)
     scale = decide_recorded_scale(run, summary, fwd)
-    if scale is not None:
+    if unscaled is not None:
+        # The run applied no scale: its statistics cannot judge one (they are flushed); add the scaler.
+        recs.append(add_grad_scaler_recommendation(unscaled, scale.estimate if scale else None, None, run))
+    elif scale is not None:
         recs.append(recorded_scale_recommendation(scale, summary, fwd))
-    if not recs and summary.kinds() <= {"healthy", "overflow_risk"}:
+    if not recs and summary.kinds() <= {"healthy", "overflow_risk", "grad_subnormal"}:
         recs.append(Recommendation(RecommendationKind.NO_CHANGE, "nothing to change: the run is healthy",
                                    [f.message for f in summary.findings][:3], Source.RECORDED))
     return recs
@@ -322,6 +328,64 @@ def recorded_scale_recommendation(scale: RecordedScale, summary, fwd) -> Recomme
         + [line for line in (est.edge_line(), est.loss_caveat()) if line],
         Source.RECORDED, code=est.code, data={"window": w, "settings": est.settings, "step": est.step,
                                          "drift": drift, "overflow_cause": _cause(est)})
+
+
+def _unscaled_finding(summary):
+    """The `unscaled_fp16_backward` finding, if any."""
+    return next((f for f in summary.findings if f.kind == "unscaled_fp16_backward"), None)
+
+
+def add_grad_scaler_recommendation(finding, estimate, replayed, run) -> Recommendation:
+    """add_grad_scaler: float16 gradients travelled unscaled. `replayed`: the
+    saved step's replayed scale window (the default 2^16 judged there);
+    else `estimate`: the recorded window, whose overflow edge alone is
+    known (the underflow edge rests on flushed statistics)."""
+    from .whatif.scale_estimate import unverified_why
+    device = finding.evidence.get("device_type")
+    layers = [lay["name"] for lay in finding.evidence.get("layers", [])][:3]
+    evidence = [f"{finding.kind}: {finding.message}"]
+    k, verified, why = DEFAULT_SCALE_K, False, None
+    if replayed is not None and replayed.window:
+        w = replayed.window
+        inside = w["min_k"] <= DEFAULT_SCALE_K <= w["max_k"]
+        k = DEFAULT_SCALE_K if inside else (w["min_k"] + w["max_k"]) // 2
+        verified = True
+        evidence.append(f"step {replayed.step} replayed at every scale: usable 2^{w['min_k']}..2^{w['max_k']}"
+                        + ("; the default init_scale 2^16 lies inside" if inside else ""))
+    elif replayed is not None:
+        why = f"the replay of step {replayed.step} found no usable scale"
+        evidence.append(why)
+    else:
+        edge = _overflow_edge_k(estimate)
+        if edge is not None and edge < DEFAULT_SCALE_K:
+            k = max(0, edge - 1)
+        if edge is not None:
+            evidence.append(f"the recorded gradients overflow float16 above 2^{edge} (estimate); the underflow "
+                            "edge cannot be estimated from gradients float16 already flushed")
+        why = unverified_why(run, "replay the saved step with the scale")
+    code = grad_scaler_code_for(device, k)
+    return Recommendation(
+        RecommendationKind.ADD_GRAD_SCALER,
+        "add a GradScaler: the float16 gradients travel unscaled and underflow"
+        + (f" (most signal lost in {', '.join(layers)})" if layers else "")
+        + ("" if k == DEFAULT_SCALE_K else f"; start it at init_scale 2^{k}"),
+        evidence, Source.REPLAY if replayed is not None else Source.RECORDED, code=code,
+        data={"cause": finding.evidence.get("cause"), "layers": layers, "init_scale_k": k,
+              "settings": {"init_scale": 2.0 ** k}},
+        verified=verified, why=why)
+
+
+def _overflow_edge_k(estimate):
+    rows = getattr(estimate, "rows", None) or []
+    edges = [r["overflow_k"] for r in rows if r.get("overflow_k") is not None]
+    return min(edges) if edges else None
+
+
+def grad_scaler_code_for(device_type, k: int) -> str:
+    """The GradScaler lines; init_scale only when it is not the default."""
+    scale = "" if k == DEFAULT_SCALE_K else f", init_scale=2.0 ** {k}"
+    return (f'scaler = torch.amp.GradScaler("{device_type or "cuda"}"{scale})\n'
+            "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()")
 
 
 def _cause(sw) -> str | None:
@@ -484,7 +548,12 @@ def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, 
         window = sw.window
         drift = window_drift(run, _forward_step(summary)) if scale_findings else {"moves": False}
         advice = decide_scale_advice(sw, drift["moves"], scale_findings, kept)
-        if advice is ScaleAdvice.DRIFT:
+        unscaled = _unscaled_finding(summary)
+        if unscaled is not None:
+            # A scale the run never applied, judged by replaying the saved step with it.
+            window_checks[RecommendationKind.ADD_GRAD_SCALER] = sw.window_check
+            recs.append(add_grad_scaler_recommendation(unscaled, None, sw, run))
+        elif advice is ScaleAdvice.DRIFT:
             recs.append(_drift_recommendation(
                 drift, summary, [f"{f.kind}: {f.message}" for f in summary.findings if f.kind in _SCALE_FINDINGS],
                 Source.RECORDED, extra=[f"step {step} replayed: usable 2^{window['min_k']}..2^{window['max_k']} at "

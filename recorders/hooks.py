@@ -28,6 +28,7 @@ from .collectors.params import ParamGradCollector
 from .collectors.probe import ProbeCollector
 from .collectors.recompute import CheckpointRecompute
 from .collectors.sentinel import SentinelHooks
+from .collectors.updates import LostUpdates
 from .collectors.state import Shared, StepState
 from .manifest import scaler_enabled
 
@@ -75,6 +76,8 @@ class TrainingHooks:
             self.shared, params=params, watched_modules=set(watched), watch_param=watch_param,
             scaler=scaler if scaler_enabled(scaler) else None, optimizer=optimizer,
             sharded=sharded, late_grads=late_grads, flat_views=flat_views)
+        self.updates = LostUpdates(params=params, optimizer=optimizer, guard=guard,
+                                   recording=lambda: self.shared.state.record and not self.shared.paused)
         self.backward = BackwardCollector(self.shared, on_root_grad=self.params.await_backward_end)
         self.recompute = CheckpointRecompute(self.shared, self.backward)
         self.autocast_watch = AutocastWatch(self.shared, on_autocast, active=lambda: self.forward.active())
@@ -121,6 +124,7 @@ class TrainingHooks:
         """Start collecting the step `step_id` at `tier` ('full', 'cheap' or
         None: not recorded)."""
         self.shared.state = StepState(step_id, tier is not None, tier == "full")
+        self.updates.begin_step(step_id)
         self.graph.set_gate(tier is not None and not self.shared.paused)
         if self.registered and self.sampled_hooks:
             if tier is not None:
@@ -156,6 +160,7 @@ class TrainingHooks:
         self.registered = True
         self.sentinel.register(self.handles)
         self.params.register_step_hook(self.handles)
+        self.updates.register(self.handles)
         if not self.sampled_hooks or self.shared.state.record:
             self.attach()
 

@@ -38,6 +38,11 @@ ARRAY_BUNDLE_ARRAYS_FILE = "arrays.npz"
 # arguments; `target`, `sample_weight`: Keras' y and sample weights.
 ARRAY_BUNDLE_ROLES = ("param", "input", "target", "sample_weight")
 
+# The manifest key of the lost updates (since 1.5): per low-precision
+# parameter, the positions a recorded step asked to move and those it left
+# unchanged (`collectors/updates.py`; docs/FORMAT.md, "Manifest").
+LOST_UPDATES_KEY = "lost_updates"
+
 # A counterfactual window (`BundlePolicy(window_steps=K)`): the weights,
 # buffers, optimizer and scaler state at a window's first step and every
 # step's inputs and RNG since, written when a bundle trigger fires.

@@ -219,7 +219,8 @@ def test_the_enums_keep_their_json_strings():
     from amp_postmortem.analyses.scale import ScaleStatus
     from amp_postmortem.whatif.scale_result import ScalePosition
     assert {s.value for s in ScaleStatus} == {"no_scaler", "collapse", "stuck_low", "growth_blocked", "healthy"}
-    assert [k.value for k in ORDER] == ["check_data", "training_instability", "keep_fp32", "gradient_drift",
+    assert [k.value for k in ORDER] == ["check_data", "training_instability", "keep_fp32", "add_grad_scaler",
+                                        "gradient_drift",
                                         "use_bf16", "scaler_settings", "avoid_mixed_precision", "no_change"]
     assert tuple(RecommendationKind) == ORDER
     assert {p.value for p in ScalePosition} == {"inside", "above", "below"}

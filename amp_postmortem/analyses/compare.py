@@ -46,6 +46,7 @@ from ..names import display_name as _display
 from ..errors import OptionError
 from ..loader import Run
 from ..display import report_html, report_repr
+from .updates import param_dtype
 from recorders.plain import plain
 
 THRESHOLD = 0.10
@@ -294,14 +295,28 @@ def _noise_floor(m: pd.DataFrame, model_floor: float) -> pd.Series:
 
 def _epsilon(run: Run) -> float:
     ac = run.autocast
-    return EPSILON.get(ac.get("dtype") if ac.get("enabled") else "float32", EPSILON["float32"])
+    own = param_dtype(run.manifest)  # parameters held in bf16/fp16 round like their dtype
+    coarser = [d for d in (ac.get("dtype") if ac.get("enabled") else None, own) if d in EPSILON]
+    return max((EPSILON[d] for d in coarser), default=EPSILON["float32"])
 
 
 def _facts(run: Run) -> dict:
     ac = run.autocast
+    params = param_dtype(run.manifest)
     return {"path": str(run.path), "run_id": run.run_id,
-            "precision": ac.get("dtype") if ac.get("enabled") else "float32 (no autocast)",
+            "precision": precision_words(ac, params), "autocast_dtype": ac.get("dtype") if ac.get("enabled") else None,
+            "param_dtype": params,
             "steps": int(run.steps["step"].nunique()) if len(run.steps) else 0}
+
+
+def precision_words(ac: dict, params: str | None) -> str:
+    """The precision of a run (`--json` "precision"): the autocast dtype, or
+    `float32 (no autocast)`; parameters held in another dtype said beside it."""
+    base = ac.get("dtype") if ac.get("enabled") else "float32 (no autocast)"
+    if params in (None, "float32"):
+        return str(base)
+    return (f"{params} parameters (no autocast)" if not ac.get("enabled")
+            else f"{ac.get('dtype')} autocast over {params} parameters")
 
 
 

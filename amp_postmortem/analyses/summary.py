@@ -19,6 +19,14 @@ Findings (kind, severity):
   or are flushed to zero now (`ranges`, `underflow` flag: the recent
   full-tier steps; structural zeros, zero at any scale, not counted); its
   step is the latest step measured.
+- `unscaled_fp16_backward` (error): float16 gradients travelled with no
+  loss scale (no GradScaler, a disabled one, a scale of 1) and underflow:
+  the cause of what `grad_underflow` would report, which it replaces;
+  names the layers that lose the most signal (`unscaled.find_unscaled`)
+  and gives the GradScaler lines.
+- `grad_subnormal` (info): the underflowing gradients are subnormal, not
+  flushed (`unscaled.only_subnormal`): values kept with fewer bits; said,
+  never warned of.
 - `underflow_lapsed` (info): gradients underflowed earlier (`ranges`,
   `underflow_lapsed` flag: during steps a-b) but the recent evidence says
   no more, or nothing recent was measured; dated by the last step it was
@@ -50,6 +58,8 @@ from .precision_verdict import Verdict, undetermined
 from .nans import applied_nonfinite_steps, basis_words, find_nans
 from .ranges import DTYPE_LIMITS, WINDOW, lapsed_words, layer_ranges, recent_words, sampled_values
 from .scale import ScaleStatus, scale_dynamics, underflow_phrase
+from .updates import UpdateRemedy, lost_updates, param_dtype, param_dtypes
+from .unscaled import ScaleAbsence, find_unscaled, layer_losses, only_subnormal
 from ..display import report_html, report_repr
 from ..op_words import run_op_origin_line
 
@@ -138,7 +148,8 @@ class Summary:
             f"run {r['run_id']}  ({r['path']})",
             f"{steps}, ranks {r['ranks']} of world_size {r['world_size']}, recorder {r['status']}",
             f"{r['model_class']} on {r['device_type']} ({r['device_name']}), autocast "
-            f"{autocast_words(r.get('autocast'))}; scaler: {scaler_words(r.get('scaler'))}",
+            f"{autocast_words(r.get('autocast'))}{param_words(r.get('param_dtype'))}; "
+            f"scaler: {scaler_words(r.get('scaler'))}",
             f"skipped steps {r['skipped_steps']}, non-finite loss steps {r['nonfinite_loss_steps']}",
             _loss_line(r),
             "",
@@ -158,6 +169,12 @@ def autocast_words(autocast: dict | None) -> str:
     """The recorded autocast as `summary` and the report say it: `float16` or `off`."""
     ac = autocast or {}
     return str(ac.get("dtype")) if ac.get("enabled") else "off"
+
+
+def param_words(dtype: str | None) -> str:
+    """The parameters' dtype beside autocast's, where it is not float32 (a
+    model cast to bfloat16 runs without autocast, in bfloat16 all the same)."""
+    return "" if dtype in (None, "float32") else f", parameters {dtype}"
 
 
 def scaler_words(scaler: dict | None) -> str:
@@ -202,6 +219,7 @@ def summarize(run: Run, *, window: int | None = None, model_spec: str | None = N
              _scale_finding(scale, target),
              *_underflow_findings(run, ranges, target),
              _overflow_risk_finding(run, ranges, target),
+             _lost_updates_finding(run, target),
              _disabled_finding(run, disabled),
              _not_closed_finding(run, disabled)]
     findings: list[Finding] = [f for f in found if f is not None]
@@ -297,12 +315,24 @@ def _underflow_findings(run: Run, ranges, target: str) -> list:
     earlier (`underflow_lapsed`, an info)."""
     under = ranges.flagged("underflow")
     if len(under):
-        worst = under.sort_values("recent_underflow_share", ascending=False, kind="stable").iloc[0]
+        unscaled = find_unscaled(run, ranges)
+        losses = layer_losses(ranges)
+        if unscaled.underflows:
+            return [_unscaled_finding(run, ranges, unscaled, under, target)]
+        subnormal = only_subnormal(losses) and len(losses) == len(under)
+        # The layer that loses the most signal leads, not the one with the most zeros.
+        lead = losses[0].name if losses else None
+        by_share = under.sort_values("recent_underflow_share", ascending=False, kind="stable")
+        worst = by_share[by_share["name"] == lead].iloc[0] if lead in set(by_share["name"]) else by_share.iloc[0]
         where = underflow_measured(run, str(worst["name"]), ranges.first_step, limit=worst["range_dtype"])
+        kind, severity = ("grad_subnormal", "info") if subnormal else ("grad_underflow", "warning")
+        words = _subnormal_words(len(under), worst) if subnormal else _underflow_words(len(under), worst,
+                                                                                      where["phrase"])
         return [Finding(
-            "grad_underflow", "warning", int(worst["evidence_last_step"]), worst["name"],
-            _underflow_words(len(under), worst, where["phrase"]), f"amp-postmortem ranges {target}",
+            kind, severity, int(worst["evidence_last_step"]), worst["name"], words,
+            f"amp-postmortem ranges {target}",
             {"layers": [str(n) for n in under["name"]], "underflow_share": float(worst["underflow_share"]),
+             "lost_signal": [lay.to_dict() for lay in losses],
              **_dates(worst), **{k: v for k, v in where.items() if k != "phrase"}})]
     lapsed = ranges.flagged("underflow_lapsed")
     if not len(lapsed):
@@ -313,6 +343,28 @@ def _underflow_findings(run: Run, ranges, target: str) -> list:
         _lapsed_words(len(lapsed), worst), f"amp-postmortem ranges {target}",
         {"layers": [str(n) for n in lapsed["name"]], "underflow_share": float(worst["underflow_share"]),
          **_dates(worst)})]
+
+
+def _unscaled_finding(run: Run, ranges, unscaled, under, target: str) -> Finding:
+    """`unscaled_fp16_backward`: the cause of the underflow, its layers by the signal they lose."""
+    lead = unscaled.layers[0].name
+    row = under[under["name"] == lead].iloc[0]
+    return Finding(
+        "unscaled_fp16_backward", "error", int(row["evidence_last_step"]), lead,
+        _unscaled_words(unscaled, len(under)), f"amp-postmortem recommend {target}",
+        {**unscaled.to_dict(), "code": grad_scaler_code(unscaled.device_type),
+         "underflow_layers": [str(n) for n in under["name"]], **_dates(row)})
+
+
+def _lost_updates_finding(run: Run, target: str) -> Finding | None:
+    """`lost_updates`: the optimizer's updates round away in low-precision weights."""
+    lost = lost_updates(run)
+    if not lost.lost:
+        return None
+    lead = lost.layers[0] if lost.layers else None
+    return Finding(
+        "lost_updates", "warning", lost.steps[-1] if lost.steps else None, lead.name if lead else None,
+        _lost_updates_words(lost), _lost_updates_next(lost, target), lost.to_dict())
 
 
 def _overflow_risk_finding(run: Run, ranges, target: str) -> Finding | None:
@@ -403,6 +455,78 @@ def _underflow_words(count: int, worst, measured: str) -> str:
             f"{sampled_values(worst['share_sample_size'])} below the normal "
             f"limit {_normal_limit(worst['range_dtype'])} {recent_words(worst)}"
             + _zero_words(worst) + f" ({measured})")
+
+
+def _subnormal_words(count: int, worst) -> str:
+    return (f"{count} gradient(s) hold {worst['range_dtype']} subnormals, almost none flushed to zero: "
+            f"{_display(worst['name'])} has {worst['recent_underflow_share']:.0%} of its values below "
+            f"{_normal_limit(worst['range_dtype'])}, kept with fewer significant bits (a relative rounding "
+            f"error up to 2^-24 / |value| instead of 2^-11); no signal is lost, a larger loss scale would "
+            f"restore their precision")
+
+
+_ABSENCE_WORDS = {ScaleAbsence.NO_SCALER: "no GradScaler",
+                  ScaleAbsence.SCALER_DISABLED: "a GradScaler that is disabled (enabled=False)",
+                  ScaleAbsence.SCALE_ONE: "a loss scale of 1"}
+
+
+def _unscaled_words(unscaled, count: int) -> str:
+    named = ", ".join(
+        f"{_display(lay.name)} ({_bits_words(lay.flush_headroom_bits)}"
+        + (f", {lay.underflow_share:.0%} subnormal or flushed" if lay.underflow_share is not None else "") + ")"
+        for lay in unscaled.layers[:3])
+    return (f"float16 gradients travel unscaled ({_ABSENCE_WORDS[unscaled.cause]}): {count} gradient(s) "
+            f"underflow, the most signal lost in {named}. Add a GradScaler: " + "; ".join(
+                grad_scaler_code(unscaled.device_type).splitlines()))
+
+
+def _bits_words(bits) -> str:
+    if bits is None:
+        return "every value zero"
+    return f"largest value {bits:.1f} bit(s) above float16's flush edge"
+
+
+def grad_scaler_code(device_type: str | None) -> str:
+    """The lines that put a GradScaler around a float16 backward."""
+    return (f'scaler = torch.amp.GradScaler("{device_type or "cuda"}")\n'
+            "scaler.scale(loss).backward()\n"
+            "scaler.step(optimizer)\n"
+            "scaler.update()")
+
+
+_REMEDY_WORDS = {
+    UpdateRemedy.FP32_MASTER_WEIGHTS: "keep float32 master weights: float32 parameters with autocast over them "
+                                      "(drop model.to(torch.bfloat16); wrap the forward in "
+                                      "torch.autocast(device_type, dtype=torch.bfloat16))",
+    UpdateRemedy.LARGER_LR: "a larger learning rate, so that lr x update reaches half an ulp of the weights",
+    UpdateRemedy.STOCHASTIC_ROUNDING: "where the weights must stay low-precision, stochastic rounding or "
+                                      "compensated (Kahan) summation in the optimizer's update"}
+
+
+def _lost_updates_words(lost) -> str:
+    named = ", ".join(f"{_display(lay.name)} {lay.recent_lost_share:.0%}" + _trend_words(lay.trend_per_kstep)
+                      for lay in lost.layers[:3] if lay.recent_lost_share is not None)
+    lr = f" at learning rate {lost.learning_rate:g}" if lost.learning_rate is not None else ""
+    opt = f" ({lost.optimizer.rpartition('.')[2]})" if lost.optimizer else ""
+    verify = ("verify each with `amp-postmortem rerun` over the saved window" if lost.window else
+              "not verified: the run saved no window of steps to re-run them on (BundlePolicy(window_steps=K))")
+    return (f"{lost.recent_lost_share:.0%} of the optimizer's updates{opt} leave the {lost.param_dtype} weights "
+            f"unchanged (measured from step {lost.recent_from_step}): below half an ulp of the weight{lr}, they "
+            f"round away; most lost in {named}. Cause: parameters held in {lost.param_dtype} with no float32 "
+            f"master copy, times the learning rate. Remedies: "
+            + "; ".join(_REMEDY_WORDS[r] for r in lost.remedies()) + f" ({verify})")
+
+
+def _lost_updates_next(lost, target: str) -> str:
+    if lost.window:
+        return f"amp-postmortem rerun {target} --precision fp32 --model SPEC"
+    return "cast the parameters back to float32 and train under autocast (then record again)"
+
+
+def _trend_words(slope) -> str:
+    if slope is None:
+        return ""
+    return f" ({slope * 100:+.1f} points per 1000 steps)"
 
 
 def _lapsed_words(count: int, worst) -> str:
@@ -576,6 +700,7 @@ def _facts(run: Run, nans, scale, skipped) -> dict:
         "ranks": run.ranks, "world_size": run.world_size,
         "device_type": m.get("device_type"), "device_name": m.get("device_name"),
         "model_class": m.get("model_class"), "autocast": run.autocast, "dtype": run.autocast.get("dtype"),
+        "param_dtype": param_dtype(m), "param_dtypes": param_dtypes(m),
         "scaler": run.scaler, "scale_status": scale.status.value, "final_scale": scale.final_scale,
         "skipped_steps": len(skipped), "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
         "warnings": list(run.warnings),

@@ -83,7 +83,8 @@ DEFAULT_WAIT_TIMEOUT = 120.0
 _NOT_NEWS = {"healthy", "recording_not_closed"}
 # Findings whose step moves as the job goes on: one per kind and layer.
 _CONDITIONS = {"overflow_risk", "grad_underflow", "underflow_lapsed",
-               "stuck_low_scale", "scale_collapse", "training_instability"}
+               "stuck_low_scale", "scale_collapse", "training_instability",
+               "unscaled_fp16_backward", "grad_subnormal", "lost_updates"}
 # How often the whole run is judged again while no new step went wrong:
 # the slow conditions move over hundreds of steps, and a full analysis of a
 # long run takes seconds that the job's disk and CPU share.

@@ -22,6 +22,9 @@ from .scale_result import (LAYER_COLUMNS, LOSS_ROW, MAX_UNDERFLOW, SCALES, EdgeC
                            usable_window)
 
 LOG2_MIN_NORMAL = -14         # log2(FP16_MIN_NORMAL)
+NO_SCALE_APPLIED = ("the run applied no loss scale: its float16 gradients were recorded unscaled, flushed where "
+                    "they underflow, and cannot say which scale would keep them (replay a saved step at each "
+                    "scale: scale-window --model; or add a GradScaler, which finds its scale itself)")
 ASSUMED_LOG2_SIGMA = 3.0      # spread (bits) assumed when every value sits below the normal limit
 
 
@@ -88,7 +91,11 @@ def estimate_scale_window(run, step: int | None = None, *, scales=SCALES,
     if not any(lay["log2_sigma"] is not None for lay in layers):
         notes.append("no full-tier statistics at this step: the underflow edge is unknown (overflow edge only)")
     window = usable_window(usable)
-    if window is None:
+    if window is None and not len(scale):
+        # No scale was applied: the statistics are those of gradients float16
+        # already flushed at scale 1, which cannot place the underflow edge.
+        notes.insert(0, NO_SCALE_APPLIED + (f"; they overflow above 2^{overflow_k}" if overflow_k is not None else ""))
+    elif window is None:
         notes.insert(0, "the estimated overflow edge lies below the estimated underflow edge")
     settings, code = scaler_settings(window, device_type=(run.autocast or {}).get("device_type")
                                      or run.manifest.get("device_type") or "cuda")

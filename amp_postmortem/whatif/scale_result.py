@@ -165,7 +165,9 @@ class ScaleWindow:
                + (f", rank {self.rank}" if self.rank is not None else "")
                + (f", recorded scale {self.recorded_scale:g}" if self.recorded_scale else "")]
         w = self.window
-        if w is None:
+        if w is None and self.recorded_scale is None and self.method is WindowMethod.ESTIMATE and self.notes:
+            out.append("no scale judged: " + self.notes[0])  # a run without a scale says why
+        elif w is None:
             out.append("no usable scale: " + (self.notes[0] if self.notes else "every scale overflows or underflows"))
         else:
             out.append(f"window: 2^{w['min_k']} .. 2^{w['max_k']} ({w['min_scale']:g} .. {w['max_scale']:g}, "

@@ -1,0 +1,161 @@
+"""Runs for the tests of silent AMP failures (issue 42), recorded once per
+test session by the real recorder on small transformers trained as users
+write them, each fault planted by its real cause:
+
+- `unscaled_run`: a 2-layer BERT classifier (transformers, built from a
+  small config, random init) under float16 autocast with a bare
+  `loss.backward()`: no GradScaler. `scaled_run`: the same job with the
+  default `torch.amp.GradScaler("cpu")`. `fp32_run`: without autocast.
+- `bf16_weights_run`: a small GPT-style language model (torch.nn) cast with
+  `model.to(torch.bfloat16)` and trained by AdamW at lr 1e-5, no float32
+  master weights. `bf16_autocast_run`: the same model in float32 under
+  bfloat16 autocast, at a learning rate that trains it.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_ROOT = Path(tempfile.mkdtemp(prefix="amp-postmortem-silent-"))
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
+
+VOCAB, SEQ, BATCH, HIDDEN = 64, 16, 32, 32
+CLS_STEPS, LM_STEPS = 12, 12
+
+
+def bert_classifier():
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, num_labels=2, attn_implementation="eager")
+    return BertForSequenceClassification(cfg)
+
+
+def cls_batches(steps: int):
+    """Does token 7 occur in the sequence? The [CLS] position (0) answers."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen)
+        label = tokens[:, 1:].eq(7).any(1).long()
+        tokens[:, 0] = 0
+        out.append((tokens, label))
+    return out
+
+
+def _record_classifier(path: Path, mode: str) -> Path:
+    from recorders import AmpRecorder
+    model = bert_classifier()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu") if mode == "scaled" else None
+    with AmpRecorder(path, model, optimizer=opt, scaler=scaler, mode="every_step", full_every=3) as rec:
+        for tokens, label in cls_batches(CLS_STEPS):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=mode != "fp32"):
+                loss = model(input_ids=tokens, labels=label).loss
+            (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def unscaled_run() -> Path:
+    return _record_classifier(_ROOT / "unscaled", "unscaled")
+
+
+@functools.lru_cache(maxsize=None)
+def scaled_run() -> Path:
+    return _record_classifier(_ROOT / "scaled", "scaled")
+
+
+@functools.lru_cache(maxsize=None)
+def fp32_run() -> Path:
+    return _record_classifier(_ROOT / "fp32", "fp32")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """A 2-block causal language model (GPT-style, pre-norm, tied head)."""
+
+    def __init__(self, d: int = HIDDEN):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, d)
+        self.pos = nn.Embedding(SEQ, d)
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, tokens):
+        n = tokens.shape[1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=tokens.device).triu(1)
+        x = self.tok(tokens) + self.pos.weight[:n]
+        for b in self.blocks:
+            x = b(x, mask)
+        return self.ln(x) @ self.tok.weight.t()
+
+
+def lm_batches(steps: int):
+    """Sequences that count up modulo the vocabulary from a random start: learnable."""
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, VOCAB, (BATCH, 1), generator=gen)
+        out.append((start + torch.arange(SEQ + 1)) % VOCAB)
+    return out
+
+
+def lm_loss(model, seq):
+    logits = model(seq[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
+
+
+def _record_lm(path: Path, *, bf16_weights: bool, lr: float) -> Path:
+    from recorders import AmpRecorder
+    torch.manual_seed(0)
+    model = TinyLM()
+    if bf16_weights:
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    with AmpRecorder(path, model, optimizer=opt, mode="every_step", full_every=3) as rec:
+        for seq in lm_batches(LM_STEPS):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not bf16_weights):
+                loss = lm_loss(model, seq)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_weights_run() -> Path:
+    return _record_lm(_ROOT / "bf16_weights", bf16_weights=True, lr=1e-5)
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_autocast_run() -> Path:
+    return _record_lm(_ROOT / "bf16_autocast", bf16_weights=False, lr=1e-3)
