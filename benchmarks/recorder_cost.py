@@ -65,7 +65,7 @@ def measure_diverging(job_cls, dtype: str, batches: list, lr: float, size: dict,
         rec = jobs["default"].rec
         rec.close()
         if not rec.enabled:
-            raise RuntimeError(f"the recorder disabled itself: {rec._failure!r}")
+            raise RuntimeError(f"the recorder disabled itself: {rec.failure!r}")
         tiers = _run_tiers(Path(tmp) / "default")
     base, recd = jobs["baseline"], jobs["default"]
     losses = base.losses

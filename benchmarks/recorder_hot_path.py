@@ -283,7 +283,7 @@ class Variant:
         if self.rec is not None:
             self.rec.close()
             if not self.rec.enabled:
-                raise RuntimeError(f"the recorder of {self.name} disabled itself: {self.rec._failure!r}")
+                raise RuntimeError(f"the recorder of {self.name} disabled itself: {self.rec.failure!r}")
 
 
 def _same_losses(a, b) -> bool:

@@ -275,7 +275,7 @@ def measure_dtype(dtype: str, variants, steps: int, warmup: int, size: dict, see
             if j.rec is not None:
                 j.rec.close()
                 if not j.rec.enabled:
-                    raise RuntimeError(f"recorder of {j.variant} disabled itself: {j.rec._failure!r}")
+                    raise RuntimeError(f"recorder of {j.variant} disabled itself: {j.rec.failure!r}")
     if base and "default" in out["variants"] and "full" in out["variants"]:
         # The default configuration runs the full tier one step in 100
         # (full_every=100): its long-run cost mixes both tiers.

@@ -181,7 +181,7 @@ def sync_debug_check(jobs, batches) -> dict:
         except RuntimeError as exc:  # a synchronising op outside the recorder's guard
             error = str(exc).splitlines()[0]
         out[v] = {"steps": len(batches), "error": error, "recorder_enabled": j.rec.enabled,
-                  "recorder_failure": repr(j.rec._failure) if j.rec._failure is not None else None,
+                  "recorder_failure": repr(j.rec.failure) if j.rec.failure is not None else None,
                   "passed": error is None and j.rec.enabled}
     return out
 

@@ -58,12 +58,37 @@ class RunManifest:
         if missed:
             self.data["bundles_missed"] = list(missed)
 
+    def autocast_enabled(self) -> bool:
+        return bool((self.data.get("autocast") or {}).get("enabled"))
+
+    def set_events(self, report: dict) -> None:
+        """`EventDispatcher.report()`: the `on_event` detectors' record."""
+        self.data["events"] = report
+
+    def set_storage(self, uri: str) -> None:
+        """A URI run: its store, and the steps its full spool dropped."""
+        self.data["storage"] = {"uri": uri, "spool_dropped_steps": 0}
+
+    def set_spool_dropped(self, steps: int) -> None:
+        if "storage" in self.data:
+            self.data["storage"]["spool_dropped_steps"] = steps
+
+    def save_bundles(self, saved: list, missed: list) -> None:
+        """The bundle lists changed (writer thread): on disk at once."""
+        self.set_bundles(saved, missed)
+        self.write()
+
     def note_reexecution(self, entry: dict, capped: int) -> None:
         """A re-execution's entry (`step_rows.reexecution_check`), and how
         many events the cap left without one so far."""
         if entry is not None:
             self.data.setdefault("reexecutions", []).append(plain(entry, keep_nonfinite=True))
         self.data["reexecutions_capped"] = int(capped)
+
+    def set_lost_updates(self, report: dict | None) -> None:
+        """`collectors.updates.LostUpdates.report()`: absent when no parameter is held in low precision."""
+        if report is not None:
+            self.data[schema.LOST_UPDATES_KEY] = report
 
     def set_recording(self, *, status: str | None = None, dropped_steps: int = 0,
                       failure: BaseException | None = None, failed_at_step: int | None = None) -> None:

@@ -12,6 +12,8 @@ them. A part and one of its own flat keywords together are an `OptionError`
 """
 from __future__ import annotations
 
+import fnmatch
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,6 +214,9 @@ def parts_from_flat(flat: dict, *, schedule=None, bundles=True, storage=None, wr
     schedule's fields no flat keyword sets."""
     if mode not in MODES:
         raise OptionError(f"mode={mode!r}: give one of {', '.join(map(repr, MODES))}")
+    unknown = sorted(set(flat) - set(FLAT_OPTIONS))
+    if unknown:
+        raise TypeError(f"AmpRecorder() got an unexpected keyword argument {unknown[0]!r}")
     given = {"schedule": schedule, "writer": writer, "storage": storage,
              "bundles": bundles if isinstance(bundles, BundlePolicy) else None}
     fields: dict[str, dict] = {part: {} for part in PART_TYPES}
@@ -237,3 +242,22 @@ def parts_from_flat(flat: dict, *, schedule=None, bundles=True, storage=None, wr
         writer=writer if writer is not None else WriterOptions(**fields["writer"]),
         events=event_policy(on_event),
         probe=probe_options(probe))
+
+
+def probe_targets(probe, modules: list, watched: list) -> tuple[list, list]:
+    """The modules an op probe hooks: (those its patterns name, probed on
+    every recorded step; the watched modules without children, probed on
+    full-tier steps when `full_tier_leaves`). A pattern that names no module
+    is warned about: a typo would otherwise probe nothing, silently."""
+    if probe is None:
+        return [], []
+    probed = [name for name, _ in modules if any(fnmatch.fnmatchcase(name, p) for p in probe.modules)]
+    unmatched = [p for p in probe.modules if not any(fnmatch.fnmatchcase(name, p) for name, _ in modules)]
+    if unmatched:
+        warnings.warn(f"amp-postmortem: probe pattern(s) {', '.join(map(repr, unmatched))} name no module "
+                      f"of the model (names as named_modules() gives them)", RuntimeWarning, stacklevel=4)
+    leaves = []
+    if probe.full_tier_leaves:
+        watched = set(watched)
+        leaves = [name for name, m in modules if name in watched and next(m.children(), None) is None]
+    return probed, leaves

@@ -365,3 +365,41 @@ def _autocast(info: dict | None):
         return contextlib.nullcontext()
     return torch.autocast(info["device_type"], dtype=getattr(torch, info["dtype"]),
                           cache_enabled=info.get("cache_enabled", True))
+
+
+class StepSentinel:
+    """What `rec.step()` does with a step that was not sampled: reads its
+    facts where they are host values, asks `ReexecuteTrigger` whether they
+    call for a re-execution, runs it (`Reexecutor`), and says whether the
+    step is clean (no event: handed to the writer with others).
+    `has_scaler`: a skip is a step the optimizer did not take; `losses`: the
+    recorder's `MicroBatchLosses`, emptied of what a re-execution's forward
+    handed the loss tap."""
+
+    def __init__(self, policy: ReexecutePolicy, reexecutor: Reexecutor, *, has_scaler: bool, losses):
+        self.trigger = ReexecuteTrigger(policy)
+        self.reexecutor = reexecutor
+        self.has_scaler = has_scaler
+        self.losses = losses
+
+    @property
+    def capped(self) -> int:
+        return self.trigger.capped
+
+    def close_step(self, finished, loss_t, *, scale, compiled: bool) -> tuple[Outcome | None, bool]:
+        """(the re-execution's `Outcome`, or None when none is asked for or
+        the cap says no; whether the step is clean). `scale`: the loss scale
+        the step's backward used (a tensor), or None."""
+        if finished.record:
+            return None, False  # sampled: its rows are there
+        skipped = (self.has_scaler and finished.stepped is False
+                   and (finished.micro_batches or finished.backward_passes) > 0)
+        facts = host_facts(finished, loss_t, skipped=skipped, scale=scale)
+        if facts is None:
+            return None, False
+        decision = self.trigger.decide(facts)
+        if decision.kind is None or decision.capped:
+            return None, decision.kind is None
+        outcome = self.reexecutor.run(finished.step_id, decision.kind, scale=scale, compiled=compiled)
+        self.losses.take()  # what the re-execution's forward handed the loss tap
+        return outcome, False

@@ -79,7 +79,7 @@ def record_gpt(path, *, amp: bool, steps: int = GPT_STEPS, lr: float = GPT_LR):
             opt.zero_grad()
             rec.step(loss)
         rec.flush()
-        assert rec.enabled, f"the recorder failed: {rec._failure!r}"
+        assert rec.enabled, f"the recorder failed: {rec.failure!r}"
     return Path(path)
 
 
@@ -172,7 +172,7 @@ def record_branch(path, *, hot: dict, steps: int = 5, bundle_steps=(), init_scal
             opt.zero_grad()
             rec.step(loss)
         rec.flush()
-        assert rec.enabled, f"the recorder failed: {rec._failure!r}"
+        assert rec.enabled, f"the recorder failed: {rec.failure!r}"
     return Path(path)
 
 

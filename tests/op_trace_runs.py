@@ -199,7 +199,7 @@ def half_loss_run():
                 scaler={"init_scale": 2.0 ** 8}, lr=0.0, close=False).rec
     try:
         rec.flush()
-        assert rec.enabled, f"the recorder failed: {rec._failure!r}"
+        assert rec.enabled, f"the recorder failed: {rec.failure!r}"
     finally:
         rec.close()
     return path

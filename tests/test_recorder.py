@@ -462,14 +462,24 @@ def test_activation_checkpointing_recomputation_is_not_recorded_as_a_new_forward
     assert (attn["call"] == 0).all()
 
 
-def test_every_option_is_an_explicit_keyword_argument_documented_under_args():
+def test_every_option_is_a_documented_keyword_and_the_flat_ones_are_mapped_in_one_place(tmp_path):
+    """The explicit options are documented under Args; the flat keywords of
+    earlier versions come through `**flat`, each mapped to one field of a
+    part (`FLAT_OPTIONS`), and any other keyword is a TypeError."""
     import inspect
-    params = inspect.signature(AmpRecorder.__init__).parameters.values()
-    assert not [p for p in params if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    from recorders.options import FLAT_OPTIONS
+    params = list(inspect.signature(AmpRecorder.__init__).parameters.values())
+    assert not [p for p in params if p.kind is p.VAR_POSITIONAL]
+    assert [p.name for p in params if p.kind is p.VAR_KEYWORD] == ["flat"]
     args = AmpRecorder.__doc__.split("Args:")[1]
     documented = re.findall(r"^ {8}(\w+):", args, re.M)
     assert documented == [p.name for p in params if p.name != "self"]
-    assert {"bundle_steps", "max_bundles", "hold_steps", "clone_inputs"} <= set(documented)
+    assert {"bundle_steps", "max_bundles", "hold_steps", "clone_inputs", "full_every", "spool_dir"} <= set(FLAT_OPTIONS)
+    rec = AmpRecorder(tmp_path / "a", TinyNet(), full_every=7, max_bundles=2)
+    assert rec.schedule.full_every == 7 and rec.bundles.policy.max_bundles == 2
+    rec.close()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'full_evry'"):
+        AmpRecorder(tmp_path / "b", TinyNet(), full_evry=7)
 
 
 def _tier_string(run):

@@ -28,7 +28,10 @@ def _tiers(run) -> str:
 
 # ------------------------------------------------------------ each part alone
 def test_the_parts_defaults_are_the_documented_defaults_of_the_flat_keywords():
-    assert RecordSchedule().config() == {"cheap_every": 1, "full_every": 100, "full_after_event": 20}
+    assert RecordSchedule().config() == {"cheap_every": 50, "full_every": 500, "full_after_event": 0}
+    assert RecordSchedule.every_step().config() == {"cheap_every": 1, "full_every": 100, "full_after_event": 20}
+    assert parts_from_flat({"full_every": 7}, mode="every_step").schedule.config() == {
+        "cheap_every": 1, "full_every": 7, "full_after_event": 20}
     assert BundlePolicy() == BundlePolicy(
         triggers=TRIGGERS, steps=(), max_bundles=3, max_bundle_bytes=64 << 30, min_loss_scale=1.0,
         settle_steps=10, snapshot_params="auto", snapshot_buffers_bytes=64 << 20, hold_steps=2,
@@ -92,7 +95,7 @@ PARTS = dict(schedule=RecordSchedule(cheap_every=1, full_every=3, full_after_eve
                                   clone_inputs=True))
 
 
-def test_parts_and_the_equivalent_flat_keywords_record_the_same_options(tmp_path):
+def test_parts_and_the_equivalent_flat_keywords_record_the_same_options(tmp_path, sentinel_mode):
     data = batches(4)
     for name, options in (("flat", FLAT), ("parts", PARTS), ("default", {}),
                           ("default_parts", dict(schedule=RecordSchedule(), bundles=BundlePolicy(),
@@ -106,7 +109,7 @@ def test_parts_and_the_equivalent_flat_keywords_record_the_same_options(tmp_path
     options = _recorder_options(tmp_path / "parts")
     assert list(options) == ["include", "exclude", "cheap_every", "full_every", "full_after_event",
                              "steps_per_shard", "near_overflow", "eager_full_steps", "compiled_rows", "flush_interval_s",
-                             "durable_interval_s", "bundles"]
+                             "durable_interval_s", "mode", "bundles", "reexecute"]
     assert options["bundles"] == {
         "bundles": True, "bundle_triggers": ["skipped", "scale_low"], "bundle_steps": [1], "max_bundles": 2,
         "max_bundle_bytes": 1 << 20, "min_loss_scale": 0.5, "settle_steps": 3, "snapshot_params": False,

@@ -63,7 +63,7 @@ def train_with(path: Path, pass_scaler) -> list[float]:
             opt.zero_grad()
             rec.step(loss)
             scales.append(wrapper._scaler.get_scale())
-        assert rec.enabled, rec._failure
+        assert rec.enabled, rec.failure
     return scales
 
 

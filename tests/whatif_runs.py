@@ -107,7 +107,7 @@ def record(path, model, *, steps, batch_fn=batch, init_scale=RECORDED_SCALE, lr=
                 scaler={"init_scale": init_scale, "growth_interval": 10 ** 6}, lr=lr, close=False).rec
     try:
         rec.flush()
-        assert rec.enabled, f"the recorder failed: {rec._failure!r}"
+        assert rec.enabled, f"the recorder failed: {rec.failure!r}"
     finally:
         rec.close()
     return Path(path)

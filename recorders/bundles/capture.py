@@ -205,9 +205,12 @@ class BundleCapture:
         self._service()
         # The weights are about to change: held, undecided steps whose
         # weights are still those of their forward (skipped steps) get a copy.
+        versions = None  # read once, for every held step
         for cap in self._held.values():
-            if cap.params is None and self._unchanged(cap):
-                self._secure(cap, clone_now(self.inventory.params), "copy_before_next_update")
+            if cap.params is None and cap.opt_steps == self._opt_steps:
+                versions = self.inventory.param_versions() if versions is None else versions
+                if cap.param_versions == versions:
+                    self._secure(cap, clone_now(self.inventory.params), "copy_before_next_update")
         cap = self._current
         if cap is not None and cap.params is None:
             wanted = cap.explicit or cap.step in self.steps
@@ -243,7 +246,10 @@ class BundleCapture:
         capture's forward (version counters live on the host)."""
         return cap.opt_steps == self._opt_steps and cap.param_versions == self.inventory.param_versions()
 
-    def on_step_end(self, step: int, *, loss, stepped: bool | None) -> None:
+    def on_step_end(self, step: int, *, loss, stepped: bool | None, clean: bool = False) -> None:
+        """`clean`: the step's host facts showed no event (its decision may
+        come late: `RunWriter` hands such steps over together); when too
+        many steps are held, clean ones are given up first."""
         if not self.enabled:
             return
         cap, self._current = self._current, None
@@ -257,7 +263,7 @@ class BundleCapture:
         # loss None: the summary then says NaN, which is not a non-finite loss
         self.decisions.note_step(step, explicit, no_loss=loss is None)
         if cap is not None:
-            cap.step, cap.stepped = step, stepped
+            cap.step, cap.stepped, cap.clean = step, stepped, clean
             old = self._held.pop(step, None)
             if old is not None:
                 self._release(old)
@@ -266,6 +272,7 @@ class BundleCapture:
             # Steps asked for explicitly (save_bundle(), bundle_steps) are
             # never given up: they are few by construction.
             evictable = [s for s, c in self._held.items() if not c.explicit and s not in self.steps]
+            evictable.sort(key=lambda s: not self._held[s].clean)  # stable: oldest first within each
             for old_step in evictable[:max(0, len(self._held) - limit)]:
                 old = self._held.pop(old_step)
                 self._evicted.add(old_step)  # the writer fell behind: too late for it

@@ -28,6 +28,7 @@ class ModelInventory:
         self.prefix = _raw_prefix(model)
         self.model_class = f"{cls.__module__}.{cls.__qualname__}"
         self.params: list = []  # tensors (a DTensor's local part is read when copied), or FlatViews
+        self._plain_params = None  # every one a tensor (param_versions' fast path), once known
         self.param_names: list[str] = []
         self.aliases: dict[str, str] = {}
         self.name_by_id: dict[int, str] = {}
@@ -120,6 +121,10 @@ class ModelInventory:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
     def param_versions(self) -> list[int]:
+        if self._plain_params is None:
+            self._plain_params = all(isinstance(p, torch.Tensor) for p in self.params)
+        if self._plain_params:
+            return [p._version for p in self.params]
         return [version_of(p) for p in self.params]
 
     def buffer_versions(self) -> list[int]:
@@ -148,7 +153,7 @@ class MicroBatch:
 class StepCapture:
     __slots__ = ("step", "micro_batches", "param_versions", "buffer_versions", "opt_steps",
                  "buffers", "params", "params_source", "params_exact", "params_pooled",
-                 "autocast", "precision", "optimizer_groups", "explicit", "stepped", "training")
+                 "autocast", "precision", "optimizer_groups", "explicit", "stepped", "training", "clean")
 
     def __init__(self, step: int):
         self.step = step
@@ -156,6 +161,7 @@ class StepCapture:
         self.params = None
         self.params_source = None
         self.params_exact = False
+        self.clean = False  # host facts showed no event: the first to give up when too many are held
         self.params_pooled = False
         self.buffers = None
         self.optimizer_groups = None

@@ -14,7 +14,6 @@ and the others, registered for that step) records the step as before.
 """
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
@@ -34,6 +33,7 @@ class SentinelHooks:
         self.params = params
         self._root_ref = weakref.ref(model)
         self._autocast = None  # as the current step's first forward saw it
+        self.guarded_output_grad = shared.guard(self.on_output_grad, traced=False)
 
     def register(self, handles: list) -> None:
         # Traced (the default guard): inside a graph dynamo compiles (the
@@ -72,11 +72,17 @@ class SentinelHooks:
         outs = [t for t in float_tensors(output) if t.requires_grad]
         micro_batch = st.micro_batches - 1
         self.shared.bundles.on_model_outputs(micro_batch, len(outs))
-        guard = self.shared.guard
         for idx, t in enumerate(outs):
-            t.register_hook(guard(functools.partial(self.on_output_grad, st, micro_batch, idx), traced=False))
+            node = t.grad_fn
+            if node is not None:
+                # The gradient its node receives is what reaches the output
+                # (a node pre-hook: a third of `Tensor.register_hook`'s cost).
+                node.register_prehook(_OutputGrad(self, st, micro_batch, idx, t.output_nr))
 
     def on_output_grad(self, st, micro_batch: int, idx: int, grad) -> None:
+        """The gradient reaching output `idx` of the root's call (micro-batch
+        `micro_batch`): held for a re-execution; its arrival starts the wait
+        for the backward's end, where the gradient facts are taken."""
         shared = self.shared
         if shared.state is not st or grad is None:
             return
@@ -84,3 +90,20 @@ class SentinelHooks:
         shared.bundles.on_model_output_grad(micro_batch, idx, grad)
         self.params.await_backward_end(st)
 
+
+
+class _OutputGrad:
+    """The pre-hook on one output's autograd node: one small object, not a
+    closure per output and step. An exception turns recording off, never
+    the training (the recorder's guard, through `shared.guard`)."""
+
+    __slots__ = ("hooks", "st", "micro_batch", "idx", "slot")
+
+    def __init__(self, hooks, st, micro_batch, idx, slot):
+        self.hooks, self.st, self.micro_batch, self.idx, self.slot = hooks, st, micro_batch, idx, slot
+
+    def __call__(self, grad_outputs):
+        hooks = self.hooks
+        if hooks.shared.state is self.st and self.slot < len(grad_outputs):
+            hooks.guarded_output_grad(self.st, self.micro_batch, self.idx, grad_outputs[self.slot])
+        return None

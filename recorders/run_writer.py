@@ -1,0 +1,169 @@
+"""The recorder's writer side: steps handed over from the training thread,
+and everything done with them on the writer thread.
+
+Training thread: `submit(job)` hands a job to the writer thread without
+waiting (a full queue drops the step and counts it); `submit_step` holds a
+clean step (not sampled, facts showing no event) back until a few more are
+there (`HOLD_BACK_STEPS`, `HOLD_BACK_S`): one hand-over, a lock and a
+wake-up, for many steps. Any other job sends them first, so the writer's
+order is the steps'.
+
+Writer thread: a step becomes table rows (`StepRows.rows`), goes to the
+shards and journal (`ShardWriter`), tells the schedule, the event detector
+and the bundle triggers what it held, and the manifest follows.
+
+Any thread: `write_stop` writes the stop record at once (a failure, or
+`close()` after one), never through the writer thread, which may be what
+failed.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+from . import schema
+from .manifest import failure_reason
+from .status_slot import write_fallback
+from .step_rows import step_events
+
+HOLD_BACK_STEPS = 32
+HOLD_BACK_S = 0.25
+
+
+class RunWriter:
+    """`thread`: the `WriterThread`; `rows` (`StepRows`), `shards`
+    (`ShardWriter`), `manifest` (`RunManifest`): what a step becomes;
+    `schedule`, `bundles`, `event_detector`/`events` (None without
+    `on_event`), `sentinel` (`reexecute.StepSentinel`, or None): told
+    each step's summary; `lost_updates()`: a report for the manifest, or
+    None; `guard`: the recorder's `FailureGuard` (the step being written
+    dates a failure on this thread)."""
+
+    def __init__(self, *, thread, rows, shards, manifest, schedule, bundles, guard, flush_interval_s: float,
+                 event_detector=None, events=None, sentinel=None, lost_updates=None):
+        self.thread = thread
+        self.rows = rows
+        self.shards = shards
+        self.manifest = manifest
+        self.schedule = schedule
+        self.bundles = bundles
+        self.guard = guard
+        self.flush_interval_s = flush_interval_s
+        self.event_detector = event_detector
+        self.events = events
+        self.sentinel = sentinel
+        self.lost_updates = lost_updates
+        self.dropped_steps = 0
+        self._last_roll = time.monotonic()
+        self._journaled_first_step = False  # the manifest rewritten after it (see write_step)
+        self._held_back: list = []
+        self._held_back_since = 0.0
+
+    # ------------------------------------------------------ training thread
+    def submit(self, job) -> None:
+        if self._held_back:
+            self.release_held()
+        if not self.thread.submit(job):
+            # Never make the training wait for the disk: drop and count.
+            self.dropped_steps += 1
+
+    def submit_step(self, pending, clean: bool) -> None:
+        if not clean:
+            self.submit(functools.partial(self.write_step, pending))
+            return
+        if not self._held_back:
+            self._held_back_since = time.monotonic()
+        self._held_back.append(pending)
+        if len(self._held_back) >= HOLD_BACK_STEPS or time.monotonic() - self._held_back_since >= HOLD_BACK_S:
+            self.release_held()
+
+    def release_held(self) -> None:
+        batch, self._held_back = self._held_back, []
+        if batch and not self.thread.submit(functools.partial(self.write_steps, batch)):
+            self.dropped_steps += len(batch)
+
+    # -------------------------------------------------------- writer thread
+    def write_steps(self, batch: list) -> None:
+        for pending in batch:
+            self.write_step(pending)
+
+    def write_step(self, pending) -> None:
+        self.guard.writing_step = pending.step
+        step_row, columns, summary = self.rows.rows(pending)
+        self.shards.add_step(step_row, columns)
+        self.manifest.note_step(pending.step)
+        events = step_events(summary)
+        if events:
+            self.schedule.note_event(pending.step, events)
+        if self.event_detector is not None:
+            for event in self.event_detector.observe(summary):
+                self.events.post(event)
+        self.bundles.on_step_summary(summary)
+        if self.sentinel is not None and (summary.get("reexecution") is not None or self.sentinel.capped):
+            self.manifest.note_reexecution(summary.get("reexecution"), self.sentinel.capped)
+        graph_autocast = summary.get("graph_autocast")
+        if graph_autocast is not None and not self.manifest.autocast_enabled():
+            # The root's forward ran in a compiled graph: no eager hook
+            # read autocast, the graph's trace did.
+            self.manifest.set_autocast(graph_autocast)
+            self._journaled_first_step = False  # on disk with this step
+        rolled = self.shards.pending_steps == 0
+        if not rolled and time.monotonic() - self._last_roll > self.flush_interval_s:
+            self.shards.roll()
+            rolled = True
+        if rolled:
+            self._last_roll = time.monotonic()
+        if rolled or not self._journaled_first_step:
+            # Also after the first step: what its forward taught the
+            # manifest (autocast) is on disk for a job killed before its
+            # first shard, whose steps are in the journal.
+            self._journaled_first_step = True
+            self.write_manifest()
+
+    def write_files(self, status: str) -> None:
+        """flush()/close(): the buffered steps as a shard, then the manifest."""
+        self.shards.roll()
+        self.shards.wait_published()
+        self.manifest.set_recording(status=status)
+        self.write_manifest()
+
+    def write_manifest(self) -> None:
+        self.manifest.set_recording(dropped_steps=self.dropped_steps, failure=self.guard.failure)
+        if self.lost_updates is not None:
+            self.manifest.set_lost_updates(self.lost_updates())
+        self.note_events()
+        self.manifest.set_spool_dropped(self.shards.dropped_steps)
+        self.manifest.write()
+
+    def note_events(self) -> None:
+        if self.events is not None:
+            self.manifest.set_events(self.events.report())
+
+
+def write_stop(*, guard, status_slot, rank_dir, run_id, rank, manifest, events=None, dropped_steps: int = 0,
+               status: str | None = None):
+    """The stop record (`disabled_reason`, `disabled_at_step`), written
+    from the calling thread: first in the reserved status slot, which a full
+    disk still takes (else a fallback file), then in the manifest, best
+    effort (the disk may be what failed). Returns the file that holds the
+    record (None: none could be written)."""
+    reason = failure_reason(guard.failure) if guard.failure is not None else None
+    if status_slot is not None:
+        where = status_slot.record(status=status, disabled_reason=reason, disabled_at_step=guard.failed_at_step)
+    elif rank_dir is not None and reason is not None:
+        # Failed before the slot was reserved (the disk was full already).
+        where = write_fallback(rank_dir / schema.STATUS_FILE, {
+            "format": schema.STATUS_FORMAT, "run_id": run_id, "rank": rank,
+            "status": status or "open", "disabled_reason": reason, "disabled_at_step": guard.failed_at_step})
+    else:
+        where = None
+    if manifest is not None:
+        try:
+            if events is not None:
+                manifest.set_events(events.report())
+            manifest.set_recording(status=status, dropped_steps=dropped_steps, failure=guard.failure,
+                                   failed_at_step=guard.failed_at_step)
+            manifest.write()
+        except Exception:  # noqa: BLE001 - nothing more can be done without a disk
+            pass
+    return where

@@ -1,0 +1,102 @@
+"""A compiled model's full-tier steps, run eagerly.
+
+A full-tier step of a compiled model runs eagerly
+(`torch.compiler.set_stance("force_eager")`), so that every module's hooks
+fire; compiled steps keep their graphs (a stance change neither
+invalidates nor recompiles them). `CompileStance` holds whether the model
+is compiled, the stance to restore, and the root's two hooks that hold the
+stance for its forwards only.
+"""
+from __future__ import annotations
+
+COMPILED_STEPS_RECORD = (
+    "the cheap tier's rows of every watched module (activation, grad_output, grad_input, <input>), "
+    "computed by tensor operations inside the compiled graph (inductor's fused rounding), one row "
+    "per module and kind (call 0: a module's calls merged), min/max/mean/rms and the shares null; "
+    "loss, loss scale, skipped, parameter gradients (param_grad rows, grad_norm) as eager")
+
+COMPILED_STEPS_WITHOUT_ROWS = (
+    "loss, loss scale, skipped, parameter gradients (param_grad rows, grad_norm) and, with the "
+    "recorder attached to the compiled module, the model's inputs and outputs (compiled_rows=False: "
+    "no statistic inside the graph)")
+
+
+class CompileStance:
+    """`eager_full_steps`: run full-tier steps of a compiled model eagerly;
+    `compiled_rows`: the cheap rows are computed inside the graph (for the
+    manifest's words); `guard`: the recorder's `FailureGuard`."""
+
+    def __init__(self, *, eager_full_steps: bool, compiled_rows: bool, guard):
+        self.eager_full_steps = bool(eager_full_steps)
+        self.compiled_rows = bool(compiled_rows)
+        self.guard = guard
+        self.compiled = False
+        self._prior_stance = None  # the compiler stance to restore after an eager step
+        # Whether the next forwards of the model run eagerly (a full-tier step
+        # of a compiled model whose root's hooks run outside its graph).
+        self._eager_forwards = False
+        self._handles: list = []
+
+    def enter_tier(self, tier) -> None:
+        """The stance is the whole process's: every compiled function runs
+        eagerly while it holds. Where the root's hooks run outside the
+        compiled graph (the recorder attached to the compiled module), it
+        holds only during the root's forwards (`register_hooks`), so that
+        other compiled code (a compiled loss or optimizer step, an EMA or
+        evaluation model, another recorded job) keeps its graphs. Attached
+        before compiling, the root's hooks run inside the graph, too late to
+        choose it: the stance then holds from the previous `step()` to this
+        step's."""
+        full = self.compiled and self.eager_full_steps and tier == "full"
+        if self._handles:
+            self._eager_forwards = full
+            return
+        if full:
+            self._force_eager()
+
+    def _force_eager(self) -> None:
+        if self._prior_stance is None:
+            from torch._dynamo import eval_frame
+            self._prior_stance = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+
+    def register_hooks(self, model) -> None:
+        """The root's forwards of a full-tier step run eagerly: only for a
+        model compiled before it was attached whose own hooks run outside
+        the graph (an `OptimizedModule`, or a wrapper around one; not
+        `module.compile()`, whose hooks are compiled with it)."""
+        if not (self.compiled and self.eager_full_steps) or getattr(model, "_compiled_call_impl", None) is not None:
+            return
+
+        def enter(module, args):
+            if self._eager_forwards:
+                self._force_eager()
+
+        def leave(module, args, output):
+            self.leave_tier()
+        wrap = self.guard.wrap
+        self._handles = [model.register_forward_pre_hook(wrap(enter, traced=False), prepend=True),
+                         model.register_forward_hook(wrap(leave, traced=False), always_call=True)]
+
+    def leave_tier(self) -> None:
+        if self._prior_stance is None:
+            return
+        from torch._dynamo import eval_frame
+        prior, self._prior_stance = self._prior_stance, None
+        eval_frame._set_stance(prior)
+
+    def remove(self) -> None:
+        self.leave_tier()
+        self._eager_forwards = False
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def info(self) -> dict | None:
+        """The manifest's `compiled` entry (None: not compiled)."""
+        if not self.compiled:
+            return None
+        return {"detected": True,
+                "compiled_steps": COMPILED_STEPS_RECORD if self.compiled_rows else COMPILED_STEPS_WITHOUT_ROWS,
+                "eager_steps": ("full-tier steps run eagerly (torch.compiler.set_stance('force_eager')) "
+                                "and carry every row of an eager run, computed with eager rounding"
+                                if self.eager_full_steps else "none (eager_full_steps=False)")}
