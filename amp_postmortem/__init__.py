@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = ["load_run", "load_bundle", "summary", "watch", "nans", "scale", "ranges", "compare", "replay", "fix",
            "bisect", "scale_window", "recommend", "rerun", "report", "export_tensorboard", "export_mlflow",
-           "export_wandb"]
+           "export_wandb", "record"]
 
 # The CLI's option defaults are read from these signatures;
 # tests/test_api.py checks them against the analyses' own defaults.
@@ -380,6 +380,19 @@ def export_wandb(run, *, project: str | None = None, offline: bool = False, dire
     require_wandb()
     r = load_run(run, rank=rank, progress=progress)
     return _result(write(r, project=project, offline=offline, directory=directory), r)
+
+
+# ------------------------------------------------------------ recording
+def record(command, *, run=None, mode: str | None = None, include=(), exclude=(), options=None) -> int:
+    """Run a training script with an `AmpRecorder` attached to the model,
+    optimizer and GradScaler it builds (`amp-postmortem record -- python
+    train.py ARGS`), no edit to it; the script's exit code. `command`:
+    `["python", "train.py", *args]` (or `-m module`); `run`: the run
+    directory (default `runs/<script>-<time>`); `mode`, `include`,
+    `exclude`, `options` (`{keyword: literal}`): `AmpRecorder`'s keywords.
+    See `record_script.py` and `recorders/attach.py`."""
+    from .record_script import record as run_recorded
+    return run_recorded(command, run=run, mode=mode, include=include, exclude=exclude, options=options)
 
 
 # ----------------------------------------------------------------- helpers

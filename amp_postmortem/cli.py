@@ -20,6 +20,7 @@ import os
 import click
 
 import amp_postmortem as api
+from recorders.schedule import MODES as RECORD_MODES
 
 from .errors import PostmortemError
 from .analyses.fail_on import SEVERITIES, fail_rule
@@ -260,6 +261,41 @@ def watch(run, fmt, **options):
         click.get_current_context().exit(EXIT_INTERRUPTED)
     click.get_current_context().exit(end.exit_code)
 
+
+
+def _recorder_options(ctx, param, value):
+    """--option KEY=VALUE (repeated) as {KEY: VALUE}; a malformed one is one `Error:` line."""
+    from .record_script import parse_option
+    try:
+        return dict(parse_option(text) for text in value) or None
+    except PostmortemError as exc:
+        raise CliError(str(exc)) from None
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--run", default=None, metavar="DIR", help="The run directory (or URI) to write "
+              "[default: runs/<script>-<YYYYmmdd-HHMMSS>].")
+@click.option("--mode", type=click.Choice(RECORD_MODES), default=None,
+              help="The recorder's mode [default: $AMP_POSTMORTEM_MODE, else sentinel].")
+@click.option("--include", multiple=True, metavar="GLOB", help="Watch only these modules (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Do not watch these modules (repeatable).")
+@click.option("--option", "options", multiple=True, metavar="KEY=VALUE", callback=_recorder_options,
+              help="Any other AmpRecorder keyword, VALUE a Python literal (repeatable): "
+                   "--option window_steps=16 --option full_every=10.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def record(**options):
+    """Run a training script with the recorder attached, no edit to it:
+    the model, optimizer and GradScaler it builds (or its Hugging Face or
+    Lightning Trainer) are found, one stderr line says which, and the run
+    is closed when the script ends. The exit code, stdout and stderr are
+    the script's; a script whose training objects cannot be told apart
+    (two optimizers) runs unrecorded, with one line saying why.
+
+    \b
+        amp-postmortem record -- python train.py --lr 3e-4
+        amp-postmortem record --run runs/exp1 --mode every_step -- python -m mypkg.train
+    """
+    click.get_current_context().exit(api.record(**options))
 
 from .cli_replay import replay_command; main.add_command(replay_command, "replay")  # noqa: E402,E702
 from .cli_report import export_group, report_command; main.add_command(report_command); main.add_command(export_group)  # noqa: E402,E702,E501

@@ -33,6 +33,8 @@ API_ONLY = {"progress"}
 # Commands that print a stream of events, not one document: their API
 # function returns an iterator; `fail_on` is an option of the API there.
 STREAMING = {"watch"}
+# Commands that run a program: their API function returns its exit code.
+PROCESSES = {"record"}
 
 # Where `report` and `export tensorboard` write (the API and the CLI write
 # the same file; the export directory is emptied between the two).
@@ -123,10 +125,10 @@ def _relative(doc):
 # ------------------------------------------------------------ the mirror
 def test_every_command_has_an_api_function_of_its_name():
     assert {c.replace("-", "_").replace(" ", "_") for c in COMMANDS} <= set(api.__all__)
-    assert set(CALLS) | STREAMING == set(COMMANDS)
+    assert set(CALLS) | STREAMING | PROCESSES == set(COMMANDS)
 
 
-@pytest.mark.parametrize("command", sorted(set(CALLS) | STREAMING))
+@pytest.mark.parametrize("command", sorted(set(CALLS) | STREAMING | PROCESSES))
 def test_every_cli_option_is_a_keyword_argument_of_the_api_function(command):
     cli = {p.name for p in COMMANDS[command].params} - (CLI_ONLY - ({"fail_on"} if command in STREAMING else set()))
     signature = inspect.signature(_api_function(command)).parameters
@@ -279,7 +281,7 @@ def test_cli_choices_come_from_the_one_vocabulary():
 
 # ----------------------------------------------------------- the layers
 LAYERS = [  # each imports only from its own layer and the ones before it
-    {"errors", "names", "op_words", "display"},
+    {"errors", "names", "op_words", "display", "record_script"},
     {"loader", "shard_rows", "shards", "bundle", "bundle_dirs", "shard_bundle", "window", "store", "index", "step_facts", "step_series", "engines",
      "journal", "files", "tail", "array_bundle"},
     {"analyses"},
@@ -326,14 +328,14 @@ def test_layers_import_only_downward():
 
 RECORDERS = REPO / "recorders"
 RECORDER_LAYERS = [  # each imports only from its own layer and the ones before it
-    {"errors", "schema", "plain", "unwrap", "fp32"},                            # the format, pure helpers
+    {"errors", "schema", "plain", "unwrap", "fp32", "attach_choice"},           # the format, pure helpers
     {"layout", "tensor_codec", "aggregate", "stats", "staged_stats", "loss_tap", "schedule", "events"},  # a tensor's and a step's values
     {"index", "journal", "writer", "writer_thread", "event_thread", "lease", "status_slot", "storage"},  # threads, files, stores
     {"manifest", "run_id", "step_rows", "graph_rows", "host_run", "host_bundle"},  # the job described, rows
     {"collectors", "hooks", "bundles", "reexecute"},                            # the parts on the training path
     {"options"},                                                                # the parts a user passes in
     {"recorder"},                                                               # AmpRecorder assembles them
-    {"integrations", "keras_recorder", "flax_recorder"},                        # the frameworks' glue and recorders
+    {"integrations", "keras_recorder", "flax_recorder", "attach"},              # the frameworks' glue and recorders
     {"__init__"},
 ]
 

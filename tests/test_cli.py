@@ -25,7 +25,8 @@ def test_every_command_is_documented_with_an_example():
         result = invoke(name, "--help")
         assert result.exit_code == 0
         assert f"amp-postmortem {name} " in result.output, name
-        assert "--json" in result.output and "--rank" in result.output
+        if name != "record":  # runs a script: it reads no run and prints no result
+            assert "--json" in result.output and "--rank" in result.output
 
 
 @pytest.mark.parametrize("command", COMMANDS)
