@@ -19,6 +19,8 @@ guard on its hooks), they stay registered from `register()` to `remove()`.
 """
 from __future__ import annotations
 
+import contextlib
+
 from . import schema
 from .collectors.autocast import AutocastWatch
 from .collectors.backward import BackwardCollector
@@ -114,6 +116,15 @@ class TrainingHooks:
     def paused(self, depth: int) -> None:
         self.shared.paused = depth
         self.graph.set_gate(self.shared.state.record and not depth)
+
+    @contextlib.contextmanager
+    def pausing(self, value=None):
+        """`rec.paused()`: passes inside are not recorded; yields `value`."""
+        self.paused += 1
+        try:
+            yield value
+        finally:
+            self.paused -= 1
 
     @property
     def autocast(self) -> dict | None:

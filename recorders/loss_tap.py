@@ -190,3 +190,13 @@ def _tensors(outputs):
     elif isinstance(outputs, (tuple, list)):
         for o in outputs:
             yield from _tensors(o)
+
+
+def loss_tap_for(model, scaler, losses: MicroBatchLosses, active):
+    """The tap a job gets: any scaler object, enabled or not, sees the loss
+    as backpropagated (nanoGPT scales through a disabled one under bf16);
+    without one, the model may return its loss (Hugging Face models with
+    `labels=`), taken in grad mode only."""
+    if scaler is not None and callable(getattr(scaler, "scale", None)):
+        return ScaleTap(scaler, losses, active)
+    return OutputLossTap(model, losses, lambda: active() and torch.is_grad_enabled())

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import schema
-from .layout import all_module_names, unwrap, user_class
+from .layout import all_module_names, fsdp1_shapes, unwrap, user_class
 from .plain import plain
 from .writer import atomic_write_json
 
@@ -125,16 +125,23 @@ def bare_manifest(run_dir: Path, rank: int, world_size: int, run_id: str | None)
         "rank": rank, "world_size": world_size})
 
 
-def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Module,
-                 module_names: dict, watched: list[str], params: list, optimizer, scaler,
-                 recorder_options: dict, model_class: type | None = None, sharded=frozenset(),
-                 shapes: dict | None = None, flat_views=()) -> dict:
+def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Module, optimizer, scaler,
+                 recorder_options: dict, survey=None, module_names: dict | None = None,
+                 watched: list[str] | None = None, params: list | None = None, model_class: type | None = None,
+                 sharded=frozenset(), shapes: dict | None = None, flat_views=()) -> dict:
     """The manifest's description of the job, known before the first step.
     `model_class`: the user's class (default: the model's); `sharded`: ids
     of the parameters sharded across ranks; `shapes`: unsharded shapes by
     parameter id where `.shape` is a local one (FSDP1); `flat_views`:
     (name, `FlatView`) of FSDP1's parameters without `use_orig_params`,
-    listed as parameters (with their unsharded shapes)."""
+    listed as parameters (with their unsharded shapes). `survey`: a
+    `survey.ModelSurvey`, which gives the names, watched modules,
+    parameters, sharding and flat views (and the user's class and FSDP1's
+    shapes are read off the model)."""
+    if survey is not None:
+        module_names, watched, params = survey.module_names, survey.watched, survey.params
+        sharded, flat_views = survey.sharded, survey.flat_views
+        model_class, shapes = user_class(model), fsdp1_shapes(model)
     watched_set = set(watched)
     shapes = shapes or {}
     # Tied parameters (one tensor under several names, e.g. an embedding and

@@ -261,3 +261,18 @@ def probe_targets(probe, modules: list, watched: list) -> tuple[list, list]:
         watched = set(watched)
         leaves = [name for name, m in modules if name in watched and next(m.children(), None) is None]
     return probed, leaves
+
+
+def recorded_options(parts: RecorderParts, *, matches, near_overflow: float, stance, mode: str,
+                     probed: list) -> dict:
+    """The manifest's `recorder` entry as far as the options say it (the
+    bundles' and the re-execution's are added by who builds them)."""
+    writing = parts.writer
+    options = {"include": list(matches.include), "exclude": list(matches.exclude), **parts.schedule.config(),
+               "steps_per_shard": writing.steps_per_shard, "near_overflow": float(near_overflow),
+               "eager_full_steps": stance.eager_full_steps, "compiled_rows": stance.compiled_rows,
+               "flush_interval_s": writing.flush_interval_s, "durable_interval_s": writing.durable_interval_s,
+               "mode": mode}
+    if parts.probe is not None:
+        options["probe"] = {**parts.probe.config(), "probed": probed}
+    return options

@@ -57,6 +57,11 @@ class RankFiles:
         # The space of the stop record, taken while the disk has room.
         self.status = StatusSlot(self.rank_dir, run_id=self.run_id, rank=rank)
 
+    def notify_uploads(self) -> None:
+        """A shard may be waiting: the upload thread looks now (a URI run)."""
+        if self.uploader is not None:
+            self.uploader.notify()
+
     def close(self, spool_full_steps: int = 0) -> None:
         """Upload what the spool holds (a URI run), report (never drop) what
         the store did not take, close the status slot, release the lease

@@ -4,27 +4,17 @@ Lifecycle: construct (hooks registered, manifest written), `step()` once per
 optimizer step, `flush()` (blocks until everything so far is on disk),
 `close()` (idempotent; flushes and removes every hook). Also a context manager.
 
-`AmpRecorder` assembles its parts and wires them; each keeps its own state:
-`files` (`RankFiles`: the rank directory, lease, run id, status slot),
-`guard` (`FailureGuard`: an internal error turns recording off),
-`schedule` (`RecordSchedule`: which step is sampled at which tier), `hooks`
-(`TrainingHooks`: the root's hooks on every step, the collectors' on
-sampled ones), `sentinel` (`StepSentinel`: a failing step not sampled,
-re-executed in full), `bundles` (`BundleCapture`: what a replay needs),
-`stance` (`CompileStance`: a compiled model's eager steps), `rows`
-(`StepRows`), `manifest` (`RunManifest`), `shards` (`ShardWriter`) and
-`run_writer` (`RunWriter`: the writer thread's side, on `writer`, the
-`WriterThread`), `losses` and `loss_tap` (every micro-batch's loss), and
-with `on_event=` `events` (`EventDispatcher`). The training path only
-enqueues device work; every decision taken on values is made on host
-values or on the writer thread, one step (or more) late.
+`AmpRecorder` assembles its parts (docs/ARCHITECTURE.md lists them) and
+wires them; each keeps its own state. The training path only enqueues device
+work; every decision taken on values is made on host values or on the writer
+thread, one step (or more) late.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
-from contextlib import contextmanager
 
 import torch
 
@@ -32,15 +22,14 @@ from . import schema
 from .bundles.capture import BundleCapture
 from .bundles.policy import BundlePolicy
 from .errors import OptionError  # noqa: F401 - importable from here, as before recorders.errors
-from .event_thread import FLUSH_WAIT_S, EventDispatcher
-from .events import EventDetector
+from .event_thread import EventDispatcher
 from .guard import FailureGuard
 from .hooks import TrainingHooks
-from .layout import fsdp1_shapes, fsdp1_sharded_params, is_compiled, user_class
+from .layout import fsdp1_sharded_params, is_compiled
 from .lease import LeaseHeldError
-from .loss_tap import MicroBatchLosses, OutputLossTap, ScaleTap, loss_dtype, step_loss
+from .loss_tap import MicroBatchLosses, loss_dtype, loss_tap_for, step_loss
 from .manifest import RunManifest, bare_manifest, describe_job, distributed_rank_world
-from .options import StorageOptions, WriterOptions, parts_from_flat, probe_targets
+from .options import StorageOptions, WriterOptions, parts_from_flat, probe_targets, recorded_options
 from .plain import plain
 from .rank_files import RankFiles
 from .reexecute import Reexecutor, Refusal, StepSentinel, reexecute_policy
@@ -50,7 +39,6 @@ from .stance import CompileStance
 from .step_rows import StepRows
 from .survey import name_filter, survey_model
 from .unwrap import unwrap_optimizer, unwrap_scaler
-from .writer import Publisher, ShardWriter
 from .writer_thread import WriterThread
 
 MODE_ENV = "AMP_POSTMORTEM_MODE"
@@ -67,68 +55,42 @@ class AmpRecorder:
 
     Args:
         run_dir: the run directory (created; a resumed job may reuse it), or
-            a URI of any filesystem pyarrow or fsspec opens (`s3://...`):
-            its files are then spooled locally and uploaded off the
-            training path.
-        model: the model to watch: an `nn.Module`, bare or wrapped (DDP,
-            FSDP, `torch.compile`, checkpoint wrappers, as Accelerate
-            prepared it; names and class are the unwrapped model's).
-        optimizer: its optimizer (Accelerate's and Lightning's wrappers
-            unwrapped): the learning rates, the skip flag (its pre-step
-            hook) and the weights a bundle or a re-execution holds.
-        scaler: the `torch.amp.GradScaler`, if any, or an object holding one
-            in `_scaler`, `scaler` or `grad_scaler` (timm's `NativeScaler`,
-            an `Accelerator`, Lightning's precision plugin); any other
-            object is refused with a RuntimeWarning (recorded as no scaler).
-        schedule: the `RecordSchedule`: which step is sampled at which tier
-            (default: the `mode`'s).
-        bundles: the `BundlePolicy`: which replay bundles are held and
-            saved (True: `BundlePolicy()`; False: nothing is held, and no
-            step can be re-executed).
-        storage: the `StorageOptions` of a URI run (its spool, its uploads).
-        writer: the `WriterOptions` (shard size, how often shards are
-            written and the journal fsynced, the writer thread's queue).
-        on_event: a callable, called on a thread of its own with an `Event`
-            (`recorders.events`) at the first non-finite value, a skip streak
-            and the onset of a scale collapse; or an `EventPolicy`. It may
-            ask for a stop (`rec.should_stop`), a checkpoint
-            (`rec.checkpoint_requested`) or a bundle of the next step.
+            a URI pyarrow or fsspec opens (`s3://...`: spooled, uploaded).
+        model: the `nn.Module`, bare or wrapped (DDP, FSDP, `torch.compile`,
+            checkpoint wrappers); names and class are the unwrapped model's.
+        optimizer: its optimizer (wrappers unwrapped): learning rates, the
+            skip flag (its pre-step hook), the weights a bundle holds.
+        scaler: the `GradScaler`, or an object holding one in `_scaler`,
+            `scaler` or `grad_scaler`; any other is refused with a warning.
+        schedule: the `RecordSchedule` (default: the `mode`'s).
+        bundles: the `BundlePolicy` (True: the default; False: nothing held,
+            no step re-executed).
+        storage: the `StorageOptions` of a URI run.
+        writer: the `WriterOptions` (shards, journal, queue).
+        on_event: a callable (or an `EventPolicy`) called on its own thread
+            with an `Event` (`recorders.events`); it may ask for a stop
+            (`should_stop`), a checkpoint or a bundle of the next step.
         include: glob patterns of module names to watch (`"*"`: all).
         exclude: glob patterns of module names not to watch.
-        near_overflow: the magnitude counted as near overflow (default
-            float16's largest finite value).
+        near_overflow: the magnitude counted as near overflow (65504).
         rank: this process's rank (default: torch.distributed's, else 0).
         world_size: the number of ranks (default: torch.distributed's, else 1).
         run_id: the run's id (default: `$AMP_POSTMORTEM_RUN_ID`,
-            `$TORCHELASTIC_RUN_ID`, the id of a run already in `run_dir`,
-            else a new one; rank 0's under a process group).
-        capture_loss: capture every micro-batch's loss where the loop scales
-            it or the model returns it (`recorders.loss_tap`); a loss passed
-            to `step()` wins unless a captured one is NaN/Inf. False: only
-            the loss passed.
-        eager_full_steps: with a compiled model, run full-tier steps eagerly
-            (`recorders.stance.CompileStance`). False: every step stays
-            compiled.
-        compiled_rows: with a compiled model, compute the cheap tier's rows
-            inside the compiled graph (`collectors.graph_stats`; off by
-            default: see `recorders.stance`).
-        probe: the op probe (off by default): glob patterns of module names
-            or a `ProbeOptions` (`recorders.options`): each op's largest
-            finite magnitude and NaN/Inf counts inside the probed modules.
-        reexecute: re-execute a failing step not sampled, in full, inside
-            the job: True (`ReexecutePolicy()`), a `ReexecutePolicy`
-            (`recorders.reexecute`, which says what is held and when it is
-            refused) or False. The training's numbers are untouched.
-        mode: `"sentinel"` (the default): step facts every step, per-module
-            rows on sampled steps only (`RecordSchedule()`), no hook on any
-            module but the root on the other steps, the failing step
-            re-executed; `"every_step"`: every module's rows on every step
-            (`RecordSchedule.every_step()`, 3x a launch-bound step). None
-            reads `$AMP_POSTMORTEM_MODE`, else "sentinel".
-        flat: the flat keywords of earlier versions (`full_every=`,
-            `max_bundles=`, `spool_dir=`, ...), each one field of a part
-            (`recorders.options.FLAT_OPTIONS`, where each is documented);
-            any other keyword is a TypeError.
+            `$TORCHELASTIC_RUN_ID`, the run's, else new; rank 0's for all).
+        capture_loss: capture every micro-batch's loss (`recorders.loss_tap`);
+            the loss passed to `step()` wins unless one captured is NaN/Inf.
+        eager_full_steps: a compiled model's full-tier steps run eagerly
+            (`recorders.stance`).
+        compiled_rows: a compiled model's cheap rows computed in the graph
+            (`collectors.graph_stats`; off: see `recorders.stance`).
+        probe: the op probe: module name patterns or a `ProbeOptions`.
+        reexecute: re-execute a failing step not sampled in full, in the job:
+            True, a `ReexecutePolicy` (`recorders.reexecute`) or False.
+        mode: `"sentinel"` (default: step facts every step, module rows on
+            sampled steps, the failing step re-executed) or `"every_step"`
+            (every module's rows every step); None: `$AMP_POSTMORTEM_MODE`.
+        flat: the flat keywords of earlier versions (`full_every=`, ...),
+            one field of a part each (`recorders.options.FLAT_OPTIONS`).
     """
 
     def __init__(self, run_dir, model: torch.nn.Module, optimizer=None, scaler=None, *,
@@ -143,21 +105,14 @@ class AmpRecorder:
         self.parts = parts_from_flat(flat, schedule=schedule, bundles=bundles, storage=storage, writer=writer,
                                      on_event=on_event, probe=probe, mode=self.mode)
         self.reexecute_policy = reexecute_policy(reexecute)
-        self.model = model
-        # AcceleratedOptimizer inherits register_step_pre_hook without the
-        # state it writes to: hook the torch optimizer that really steps.
-        self.optimizer = unwrap_optimizer(optimizer)
-        scaler, refused = unwrap_scaler(scaler)
+        # The torch optimizer that really steps (AcceleratedOptimizer has the
+        # pre-step hook without its state), a real GradScaler (or None).
+        self.model, self.optimizer = model, unwrap_optimizer(optimizer)
+        self.scaler, refused = unwrap_scaler(scaler)
         if refused:
             warnings.warn(f"amp-postmortem: {refused}", RuntimeWarning, stacklevel=2)
-        self.scaler = scaler
-        self.matches = name_filter(include, exclude)
-        self.run_location = str(run_dir)
-        self.capture_loss = bool(capture_loss)
-        self._closed = False
-        self._step_counter = 0
-        self._should_stop = False
-        self.checkpoint_requested = False
+        self.matches, self.run_location, self.capture_loss = name_filter(include, exclude), str(run_dir), capture_loss
+        self._closed, self._step_counter, self._should_stop, self.checkpoint_requested = False, 0, False, False
         self.guard = FailureGuard(current_step=lambda: self._step_counter, on_failure=self._write_stop)
         self.stance = CompileStance(eager_full_steps=eager_full_steps, compiled_rows=compiled_rows,
                                     guard=self.guard)
@@ -167,19 +122,13 @@ class AmpRecorder:
         self.losses = MicroBatchLosses()
         try:
             self._build(run_dir, rank=rank, world_size=world_size, near_overflow=near_overflow)
-        except LeaseHeldError as exc:
-            # Another live recorder writes this rank directory: touch none
-            # of its files (manifest included), record nothing.
+        except LeaseHeldError as exc:  # another live recorder's: touch none of its files
             self.guard.refuse(f"not recording: {exc}; one recorder per run directory and rank (pass another "
                               f"run directory for this job). Training continues unrecorded.")
             self._unhook()
-        except Exception as exc:  # noqa: BLE001 - the training must go on
-            # Whatever broke (an unwritable run directory, a model the
-            # recorder does not understand): no hooks, no thread, one
-            # warning; step() and close() are no-ops.
+        except Exception as exc:  # noqa: BLE001 - the training goes on: no hooks, no thread, one warning
             if self.manifest is None and self.run_dir is not None:
-                # Failed before the manifest was built: a bare one, so that
-                # the run directory still says why nothing was recorded.
+                # A bare manifest: the run directory still says why nothing was recorded.
                 self.manifest = bare_manifest(self.run_dir, self.rank, self.world_size, self.run_id)
             self.guard.fail(exc)
             self._unhook()
@@ -192,34 +141,20 @@ class AmpRecorder:
             self.world_size = int(dist_world if world_size is None else world_size)
         self.files = RankFiles(run_dir, self.rank, storage=parts.storage, run_id=self.run_id)
         self.files.open()
-        self.run_id = self.files.run_id
-        self.guard.status_path = self.files.status.path
+        self.run_id, self.guard.status_path = self.files.run_id, self.files.status.path
         survey = survey_model(model, self.matches)
         bundles_enabled = parts.bundles_enabled
-        window_off = None
-        if (survey.sharded or survey.flat_views) and bundles_enabled and parts.bundle_policy.window_steps > 0:
-            # Each rank starts its window when its own writer has decided
-            # the steps before: the ranks' windows would start at different
-            # steps, whose shards no reader could put together.
-            window_off = "sharded parameters (the ranks' windows would not start at one step)"
+        window_off = parts.bundle_policy.window_refusal(sharded=bool(survey.sharded or survey.flat_views),
+                                                        enabled=bundles_enabled)
         self.schedule = parts.schedule
         for s in (parts.bundle_policy.steps if bundles_enabled else ()):
             self.schedule.request(s)  # a bundle asked for up front: its step in full
         probed, probe_leaves = probe_targets(parts.probe, survey.modules, survey.watched)
-        writing = parts.writer
-        options = {"include": list(self.matches.include), "exclude": list(self.matches.exclude),
-                   **self.schedule.config(), "steps_per_shard": writing.steps_per_shard,
-                   "near_overflow": float(near_overflow), "eager_full_steps": self.stance.eager_full_steps,
-                   "compiled_rows": self.stance.compiled_rows, "flush_interval_s": writing.flush_interval_s,
-                   "durable_interval_s": writing.durable_interval_s, "mode": self.mode}
-        if parts.probe is not None:
-            options["probe"] = {**parts.probe.config(), "probed": probed}
+        options = recorded_options(parts, matches=self.matches, near_overflow=near_overflow, stance=self.stance,
+                                   mode=self.mode, probed=probed)
         job = describe_job(run_id=self.run_id, rank=self.rank, world_size=self.world_size, model=model,
-                           module_names=survey.module_names, watched=survey.watched, params=survey.params,
-                           optimizer=optimizer, scaler=scaler, recorder_options=options,
-                           flat_views=survey.flat_views, model_class=user_class(model), sharded=survey.sharded,
-                           shapes=fsdp1_shapes(model))
-        self.writer = WriterThread(max_queue=writing.max_queue, is_failed=lambda: self.guard.failure is not None,
+                           survey=survey, optimizer=optimizer, scaler=scaler, recorder_options=options)
+        self.writer = WriterThread(max_queue=parts.writer.max_queue, is_failed=lambda: self.guard.failure is not None,
                                    on_error=self.guard.fail)
         self.guard.writer_thread = self.writer.thread
         run_info = {k: job[k] for k in ("run_id", "rank", "world_size", "package_version",
@@ -232,10 +167,9 @@ class AmpRecorder:
         if window_off:
             job["recorder"]["bundles"]["window_disabled"] = window_off
         # Re-execution replays held steps: without bundles nothing is held.
-        reexecuting = self.reexecute_policy is not None and bundles_enabled
+        policy = self.reexecute_policy if bundles_enabled else None
         refuse = Refusal.DISTRIBUTED if survey.distributed or self.world_size > 1 else None
-        job["recorder"]["reexecute"] = (dict(self.reexecute_policy.config(), refused=refuse and refuse.value)
-                                        if reexecuting else None)
+        job["recorder"]["reexecute"] = policy.config(refused=refuse) if policy is not None else None
         self.manifest = RunManifest(self.run_dir, self.rank, job)
         if parts.events is not None:
             self.events = EventDispatcher(parts.events)
@@ -250,45 +184,29 @@ class AmpRecorder:
             on_probe_error=self.guard.fail,
             on_autocast=lambda info: self.run_writer.submit(functools.partial(self.manifest.set_autocast, info)),
             sampled_hooks=self.schedule.cheap_every > 1 and not is_compiled(model))
-        if reexecuting:
-            self.sentinel = StepSentinel(self.reexecute_policy,
-                                         Reexecutor(model, self.hooks, self.bundles, refuse=refuse),
-                                         has_scaler=scaler is not None and optimizer is not None, losses=self.losses)
+        if policy is not None:
+            self.sentinel = StepSentinel(policy, Reexecutor(model, self.hooks, self.bundles, refuse=refuse),
+                                         scaler=scaler, optimizer=optimizer, losses=self.losses,
+                                         scale_floor=parts.bundle_policy.min_loss_scale)
         self.stance.compiled = is_compiled(model)
         if self.stance.compiled:
             self.manifest.set_compiled(self.stance.info())
         self.hooks.begin_step(0, self.schedule.tier(0))
-        up = self.files.uploader
-        self.shards = ShardWriter(self.files.rank_dir, run_id=self.run_id, rank=self.rank,
-                                  world_size=self.world_size, steps_per_shard=writing.steps_per_shard,
-                                  first_index=self.files.first_shard, has_room=up.has_room if up else None,
-                                  durable_interval_s=writing.durable_interval_s,
-                                  publisher=Publisher(on_error=self.guard.fail))
         self.run_writer = RunWriter(
-            thread=self.writer, rows=self.rows, shards=self.shards, manifest=self.manifest, schedule=self.schedule,
-            bundles=self.bundles, guard=self.guard, flush_interval_s=writing.flush_interval_s,
-            event_detector=EventDetector.of(parts.events) if parts.events is not None else None,
-            events=self.events, sentinel=self.sentinel,
-            lost_updates=self.hooks.updates.report if getattr(self.hooks, "updates", None) is not None else None)
-        self.writer.when_idle(self.shards.sync_journal, self.shards.journal.idle_sync_s)
-        if up is not None:
+            thread=self.writer, rows=self.rows, files=self.files, manifest=self.manifest, schedule=self.schedule,
+            bundles=self.bundles, guard=self.guard, writing=parts.writer, world_size=self.world_size,
+            event_policy=parts.events, events=self.events, sentinel=self.sentinel, lost_updates=self.hooks.updates.report)
+        self.shards = self.run_writer.shards
+        if self.files.uploader is not None:
             self.manifest.set_storage(self.run_location)
         self.manifest.write()
         self.writer.start()
         self.hooks.register()
         self.stance.register_hooks(model)
         if self.capture_loss:
-            self.loss_tap = self._loss_tap(scaler)
+            self.loss_tap = loss_tap_for(model, scaler, self.losses,
+                                         lambda: self.guard.enabled and not self.hooks.paused)
         self.stance.enter_tier(self.schedule.tier(0))
-
-    def _loss_tap(self, scaler):
-        # Any scaler object, enabled or not, sees the loss as backpropagated
-        # (nanoGPT scales through a disabled one under bf16); without one,
-        # the model may return its loss (Hugging Face models with labels=).
-        active = lambda: self.guard.enabled and not self.hooks.paused  # noqa: E731
-        if scaler is not None and callable(getattr(scaler, "scale", None)):
-            return ScaleTap(scaler, self.losses, active)
-        return OutputLossTap(self.model, self.losses, lambda: active() and torch.is_grad_enabled())
 
     def _unhook(self) -> None:
         self.stance.remove()
@@ -299,15 +217,13 @@ class AmpRecorder:
             self.loss_tap = None
 
     def _write_stop(self, status: str | None = None):
-        files = self.files
-        return write_stop(guard=self.guard, status_slot=files and files.status,
-                          rank_dir=files and files.rank_dir, run_id=self.run_id, rank=self.rank,
-                          manifest=self.manifest, events=self.events, status=status,
-                          dropped_steps=self.run_writer.dropped_steps if self.run_writer is not None else 0)
+        return write_stop(guard=self.guard, files=self.files, manifest=self.manifest, events=self.events,
+                          status=status, dropped_steps=self.run_writer.dropped_steps if self.run_writer else 0)
 
     # ------------------------------------------------------------ the state
     @property
     def enabled(self) -> bool:
+        """Recording is on (an internal error turns it off for good)."""
         return self.guard.enabled
 
     @property
@@ -327,10 +243,8 @@ class AmpRecorder:
 
     @property
     def should_stop(self) -> bool:
-        """True once an `on_event` callback asked for a stop
-        (`event.request_stop()`), from the `step()` after it on. The
-        recorder stops nothing itself: the loop reads this and ends (the
-        Trainer and Lightning callbacks do so with `stop_on_event=True`)."""
+        """An `on_event` callback asked for a stop: the loop reads this and
+        ends (the Trainer and Lightning callbacks with `stop_on_event=True`)."""
         return self._should_stop
 
     # --------------------------------------------------------------- public
@@ -347,9 +261,7 @@ class AmpRecorder:
             except Exception as exc:  # noqa: BLE001
                 self.guard.fail(exc)
                 self._unhook()
-        if self.events is not None and self.events.requests.pending:
-            # What on_event callbacks asked for since the last step: a
-            # bundle of the step now beginning (full tier too).
+        if self.events is not None and self.events.requests.pending:  # what on_event callbacks asked for
             stop, checkpoint, bundle = self.events.requests.take()
             self._should_stop |= stop
             self.checkpoint_requested |= checkpoint
@@ -364,24 +276,13 @@ class AmpRecorder:
         loss_t = loss.detach() if isinstance(loss, torch.Tensor) else None
         self.stance.leave_tier()
         finished = self.hooks.end_step(loss_t)
-        if not self.stance.compiled and finished.record and (
-                finished.graph_values is not None or (finished.micro_batches == 0 and finished.param_grads)):
-            # A traced hook wrote the in-graph statistics, or gradients
-            # arrived but no forward hook ran: the model ran as a compiled
-            # graph (compiled after the recorder was attached).
-            self.stance.compiled = True
+        if self.stance.found_compiled(finished):
             self.hooks.keep_attached()
             self.run_writer.submit(functools.partial(self.manifest.set_compiled, self.stance.info()))
         reexecution, clean = None, False
         if self.sentinel is not None:
-            scale = self.rows.scale_before if isinstance(self.rows.scale_before, torch.Tensor) else None
-            reexecution, clean = self.sentinel.close_step(finished, loss_t, scale=scale,
+            reexecution, clean = self.sentinel.close_step(finished, loss_t, scale_before=self.rows.scale_before,
                                                           compiled=self.stance.compiled)
-        if clean and self.scaler is not None:
-            # A scale below the bundles' floor is a trigger of its own: not clean.
-            scale, floor = getattr(self.scaler, "_scale", None), self.parts.bundle_policy.min_loss_scale
-            clean = floor is None or (isinstance(scale, torch.Tensor) and scale.device.type == "cpu"
-                                      and float(scale) >= floor)
         pending = self.rows.pack(finished, step_id, loss, loss_t, loss_dtype=dtype, graph_slots=self.hooks.graph,
                                  reexecution=reexecution)
         self.bundles.on_step_end(step_id, loss=loss_t if loss_t is not None else loss, stepped=pending.stepped,
@@ -415,40 +316,25 @@ class AmpRecorder:
             current = self.hooks.state.step_id
             self.schedule.request(current + 1, current=current)
 
-    @contextmanager
     def paused(self):
-        """Forward/backward passes inside are not recorded (e.g. an eval pass
-        with gradients enabled)."""
-        hooks = self.hooks
-        if hooks is None:
-            yield self
-            return
-        hooks.paused += 1
-        try:
-            yield self
-        finally:
-            hooks.paused -= 1
+        """A context manager: forward/backward passes inside are not
+        recorded (e.g. an eval pass with gradients enabled)."""
+        return self.hooks.pausing(self) if self.hooks is not None else contextlib.nullcontext(self)
 
     def flush(self) -> None:
         """Block until every step so far is written to disk (and the
         `on_event` callbacks of its events returned, at most
-        `event_thread.FLUSH_WAIT_S`: a hung callback never holds the
-        training longer)."""
-        if self._closed or self.writer is None or not self.writer.alive:
+        `event_thread.FLUSH_WAIT_S`)."""
+        if self._closed or self.run_writer is None or not self.writer.alive:
             return
-        self.run_writer.release_held()
-        if self.events is not None:
-            self.writer.barrier()
-            self.events.wait_idle(FLUSH_WAIT_S)
-        self.writer.barrier(functools.partial(self.run_writer.write_files, "open"))
+        self.run_writer.flush()
         if self.guard.enabled:
             try:
                 self.bundles.apply_decisions()
                 self.writer.barrier()
             except Exception as exc:  # noqa: BLE001 - flush() must not stop the training
                 self.guard.fail(exc)
-        if self.files.uploader is not None:
-            self.files.uploader.notify()
+        self.files.notify_uploads()
 
     def close(self) -> None:
         """Flush, write the final manifest and remove every hook. Idempotent."""
@@ -456,20 +342,10 @@ class AmpRecorder:
             return
         self._closed = True
         self._unhook()
-        if self.writer is not None and self.writer.alive:
-            self.run_writer.release_held()
-        if self.events is not None:
-            # The last steps' events reach the callback, and its errors the
-            # final manifest.
-            if self.writer is not None:
-                self.writer.barrier()
-            self.events.close()
-        if self.writer is not None:
-            self.writer.stop(functools.partial(self.run_writer.write_files, "closed"))
-        if self.shards is not None and self.shards.publisher is not None:
-            # Every rolled pair on disk (the writer skips its jobs once
-            # recording is off: a pair rolled before stays to be written).
-            self.shards.publisher.close()
+        if self.run_writer is not None:
+            self.run_writer.close()
+        elif self.writer is not None:
+            self.writer.stop()
         if self.guard.failure is not None:
             # The writer skips its jobs once recording is off: the final
             # manifest, with the reason, goes to disk from here.
@@ -489,4 +365,3 @@ class AmpRecorder:
 
     def __exit__(self, *exc):
         self.close()
-        return False

@@ -50,6 +50,7 @@ import torch
 from .collectors.state import StepState
 from .errors import OptionError, option_float, option_int
 from .loss_tap import find_loss
+from .manifest import scaler_enabled
 from .stats import float_tensors, grad_facts
 
 # The events that ask for a re-execution (`ReexecutePolicy.kinds`).
@@ -92,10 +93,12 @@ class ReexecutePolicy:
         object.__setattr__(self, "spike_factor", option_float("spike_factor", self.spike_factor))
         object.__setattr__(self, "spike_window", max(10, option_int("spike_window", self.spike_window)))
 
-    def config(self) -> dict:
+    def config(self, refused: "Refusal | None" = None) -> dict:
+        """The manifest's `recorder.reexecute`; `refused`: a refusal that
+        holds for the whole job (DDP/FSDP)."""
         return {"kinds": list(self.kinds), "min_interval": self.min_interval,
                 "max_reexecutions": self.max_reexecutions, "spike_factor": self.spike_factor,
-                "spike_window": self.spike_window}
+                "spike_window": self.spike_window, "refused": refused.value if refused is not None else None}
 
 
 def reexecute_policy(value) -> ReexecutePolicy | None:
@@ -371,27 +374,33 @@ class StepSentinel:
     """What `rec.step()` does with a step that was not sampled: reads its
     facts where they are host values, asks `ReexecuteTrigger` whether they
     call for a re-execution, runs it (`Reexecutor`), and says whether the
-    step is clean (no event: handed to the writer with others).
-    `has_scaler`: a skip is a step the optimizer did not take; `losses`: the
-    recorder's `MicroBatchLosses`, emptied of what a re-execution's forward
-    handed the loss tap."""
+    step is clean (no event: handed to the writer with others). A skip is a
+    step the optimizer did not take under an enabled `scaler` (with an
+    `optimizer`, whose pre-step hook tells); a scale below `scale_floor`
+    (the bundles' `min_loss_scale`, a trigger of its own) is no clean step;
+    `losses`: the recorder's `MicroBatchLosses`, emptied of what a
+    re-execution's forward handed the loss tap."""
 
-    def __init__(self, policy: ReexecutePolicy, reexecutor: Reexecutor, *, has_scaler: bool, losses):
+    def __init__(self, policy: ReexecutePolicy, reexecutor: Reexecutor, *, scaler, optimizer, losses,
+                 scale_floor: float | None = None):
         self.trigger = ReexecuteTrigger(policy)
         self.reexecutor = reexecutor
-        self.has_scaler = has_scaler
+        self.scaler = scaler if scaler_enabled(scaler) else None
+        self.has_scaler = self.scaler is not None and optimizer is not None
         self.losses = losses
+        self.scale_floor = scale_floor
 
     @property
     def capped(self) -> int:
         return self.trigger.capped
 
-    def close_step(self, finished, loss_t, *, scale, compiled: bool) -> tuple[Outcome | None, bool]:
+    def close_step(self, finished, loss_t, *, scale_before, compiled: bool) -> tuple[Outcome | None, bool]:
         """(the re-execution's `Outcome`, or None when none is asked for or
-        the cap says no; whether the step is clean). `scale`: the loss scale
-        the step's backward used (a tensor), or None."""
+        the cap says no; whether the step is clean). `scale_before`: the loss
+        scale the step's backward used."""
         if finished.record:
             return None, False  # sampled: its rows are there
+        scale = scale_before if isinstance(scale_before, torch.Tensor) else None
         skipped = (self.has_scaler and finished.stepped is False
                    and (finished.micro_batches or finished.backward_passes) > 0)
         facts = host_facts(finished, loss_t, skipped=skipped, scale=scale)
@@ -399,7 +408,13 @@ class StepSentinel:
             return None, False
         decision = self.trigger.decide(facts)
         if decision.kind is None or decision.capped:
-            return None, decision.kind is None
+            return None, decision.kind is None and self._above_floor()
         outcome = self.reexecutor.run(finished.step_id, decision.kind, scale=scale, compiled=compiled)
         self.losses.take()  # what the re-execution's forward handed the loss tap
         return outcome, False
+
+    def _above_floor(self) -> bool:
+        if self.scaler is None or self.scale_floor is None:
+            return True
+        scale = getattr(self.scaler, "_scale", None)
+        return isinstance(scale, torch.Tensor) and scale.device.type == "cpu" and float(scale) >= self.scale_floor

@@ -22,34 +22,46 @@ import functools
 import time
 
 from . import schema
+from .event_thread import FLUSH_WAIT_S
+from .events import EventDetector
 from .manifest import failure_reason
 from .status_slot import write_fallback
 from .step_rows import step_events
+from .writer import Publisher, ShardWriter
 
 HOLD_BACK_STEPS = 32
 HOLD_BACK_S = 0.25
 
 
 class RunWriter:
-    """`thread`: the `WriterThread`; `rows` (`StepRows`), `shards`
-    (`ShardWriter`), `manifest` (`RunManifest`): what a step becomes;
-    `schedule`, `bundles`, `event_detector`/`events` (None without
+    """`thread`: the `WriterThread`; `rows` (`StepRows`), `manifest`
+    (`RunManifest`) and `shards` (a `ShardWriter` in `files`' rank
+    directory, made here with the `WriterOptions` `writing`): what a step
+    becomes;
+    `schedule`, `bundles`, `events` (the `EventDispatcher`, with the
+    `EventPolicy` `event_policy`, whose detector runs here; None without
     `on_event`), `sentinel` (`reexecute.StepSentinel`, or None): told
     each step's summary; `lost_updates()`: a report for the manifest, or
     None; `guard`: the recorder's `FailureGuard` (the step being written
     dates a failure on this thread)."""
 
-    def __init__(self, *, thread, rows, shards, manifest, schedule, bundles, guard, flush_interval_s: float,
-                 event_detector=None, events=None, sentinel=None, lost_updates=None):
+    def __init__(self, *, thread, rows, files, manifest, schedule, bundles, guard, writing, world_size: int,
+                 event_policy=None, events=None, sentinel=None, lost_updates=None):
         self.thread = thread
         self.rows = rows
-        self.shards = shards
+        up = files.uploader
+        self.shards = ShardWriter(files.rank_dir, run_id=files.run_id, rank=files.rank, world_size=world_size,
+                                  steps_per_shard=writing.steps_per_shard, first_index=files.first_shard,
+                                  has_room=up.has_room if up else None,
+                                  durable_interval_s=writing.durable_interval_s,
+                                  publisher=Publisher(on_error=guard.fail))
+        thread.when_idle(self.shards.sync_journal, self.shards.journal.idle_sync_s)
         self.manifest = manifest
         self.schedule = schedule
         self.bundles = bundles
         self.guard = guard
-        self.flush_interval_s = flush_interval_s
-        self.event_detector = event_detector
+        self.flush_interval_s = writing.flush_interval_s
+        self.event_detector = EventDetector.of(event_policy) if event_policy is not None else None
         self.events = events
         self.sentinel = sentinel
         self.lost_updates = lost_updates
@@ -81,6 +93,30 @@ class RunWriter:
         batch, self._held_back = self._held_back, []
         if batch and not self.thread.submit(functools.partial(self.write_steps, batch)):
             self.dropped_steps += len(batch)
+
+    def flush(self) -> None:
+        """`rec.flush()`: the held steps, then (with `on_event`) the callbacks
+        of their events (at most `FLUSH_WAIT_S`: a hung callback never holds
+        the training longer), then a shard and the manifest; blocks."""
+        self.release_held()
+        if self.events is not None:
+            self.thread.barrier()
+            self.events.wait_idle(FLUSH_WAIT_S)
+        self.thread.barrier(functools.partial(self.write_files, "open"))
+
+    def close(self) -> None:
+        """`rec.close()`: the held steps, the last events' callbacks (their
+        errors reach the final manifest), the final shard and manifest, and
+        every rolled pair on disk (the writer skips its jobs once recording
+        is off: a pair rolled before stays to be written)."""
+        if self.thread.alive:
+            self.release_held()
+        if self.events is not None:
+            self.thread.barrier()
+            self.events.close()
+        self.thread.stop(functools.partial(self.write_files, "closed"))
+        if self.shards.publisher is not None:
+            self.shards.publisher.close()
 
     # -------------------------------------------------------- writer thread
     def write_steps(self, batch: list) -> None:
@@ -140,20 +176,20 @@ class RunWriter:
             self.manifest.set_events(self.events.report())
 
 
-def write_stop(*, guard, status_slot, rank_dir, run_id, rank, manifest, events=None, dropped_steps: int = 0,
-               status: str | None = None):
+def write_stop(*, guard, files, manifest, events=None, dropped_steps: int = 0, status: str | None = None):
     """The stop record (`disabled_reason`, `disabled_at_step`), written
     from the calling thread: first in the reserved status slot, which a full
     disk still takes (else a fallback file), then in the manifest, best
     effort (the disk may be what failed). Returns the file that holds the
-    record (None: none could be written)."""
+    record (None: none could be written). `files`: the `RankFiles` (None:
+    the recorder failed before it had any)."""
     reason = failure_reason(guard.failure) if guard.failure is not None else None
-    if status_slot is not None:
-        where = status_slot.record(status=status, disabled_reason=reason, disabled_at_step=guard.failed_at_step)
-    elif rank_dir is not None and reason is not None:
+    if files is not None and files.status is not None:
+        where = files.status.record(status=status, disabled_reason=reason, disabled_at_step=guard.failed_at_step)
+    elif files is not None and files.rank_dir is not None and reason is not None:
         # Failed before the slot was reserved (the disk was full already).
-        where = write_fallback(rank_dir / schema.STATUS_FILE, {
-            "format": schema.STATUS_FORMAT, "run_id": run_id, "rank": rank,
+        where = write_fallback(files.rank_dir / schema.STATUS_FILE, {
+            "format": schema.STATUS_FORMAT, "run_id": files.run_id, "rank": files.rank,
             "status": status or "open", "disabled_reason": reason, "disabled_at_step": guard.failed_at_step})
     else:
         where = None

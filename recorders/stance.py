@@ -84,6 +84,17 @@ class CompileStance:
         prior, self._prior_stance = self._prior_stance, None
         eval_frame._set_stance(prior)
 
+    def found_compiled(self, finished) -> bool:
+        """A recorded step a traced hook wrote in-graph statistics for, or
+        whose gradients arrived with no forward hook run: the model ran as a
+        compiled graph, compiled after the recorder was attached. True the
+        first time."""
+        if self.compiled or not finished.record or not (
+                finished.graph_values is not None or (finished.micro_batches == 0 and finished.param_grads)):
+            return False
+        self.compiled = True
+        return True
+
     def remove(self) -> None:
         self.leave_tier()
         self._eager_forwards = False

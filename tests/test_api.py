@@ -329,9 +329,10 @@ def test_layers_import_only_downward():
 RECORDERS = REPO / "recorders"
 RECORDER_LAYERS = [  # each imports only from its own layer and the ones before it
     {"errors", "schema", "plain", "unwrap", "fp32", "attach_choice"},           # the format, pure helpers
-    {"layout", "tensor_codec", "aggregate", "stats", "staged_stats", "loss_tap", "schedule", "events"},  # a tensor's and a step's values
+    {"layout", "tensor_codec", "aggregate", "stats", "staged_stats", "loss_tap", "schedule", "events",
+     "guard", "stance", "survey"},  # a tensor's and a step's values
     {"index", "journal", "writer", "writer_thread", "event_thread", "lease", "status_slot", "storage"},  # threads, files, stores
-    {"manifest", "run_id", "step_rows", "graph_rows", "host_run", "host_bundle"},  # the job described, rows
+    {"manifest", "run_id", "step_rows", "graph_rows", "host_run", "rank_files", "run_writer", "host_bundle"},  # the job described, rows
     {"collectors", "hooks", "bundles", "reexecute"},                            # the parts on the training path
     {"options"},                                                                # the parts a user passes in
     {"recorder"},                                                               # AmpRecorder assembles them

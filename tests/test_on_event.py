@@ -237,9 +237,9 @@ def test_a_slow_callback_never_slows_a_training_step(tmp_path):
 
 
 def test_a_hung_callback_holds_flush_for_a_bounded_time_only(tmp_path, monkeypatch):
-    import recorders.recorder as rr
+    import recorders.run_writer as rw
     from amp_postmortem import load_run
-    monkeypatch.setattr(rr, "FLUSH_WAIT_S", 0.5)
+    monkeypatch.setattr(rw, "FLUSH_WAIT_S", 0.5)
     release = threading.Event()
     torch.manual_seed(0)
     trained = train(TinyNet(), batches(4), close=False, on_step=nan_weight_at(1, restore=False),

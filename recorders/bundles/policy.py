@@ -99,6 +99,15 @@ class BundlePolicy:
         for name, value in normal.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
 
+    def window_refusal(self, *, sharded: bool, enabled: bool) -> str | None:
+        """Why no window is kept (None: kept when asked for). With sharded
+        parameters each rank would start its window when its own writer has
+        decided the steps before: the ranks' windows would start at
+        different steps, whose shards no reader could put together."""
+        if sharded and enabled and self.window_steps > 0:
+            return "sharded parameters (the ranks' windows would not start at one step)"
+        return None
+
     def config(self, *, enabled: bool, snapshot_params: bool) -> dict:
         """The options as the manifest (`recorder.bundles`) and bundle.json
         record them: `enabled` is the master switch as it stands (False for
