@@ -176,16 +176,23 @@ def test_reexecutions_are_capped_on_a_diverging_job(tmp_path):
     assert m["reexecutions_capped"] == 30 - 2 - 3
 
 
-def test_a_refused_reexecution_is_said_and_the_origin_is_not_invented(tmp_path):
+def test_a_failing_step_without_rows_is_critical_with_its_layer_undetermined(tmp_path):
+    """No bundles, so nothing to re-execute: the failing step has its step
+    facts only. The summary must still lead with it, name no layer, and say
+    why, never call the run healthy."""
+    def plant(step, model, x):
+        model.block.boom.gain = 1e6 if step in (7, 51) else 1.0
     torch.manual_seed(0)
-    train(BoomNet(), batches(12, d_in=4, d_out=1, shape=(16,)),
-          recorder=recorder_at(tmp_path / "run", bundles=False), on_step=_overflow,
+    train(BoomNet(), batches(60, d_in=4, d_out=1, shape=(16,)),
+          recorder=recorder_at(tmp_path / "run", bundles=False), on_step=plant,
           scaler={"init_scale": 2.0 ** 8, "growth_interval": 10 ** 6})
     steps = ap.load_run(tmp_path / "run").steps.set_index("step")
     assert bool(steps.loc[7, "skipped"]) and steps.loc[7, "tensor_rows"] == 0
-    origin = ap.nans(tmp_path / "run").to_dict()["origin"]
-    # No rows of step 7: no layer is named as its origin.
-    assert origin is None or origin["step"] != 7 or origin["name"] not in ("block.boom",)
+    nans = ap.nans(tmp_path / "run").to_dict()
+    assert nans["first_unrecorded_loss_step"] == 7 and nans["unrecorded_loss_steps"] == 2
+    assert _lead(tmp_path / "run") == ("nonfinite", "critical", 7, None)
+    lead = ap.summary(tmp_path / "run").to_dict()["findings"][0]
+    assert "undetermined" in lead["message"] and "not re-executed" in lead["message"]
 
 
 def test_every_step_mode_and_the_env_variable(tmp_path, monkeypatch):
@@ -204,3 +211,14 @@ def test_every_step_mode_and_the_env_variable(tmp_path, monkeypatch):
         AmpRecorder(tmp_path / "d", model, mode="sometimes")
     with pytest.raises(OptionError, match="reexecute kinds"):
         ReexecutePolicy(kinds=("skipped", "typo"))
+
+
+def test_sampled_underflow_evidence_says_how_old_it_is(tmp_path):
+    """The scale is stuck low for the whole run, but only step 0 is a
+    full-tier step: the summary must not say "no gradient underflows now"."""
+    from conftest import TINY_SCALE
+    run = record_run(tmp_path / "run", steps=80, scaler_kwargs={"init_scale": TINY_SCALE, "growth_interval": 10 ** 9})
+    findings = ap.summary(run).to_dict()["findings"]
+    lapsed = next(f for f in findings if f["kind"] == "underflow_lapsed")
+    assert lapsed["severity"] == "warning" and lapsed["step"] == 0
+    assert "now is unknown" in lapsed["message"] and "no gradient underflows now" not in lapsed["message"]

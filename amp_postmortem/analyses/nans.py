@@ -147,6 +147,11 @@ class NanReport:
     # The step whose optimizer update applied non-finite gradients, when
     # it leaves the later steps' rows unable to decide (None: it did not).
     weights_nonfinite_from: int | None = None
+    # Steps with a NaN/Inf loss, before the forward origin's (every one when
+    # there is none), that recorded no per-layer row: a sentinel's steps
+    # neither sampled nor re-executed. The first failure may be among them,
+    # where no row can name its layer.
+    unrecorded_loss_steps: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         layers = [{k: plain(v) for k, v in row.items()} for row in self.layers.to_dict("records")]
@@ -168,6 +173,8 @@ class NanReport:
             "shards_scanned": self.shards_scanned,
             "shards_total": self.shards_total,
             "op_origin": self.op_origin,
+            "unrecorded_loss_steps": len(self.unrecorded_loss_steps),
+            "first_unrecorded_loss_step": self.unrecorded_loss_steps[0] if self.unrecorded_loss_steps else None,
         }
 
     # Readable at the prompt and in Jupyter (display.py).
@@ -188,9 +195,14 @@ class NanReport:
         return t.drop(columns=["origin"])
 
     def lines(self) -> list[str]:
+        unrecorded = ([f"non-finite loss at step {self.unrecorded_loss_steps[0]}"
+                       + (f" (and {len(self.unrecorded_loss_steps) - 1} more step(s) before any recorded NaN/Inf)"
+                          if len(self.unrecorded_loss_steps) > 1 else "")
+                       + ": no per-layer row was recorded there (not sampled, not re-executed), so its origin "
+                         "is undetermined"] if self.unrecorded_loss_steps else [])
         if self.first_nonfinite_step is None:
-            return ["No NaN/Inf in any recorded tensor."]
-        out = []
+            return unrecorded + ["No NaN/Inf in any recorded tensor."]
+        out = list(unrecorded)
         for phase in ("forward", "backward"):
             o = self.origins.get(phase)
             if o is None:
@@ -306,7 +318,10 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
             hit = (layers["name"] == key[0]) & (layers["kind"] == key[1]) & (layers["first_step"] == o.step)
             layers.loc[hit, "origin"] = True
 
+    fwd = origins["forward"]
+    unrecorded = unrecorded_steps(run, [s for s in facts.nonfinite_loss_steps if fwd is None or s < fwd.step])
     return NanReport(
+        unrecorded_loss_steps=unrecorded,
         origin=origin, origins=origins, layers=layers[LAYER_COLUMNS], backward_scaler_handled=handled,
         backward_calibration=handled and origins["backward"].step in calibration_steps(run),
         has_scaler=run.scaler is not None,
@@ -315,6 +330,20 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
         shards_scanned=len(set(run.scanned_files)), shards_total=len(run.tensor_shards),
         later_origins=later, compiled_without_rows=compiled_without_rows(run), weights_nonfinite_from=corrupted,
     )
+
+
+def unrecorded_steps(run: Run, steps: list[int], limit: int = 64) -> list[int]:
+    """Of `steps` (the first `limit`), those for which no rank wrote a
+    tensor row: a sentinel's steps neither sampled nor re-executed (runs
+    before schema 1.5 recorded rows on every recorded step)."""
+    steps = steps[:limit]
+    if not steps:
+        return []
+    table = run.steps
+    if "tensor_rows" not in table.columns:
+        return []
+    rows = table[table["step"].isin(steps)].groupby("step")["tensor_rows"].sum()
+    return [s for s in steps if int(rows.get(s, 0) or 0) == 0]
 
 
 def applied_nonfinite_steps(run: Run) -> list[int]:

@@ -241,8 +241,17 @@ def summarize(run: Run, *, window: int | None = None, model_spec: str | None = N
 
 
 def _nonfinite_finding(nans, applied_bad: list, target: str) -> Finding | None:
-    """A forward that turned non-finite, else non-finite gradients the optimizer applied."""
+    """A forward that turned non-finite, else non-finite gradients the
+    optimizer applied; a non-finite loss on a step that recorded no row
+    (before any recorded NaN/Inf) leads, with its layer undetermined."""
     fwd = nans.origins.get("forward")
+    if nans.unrecorded_loss_steps:
+        first = nans.unrecorded_loss_steps[0]
+        return Finding("nonfinite", "critical", first, None, _unrecorded_words(first, fwd, nans),
+                       f"amp-postmortem nans {target}",
+                       {"origin": None, "unrecorded_loss_steps": len(nans.unrecorded_loss_steps),
+                        "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
+                        "first_recorded_origin": fwd.to_dict() if fwd else None})
     if fwd is not None:
         # The finding's layer: the origin when its step decides it, else
         # the later step's that does, else none (undetermined).
@@ -338,9 +347,12 @@ def _underflow_findings(run: Run, ranges, target: str) -> list:
     if not len(lapsed):
         return []
     worst = lapsed.sort_values("underflow_episode_share", ascending=False, kind="stable").iloc[0]
+    # Nothing measured since (sampled evidence, all old): it may underflow
+    # still; a warning that says how old its evidence is, not "none now".
+    stale = pd.isna(worst["recent_underflow_share"])
     return [Finding(
-        "underflow_lapsed", "info", int(worst["underflow_last_step"]), worst["name"],
-        _lapsed_words(len(lapsed), worst), f"amp-postmortem ranges {target}",
+        "underflow_lapsed", "warning" if stale else "info", int(worst["underflow_last_step"]), worst["name"],
+        _lapsed_words(len(lapsed), worst, stale), f"amp-postmortem ranges {target}",
         {"layers": [str(n) for n in lapsed["name"]], "underflow_share": float(worst["underflow_share"]),
          **_dates(worst)})]
 
@@ -436,6 +448,16 @@ def _forward_nonfinite_words(fwd, nans) -> str:
                if nans.nonfinite_loss_steps else ""))
 
 
+def _unrecorded_words(first: int, fwd, nans) -> str:
+    later = (f"; the first recorded NaN/Inf, at step {fwd.step}, is in {_display(fwd.name)} ({fwd.kind}), "
+             f"which may only show what step {first} left behind" if fwd is not None else
+             "; no recorded row holds a NaN/Inf")
+    return (f"the loss turned non-finite at step {first}, a step that recorded no per-layer row (not sampled, and "
+            f"not re-executed: the manifest's reexecutions say why, or its cap was reached): which layer made it "
+            f"is undetermined{later}; the loss was NaN/Inf in {len(nans.nonfinite_loss_steps)} step(s). "
+            f"AmpRecorder(mode=\"every_step\") records every step's rows")
+
+
 def _applied_nonfinite_words(applied_bad: list, where) -> str:
     return (f"non-finite gradients were applied by the optimizer in {len(applied_bad)} step(s), first at "
             f"step {applied_bad[0]}" + (f" (born in {_display(where.name)}, {where.kind})" if where else ""))
@@ -529,7 +551,14 @@ def _trend_words(slope) -> str:
     return f" ({slope * 100:+.1f} points per 1000 steps)"
 
 
-def _lapsed_words(count: int, worst) -> str:
+def _lapsed_words(count: int, worst, stale: bool) -> str:
+    if stale:
+        a, b = worst["underflow_first_step"], worst["underflow_last_step"]
+        when = f"at step {a}" if a == b else f"during steps {a}-{b}"
+        return (f"{count} layer(s) lost gradients to underflow when last measured ({_display(worst['name'])} "
+                f"{worst['underflow_episode_share']:.0%} {when}); no full-tier step since step "
+                f"{worst['evidence_last_step']}, so whether they underflow now is unknown "
+                f"(AmpRecorder(schedule=RecordSchedule(full_every=N)) measures more often)")
     return f"no gradient underflows now; {count} did earlier: {_display(worst['name'])} {lapsed_words(worst)}"
 
 
