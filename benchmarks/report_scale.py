@@ -123,7 +123,8 @@ def write_run(run_dir: Path, *, steps: int, steps_per_shard: int = 10_000, full_
             "tier": pa.array(np.where(idx % full_every == 0, "full", "cheap"), pa.string()),
             "tensor_rows": np.full(k, n, np.int32),
             "sharded_grad_sqsum": pa.nulls(k, pa.float64()),
-            "loss_dtype": pa.array(["float32"] * k, pa.string())}, schema=schema.STEP_SCHEMA)
+            "loss_dtype": pa.array(["float32"] * k, pa.string()),
+            "reexecuted": np.zeros(k, bool), "reexecution": pa.nulls(k, pa.string())}, schema=schema.STEP_SCHEMA)
         name = schema.SHARD_FILE.format(index=index)
         for table, t, bad in (("tensors", tensors, nonfinite), ("steps", steps_table, 0)):
             meta = {schema.META_FORMAT: schema.FORMAT_NAME, schema.META_SCHEMA_VERSION: schema.SCHEMA_VERSION,
