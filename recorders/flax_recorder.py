@@ -154,8 +154,8 @@ class FlaxRecorder:
     `loss_scale`, `period` and `factor` (None: no scaling); `every`: write
     the per-row statistics every N steps (and on every step with a skip or a
     non-finite loss); `steps_per_shard`: as the PyTorch recorder's;
-    `bundles`: when to save a replay bundle (a `BundleTriggers`; None:
-    never; needs `wrap`)."""
+    `bundles`: when to save a replay bundle (a `BundleTriggers`, of which
+    the recorder counts on its own copy; None: never; needs `wrap`)."""
 
     def __init__(self, run_dir, model, *, optimizer=None, loss_scale=None, every: int = 1,
                  steps_per_shard: int = 1000, run_id: str | None = None,
@@ -168,7 +168,9 @@ class FlaxRecorder:
         self._scaled = loss_scale is not None
         self._model = model
         self.run_dir = run_dir
-        self.bundles = bundles if bundles is not None and bundles.enabled else None
+        # A copy: `fired`/`saved` count one run, and the default argument is
+        # one object shared by every recorder built without `bundles=`.
+        self.bundles = bundles.fresh() if bundles is not None and bundles.enabled else None
         self._held = None  # (argument tree, device arrays) of the last step's model call
         policy_dtype = _param_dtype(model)
         modules = [{"name": module_name(p, "__call__"), "type": _class_name(type(node)), "watched": True}

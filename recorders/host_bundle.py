@@ -124,6 +124,12 @@ class BundleTriggers:
         self.fired: set = set()
         self.saved = 0
 
+    def fresh(self) -> BundleTriggers:
+        """These options with nothing fired or saved yet: what one run
+        counts on (a recorder takes its own, so that a default or shared
+        `BundleTriggers` does not carry one run's count into the next)."""
+        return BundleTriggers(max_bundles=self.max_bundles, steps=self.steps, triggers=self.triggers)
+
     @property
     def enabled(self) -> bool:
         return self.max_bundles > 0 and (bool(self.triggers) or bool(self.steps))

@@ -222,7 +222,8 @@ class KerasRecorder(keras.callbacks.Callback):
     gets every step; N > 1 still computes the rows in the graph every step,
     only fewer reach the disk). `steps_per_shard`: as the PyTorch
     recorder's; `bundles`: when to save a replay bundle (a
-    `BundleTriggers`; None: never). Use as a callback of `model.fit`;
+    `BundleTriggers`, of which the recorder counts on its own copy; None:
+    never). Use as a callback of `model.fit`;
     `close()` (idempotent) or a `with` block ends the run."""
 
     def __init__(self, run_dir, model, *, every: int = 1, steps_per_shard: int = 1000,
@@ -247,7 +248,9 @@ class KerasRecorder(keras.callbacks.Callback):
         self._received: dict = {}
         self._lock = threading.Lock()
         self._closed = False
-        self.bundles = bundles if bundles is not None and bundles.enabled else None
+        # A copy: `fired`/`saved` count one run, and the default argument is
+        # one object shared by every recorder built without `bundles=`.
+        self.bundles = bundles.fresh() if bundles is not None and bundles.enabled else None
         self._batch = None  # the batch the last train function call pulled (a reference)
 
     # ---------------------------------------------------------- lifecycle

@@ -158,3 +158,29 @@ def test_step_without_the_helper(tmp_path):
     steps = pd.read_parquet(tmp_path / "run" / "rank=0" / "steps")
     assert list(steps["skipped"]) == [False, True]
     assert list(steps["loss_scale"]) == [1024.0, 512.0]
+
+
+def test_each_recorder_counts_its_own_bundles(tmp_path):
+    """Recorders made one after another in one process, wrapping the same
+    step function, with the default `bundles=` and with one
+    `BundleTriggers` given to both: each saves its run's failing step (the
+    first run's count once leaked into the next: no bundle)."""
+    from recorders.host_bundle import BundleTriggers
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((BATCH, 4)) * 0.1, jnp.float32)
+    y = jnp.asarray(rng.standard_normal((BATCH, 1)) * 0.1, jnp.float32)
+    shared = BundleTriggers(max_bundles=1)
+    for name, kwargs in [("first", {}), ("second", {}), ("shared1", {"bundles": shared}),
+                         ("shared2", {"bundles": shared})]:
+        model = Net(Blowup(), nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+        with FlaxRecorder(tmp_path / name, model, optimizer=optimizer,
+                          loss_scale=DynamicScale(2.0 ** 15), **kwargs) as rec:
+            step = rec.wrap(train_step)
+            s = jnp.float32(2.0 ** 15)
+            for batch in [x] * 3 + [x * 1000.0] * 2:
+                s = step(model, optimizer, s, batch, y)["loss_scale"]
+        manifest = json.loads((tmp_path / name / "manifest.json").read_text())
+        assert [(b["step"], b["reasons"]) for b in manifest["bundles"]] == \
+            [(3, ["nonfinite_loss", "nonfinite_tensor"])], name
+    assert shared.saved == 0 and shared.fired == set()

@@ -120,3 +120,29 @@ def test_steps_per_execution_above_one_is_refused(tmp_path):
     env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(HERE.parent)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "refused: steps_per_execution=4" in out.stdout, out.stderr[-2000:]
+
+
+def test_each_recorder_counts_its_own_bundles(tmp_path):
+    """Two recorders one after another in one process, with the default
+    `bundles=`: each saves its run's failing step (the first run's count
+    once leaked into the second: no bundle)."""
+    code = (
+        "import json, sys, keras, numpy as np\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from recorders.keras_recorder import KerasRecorder\n"
+        "from replay_models import keras_model\n"
+        "keras.mixed_precision.set_global_policy('mixed_float16')\n"
+        "x = np.full((40, 4), 0.01, 'float32'); x[24:] = 5.0\n"
+        "y = np.zeros((40, 1), 'float32')\n"
+        "for name in ('first', 'second'):\n"
+        "    net = keras_model()\n"
+        "    net.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-3)), loss='mse')\n"
+        f"    run = {str(tmp_path)!r} + '/' + name\n"
+        "    with KerasRecorder(run, net) as rec:\n"
+        "        net.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[rec])\n"
+        "    print(name, [b['step'] for b in json.load(open(run + '/manifest.json'))['bundles']])\n"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(HERE.parent)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=HERE.parent)
+    assert out.stdout.splitlines() == ["first [3]", "second [3]"], out.stderr[-2000:]
