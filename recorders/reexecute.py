@@ -54,7 +54,9 @@ from .manifest import scaler_enabled
 from .stats import float_tensors, grad_facts
 
 # The events that ask for a re-execution (`ReexecutePolicy.kinds`).
-KINDS = ("skipped", "nonfinite_loss", "nonfinite_gradient", "spike")
+KINDS = ("skipped", "growth_probe", "scale_collapse", "nonfinite_loss", "nonfinite_gradient", "spike")
+# A skip at a scale this many times below the largest seen is a collapse's.
+COLLAPSE_FACTOR = 16.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,10 @@ class ReexecutePolicy:
     (keywords; their one definition).
 
     kinds: the events that ask for one: `skipped` (the scaler skipped the
-        step), `nonfinite_loss`, `nonfinite_gradient` (a NaN/Inf gradient on
+        step), `growth_probe` (a skip that answers a growth of the scale:
+        the scaler's own probe), `scale_collapse` (a skip at a scale 16
+        times or more below the largest seen: a collapse under way, apart
+        from the run's first skips), `nonfinite_loss`, `nonfinite_gradient` (a NaN/Inf gradient on
         a step the scaler did not skip, or with no scaler), `spike` (the loss
         or the gradient norm above `spike_factor` times the median of its
         last `spike_window` finite values).
@@ -133,9 +138,11 @@ class Check(enum.Enum):
 
 @dataclass
 class StepFacts:
-    """A step's facts as host values (None: unknown)."""
+    """A step's facts as host values (None: unknown); `loss_scale`: the
+    scale its backward used."""
     step: int
     skipped: bool = False
+    loss_scale: float | None = None
     loss: float | None = None
     grad_norm: float | None = None
     nonfinite_grads: int | None = None
@@ -143,8 +150,8 @@ class StepFacts:
 
 @dataclass
 class Decision:
-    kind: str | None = None
-    capped: bool = False
+    kind: str | None = None   # the event's kind (None: no event)
+    capped: bool = False      # an event the policy's kinds or cap leave without a re-execution
 
 
 @dataclass
@@ -172,12 +179,16 @@ class ReexecuteTrigger:
         self.capped = 0
         self._losses: deque = deque(maxlen=policy.spike_window)
         self._norms: deque = deque(maxlen=policy.spike_window)
+        self._prev_scale: float | None = None
+        self._max_scale: float | None = None
 
     def decide(self, facts: StepFacts) -> Decision:
         kind = self._event(facts)
         self._remember(facts)
-        if kind is None or kind not in self.policy.kinds:
+        if kind is None:
             return Decision()
+        if kind not in self.policy.kinds:
+            return Decision(kind, capped=True)
         last = self.last.get(kind)
         if self.count >= self.policy.max_reexecutions or (
                 last is not None and facts.step - last < self.policy.min_interval):
@@ -189,6 +200,11 @@ class ReexecuteTrigger:
 
     def _event(self, f: StepFacts) -> str | None:
         if f.skipped:
+            scale, prev, top = f.loss_scale, self._prev_scale, self._max_scale
+            if scale is not None and prev is not None and scale > prev:
+                return "growth_probe"  # the skip that answers a growth: the scaler's own probe
+            if scale is not None and top is not None and scale * COLLAPSE_FACTOR <= top:
+                return "scale_collapse"
             return "skipped"
         if f.loss is not None and not math.isfinite(f.loss):
             return "nonfinite_loss"
@@ -206,6 +222,9 @@ class ReexecuteTrigger:
         return median > 0 and abs(value) > self.policy.spike_factor * abs(median)
 
     def _remember(self, f: StepFacts) -> None:
+        if f.loss_scale is not None:
+            self._prev_scale = f.loss_scale
+            self._max_scale = f.loss_scale if self._max_scale is None else max(self._max_scale, f.loss_scale)
         if not f.skipped:
             for value, history in ((f.loss, self._losses), (f.grad_norm, self._norms)):
                 if value is not None and math.isfinite(value):
@@ -217,8 +236,9 @@ def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
     a skip, which the scaler synchronised for): None when a device value
     would have to be read. `scale`: the loss scale the step's backward used
     (its gradient norms are divided by it)."""
+    scale_value = float(scale) if scale is not None and scale.device.type == "cpu" else None
     if skipped:
-        return StepFacts(st.step_id, skipped=True)
+        return StepFacts(st.step_id, skipped=True, loss_scale=scale_value)
     tensors = [t for t in (loss_t, st.grad_sqsum, st.grad_nonfinite, st.grad_norms, scale) if t is not None]
     if any(t.device.type != "cpu" for t in tensors):
         return None
@@ -231,7 +251,7 @@ def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
         sq = float(st.grad_sqsum)
         count = int(st.grad_nonfinite) if st.grad_nonfinite is not None else None
     norm = None if sq is None else math.sqrt(sq) if sq >= 0 else math.nan
-    return StepFacts(st.step_id, loss=loss, grad_norm=norm, nonfinite_grads=count)
+    return StepFacts(st.step_id, loss=loss, grad_norm=norm, nonfinite_grads=count, loss_scale=scale_value)
 
 
 class Reexecutor:

@@ -59,7 +59,7 @@ class RecordSchedule:
     each recorder its own. A subclass may override `tier` (a pure
     `step -> tier` decision, like `torch.profiler.schedule`)."""
 
-    def __init__(self, *, cheap_every: int = 50, full_every: int = 500, full_after_event: int = 0):
+    def __init__(self, *, cheap_every: int = 100, full_every: int = 1000, full_after_event: int = 0):
         self.cheap_every = max(1, option_int("cheap_every", cheap_every))
         self.full_every = option_int("full_every", full_every)
         self.full_after_event = option_int("full_after_event", full_after_event)

@@ -65,7 +65,7 @@ def test_both_modes_give_the_same_answers(tmp_path, scenario):
     # The sentinel recorded rows of the sampled steps and the re-executed ones only.
     sampled = steps_s[steps_s["tier"].notna()]
     assert set(sampled["step"]) < set(steps_e["step"])
-    assert (sampled[~sampled["reexecuted"].astype(bool)]["step"] % 50 == 0).all()
+    assert (sampled[~sampled["reexecuted"].astype(bool)]["step"] % RecordSchedule().cheap_every == 0).all()
 
 
 def test_collapse_onset_and_drivers_match(tmp_path):
@@ -172,8 +172,12 @@ def test_reexecutions_are_capped_on_a_diverging_job(tmp_path):
           recorder=recorder_at(tmp_path / "run", reexecute=ReexecutePolicy(min_interval=10)),
           on_step=plant, scaler={"init_scale": 2.0 ** 8})
     m = _manifest(tmp_path / "run")
-    assert [e["step"] for e in m["reexecutions"]] == [2, 12, 22]
-    assert m["reexecutions_capped"] == 30 - 2 - 3
+    # The first skip; then the scale, halved every step, is 16 times below
+    # its largest at step 6: a collapse, re-executed once, then once per
+    # min_interval steps of that kind.
+    assert [(e["step"], e["kind"]) for e in m["reexecutions"]] == [
+        (2, "skipped"), (6, "scale_collapse"), (16, "scale_collapse"), (26, "scale_collapse")]
+    assert m["reexecutions_capped"] == 30 - 2 - 4
 
 
 def test_a_failing_step_without_rows_is_critical_with_its_layer_undetermined(tmp_path):
@@ -204,7 +208,7 @@ def test_every_step_mode_and_the_env_variable(tmp_path, monkeypatch):
     rec.close()
     monkeypatch.delenv("AMP_POSTMORTEM_MODE")
     rec = AmpRecorder(tmp_path / "c", model)
-    assert (rec.schedule.cheap_every, rec.schedule.full_every, rec.mode) == (50, 500, "sentinel")
+    assert (rec.schedule.cheap_every, rec.schedule.full_every, rec.mode) == (100, 1000, "sentinel")
     rec.close()
     from recorders.errors import OptionError
     with pytest.raises(OptionError, match="mode="):

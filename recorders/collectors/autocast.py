@@ -40,13 +40,14 @@ class AutocastWatch:
         self._from_child = False  # the root's children have told what ran
         self._children_ran = False  # ... in the step in progress
 
-    def register(self, model, handles: list, graph=None) -> None:
-        """`graph`: the in-graph statistics (`graph_stats.GraphStats`),
-        which read autocast where dynamo traces the children."""
-        for child in unwrap(model).children():
-            hook = self.shared.guard(self._on_child_pre) if graph is None else \
-                self.shared.guard(self._on_child_pre, in_graph=graph.child_pre)
-            handles.append(child.register_forward_pre_hook(hook))
+    def hooks(self, model, graph=None) -> list:
+        """(register method, hook, keywords) of a pre-hook on each of the
+        root's children; `graph`: the in-graph statistics
+        (`graph_stats.GraphStats`), which read autocast where dynamo traces
+        the children."""
+        hook = self.shared.guard(self._on_child_pre) if graph is None else \
+            self.shared.guard(self._on_child_pre, in_graph=graph.child_pre)
+        return [(child.register_forward_pre_hook, hook, {}) for child in unwrap(model).children()]
 
     def at_first_forward(self) -> None:
         if self.autocast is None:

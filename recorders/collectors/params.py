@@ -67,6 +67,7 @@ class ParamGradCollector:
         self._sharded = set(sharded)
         self._late_grads = set(late_grads)
         self._late_params: list = []
+        self._hooks = None  # (parameter, its guarded hook), built at the first register
         self._flat_views = list(flat_views)
         # The gradients the norm and the non-finite count are taken over:
         # the watched parameters', hooked or not (a step that is not
@@ -93,17 +94,21 @@ class ParamGradCollector:
                 eager(self.shared.guard(self._on_opt_pre, traced=False))))
 
     def register(self, handles: list) -> None:
-        """A post-accumulate-grad hook per watched parameter (sampled steps)."""
-        guard = self.shared.guard
-        self._late_params = []
-        for pname, p in self._grad_params:
-            hook = self._make_param_hook(pname, p)
-            if id(p) in self._late_grads:
-                self._late_params.append((pname, p, hook))
-                continue
-            # Run eagerly even when the backward runs inside compiled
-            # code: dynamo would otherwise compile one frame per shape.
-            handles.append(p.register_post_accumulate_grad_hook(eager(guard(hook, traced=False))))
+        """A post-accumulate-grad hook per watched parameter (sampled steps;
+        built once, registered on every sampled step)."""
+        if self._hooks is None:
+            guard = self.shared.guard
+            self._hooks, self._late_params = [], []
+            for pname, p in self._grad_params:
+                hook = self._make_param_hook(pname, p)
+                if id(p) in self._late_grads:
+                    self._late_params.append((pname, p, hook))
+                    continue
+                # Run eagerly even when the backward runs inside compiled
+                # code: dynamo would otherwise compile one frame per shape.
+                self._hooks.append((p, eager(guard(hook, traced=False))))
+        for p, hook in self._hooks:
+            handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def scale_tensor(self):
         if self.scale_override is not None:
@@ -194,7 +199,7 @@ class ParamGradCollector:
             # every gradient, in one list (the per-parameter checks below
             # cost a few microseconds a parameter, every step).
             grads = [p.grad for p in self._grad_tensors]
-            if None not in grads and not any(g.requires_grad for g in grads):
+            if not any(g is None or g.requires_grad for g in grads):  # (`in` would compare tensors with ==)
                 st.grad_norms = grad_norms(grads, as_float64=False)
                 st.grad_norm_names = self._grad_names
                 st.grad_scale = scale.detach().reshape(()) if scale is not None else None
