@@ -28,8 +28,9 @@ What is held, and so what can be re-executed:
   step of such a job, one set of the parameters, a second while the writer
   decides); without them the step is refused (`Refusal.WEIGHTS_NOT_HELD`);
 - a device job's loss and gradient counts are device values that
-  `rec.step()` never reads (that would synchronise): there only the skip,
-  a host value, asks for a re-execution; an event the step facts show on
+  `rec.step()` never reads (that would synchronise): there only a skipped
+  step (a host value; its scaler synchronised already, so its loss is read
+  too) asks for a re-execution; an event the step facts show on
   the writer thread (a bf16 job's NaN loss) has the schedule record the
   next step in full instead (`RecordSchedule.note_event`);
 - DDP and FSDP: never in the job (its backward would issue collectives the
@@ -199,6 +200,8 @@ class ReexecuteTrigger:
         return Decision(kind)
 
     def _event(self, f: StepFacts) -> str | None:
+        if f.loss is not None and not math.isfinite(f.loss):
+            return "nonfinite_loss"  # a skip too with a scaler, but the failure, not the scaler's routine
         if f.skipped:
             scale, prev, top = f.loss_scale, self._prev_scale, self._max_scale
             if scale is not None and prev is not None and scale > prev:
@@ -206,8 +209,6 @@ class ReexecuteTrigger:
             if scale is not None and top is not None and scale * COLLAPSE_FACTOR <= top:
                 return "scale_collapse"
             return "skipped"
-        if f.loss is not None and not math.isfinite(f.loss):
-            return "nonfinite_loss"
         if f.nonfinite_grads:
             return "nonfinite_gradient"
         if self._spike(f.loss, self._losses) or self._spike(f.grad_norm, self._norms):
@@ -232,21 +233,23 @@ class ReexecuteTrigger:
 
 
 def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
-    """The step's facts when every one is a host value already (a CPU job;
-    a skip, which the scaler synchronised for): None when a device value
-    would have to be read. `scale`: the loss scale the step's backward used
-    (its gradient norms are divided by it)."""
-    scale_value = float(scale) if scale is not None and scale.device.type == "cpu" else None
-    if skipped:
-        return StepFacts(st.step_id, skipped=True, loss_scale=scale_value)
-    tensors = [t for t in (loss_t, st.grad_sqsum, st.grad_nonfinite, st.grad_norms, scale) if t is not None]
-    if any(t.device.type != "cpu" for t in tensors):
+    """The step's facts when every one is a host value already (a CPU job),
+    else None: a device value would have to be read. A skipped step's are
+    read on any device: its scaler synchronised for the skip already, after
+    the loss was made, so reading the loss waits for nothing. `scale`: the
+    loss scale the step's backward used (its gradient norms are divided by
+    it)."""
+    on_host = all(t.device.type == "cpu" for t in (loss_t, st.grad_sqsum, st.grad_nonfinite, st.grad_norms, scale)
+                  if t is not None)
+    if not (on_host or skipped):
         return None
+    scale_value = float(scale) if scale is not None else None
     loss = float(loss_t.float()) if loss_t is not None and loss_t.numel() == 1 else None
+    if skipped:
+        return StepFacts(st.step_id, skipped=True, loss=loss, loss_scale=scale_value)
     sq, count = None, None
     if st.grad_norms is not None:
-        sq, count, _ = grad_facts(st.grad_norms, float(scale) if scale is not None and st.grad_scale is not None
-                                  else None)
+        sq, count, _ = grad_facts(st.grad_norms, scale_value if st.grad_scale is not None else None)
     elif st.grad_sqsum is not None:
         sq = float(st.grad_sqsum)
         count = int(st.grad_nonfinite) if st.grad_nonfinite is not None else None

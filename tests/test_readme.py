@@ -35,7 +35,7 @@ LIGHT_INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install to
 INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[dev,hf,lightning,report,mlflow,s3,dask,wandb,tensorflow,jax]'"
 SETUP_COMMANDS = (
     f"{LIGHT_INSTALL} && amp-postmortem summary sample_runs/attention_overflow",
-    f"{INSTALL} && python -m pytest",
+    f"{INSTALL} && python -m pytest -n 2",
 )
 
 APPROX_REL = 0.05

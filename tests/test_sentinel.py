@@ -6,6 +6,10 @@ summary's lead finding) and the training's numbers must be the same."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,7 +96,7 @@ def test_the_failing_step_is_reexecuted_exactly_and_training_is_untouched(tmp_pa
     # Recording must never change the training's numbers.
     assert all(torch.equal(a, b) for a, b in zip(*params))
     entries = _manifest(runs[0])["reexecutions"]
-    assert [(e["step"], e["kind"], e["check"]) for e in entries] == [(7, "skipped", "exact")]
+    assert [(e["step"], e["kind"], e["check"]) for e in entries] == [(7, "nonfinite_loss", "exact")]
     assert entries[0]["backward"] is True
     steps = ap.load_run(runs[0]).steps.set_index("step")
     assert bool(steps.loc[7, "reexecuted"]) and steps.loc[7, "tier"] == "full"
@@ -172,12 +176,10 @@ def test_reexecutions_are_capped_on_a_diverging_job(tmp_path):
           recorder=recorder_at(tmp_path / "run", reexecute=ReexecutePolicy(min_interval=10)),
           on_step=plant, scaler={"init_scale": 2.0 ** 8})
     m = _manifest(tmp_path / "run")
-    # The first skip; then the scale, halved every step, is 16 times below
-    # its largest at step 6: a collapse, re-executed once, then once per
-    # min_interval steps of that kind.
+    # Every step from 2 has a NaN loss: the first, then one per min_interval.
     assert [(e["step"], e["kind"]) for e in m["reexecutions"]] == [
-        (2, "skipped"), (6, "scale_collapse"), (16, "scale_collapse"), (26, "scale_collapse")]
-    assert m["reexecutions_capped"] == 30 - 2 - 4
+        (2, "nonfinite_loss"), (12, "nonfinite_loss"), (22, "nonfinite_loss")]
+    assert m["reexecutions_capped"] == 30 - 2 - 3
 
 
 def test_a_failing_step_without_rows_is_critical_with_its_layer_undetermined(tmp_path):
@@ -226,3 +228,48 @@ def test_sampled_underflow_evidence_says_how_old_it_is(tmp_path):
     lapsed = next(f for f in findings if f["kind"] == "underflow_lapsed")
     assert lapsed["severity"] == "warning" and lapsed["step"] == 0
     assert "now is unknown" in lapsed["message"] and "no gradient underflows now" not in lapsed["message"]
+
+
+# ------------------------------------------------------ every sample run
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_runs"
+
+
+@pytest.fixture(scope="module")
+def sample_runs_both_ways(tmp_path_factory):
+    """The sample runs' jobs (sample_runs/generate.py, short schedule)
+    recorded in each mode: {mode: folder}."""
+    out = {}
+    for mode in ("sentinel", "every_step"):
+        folder = tmp_path_factory.mktemp(f"samples_{mode}")
+        subprocess.run([sys.executable, str(SAMPLES / "generate.py"), "--out", str(folder), "--short"],
+                       check=True, cwd=SAMPLES.parent, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "AMP_POSTMORTEM_MODE": mode})
+        out[mode] = folder
+    return out
+
+
+@pytest.mark.parametrize("name", ["healthy", "attention_overflow", "fp32_baseline", "bad_batch", "scale_collapse",
+                                  "fp16_layernorm", "grad_underflow"])
+def test_every_sample_run_gets_the_same_answers_in_both_modes(sample_runs_both_ways, name):
+    sentinel, every = (sample_runs_both_ways[m] / name for m in ("sentinel", "every_step"))
+    assert _origins(sentinel) == _origins(every)
+    assert _lead(sentinel)[:3] == _lead(every)[:3]
+    assert _lead(sentinel)[3] in (_lead(every)[3], None) if _lead(every)[0] == "scale_collapse" else \
+        _lead(sentinel) == _lead(every)
+
+
+def test_the_trigger_tells_a_probe_a_collapse_and_a_failure_apart():
+    from recorders.reexecute import ReexecuteTrigger, StepFacts
+    trigger = ReexecuteTrigger(ReexecutePolicy(min_interval=5))
+    seen = []
+    scales = [1024.0] * 3 + [2048.0] + [1024.0] * 3 + [512, 256, 128, 64, 32, 16]
+    for step, scale in enumerate(scales):
+        skipped = step in (3, 7, 8, 9, 10, 11, 12)
+        d = trigger.decide(StepFacts(step, skipped=skipped, loss=1.0, grad_norm=1.0, nonfinite_grads=0,
+                                     loss_scale=scale))
+        seen.append((step, d.kind, d.capped))
+    # 3: the skip that answers the growth; 7: a skip; 9: 2048 / 128 = 16: a collapse.
+    assert [s for s in seen if s[1]] == [(3, "growth_probe", False), (7, "skipped", False), (8, "skipped", True),
+                                         (9, "scale_collapse", False), (10, "scale_collapse", True),
+                                         (11, "scale_collapse", True), (12, "scale_collapse", True)]
+    assert trigger.decide(StepFacts(13, skipped=True, loss=float("nan"), loss_scale=16.0)).kind == "nonfinite_loss"
