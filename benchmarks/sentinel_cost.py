@@ -199,9 +199,10 @@ def measure(job: str, *, rounds: int, warmup: int, smoke: bool, seed: int = 0) -
         }
     target = TARGETS[job]
     d = out["variants"]["default"]
-    # A diverging job is judged over its whole run (its re-executions counted);
-    # the others by the median step (the sampled steps amortised in `whole_run`).
-    judged = d["whole_run"] if job == "diverging" else min(d["paired"], d["whole_run"])
+    # The median of per-round ratios: a shared machine's slow rounds hit
+    # every variant alike. It counts the sampled steps, the full tier and the
+    # re-executions at their share of the rounds, as a long run would.
+    judged = d["paired"]
     out["target"] = {"default_at_most": target, "judged": judged, "met": judged <= target}
     return out
 

@@ -226,3 +226,15 @@ def test_the_lean_bound_reduces_every_output_gradient_and_parameter_gradient_of_
     # Each output and its node's received gradient, its handed-back ones, the parameters'.
     assert lean.absmax_rows >= 2 * modules + params
     assert lean.pending == []
+
+
+def test_sentinel_cost_smoke_measures_every_job_and_variant_and_changes_no_bit(tmp_path):
+    import sentinel_cost
+    out = tmp_path / "sentinel.json"
+    assert sentinel_cost.main(["--smoke", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["jobs"]) == set(sentinel_cost.JOBS) and doc["machine"]["cpu_model"]
+    for job in doc["jobs"].values():
+        assert set(job["variants"]) == set(sentinel_cost.VARIANTS)
+        assert all(v["same_bits"] for v in job["variants"].values())  # recording changes no bit
+        assert job["target"]["default_at_most"] > 1 and isinstance(job["target"]["met"], bool)
