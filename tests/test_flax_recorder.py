@@ -9,18 +9,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+# Imported outright: CI installs the jax extra, and a missing one must fail, not skip.
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pandas as pd
 import pytest
+from click.testing import CliRunner
+from flax import nnx
 
-jax = pytest.importorskip("jax")
-nnx = pytest.importorskip("flax.nnx")
-optax = pytest.importorskip("optax")
-import jax.numpy as jnp  # noqa: E402
-from click.testing import CliRunner  # noqa: E402
-
-from amp_postmortem.cli import main  # noqa: E402
-from recorders.flax_recorder import FlaxRecorder  # noqa: E402
+from amp_postmortem.cli import main
+from recorders.flax_recorder import FlaxRecorder
 
 BATCH = 8
 

@@ -7,6 +7,8 @@ replayed through the real CLI with the user's factory
 (tests/keras_replay_runs.py)."""
 from __future__ import annotations
 
+import importlib
+
 import json
 import os
 import subprocess
@@ -32,8 +34,8 @@ def cli(*args):
 # ------------------------------------------------------------------ Keras
 @pytest.fixture(scope="module", params=["tensorflow", "jax"])
 def keras_replay(request, tmp_path_factory):
-    pytest.importorskip("keras")
-    pytest.importorskip(request.param)
+    importlib.import_module("keras")
+    importlib.import_module(request.param)
     out = tmp_path_factory.mktemp(f"keras_replay_{request.param}")
     env = {**os.environ, "KERAS_BACKEND": request.param, "TF_CPP_MIN_LOG_LEVEL": "3"}
     done = subprocess.run([sys.executable, str(HERE / "keras_replay_runs.py"), str(out)], env=env,
@@ -72,9 +74,9 @@ def test_keras_replay_names_the_layer_whose_own_arithmetic_breaks(keras_replay):
 # ------------------------------------------------------------------- Flax
 @pytest.fixture(scope="module")
 def flax_run(tmp_path_factory):
-    jnp = pytest.importorskip("jax.numpy")
-    nnx = pytest.importorskip("flax.nnx")
-    optax = pytest.importorskip("optax")
+    jnp = importlib.import_module("jax.numpy")
+    nnx = importlib.import_module("flax.nnx")
+    optax = importlib.import_module("optax")
     from recorders.flax_recorder import FlaxRecorder
     from test_flax_recorder import DynamicScale, train_step
     sys.path.insert(0, str(HERE))
@@ -149,7 +151,7 @@ def _bundle(tmp_path, arrays=None):
 
 
 def test_arrays_round_trip_bit_exact_with_bfloat16(tmp_path):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ml_dtypes = importlib.import_module("ml_dtypes")
     bf = np.array([1.5, -3.25, 65504.0, 1e30], dtype=ml_dtypes.bfloat16)
     path = _bundle(tmp_path, {"param/w": bf, "input/x.0": np.ones((2, 2), np.float16)})
     b = load_array_bundle(path)
@@ -219,10 +221,10 @@ def test_compare_report_watch_and_export_read_a_flax_run(flax_run, tmp_path):
     assert watched.exit_code == 1, watched.output
     finding = json.loads(watched.output.splitlines()[-2])
     assert (finding["kind"], finding["step"], finding["layer"]) == ("nonfinite", 3, "mid")
-    pytest.importorskip("plotly")
+    importlib.import_module("plotly")
     page = tmp_path / "report.html"
     reported = cli("report", flax_run, "-o", page)
     assert reported.exit_code == 0 and "mid" in page.read_text(), reported.output
-    pytest.importorskip("tensorboard")
+    importlib.import_module("tensorboard")
     exported = cli("export", "tensorboard", flax_run, "--logdir", tmp_path / "tb")
     assert exported.exit_code == 0 and "of 5 step(s)" in exported.output, exported.output
