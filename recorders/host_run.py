@@ -117,12 +117,13 @@ class HostRun:
     layer; `params`: `{"name", "shape", "dtype", "requires_grad"}` per
     variable; `scaler`, `optimizer`, `autocast`: the manifest's objects
     (docs/FORMAT.md, "Manifest"); `recorder_options`: the recorder's own
-    configuration, as the manifest's `recorder`."""
+    configuration, as the manifest's `recorder`; `dtype_policies`: the
+    manifest's `dtype_policies` (Keras), absent when None."""
 
     def __init__(self, run_dir, *, framework: dict, model_class: str, modules: list, params: list,
                  scaler: dict | None = None, optimizer: dict | None = None, autocast: dict | None = None,
-                 recorder_options: dict | None = None, device_type: str = "cpu",
-                 steps_per_shard: int = 1000, run_id: str | None = None, rank: int = 0, world_size: int = 1):
+                 recorder_options: dict | None = None, dtype_policies: dict | None = None,
+                 device_type: str = "cpu", steps_per_shard: int = 1000, run_id: str | None = None, rank: int = 0, world_size: int = 1):
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.rank_dir = self.run_dir / schema.RANK_DIR.format(rank=rank)
@@ -139,6 +140,8 @@ class HostRun:
             "bundles": [], "status": "open", "steps_recorded": 0, "first_step": None,
             "last_step": None, "dropped_steps": 0, "disabled_reason": None, "disabled_at_step": None,
         }
+        if dtype_policies is not None:
+            self.manifest[schema.DTYPE_POLICIES_KEY] = dtype_policies
         self.shards = ShardWriter(self.rank_dir, run_id=self.manifest["run_id"], rank=rank,
                                   world_size=world_size, steps_per_shard=steps_per_shard)
         self._closed = False

@@ -349,7 +349,7 @@ class KerasRecorder(keras.callbacks.Callback):
                       "cache_enabled": None, "policy": policy.name},
             recorder_options={"recorder": "keras", "every": self.every, "steps_per_shard": self._steps_per_shard,
                               "bundles": self.bundles.options() if self.bundles is not None else None},
-            steps_per_shard=self._steps_per_shard, run_id=self._run_id)
+            dtype_policies=dtype_policies(model), steps_per_shard=self._steps_per_shard, run_id=self._run_id)
 
     # ---------------------------------------------------------- wrappers
     def _install(self, model):
@@ -602,13 +602,18 @@ def _numpy_tree(tree):
         lambda t: ops.convert_to_numpy(t) if t is not None and hasattr(t, "shape") else t, tree)
 
 
-def layer_policies(model) -> dict:
-    """`{layer name: dtype policy name}` of every layer whose policy is not
-    the model's (the manifest's `recorder.layer_policies`: evidence for a
-    disagreeing policy)."""
-    root, own = model.name, model.dtype_policy.name
-    return {layer_name(layer, root): layer.dtype_policy.name for layer in layers_of(model)
-            if getattr(layer, "dtype_policy", None) is not None and layer.dtype_policy.name != own}
+def _policy_entry(policy) -> dict:
+    return {"policy": policy.name, "compute_dtype": policy.compute_dtype, "variable_dtype": policy.variable_dtype}
+
+
+def dtype_policies(model) -> dict:
+    """The manifest's `dtype_policies`: the model's policy and every layer's
+    (in `layers_of` order), read when the run starts: evidence for layers
+    built under another policy than the model's."""
+    root = model.name
+    return {"model": _policy_entry(model.dtype_policy),
+            "layers": [{"name": layer_name(layer, root), **_policy_entry(layer.dtype_policy)}
+                       for layer in layers_of(model) if getattr(layer, "dtype_policy", None) is not None]}
 
 
 def _finite(v) -> bool:

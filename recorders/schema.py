@@ -43,6 +43,11 @@ ARRAY_BUNDLE_ROLES = ("param", "input", "target", "sample_weight")
 # unchanged (`collectors/updates.py`; docs/FORMAT.md, "Manifest").
 LOST_UPDATES_KEY = "lost_updates"
 
+# The manifest key of the Keras dtype policies (since 1.5): the model's
+# policy and each layer's, read at attach time (docs/FORMAT.md, "Manifest");
+# the variables' own dtypes are the manifest's `params`.
+DTYPE_POLICIES_KEY = "dtype_policies"
+
 # A counterfactual window (`BundlePolicy(window_steps=K)`): the weights,
 # buffers, optimizer and scaler state at a window's first step and every
 # step's inputs and RNG since, written when a bundle trigger fires.

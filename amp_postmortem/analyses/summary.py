@@ -53,6 +53,7 @@ from ..window import window_spans
 from .bundle_choice import choose_bundle, saved_bundles
 from ..loader import Run
 from .fail_on import SEVERITIES, fail_rule
+from .dtype_policies import PolicyProblem, dtype_policy_problems
 from .instability import find_instability
 from .precision_verdict import Verdict, undetermined
 from .nans import applied_nonfinite_steps, basis_words, find_nans
@@ -219,6 +220,7 @@ def summarize(run: Run, *, window: int | None = None, model_spec: str | None = N
              _scale_finding(scale, target),
              *_underflow_findings(run, ranges, target),
              _overflow_risk_finding(run, ranges, target),
+             _dtype_policy_finding(run),
              _lost_updates_finding(run, target),
              _disabled_finding(run, disabled),
              _not_closed_finding(run, disabled)]
@@ -379,6 +381,16 @@ def _lost_updates_finding(run: Run, target: str) -> Finding | None:
         _lost_updates_words(lost), _lost_updates_next(lost, target), lost.to_dict())
 
 
+def _dtype_policy_finding(run: Run) -> Finding | None:
+    """`dtype_policy_mismatch`: Keras variables held in float16/bfloat16, or
+    layers computing in another reduced precision than the model's."""
+    found = dtype_policy_problems(run)
+    if not found.problems:
+        return None
+    return Finding("dtype_policy_mismatch", "warning", None, found.layers[0], _dtype_policy_words(found),
+                   _dtype_policy_next(found), found.to_dict())
+
+
 def _overflow_risk_finding(run: Run, ranges, target: str) -> Finding | None:
     risk = ranges.flagged("overflow_risk")
     if not len(risk):
@@ -537,6 +549,37 @@ def _lost_updates_words(lost) -> str:
             f"round away; most lost in {named}. Cause: parameters held in {lost.param_dtype} with no float32 "
             f"master copy, times the learning rate. Remedies: "
             + "; ".join(_REMEDY_WORDS[r] for r in lost.remedies()) + f" ({verify})")
+
+
+def _mixed_policy(found) -> str:
+    """The one policy the remedy names: the model's when it is a mixed one."""
+    policy = found.model_policy or ""
+    return policy if policy.startswith("mixed_") else "mixed_float16"
+
+
+def _dtype_policy_next(found) -> str:
+    return (f'keras.mixed_precision.set_global_policy("{_mixed_policy(found)}") before any layer is built, '
+            'no dtype="float16" on a layer or a weight (then record again)')
+
+
+def _dtype_policy_words(found) -> str:
+    def named(layers: dict) -> str:
+        shown = [f"{_display(k)} ({', '.join(v) if isinstance(v, list) else v})" for k, v in list(layers.items())[:4]]
+        return ", ".join(shown) + (f" and {len(layers) - 4} more" if len(layers) > 4 else "")
+
+    parts = []
+    if PolicyProblem.LOW_PRECISION_VARIABLES in found.problems:
+        parts.append(f"variables held in low precision in {named(found.low_precision_variables)}: no float32 "
+                     "master copy, so updates below half an ulp of a weight round away and float16 weights "
+                     "overflow at 65504")
+    if PolicyProblem.LAYER_POLICY_DIFFERS in found.problems:
+        parts.append(f"layers computing under another policy than the model's {found.model_policy}, "
+                     f"{named(found.differing_layers)}: built before set_global_policy, or given their own "
+                     "dtype= (compile adds a LossScaleOptimizer only for a mixed_float16 model)")
+    mixed = _mixed_policy(found)
+    return ("dtype policies disagree: " + "; ".join(parts) + f". Remedy: one mixed policy for the whole model "
+            f"({mixed}: float32 variables, {mixed.partition('_')[2]} compute), set before the model is built; "
+            "a float32 layer on purpose (a final softmax) is fine")
 
 
 def _lost_updates_next(lost, target: str) -> str:
