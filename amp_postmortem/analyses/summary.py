@@ -15,6 +15,10 @@ Findings (kind, severity):
 - `scale_collapse` (critical): the loss scale is collapsing (`scale`).
 - `stuck_low_scale` (error): the scale is pinned low, or never grows
   (`stuck_low`, `growth_blocked`).
+- `fp16_reduction_overflow` (error, Flax runs): a module's float16 output
+  overflowed where it sums many finite values that float32 would hold (a
+  sum pooling, a softmax's normaliser; `fp16_reductions`): the module, its
+  first step and the remedy (compute in float32, cast back).
 - `grad_underflow` (warning): gradients sit in the float16 subnormal range
   or are flushed to zero now (`ranges`, `underflow` flag: the recent
   full-tier steps; structural zeros, zero at any scale, not counted); its
@@ -54,6 +58,7 @@ from .bundle_choice import choose_bundle, saved_bundles
 from ..loader import Run
 from .fail_on import SEVERITIES, fail_rule
 from .dtype_policies import PolicyProblem, dtype_policy_problems
+from .fp16_reductions import find_fp16_reductions
 from .instability import find_instability
 from .precision_verdict import Verdict, undetermined
 from .nans import applied_nonfinite_steps, basis_words, find_nans
@@ -221,6 +226,7 @@ def summarize(run: Run, *, window: int | None = None, model_spec: str | None = N
              *_underflow_findings(run, ranges, target),
              _overflow_risk_finding(run, ranges, target),
              _dtype_policy_finding(run),
+             _fp16_reduction_finding(run),
              _lost_updates_finding(run, target),
              _disabled_finding(run, disabled),
              _not_closed_finding(run, disabled)]
@@ -389,6 +395,17 @@ def _dtype_policy_finding(run: Run) -> Finding | None:
         return None
     return Finding("dtype_policy_mismatch", "warning", None, found.layers[0], _dtype_policy_words(found),
                    _dtype_policy_next(found), found.to_dict())
+
+
+def _fp16_reduction_finding(run: Run) -> Finding | None:
+    """`fp16_reduction_overflow`: a Flax module whose float16 reduction
+    overflowed while float32 would have held it."""
+    found = find_fp16_reductions(run)
+    if not found.reductions:
+        return None
+    first = found.reductions[0]
+    return Finding("fp16_reduction_overflow", "error", first.first_step, first.module,
+                   _fp16_reduction_words(found), _FP16_REDUCTION_NEXT, found.to_dict())
 
 
 def _overflow_risk_finding(run: Run, ranges, target: str) -> Finding | None:
@@ -580,6 +597,21 @@ def _dtype_policy_words(found) -> str:
     return ("dtype policies disagree: " + "; ".join(parts) + f". Remedy: one mixed policy for the whole model "
             f"({mixed}: float32 variables, {mixed.partition('_')[2]} compute), set before the model is built; "
             "a float32 layer on purpose (a final softmax) is fine")
+
+
+_FP16_REDUCTION_NEXT = ("compute the reduction in float32 and cast back: "
+                        "jax.nn.softmax(x.astype(jnp.float32)).astype(x.dtype) (then record again)")
+
+
+def _fp16_reduction_words(found) -> str:
+    shown = [f"{_display(r.module)} at step {r.first_step} ({r.values_per_output} values per output, the "
+             f"largest input {r.input_absmax:g}: up to {r.bound:.3g})" for r in found.reductions[:3]]
+    more = f" and {len(found.reductions) - 3} more" if len(found.reductions) > 3 else ""
+    return ("a reduction computed in float16 overflowed: " + "; ".join(shown) + more + ". Each module's input "
+            "was finite and its float16 output is not: a sum of that many values passes float16's 65504 and "
+            "stays far below float32's 3.4e38. Remedy: compute it in float32 and cast back what float16 "
+            "holds (a softmax or log_softmax: jax.nn.softmax(x.astype(jnp.float32)).astype(x.dtype)); a "
+            "sum above 65504 stays in float32 or becomes a mean")
 
 
 def _lost_updates_next(lost, target: str) -> str:
