@@ -42,6 +42,8 @@ from .unwrap import unwrap_optimizer, unwrap_scaler
 from .writer_thread import WriterThread
 
 MODE_ENV = "AMP_POSTMORTEM_MODE"
+# What a bundle.json says of the job (`BundleCapture`'s run_info).
+RUN_INFO = ("run_id", "rank", "world_size", "package_version", "device_type", "device_name", "scaler")
 
 
 class AmpRecorder:
@@ -54,8 +56,7 @@ class AmpRecorder:
     >>> rec.close()
 
     Args:
-        run_dir: the run directory (created; a resumed job may reuse it), or
-            a URI pyarrow or fsspec opens (`s3://...`: spooled, uploaded).
+        run_dir: the run directory (a resumed job may reuse it) or a URI (`s3://...`).
         model: the `nn.Module`, bare or wrapped (DDP, FSDP, `torch.compile`,
             checkpoint wrappers); names and class are the unwrapped model's.
         optimizer: its optimizer (wrappers unwrapped): learning rates, the
@@ -63,8 +64,7 @@ class AmpRecorder:
         scaler: the `GradScaler`, or an object holding one in `_scaler`,
             `scaler` or `grad_scaler`; any other is refused with a warning.
         schedule: the `RecordSchedule` (default: the `mode`'s).
-        bundles: the `BundlePolicy` (True: the default; False: nothing held,
-            no step re-executed).
+        bundles: the `BundlePolicy` (True: the default; False: none, no re-execution).
         storage: the `StorageOptions` of a URI run.
         writer: the `WriterOptions` (shards, journal, queue).
         on_event: a callable (or an `EventPolicy`) called on its own thread
@@ -75,22 +75,17 @@ class AmpRecorder:
         near_overflow: the magnitude counted as near overflow (65504).
         rank: this process's rank (default: torch.distributed's, else 0).
         world_size: the number of ranks (default: torch.distributed's, else 1).
-        run_id: the run's id (default: `$AMP_POSTMORTEM_RUN_ID`,
-            `$TORCHELASTIC_RUN_ID`, the run's, else new; rank 0's for all).
+        run_id: the run's id (default: `$AMP_POSTMORTEM_RUN_ID`, the run's, else new).
         capture_loss: capture every micro-batch's loss (`recorders.loss_tap`);
             the loss passed to `step()` wins unless one captured is NaN/Inf.
-        eager_full_steps: a compiled model's full-tier steps run eagerly
-            (`recorders.stance`).
-        compiled_rows: a compiled model's cheap rows computed in the graph
-            (`collectors.graph_stats`; off: see `recorders.stance`).
+        eager_full_steps: a compiled model's full-tier steps run eagerly (`recorders.stance`).
+        compiled_rows: a compiled model's cheap rows computed in its graph (`recorders.stance`).
         probe: the op probe: module name patterns or a `ProbeOptions`.
-        reexecute: re-execute a failing step not sampled in full, in the job:
-            True, a `ReexecutePolicy` (`recorders.reexecute`) or False.
+        reexecute: re-execute a failing step in the job: True, a `ReexecutePolicy` or False.
         mode: `"sentinel"` (default: step facts every step, module rows on
             sampled steps, the failing step re-executed) or `"every_step"`
             (every module's rows every step); None: `$AMP_POSTMORTEM_MODE`.
-        flat: the flat keywords of earlier versions (`full_every=`, ...),
-            one field of a part each (`recorders.options.FLAT_OPTIONS`).
+        flat: the flat keywords of earlier versions (`recorders.options.FLAT_OPTIONS`).
     """
 
     def __init__(self, run_dir, model: torch.nn.Module, optimizer=None, scaler=None, *,
@@ -157,23 +152,19 @@ class AmpRecorder:
         self.writer = WriterThread(max_queue=parts.writer.max_queue, is_failed=lambda: self.guard.failure is not None,
                                    on_error=self.guard.fail)
         self.guard.writer_thread = self.writer.thread
-        run_info = {k: job[k] for k in ("run_id", "rank", "world_size", "package_version",
-                                        "device_type", "device_name", "scaler")}
         self.bundles = BundleCapture(model, optimizer, scaler, policy=parts.bundle_policy, enabled=bundles_enabled,
-                                     run_dir=self.run_dir, run_info=run_info, post=self.writer.submit,
+                                     run_dir=self.run_dir, run_info={k: job[k] for k in RUN_INFO},
+                                     post=self.writer.submit,
                                      on_change=lambda saved, missed: self.manifest.save_bundles(saved, missed),
                                      window=window_off is None)
-        job["recorder"]["bundles"] = plain(self.bundles.config, keep_nonfinite=True)
-        if window_off:
-            job["recorder"]["bundles"]["window_disabled"] = window_off
+        job["recorder"]["bundles"] = dict(plain(self.bundles.config, keep_nonfinite=True),
+                                          **({"window_disabled": window_off} if window_off else {}))
         # Re-execution replays held steps: without bundles nothing is held.
         policy = self.reexecute_policy if bundles_enabled else None
         refuse = Refusal.DISTRIBUTED if survey.distributed or self.world_size > 1 else None
         job["recorder"]["reexecute"] = policy.config(refused=refuse) if policy is not None else None
         self.manifest = RunManifest(self.run_dir, self.rank, job)
-        if parts.events is not None:
-            self.events = EventDispatcher(parts.events)
-            self.manifest.set_events(self.events.report())
+        self.events = EventDispatcher(parts.events) if parts.events is not None else None
         self.rows = StepRows(rank=self.rank, optimizer=optimizer, scaler=scaler)
         self.hooks = TrainingHooks(
             model, optimizer=optimizer, scaler=scaler, watched=survey.watched, modules=dict(survey.modules),
@@ -195,7 +186,8 @@ class AmpRecorder:
         self.run_writer = RunWriter(
             thread=self.writer, rows=self.rows, files=self.files, manifest=self.manifest, schedule=self.schedule,
             bundles=self.bundles, guard=self.guard, writing=parts.writer, world_size=self.world_size,
-            event_policy=parts.events, events=self.events, sentinel=self.sentinel, lost_updates=self.hooks.updates.report)
+            event_policy=parts.events, events=self.events, sentinel=self.sentinel,
+            lost_updates=self.hooks.updates.report)
         self.shards = self.run_writer.shards
         if self.files.uploader is not None:
             self.manifest.set_storage(self.run_location)
@@ -220,7 +212,6 @@ class AmpRecorder:
         return write_stop(guard=self.guard, files=self.files, manifest=self.manifest, events=self.events,
                           status=status, dropped_steps=self.run_writer.dropped_steps if self.run_writer else 0)
 
-    # ------------------------------------------------------------ the state
     @property
     def enabled(self) -> bool:
         """Recording is on (an internal error turns it off for good)."""
@@ -247,7 +238,6 @@ class AmpRecorder:
         ends (the Trainer and Lightning callbacks with `stop_on_event=True`)."""
         return self._should_stop
 
-    # --------------------------------------------------------------- public
     def step(self, loss=None, step: int | None = None) -> None:
         """Close the current optimizer step. Call once per optimizer step,
         after `scaler.update()` (or `optimizer.step()` without a scaler)."""

@@ -63,6 +63,8 @@ class RunWriter:
         self.flush_interval_s = writing.flush_interval_s
         self.event_detector = EventDetector.of(event_policy) if event_policy is not None else None
         self.events = events
+        if events is not None:
+            manifest.set_events(events.report())
         self.sentinel = sentinel
         self.lost_updates = lost_updates
         self.dropped_steps = 0

@@ -6,6 +6,25 @@ fire; compiled steps keep their graphs (a stance change neither
 invalidates nor recompiles them). `CompileStance` holds whether the model
 is compiled, the stance to restore, and the root's two hooks that hold the
 stance for its forwards only.
+
+The two options of a compiled job (`AmpRecorder(eager_full_steps=,
+compiled_rows=)`):
+- `eager_full_steps` (default True): full-tier steps run eagerly, process
+  wide while the stance holds (during the model's forwards when the recorder
+  is attached to the compiled module, from the previous `step()` when
+  attached before compiling: see `enter_tier`), so they record the full
+  tier's statistics; such a step computes with eager rounding, which a
+  backend like inductor may not share. False: every step stays compiled.
+- `compiled_rows` (default False): the cheap tier's rows of every watched
+  module are computed inside the compiled graph on every recorded step
+  (`collectors.graph_stats`). Off by default: on the CPU it cost 1.08x to
+  1.2x the compiled step of the benchmark GPT (`benchmarks/RESULTS.md`), and
+  the statistics, which read tensors only, give the compiler more consumers
+  of them, which can change its fusion and so the training's rounding by a
+  bit. Without it compiled steps carry the loss, the loss scale and the
+  parameter gradients, and per-module rows come from the eager full-tier
+  steps; with `eager_full_steps=False` too the training is bit-identical to
+  the compiled job's without the recorder.
 """
 from __future__ import annotations
 
