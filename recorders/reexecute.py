@@ -8,7 +8,8 @@ that reached the root's outputs (so the loss, wherever the loop computes it,
 need not be known), and the weights the forward used. The rows it records
 are the step's rows, marked re-executed (`steps.reexecuted`), and the facts
 the re-execution measured are compared with the recorded ones
-(`steps.reexecution`): a step that does not reproduce is itself a finding
+(`steps.reexecution`, `step_rows.ReexecutionCheck`): a step that does not
+reproduce is itself a finding
 (nondeterminism, a faulty device). Megatron's rerun state machine re-runs a
 step for the same reason.
 
@@ -127,14 +128,6 @@ class Refusal(enum.Enum):
     WEIGHTS_NOT_HELD = "weights_not_held"  # the optimizer stepped and no copy of the weights was held
     INPUTS_CHANGED = "inputs_changed"      # the loop wrote into the held inputs since
     FAILED = "failed"                      # the re-execution raised (restored; recording goes on)
-
-
-class Check(enum.Enum):
-    """How the re-execution's facts compare with the recorded ones."""
-    EXACT = "exact"        # the same bits: gradient norm, non-finite gradients, loss
-    CLOSE = "close"        # the same non-finite gradients; norms within 1e-3 (nondeterministic kernels)
-    DIFFERS = "differs"    # not reproduced: nondeterminism beyond rounding, or a faulty device
-    UNCHECKED = "unchecked"  # nothing to compare (no gradient facts on either side)
 
 
 @dataclass

@@ -8,6 +8,7 @@ and the record schedule read.
 """
 from __future__ import annotations
 
+import enum
 import math
 import time
 
@@ -245,7 +246,7 @@ class StepRows:
             nonfinite_params = int(counted)
         sq = scalars.get("grad_sqsum")
         tracker = scalars.get("growth_tracker", math.nan)
-        check = reexecution_check(p, scalars) if p.reexecution is not None else None
+        check = reexecution_check(p, scalars, cols) if p.reexecution is not None else None
         step_row = {
             "step": p.step,
             "rank": self.rank,
@@ -263,7 +264,7 @@ class StepRows:
             "tensor_rows": len(cols["name"]) if cols is not None else 0,
             "sharded_grad_sqsum": scalars.get("sharded_grad_sqsum"),
             "loss_dtype": p.loss_dtype,
-            "reexecuted": check is not None and check["check"] != "refused",
+            "reexecuted": check is not None and check["check"] != ReexecutionCheck.REFUSED.value,
             "reexecution": check["check"] if check is not None else None,
         }
         summary = {
@@ -281,14 +282,26 @@ class StepRows:
         return step_row, cols, summary
 
 
-def reexecution_check(p: PendingStep, scalars: dict) -> dict:
+class ReexecutionCheck(str, enum.Enum):
+    """How a re-execution's facts compare with the recorded ones (the steps
+    column `reexecution`)."""
+    EXACT = "exact"          # the same bits: square sum of the gradients, their non-finite count, the loss
+    CLOSE = "close"          # the same non-finite gradients; values within 1e-3 (nondeterministic kernels)
+    DIFFERS = "differs"      # not reproduced: nondeterminism beyond rounding, or a faulty device
+    UNCHECKED = "unchecked"  # nothing to compare (no gradient facts on either side)
+    REFUSED = "refused"      # not re-executed (`reexecute.Refusal` says why)
+
+
+def reexecution_check(p: PendingStep, scalars: dict, cols: dict | None) -> dict:
     """The manifest's entry of a re-execution: the event, and how its facts
-    compare with the recorded ones (`reexecute.Check`), or why it was
-    refused (`reexecute.Refusal`)."""
+    compare with the recorded ones (`ReexecutionCheck`): the gradients' square
+    sum, their non-finite count and which parameters' they are (the recorded
+    step's norms against the re-executed `param_grad` rows), the loss; or
+    why it was refused (`reexecute.Refusal`)."""
     out = p.reexecution
     entry = {"step": p.step, "kind": out.kind}
     if out.state is None:
-        entry.update(check="refused", reason=out.refusal.value if out.refusal else None)
+        entry.update(check=ReexecutionCheck.REFUSED.value, reason=out.refusal.value if out.refusal else None)
         if out.detail:
             entry["detail"] = out.detail
         return entry
@@ -297,20 +310,33 @@ def reexecution_check(p: PendingStep, scalars: dict) -> dict:
     again = {"grad_sqsum": scalars.get("reexec_grad_sqsum"), "nonfinite_grads": scalars.get("reexec_grad_nonfinite"),
              "loss": scalars.get("reexec_loss")}
     names = p.norm_names or []
-    entry["recorded_nonfinite_grads"] = [names[i] for i in scalars.get("nonfinite_grad_positions", ()) if i < len(names)]
+    bad_recorded = sorted(names[i] for i in scalars.get("nonfinite_grad_positions", ()) if i < len(names))
+    bad_again = sorted(nonfinite_param_names(cols)) if cols is not None else None
+    entry["recorded_nonfinite_grads"] = bad_recorded
     entry["backward"] = bool(out.backward)
     compared = [k for k in recorded if recorded[k] is not None and again[k] is not None]
+    same_params = not out.backward or bad_again is None or not names or bad_recorded == bad_again
     if not compared:
-        entry["check"] = "unchecked"
+        entry["check"] = ReexecutionCheck.UNCHECKED.value
         return entry
-    same_bits = all(_same(recorded[k], again[k]) for k in compared)
-    close = all(_same(recorded[k], again[k]) or (
+    same_bits = all(_same(recorded[k], again[k]) for k in compared) and same_params
+    close = same_params and all(_same(recorded[k], again[k]) or (
         math.isfinite(recorded[k]) and math.isfinite(again[k])
         and abs(recorded[k] - again[k]) <= 1e-3 * max(abs(recorded[k]), abs(again[k]))) for k in compared)
-    entry["check"] = "exact" if same_bits else "close" if close else "differs"
+    check = ReexecutionCheck.EXACT if same_bits else ReexecutionCheck.CLOSE if close else ReexecutionCheck.DIFFERS
+    entry["check"] = check.value
     entry["recorded"] = {k: recorded[k] for k in compared}
     entry["reexecuted"] = {k: again[k] for k in compared}
+    if bad_again is not None and out.backward:
+        entry["reexecuted_nonfinite_grads"] = bad_again
     return entry
+
+
+def nonfinite_param_names(cols: dict) -> list[str]:
+    """The parameters whose `param_grad` rows hold a NaN or an Inf."""
+    kinds = np.asarray(cols["kind"], dtype=object)
+    bad = (np.asarray(cols["nan_count"]) > 0) | (np.asarray(cols["inf_count"]) > 0)
+    return [str(n) for n in np.asarray(cols["name"], dtype=object)[bad & (kinds == "param_grad")]]
 
 
 def _same(a: float, b: float) -> bool:

@@ -98,6 +98,8 @@ def test_the_failing_step_is_reexecuted_exactly_and_training_is_untouched(tmp_pa
     entries = _manifest(runs[0])["reexecutions"]
     assert [(e["step"], e["kind"], e["check"]) for e in entries] == [(7, "nonfinite_loss", "exact")]
     assert entries[0]["backward"] is True
+    # Which gradients were non-finite: the step's own reduction and the re-execution's rows agree.
+    assert entries[0]["recorded_nonfinite_grads"] == entries[0]["reexecuted_nonfinite_grads"] != []
     steps = ap.load_run(runs[0]).steps.set_index("step")
     assert bool(steps.loc[7, "reexecuted"]) and steps.loc[7, "tier"] == "full"
     assert steps.loc[7, "reexecution"] == "exact"
@@ -273,3 +275,31 @@ def test_the_trigger_tells_a_probe_a_collapse_and_a_failure_apart():
                                          (9, "scale_collapse", False), (10, "scale_collapse", True),
                                          (11, "scale_collapse", True), (12, "scale_collapse", True)]
     assert trigger.decide(StepFacts(13, skipped=True, loss=float("nan"), loss_scale=16.0)).kind == "nonfinite_loss"
+
+
+class _Drifting(nn.Module):
+    """A module whose output depends on how often it ran: a re-execution
+    cannot reproduce its step (as nondeterministic kernels or a faulty
+    device would not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) * (1.0 + self.calls)
+
+
+def test_a_step_the_reexecution_cannot_reproduce_is_said_to_differ(tmp_path):
+    """A loss spike at step 12 (a finite event) on a module that drifts with
+    each call: the re-execution's gradients are not the recorded ones."""
+    torch.manual_seed(0)
+    train(_Drifting(), batches(14), recorder=recorder_at(tmp_path / "run", snapshot_params=True), scaler=None,
+          dtype=None, lr=1e-4, on_step=lambda step, model, x: x.mul_(1e3 if step == 12 else 1.0))
+    entry = _manifest(tmp_path / "run")["reexecutions"][0]
+    assert (entry["step"], entry["kind"], entry["check"]) == (12, "spike", "differs")
+    assert entry["recorded"]["grad_sqsum"] != entry["reexecuted"]["grad_sqsum"]
+    steps = ap.load_run(tmp_path / "run").steps.set_index("step")
+    assert steps.loc[12, "reexecution"] == "differs" and bool(steps.loc[12, "reexecuted"])

@@ -87,6 +87,7 @@ class BundleCapture:
         self.config = policy.config(enabled=self.enabled, snapshot_params=snapshot_params)
         self.inventory = inv = ModelInventory(model)
         self._param_pool = SnapshotPool(inv.params, 2) if snapshot_params and inv.params else None
+        self._always_snapshot = policy.snapshot_params is True
         # training thread
         self._host_memory = all(t.device.type == "cpu" for t in inv.params)
         # The writer decides one step late, later when it lags (on a CPU job
@@ -214,7 +215,10 @@ class BundleCapture:
         cap = self._current
         if cap is not None and cap.params is None:
             wanted = cap.explicit or cap.step in self.steps
-            snap = self._param_pool.take() if self._param_pool is not None and (wanted or not clean_on_host) else None
+            # `snapshot_params=True` (not "auto"): every step, clean or not (a
+            # re-execution of a finite event, a loss spike, needs them too).
+            snap = self._param_pool.take() if self._param_pool is not None and (
+                wanted or not clean_on_host or self._always_snapshot) else None
             if snap is not None:
                 self._secure(cap, snap, "pre_step_snapshot", pooled=True)
             elif wanted:
@@ -264,6 +268,13 @@ class BundleCapture:
         self.decisions.note_step(step, explicit, no_loss=loss is None)
         if cap is not None:
             cap.step, cap.stepped, cap.clean = step, stepped, clean
+            if clean and cap.params_pooled and cap.params is not None:
+                # Its decision comes late (handed over with others) and is
+                # a "no" but for a rare trigger: the pooled copy goes back
+                # now, for the next steps (a later "yes" copies the weights
+                # then, and says so).
+                self._param_pool.give(cap.params)
+                cap.params, cap.params_pooled = None, False
             old = self._held.pop(step, None)
             if old is not None:
                 self._release(old)

@@ -30,9 +30,12 @@ class BundlePolicy:
     settle_steps: consecutive optimizer steps that end the calibration of a
         fresh GradScaler; skips before that never trigger (10).
     snapshot_params: copy the weights in the optimizer pre-step hook every
-        step: True, False, or "auto" (when no GradScaler is enabled); at most
-        two copies of the parameters exist, on their device, while the
-        writer decides.
+        step: True, False, or "auto" (when no GradScaler is enabled; on the
+        CPU only for a step whose gradients are not all finite, where True
+        copies them every step: a finite event such as a loss spike is then
+        re-executable too); at most two copies of the parameters exist, on
+        their device, while the writer decides (a clean step's goes back at
+        once).
     snapshot_buffers_bytes: copy the buffers at each step's first forward
         when they total at most this many bytes (64 MiB).
     hold_steps: finished steps whose inputs and output gradients stay
