@@ -8,7 +8,6 @@ replayed through the real CLI with the user's factory
 from __future__ import annotations
 
 import importlib
-
 import json
 import os
 import subprocess

@@ -5,6 +5,7 @@ story (origin layer and step, the collapse's onset, a quiet healthy run,
 exact skip flags), not values of CPU float16 kernels."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-pytest.importorskip("keras")
+importlib.import_module("keras")
 
 from amp_postmortem.cli import main  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
@@ -24,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module", params=["tensorflow", "jax"])
 def runs(request, tmp_path_factory):
-    pytest.importorskip(request.param)
+    importlib.import_module(request.param)
     out = tmp_path_factory.mktemp(f"keras_{request.param}")
     env = {**os.environ, "KERAS_BACKEND": request.param, "TF_CPP_MIN_LOG_LEVEL": "3"}
     subprocess.run([sys.executable, str(HERE / "keras_runs.py"), str(out)], env=env, check=True,
