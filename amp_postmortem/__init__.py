@@ -200,32 +200,32 @@ def replay(run, *, step: int | None = None, rank: int | None = None, model=None,
                                  anomaly=anomaly, loss_fn=loss_fn, trace=trace)
     from .replay import replay as run_replay
     from .replay.model_spec import resolve_loss_fn
-    source, choice = _source(run), None
-    if step is None and _is_run(source):
-        from .analyses.bundle_choice import choose_bundle
-        from .errors import BundleError
-        choice = choose_bundle(load_run(source, rank=rank), rank)
-        if choice is None:
-            raise BundleError(f"no replay bundles in {source} (nothing under bundles/): the recorder saves one "
-                              f"at a failing step; give a bundle directory, or record with bundles")
-        step, rank = choice.bundle.step, choice.bundle.rank
+    source = _source(run)
+    step, rank, choice = _first_failure_bundle(source, step, rank)
     result = run_replay(source, step, rank=rank, model=model, device=device, precisions=precisions,
                         policy=policy, anomaly=anomaly, loss_fn=resolve_loss_fn(loss_fn), trace=trace)
     result.bundle_choice = choice
     return _result(result)
 
 
+def _first_failure_bundle(source, step, rank):
+    """(step, rank, the `choose_bundle` choice): without a step, a run's
+    first failure's bundle (`replay` says so); else as given, no choice."""
+    if step is not None or not _is_run(source):
+        return step, rank, None
+    from .analyses.bundle_choice import choose_bundle
+    from .errors import BundleError
+    choice = choose_bundle(load_run(source, rank=rank), rank)
+    if choice is None:
+        raise BundleError(f"no replay bundles in {source} (nothing under bundles/): the recorder saves one "
+                          f"at a failing step; give a bundle directory, or record with bundles")
+    return choice.bundle.step, choice.bundle.rank, choice
+
+
 def _framework_replay(run, *, step, rank, **options):
     from .framework_replay import replay_array_bundle
-    source, choice = _path(run), None
-    if step is None and _is_run(source):
-        from .analyses.bundle_choice import choose_bundle
-        from .errors import BundleError
-        choice = choose_bundle(load_run(source, rank=rank), rank)
-        if choice is None:
-            raise BundleError(f"no replay bundles in {source} (nothing under bundles/): the recorder saves one "
-                              f"at a failing step; give a bundle directory, or record with bundles")
-        step, rank = choice.bundle.step, choice.bundle.rank
+    source = _path(run)
+    step, rank, choice = _first_failure_bundle(source, step, rank)
     result = replay_array_bundle(source, step, rank=rank, **options)
     result.bundle_choice = choice
     return _result(result)

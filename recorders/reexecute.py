@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .bundles.held import rng_state, set_rng_state
 from .collectors.state import StepState
 from .errors import OptionError, option_float, option_int
 from .loss_tap import find_loss
@@ -300,7 +301,7 @@ class Reexecutor:
             model.train(cap.training)
             losses = []
             for mb in cap.micro_batches:
-                _set_rng(mb.rng)
+                set_rng_state(mb.rng)
                 with _autocast(cap.autocast):
                     output = model(*mb.args, **mb.kwargs)
                 loss = find_loss(output)
@@ -335,7 +336,7 @@ class _Saved:
         self.training = model.training
         self.grads = [(p, p.grad) for p in params]
         self.buffers = [(b, b.detach().clone()) for b in buffers]
-        self.rng = _rng_state()
+        self.rng = rng_state()
         self.weights = weights
         self.weight_tensors = weight_tensors
         self.current = None
@@ -358,22 +359,8 @@ class _Saved:
             if self.current is not None:
                 for t, w in zip(self.weight_tensors, self.current):
                     t.copy_(w)
-        _set_rng(self.rng)
+        set_rng_state(self.rng)
         self.model.train(self.training)
-
-
-def _rng_state() -> dict:
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    return rng
-
-
-def _set_rng(rng: dict) -> None:
-    if rng.get("cpu") is not None:
-        torch.set_rng_state(rng["cpu"])
-    if rng.get("cuda") is not None and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def _autocast(info: dict | None):

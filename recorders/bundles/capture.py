@@ -46,7 +46,7 @@ from ..stats import iter_tensors
 from ..tensor_codec import clone_tree, encode_inputs
 from .decisions import BundleDecisions
 from .directory import precision_flags
-from .held import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now
+from .held import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now, rng_state
 from .policy import BundlePolicy
 from .triggers import BundleTriggers
 from .window import WindowCapture
@@ -146,9 +146,7 @@ class BundleCapture:
                 self.window.on_step_start(step, self._current.autocast, self._current.precision)
         if self.clone_inputs:
             args, kwargs = clone_tree(args), clone_tree(kwargs)
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state_all()  # host-side generator state: no sync
+        rng = rng_state()
         versions = [(t, t._version) for t in iter_tensors((args, kwargs))]
         self._current.micro_batches.append(MicroBatch(args, kwargs, versions, rng))
         if self.window is not None:

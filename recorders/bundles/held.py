@@ -139,6 +139,23 @@ def _raw_prefix(model) -> str:
     return ""
 
 
+def rng_state() -> dict:
+    """The RNG states a step's forward starts from: the CPU's and, once CUDA
+    is initialised, every device's (host-side generator state: no sync)."""
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def set_rng_state(rng: dict) -> None:
+    """Put back what `rng_state` took."""
+    if rng.get("cpu") is not None:
+        torch.set_rng_state(rng["cpu"])
+    if rng.get("cuda") is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
 class MicroBatch:
     __slots__ = ("args", "kwargs", "input_versions", "rng", "outputs", "grads")
 
