@@ -397,20 +397,12 @@ def record(command, *, run=None, mode: str | None = None, include=(), exclude=()
 
 # ----------------------------------------------------------------- helpers
 def _result(report, *runs):
-    """The command's result: the report with the loaders' `warnings`, and a
-    `to_dict()` that adds them: exactly the document `--json` prints."""
-    from recorders.plain import plain
-    warnings: list[str] = []
+    """The command's result with the loaders' `warnings` of `runs` set
+    (`result.CommandResult`): its `to_dict()` is then exactly the document
+    `--json` prints."""
+    report.warnings = []
     for r in runs:
-        warnings.extend(w for w in r.warnings if w not in warnings)
-    to_dict = report.to_dict
-
-    def with_warnings() -> dict:
-        doc = to_dict()
-        return plain({**doc, "warnings": report.warnings} if "warnings" not in doc else doc)
-
-    report.warnings = warnings
-    report.to_dict = with_warnings
+        report.warnings.extend(w for w in r.warnings if w not in report.warnings)
     return report
 
 

@@ -56,6 +56,7 @@ from recorders import schema
 
 from .loader import Run
 from .names import ROOT_DISPLAY, BackwardStart, Word
+from .result import CommandResult
 from .analyses.bundle_choice import pick_bundle
 
 
@@ -104,7 +105,7 @@ class Recommendation:
 
 
 @dataclass
-class Recommendations:
+class Recommendations(CommandResult):
     run: str
     step: int | None               # the replayed step, when a replay ran
     replayed: bool
@@ -121,7 +122,7 @@ class Recommendations:
         kind = RecommendationKind(kind)
         return next((r for r in self.recommendations if r.kind is kind), None)
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         from recorders.plain import plain
         return plain({"run": self.run, "step": self.step, "replayed": self.replayed,
                       "recommendations": [r.to_dict() for r in self.recommendations], "notes": self.notes})

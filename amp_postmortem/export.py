@@ -38,6 +38,7 @@ import pandas as pd
 from .errors import ExportError, MissingExtraError
 from .loader import Run
 from .names import display_name
+from .result import CommandResult
 
 EXTRA_HINT = "pip install 'amp-postmortem[report]'"
 LAYER_KINDS = ("input", "activation", "grad_output", "grad_input")
@@ -47,7 +48,7 @@ FINDINGS_TAG = "findings"
 
 
 @dataclass
-class ExportResult:
+class ExportResult(CommandResult):
     logdir: str
     files: list[str]
     steps: int
@@ -58,7 +59,7 @@ class ExportResult:
     histogram_left_out: int = 0   # layer values with absmax 0 or no finite value: no log2
     findings: int = 0
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         return {"logdir": self.logdir, "files": self.files, "steps": self.steps, "tags": len(self.tags),
                 "step_tags": [t for t in self.tags if t in STEP_TAGS],
                 "layer_tags": [t for t in self.tags if t not in STEP_TAGS], "values": self.values,

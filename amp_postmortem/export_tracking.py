@@ -31,6 +31,7 @@ import pandas as pd
 from .errors import ExportError, MissingExtraError
 from .export import layer_values, step_values
 from .loader import Run
+from .result import CommandResult
 
 EXTRA_HINT = "pip install 'amp-postmortem[mlflow]'"
 DEFAULT_EXPERIMENT = "amp-postmortem"
@@ -47,7 +48,7 @@ _KEY_BAD = re.compile(r"[^/\w.\- ]")
 
 
 @dataclass
-class MlflowExportResult:
+class MlflowExportResult(CommandResult):
     tracking_uri: str
     experiment: str
     experiment_id: str
@@ -57,7 +58,7 @@ class MlflowExportResult:
     values: int = 0
     findings: int = 0
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         return {"tracking_uri": self.tracking_uri, "experiment": self.experiment,
                 "experiment_id": self.experiment_id, "run_ids": self.run_ids, "steps": self.steps,
                 "metrics": len(self.metrics), "values": self.values, "findings": self.findings}
@@ -199,7 +200,7 @@ DEFAULT_PROJECT = "amp-postmortem"
 
 
 @dataclass
-class WandbExportResult:
+class WandbExportResult(CommandResult):
     project: str
     mode: str
     run_ids: list[str]
@@ -209,7 +210,7 @@ class WandbExportResult:
     values: int = 0
     findings: int = 0
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         return {"project": self.project, "mode": self.mode, "run_ids": self.run_ids, "run_dirs": self.run_dirs,
                 "steps": self.steps, "metrics": len(self.metrics), "values": self.values,
                 "findings": self.findings}

@@ -281,7 +281,7 @@ def test_cli_choices_come_from_the_one_vocabulary():
 
 # ----------------------------------------------------------- the layers
 LAYERS = [  # each imports only from its own layer and the ones before it
-    {"errors", "names", "op_words", "display", "record_script"},
+    {"errors", "names", "op_words", "display", "result", "record_script"},
     {"loader", "shard_rows", "shards", "bundle", "bundle_dirs", "shard_bundle", "window", "store", "index", "step_facts", "step_series", "engines",
      "journal", "files", "tail", "array_bundle"},
     {"analyses"},

@@ -47,6 +47,7 @@ from ..errors import OptionError
 from ..loader import Run
 from ..display import report_html, report_repr
 from .updates import param_dtype
+from ..result import CommandResult
 from recorders.plain import plain
 
 THRESHOLD = 0.10
@@ -64,7 +65,7 @@ _COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "numel", "absmax",
 
 
 @dataclass
-class CompareReport:
+class CompareReport(CommandResult):
     run_a: dict
     run_b: dict
     threshold: float
@@ -90,7 +91,7 @@ class CompareReport:
         first = parted["parted_step"].min()
         return [{"name": r["name"], "kind": r["kind"]} for _, r in parted[parted["parted_step"] == first].iterrows()]
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         rows = [{k: plain(v) for k, v in r.items()} for r in self.layers.to_dict("records")]
         return {"run_a": self.run_a, "run_b": self.run_b, "threshold": self.threshold, "persist": self.persist,
                 "common_steps": self.common_steps, "first_common_step": self.first_common_step,

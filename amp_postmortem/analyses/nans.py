@@ -52,6 +52,7 @@ from ..names import display_name as _display
 from ..loader import Run
 from ..op_words import run_op_origin_line
 from ..display import report_html, report_repr
+from ..result import CommandResult
 from recorders.plain import plain
 
 LAYER_KINDS = ("input", "activation", "loss", "grad_output", "grad_input", "param_grad")
@@ -122,7 +123,7 @@ def _uncertain(o: Origin, basis: OriginBasis) -> Origin:
 
 
 @dataclass
-class NanReport:
+class NanReport(CommandResult):
     origin: Origin | None                  # the earlier of the two phase origins
     origins: dict                          # {"forward": Origin | None, "backward": Origin | None}
     layers: pd.DataFrame                   # LAYER_COLUMNS, in first-appearance order
@@ -153,7 +154,7 @@ class NanReport:
     # where no row can name its layer.
     unrecorded_loss_steps: list[int] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         layers = [{k: plain(v) for k, v in row.items()} for row in self.layers.to_dict("records")]
         return {
             "origin": self.origin.to_dict() if self.origin else None,

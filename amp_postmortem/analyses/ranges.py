@@ -100,6 +100,7 @@ from ..engines.scan import reduces_batches
 from recorders.plain import plain
 from .trend import theil_sen
 from ..display import report_html, report_repr
+from ..result import CommandResult
 
 KINDS = ("input", "activation", "grad_output", "grad_input")
 WINDOW = 1000                 # default: the last 1000 recorded steps
@@ -148,7 +149,7 @@ _INTERMEDIATE_READ = ["step", "name", "kind", "op", "op_index", "source", "dtype
 
 
 @dataclass
-class RangesReport:
+class RangesReport(CommandResult):
     layers: pd.DataFrame      # LAYER_COLUMNS, in execution order (forward, then backward)
     first_step: int | None    # the window analysed
     last_step: int | None
@@ -156,7 +157,7 @@ class RangesReport:
     # INTERMEDIATE_COLUMNS, one row per probed module (empty: no op probe in the run)
     intermediates: pd.DataFrame | None = None
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         rows = []
         for r in self.layers.to_dict("records"):
             rows.append({k: plain(v) for k, v in r.items()})

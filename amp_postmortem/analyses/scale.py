@@ -68,6 +68,7 @@ from ..loader import Run
 from .nans import attribute_shared_all, origins_of
 from .trend import theil_sen
 from ..display import report_html, report_repr
+from ..result import CommandResult
 
 ALPHA = 0.01                  # significance level of the trend test
 COLLAPSE_MIN_HALVINGS = 3.0   # net fall below the pre-onset level for a collapse (factor 8)
@@ -93,7 +94,7 @@ class ScaleStatus(Word):
 
 
 @dataclass
-class ScaleReport:
+class ScaleReport(CommandResult):
     status: ScaleStatus
     reason: str
     onset_step: int | None
@@ -123,7 +124,7 @@ class ScaleReport:
     underflow_reached_step: int | None = None     # already below since this step; None when not yet
     driver_steps: dict = field(default_factory=dict)  # layer -> number of skipped steps it drove
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         return plain(dict(asdict(self), status=self.status.value))
 
     # Readable at the prompt and in Jupyter (display.py).

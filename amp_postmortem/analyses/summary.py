@@ -68,6 +68,7 @@ from .updates import UpdateRemedy, lost_updates, param_dtype, param_dtypes
 from .unscaled import ScaleAbsence, find_unscaled, layer_losses, only_subnormal
 from ..display import report_html, report_repr
 from ..op_words import run_op_origin_line
+from ..result import CommandResult
 
 
 
@@ -96,7 +97,7 @@ class Finding:
 
 
 @dataclass
-class Summary:
+class Summary(CommandResult):
     run: dict
     findings: list[Finding]
     # With a model: the op origin of a replayed bundle (`replay.run_origin`;
@@ -128,7 +129,7 @@ class Summary:
         return (self.replay_command is not None and any(f.severity != "info" for f in self.findings)
                 and self.replay_command not in (f.next_command for f in self.findings))
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         return {"run": self.run, "findings": [f.to_dict() for f in self.findings], "op_origin": self.op_origin,
                 "precision_verdict": None if self.precision_verdict is None else self.precision_verdict.to_dict(),
                 "bundles": [b.to_dict() for b in self.bundles],

@@ -23,6 +23,7 @@ from recorders import schema
 from ..array_bundle import ArrayBundle, is_array_bundle, load_array_bundle
 from ..errors import BundleError, ModelSpecError, OptionError, PrecisionError
 from . import attribution
+from ..result import CommandResult
 
 __all__ = ["replay_array_bundle", "FrameworkReplayResult", "bundle_framework"]
 
@@ -31,7 +32,7 @@ _FORMS = "package.module:factory or path/to/file.py:factory"
 
 
 @dataclass
-class FrameworkReplayResult:
+class FrameworkReplayResult(CommandResult):
     step: int
     rank: int
     framework: str
@@ -49,7 +50,7 @@ class FrameworkReplayResult:
     reference_nonfinite: list = field(default_factory=list)
     bundle_choice: object = None
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         return {"step": self.step, "rank": self.rank, "framework": self.framework, "backend": self.backend,
                 "device": "cpu", "recorded_precision": self.recorded_precision, "precisions": self.precisions,
                 "reproduced": self.reproduced, "fidelity": self.fidelity, "culprit": self.culprit,

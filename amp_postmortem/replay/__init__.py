@@ -29,13 +29,14 @@ from .engine import (DTYPES, POLICY_MODES, PRECISION_OF_DTYPE, PRECISIONS, Repla
                      StepCapture, preserved_rng)
 from .model_spec import bundle_folders, resolve_model, saved_model_config
 from ..op_words import op_origin_text, trace_line
+from ..result import CommandResult
 
 __all__ = ["replay", "ReplayResult", "ReplaySession", "RunConfig", "StepCapture", "PRECISIONS",
            "resolve_policy", "recorded_precision"]
 
 
 @dataclass
-class ReplayResult:
+class ReplayResult(CommandResult):
     step: int
     rank: int
     device: str
@@ -67,7 +68,7 @@ class ReplayResult:
     # The bundle replayed when no step was given (`bundle_choice.BundleChoice`), else None.
     bundle_choice: object = None
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         """Plain data; relative errors are inf where a run is non-finite and
         float64 is not (`--json` writes null there: see the counts)."""
         return {

@@ -22,12 +22,13 @@ import pandas as pd
 
 from ..errors import MissingExtraError, ReplayFileError
 from ..loader import Run
+from ..result import CommandResult
 
 EXTRA_HINT = "pip install 'amp-postmortem[report]'"
 
 
 @dataclass
-class ReportResult:
+class ReportResult(CommandResult):
     path: str
     bytes: int
     steps: int
@@ -36,7 +37,7 @@ class ReportResult:
     plots: list[dict] = field(default_factory=list)   # {"id", "title", "points"}
     replay: str | None = None
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         return {"path": self.path, "bytes": self.bytes, "steps": self.steps, "downsampled": self.downsampled,
                 "findings": self.findings, "plots": self.plots, "replay": self.replay}
 

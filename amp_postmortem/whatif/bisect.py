@@ -54,6 +54,7 @@ from recorders.plain import plain
 from ..names import Word
 from . import Trial, prepare, report_progress
 from .fix import not_saved_by
+from ..result import CommandResult
 
 MAX_REPLAYS = 256
 # A failing sample's floating input this many times larger in magnitude than
@@ -141,7 +142,7 @@ class BisectKind(Word):
 
 
 @dataclass
-class BisectReport:
+class BisectReport(CommandResult):
     step: int
     rank: int
     precision: str
@@ -156,7 +157,7 @@ class BisectReport:
     notes: list = field(default_factory=list)
     slicing: SampleSlicing = field(default_factory=SampleSlicing)
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         return plain({"step": self.step, "rank": self.rank, "precision": self.precision,
                       "batch_size": self.batch_size, "micro_batches": self.micro_batches, "kind": self.kind.value,
                       "bad_samples": self.bad_samples, "bad_share": self.bad_share,

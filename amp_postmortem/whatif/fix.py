@@ -56,6 +56,7 @@ from ..names import BackwardStart, Word
 from ..names import display_name as _display
 from . import NotSavedBy, Trial, fmt_num, prepare, report_progress
 from .op_fix import OpFixStatus, find_op_fix, work_cost, work_words
+from ..result import CommandResult
 
 MAX_CANDIDATES = 12
 MAX_SET = 4
@@ -74,7 +75,7 @@ class FixSearch(Word):
 
 
 @dataclass
-class FixReport:
+class FixReport(CommandResult):
     step: int
     rank: int
     precision: str
@@ -102,7 +103,7 @@ class FixReport:
     def not_saved_steps(self) -> list:
         return not_saved_steps(self.saved_steps_check)
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         return plain({"step": self.step, "rank": self.rank, "precision": self.precision, "policy": self.policy,
                       "loss_scale": self.loss_scale, "baseline": self.baseline.to_dict(),
                       "candidates": self.candidates, "trials": [t.to_dict() for t in self.trials],

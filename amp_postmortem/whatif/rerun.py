@@ -39,6 +39,7 @@ from recorders.plain import plain
 
 from ..errors import BundleError, ModelSpecError, OptionError
 from ..names import RERUN_PRECISIONS
+from ..result import CommandResult
 
 # The optimizers rebuilt from a window, by the class name the recorder
 # wrote: a name outside this table is never imported.
@@ -73,7 +74,7 @@ class RerunStep:
 
 
 @dataclass
-class RerunResult:
+class RerunResult(CommandResult):
     window_path: str
     rank: int
     window_steps: list             # [first, last] of the saved window
@@ -111,7 +112,7 @@ class RerunResult:
         return next((s.step for s in self.steps if s.recorded_loss is not None
                      and not math.isfinite(s.recorded_loss)), None)
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         return plain({"window": self.window_path, "rank": self.rank, "window_steps": self.window_steps,
                       "trigger_step": self.trigger_step, "from_step": self.from_step, "to_step": self.to_step,
                       "precision": self.precision, "recorded_precision": self.recorded_precision,

@@ -74,13 +74,14 @@ from . import report_progress
 from .scale_estimate import estimate_scale_window
 from .scale_result import (LOSS_ROW, MAX_UNDERFLOW, SCALES, EdgeCause, SavedStepScale, ScaleWindow, calibration_notes,
                            WindowMethod, loss_max_k, position_in_window, scaler_settings, usable_window)
+from ..result import CommandResult
 
 # Seeded at a loss: its dtype is the loss's (the scale itself is its first gradient).
 _FROM_A_LOSS = (BackwardFrom.LOSS, BackwardFrom.LOSS_FN)
 
 
 @dataclass
-class ScaleWindowReport:
+class ScaleWindowReport(CommandResult):
     """`scale-window`: the replayed window when a model is given, and the
     estimate from recorded statistics when the run directory is at hand."""
     replay: ScaleWindow | None
@@ -94,7 +95,7 @@ class ScaleWindowReport:
     def main(self) -> ScaleWindow:
         return self.replay or self.estimate
 
-    def to_dict(self) -> dict:
+    def document(self) -> dict:
         return {"replay": self.replay.to_dict() if self.replay else None,
                 "estimate": self.estimate.to_dict() if self.estimate else None}
 
