@@ -45,7 +45,7 @@ from .recorder import MODE_ENV, AmpRecorder
 PREFIX = "amp-postmortem record: "
 # AmpRecorder's arguments that `record` fills itself: not options.
 ATTACHED = ("run_dir", "model", "optimizer", "scaler")
-HOW_TO_ATTACH = 'attach AmpRecorder in the script: README "Attach the recorder to your training loop"'
+HOW_TO_ATTACH = 'attach AmpRecorder in the script: docs/RECORDER.md "Attach the recorder to your training loop"'
 
 
 def say(text: str) -> None:

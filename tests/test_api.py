@@ -1,6 +1,6 @@
 """`amp_postmortem` is the Python API and the CLI mirrors it: same names,
-same options (keyword arguments), `to_dict()` is `--json`, the README's
-reference lists exactly those keys; the layers of `amp_postmortem` and of
+same options (keyword arguments), `to_dict()` is `--json`, the command
+reference (docs/COMMANDS.md) lists exactly those keys; the layers of `amp_postmortem` and of
 `recorders` import only downward; the truths the CLI shows (choices, bundle
 priority) have one source."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ import amp_postmortem as api
 from amp_postmortem.cli import main
 import window_runs
 from import_graph import module_imports
-from test_readme import README, REPO, fenced_blocks, one_torch_thread, section
+from test_readme import COMMANDS as REFERENCE, RECORDER, REPO, one_torch_thread, section, section_snippets
 
 MODELS = "sample_runs/models.py:"
 # Switches of the CLI that are not analysis options: the output format and
@@ -182,11 +182,11 @@ def test_the_api_returns_what_json_prints(results, command):
 
 
 def _documented_keys(command: str) -> list[str]:
-    """Top-level keys of the `JSON:` paragraph of a command's README
-    reference: the backticked names outside parentheses, up to the first
-    full stop outside them."""
-    reference = section(README, "## Command reference")
-    text = reference[reference.index(f"### `amp-postmortem {command} "):]
+    """Top-level keys of the `JSON:` paragraph of a command's reference
+    (docs/COMMANDS.md): the backticked names outside parentheses, up to the
+    first full stop outside them."""
+    reference = REFERENCE.read_text()
+    text = reference[reference.index(f"\n## `amp-postmortem {command} "):]
     text = text[text.index("\nJSON: ") + 7:]
     keys, depth, i = [], 0, 0
     while i < len(text):
@@ -206,7 +206,7 @@ def _documented_keys(command: str) -> list[str]:
 
 
 @pytest.mark.parametrize("command", sorted(CALLS))
-def test_readme_lists_exactly_the_json_keys(results, command):
+def test_reference_lists_exactly_the_json_keys(results, command):
     documented = _documented_keys(command)
     assert len(documented) == len(set(documented)), documented
     assert set(documented) == set(results[command][0]), command
@@ -235,20 +235,19 @@ def test_a_loaded_run_is_accepted_and_reopened_for_a_rank():
     assert api.load_run(run, rank=0).ranks == [0]
 
 
-def test_readme_python_api_section_runs(monkeypatch):
-    text = section(README, "## Python API")
-    blocks = [b for b in fenced_blocks(README) if b.lang == "python" and "\n".join(b.lines) in text]
+def test_recorder_guide_python_api_section_runs(monkeypatch):
+    blocks = section_snippets(RECORDER, "## Python API")
     assert blocks
     monkeypatch.chdir(REPO)
     namespace: dict = {}
     for block in blocks:
-        exec(compile("\n".join(block.lines), f"README.md:{block.line}", "exec"), namespace)
+        exec(compile("\n".join(block.lines), f"RECORDER.md:{block.line}", "exec"), namespace)
     assert namespace["first"] == 79 and namespace["doc"] == _cli_json(("nans", ("sample_runs/attention_overflow",
                                                                               "--from-step", "70")))
 
 
 # --------------------------------------------------------- one source
-def test_bundle_priority_reads_the_same_in_help_readme_and_docs():
+def test_bundle_priority_reads_the_same_in_help_reference_and_docs():
     from click.testing import CliRunner
 
     from amp_postmortem.analyses.bundle_choice import priority_description
@@ -259,7 +258,7 @@ def test_bundle_priority_reads_the_same_in_help_readme_and_docs():
 
     help_text = CliRunner().invoke(main, ["recommend", "--help"], terminal_width=1000).output
     assert said in flat(help_text)
-    assert said in flat(section(README, "### `amp-postmortem recommend RUN`"))
+    assert said in flat(section(REFERENCE, "## `amp-postmortem recommend RUN`"))
     import amp_postmortem.advice
     assert said in flat(amp_postmortem.advice.__doc__)
 

@@ -63,7 +63,7 @@ def test_export_to_a_sqlite_store_reads_back_with_mlflows_client(overflow_run, t
 
 def test_a_file_store_reads_back_only_with_the_opt_out_the_readme_names(overflow_run, tmp_path, monkeypatch):
     """MLflow 3 refuses to open a file store unless MLFLOW_ALLOW_FILE_STORE
-    is set: the export sets it for itself; a reader must set it too (README)."""
+    is set: the export sets it for itself; a reader must set it too (docs/COMMANDS.md)."""
     import subprocess
     import sys
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
@@ -82,7 +82,7 @@ def test_a_file_store_reads_back_only_with_the_opt_out_the_readme_names(overflow
                               env={**plain, **env}, timeout=120)
     refused = reader()
     assert refused.returncode != 0 and "MLFLOW_ALLOW_FILE_STORE" in refused.stderr
-    allowed = reader(MLFLOW_ALLOW_FILE_STORE="true")  # the README's opt-out
+    allowed = reader(MLFLOW_ALLOW_FILE_STORE="true")  # the opt-out docs/COMMANDS.md names
     assert allowed.returncode == 0 and allowed.stdout.strip() == "FINISHED", allowed.stderr
 
 

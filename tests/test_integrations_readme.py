@@ -1,5 +1,6 @@
-"""The snippets of README "Attach to Trainer, Accelerate or Lightning" run
-as printed, on tiny CPU models, and write the runs they promise."""
+"""The snippets of docs/RECORDER.md "Attach to Trainer, Accelerate or
+Lightning", and the Trainer and Lightning ones of README.md "Attach in three
+lines", run as printed, on tiny CPU models, and write the runs they promise."""
 from __future__ import annotations
 
 import math
@@ -10,26 +11,28 @@ import torch
 
 from amp_postmortem.loader import load_run
 from framework_runs import TokenDataset, manifest, tiny_gpt2
-from test_readme import README, fenced_blocks, section
+from test_readme import README, RECORDER, section_snippets
 
-HEADING = "## Attach to Trainer, Accelerate or Lightning"
+SOURCES = {"recorder": (RECORDER, "## Attach to Trainer, Accelerate or Lightning"),
+           "readme": (README, "## Attach in three lines")}
 
 
-def _snippets() -> dict:
-    text = section(README, HEADING)
-    blocks = [b for b in fenced_blocks(README) if b.lang == "python" and "\n".join(b.lines) in text]
+def _snippets(source: str = "recorder") -> dict:
+    path, heading = SOURCES[source]
     by_framework = {}
-    for b in blocks:
+    for b in section_snippets(path, heading):
         code = "\n".join(b.lines)
+        if source == "readme" and "AmpPostmortemCallback" not in code:
+            continue  # the plain loop: tests/test_readme.py
         key = "hf" if "transformers" in code else "lightning" if "lightning" in code else "accelerate"
-        by_framework[key] = (code, f"README.md:{b.line}")
+        by_framework[key] = (code, f"{path.name}:{b.line}")
     return by_framework
 
 
 def _run(snippet, namespace):
     code, where = snippet
     # The Trainer refuses bf16 on a machine without a bf16 GPU unless told
-    # to train on the CPU (the README says so).
+    # to train on the CPU (the page says so).
     code = code.replace("bf16=True,", "bf16=True, use_cpu=True,")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the frameworks' advice on workers and logging
@@ -47,12 +50,14 @@ def workdir(tmp_path, monkeypatch, one_torch_thread):
     GradientState._reset_state()
 
 
-def test_readme_has_a_snippet_per_framework():
-    assert set(_snippets()) == {"hf", "accelerate", "lightning"}
+def test_docs_have_a_snippet_per_framework():
+    assert set(_snippets("recorder")) == {"hf", "accelerate", "lightning"}
+    assert set(_snippets("readme")) == {"hf", "lightning"}
 
 
-def test_trainer_snippet_records_every_step(workdir):
-    _run(_snippets()["hf"], {"model": tiny_gpt2(), "train_dataset": TokenDataset(8)})
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_trainer_snippet_records_every_step(workdir, source):
+    _run(_snippets(source)["hf"], {"model": tiny_gpt2(), "train_dataset": TokenDataset(8)})
     run = load_run("runs/hf")
     assert len(run.steps) == 3  # 8 samples, batch 8, 3 epochs
     assert run.steps["loss"].map(math.isfinite).all() and (run.steps["micro_batches"] == 1).all()
@@ -70,7 +75,8 @@ def test_accelerate_snippet_records_every_micro_batch(workdir):
     assert manifest("runs/accelerate")["autocast"]["dtype"] == "bfloat16"
 
 
-def test_lightning_snippet_records_the_lightning_module(workdir):
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_lightning_snippet_records_the_lightning_module(workdir, source):
     import lightning.pytorch as L
     import torch.nn as nn
 
@@ -88,7 +94,7 @@ def test_lightning_snippet_records_the_lightning_module(workdir):
 
     gen = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(12, 8, generator=gen), torch.randn(12, 1, generator=gen))
-    _run(_snippets()["lightning"], {"lit_module": Regressor(),
+    _run(_snippets(source)["lightning"], {"lit_module": Regressor(),
                                     "train_loader": torch.utils.data.DataLoader(data, batch_size=4)})
     run = load_run("runs/lightning")
     assert len(run.steps) == 3 and (run.steps["micro_batches"] == 1).all()

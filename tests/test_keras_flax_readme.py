@@ -1,4 +1,4 @@
-"""The snippets of README "Attach to Keras or Flax" run as printed, on
+"""The snippets of docs/RECORDER.md "Attach to Keras or Flax" run as printed, on
 tiny CPU float16 models, and write the runs they promise. Keras runs in a
 process of its own (it picks its backend at import); a planted `exp`
 overflows float16 (Keras: from the first step, as `fit` shuffles; Flax:
@@ -19,15 +19,14 @@ import pytest
 from click.testing import CliRunner
 
 from amp_postmortem.cli import main
-from test_readme import README, fenced_blocks, section
+from test_readme import RECORDER, section_snippets
 
 HERE = Path(__file__).resolve().parent
 HEADING = "## Attach to Keras or Flax"
 
 
 def _snippets() -> dict:
-    text = section(README, HEADING)
-    blocks = [b for b in fenced_blocks(README) if b.lang == "python" and "\n".join(b.lines) in text]
+    blocks = section_snippets(RECORDER, HEADING)
     return {("keras" if "KerasRecorder" in "\n".join(b.lines) else "flax"): b for b in blocks}
 
 
@@ -37,7 +36,7 @@ def _nonfinite(run_dir) -> dict:
     return {f["kind"]: f for f in json.loads(result.output)["findings"]}["nonfinite"]
 
 
-def test_readme_has_a_keras_and_a_flax_snippet():
+def test_recorder_guide_has_a_keras_and_a_flax_snippet():
     snippets = _snippets()
     assert set(snippets) == {"keras", "flax"}
     assert len(snippets["keras"].lines) <= 3  # the issue's "at most three lines to attach"
@@ -87,7 +86,7 @@ def test_flax_snippet_records_the_wrapped_step(tmp_path, monkeypatch):
     namespace = {"model": model, "optimizer": nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param),
                  "dynamic_scale": DynamicScale(2.0 ** 15), "scale": jnp.float32(2.0 ** 15),
                  "train_step": train_step, "loader": [(x, y)] * 3 + [(x * 1000.0, y)] * 3}
-    exec(compile("\n".join(block.lines), f"README.md:{block.line}", "exec"), namespace)
+    exec(compile("\n".join(block.lines), f"RECORDER.md:{block.line}", "exec"), namespace)
     manifest = json.loads((tmp_path / "runs" / "flax" / "manifest.json").read_text())
     assert manifest["framework"]["name"] == "flax"
     assert [b["step"] for b in manifest["bundles"]] == [3]

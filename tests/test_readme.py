@@ -1,15 +1,18 @@
-"""README.md stays true: its set-up commands are the ones CI runs, its worked
-post-mortem prints what the README shows, its recorder snippets run, and its
-command reference covers every command and option.
+"""README.md stays true: its set-up commands are the ones CI runs, its
+`summary` example prints what the README shows, its plain-loop snippet runs
+(the Trainer and Lightning ones: tests/test_integrations_readme.py), its
+command table names every command and links to its reference, and it keeps
+the cost table. The guides it fronts (docs/WALKTHROUGH.md, docs/RECORDER.md,
+docs/COMMANDS.md) are kept true by tests/test_docs.py with the helpers below.
 
-The console examples are the README's fenced ```console blocks: a line
+The console examples are the fenced ```console blocks: a line
 `$ amp-postmortem ...` is a command, the lines after it its expected stdout.
 In the expected output a line `...` stands for any number of lines left out.
 Info-string flags after `console`: `no-test` (shown, not re-run) and `approx`
 (replay numbers: floating-point rounding differs between CPUs, so numbers
 agree within `APPROX_REL`, and values below `APPROX_TINY`, which are rounding
-noise of float32, all agree). `docs/PLAYBOOK.md` uses the same blocks
-(`tests/test_docs.py` imports the helpers below).
+noise of float32, all agree). `docs/WALKTHROUGH.md` and `docs/PLAYBOOK.md`
+use the same blocks (`tests/test_docs.py` imports the helpers below).
 """
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+RECORDER = DOCS / "RECORDER.md"
+COMMANDS = DOCS / "COMMANDS.md"
+WALKTHROUGH = DOCS / "WALKTHROUGH.md"
 
 # The two commands a new user runs (README "Start here"): the main job on
 # the runtime dependencies alone, then every extra and the tests. `.ci/run`
@@ -80,7 +87,7 @@ def section(path: Path, heading: str) -> str:
 
 @dataclass(frozen=True)
 class ConsoleExample:
-    where: str           # "README.md:123"
+    where: str           # "README.md:123", "WALKTHROUGH.md:45"
     argv: tuple          # the arguments after `amp-postmortem`
     expected: tuple      # expected stdout lines, `...` for a gap
     flags: frozenset
@@ -140,7 +147,7 @@ def one_torch_thread():
 def run_cli(argv: tuple) -> tuple[int, str]:
     """Run `amp-postmortem ARGV` in-process from the repository root; the
     exit code and stdout (progress bars and warnings go to stderr). Cached:
-    README and PLAYBOOK share commands, and replays take seconds."""
+    README, WALKTHROUGH and PLAYBOOK share commands, and replays take seconds."""
     from amp_postmortem.cli import main
 
     cwd = os.getcwd()
@@ -288,10 +295,8 @@ def test_ci_runs_what_the_readme_says():
 EXAMPLES = console_examples(README)
 
 
-def test_readme_has_a_worked_post_mortem():
-    commands = {e.argv[0] for e in EXAMPLES}
-    assert {"summary", "nans", "scale", "replay", "fix"} <= commands
-    assert all(e.argv[1].startswith("sample_runs/") for e in EXAMPLES)
+def test_readme_shows_a_summary():
+    assert [e.argv for e in EXAMPLES] == [("summary", "sample_runs/attention_overflow")]
 
 
 @pytest.mark.parametrize("example", [e for e in EXAMPLES if "no-test" not in e.flags], ids=lambda e: e.id)
@@ -299,19 +304,41 @@ def test_readme_example_prints_what_the_readme_shows(example):
     check_example(example)
 
 
-def test_every_command_and_option_is_in_the_reference():
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading (its text after the #s)."""
+    text = heading.strip().lower().replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = path.read_text()
+    fenced = re.compile(r"^```.*?^```", re.M | re.S)
+    return {github_anchor(h) for h in re.findall(r"^#+ (.*)$", fenced.sub("", text), re.M)}
+
+
+def test_readme_table_has_every_command_linked_to_its_reference():
     from amp_postmortem.cli import main
 
-    reference = section(README, "## Command reference")
+    table = section(README, "## Commands")
+    rows = re.findall(r"^\| \[`([\w -]+)`\]\(docs/COMMANDS\.md#([\w-]+)\) \| .+ \|$", table, re.M)
+    names = []
     for name, command in main.commands.items():
-        heading = f"### `amp-postmortem {name} "
-        assert heading in reference, f"README reference lacks {name}"
-        text = reference[reference.index(heading):]
-        nxt = text.find("\n### ", 1)
-        text = text if nxt < 0 else text[:nxt]
-        options = [o for p in command.params for o in p.opts if o.startswith("--") and o != "--help"]
-        missing = [o for o in options if f"`{o}" not in text]
-        assert not missing, f"README reference of {name} lacks {missing}"
+        names += [f"{name} {sub}" for sub in command.commands] if hasattr(command, "commands") else [name]
+    assert sorted(name for name, _ in rows) == sorted(names)
+    reference = anchors(COMMANDS)
+    for name, anchor in rows:
+        assert anchor in reference, f"README's {name} row links to a missing heading #{anchor}"
+        assert anchor.startswith(github_anchor(f"amp-postmortem {name} ")), (name, anchor)
+
+
+def test_readme_keeps_the_cost_table():
+    text = section(README, "## What it costs")
+    assert "benchmarks/sentinel_cost.py" in text
+    assert '| job | default (sentinel) | `mode="every_step"` |' in text
+    for job in ("| launch-bound proxy (242 modules", "| a 5-module MLP (fp16 + GradScaler) |",
+                "| ResNet-18 at quarter width (bf16) |", "| GPT, 4 layers, d 256 (bf16) |",
+                "| a diverging job (every step an event) |"):
+        assert job in text, job
 
 
 def _load_sample_models():
@@ -321,19 +348,19 @@ def _load_sample_models():
     return module
 
 
-def test_recorder_snippets_run(tmp_path, monkeypatch):
-    """The snippets of "Attach the recorder", in order, on the tiny GPT of the
-    sample runs on the CPU, then the runs they wrote are read back."""
+def section_snippets(path: Path, heading: str, lang: str = "python") -> list[Block]:
+    """The fenced `lang` blocks of `path` inside its section `heading`."""
+    text = section(path, heading)
+    return [b for b in fenced_blocks(path) if b.lang == lang and "\n".join(b.lines) in text]
+
+
+def run_recorder_snippets(path: Path, snippets: list[Block]):
+    """Run `snippets`, in order in one namespace, from the current directory
+    on the tiny GPT of the sample runs on the CPU (`"cuda"` replaced by
+    `"cpu"`); the namespace they leave."""
     import torch
     import torch.nn.functional as F
 
-    from amp_postmortem.bundle import list_bundles
-    from amp_postmortem.loader import load_run
-
-    text = section(README, "## Attach the recorder to your training loop")
-    snippets = [b for b in fenced_blocks(README) if b.lang == "python" and "\n".join(b.lines) in text]
-    assert len(snippets) >= 5
-    monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     models = _load_sample_models()
     model = models.tiny_gpt()
@@ -349,15 +376,19 @@ def test_recorder_snippets_run(tmp_path, monkeypatch):
     with one_torch_thread():
         for block in snippets:
             code = "\n".join(block.lines).replace('"cuda"', '"cpu"')
-            exec(compile(code, f"README.md:{block.line}", "exec"), namespace)
+            exec(compile(code, f"{path.name}:{block.line}", "exec"), namespace)
+    return namespace
 
+
+def test_readme_plain_loop_snippet_runs(tmp_path, monkeypatch):
+    """The plain loop of "Attach in three lines" (the Trainer and Lightning
+    snippets: tests/test_integrations_readme.py)."""
+    from amp_postmortem.loader import load_run
+
+    snippets = [b for b in section_snippets(README, "## Attach in three lines")
+                if "AmpPostmortemCallback" not in "\n".join(b.lines)]
+    assert len(snippets) == 1
+    monkeypatch.chdir(tmp_path)
+    run_recorder_snippets(README, snippets)
     exp1 = load_run("runs/exp1")
     assert len(exp1.steps) == 8 and exp1.steps["loss_scale"].notna().all()
-    accum = load_run("runs/accum")
-    assert len(accum.steps) == 2 and (accum.steps["micro_batches"] == 4).all()
-    bf16 = load_run("runs/bf16")
-    assert len(bf16.steps) == 8 and bf16.steps["loss_scale"].isna().all()
-    saved = {step for step, _, _ in list_bundles("runs/bundles")}
-    assert {1, 2} <= saved
-    from recorders.fp32 import is_kept_fp32
-    assert is_kept_fp32(model.blocks[1].attn)

@@ -188,8 +188,8 @@ def test_two_optimizers_are_refused_and_the_script_runs_unrecorded(tmp_path):
     code, stdout, stderr = record(tmp_path, TWO_OPTIMIZERS, record_options=("--run", "r"))
     assert (code, stdout) == (0, "gan done\n")
     assert said(stderr) == ["not recording: 2 optimizers (Adam, SGD): cannot tell which one trains; the script "
-                            "runs unrecorded (attach AmpRecorder in the script: README \"Attach the recorder to "
-                            "your training loop\")"]
+                            "runs unrecorded (attach AmpRecorder in the script: docs/RECORDER.md \"Attach the "
+                            "recorder to your training loop\")"]
     assert not (tmp_path / "r").exists()
 
 

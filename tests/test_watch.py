@@ -130,7 +130,7 @@ def test_a_run_directory_still_missing_after_the_wait_is_one_line_and_exit_2(tmp
 
 
 def test_watch_started_before_the_job_waits_for_its_run_directory(tmp_path):
-    """The README's `python train.py & amp-postmortem watch RUN`, the watch
+    """docs/RECORDER.md's `python train.py & amp-postmortem watch RUN`, the watch
     first: the directory appears only once the job's recorder starts."""
     run = tmp_path / "not_yet" / "run"
     watch = _watch(run)
