@@ -22,7 +22,6 @@ fix are `errors.PostmortemError`s with one-line messages.
 from __future__ import annotations
 
 import sys
-import types
 
 from .names import DEVICES, PRECISIONS, REDUCED_PRECISIONS
 
@@ -76,7 +75,7 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
     on the cluster at `scheduler`); the same result either way. With
     `model` (and `step`, `device`, `policy`, `loss_fn` as for `replay`),
     a run with a NaN/Inf replays a saved bundle and adds the op origin
-    (`op_origin`: `replay/run_origin.py`), and re-runs the saved window of
+    (`op_origin`: `replaying/run_origin.py`), and re-runs the saved window of
     steps in float32 to decide precision or instability
     (`precision_verdict`: `whatif/verdict.py`); without it nothing is
     replayed and the verdict is undetermined."""
@@ -100,7 +99,7 @@ def _decide_precision(report, run, model, rank, device, policy, loss_fn):
     import shlex
     from .analyses.instability import find_instability
     from .analyses.summary import apply_verdict
-    from .replay.model_spec import resolve_loss_fn
+    from .replaying.model_spec import resolve_loss_fn
     from .whatif.verdict import decide
     unstable = find_instability(run)
     verdict = decide(run, report.precision_verdict.failure_step, model=model, rank=rank, device=device,
@@ -136,7 +135,7 @@ def nans(run, *, rank: int | None = None, from_step: int | None = None, to_step:
     """Layers by first NaN/Inf and the origins (`amp-postmortem nans`). With
     `model` (and `step`, `device`, `policy`, `loss_fn` as for `replay`), a
     run with a NaN/Inf replays a saved bundle and adds the op origin
-    (`op_origin`: `replay/run_origin.py`); without it nothing is replayed."""
+    (`op_origin`: `replaying/run_origin.py`); without it nothing is replayed."""
     from .analyses.nans import find_nans
     r = load_run(_replayable(run, model), rank=rank, engine=engine, scheduler=scheduler, progress=progress)
     with _engine_of(r):
@@ -198,8 +197,8 @@ def replay(run, *, step: int | None = None, rank: int | None = None, model=None,
     if bundle_framework(getattr(run, "path", run), step, rank) is not None:
         return _framework_replay(run, step=step, rank=rank, model=model, precisions=precisions, policy=policy,
                                  anomaly=anomaly, loss_fn=loss_fn, trace=trace)
-    from .replay import replay as run_replay
-    from .replay.model_spec import resolve_loss_fn
+    from .replaying import replay as run_replay
+    from .replaying.model_spec import resolve_loss_fn
     source = _source(run)
     step, rank, choice = _first_failure_bundle(source, step, rank)
     result = run_replay(source, step, rank=rank, model=model, device=device, precisions=precisions,
@@ -239,7 +238,7 @@ def fix(run, *, step: int, rank: int | None = None, model=None, device: str = "c
     bf16; default: the recorded one) asks what a step recorded without
     autocast would do in it."""
     _check_device(device, precision)
-    from .replay.model_spec import resolve_loss_fn
+    from .replaying.model_spec import resolve_loss_fn
     from .whatif.fix import find_fix
     return _result(find_fix(_source(run), step, rank=rank, model=model, device=device, policy=policy,
                             precision=precision, loss_fn=resolve_loss_fn(loss_fn), max_candidates=max_candidates,
@@ -251,7 +250,7 @@ def bisect(run, *, step: int, rank: int | None = None, model=None, device: str =
     """Which samples of the saved batch make the step fail (`amp-postmortem
     bisect`); `keep_fp32` replays with those modules kept in float32."""
     _check_device(device, precision)
-    from .replay.model_spec import resolve_loss_fn
+    from .replaying.model_spec import resolve_loss_fn
     from .whatif.bisect import bisect_samples
     return _result(bisect_samples(_source(run), step, rank=rank, model=model, device=device, policy=policy,
                                   precision=precision, loss_fn=resolve_loss_fn(loss_fn),
@@ -278,7 +277,7 @@ def scale_window(run, *, step: int | None = None, rank: int | None = None, model
         _check_device(device, precision)
         if step is None and is_run:
             raise OptionError("a replay (--model) needs the step of a saved bundle: give --step N")
-        from .replay.model_spec import resolve_loss_fn
+        from .replaying.model_spec import resolve_loss_fn
         from .whatif.scale_result import recorded_loss_dtype
         from .whatif.scale_window import replay_scale_window
         loss_dtype = recorded_loss_dtype(opened, step)[0] if opened is not None else None
@@ -306,7 +305,7 @@ def recommend(run, *, rank: int | None = None, model=None, step: int | None = No
             run = _path(run)  # the replays read the bundles from a local copy
     r = load_run(run, rank=rank, progress=progress)
     if loss_fn is not None:
-        from .replay.model_spec import resolve_loss_fn
+        from .replaying.model_spec import resolve_loss_fn
         loss_fn = resolve_loss_fn(loss_fn)
     return _result(advise(r, model=model, step=step, rank=rank, device=device, policy=policy, loss_fn=loss_fn,
                           progress=progress), r)
@@ -323,7 +322,7 @@ def rerun(run, *, from_step: int | None = None, steps: int | None = None, rank: 
     not, the loss vs the recorded loss, skipped. `optimizer`: a spec or
     `factory(model)` for an optimizer outside the rebuilt torch.optim ones."""
     _check_device(device)
-    from .replay.model_spec import resolve_factory, resolve_loss_fn
+    from .replaying.model_spec import resolve_factory, resolve_loss_fn
     from .whatif.rerun import rerun_window
     if isinstance(optimizer, str):
         optimizer = resolve_factory(optimizer, what="optimizer spec")
@@ -342,7 +341,7 @@ def report(run, *, rank: int | None = None, output=None, replay=None, progress=N
     `output`: the HTML file (default `<run name>-report.html` here);
     `replay`: a file written by `replay --json`, charted per module. Needs
     the `report` extra (plotly)."""
-    from .report import report as write, require_plotly
+    from .reporting import report as write, require_plotly
     require_plotly()  # before the run is read: the missing extra is the first thing to say
     r = load_run(run, rank=rank, progress=progress)
     return _result(write(r, output=output, replay=replay), r)
@@ -439,8 +438,8 @@ def _op_origin(run, model, step, rank, forward_step, device, policy, loss_fn):
     if model is None:
         return None
     _check_device(device)
-    from .replay.model_spec import resolve_loss_fn
-    from .replay.run_origin import op_origin_of_run
+    from .replaying.model_spec import resolve_loss_fn
+    from .replaying.run_origin import op_origin_of_run
     return op_origin_of_run(run, model=model, step=step, rank=rank, forward_step=forward_step, device=device,
                             policy=policy, loss_fn=resolve_loss_fn(loss_fn)).to_dict()
 
@@ -491,22 +490,3 @@ def _names(modules) -> tuple:
         modules = modules.split(",")
     return tuple(m.strip() for m in modules if m.strip())
 
-
-# Packages that share their name with an API function.
-_SHADOWED = ("replay", "report")
-
-
-class _API(types.ModuleType):
-    """The packages `amp_postmortem.replay` and `amp_postmortem.report` share
-    their names with the API functions `replay` and `report`: importing a
-    package would set this module's attribute of that name to it. The
-    function keeps the name; the package stays importable by its full name
-    (`from amp_postmortem.replay import ...`)."""
-
-    def __setattr__(self, name, value):
-        if name in _SHADOWED and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _API

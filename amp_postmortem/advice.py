@@ -495,7 +495,7 @@ def _bundle_step(run: Run, step, rank, notes) -> tuple[int, int | None] | None:
 def _replayed(run, step, rank, model, device, policy, loss_fn, progress, notes, summary) -> list:
     """The replayed recommendations: each remedy decided on typed outcomes
     (`decide_*`), its words made by the `*_recommendation` functions."""
-    from .replay import resolve_policy
+    from .replaying import resolve_policy
     from .whatif import prepare
     from .whatif.bisect import bisect_samples, slicing_note
     from .whatif.fix import find_fix

@@ -124,7 +124,7 @@ def export_tensorboard(run, logdir, *, rank: int | None = None, window: int = 10
     from tensorboard.compat.proto import event_pb2
 
     from .analyses.summary import summarize
-    from .report.data import DTYPE_MAX  # the same overflow limits as the report's heatmap
+    from .reporting.data import DTYPE_MAX  # the same overflow limits as the report's heatmap
 
     if not isinstance(run, Run):
         from .loader import load_run

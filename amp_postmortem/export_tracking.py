@@ -99,7 +99,7 @@ def export_mlflow(run, *, tracking_uri: str | os.PathLike | None = None, experim
     from mlflow.tracking import MlflowClient
 
     from .analyses.summary import summarize
-    from .report.data import DTYPE_MAX  # the same overflow limits as the report and the TensorBoard export
+    from .reporting.data import DTYPE_MAX  # the same overflow limits as the report and the TensorBoard export
 
     if not isinstance(run, Run):
         from .loader import load_run
@@ -247,7 +247,7 @@ def export_wandb(run, *, project: str | None = None, directory: str | os.PathLik
     import wandb
 
     from .analyses.summary import summarize
-    from .report.data import DTYPE_MAX
+    from .reporting.data import DTYPE_MAX
 
     if not isinstance(run, Run):
         from .loader import load_run

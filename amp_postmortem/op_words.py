@@ -67,7 +67,7 @@ def trace_rows(trace: dict) -> list:
 
 
 def run_op_origin_line(origin: dict) -> str:
-    """`nans` and `summary` given a model (`replay/run_origin.py`): the op
+    """`nans` and `summary` given a model (`replaying/run_origin.py`): the op
     origin of the replayed step, and which step it is."""
     if origin["status"] == "no_bundle":
         return "op origin: not found: the run saved no replay bundle (see the recorder's bundle options)"

@@ -54,7 +54,7 @@ def train_step_times(steps: int, warmup: int) -> list[float]:
 
 
 def replay_times(step: int, repeats: int, local: bool) -> list[float]:
-    from amp_postmortem.replay import replay
+    from amp_postmortem.replaying import replay
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

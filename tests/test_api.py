@@ -222,10 +222,12 @@ def test_import_needs_neither_torch_nor_pandas_and_the_table_commands_no_torch()
     assert out.stdout.split("\n")[:2] == ["[]", "False"]
 
 
-def test_replay_is_the_api_function_after_the_engine_is_imported():
-    import amp_postmortem.replay.engine  # noqa: F401
-    from amp_postmortem import replay
+def test_replay_and_report_are_the_api_functions_after_their_packages_are_imported():
+    import amp_postmortem.replaying.engine  # noqa: F401
+    import amp_postmortem.reporting.data  # noqa: F401
+    from amp_postmortem import replay, report
     assert api.replay is replay and callable(replay) and "step" in inspect.signature(replay).parameters
+    assert api.report is report and callable(report) and "output" in inspect.signature(report).parameters
 
 
 def test_a_loaded_run_is_accepted_and_reopened_for_a_rank():
@@ -265,8 +267,8 @@ def test_bundle_priority_reads_the_same_in_help_reference_and_docs():
 
 def test_cli_choices_come_from_the_one_vocabulary():
     from amp_postmortem.names import DEVICES, POLICIES, PRECISIONS, REDUCED_PRECISIONS, RERUN_PRECISIONS
-    from amp_postmortem.replay.run_config import POLICY_MODES
-    from amp_postmortem.replay.run_config import PRECISIONS as ENGINE_PRECISIONS
+    from amp_postmortem.replaying.run_config import POLICY_MODES
+    from amp_postmortem.replaying.run_config import PRECISIONS as ENGINE_PRECISIONS
     assert (ENGINE_PRECISIONS, POLICY_MODES) == (PRECISIONS, POLICIES)
     for command in COMMANDS.values():
         for p in command.params:
@@ -284,10 +286,10 @@ LAYERS = [  # each imports only from its own layer and the ones before it
     {"loader", "shard_rows", "shards", "bundle", "bundle_dirs", "shard_bundle", "window", "store", "index", "step_facts", "step_series", "engines",
      "journal", "files", "tail", "array_bundle"},
     {"analyses"},
-    {"replay", "framework_replay"},
+    {"replaying", "framework_replay"},
     {"whatif"},
     {"advice"},
-    {"report", "export", "export_tracking"},
+    {"reporting", "export", "export_tracking"},
     {"__init__"},
     {"cli", "cli_replay", "cli_whatif", "cli_report", "output", "__main__"},
 ]

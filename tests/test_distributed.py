@@ -429,7 +429,7 @@ def test_export_and_report_read_sharded_runs(distributed_runs, layout, tmp_path)
     root, _ = distributed_runs
     run = amp_postmortem.load_run(root / f"{layout}_fp32")
     from amp_postmortem.export import layer_rows
-    from amp_postmortem.report.data import DTYPE_MAX, scan_tensors
+    from amp_postmortem.reporting.data import DTYPE_MAX, scan_tensors
     for rank in run.ranks:
         steps = [step for step, _ in layer_rows(run, rank, DTYPE_MAX)]
         assert steps == [0, 1]

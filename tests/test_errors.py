@@ -181,8 +181,8 @@ def test_bad_values_are_named_errors_naming_the_value(overflow_run, call, error,
 
 
 def test_replay_option_errors_have_their_own_classes():
-    from amp_postmortem.replay import _check_precisions, resolve_policy
-    from amp_postmortem.replay.model_spec import resolve_loss_fn
+    from amp_postmortem.replaying import _check_precisions, resolve_policy
+    from amp_postmortem.replaying.model_spec import resolve_loss_fn
     with pytest.raises(PrecisionError, match="precision 'fp8' is not one of fp64, fp32, fp16, bf16"):
         _check_precisions(["fp8"])
     with pytest.raises(PolicyError, match="policy 'tpu' is not one of recorded, cuda, cpu"):

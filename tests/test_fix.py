@@ -150,7 +150,7 @@ def test_a_finite_step_with_a_broken_module_is_not_saved_and_the_module_is_named
 
 def test_fix_judges_by_the_same_rule_as_the_replay(finite_but_broken_run):
     """The baseline's verdict is the replay's: a culprit there means not saved here."""
-    from amp_postmortem.replay import replay
+    from amp_postmortem.replaying import replay
     from amp_postmortem.whatif import prepare
     rep = replay(finite_but_broken_run, 0, model=NormNet, precisions="fp64,fp16")
     t = prepare(finite_but_broken_run, 0, model=NormNet).trial()

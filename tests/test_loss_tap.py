@@ -237,7 +237,7 @@ def _recorded_loss(run, model):
 
 @pytest.mark.parametrize("name", OUTPUT_SHAPES)
 def test_the_tap_and_the_replay_take_the_same_loss(tmp_path, name):
-    from amp_postmortem.replay.outputs import find_loss as replay_find_loss
+    from amp_postmortem.replaying.outputs import find_loss as replay_find_loss
     shape, expected = OUTPUT_SHAPES[name]
     model = ReturnsOutputs(shape)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from amp_postmortem.errors import ModelSpecError
-from amp_postmortem.replay.model_spec import build_model, load_weights, resolve_factory
+from amp_postmortem.replaying.model_spec import build_model, load_weights, resolve_factory
 
 FACTORY_FILE = """
 import torch.nn as nn

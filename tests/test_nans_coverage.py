@@ -190,8 +190,8 @@ def test_a_step_whose_origin_needs_no_coverage_is_not_read_again(overflow_run, m
 
 
 def test_the_reports_spread_line_calls_an_undetermined_origin_so(tmp_path):
-    from amp_postmortem.report.data import Spread
-    from amp_postmortem.report.figures import spread_lines
+    from amp_postmortem.reporting.data import Spread
+    from amp_postmortem.reporting.figures import spread_lines
 
     run = tmp_path / "run"
     _job(run, "before", 7)

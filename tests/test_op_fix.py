@@ -1,6 +1,6 @@
 """`fix`'s op-level remedy (`amp_postmortem/whatif/op_fix.py`, the replay's
 float32 lines in `replay/fp32_lines.py`, the patch in `whatif/line_patch.py`,
-the cost in `replay/op_cost.py`) on runs with one op-level fault planted on a
+the cost in `replaying/op_cost.py`) on runs with one op-level fault planted on a
 `# PLANTED` line (`op_trace_runs`), recorded by the real recorder. The story
 is pinned (which op, which line, that the printed patch applied to the source
 and retrained makes the failed step finite and float32-like, that the line
@@ -191,7 +191,7 @@ def test_the_rewrite_casts_every_read_of_the_variables_and_keeps_the_rest():
 def test_an_input_from_an_attribute_is_counted_and_the_patch_is_not_exact():
     """The replay runs the line in float32 all the same (its float16 inputs
     cast), but no rewrite of the line's variables does that."""
-    from amp_postmortem.replay.fp32_lines import float32_lines
+    from amp_postmortem.replaying.fp32_lines import float32_lines
 
     class Cached(torch.nn.Module):
         def forward(self, x):
@@ -245,7 +245,7 @@ def test_an_op_in_torch_code_only_leaves_the_module_as_the_remedy(tmp_path):
 
 
 def test_without_an_origin_the_op_with_the_largest_own_error_is_chosen():
-    from amp_postmortem.replay.op_trace import ModuleOpTrace, OpRecord, TraceStatus
+    from amp_postmortem.replaying.op_trace import ModuleOpTrace, OpRecord, TraceStatus
     from amp_postmortem.whatif.op_fix import ChosenBy, chosen_op
 
     def op(i, dtype, err):

@@ -1,4 +1,4 @@
-"""The op trace of a replay (`amp_postmortem/replay/op_trace.py`): runs with
+"""The op trace of a replay (`amp_postmortem/replaying/op_trace.py`): runs with
 one op-level fault planted on a `# PLANTED` line (`op_trace_runs`), recorded
 by the real recorder, replayed through the CLI. What is pinned is the story
 (which op, which line, that it is the first op made non-finite from finite
@@ -108,9 +108,9 @@ def test_trace_of_a_module_that_does_not_exist_is_one_line_and_exit_2():
 
 
 def test_the_trace_is_bounded_and_still_finds_the_origin():
-    from amp_postmortem.replay import _locate, resolve_policy
-    from amp_postmortem.replay.engine import ReplaySession, RunConfig
-    from amp_postmortem.replay.op_trace import TraceStatus, trace_module
+    from amp_postmortem.replaying import _locate, resolve_policy
+    from amp_postmortem.replaying.engine import ReplaySession, RunConfig
+    from amp_postmortem.replaying.op_trace import TraceStatus, trace_module
     bundle, _ = _locate(R.attn_run(), 0, None, None)
     session = ReplaySession(bundle, R.AttnNet(), device="cpu")
     reference = session.run(RunConfig("fp64"), keep_inputs=True)

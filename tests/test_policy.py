@@ -1,4 +1,4 @@
-"""Pins amp_postmortem.replay.policy: the op tables equal what the installed
+"""Pins amp_postmortem.replaying.policy: the op tables equal what the installed
 torch registers and what its autocast kernels do (the CUDA ones run on fake
 CUDA tensors, which needs no GPU), the emulation gives every op the recording
 device's dtype on a CPU, and gradients come back through its casts in the
@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.func import functional_call
 
-from amp_postmortem.replay.policy import (
+from amp_postmortem.replaying.policy import (
     REGISTERED_OPS,
     UnknownPolicyError,
     autocast_context,

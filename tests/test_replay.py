@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 from amp_postmortem.bundle import Bundle
 from amp_postmortem.names import BackwardStart
-from amp_postmortem.replay import ReplaySession, RunConfig, recorded_precision, replay
-from amp_postmortem.replay import attribution
-from amp_postmortem.replay.attribution import ErrorStats
-from amp_postmortem.replay.policy import get_policy
+from amp_postmortem.replaying import ReplaySession, RunConfig, recorded_precision, replay
+from amp_postmortem.replaying import attribution
+from amp_postmortem.replaying.attribution import ErrorStats
+from amp_postmortem.replaying.policy import get_policy
 from recorders.stats import iter_tensors
 from tiny_models import (BackwardBlowup, BlowupNet, BoomNet, ConvBN, DropMLP, ScoreNet, TinyNet,
                          recorder_at, train)

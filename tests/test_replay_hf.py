@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from amp_postmortem.names import BackwardStart
-from amp_postmortem.replay import ReplaySession, RunConfig, replay, resolve_policy
+from amp_postmortem.replaying import ReplaySession, RunConfig, replay, resolve_policy
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra; CI installs it
 

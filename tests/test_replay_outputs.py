@@ -1,4 +1,4 @@
-"""replay/outputs.py: the loss among a model's outputs and the outputs a
+"""replaying/outputs.py: the loss among a model's outputs and the outputs a
 backward starts from, and a nanoGPT-style `(logits, loss)` model recorded by
 the real recorder and replayed like the step (one backward start)."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from amp_postmortem.names import BackwardStart
-from amp_postmortem.replay import ReplaySession, RunConfig, replay, resolve_policy
-from amp_postmortem.replay.outputs import backward_roots, find_loss
+from amp_postmortem.replaying import ReplaySession, RunConfig, replay, resolve_policy
+from amp_postmortem.replaying.outputs import backward_roots, find_loss
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

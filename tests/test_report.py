@@ -17,9 +17,9 @@ from click.testing import CliRunner
 
 from amp_postmortem.cli import main
 from amp_postmortem.loader import load_run
-from amp_postmortem.report import report
-from amp_postmortem.report.data import gather
-from amp_postmortem.report.downsample import marked_steps, minmax_line
+from amp_postmortem.reporting import report
+from amp_postmortem.reporting.data import gather
+from amp_postmortem.reporting.downsample import marked_steps, minmax_line
 from conftest import OVERFLOW_STEP
 from report_browser import check_page, overlapping
 
@@ -98,7 +98,7 @@ def test_a_collapse_onset_is_drawn_from_the_typed_status(attention_overflow):
     not from the dict form's status string: a healthy run draws none."""
     import dataclasses
 
-    from amp_postmortem.report.figures import loss_and_scale
+    from amp_postmortem.reporting.figures import loss_and_scale
     assert attention_overflow.collapse_onset_step == 92
     texts = [a.text for a in loss_and_scale(attention_overflow).figure.layout.annotations]
     assert "collapse onset, step 92" in texts
@@ -233,7 +233,7 @@ def test_report_and_export_run_without_torch(overflow_run, tmp_path):
 @pytest.fixture(scope="module")
 def replay_json(overflow_run, tmp_path_factory):
     """`replay --json` of the overflow run's saved step, through the real replay."""
-    from amp_postmortem.replay import replay
+    from amp_postmortem.replaying import replay
     from tiny_models import BoomNet
 
     doc = replay(overflow_run, OVERFLOW_STEP, model=BoomNet, precisions=("fp64", "fp32", "fp16")).to_dict()
@@ -316,8 +316,8 @@ def test_a_calibration_skip_is_drawn_as_a_skip_not_as_a_failure(tmp_path):
     from conftest import record_run
 
     from amp_postmortem.loader import load_run
-    from amp_postmortem.report.data import gather
-    from amp_postmortem.report.figures import loss_and_scale
+    from amp_postmortem.reporting.data import gather
+    from amp_postmortem.reporting.figures import loss_and_scale
 
     # A scaler starting at 2**40 overflows float16 on its first steps and backs off: calibration.
     run = record_run(tmp_path / "calibrating", steps=8, scaler_kwargs={"init_scale": 2.0 ** 40})
@@ -332,7 +332,7 @@ def test_a_calibration_skip_is_drawn_as_a_skip_not_as_a_failure(tmp_path):
 
 
 def test_the_log2_scale_ticks_stay_few_enough_not_to_collide():
-    from amp_postmortem.report.figures import MAX_SCALE_TICKS, log2_dtick
+    from amp_postmortem.reporting.figures import MAX_SCALE_TICKS, log2_dtick
     assert log2_dtick([16, 15, 14]) == 1
     assert log2_dtick([16, 4]) == 2
     assert log2_dtick([16, -40]) == 10  # 56 exponents: a label every 10, 6 labels
@@ -354,7 +354,7 @@ def test_the_facts_in_words_the_calibration_skip_and_apart_ticks_are_on_the_draw
     right-hand log2 labels apart."""
     from conftest import record_run
 
-    from amp_postmortem.report.figures import COLORS
+    from amp_postmortem.reporting.figures import COLORS
 
     def overflow_at_30(step, model, x):
         model.block.boom.gain = 1e6 if step == 30 else 1.0
@@ -400,8 +400,8 @@ def test_an_ordinary_skip_is_drawn_as_a_skip_and_the_failure_as_the_failure(tmp_
     from conftest import record_run
 
     from amp_postmortem.loader import load_run
-    from amp_postmortem.report.data import gather
-    from amp_postmortem.report.figures import COLORS, loss_and_scale
+    from amp_postmortem.reporting.data import gather
+    from amp_postmortem.reporting.figures import COLORS, loss_and_scale
 
     def skip_at_4_fail_at_9(step, model, x):
         model.block.boom.gain = 1e6 if step == 9 else 1.0
@@ -427,13 +427,13 @@ def test_an_ordinary_skip_is_drawn_as_a_skip_and_the_failure_as_the_failure(tmp_
 
 
 def test_a_skip_before_the_failure_is_never_the_failure():
-    from amp_postmortem.report.data import _failure_step
+    from amp_postmortem.reporting.data import _failure_step
     assert _failure_step(None, None, []) is None
     assert _failure_step(9, 9, []) == 9 and _failure_step(None, 12, [11]) == 11 and _failure_step(9, None, [3]) == 3
 
 
 def test_log_axes_get_few_readable_labels():
-    from amp_postmortem.report.figures import MAX_LOG_TICKS, log10_axis
+    from amp_postmortem.reporting.figures import MAX_LOG_TICKS, log10_axis
     # Under two decades: 1, 2, 5 times each power of ten, not every digit.
     assert log10_axis([0.5, 3.0]) == {"type": "log", "dtick": "D2", "exponentformat": "power"}
     assert log10_axis([1e-3, 1e3])["dtick"] == 1          # 6 decades: one label each

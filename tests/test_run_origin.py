@@ -1,4 +1,4 @@
-"""`nans` and `summary` with a model (`amp_postmortem/replay/run_origin.py`):
+"""`nans` and `summary` with a model (`amp_postmortem/replaying/run_origin.py`):
 the op origin of a replayed bundle, on a run with an op-level fault planted
 on a `# PLANTED` line (`op_trace_runs`), recorded by the real recorder. The
 story is pinned (which step is replayed and why, which op and line), never

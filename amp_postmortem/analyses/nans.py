@@ -137,7 +137,7 @@ class NanReport(CommandResult):
     has_scaler: bool = True
     shards_scanned: int = 0
     shards_total: int = 0
-    # With a model: `replay.run_origin.RunOpOrigin.to_dict()` of a replayed
+    # With a model: `replaying.run_origin.RunOpOrigin.to_dict()` of a replayed
     # bundle (the API adds it; this analysis never replays). None without one.
     op_origin: dict | None = None
     # Per phase: where the origin's step lacked the rows that decide it

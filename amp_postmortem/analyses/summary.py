@@ -100,7 +100,7 @@ class Finding:
 class Summary(CommandResult):
     run: dict
     findings: list[Finding]
-    # With a model: the op origin of a replayed bundle (`replay.run_origin`;
+    # With a model: the op origin of a replayed bundle (`replaying.run_origin`;
     # the API adds it, this analysis never replays). None without one.
     op_origin: dict | None = None
     # Precision or instability (`precision_verdict.PrecisionVerdict`) of a

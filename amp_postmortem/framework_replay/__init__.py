@@ -169,7 +169,7 @@ def _factory(model, bundle):
                              f"a function with no arguments that returns it")
     if callable(model):
         return model
-    from ..replay.model_spec import resolve_factory
+    from ..replaying.model_spec import resolve_factory
     return resolve_factory(model)
 
 

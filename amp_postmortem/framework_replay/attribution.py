@@ -1,7 +1,7 @@
 """Compare a Keras or Flax replay with its float32 reference and name the
 culprit: numpy only, the framework runners hand over host arrays.
 
-Per layer call (forward), as `replay/attribution.py` does for PyTorch:
+Per layer call (forward), as `replaying/attribution.py` does for PyTorch:
 - propagated: the call's output in the end-to-end run of the precision,
   against the float32 run;
 - local: the layer alone, fed the float32 run's inputs rounded to the
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# The PyTorch replay's thresholds (replay/attribution.py, calibrated there).
+# The PyTorch replay's thresholds (replaying/attribution.py, calibrated there).
 BROKEN_REL = {"fp16": 0.25, "bf16": 0.5, "fp32": 0.25}
 
 

@@ -164,7 +164,7 @@ class Prepared:
         """The float64 run of the whole batch (kept) or of a slice of it,
         with every module's inputs when `keep_inputs` (local comparisons);
         `running_statistics` as the trial it is the reference of."""
-        from ..replay import RunConfig
+        from ..replaying import RunConfig
         if batch is None and not running_statistics:
             if keep_inputs and not any(c.inputs is not None for c in self.reference.calls.values()):
                 self.reference = self.session.run(RunConfig("fp64", device=self.config.device), keep_inputs=True)
@@ -247,7 +247,7 @@ def other_bundles(prepared) -> list:
 def prepare_like(prepared, path, **options) -> "Prepared":
     """Another bundle opened the way `prepared` was (its model class, device,
     policy and precision): the run's steps are tried alike."""
-    from ..replay import ReplaySession, RunConfig
+    from ..replaying import ReplaySession, RunConfig
     bundle = load_step(path)
     session = ReplaySession(bundle, prepared.session._base, device=str(prepared.session.device))
     notes = session.start_backward(options.get("loss_fn"))
@@ -264,8 +264,8 @@ def prepare_like(prepared, path, **options) -> "Prepared":
 
 
 def build(model, bundle):
-    """The user's model (see `replay.model_spec.resolve_model`)."""
-    from ..replay.model_spec import bundle_folders, resolve_model, saved_model_config
+    """The user's model (see `replaying.model_spec.resolve_model`)."""
+    from ..replaying.model_spec import bundle_folders, resolve_model, saved_model_config
     return resolve_model(model, bundle.model_class, saved_model_config(bundle), forbidden=bundle_folders(bundle))
 
 
@@ -284,7 +284,7 @@ def prepare(source, step=None, *, rank=None, model=None, device: str = "cpu", po
     import torch
 
     from ..errors import DeviceError, PrecisionError
-    from ..replay import RunConfig, ReplaySession, recorded_precision, resolve_policy
+    from ..replaying import RunConfig, ReplaySession, recorded_precision, resolve_policy
 
     bundle = load_step(source, step, rank)
     net = build(model, bundle)
@@ -315,7 +315,7 @@ def trial_metrics(run, reference, *, loss_scale: float | None = None, backoffs: 
     (`judge`), at `loss_scale`, `backoffs` halvings below the recorded one."""
     import torch
 
-    from ..replay import attribution
+    from ..replaying import attribution
     out_bad = _nonfinite(t for mb in run.outputs for t in mb)
     grad_bad = _nonfinite(run.param_grads.values())
     sq_err = sq_ref = 0.0
@@ -383,7 +383,7 @@ def judge(prepared, metrics: Trial, reference, changes: dict) -> Judgement:
     culprit rule, `attribution.find_culprit`, on local comparisons against
     the float64 run of the same batch). The checks run in that order and
     stop at the first that fails (the local replays are the costly one)."""
-    from ..replay import attribution
+    from ..replaying import attribution
     if not metrics.finite:
         why = (f"the run raised {metrics.error}" if metrics.error else
                f"NaN/Inf in the {' and '.join(metrics.nonfinite_phases)}")

@@ -32,7 +32,7 @@ The replay budget (`max_replays`) bounds the search; groups left unsplit are
 listed as `unresolved`.
 
 A model that normalises over the batch (BatchNorm in training:
-`replay.engine.batch_statistics_modules`) takes no one-sample slice (a
+`replaying.engine.batch_statistics_modules`) takes no one-sample slice (a
 BatchNorm1d raises; any BatchNorm would normalise the sample by itself), so
 the slices keep at least two samples (`SampleSlicing`): a failing group of
 two or three is not cut further, and each of its samples is judged paired
@@ -190,7 +190,7 @@ def bisect_samples(source, step=None, *, rank=None, model=None, device: str = "c
                    precision: str | None = None, loss_fn=None, fp32_modules=(), max_replays: int = MAX_REPLAYS,
                    progress=None, prepared=None) -> BisectReport:
     """Bisect the saved batch to the samples whose replay does not save the step."""
-    from ..replay import RunConfig
+    from ..replaying import RunConfig
 
     p = prepared or prepare(source, step, rank=rank, model=model, device=device, policy=policy,
                             precision=precision, loss_fn=loss_fn)
@@ -371,7 +371,7 @@ def _list(indices) -> str:
 
 def _sample_finite(p, changes: dict) -> bool:
     """Whether float64 computes one sample's slice (`SampleSlicing.slice_of`) finite."""
-    from ..replay import RunConfig
+    from ..replaying import RunConfig
     return _all_finite(p.session.run(RunConfig("fp64", device=p.config.device, **changes), capture=False))
 
 

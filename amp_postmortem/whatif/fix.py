@@ -181,7 +181,7 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
              precision: str | None = None, loss_fn=None, max_candidates: int = MAX_CANDIDATES,
              max_set: int = MAX_SET, progress=None, prepared=None) -> FixReport:
     """Search the modules whose float32 execution saves the step."""
-    from ..replay import attribution
+    from ..replaying import attribution
 
     p = prepared or prepare(source, step, rank=rank, model=model, device=device, policy=policy,
                             precision=precision, loss_fn=loss_fn, keep_inputs=True)
@@ -456,7 +456,7 @@ def not_saved_by(t) -> str:
 
 
 def _thresholds() -> dict:
-    from ..replay import attribution
+    from ..replaying import attribution
     return {"param_grad_broken_rel_err": attribution.PROPAGATED_BROKEN_REL,
             "local_broken_rel_err": attribution.BROKEN_REL}
 

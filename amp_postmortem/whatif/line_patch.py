@@ -8,7 +8,7 @@ run in float32, written from the line's own text.
 
 The rewrite puts the line in an autocast-disabled block and appends
 `.float()` to every read of the variables that held its float16 inputs
-(`replay.fp32_lines.LineInputs`): exactly what the replay verified. It is
+(`replaying.fp32_lines.LineInputs`): exactly what the replay verified. It is
 exact only when the line is a whole statement that parses alone and every
 float16 input of the line was one of those variables; otherwise
 (`PatchKind.BLOCK`) the block is shown around the line as it is, with the

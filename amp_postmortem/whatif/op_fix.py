@@ -3,7 +3,7 @@ operation, at its line of the model's source, run in float32.
 
 `find_op_fix(prepared, run, culprit)`:
 
-1. The culprit module's op trace (`replay.op_trace`) names the op: the first
+1. The culprit module's op trace (`replaying.op_trace`) names the op: the first
    whose output turned NaN/Inf from finite inputs (`chosen_by` "origin"),
    else the reduced-precision op with the largest error of its own against
    float64 ("local_error"). An op called from torch code only (a leaf
@@ -18,7 +18,7 @@ operation, at its line of the model's source, run in float32.
    cast (`line_patch.py`): an exact rewrite, or the autocast-disabled block
    when none can be written.
 4. Its cost: the forward's reduced-precision work it moves to float32
-   (`replay.op_cost`), to rank it against the module-level fix.
+   (`replaying.op_cost`), to rank it against the module-level fix.
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def find_op_fix(p, run, culprit, progress=None) -> OpFix:
     """The culprit's op at its line in float32: tried, verified, costed (see
     the module's doc). `run`: the recorded precision's captured replay the
     candidates were ranked on; `culprit`: `attribution.find_culprit`'s."""
-    from ..replay import attribution, op_trace
+    from ..replaying import attribution, op_trace
     from .fix import try_on_saved_steps
     if culprit is None or culprit["name"] == attribution.LOSS_NAME:
         return OpFix(OpFixStatus.NO_OP, why_none="no module's own arithmetic is broken: no culprit to trace"

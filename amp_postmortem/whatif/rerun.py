@@ -185,9 +185,9 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
 
     import torch
 
-    from ..replay import resolve_policy
-    from ..replay.model_spec import bundle_folders, resolve_model
-    from ..replay.run_config import preserved_rng
+    from ..replaying import resolve_policy
+    from ..replaying.model_spec import bundle_folders, resolve_model
+    from ..replaying.run_config import preserved_rng
     from ..window import find_window
 
     if precision not in RERUN_PRECISIONS:
@@ -222,7 +222,7 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
         if isinstance(model, torch.nn.Module):
             model = copy.deepcopy(model)
         net = resolve_model(model, w.model_class, forbidden=bundle_folders(w, run_dir))
-        from ..replay.model_spec import load_weights
+        from ..replaying.model_spec import load_weights
         load_weights(net, {**w.params, **w.buffers})
         with torch.no_grad():
             for name, b in net.named_buffers():
@@ -264,7 +264,7 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
 
 
 def _config(precision, device, policy, flags, fp32_modules, fp32_lines):
-    from ..replay.run_config import RunConfig
+    from ..replaying.run_config import RunConfig
     return RunConfig(precision, device=device, policy=policy, fp32_modules=fp32_modules, fp32_lines=fp32_lines,
                      precision_flags=flags)
 
@@ -382,11 +382,11 @@ def _scaler(w, recorded, precision, dev, init_scale, *, carry=None, first=None):
 def _train_step(net, opt, scaler, s, hyper, config, recorded, lr_scale, loss_fn, dev, remedied) -> RerunStep:
     import torch
 
-    from ..replay.engine import fp32_modules_kept
-    from ..replay.fp32_lines import float32_lines
-    from ..replay.run_config import autocast_device_types, autocast_for, numerics_flags, set_rng
-    from ..replay.capture import map_tensors
-    from ..replay.outputs import find_loss
+    from ..replaying.engine import fp32_modules_kept
+    from ..replaying.fp32_lines import float32_lines
+    from ..replaying.run_config import autocast_device_types, autocast_for, numerics_flags, set_rng
+    from ..replaying.capture import map_tensors
+    from ..replaying.outputs import find_loss
 
     # The step's recorded hyperparameters (a scheduler's lr included), the
     # learning rate times lr_scale; a step without them keeps the last ones.

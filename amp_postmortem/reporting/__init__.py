@@ -10,6 +10,9 @@ stays a few MB. Three parts: `data` gathers (no plotting), `figures` draws
 (plotly), `page` writes the HTML.
 
 Needs the `report` extra (plotly): `pip install 'amp-postmortem[report]'`.
+
+The package is `reporting`, not `report`: `amp_postmortem.report` is the API
+function, which a subpackage of that name would shadow once imported.
 """
 from __future__ import annotations
 

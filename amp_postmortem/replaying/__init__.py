@@ -1,7 +1,7 @@
 """Replay of a recorded training step on any machine, following the autocast
 policy of the device that recorded it.
 
-    from amp_postmortem.replay import replay
+    from amp_postmortem.replaying import replay
     result = replay("runs/exp1", step=1234, model="mypkg.models:build")
     result.culprit          # {"name", "phase", "precision", "reason"} or None
     result.reproduced       # True / False / None (no evidence either way)
@@ -12,6 +12,9 @@ float32 master weights under the recorded device's autocast policy (native
 on that device type, emulated elsewhere). See `engine.py` for the runs,
 `attribution.py` for the metrics and thresholds, `fidelity.py` for
 `reproduced`.
+
+The package is `replaying`, not `replay`: `amp_postmortem.replay` is the API
+function, which a subpackage of that name would shadow once imported.
 """
 from __future__ import annotations
 

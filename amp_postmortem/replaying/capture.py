@@ -341,7 +341,7 @@ def _model_frames(trace: str) -> str:
     directory where they lie under it: the frames of the replay machinery
     and of torch say nothing about the model."""
     lines = trace.splitlines()
-    cut = max((i for i, line in enumerate(lines) if "amp_postmortem/replay/engine.py" in line
+    cut = max((i for i, line in enumerate(lines) if "amp_postmortem/replaying/engine.py" in line
                or "amp_postmortem\\replay\\engine.py" in line), default=-1)
     if cut >= 0:
         lines = lines[cut + 2:]  # the frame line and its source line
