@@ -64,7 +64,8 @@ class Run:
     manifest: dict
     rank_manifests: dict[int, dict]
     ranks: list[int]
-    steps: pd.DataFrame
+    # The steps table once read (None: not yet; `steps` reads it with `steps_reader`).
+    loaded_steps: pd.DataFrame | None
     tensor_shards: list[Shard]
     warnings: list[str] = field(default_factory=list)
     progress: Progress | None = None
@@ -72,36 +73,36 @@ class Run:
     engine: Engine = field(default_factory=LocalEngine)  # runs the per-shard map (engines/)
     step_shards: list[Shard] = field(default_factory=list)
     shard_indexes: dict = field(default_factory=dict)  # (rank, shard file name) -> its index
+    # `steps_reader(warnings)`: the steps table, its warnings appended (see `steps`).
+    steps_reader: Callable[[list], pd.DataFrame] | None = field(default=None, repr=False)
+    cached_step_series: StepSeries | None = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------ the steps
-    def defer_steps(self, read: Callable[[list], pd.DataFrame]) -> None:
-        """Read the steps table only when `steps` is first used: at 1,000
+    @property
+    def steps(self) -> pd.DataFrame:
+        """The steps table, read with `steps_reader` when first used: at 1,000
         ranks it is millions of rows, which `nans` on an indexed run never
-        needs. `read(warnings)` returns the table and appends its warnings."""
-        self.__dict__.pop("steps", None)
-        self.__dict__["_read_steps"] = read
+        needs."""
+        if self.loaded_steps is None:
+            warnings: list[str] = []
+            self.loaded_steps = self.steps_reader(warnings)
+            for w in warnings:
+                self.warn(w)
+            if self.loaded_steps.empty:
+                self.warn(NO_STEPS)
+        return self.loaded_steps
 
-    def __getattr__(self, name):
-        # Reached only for attributes not set: `steps` after defer_steps().
-        read = self.__dict__.get("_read_steps")
-        if name != "steps" or read is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        warnings: list[str] = []
-        steps = read(warnings)
-        self.__dict__["steps"] = steps
-        del self.__dict__["_read_steps"]
-        for w in warnings:
-            self.warn(w)
-        if steps.empty:
-            self.warn(NO_STEPS)
-        return steps
+    @property
+    def steps_read(self) -> bool:
+        """Whether the steps table is in memory (`steps` reads it)."""
+        return self.loaded_steps is not None
 
     def step_facts(self, first_step: int | None = None, last_step: int | None = None) -> StepFacts:
         """Non-finite loss steps, skipped step count and single step rows in
         [first_step, last_step], from the indexes when the steps table is not
         read yet and they stand in for it exactly, else from the step series
         (a run without indexes), else from the table."""
-        if "steps" not in self.__dict__ and self.step_shards:
+        if not self.steps_read and self.step_shards:
             docs: dict[int, list] = {}
             for s in self.step_shards:
                 doc = self.shard_indexes.get((s.rank, s.path.name))
@@ -113,7 +114,7 @@ class Run:
                 if facts is not None:
                     return facts
             series = self.step_series()  # from the shards, unless only the table can say
-            if "steps" not in self.__dict__:
+            if not self.steps_read:
                 return from_series(series.steps, self._step_row, first_step, last_step)
         return from_table(self.steps, first_step, last_step)
 
@@ -138,13 +139,10 @@ class Run:
         pandas; from the table when it is already read, or when the shards
         cannot stand in for it (a rank's shards overlap, a shard without a
         step range, an unreadable shard: the table names and skips it)."""
-        cached = self.__dict__.get("_step_series")
-        if cached is None:
-            cached = None if "steps" in self.__dict__ else self._reduce_step_shards()
-            if cached is None:
-                cached = step_series.from_table(self.steps)
-            self.__dict__["_step_series"] = cached
-        return cached
+        if self.cached_step_series is None:
+            series = None if self.steps_read else self._reduce_step_shards()
+            self.cached_step_series = series if series is not None else step_series.from_table(self.steps)
+        return self.cached_step_series
 
     def _reduce_step_shards(self) -> StepSeries | None:
         spans: dict[int, list[tuple[int, int]]] = {}
@@ -214,7 +212,7 @@ class Run:
     def _step_numbers(self) -> pd.Series:
         """The recorded steps: from the table when it is read, else from the
         step series (never reading the table for two numbers)."""
-        return self.steps["step"] if "steps" in self.__dict__ else self.step_series().steps["step"]
+        return self.steps["step"] if self.steps_read else self.step_series().steps["step"]
 
     def warn(self, message: str) -> None:
         if message not in self.warnings:
@@ -482,9 +480,9 @@ def load_run(path, rank: int | None = None) -> Run:
     check_pairs(root, step_shards, tensor_shards, warnings)
 
     run = Run(path=root, manifest=manifest, rank_manifests=rank_manifests, ranks=selected,
-              steps=None, tensor_shards=tensor_shards, step_shards=step_shards,
-              shard_indexes={k: v for k, v in indexes.items() if k[0] in selected})
-    run.defer_steps(lambda w: global_grad_norm(read_steps(root, step_shards, w), selected, world_size, w))
+              loaded_steps=None, tensor_shards=tensor_shards, step_shards=step_shards,
+              shard_indexes={k: v for k, v in indexes.items() if k[0] in selected},
+              steps_reader=lambda w: global_grad_norm(read_steps(root, step_shards, w), selected, world_size, w))
     for w in warnings:
         run.warn(w)
     if not any(s.num_rows for s in step_shards):

@@ -71,7 +71,7 @@ def _run(scales_before, scales_after, skipped, **scaler):
                           "nonfinite_param_grads": 0, "loss_nonfinite": False})
     config = {"enabled": True, "init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
               "growth_interval": 2000, **scaler}
-    return Run(path=".", manifest={"scaler": config}, rank_manifests={}, ranks=[0], steps=steps,
+    return Run(path=".", manifest={"scaler": config}, rank_manifests={}, ranks=[0], loaded_steps=steps,
                tensor_shards=[])
 
 

@@ -24,7 +24,7 @@ from recorders import schema
 def test_the_series_reduced_shard_by_shard_equals_the_one_from_the_steps_table(uneven_ranks_run):
     run = load_run(uneven_ranks_run)
     fast = run.step_series()
-    assert "steps" not in run.__dict__  # reduced from the shards, never the table
+    assert not run.steps_read  # reduced from the shards, never the table
     slow = step_series.from_table(load_run(uneven_ranks_run).steps)
     pd.testing.assert_frame_equal(fast.steps, slow.steps)
     assert fast.rank_last_steps == slow.rank_last_steps == {0: 7, 1: 11, 2: 11}
@@ -71,7 +71,7 @@ def test_scale_and_summary_never_read_the_steps_table_of_an_indexed_run(uneven_r
     assert got == expected_summary
     assert (got["run"]["steps"], got["run"]["skipped_steps"], got["run"]["nonfinite_loss_steps"]) == (12, 1, 5)
     assert [(f["kind"], f["step"], f["layer"]) for f in got["findings"]] == [("nonfinite", 7, "block.boom")]
-    assert "steps" not in run.__dict__
+    assert not run.steps_read
 
 
 def _with_table(run):
@@ -86,7 +86,7 @@ def test_a_step_recorded_twice_is_reduced_from_the_table(copy_run, uneven_ranks_
     shutil.copy(steps / "part-000000.parquet", steps / "part-000009.parquet")
     run = load_run(run_dir)
     series = run.step_series()
-    assert "steps" in run.__dict__
+    assert run.steps_read
     assert any("recorded twice" in w for w in run.warnings)
     pd.testing.assert_frame_equal(series.steps, step_series.from_table(run.steps).steps)
 
