@@ -25,6 +25,9 @@ from recorders.schedule import MODES as RECORD_MODES
 from .errors import PostmortemError
 from .analyses.fail_on import SEVERITIES, fail_rule
 from .names import FINDING_KINDS
+from .cli_replay import replay_command
+from .cli_report import export_group, report_command
+from .cli_whatif import COMMANDS as WHATIF_COMMANDS
 from .cli_whatif import replay_options
 from .output import (StderrProgress, api_default, emit_event, engine_options, output_options, run_options,
                      stream_options)
@@ -297,11 +300,10 @@ def record(**options):
     """
     click.get_current_context().exit(api.record(**options))
 
-from .cli_replay import replay_command; main.add_command(replay_command, "replay")  # noqa: E402,E702
-from .cli_report import export_group, report_command; main.add_command(report_command); main.add_command(export_group)  # noqa: E402,E702,E501
-from .cli_whatif import COMMANDS as _WHATIF_COMMANDS  # noqa: E402  (fix, scale-window, bisect, compare, recommend)
-for _command in _WHATIF_COMMANDS:
-    main.add_command(_command)
+
+# The commands defined in their own modules, listed after this module's own.
+for command in (replay_command, report_command, export_group, *WHATIF_COMMANDS):
+    main.add_command(command)
 
 
 if __name__ == "__main__":  # pragma: no cover
