@@ -44,8 +44,9 @@ from . import step_series
 from .step_series import StepSeries
 from .store import StorePath, filesystem_of, fs_path, run_location
 from .shard_rows import SHARD_KEY, SHARDED_KINDS, frames_as_batches, merge_shards, merged_frames
-from .shards import (RANK_DIR, Shard, check_pairs, check_version, error_text, rank_dirs, read_footer, read_steps,
+from .shards import (RANK_DIR, Shard, check_pairs, check_version, error_text, rank_dirs, read_footer,
                      shard_files)
+from .step_table import read_steps
 
 
 NO_STEPS = "no steps on disk: the recorder wrote no completed shard yet"

@@ -1,11 +1,11 @@
 """The files of a run directory, read one by one: rank directories, shard
-files, their Parquet footers, the steps table.
+files, their Parquet footers.
 
 It owns what the format says about files on disk: which names are shards
 (temporary files are invisible), what a footer stamps into a `Shard` (step
-range, non-finite row count, format, schema version, run id), which shard
-pairs are incomplete, and how the small steps table is read with damaged
-files skipped and named. It is separate from `loader.py`, which decides
+range, non-finite row count, format, schema version, run id) and which
+shard pairs are incomplete; `step_table.py` reads the steps table from the
+shards and the journals. It is separate from `loader.py`, which decides
 what a run is (manifests, ranks, warnings) and scans tensor rows through
 `Run`, so that each reads in one sitting. Its names serve `loader.py`;
 users open runs with `amp_postmortem.load_run`.
@@ -13,16 +13,11 @@ users open runs with `amp_postmortem.load_run`.
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from recorders import schema
@@ -154,68 +149,6 @@ def check_pairs(root, step_shards, tensor_shards, warnings) -> None:
         if (s.rank, s.path.name) not in steps_names and s.num_rows:
             warnings.append(f"rank {s.rank}: tensor rows of steps {s.first_step}-{s.last_step} have no step "
                             f"rows (steps/{s.path.name} is missing or unreadable)")
-
-
-_STEP_COLUMNS = [c.name for c in schema.STEP_COLUMNS]
-
-
-def read_steps(root: Path, shards: list[Shard], warnings) -> pd.DataFrame:
-    def read(paths):
-        d = ds.dataset([fs_path(p) for p in paths], format="parquet", schema=schema.STEP_SCHEMA,
-                       filesystem=filesystem_of(paths[0]))
-        return d.to_table(columns=_STEP_COLUMNS)
-
-    def read_run(group):
-        # Journals (recorders/journal.py) one by one, consecutive Parquet
-        # shards as one dataset: the file order is kept.
-        if group[0].path.name.endswith(schema.JOURNAL_SUFFIX):
-            from .journal import location, read_journal_table  # it imports this module
-            return [read_journal_table(location(s.path), schema.STEPS_DIR, filesystem_of(s.path)).select(_STEP_COLUMNS)
-                    for s in group]
-        return [read([s.path for s in group])]
-
-    tables = []
-    try:
-        for _, group in itertools.groupby(shards, key=lambda s: s.path.name.endswith(schema.JOURNAL_SUFFIX)):
-            tables += read_run(list(group))
-    except (OSError, pa.ArrowException):
-        # Find the damaged file(s) one by one; keep the rest.
-        tables = []
-        for s in shards:
-            try:
-                tables += read_run([s])
-            except (OSError, pa.ArrowException) as exc:
-                warnings.append(f"skipped unreadable shard {s.path.relative_to(root)} ({error_text(exc)})")
-    if not tables:
-        return schema.STEP_SCHEMA.empty_table().append_column(
-            "loss_nonfinite", pa.array([], pa.bool_())).to_pandas()
-    table = pa.concat_tables(tables)
-    if table.column("step").null_count or table.column("rank").null_count:
-        # Only a shard that hides its nulls from its footer gets here.
-        keep = pc.and_(pc.is_valid(table.column("step")), pc.is_valid(table.column("rank")))
-        warnings.append(f"skipped {table.num_rows - pc.sum(keep.cast('int64')).as_py()} step row(s) without "
-                        f"a step or rank (valid: both in every row)")
-        table = table.filter(keep)
-    # Sorted and de-duplicated in Arrow, before pandas: at 1,000 ranks the
-    # table has millions of rows (the stable sort keeps file order, so the
-    # last-written copy of a twice-recorded row is the one kept).
-    table = table.take(pc.sort_indices(table, [("step", "ascending"), ("rank", "ascending")]))
-    step = table.column("step").to_numpy()
-    rank = table.column("rank").to_numpy()
-    last = np.ones(len(step), dtype=bool)
-    last[:-1] = (step[1:] != step[:-1]) | (rank[1:] != rank[:-1])
-    if not last.all():
-        warnings.append(f"{int((~last).sum())} step row(s) recorded twice (a resumed job?); keeping the last")
-        table = table.filter(pa.array(last))
-    loss = table.column("loss")
-    # pandas turns NaN and null into the same NaN: tell them apart here (a
-    # NaN loss is a finding, a null one means no loss was passed).
-    nonfinite = pc.fill_null(pc.invert(pc.is_finite(loss)), False)
-    # `lr` (a list per row) stays Arrow-backed: millions of small Python
-    # lists would cost more memory than the rest of the table.
-    return table.append_column("loss_nonfinite", nonfinite).to_pandas(
-        types_mapper=lambda t: pd.ArrowDtype(t) if pa.types.is_list(t) else None,
-        split_blocks=True, self_destruct=True)
 
 
 def _package_version() -> str:

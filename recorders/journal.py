@@ -31,6 +31,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from . import schema
+from .durable import fsync_dir
 
 DEFAULT_DURABLE_INTERVAL_S = 5.0
 TABLES = (schema.TENSORS_DIR, schema.STEPS_DIR)  # the write order of a step
@@ -149,9 +150,7 @@ class Journal:
                 f, _SCHEMAS[table].with_metadata(self.metadata(table)), options=_OPTIONS[table])
             f.flush()
         self.index = index
-        # The new names must survive a node failure with their first fsync
-        # (imported here: the writer imports this module).
-        from .writer import fsync_dir
+        # The new names must survive a node failure with their first fsync.
         for table in TABLES:
             fsync_dir(journal_path(self.rank_dir, table, index).parent)
 

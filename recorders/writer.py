@@ -24,21 +24,9 @@ import pyarrow.parquet as pq
 
 from . import schema
 from .aggregate import event_rows
+from .durable import fsync_dir
 from .index import shard_index
 from .journal import DEFAULT_DURABLE_INTERVAL_S, Journal, empty_batch, journal_indexes, read_journal
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -22,7 +22,7 @@ import pytest
 import amp_postmortem as api
 from amp_postmortem.cli import main
 import window_runs
-from import_graph import module_imports
+from import_graph import import_cycles, module_graph, module_imports
 from test_readme import COMMANDS as REFERENCE, RECORDER, REPO, one_torch_thread, section, section_snippets
 
 MODELS = "sample_runs/models.py:"
@@ -283,7 +283,7 @@ def test_cli_choices_come_from_the_one_vocabulary():
 # ----------------------------------------------------------- the layers
 LAYERS = [  # each imports only from its own layer and the ones before it
     {"errors", "names", "op_words", "display", "result", "record_script"},
-    {"loader", "shard_rows", "shards", "bundle", "bundle_dirs", "shard_bundle", "window", "store", "index", "step_facts", "step_series", "engines",
+    {"loader", "shard_rows", "shards", "bundle", "bundle_dirs", "shard_bundle", "window", "store", "index", "step_facts", "step_series", "step_table", "engines",
      "journal", "files", "tail", "array_bundle"},
     {"analyses"},
     {"replaying", "framework_replay"},
@@ -332,7 +332,7 @@ RECORDER_LAYERS = [  # each imports only from its own layer and the ones before 
     {"errors", "schema", "plain", "unwrap", "fp32", "attach_choice"},           # the format, pure helpers
     {"layout", "tensor_codec", "aggregate", "stats", "staged_stats", "loss_tap", "schedule", "events",
      "guard", "stance", "survey"},  # a tensor's and a step's values
-    {"index", "journal", "writer", "writer_thread", "event_thread", "lease", "status_slot", "storage"},  # threads, files, stores
+    {"durable", "index", "journal", "writer", "writer_thread", "event_thread", "lease", "status_slot", "storage"},  # threads, files, stores
     {"manifest", "run_id", "step_rows", "graph_rows", "host_run", "rank_files", "run_writer", "host_bundle"},  # the job described, rows
     {"collectors", "hooks", "bundles", "reexecute"},                            # the parts on the training path
     {"options"},                                                                # the parts a user passes in
@@ -346,6 +346,16 @@ def test_recorder_layers_import_only_downward():
     """`recorders.stats`, `aggregate`, `schema` never import the recorder:
     a part can be read, tested and changed without what assembles it."""
     assert not _upward_imports(RECORDERS, RECORDER_LAYERS)
+
+
+@pytest.mark.parametrize("package", [PACKAGE, RECORDERS], ids=lambda p: p.name)
+def test_no_import_cycles(package):
+    """No two modules need each other, not even through an import inside a
+    function: the shared piece is a module below both (STYLE.md, 20)."""
+    graph = module_graph(package)
+    cycles = [[f"{m}:{line} imports {n}" for m in c for n, line in graph[m].items() if n in c]
+              for c in import_cycles(graph)]
+    assert not cycles
 
 
 @pytest.mark.parametrize("package", ["amp_postmortem", "recorders"])

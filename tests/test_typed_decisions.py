@@ -12,6 +12,7 @@ import amp_postmortem
 from amp_postmortem import whatif
 from amp_postmortem.names import BackwardFrom, BackwardStart
 from amp_postmortem.whatif import fix as fix_mod
+from amp_postmortem.whatif import saved_steps
 
 _TEXT_TESTS = {"startswith", "endswith", "find", "index", "count"}
 
@@ -283,10 +284,10 @@ def test_the_saved_steps_check_reads_the_typed_reference_status(monkeypatch):
     `reference_finite`, not from the wording of its note."""
     for finite, want in ((False, "the float64 replay is non-finite too: no precision setting saves it"),
                          (True, "with m in float32: NaN/Inf in the forward")):
-        monkeypatch.setattr(whatif, "other_bundles", lambda p: [(1, "/nonexistent/step1")])
-        monkeypatch.setattr(whatif, "prepare_like", lambda p, path, **k: _Stub(reference_finite=finite))
-        out = fix_mod.try_on_saved_steps(_Stub(True), ["m"])
-        assert out[1] == fix_mod.StepCheck(1, saved=False, saved_as_recorded=False, why=want)
+        monkeypatch.setattr(saved_steps, "other_bundles", lambda p: [(1, "/nonexistent/step1")])
+        monkeypatch.setattr(saved_steps, "prepare_like", lambda p, path, **k: _Stub(reference_finite=finite))
+        out = saved_steps.try_on_saved_steps(_Stub(True), ["m"])
+        assert out[1] == saved_steps.StepCheck(1, saved=False, saved_as_recorded=False, why=want)
         assert out[1].to_dict() == {"step": 1, "saved": False, "saved_as_recorded": False, "why": want}
 
 

@@ -13,7 +13,7 @@ operation, at its line of the model's source, run in float32.
    autocast off inside the line, its float16 inputs cast to float32, as the
    printed patch does; `replay/fp32_lines.py`) and judged by the one
    criterion of fix (`whatif.judge`), then tried on every other saved step
-   of the run (`fix.try_on_saved_steps`).
+   of the run (`saved_steps.try_on_saved_steps`).
 3. The patch is written from the line's text and the variables the replay
    cast (`line_patch.py`): an exact rewrite, or the autocast-disabled block
    when none can be written.
@@ -30,6 +30,7 @@ from ..names import Word
 from ..op_words import op_origin_text
 from . import Trial, fmt_num
 from .line_patch import LinePatch, NotExact, line_patch
+from .saved_steps import try_on_saved_steps
 
 __all__ = ["ChosenBy", "OpFix", "OpFixStatus", "chosen_op", "find_op_fix", "work_cost", "work_words"]
 
@@ -58,7 +59,7 @@ class OpFix:
     chosen_by: ChosenBy | None = None
     trial: Trial | None = None          # the step with the line in float32: metrics and judgement
     patch: LinePatch | None = None
-    saved_steps_check: list = field(default_factory=list)   # [fix.StepCheck]
+    saved_steps_check: list = field(default_factory=list)   # [saved_steps.StepCheck]
     fp32_flops: float | None = None     # forward work moved from float16/bfloat16 to float32
     fp32_share: float | None = None     # ... as a share of the recorded forward's reduced-precision work
     why_none: str | None = None         # NO_OP: the trace's status or error
@@ -153,7 +154,6 @@ def find_op_fix(p, run, culprit, progress=None) -> OpFix:
     the module's doc). `run`: the recorded precision's captured replay the
     candidates were ranked on; `culprit`: `attribution.find_culprit`'s."""
     from ..replaying import attribution, op_trace
-    from .fix import try_on_saved_steps
     if culprit is None or culprit["name"] == attribution.LOSS_NAME:
         return OpFix(OpFixStatus.NO_OP, why_none="no module's own arithmetic is broken: no culprit to trace"
                      if culprit is None else "the loss function is the culprit, not a module")
