@@ -104,7 +104,7 @@ def test_the_default_bundle_is_the_earliest_nonfinite_one_not_the_first(three_bu
 
 
 def test_bf16_verdict_does_not_rest_on_gradients_measured_from_a_substitute():
-    from amp_postmortem.advice import bf16_verdict as verdict_of
+    from amp_postmortem.advice.decisions import bf16_verdict as verdict_of
     from amp_postmortem.names import BackwardStart
     from amp_postmortem.whatif import Trial
 
@@ -159,7 +159,7 @@ def test_scaler_settings_come_from_before_the_first_nonfinite_forward(forward_st
 
 
 def test_a_drifting_gradient_range_is_not_fixed_by_scaler_settings(collapse_run):
-    from amp_postmortem.advice import window_drift
+    from amp_postmortem.advice.decisions import window_drift
     run = load_run(collapse_run)
     drift = window_drift(run)
     assert drift["moves"] and drift["direction"] == "down" and drift["shift_bits"] <= -10

@@ -64,7 +64,7 @@ _BISECT_KINDS = {"not_reproduced", "model", "data", "batch"}
 
 def _decision_modules():
     root = Path(amp_postmortem.__file__).parent
-    return sorted((root / "whatif").glob("*.py")) + [root / "advice.py"]
+    return sorted((root / "whatif").glob("*.py")) + sorted((root / "advice").glob("*.py"))
 
 
 def _readers_of_the_dict_form(tree):
@@ -314,7 +314,7 @@ def test_a_trial_is_read_into_typed_fields_and_its_failed_check_is_an_enum():
 
 
 def test_recommend_decides_avoid_mixed_precision_and_bf16_as_enums():
-    from amp_postmortem.advice import Bf16Outcome, NoFp16Config, _bf16_outcome, no_fp16_config
+    from amp_postmortem.advice.decisions import Bf16Outcome, NoFp16Config, bf16_outcome, no_fp16_config
     from amp_postmortem.whatif.window_check import WindowStatus
     facts = dict(unstable=False, reference_finite=True, data_problem=False, fp16_ok=False, bf16_ok=False,
                  precision="fp16")
@@ -325,10 +325,10 @@ def test_recommend_decides_avoid_mixed_precision_and_bf16_as_enums():
         flipped = {**facts, off: not facts[off], "unstable": True}
         assert no_fp16_config(**flipped) is None
     fails = SimpleNamespace(status=WindowStatus.FAILS, failed_at=7)
-    assert _bf16_outcome(True, True, fails) is Bf16Outcome.STEP_ONLY
-    assert _bf16_outcome(True, False, None) is Bf16Outcome.AVOIDS_UNCONFIRMED
-    assert _bf16_outcome(True, True, SimpleNamespace(status=WindowStatus.VERIFIED)) is Bf16Outcome.AVOIDS
-    assert _bf16_outcome(False, True, None) is Bf16Outcome.DOES_NOT_AVOID
+    assert bf16_outcome(True, True, fails) is Bf16Outcome.STEP_ONLY
+    assert bf16_outcome(True, False, None) is Bf16Outcome.AVOIDS_UNCONFIRMED
+    assert bf16_outcome(True, True, SimpleNamespace(status=WindowStatus.VERIFIED)) is Bf16Outcome.AVOIDS
+    assert bf16_outcome(False, True, None) is Bf16Outcome.DOES_NOT_AVOID
 
 
 class _BeyondFloat64(__import__("torch").nn.Module):
@@ -363,8 +363,9 @@ def test_recommend_decides_the_recorded_origin_as_an_enum():
     """The recorded branch decides where the forward overflow was born
     (`recorded_origin`) before any words are made; its words come from
     the `recorded_*_recommendation` functions."""
-    from amp_postmortem.advice import (RecommendationKind, RecordedOrigin, Source, recorded_check_data_recommendation,
-                                       recorded_keep_fp32_recommendation, recorded_origin)
+    from amp_postmortem.advice import RecommendationKind, Source
+    from amp_postmortem.advice.decisions import RecordedOrigin, recorded_origin
+    from amp_postmortem.advice.words import recorded_check_data_recommendation, recorded_keep_fp32_recommendation
 
     def fwd(layer):
         return SimpleNamespace(layer=layer, step=7, message="m")
