@@ -145,10 +145,10 @@ def test_float16_run_says_which_limits_each_row_had(rising_run):
 
 def test_wider_dtypes_underflow_share_is_known_only_when_nothing_is_below_float16_subnormal():
     import numpy as np
-    from amp_postmortem.analyses.ranges import _below_normal
+    from amp_postmortem.analyses.underflow import below_normal
     full = pd.DataFrame({"below_normal_share": [0.5, 0.5], "below_subnormal_share": [0.0, 0.1]})
-    assert list(_below_normal(full, "float16")) == [0.5, 0.5]
-    got = _below_normal(full, "bfloat16")
+    assert list(below_normal(full, "float16")) == [0.5, 0.5]
+    got = below_normal(full, "bfloat16")
     assert got.iloc[0] == 0.0 and np.isnan(got.iloc[1])
 
 

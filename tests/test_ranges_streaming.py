@@ -5,7 +5,7 @@ fail if a shard is read whole or the rows are kept, whatever the timing."""
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from amp_postmortem.analyses import ranges
+from amp_postmortem.analyses import ranges, ranges_shards
 from amp_postmortem.engines import scan
 from amp_postmortem.loader import load_run
 from recorders import schema
@@ -26,7 +26,7 @@ def test_each_shard_reaches_the_reducer_as_small_batches_and_leaves_as_layers_x_
         uneven_ranks_run, monkeypatch):
     expected = ranges.layer_ranges(load_run(uneven_ranks_run)).to_dict()
     monkeypatch.setattr(scan, "BATCH_ROWS", 7)  # batch edges cut through steps
-    real = ranges.reduce_shard
+    real = ranges_shards.reduce_shard
     seen = []
 
     @scan.reduces_batches
@@ -43,7 +43,7 @@ def test_each_shard_reaches_the_reducer_as_small_batches_and_leaves_as_layers_x_
         seen.append((sizes, part))
         return part
 
-    monkeypatch.setattr(ranges, "reduce_shard", spy)
+    monkeypatch.setattr(ranges_shards, "reduce_shard", spy)
     run = load_run(uneven_ranks_run)
     assert ranges.layer_ranges(run).to_dict() == expected  # the same answer, batch by batch
     assert len(seen) == len(run.tensor_shards) > 3
@@ -59,7 +59,7 @@ def test_each_shard_reaches_the_reducer_as_small_batches_and_leaves_as_layers_x_
 def test_the_merged_table_holds_one_row_per_layer_and_step_not_per_rank(uneven_ranks_run):
     run = load_run(uneven_ranks_run)
     rows = _rows(uneven_ranks_run)
-    per = ranges._per_step(run, None)
+    per = ranges_shards.reduce_window(run, None)
     assert len(set(rows["rank"].to_pylist())) == 3
     assert len(per.cols["lid"]) == _layer_steps(rows) < rows.num_rows
     assert len(per.layers) == rows.group_by(["name", "kind"]).aggregate([]).num_rows

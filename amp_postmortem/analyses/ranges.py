@@ -40,7 +40,7 @@ For each layer (module name and row kind: `input`, `activation`,
   reported beside them, and `share_sample_size`: how many values of the
   tensor the shares were counted on (the recorder samples at most 65,536
   per tensor; null for runs recorded before the format said).
-- Dating (`_evidence`): `evidence_first_step`..`evidence_last_step` (and
+- Dating (`underflow.underflow_evidence`): `evidence_first_step`..`evidence_last_step` (and
   `evidence_steps`, how many) are the full-tier steps the shares come
   from (those whose share is known); `recent_underflow_share` is the median over the recent ones (from
   `recent_from_step`: the window's last `RECENT_PART`, or the latest
@@ -82,56 +82,34 @@ Flags (each row against its own dtype's limits):
 """
 from __future__ import annotations
 
-import enum
 import math
-import typing
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from recorders import schema
 
-from ..names import display_name as _display
 from ..loader import Run
-from ..engines.scan import reduces_batches
-from recorders.plain import plain
+from .range_limits import (DTYPE_LIMITS, FALLBACK_DTYPE, FORECAST_HORIZON, FORECAST_IMMINENT, FORECAST_RISK_BITS,
+                           OVERFLOW_RISK_BITS, UNDERFLOW_SHARE, range_dtype)
+from .ranges_report import RangesReport, lapsed_words, recent_words, sampled_values
+from .ranges_shards import KINDS, reduce_window
 from .trend import theil_sen
-from ..display import report_html, report_repr
-from ..result import CommandResult
+from .underflow import flushing_steps, underflow_evidence, underflow_share_of_rows, zero_split
 
-KINDS = ("input", "activation", "grad_output", "grad_input")
+# The entry point, and what other modules take from here, re-exported: the
+# limits (range_limits.py), the report and its sentences (ranges_report.py),
+# the rows read (ranges_shards.py) and the underflow rules (underflow.py).
+__all__ = ["DTYPE_LIMITS", "INTERMEDIATE_COLUMNS", "KINDS", "LAYER_COLUMNS", "WINDOW", "RangesReport",
+           "intermediate_ranges", "lapsed_words", "layer_ranges", "probed", "recent_words", "sampled_values",
+           "underflow_share_of_rows", "zero_split"]
+
 WINDOW = 1000                 # default: the last 1000 recorded steps
-OVERFLOW_RISK_BITS = 2.0      # < 2 bits: absmax above 16376, a factor 4 from Inf
-FORECAST_HORIZON = 1000       # steps after the latest one
-FORECAST_RISK_BITS = 6.0      # a forecast alarms within a factor 64 of the limit...
-FORECAST_IMMINENT = 100       # ...or, whatever the headroom, when it is this few steps away
-UNDERFLOW_SHARE = 0.25        # a quarter of a gradient's values subnormal or flushed
-FLUSH_MARGIN_BITS = 2.0       # no longer used (zeros are judged by `zero_split`); kept in --json's thresholds
-LOG2_MIN_NORMAL = -14         # float16's smallest normal, 2^-14 = 6.1e-5
-LOG2_FLUSH_EDGE = -25         # float16 rounds |x| < 2^-25 to zero (2^-24 is its smallest subnormal)
-MIN_FIT_SPREAD = 1.0          # the fit's two quantiles at least this many sigmas apart, else the values sit at the edge
-MIN_GAP_VALUES = 32           # non-zero values needed before an empty subnormal band proves the zeros structural
-RECENT_PART = 0.25            # the recent evidence: full-tier steps of the window's last quarter...
-STALE_PART = 0.5              # ...or the latest one, unless it lies in the window's first half (stale)
 ALPHA = 0.01
 MIN_TREND_POINTS = 5
 MAX_THEILSEN_POINTS = 200     # Theil-Sen is O(n^2) per layer: subsample evenly above this
 
-# (largest finite value, smallest normal) per dtype; float16's when the dtype is unknown.
-DTYPE_LIMITS = {
-    "float16": (schema.FP16_MAX, schema.FP16_MIN_NORMAL),
-    "bfloat16": (3.3895313892515355e38, 1.1754943508222875e-38),
-    "float32": (3.4028234663852886e38, 1.1754943508222875e-38),
-    "float64": (1.7976931348623157e308, 2.2250738585072014e-308),
-}
-FALLBACK_DTYPE = "float16"
-
-_COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "dtype", "absmax", "nan_count",
-            "inf_count", "zero_share", "below_normal_share", "below_subnormal_share", "rms", "share_sample_size"]
-# Where each layer's underflow evidence comes from (`_evidence`): steps.
+# Where each layer's underflow evidence comes from (`underflow_evidence`): steps.
 _EVIDENCE_STEPS = ("evidence_first_step", "evidence_last_step", "recent_from_step", "underflow_first_step",
                    "underflow_last_step")
 LAYER_COLUMNS = ["name", "kind", "dtype", "range_dtype", "step", "absmax", "headroom_bits",
@@ -148,99 +126,6 @@ _INTERMEDIATE_READ = ["step", "name", "kind", "op", "op_index", "source", "dtype
                       "inf_count"]
 
 
-@dataclass
-class RangesReport(CommandResult):
-    layers: pd.DataFrame      # LAYER_COLUMNS, in execution order (forward, then backward)
-    first_step: int | None    # the window analysed
-    last_step: int | None
-    full_tier_steps: int = 0  # steps of the window with full-tier statistics
-    # INTERMEDIATE_COLUMNS, one row per probed module (empty: no op probe in the run)
-    intermediates: pd.DataFrame | None = None
-
-    def document(self) -> dict:
-        rows = []
-        for r in self.layers.to_dict("records"):
-            rows.append({k: plain(v) for k, v in r.items()})
-        inside = [] if self.intermediates is None else [
-            {k: plain(v) for k, v in r.items()} for r in self.intermediates.to_dict("records")]
-        return {"layers": rows, "first_step": self.first_step, "last_step": self.last_step,
-                "full_tier_steps": self.full_tier_steps, "intermediates": inside,
-                "thresholds": {"overflow_risk_bits": OVERFLOW_RISK_BITS, "forecast_horizon": FORECAST_HORIZON,
-                               "forecast_risk_bits": FORECAST_RISK_BITS, "forecast_imminent": FORECAST_IMMINENT,
-                               "underflow_share": UNDERFLOW_SHARE,
-                               "flush_margin_bits": FLUSH_MARGIN_BITS,
-                               "log2_flush_edge": LOG2_FLUSH_EDGE, "min_gap_values": MIN_GAP_VALUES,
-                               "min_fit_spread": MIN_FIT_SPREAD,
-                               "recent_part": RECENT_PART, "stale_part": STALE_PART,
-                               "dtype_limits": {d: {"max": mx, "min_normal": mn}
-                                                for d, (mx, mn) in DTYPE_LIMITS.items()}}}
-
-    # Readable at the prompt and in Jupyter (display.py).
-    __repr__ = report_repr
-    _repr_html_ = report_html
-
-    def table(self) -> pd.DataFrame:
-        t = self.layers.copy()
-        t["flags"] = [",".join(f) for f in t["flags"]]
-        return t
-
-    def flagged(self, flag: str) -> pd.DataFrame:
-        return self.layers[[flag in f for f in self.layers["flags"]]]
-
-    def lines(self) -> list[str]:
-        if self.first_step is None:
-            return ["No tensor rows recorded."]
-        out = [f"steps {self.first_step}-{self.last_step} ({self.full_tier_steps} with full-tier statistics)"]
-        used = self.layers["range_dtype"].value_counts()
-        out.append("limits: " + ", ".join(f"{d} (max {DTYPE_LIMITS[d][0]:.6g}) for {n} row(s)"
-                                          for d, n in sorted(used.items())))
-        for flag in ("nonfinite", "overflow_risk", "underflow", "underflow_lapsed"):
-            hit = self.flagged(flag)
-            if len(hit):
-                names = ", ".join(sorted({_display(n) for n in hit["name"]}))
-                out.append(f"{flag}: {len(hit)} row(s): {names}")
-                if flag == "underflow":
-                    worst = hit.sort_values("recent_underflow_share", ascending=False, kind="stable").iloc[0]
-                    out.append(f"worst underflow: {_display(worst['name'])} {worst['kind']}, "
-                               f"{worst['recent_underflow_share']:.0%} of "
-                               f"{sampled_values(worst['share_sample_size'])} {recent_words(worst)}")
-                if flag == "underflow_lapsed":
-                    worst = hit.sort_values("underflow_episode_share", ascending=False, kind="stable").iloc[0]
-                    out.append(f"lapsed underflow: {_display(worst['name'])} {worst['kind']}, {lapsed_words(worst)}")
-        grads = self.layers[self.layers["kind"] == "grad_output"]
-        masked = grads[grads["zeros"].isin([Zeros.STRUCTURAL.value, Zeros.MIXED.value])
-                       & (grads["structural_zero_share"].fillna(0) >= UNDERFLOW_SHARE)]
-        if len(masked):
-            out.append(f"structural zeros (zero at any scale: not underflow): {len(masked)} gradient row(s), "
-                       + ", ".join(f"{_display(r['name'])} {r['structural_zero_share']:.0%}"
-                                   for r in masked.head(5).to_dict("records"))
-                       + (", ..." if len(masked) > 5 else ""))
-        unknown = grads[grads["zeros"] == Zeros.UNDETERMINED.value]
-        if len(unknown):
-            out.append(f"undetermined zeros (every value zero, a zero weight's or a gradient flushed whole, or too "
-                       f"few non-zero values to tell; not counted as underflow): "
-                       f"{', '.join(sorted({_display(n) for n in unknown['name']}))}")
-        out.extend(self._intermediate_lines())
-        if self.full_tier_steps == 0:
-            out.append("no full-tier step in the window: underflow shares unknown")
-        return out
-
-    def _intermediate_lines(self) -> list[str]:
-        if self.intermediates is None or not len(self.intermediates):
-            return []
-        out = [f"probed modules: {len(self.intermediates)}"]
-        for r in self.intermediates.to_dict("records"):
-            if "overflow_risk" not in r["flags"]:
-                continue
-            where = f" at {r['source']}" if r["source"] else ""
-            output = r["output_headroom_bits"]
-            seen = "" if output is None or pd.isna(output) else f"; its output keeps {output:.1f} bits"
-            out.append(f"overflow_risk inside {_display(r['name'])}: {r['op']}{where} reached "
-                       f"{r['absmax']:,.6g} in {r['dtype']} (max {DTYPE_LIMITS[r['range_dtype']][0]:.6g}, "
-                       f"{r['headroom_bits']:.2f} bits of headroom) at step {r['step']}{seen}")
-        return out
-
-
 def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
     """Headroom, trend, forecast and underflow per layer over the last `window` steps (None: all)."""
     last = run.last_step
@@ -248,7 +133,7 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
         return RangesReport(layers=_empty(), first_step=None, last_step=None, intermediates=_empty_intermediates())
     lo = None if not window else max(run.first_step, last - int(window) + 1)
     lo_step = run.first_step if lo is None else lo
-    per_step = _per_step(run, lo)
+    per_step = reduce_window(run, lo)
     if per_step is None:
         return RangesReport(layers=_empty(), first_step=lo, last_step=last,
                             intermediates=intermediate_ranges(run, lo))
@@ -290,7 +175,7 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
 
         at = full_of.get(lid)
         full = full_all.iloc[at] if at is not None else None
-        ev = _evidence(full, limit, shares_by_limit, full_all, lo_step, last)
+        ev = underflow_evidence(full, limit, shares_by_limit, full_all, lo_step, last)
         flags = []
         if bad:
             flags.append("nonfinite")
@@ -379,468 +264,6 @@ def intermediate_ranges(run: Run, lo=None) -> pd.DataFrame:
 
 def _empty_intermediates() -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype=object) for c in INTERMEDIATE_COLUMNS})
-
-
-# One value per layer and step: ranks and repeated calls merged. Max, any,
-# min and first merge shard by shard exactly; the means (full-tier columns,
-# null in cheap-tier rows) are taken at the end over the full-tier rows
-# only, in the order read, which is the same sum as over every row. A shard
-# is reduced batch by batch as it is read (`scan.reduces_batches`), a layer
-# travels as an integer id (its name and kind once per shard) and the
-# merged table as a few numpy columns merged by sorting (an Arrow group-by
-# holds several times its input): so the memory is bounded by a batch of
-# rows plus window x layers of a few numbers (and the full-tier rows), not
-# by the shard's rows nor by ranks x window x layers of strings.
-_KEYS = ["lid", "step"]
-# The merged columns: absmax (max; NaN: none recorded), bad (any), dtype (a
-# code into the dtypes seen, the first recorded; -1: none), fwd (1 for a
-# forward row: first), order (min).
-_MERGED = ["absmax", "bad", "dtype", "fwd", "order"]
-_MEANS = ["zero_share", "below_normal_share", "below_subnormal_share"]
-# share_sample_size: the values the shares were counted on, summed over
-# ranks and calls (a sum over nothing but nulls is null: unknown).
-_FULL = _KEYS + _MEANS + ["rms", "share_sample_size"]
-_CONSOLIDATE_ROWS = 1 << 20
-
-
-@dataclass
-class ShardRanges:
-    """One shard's part of the per-step table (see `reduce_shard`)."""
-    layers: list       # (name, kind) of each layer id of this shard
-    dtypes: list       # the dtype of each dtype code of this shard
-    merged: dict       # _KEYS + _MERGED + pos numpy columns, one row per layer and step (see `_merge`)
-    full: pa.Table     # _FULL, the full-tier rows as read
-    full_steps: set
-    rows: int
-
-
-@reduces_batches
-def reduce_shard(batches) -> ShardRanges:
-    """The per-shard map of `ranges` (runs where the shard is read): the
-    shard's record batches (or one table) in, one partial bounded by its
-    layers x steps out. In Arrow and numpy: at 1,000 ranks it runs once per
-    shard of the window."""
-    if isinstance(batches, pa.Table):
-        batches = batches.to_batches()
-    layers: dict = {}
-    dtypes: dict = {}
-    merged: list[dict] = []
-    full: list[pa.Table] = []
-    full_steps: set = set()
-    rows = 0
-    for batch in batches:
-        if not batch.num_rows:
-            continue
-        rows += batch.num_rows
-        t = pa.Table.from_batches([batch])
-        lid = _codes(t["name"], t["kind"], layers)
-        has_full = pc.or_kleene(pc.or_kleene(pc.is_valid(t["zero_share"]), pc.is_valid(t["below_normal_share"])),
-                                pc.is_valid(t["below_subnormal_share"]))
-        # With the rows that carry only an RMS or a sample size: their
-        # maximum and sum are over every row of the layer and step.
-        keep = pc.or_kleene(has_full, pc.or_kleene(pc.is_valid(t["rms"]), pc.is_valid(t["share_sample_size"])))
-        full.append(t.append_column("lid", pa.array(lid, pa.int32())).filter(keep).select(_FULL))
-        full_steps.update(pc.unique(t.filter(pc.is_valid(t["below_normal_share"]))["step"]).to_pylist())
-        merged.append(_merge([{
-            "lid": lid, "step": t["step"].to_numpy(), "pos": np.arange(rows - batch.num_rows, rows),
-            "absmax": t["absmax"].to_numpy().astype(float),  # null: NaN
-            "bad": pc.greater(pc.add(t["nan_count"], t["inf_count"]), 0).to_numpy(),
-            "dtype": _dtype_codes(t["dtype"], dtypes),
-            "fwd": pc.equal(t["phase"], "forward").to_numpy().astype(np.int8),
-            "order": t["order"].to_numpy()}]))
-    return ShardRanges(list(layers), list(dtypes), _merge(merged),
-                       pa.concat_tables(full) if full else _EMPTY_FULL, full_steps, rows)
-
-
-def _codes(names: pa.ChunkedArray, kinds: pa.ChunkedArray, seen: dict) -> np.ndarray:
-    """Per row, the id of its (name, kind) in `seen` (new pairs added, ids in
-    order of first row): one dictionary lookup per distinct pair."""
-    n = pc.dictionary_encode(names.combine_chunks())
-    k = pc.dictionary_encode(kinds.combine_chunks())
-    nk = len(k.dictionary)
-    key = n.indices.to_numpy().astype(np.int64) * nk + k.indices.to_numpy()
-    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    ids = np.empty(len(uniq), dtype=np.int32)
-    names_d, kinds_d = n.dictionary.to_pylist(), k.dictionary.to_pylist()
-    for i in np.argsort(first, kind="stable"):  # new ids in order of first row
-        ids[i] = seen.setdefault((names_d[uniq[i] // nk], kinds_d[uniq[i] % nk]), len(seen))
-    return ids[inverse.ravel()]
-
-
-def _dtype_codes(dtype: pa.ChunkedArray, seen: dict) -> np.ndarray:
-    """Per row, the code of its dtype in `seen` (new ones added; -1 where none recorded)."""
-    d = pc.dictionary_encode(dtype.combine_chunks())
-    table = np.array([seen.setdefault(v, len(seen)) for v in d.dictionary.to_pylist()] + [-1], dtype=np.int32)
-    return table[pc.fill_null(d.indices, len(table) - 1).to_numpy()]
-
-
-def _merge(parts: list[dict]) -> dict:
-    """The rows of `parts` (in the order read) with equal (layer, step)
-    merged, sorted by (layer, step); `pos` is each group's first row (its
-    position in the order read). A stable sort keeps each group's rows in
-    the order read, so `first` is the first recorded. It consumes `parts`
-    (their columns are moved out one by one) and works column by column, so
-    that beside the rows only the sort and one sorted column are held."""
-    if not parts:
-        return {c: np.zeros(0, dtype=t) for c, t in _DTYPES.items()}
-    cols = {c: np.concatenate([p.pop(c) for p in parts]) for c in _DTYPES}
-    n = len(cols["lid"])
-    if not n:
-        return cols
-    srt = np.lexsort((cols["step"], cols["lid"]))
-    lid, step = cols.pop("lid")[srt], cols.pop("step")[srt]
-    new = np.ones(n, dtype=bool)
-    new[1:] = (lid[1:] != lid[:-1]) | (step[1:] != step[:-1])
-    starts = np.flatnonzero(new)
-    del new
-    out = {"lid": lid[starts], "step": step[starts]}
-    del lid, step
-    for c, how in (("absmax", np.fmax), ("bad", np.logical_or), ("order", np.minimum), ("pos", np.minimum)):
-        out[c] = how.reduceat(cols.pop(c)[srt], starts)  # fmax: NaN only when all are
-    out["fwd"] = cols.pop("fwd")[srt[starts]]
-    dtype = cols.pop("dtype")[srt]
-    first_known = np.minimum.reduceat(np.where(dtype >= 0, np.arange(n), n), starts)
-    out["dtype"] = np.where(first_known < n, dtype[np.minimum(first_known, n - 1)], -1).astype(np.int32)
-    return out
-
-
-_DTYPES = {"lid": np.int32, "step": np.int64, "absmax": np.float64, "bad": np.bool_, "dtype": np.int32,
-           "fwd": np.int8, "order": np.int32, "pos": np.int64}
-_EMPTY_FULL = pa.table({"lid": pa.array([], pa.int32()), "step": pa.array([], pa.int64()),
-                        **{c: pa.array([], pa.float64()) for c in _MEANS + ["rms"]},
-                        "share_sample_size": pa.array([], pa.int64())})
-
-
-@dataclass
-class _PerStep:
-    """The merged per-step table of the window, as numpy columns sorted by
-    (layer, step), plus its full-tier rows (means taken)."""
-    layers: list       # (name, kind) per layer id
-    dtypes: list       # dtype string (or None) per code
-    cols: dict         # _KEYS + _MERGED columns, sorted by (lid, step)
-    bounds: np.ndarray  # layer i's rows: cols[...][bounds[i]:bounds[i + 1]]
-    order: list        # layer ids in the order their group first appears in the step-sorted table
-    full: pd.DataFrame  # one row per (lid, step) with full-tier rows: means, rms max, sample sizes summed, bad
-    full_steps: int
-
-
-def _per_step(run: Run, lo) -> _PerStep | None:
-    layers: dict = {}
-    dtypes: dict = {}
-    merged: list[dict] = []
-    full: list[pa.Table] = []
-    full_steps: set = set()
-    rows = 0
-    for part in run.map_tensor_shards(reduce_shard, _COLUMNS, kinds=KINDS, step_range=(lo, None),
-                                      label="reading ranges"):
-        rows += part.rows
-        # The shard's ids and codes as the run's.
-        lids = np.array([layers.setdefault(key, len(layers)) for key in part.layers] + [0], dtype=np.int32)
-        codes = np.array([dtypes.setdefault(d, len(dtypes)) for d in part.dtypes] + [-1], dtype=np.int32)
-        m = dict(part.merged)
-        # A shard whose ids are already the run's (the first one read) keeps
-        # its columns as they are, still sorted: no copy of the window.
-        same_ids = np.array_equal(lids[:-1], np.arange(len(lids) - 1))
-        if not same_ids:
-            m["lid"] = lids[m["lid"]]
-        if not np.array_equal(codes[:-1], np.arange(len(codes) - 1)):
-            m["dtype"] = codes[m["dtype"]]  # code -1 stays -1
-        if rows > part.rows:
-            m["pos"] = m["pos"] + (rows - part.rows)  # the position in the whole read
-        merged.append(m)
-        if len(part.full):
-            full.append(part.full.set_column(0, "lid", pa.array(lids[part.full["lid"].to_numpy()], pa.int32())))
-        full_steps |= part.full_steps
-        del part
-        if sum(len(p["lid"]) for p in merged[1:]) >= _CONSOLIDATE_ROWS:
-            merged = [_merge(merged)]
-            same_ids = True
-    if not rows:
-        return None
-    # One part merged and sorted already (one shard, or all consolidated) is the table.
-    cols = merged[0] if len(merged) == 1 and same_ids else _merge(merged)
-    del merged
-    bounds = np.searchsorted(cols["lid"], np.arange(len(layers) + 1))
-    # The layers in the order their groups first appear in the table sorted
-    # by step: by earliest step, then by the first row read of that step.
-    heads = bounds[:-1]
-    order = [int(i) for i in np.lexsort((cols["pos"][heads], cols["step"][heads]))]
-    # The means in pandas, as one pass over the full-tier rows in the order
-    # read (pandas' compensated sum: the same value as over every row).
-    full_rows = (pa.concat_tables(full) if full else _EMPTY_FULL).to_pandas()
-    g = full_rows.groupby(_KEYS, sort=False)
-    means = g[_MEANS].mean()
-    means["rms"] = g["rms"].max()
-    means["share_sample_size"] = g["share_sample_size"].sum(min_count=1)
-    means = means.reset_index()
-    # Each full-tier (layer, step) finds its merged row: keys (layer, rank
-    # of the step) are sorted as the columns are.
-    steps = np.unique(cols["step"])
-    key = cols["lid"].astype(np.int64) * len(steps) + np.searchsorted(steps, cols["step"])
-    at = np.searchsorted(key, means["lid"].to_numpy().astype(np.int64) * len(steps)
-                         + np.searchsorted(steps, means["step"].to_numpy()))
-    means["bad"] = cols["bad"][at]
-    means["absmax"] = cols["absmax"][at]  # zero_split reads the tail's top off it
-    return _PerStep([*layers], [*dtypes], cols, bounds, order, means, len(full_steps))
-
-
-def _evidence(full, limit: str, shares_by_limit: dict, full_all, first: int, last: int) -> dict:
-    """A layer's underflow evidence: its full-tier rows of the window
-    (`full`, one per step), their shares and what their zeros are, and when.
-
-    - `underflow_share`, `zero_share`, `structural_zero_share`,
-      `flushed_zero_share`: medians over the evidence steps; `zeros`: the
-      `Zeros` verdict at the latest of them.
-    - `recent_underflow_share`: the median over the recent evidence, the
-      full-tier steps from `recent_from_step` on: the window's last
-      `RECENT_PART`, or back to the latest evidence step when none lies
-      there; null when even that step lies in the window's first
-      `STALE_PART` (stale: nothing recent says how it is now).
-    - `underflow_first_step`..`underflow_last_step`: the first and last
-      evidence step at or above `UNDERFLOW_SHARE`, and
-      `underflow_episode_share` the median over the evidence between them
-      (null when no step reached it)."""
-    out = {"underflow_share": None, "zero_share": None, "share_sample_size": None, "structural_zero_share": None,
-           "flushed_zero_share": None, "zeros": None, "evidence_steps": 0, "evidence_first_step": None,
-           "evidence_last_step": None, "recent_underflow_share": None, "recent_from_step": None,
-           "underflow_episode_share": None, "underflow_first_step": None, "underflow_last_step": None}
-    if full is None or not len(full):
-        return out
-    if limit not in shares_by_limit:  # a share per row: computed once per limit
-        shares_by_limit[limit] = row_shares(full_all, limit, flushing_steps=shares_by_limit["flushing_steps"],
-                                            layer="lid")
-    shares, flushed, verdict = (x.loc[full.index] for x in shares_by_limit[limit])
-    order = np.argsort(full["step"].to_numpy(), kind="stable")
-    steps = full["step"].to_numpy()[order]
-    share = shares.to_numpy(dtype=float)[order]
-    out["zero_share"] = float(full["zero_share"].median())
-    sizes = full["share_sample_size"].dropna()
-    out["share_sample_size"] = int(sizes.median()) if len(sizes) else None
-    fl = flushed.dropna()
-    if len(fl):
-        out["flushed_zero_share"] = float(fl.median())
-        out["structural_zero_share"] = float((full["zero_share"].loc[fl.index] - fl).median())
-    out["zeros"] = verdict.to_numpy()[order][-1]
-    known = np.isfinite(share)  # unknown: the float16 shares cannot tell, or nothing but zeros (`row_shares`)
-    if not known.any():
-        return out
-    steps, share = steps[known], share[known]
-    out.update(evidence_steps=len(steps), evidence_first_step=int(steps[0]), evidence_last_step=int(steps[-1]))
-    out["underflow_share"] = float(np.median(share))
-    span = max(0, last - first)
-    if steps[-1] >= first + STALE_PART * span:
-        recent_from = min(int(math.ceil(first + (1 - RECENT_PART) * span)), int(steps[-1]))
-        out["recent_from_step"] = recent_from
-        out["recent_underflow_share"] = float(np.median(share[steps >= recent_from]))
-    hit = np.flatnonzero(share >= UNDERFLOW_SHARE)
-    if len(hit):
-        episode = share[hit[0]:hit[-1] + 1]
-        if np.median(episode) >= UNDERFLOW_SHARE:
-            out.update(underflow_episode_share=float(np.median(episode)), underflow_first_step=int(steps[hit[0]]),
-                       underflow_last_step=int(steps[hit[-1]]))
-    return out
-
-
-def recent_words(row) -> str:
-    """When a layer's current underflow share was measured, for sentences."""
-    first, last = row["recent_from_step"], row["evidence_last_step"]
-    return (f"at step {last}" if first == last else f"over the full-tier steps {first}-{last}") + (
-        f" (the window's {row['evidence_steps']} full-tier steps since step {row['evidence_first_step']}: "
-        f"median {row['underflow_share']:.0%})" if row["evidence_steps"] and row["evidence_steps"] > 1 else "")
-
-
-def lapsed_words(row) -> str:
-    """A lapsed underflow in words: when it was, and what the evidence since says."""
-    a, b = row["underflow_first_step"], row["underflow_last_step"]
-    was = (f"{row['underflow_episode_share']:.0%} at step {a}" if a == b
-           else f"{row['underflow_episode_share']:.0%} during steps {a}-{b}")
-    recent = row["recent_underflow_share"]
-    if recent is None or pd.isna(recent):
-        return (f"was {was}; no full-tier step since step {row['evidence_last_step']} "
-                f"(the window's first half): its share now is unknown")
-    first, last = row["recent_from_step"], row["evidence_last_step"]
-    return f"was {was}; {recent:.1%} " + (f"at step {last}" if first == last else f"over steps {first}-{last}")
-
-
-def sampled_values(size) -> str:
-    """How many values a share was counted on, for sentences: "50,000
-    sampled values", or "its values" for a run that did not record it."""
-    if size is None or pd.isna(size):
-        return "its values"
-    return f"{int(size):,} sampled values"
-
-
-def range_dtype(dtype) -> str:
-    """The dtype whose limits apply to a row of recorded `dtype`."""
-    return dtype if isinstance(dtype, str) and dtype in DTYPE_LIMITS else FALLBACK_DTYPE
-
-
-class Zeros(str, enum.Enum):
-    """What a row's exact zeros are, as far as its recorded statistics tell."""
-    NONE = "none"                  # no exact zero
-    STRUCTURAL = "structural"      # zero at any scale: a mask, a ReLU, an absent token, a zero weight
-    FLUSHED = "flushed"            # values the float16 range rounded to zero
-    MIXED = "mixed"                # some of each
-    UNDETERMINED = "undetermined"  # every value zero, or too few non-zero values to tell
-
-
-class ZeroSplit(typing.NamedTuple):
-    flushed: np.ndarray   # per row: the share of all values that are flushed zeros (NaN: undetermined)
-    verdict: np.ndarray   # per row: a `Zeros` value
-    unsplit: np.ndarray   # per row: True where the row alone cannot split its zeros (at the edge, or all zero)
-
-
-def zero_split(zero_share, below_normal_share, absmax, values=None) -> ZeroSplit:
-    """Per row (array-likes, in the tensor's units): the share of all values
-    that are zeros the float16 range flushed, and a `Zeros` verdict.
-
-    float16 rounds |x| < 2^-25 to zero; every value between that edge and
-    the normal limit 2^-14 survives as a subnormal (ten binades). Flushed
-    zeros are the lower tail of the gradient's magnitudes below the edge,
-    and a continuous distribution passes through those ten binades before it
-    reaches it; a mask's zeros are no tail of anything. So the non-zero
-    values' log2-magnitudes are fitted by a normal through two recorded
-    points (the share below 2^-14, and absmax as the 1 - 1/(2n) quantile of
-    the n non-zero values) and the zeros the fit's tail puts below 2^-25 are
-    counted as flushed (never more than the zeros recorded); the rest are
-    structural. In particular:
-    - no non-zero value below 2^-14 (of at least `MIN_GAP_VALUES`): nothing
-      reaches the edge, the zeros are structural;
-    - (nearly) every non-zero value below 2^-14, so that the two points lie
-      less than `MIN_FIT_SPREAD` standard deviations apart and fix no
-      spread: the values sit at the edge, and the zeros are counted as
-      flushed (they cannot be told apart);
-    - every value zero: undetermined (NaN), a zero-initialised gamma and a
-      gradient flushed whole look alike (`row_shares` asks the layer's
-      other steps and the step's other gradients);
-    - no non-zero value below 2^-14 among fewer than `MIN_GAP_VALUES`:
-      undetermined (NaN), and the zeros not counted.
-    `values`: how many values the shares were counted on (the sample size;
-    `SHARE_SAMPLE_MAX` where unknown)."""
-    from scipy.special import ndtr, ndtri
-
-    z = np.asarray(zero_share, dtype=float)
-    b = np.asarray(below_normal_share, dtype=float)
-    a = np.asarray(absmax, dtype=float)
-    n = np.full(z.shape, float(schema.SHARE_SAMPLE_MAX)) if values is None else np.asarray(values, dtype=float)
-    n = np.where(np.isfinite(n) & (n > 0), n, float(schema.SHARE_SAMPLE_MAX))
-    p = 1.0 - z
-    nonzero = np.maximum(n * p, 1.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.clip(b / p, 0.0, 1.0)
-        log2a = np.log2(np.where(a > 0, a, np.nan))
-        z_top = ndtri(1.0 - 0.5 / nonzero)
-        z_low = ndtri(np.clip(q, 1e-300, 1.0))
-        sigma = (log2a - LOG2_MIN_NORMAL) / (z_top - z_low)
-        mu = LOG2_MIN_NORMAL - sigma * z_low
-        tail = ndtr((LOG2_FLUSH_EDGE - mu) / sigma)
-        fitted = np.minimum(z, p * tail / (1.0 - tail))
-    flushed = np.full(z.shape, np.nan)
-    known = np.isfinite(z) & np.isfinite(b)
-    none = known & (z <= 0)
-    all_zero = known & (p <= 0)
-    rest = known & ~none & ~all_zero
-    at_edge = rest & ((q >= 1.0 - 0.5 / nonzero) | ~(log2a > LOG2_MIN_NORMAL) | ~(z_top - z_low >= MIN_FIT_SPREAD))
-    gap = rest & ~at_edge & (q <= 0)
-    fit = rest & ~at_edge & ~gap & np.isfinite(fitted)
-    flushed[none] = 0.0
-    flushed[at_edge] = z[at_edge]
-    flushed[gap & (nonzero >= MIN_GAP_VALUES)] = 0.0
-    flushed[fit] = fitted[fit]
-    return ZeroSplit(flushed, verdicts(z, flushed), at_edge | all_zero)
-
-
-def verdicts(zero_share, flushed) -> np.ndarray:
-    """The `Zeros` verdict of each row from its zero share and the share of
-    values that are flushed zeros (NaN: undetermined)."""
-    z = np.asarray(zero_share, dtype=float)
-    f = np.asarray(flushed, dtype=float)
-    verdict = np.full(z.shape, None, dtype=object)
-    known = np.isfinite(z)
-    verdict[known] = Zeros.UNDETERMINED.value
-    verdict[known & (z <= 0)] = Zeros.NONE.value
-    with np.errstate(invalid="ignore", divide="ignore"):
-        determined = known & (z > 0) & np.isfinite(f)
-        share = np.where(determined, f / np.where(z > 0, z, 1.0), np.nan)
-    verdict[determined & (share >= 0.9)] = Zeros.FLUSHED.value
-    verdict[determined & (share <= 0.1)] = Zeros.STRUCTURAL.value
-    verdict[determined & (share > 0.1) & (share < 0.9)] = Zeros.MIXED.value
-    return verdict
-
-
-def underflow_share_of_rows(full: pd.DataFrame, limit: str = "float16", *, flushing_steps=None,
-                            layer: str | None = None) -> pd.Series:
-    """Per full-tier row: the share `underflow_share` counts against
-    `limit`'s range (values below its smallest normal plus the zeros
-    `zero_split` finds flushed; structural zeros are not underflow), before
-    the median over steps; NaN where the recorded float16 shares cannot
-    tell, and for a row of nothing but zeros outside `flushing_steps` (see
-    `row_shares`). `full` needs `step`, `zero_share`, `below_normal_share`,
-    `below_subnormal_share`, `absmax` and, where recorded, `share_sample_size`."""
-    return row_shares(full, limit, flushing_steps=flushing_steps, layer=layer)[0]
-
-
-def row_shares(full: pd.DataFrame, limit: str = "float16", *, flushing_steps=None, layer: str | None = None):
-    """Per row: (underflow share, flushed zero share, `Zeros` verdict), as
-    Series. Where a row alone cannot split its zeros (its values sit at the
-    flush edge, or it holds nothing but zeros), its layer's other rows can:
-    with `layer` (the column naming a row's layer), the median structural
-    share of the layer's rows that could split theirs is structural in
-    these rows too (a mask is the same from step to step), and only the
-    zeros beyond it are flushed. Without that, a row at the edge counts its
-    zeros as flushed, and a row of nothing but zeros is undetermined (NaN
-    share): in a step of `flushing_steps` (where other gradients of the
-    step underflow) the range flushed it whole and it counts as flushed;
-    elsewhere (a zero-initialised gamma in a healthy step) it is no
-    evidence either way. Against a wider dtype the flushed zeros are not
-    counted: a float32 row's zeros are not its own range's, a float16
-    gradient before it flushed them and is judged on its own row."""
-    split = zero_split(full["zero_share"], full["below_normal_share"], full["absmax"], _values(full))
-    z = full["zero_share"].to_numpy(dtype=float)
-    flushed = split.flushed.copy()
-    unsplit = split.unsplit & (z > 0)
-    if layer is not None and unsplit.any():
-        structural = pd.Series(np.where(~split.unsplit & np.isfinite(flushed), z - flushed, np.nan), index=full.index)
-        typical = structural.groupby(full[layer].to_numpy()).transform("median").to_numpy()
-        known = unsplit & np.isfinite(typical)
-        flushed[known] = np.maximum(0.0, z[known] - typical[known])
-        unsplit &= ~known
-    whole = unsplit & (z >= 1)
-    if flushing_steps is not None and len(flushing_steps):
-        in_flush = whole & full["step"].isin(list(flushing_steps)).to_numpy()
-        flushed[in_flush] = 1.0
-        whole &= ~in_flush
-    verdict = verdicts(z, flushed)
-    counted = np.nan_to_num(flushed, nan=0.0) if limit == "float16" else np.zeros(len(full))
-    share = _below_normal(full, limit).to_numpy(dtype=float) + counted
-    share[whole] = np.nan
-    index = full.index
-    return pd.Series(share, index=index), pd.Series(flushed, index=index), pd.Series(verdict, index=index)
-
-
-def flushing_steps(full: pd.DataFrame, layers: list) -> set:
-    """The steps where some `grad_output` row (layer ids into `layers`)
-    has an underflow share of at least `UNDERFLOW_SHARE` against float16's
-    range, its all-zero rows aside."""
-    grad = np.array([kind == "grad_output" for _, kind in layers] + [False])[full["lid"].to_numpy()]
-    rows = full[grad]
-    if rows.empty:
-        return set()
-    share = underflow_share_of_rows(rows, "float16", layer="lid")
-    return set(rows.loc[share >= UNDERFLOW_SHARE, "step"].astype(int))
-
-
-def _values(full: pd.DataFrame):
-    return full["share_sample_size"] if "share_sample_size" in full else None
-
-
-def _below_normal(full: pd.DataFrame, limit: str) -> pd.Series:
-    """Per row: the share of non-zero values below `limit`'s smallest normal,
-    NaN where the recorded float16 shares cannot tell (see the module doc)."""
-    if limit == "float16":
-        return full["below_normal_share"]
-    none_below_fp16_subnormal = full["below_subnormal_share"] == 0
-    return pd.Series(np.where(none_below_fp16_subnormal, 0.0, np.nan), index=full.index)
 
 
 def _finite_or_none(v):
