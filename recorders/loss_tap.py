@@ -71,6 +71,10 @@ def step_loss(taken, explicit=None):
     losses = backpropagated or returned
     if not losses:
         return explicit
+    if len(losses) == 1 and isinstance(explicit, torch.Tensor) and _same_value(losses[0], explicit):
+        # The usual loop: the loss it scaled is the one it passes (one
+        # micro-batch): the value is the same, finite or not.
+        return explicit.detach() if explicit.dim() == 0 else explicit.detach().reshape(())
     if isinstance(explicit, torch.Tensor) and explicit.numel() == 1 and all(
             t.device.type == "cpu" and t.numel() == 1 for t in losses) and all(
             math.isfinite(float(t)) for t in losses):
@@ -91,6 +95,14 @@ def step_loss(taken, explicit=None):
     # float32 at least: a sum of float16 losses may overflow where none did.
     dtype = torch.promote_types(losses[0].dtype, torch.float32)
     return total.to(dtype)
+
+
+def _same_value(captured: torch.Tensor, explicit: torch.Tensor) -> bool:
+    """`captured` (a detached reference) is `explicit`'s value: the same
+    memory, shape and dtype (metadata only: no read)."""
+    return (captured.data_ptr() == explicit.data_ptr() and captured.dtype == explicit.dtype
+            and captured.shape == explicit.shape and explicit.numel() == 1
+            and captured.device == explicit.device)
 
 
 def loss_dtype(taken, explicit=None) -> str | None:

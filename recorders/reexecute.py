@@ -41,6 +41,7 @@ What is held, and so what can be re-executed:
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import enum
 import math
@@ -172,8 +173,8 @@ class ReexecuteTrigger:
         self.last: dict[str, int] = {}
         self.count = 0
         self.capped = 0
-        self._losses: deque = deque(maxlen=policy.spike_window)
-        self._norms: deque = deque(maxlen=policy.spike_window)
+        self._losses = _Recent(policy.spike_window)
+        self._norms = _Recent(policy.spike_window)
         self._prev_scale: float | None = None
         self._max_scale: float | None = None
 
@@ -212,8 +213,7 @@ class ReexecuteTrigger:
     def _spike(self, value, history) -> bool:
         if value is None or not math.isfinite(value) or len(history) < 10:
             return False
-        ordered = sorted(history)
-        median = ordered[len(ordered) // 2]
+        median = history.median()
         return median > 0 and abs(value) > self.policy.spike_factor * abs(median)
 
     def _remember(self, f: StepFacts) -> None:
@@ -223,7 +223,7 @@ class ReexecuteTrigger:
         if not f.skipped:
             for value, history in ((f.loss, self._losses), (f.grad_norm, self._norms)):
                 if value is not None and math.isfinite(value):
-                    history.append(value)
+                    history.add(value)
 
 
 def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
@@ -233,22 +233,52 @@ def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
     the loss was made, so reading the loss waits for nothing. `scale`: the
     loss scale the step's backward used (its gradient norms are divided by
     it)."""
-    on_host = all(t.device.type == "cpu" for t in (loss_t, st.grad_sqsum, st.grad_nonfinite, st.grad_norms, scale)
-                  if t is not None)
+    norms, sqsum = st.grad_norms, st.grad_sqsum
+    # Attribute tests, not a loop: this runs on every step.
+    on_host = ((loss_t is None or loss_t.device.type == "cpu") and (scale is None or scale.device.type == "cpu")
+               and (norms is None or norms.device.type == "cpu") and (sqsum is None or sqsum.device.type == "cpu")
+               and (st.grad_nonfinite is None or st.grad_nonfinite.device.type == "cpu"))
     if not (on_host or skipped):
         return None
-    scale_value = float(scale) if scale is not None else None
-    loss = float(loss_t.float()) if loss_t is not None and loss_t.numel() == 1 else None
+    scale_value = scale.item() if scale is not None else None
+    loss = loss_t.item() if loss_t is not None and loss_t.numel() == 1 else None
     if skipped:
         return StepFacts(st.step_id, skipped=True, loss=loss, loss_scale=scale_value)
     sq, count = None, None
-    if st.grad_norms is not None:
-        sq, count, _ = grad_facts(st.grad_norms, scale_value if st.grad_scale is not None else None)
-    elif st.grad_sqsum is not None:
-        sq = float(st.grad_sqsum)
+    unscale = scale_value if st.grad_scale is not None else None
+    if st.grad_sq_host is not None and math.isfinite(st.grad_sq_host) and (unscale is None or unscale):
+        # Summed when the norms were taken (the usual CPU step: no NaN/Inf).
+        sq, count = st.grad_sq_host / unscale / unscale if unscale else st.grad_sq_host, 0
+    elif norms is not None:
+        sq, count, _ = grad_facts(norms, unscale)
+    elif sqsum is not None:
+        sq = float(sqsum)
         count = int(st.grad_nonfinite) if st.grad_nonfinite is not None else None
     norm = None if sq is None else math.sqrt(sq) if sq >= 0 else math.nan
     return StepFacts(st.step_id, loss=loss, grad_norm=norm, nonfinite_grads=count, loss_scale=scale_value)
+
+
+class _Recent:
+    """The last `size` finite values of a series and their median, kept
+    sorted as they come (the spike rule reads the median every step)."""
+
+    __slots__ = ("order", "ranked")
+
+    def __init__(self, size: int):
+        self.order: deque = deque(maxlen=size)
+        self.ranked: list = []
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def add(self, value: float) -> None:
+        if len(self.order) == self.order.maxlen:
+            del self.ranked[bisect.bisect_left(self.ranked, self.order[0])]
+        self.order.append(value)
+        bisect.insort(self.ranked, value)
+
+    def median(self) -> float:
+        return self.ranked[len(self.ranked) // 2]
 
 
 class Reexecutor:

@@ -604,10 +604,18 @@ def grad_facts(norms, unscale_by: float | None) -> tuple[float, int, list]:
     """From each gradient's norm (as taken: scaled by the loss scale when
     `unscale_by` is given): the square sum of the unscaled gradients, how
     many gradients hold a NaN/Inf (a norm is finite exactly when its values
-    are) and their positions. float64 on the host, off the training path."""
-    norms = np.asarray(norms.numpy() if hasattr(norms, "numpy") else norms, dtype=np.float64)
+    are) and their positions. float64 on the host, off the training path
+    (on the CPU, once a step on it: the finite case is one dot product)."""
+    norms = np.asarray(norms.numpy() if hasattr(norms, "numpy") else norms).astype(np.float64, copy=False)
+    # A float32 norm squared stays far below float64's range: no overflow.
+    sq = float(norms @ norms)
+    if math.isfinite(sq) and unscale_by:
+        return sq / unscale_by / unscale_by, 0, []
+    if math.isfinite(sq) and unscale_by is None:
+        return sq, 0, []
     if unscale_by is not None:
-        norms = norms / unscale_by
+        with np.errstate(divide="ignore", invalid="ignore"):
+            norms = norms / unscale_by
     bad = np.flatnonzero(~np.isfinite(norms))
     with np.errstate(over="ignore", invalid="ignore"):
         sq = float(np.sum(norms * norms))

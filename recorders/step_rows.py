@@ -94,8 +94,10 @@ class StepRows:
             if isinstance(value, torch.Tensor):
                 if value.device.type == "cpu":
                     # Read by the writer thread: no operation here but a
-                    # copy of what the job changes in place (the scale).
-                    host[key] = value.detach().clone() if mutable else value.detach()
+                    # read of what the job changes in place (the scale, a
+                    # host value here: no copy).
+                    host[key] = (value.item() if value.numel() == 1 else value.detach().clone()) if mutable \
+                        else value.detach()
                 else:
                     dev.append(value.detach().reshape(()).to(torch.float64))
                     keys.append((key, 0))

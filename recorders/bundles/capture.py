@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from ..layout import PLAIN_TENSORS
 from ..manifest import scaler_enabled
 from ..plain import plain
 from ..stats import iter_tensors
@@ -147,7 +148,10 @@ class BundleCapture:
         if self.clone_inputs:
             args, kwargs = clone_tree(args), clone_tree(kwargs)
         rng = rng_state()
-        versions = [(t, t._version) for t in iter_tensors((args, kwargs))]
+        if not kwargs and all(type(a) in PLAIN_TENSORS for a in args):  # model(x, y): no tree to walk
+            versions = [(t, t._version) for t in args]
+        else:
+            versions = [(t, t._version) for t in iter_tensors((args, kwargs))]
         self._current.micro_batches.append(MicroBatch(args, kwargs, versions, rng))
         if self.window is not None:
             self.window.on_micro_batch(args, kwargs, rng, versions)
@@ -277,20 +281,31 @@ class BundleCapture:
             if old is not None:
                 self._release(old)
             self._held[step] = cap
-            limit = self._hold_limit
-            # Steps asked for explicitly (save_bundle(), bundle_steps) are
-            # never given up: they are few by construction.
-            evictable = [s for s, c in self._held.items() if not c.explicit and s not in self.steps]
-            evictable.sort(key=lambda s: not self._held[s].clean)  # stable: oldest first within each
-            for old_step in evictable[:max(0, len(self._held) - limit)]:
-                old = self._held.pop(old_step)
-                self._evicted.add(old_step)  # the writer fell behind: too late for it
-                self._release(old)
-            if len(self._evicted) > 4096:
-                self._evicted.clear()
+            if len(self._held) > self._hold_limit:
+                self._evict()
         if self.window is not None:
             self.window.on_step_end(step, stepped)
         self._service()
+
+    def _evict(self) -> None:
+        """More steps held than `hold_steps`: the writer fell behind; give up
+        the oldest clean ones first, then the oldest others. Steps asked for
+        explicitly (save_bundle(), bundle_steps) are never given up: they are
+        few by construction."""
+        over = len(self._held) - self._hold_limit
+        for clean in (True, False):  # the usual case: the oldest held step, a clean one
+            for old_step in list(self._held):
+                if over <= 0:
+                    break
+                old = self._held[old_step]
+                if bool(old.clean) is not clean or old.explicit or old_step in self.steps:
+                    continue
+                del self._held[old_step]
+                self._evicted.add(old_step)  # too late for the writer's decision
+                self._release(old)
+                over -= 1
+        if len(self._evicted) > 4096:
+            self._evicted.clear()
 
     def request(self) -> None:
         """`rec.save_bundle()`: save the step the next `rec.step()` closes."""

@@ -3,47 +3,14 @@ each backward pass ends, and the optimizer's pre-step hook."""
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 
 import torch
 
 from ..layout import PLAIN_TENSORS, local
+from .grad_norms import NormPlan, cpu_norms, grad_norms
 from .state import Shared, dtype_name, eager
-
-
-def grad_norms(grads: list, on_host: bool | None = None, as_float64: bool = True) -> torch.Tensor:
-    """The L2 norm of each gradient, as a float64 vector on their device.
-
-    On a GPU: one fused pass in float64 (a scaled float16 gradient's norm
-    overflows in its own dtype), asynchronous. On the CPU the float64 pass
-    converts every value first and cost ~9x the float32 one (5 ms a step for
-    4M values, the largest single item of the recorder's cost), so the norms
-    are taken in float32 (relative error ~1e-5) and only a norm that
-    overflowed there (Inf from finite values too large to square in float32)
-    is taken again in float64; reading that flag costs nothing in host
-    memory. `on_host`: None reads it off the gradients' device (a test
-    runs the device path on the CPU). `as_float64=False`: the CPU's float32
-    norms are left in float32 (their reader converts)."""
-    if on_host is None:
-        on_host = grads[0].device.type == "cpu"
-    if not on_host:
-        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
-    # float64 gradients (a float64 model) keep float64: nothing to convert.
-    work = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    if all(g.dtype == work for g in grads):
-        # The usual float32 master gradients: no `dtype`, whose conversion
-        # path cost a fifth more here for the same sums.
-        norms = torch._foreach_norm(grads, 2)
-    else:
-        norms = torch._foreach_norm(grads, 2, dtype=work)
-    norms = torch.stack(norms)
-    if as_float64 or norms.dtype != torch.float64 and not bool(torch.isfinite(norms).all()):
-        norms = norms.to(torch.float64)
-        overflow = torch.isinf(norms)
-        if overflow.any():
-            for i in overflow.nonzero().flatten().tolist():
-                norms[i] = torch.linalg.vector_norm(grads[i], dtype=torch.float64)
-    return norms
 
 
 class ParamGradCollector:
@@ -83,6 +50,7 @@ class ParamGradCollector:
         # The scale a re-execution's gradients were made with (the scale in
         # force during the step re-executed, not the one after its update).
         self.scale_override = None
+        self._norm_plan = None  # grad_norms.NormPlan of the plain gradients, at the first backward
 
     def _watched(self, pname: str) -> bool:
         return pname.rpartition(".")[0] in self._watched_modules or self._watch_param(pname)
@@ -199,8 +167,22 @@ class ParamGradCollector:
             # every gradient, in one list (the per-parameter checks below
             # cost a few microseconds a parameter, every step).
             grads = [p.grad for p in self._grad_tensors]
-            if not any(g is None or g.requires_grad for g in grads):  # (`in` would compare tensors with ==)
-                st.grad_norms = grad_norms(grads, as_float64=False)
+            try:
+                # Without autograd: a gradient made with create_graph=True
+                # carries a graph. A missing gradient (None) raises: the
+                # loop below checks each one (testing each here would cost
+                # per-parameter Python every step; `in` compares with ==).
+                with torch.no_grad():
+                    if self._grad_tensors[0].device.type == "cpu":  # read each time: a model may move
+                        if self._norm_plan is None:
+                            self._norm_plan = NormPlan(self._grad_tensors)
+                        norms, st.grad_sq_host = cpu_norms(grads, self._norm_plan)
+                    else:
+                        norms = grad_norms(grads, on_host=False)
+            except (TypeError, RuntimeError, AttributeError):
+                norms = None
+            if norms is not None:
+                st.grad_norms = norms
                 st.grad_norm_names = self._grad_names
                 st.grad_scale = scale.detach().reshape(()) if scale is not None else None
                 return
@@ -275,6 +257,9 @@ class ParamGradCollector:
             # Not sampled: no rows, only the gradient facts. On the CPU
             # they are host values (read without a sync): finite gradients
             # leave a non-finite loss as the only trigger (as above).
-            norms = st.grad_norms if st.grad_norms is not None else st.grad_sqsum
-            clean = norms is not None and norms.device.type == "cpu" and bool(torch.isfinite(norms).all())
+            if st.grad_sq_host is not None:
+                clean = math.isfinite(st.grad_sq_host)  # read when the norms were taken
+            else:
+                norms = st.grad_norms if st.grad_norms is not None else st.grad_sqsum
+                clean = norms is not None and norms.device.type == "cpu" and bool(torch.isfinite(norms).all())
         self.shared.bundles.on_optimizer_pre_step(clean_on_host=clean)

@@ -75,6 +75,9 @@ class StepState:
         self.grad_norms = None  # else each gradient's norm (scaled as they were), on the device ...
         self.grad_norm_names = None  # ... their parameters' names ...
         self.grad_scale = None  # ... and the scale to divide them by (None: unscaled already)
+        # On the CPU: the norms' square sum, a host float (finite exactly
+        # when every norm is), taken with them; None elsewhere.
+        self.grad_sq_host = None
         self.backward_task = None  # the autograd graph task whose end is awaited
         self.backward_passes = 0  # ended backward passes (counts micro-batches a compiled forward hides)
         self.in_forward = 0  # depth of root forwards being recorded (checkpointing's no_grad regions count)

@@ -1,0 +1,100 @@
+"""`NormPlan`: the CPU's grouped gradient norms equal the per-tensor loop's,
+in the gradients' own order, and give way to the loop on what the plan did
+not foresee."""
+import pytest
+import torch
+
+from recorders.collectors.grad_norms import MIN_GROUP, NormPlan, cpu_norms, grad_norms
+
+
+def _params(shapes, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g, dtype=dtype)) for s in shapes]
+
+
+def _grads(params, scale=1.0):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(p.shape, generator=g, dtype=p.dtype) * scale for p in params]
+
+
+def test_grouped_norms_match_the_loop_in_the_gradients_order():
+    # Interleaved shapes: groups of (16, 16) and (16,), a large one and a lone one.
+    shapes = [(16, 16), (16,)] * 6 + [(300, 300), (3, 5), (16, 16), (2, 3, 4)] * 2
+    params = _params(shapes)
+    plan = NormPlan(params)
+    assert plan.useful and len(plan.groups) >= 2
+    grads = _grads(params)
+    expected = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+    norms = plan.norms(grads)
+    torch.testing.assert_close(norms, expected, rtol=1e-6, atol=0)
+    got, sq = cpu_norms(grads, plan)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    assert sq == pytest.approx(float((expected.double() ** 2).sum()), rel=1e-6)
+
+
+def test_a_nonfinite_gradient_stays_at_its_position():
+    params = _params([(8, 8)] * (MIN_GROUP + 2) + [(5,)])
+    grads = _grads(params)
+    grads[3][2, 1] = float("nan")
+    grads[-1][0] = float("inf")
+    norms, sq = cpu_norms(grads, NormPlan(params))
+    bad = torch.nonzero(~torch.isfinite(norms)).flatten().tolist()
+    assert bad == [3, len(grads) - 1]
+    assert sq != sq or sq == float("inf")
+
+
+def test_a_float32_overflow_is_taken_again_in_float64():
+    params = _params([(8, 8)] * MIN_GROUP)
+    grads = _grads(params)
+    grads[1].fill_(1e30)  # finite values whose squares overflow float32
+    norms, sq = cpu_norms(grads, NormPlan(params))
+    assert norms.dtype == torch.float64 and torch.isfinite(norms).all()
+    assert norms[1].item() == pytest.approx(1e30 * 8, rel=1e-6)
+
+
+def test_what_the_plan_did_not_foresee_raises_for_the_loop_to_take():
+    params = _params([(8, 8)] * MIN_GROUP)
+    grads = _grads(params)
+    grads[2] = None  # a parameter that got no gradient this step
+    with pytest.raises((TypeError, RuntimeError)):
+        NormPlan(params).norms(grads)
+
+
+def test_float64_and_half_gradients():
+    params = _params([(8, 8)] * MIN_GROUP, dtype=torch.float64)
+    grads = _grads(params)
+    expected = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+    torch.testing.assert_close(grad_norms(grads, plan=NormPlan(params)), expected)
+    half = _params([(8, 8)] * MIN_GROUP, dtype=torch.float16)
+    hgrads = _grads(half, scale=1000.0)  # squares overflow float16: summed in float32
+    norms = NormPlan(half).norms(hgrads)
+    assert norms.dtype == torch.float32 and torch.isfinite(norms).all()
+    torch.testing.assert_close(norms, torch.stack([torch.linalg.vector_norm(g.float()) for g in hgrads]))
+
+
+def test_the_recorder_takes_the_same_facts_with_and_without_the_plan(tmp_path, monkeypatch):
+    """A deep narrow model (the plan's case) records the gradient norm the
+    per-tensor loop gives."""
+    from recorders import AmpRecorder
+    import amp_postmortem as ap
+
+    def run(name, plan_on):
+        if not plan_on:
+            monkeypatch.setattr(NormPlan, "norms", lambda self, grads: None)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        rec = AmpRecorder(tmp_path / name, model, optimizer=opt, mode="sentinel")
+        for _ in range(5):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+        rec.close()
+        monkeypatch.undo()
+        return ap.load_run(tmp_path / name).steps["grad_norm"].tolist()
+
+    with_plan, without = run("plan", True), run("loop", False)
+    assert with_plan == pytest.approx(without, rel=1e-5)
+    assert all(v > 0 for v in with_plan)
