@@ -43,14 +43,14 @@ def load_run(run, *, rank: int | None = None, engine: str | None = None, schedul
     for `rank`). `engine` (`local` or `dask`, with `scheduler`) runs its
     per-shard reads; `progress(label, done, total)` is called while long
     scans run."""
-    from .loader import Run, load_run as load
+    from .reading.loader import Run, load_run as load
     if isinstance(run, Run):
         if rank is not None and run.ranks != [int(rank)]:
             run = load(run.path, rank=rank)
     else:
         run = load(run, rank=rank)
     if engine is not None or scheduler is not None:
-        from .engines import get_engine
+        from .reading.engines import get_engine
         run.engine = get_engine(engine, scheduler)
     if progress is not None:
         run.progress = progress
@@ -61,7 +61,7 @@ def load_bundle(path, *, step: int | None = None, rank: int | None = None):
     """A replay bundle, checked (checksums, version): a bundle directory, or
     a run directory with `step` (and `rank`; default: the lowest that saved
     one). Imports torch."""
-    from .bundle import load_bundle as load
+    from .reading.bundle import load_bundle as load
     return load(_path(path), step=step, rank=rank)
 
 
@@ -417,8 +417,8 @@ def _path(run):
 
     from recorders.storage import is_uri
     location = getattr(run, "path", run)
-    if is_uri(location) or _loaded(location, "amp_postmortem.store", "StorePath"):
-        from .store import local_copy
+    if is_uri(location) or _loaded(location, "amp_postmortem.reading.store", "StorePath"):
+        from .reading.store import local_copy
         return local_copy(str(location))
     return Path(location)
 
@@ -460,16 +460,16 @@ def _loaded(run, module: str, cls: str) -> bool:
 
 def _source(run):
     """What the replays take: a loaded bundle as is, else a directory."""
-    return run if _loaded(run, "amp_postmortem.bundle", "Bundle") else _path(run)
+    return run if _loaded(run, "amp_postmortem.reading.bundle", "Bundle") else _path(run)
 
 
 def _is_run(run) -> bool:
     from recorders import schema
     from recorders.storage import is_uri
-    if _loaded(run, "amp_postmortem.loader", "Run"):
+    if _loaded(run, "amp_postmortem.reading.loader", "Run"):
         return True
     if is_uri(run):
-        from .store import run_location
+        from .reading.store import run_location
         return (run_location(run) / schema.MANIFEST_FILE).is_file()
     return (_path(run) / schema.MANIFEST_FILE).is_file()
 

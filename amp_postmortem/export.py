@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import ExportError, MissingExtraError
-from .loader import Run
+from .reading.loader import Run
 from .names import display_name
 from .result import CommandResult
 
@@ -127,7 +127,7 @@ def export_tensorboard(run, logdir, *, rank: int | None = None, window: int = 10
     from .reporting.data import DTYPE_MAX  # the same overflow limits as the report's heatmap
 
     if not isinstance(run, Run):
-        from .loader import load_run
+        from .reading.loader import load_run
         run = load_run(run, rank=rank)
     findings = summarize(run, window=window).findings
     logdir = Path(logdir)

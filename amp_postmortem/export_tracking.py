@@ -30,7 +30,7 @@ import pandas as pd
 
 from .errors import ExportError, MissingExtraError
 from .export import layer_values, step_values
-from .loader import Run
+from .reading.loader import Run
 from .result import CommandResult
 
 EXTRA_HINT = "pip install 'amp-postmortem[mlflow]'"
@@ -102,7 +102,7 @@ def export_mlflow(run, *, tracking_uri: str | os.PathLike | None = None, experim
     from .reporting.data import DTYPE_MAX  # the same overflow limits as the report and the TensorBoard export
 
     if not isinstance(run, Run):
-        from .loader import load_run
+        from .reading.loader import load_run
         run = load_run(run, rank=rank)
     uri = str(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
     findings = summarize(run, window=window).findings
@@ -250,7 +250,7 @@ def export_wandb(run, *, project: str | None = None, directory: str | os.PathLik
     from .reporting.data import DTYPE_MAX
 
     if not isinstance(run, Run):
-        from .loader import load_run
+        from .reading.loader import load_run
         run = load_run(run, rank=rank)
     project = project or DEFAULT_PROJECT
     # WANDB_MODE read here, per call: wandb reads it once per process (its

@@ -321,7 +321,7 @@ def functions_child(run_dir: str) -> dict:
     tensor shards each one opened."""
     t0 = time.perf_counter()
     from amp_postmortem import analyses
-    from amp_postmortem.loader import load_run
+    from amp_postmortem.reading.loader import load_run
     out = {"import_s": round(time.perf_counter() - t0, 3)}
     t0 = time.perf_counter()
     run = load_run(run_dir)

@@ -41,7 +41,7 @@ def _same_losses(a, b) -> bool:
 
 def _run_tiers(run_dir: Path) -> list[str]:
     """The tier of every recorded step, read back from the run."""
-    from amp_postmortem.loader import load_run
+    from amp_postmortem.reading.loader import load_run
     steps = load_run(run_dir).steps.sort_values("step")
     return [str(t) for t in steps["tier"]]
 

@@ -160,7 +160,7 @@ def measure(run_dir: Path, html: Path) -> dict:
     """`amp-postmortem report` in a child process, then chromium on the page."""
     t0 = time.perf_counter()
     cpu0 = _children_cpu()
-    out = subprocess.run([sys.executable, "-m", "amp_postmortem.cli", "report", str(run_dir), "-o", str(html),
+    out = subprocess.run([sys.executable, "-m", "amp_postmortem", "report", str(run_dir), "-o", str(html),
                           "--json"], capture_output=True, text=True, cwd=common.REPO)
     report_s = time.perf_counter() - t0
     # CPU seconds too: on a shared machine the wall time mostly says how busy it was.

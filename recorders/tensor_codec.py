@@ -1,7 +1,7 @@
 """Tensors and call arguments as plain bytes and JSON, without pickle.
 
 Shared by the bundle writer (`recorders.bundles.directory`) and the bundle loader
-(`amp_postmortem.bundle`). A tensor travels as (dtype name, shape, raw
+(`amp_postmortem.reading.bundle`). A tensor travels as (dtype name, shape, raw
 little-endian bytes of the contiguous tensor). Dtypes numpy lacks (bfloat16,
 the float8 family) go through a same-width integer view, so every bit,
 NaN payloads included, survives the round trip.

@@ -196,7 +196,7 @@ def running_run(tmp_path):
     import torch
     from tiny_models import BoomNet, recorder_at, train
 
-    from amp_postmortem.tail import RunTail
+    from amp_postmortem.reading.tail import RunTail
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)

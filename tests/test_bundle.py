@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from amp_postmortem.bundle import autocast_dtype, find_bundle, list_bundles, load_bundle
+from amp_postmortem.reading.bundle import autocast_dtype, find_bundle, list_bundles, load_bundle
 from amp_postmortem.errors import BundleError
 from recorders import AmpRecorder, schema
 from recorders.bundles.triggers import BundleTriggers
@@ -362,7 +362,7 @@ def test_tensors_round_trip_bit_exactly(dtype, tmp_path, monkeypatch):
     # split over several Parquet rows
     monkeypatch.setattr(schema, "BUNDLE_CHUNK_BYTES", 1000)
     write_tensors(tmp_path / "t.parquet", [("t", "param", -1, t, False)], {})
-    from amp_postmortem.bundle import _read_tensors
+    from amp_postmortem.reading.bundle import _read_tensors
     got = _read_tensors(tmp_path / "t.parquet")[("param", "t", -1)]
     assert torch.equal(got.view(view), t.view(view))
 

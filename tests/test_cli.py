@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from amp_postmortem.cli import main
-from amp_postmortem.output import StderrProgress, render_table
+from amp_postmortem.cli.output import StderrProgress, render_table
 from recorders import schema
 
 COMMANDS = ["nans", "scale", "ranges", "summary"]
@@ -241,7 +241,7 @@ class _Terminal(io.StringIO):
 
 
 def test_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch):
-    from amp_postmortem.output import colour_enabled, paint
+    from amp_postmortem.cli.output import colour_enabled, paint
     monkeypatch.delenv("NO_COLOR", raising=False)
     assert colour_enabled(_Terminal()) and not colour_enabled(io.StringIO())
     monkeypatch.setenv("NO_COLOR", "1")

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from amp_postmortem.analyses.compare import compare_runs
 from amp_postmortem.cli import main
 from amp_postmortem.errors import OptionError
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from conftest import record_run
 from tiny_models import recorder_at, train
 

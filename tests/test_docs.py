@@ -130,8 +130,8 @@ def test_recorder_snippets_run(tmp_path, monkeypatch):
     """The snippets of RECORDER.md "Attach the recorder", in order, on the
     tiny GPT of the sample runs on the CPU, then the runs they wrote are
     read back."""
-    from amp_postmortem.bundle import list_bundles
-    from amp_postmortem.loader import load_run
+    from amp_postmortem.reading.bundle import list_bundles
+    from amp_postmortem.reading.loader import load_run
     from recorders.fp32 import is_kept_fp32
 
     snippets = section_snippets(RECORDER, "## Attach the recorder to your training loop")

@@ -7,10 +7,10 @@ import pytest
 from click.testing import CliRunner
 
 from amp_postmortem.cli import main
-from amp_postmortem.engines import get_engine
-from amp_postmortem.engines.scan import ShardScan, scan_shard
+from amp_postmortem.reading.engines import get_engine
+from amp_postmortem.reading.engines.scan import ShardScan, scan_shard
 from amp_postmortem.errors import EngineError
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 
 COMMANDS = ("nans", "scale", "ranges", "summary")
 
@@ -106,7 +106,7 @@ def test_the_python_api_takes_the_engine_and_scheduler(cluster, uneven_ranks_run
 def test_a_steps_shard_is_reduced_where_it_is_read(uneven_ranks_run):
     """The steps map ships like the tensors map: a plain task, a small partial."""
     from distributed.protocol import deserialize, serialize
-    from amp_postmortem import step_series
+    from amp_postmortem.reading import step_series
     from recorders import schema
     shard = load_run(uneven_ranks_run).step_shards[0]
     task = ShardScan(path=str(shard.path), columns=tuple(step_series.READ_COLUMNS),

@@ -19,7 +19,7 @@ from tensorboard.util import tensor_util
 import amp_postmortem
 from amp_postmortem.cli import main
 from amp_postmortem.export import LAYER_KINDS, export_tensorboard, log2_histogram
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from conftest import OVERFLOW_STEP
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient  # the `mlflow` extra holds mlflow-skin
 from amp_postmortem.analyses.summary import summarize
 from amp_postmortem.cli import main
 from amp_postmortem.export_tracking import FINDINGS_ARTIFACT, export_mlflow
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from conftest import OVERFLOW_STEP
 
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 from amp_postmortem.analyses.fp16_reductions import FLOAT16_MAX, find_fp16_reductions
 from amp_postmortem.cli import main
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from amp_postmortem.names import FINDING_KINDS
 from recorders.flax_recorder import FlaxRecorder
 

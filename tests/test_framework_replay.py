@@ -1,5 +1,5 @@
 """Bundles and replay of Keras and Flax runs (recorders/host_bundle.py,
-amp_postmortem/array_bundle.py, amp_postmortem/framework_replay/): a
+amp_postmortem/reading/array_bundle.py, amp_postmortem/framework_replay/): a
 planted `exp` whose input (20) overflows float16 but not float32, recorded
 by the real recorders, saved as a pickle-free bundle at the failing step,
 replayed through the real CLI with the user's factory
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from amp_postmortem.array_bundle import load_array_bundle
+from amp_postmortem.reading.array_bundle import load_array_bundle
 from amp_postmortem.cli import main
 from amp_postmortem.errors import BundleError
 from recorders.host_bundle import BundleTriggers, write_bundle
@@ -204,7 +204,7 @@ def test_triggers_fire_once_each_within_the_cap():
 
 def test_reading_a_bundle_imports_no_framework(tmp_path):
     path = _bundle(tmp_path)
-    code = ("import sys; from amp_postmortem.array_bundle import load_array_bundle; "
+    code = ("import sys; from amp_postmortem.reading.array_bundle import load_array_bundle; "
             f"load_array_bundle({str(path)!r}); "
             "print([m for m in ('torch', 'tensorflow', 'keras', 'jax', 'flax') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

@@ -1,5 +1,5 @@
 """Hostile files: every file the analyzer reads is checked before use
-(amp_postmortem/files/). Each case damages a copy of a real run recorded by
+(amp_postmortem/reading/files/). Each case damages a copy of a real run recorded by
 the real recorder (sample_runs/fp16_layernorm, with two replay bundles) and
 runs the CLI on it: exit code 2, one line `Error: <file>: ...` naming the
 file (and the field), never a traceback, never a hang."""
@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from amp_postmortem.cli import main
-from amp_postmortem.files import limits
+from amp_postmortem.reading.files import limits
 from recorders import schema
 from recorders.plain import file_sha256, json_checksum
 
@@ -418,7 +418,7 @@ def test_a_status_slot_larger_than_its_limit_is_refused(run):
 
 def test_a_shard_row_group_past_its_limit_is_skipped_before_it_is_read(run, monkeypatch):
     # The footer's decompressed size says too much: the shard is never read.
-    from amp_postmortem.files import limits as lim
+    from amp_postmortem.reading.files import limits as lim
     monkeypatch.setattr(lim, "MAX_ROW_GROUP_BYTES", 1024)
     result = _cli("ranges", run, "--json")
     assert "skipped unreadable shard" in result.output and "MAX_ROW_GROUP_BYTES" in result.output, result.output
@@ -429,7 +429,7 @@ def test_a_compressed_journal_bomb_is_refused_before_it_is_decoded(run, monkeypa
     # 40 KB of lz4 that would decode to 80 MB: its message metadata says
     # so, and the reader refuses it without decoding (files/ipc.py).
     import numpy as np
-    import amp_postmortem.journal as journal
+    import amp_postmortem.reading.journal as journal
     monkeypatch.setattr(journal, "MAX_JOURNAL_BYTES", 1 << 20)
     zeros = pa.schema([("step", pa.int64())])
     with pa.ipc.new_stream(str(_journal_of(run)), zeros,

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from amp_postmortem.analyses.nans import find_nans
 from amp_postmortem.cli import main
-from amp_postmortem.loader import load_run
-from amp_postmortem.step_facts import from_table
+from amp_postmortem.reading.loader import load_run
+from amp_postmortem.reading.step_facts import from_table
 from conftest import OVERFLOW_STEP
 from recorders import schema
 
@@ -37,7 +37,7 @@ def test_each_shard_pair_has_an_index_with_the_documented_keys(overflow_run):
 
 
 def test_an_indexed_run_is_loaded_without_footers_or_the_steps_table(overflow_run, monkeypatch):
-    import amp_postmortem.loader as loader
+    import amp_postmortem.reading.loader as loader
     monkeypatch.setattr(loader, "read_footer", lambda *a, **k: pytest.fail("a footer was read"))
     run = load_run(overflow_run)
     assert [(s.first_step, s.last_step, s.nonfinite_rows) for s in run.tensor_shards] == [(0, 4, 0), (5, 9, 27), (10, 11, 0)]

@@ -13,7 +13,7 @@ from amp_postmortem.analyses.instability import baseline_verdict, find_instabili
 from amp_postmortem.advice import recommend
 from amp_postmortem.analyses.summary import summarize
 from amp_postmortem.cli import main
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 
 MODEL = f"{runs.__file__}:tied_gpt"
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from framework_runs import TokenDataset, manifest, tiny_gpt2
 from test_readme import README, RECORDER, section_snippets
 

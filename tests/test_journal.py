@@ -22,7 +22,7 @@ from click.testing import CliRunner
 import amp_postmortem
 from amp_postmortem.cli import main
 from amp_postmortem.errors import EmptyRunError
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from recorders import schema
 from recorders.journal import Journal, journal_path
 from recorders.step_rows import StepRows
@@ -352,7 +352,7 @@ def test_a_remote_runs_journal_stays_in_the_spool(tmp_path):
 def test_a_journal_scan_ships_to_a_dask_worker(tmp_path):
     pytest.importorskip("distributed")
     from distributed.protocol import deserialize, serialize
-    from amp_postmortem.engines.scan import ShardScan, scan_shard
+    from amp_postmortem.reading.engines.scan import ShardScan, scan_shard
     run = load_run(_journaled_run(tmp_path))
     shard = run.tensor_shards[0]
     task = ShardScan(path=str(shard.path), columns=("step", "name"), steps=(2, 4))

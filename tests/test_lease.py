@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import recorders.lease as lease_module
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from recorders import AmpRecorder, schema
 from recorders.lease import LeaseHeldError, RankLease
 from tiny_models import TinyNet, batches, mse

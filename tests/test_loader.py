@@ -5,7 +5,7 @@ import pytest
 
 from amp_postmortem.errors import (CorruptRunError, MixedRunsError, RankNotFoundError, RunNotFoundError,
                                    UnsupportedVersionError)
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from recorders import schema
 
 

@@ -2,7 +2,7 @@
 import pandas as pd
 
 from amp_postmortem.analyses.nans import backward_origin, backward_origins, find_nans, forward_origin
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 
 from conftest import INPUT_NAN_STEP, OVERFLOW_STEP
 

@@ -20,7 +20,7 @@ import torch._dynamo
 from amp_postmortem.analyses.nans import OriginBasis, Coverage, backward_origin, find_nans, forward_origin
 from amp_postmortem.analyses.scale import scale_dynamics
 from amp_postmortem.analyses.summary import summarize
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from recorders import AmpRecorder
 from tiny_models import TinyNet, batches
 

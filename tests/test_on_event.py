@@ -273,7 +273,7 @@ def test_a_stop_request_is_honoured_at_the_next_step_through_should_stop(tmp_pat
 
 
 def test_a_bundle_request_saves_the_next_step(tmp_path):
-    from amp_postmortem.bundle import list_bundles
+    from amp_postmortem.reading.bundle import list_bundles
 
     make = recording(tmp_path / "r", on_event=lambda event: event.request_bundle(), bundle_triggers=())
     torch.manual_seed(0)

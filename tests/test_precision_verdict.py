@@ -66,7 +66,7 @@ def test_a_suspected_instability_says_so():
     the finding suspected, never a claim that float32 would fail too."""
     from advice_runs import diverging_gpt_run
     from amp_postmortem.analyses.summary import summarize
-    from amp_postmortem.loader import load_run
+    from amp_postmortem.reading.loader import load_run
     f = next(f for f in summarize(load_run(diverging_gpt_run())).findings if f.kind == "training_instability")
     assert f.evidence["verdict"] == "undetermined" and f.evidence["verification"]["basis"] == "no_window"
     assert f.message.startswith("suspected training instability (precision or instability undetermined")
@@ -90,7 +90,7 @@ def test_a_window_that_cannot_be_rerun_leaves_the_verdict_undetermined_and_says_
         def forward(self, x, y):
             return self.lin(x)
 
-    from amp_postmortem.loader import load_run
+    from amp_postmortem.reading.loader import load_run
     from amp_postmortem.whatif.verdict import decide
     v = decide(load_run(runs.instability_run()), 1, model=Logits())
     assert (v.verdict.value, v.basis.value, v.verified) == ("undetermined", "rerun_failed", False)

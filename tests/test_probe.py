@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from conftest import PROBE_STEPS, record_probed_run
 from recorders import AmpRecorder, OptionError, ProbeOptions, schema
 from tiny_models import HalfNorm, ProbeNet, batches, recorder_at, train

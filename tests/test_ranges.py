@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from amp_postmortem.analyses.ranges import layer_ranges
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from recorders import schema
 
 

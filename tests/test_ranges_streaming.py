@@ -6,8 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from amp_postmortem.analyses import ranges, ranges_shards
-from amp_postmortem.engines import scan
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.engines import scan
+from amp_postmortem.reading.loader import load_run
 from recorders import schema
 
 

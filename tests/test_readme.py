@@ -383,7 +383,7 @@ def run_recorder_snippets(path: Path, snippets: list[Block]):
 def test_readme_plain_loop_snippet_runs(tmp_path, monkeypatch):
     """The plain loop of "Attach in three lines" (the Trainer and Lightning
     snippets: tests/test_integrations_readme.py)."""
-    from amp_postmortem.loader import load_run
+    from amp_postmortem.reading.loader import load_run
 
     snippets = [b for b in section_snippets(README, "## Attach in three lines")
                 if "AmpPostmortemCallback" not in "\n".join(b.lines)]

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import whatif_runs as W
 from amp_postmortem.advice import Source, recommend
 from amp_postmortem.cli import main
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

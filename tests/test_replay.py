@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from amp_postmortem.bundle import Bundle
+from amp_postmortem.reading.bundle import Bundle
 from amp_postmortem.names import BackwardStart
 from amp_postmortem.replaying import ReplaySession, RunConfig, recorded_precision, replay
 from amp_postmortem.replaying import attribution

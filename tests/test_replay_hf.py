@@ -95,7 +95,7 @@ def test_labels_model_replays_with_one_backward_start_from_its_loss(bf16_run):
     assert result.loss["bf16"] == result.loss["recorded"]
     assert result.loss["fp64"] == pytest.approx(result.loss["recorded"], rel=1e-3)
 
-    from amp_postmortem.bundle import find_bundle, load_bundle
+    from amp_postmortem.reading.bundle import find_bundle, load_bundle
     bundle = load_bundle(find_bundle(path, 1, None))
     session = ReplaySession(bundle, gpt2())
     run = session.run(RunConfig("bf16", policy=resolve_policy("recorded", bundle, "bf16")), capture=False)

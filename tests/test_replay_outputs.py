@@ -120,7 +120,7 @@ def test_tuple_logits_loss_model_replays_like_the_step(tuple_run):
 
 
 def result_bundle(run_dir, step):
-    from amp_postmortem.bundle import find_bundle, load_bundle
+    from amp_postmortem.reading.bundle import find_bundle, load_bundle
     return load_bundle(find_bundle(run_dir, step, None))
 
 

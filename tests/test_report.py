@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from amp_postmortem.cli import main
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from amp_postmortem.reporting import report
 from amp_postmortem.reporting.data import gather
 from amp_postmortem.reporting.downsample import marked_steps, minmax_line
@@ -315,7 +315,7 @@ def test_the_facts_table_is_in_words_not_json(overflow_run, tmp_path):
 def test_a_calibration_skip_is_drawn_as_a_skip_not_as_a_failure(tmp_path):
     from conftest import record_run
 
-    from amp_postmortem.loader import load_run
+    from amp_postmortem.reading.loader import load_run
     from amp_postmortem.reporting.data import gather
     from amp_postmortem.reporting.figures import loss_and_scale
 
@@ -399,7 +399,7 @@ def test_an_ordinary_skip_is_drawn_as_a_skip_and_the_failure_as_the_failure(tmp_
     and never labelled the first non-finite value."""
     from conftest import record_run
 
-    from amp_postmortem.loader import load_run
+    from amp_postmortem.reading.loader import load_run
     from amp_postmortem.reporting.data import gather
     from amp_postmortem.reporting.figures import COLORS, loss_and_scale
 

@@ -77,7 +77,7 @@ def test_an_optimizer_outside_the_list_is_never_imported():
 
     from amp_postmortem.errors import ModelSpecError
     from amp_postmortem.whatif.rerun import rerun_window
-    from amp_postmortem.window import find_window
+    from amp_postmortem.reading.window import find_window
     w = find_window(runs.precision_run())
     w.optimizer = dict(w.optimizer, **{"class": "os.system"})
     with pytest.raises(ModelSpecError, match="--optimizer"):

@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from amp_postmortem.analyses.scale import ScaleStatus, scale_dynamics, two_segment_breakpoint
-from amp_postmortem.loader import Run, load_run
+from amp_postmortem.reading.loader import Run, load_run
 
 from conftest import COLLAPSE_ONSET, COLLAPSE_STEPS, TINY_SCALE, _collapse, record_run
 

@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 
 import whatif_runs as W
-from amp_postmortem.bundle import load_bundle
+from amp_postmortem.reading.bundle import load_bundle
 from amp_postmortem.cli import main
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from amp_postmortem.names import BackwardFrom
 from amp_postmortem.whatif.scale_result import ScalePosition, WindowMethod
 from amp_postmortem.whatif.scale_window import (MAX_UNDERFLOW, estimate_scale_window, replay_scale_window,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from amp_postmortem.errors import BundleError
-from amp_postmortem.shard_bundle import reassemble
+from amp_postmortem.reading.shard_bundle import reassemble
 
 WHOLE = torch.arange(15, dtype=torch.float32).reshape(5, 3)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import pyarrow as pa
 
-from amp_postmortem.shard_rows import merge_shards, merged_frames
+from amp_postmortem.reading.shard_rows import merge_shards, merged_frames
 
 COLS = ["step", "rank", "name", "kind", "phase", "call", "numel", "absmax", "nan_count"]
 

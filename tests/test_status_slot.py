@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import amp_postmortem
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from recorders import AmpRecorder, schema
 from recorders.status_slot import SLOT_BYTES, StatusSlot
 from tiny_models import TinyNet, batches, mse

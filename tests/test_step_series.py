@@ -10,14 +10,14 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-import amp_postmortem.loader as loader
-from amp_postmortem import step_facts, step_series
+import amp_postmortem.reading.loader as loader
+from amp_postmortem.reading import step_facts, step_series
 from amp_postmortem.analyses.nans import find_nans
 from amp_postmortem.analyses.scale import scale_dynamics
 from amp_postmortem.analyses.summary import summarize
 from amp_postmortem.cli import main
-from amp_postmortem.engines.scan import ShardScan, scan_shard
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.engines.scan import ShardScan, scan_shard
+from amp_postmortem.reading.loader import load_run
 from recorders import schema
 
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import whatif_runs as W
 from amp_postmortem.cli import main
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from recorders import AmpRecorder, schema
 from recorders.storage import SpoolUploader, is_uri, open_filesystem
 

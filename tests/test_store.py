@@ -3,7 +3,7 @@
 `watch` looks through."""
 from fsspec.implementations.memory import MemoryFileSystem
 
-from amp_postmortem.store import fresh_view, run_location, shallow_view
+from amp_postmortem.reading.store import fresh_view, run_location, shallow_view
 
 
 def _run(root: str) -> None:

@@ -2,7 +2,7 @@
 import json
 
 from amp_postmortem.analyses.summary import FINDING_KINDS, summarize
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 
 from conftest import INPUT_NAN_STEP, OVERFLOW_STEP
 

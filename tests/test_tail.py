@@ -2,7 +2,7 @@
 recorded by the real recorder."""
 import os
 
-from amp_postmortem.tail import RunTail
+from amp_postmortem.reading.tail import RunTail
 
 from conftest import OVERFLOW_STEP
 

@@ -348,7 +348,7 @@ def test_recommend_decides_check_data_from_the_typed_status_when_the_note_is_rew
 
     import whatif_runs as W
     from amp_postmortem.advice import recommend
-    from amp_postmortem.loader import load_run
+    from amp_postmortem.reading.loader import load_run
     torch.manual_seed(0)
     run = W.record(tmp_path / "beyond_fp64", _BeyondFloat64(), steps=1)
     monkeypatch.setattr(whatif, "REFERENCE_NONFINITE_NOTE", "REWORDED: float64 overflowed as well")

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from amp_postmortem.cli import main
-from amp_postmortem.loader import load_run
+from amp_postmortem.reading.loader import load_run
 from recorders import AmpRecorder
 from recorders.unwrap import unwrap_scaler
 

@@ -1,6 +1,6 @@
 """The counterfactual window: held by the recorder (`recorders/bundles/
 window.py`), written when a bundle trigger fires, read back and validated
-(`amp_postmortem/window.py`) like a bundle."""
+(`amp_postmortem/reading/window.py`) like a bundle."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import torch
 
 import window_runs as runs
 from amp_postmortem.errors import BundleError
-from amp_postmortem.window import find_window, list_windows, load_window, window_spans
+from amp_postmortem.reading.window import find_window, list_windows, load_window, window_spans
 from recorders import schema
 from recorders.errors import OptionError
 

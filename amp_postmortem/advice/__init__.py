@@ -47,7 +47,7 @@ nonfinite_tensor, else request or step_list, else scale_low, else skipped):
 """
 from __future__ import annotations
 
-from ..loader import Run
+from ..reading.loader import Run
 from .recommendation import ORDER, Recommendation, RecommendationKind, Recommendations, Source
 from .recorded import recorded_recommendations
 from .replayed import bundle_to_replay, replayed_recommendations

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from recorders import schema
 
-from ..loader import Run
+from ..reading.loader import Run
 from ..names import BackwardStart
 
 SCALE_FINDINGS = {"scale_collapse", "stuck_low_scale", "grad_underflow", "unscaled_fp16_backward"}

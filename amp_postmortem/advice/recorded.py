@@ -3,7 +3,7 @@ loss-scale window estimated from the recorded statistics (the package's
 doc says which recommendation comes when)."""
 from __future__ import annotations
 
-from ..loader import Run
+from ..reading.loader import Run
 from .decisions import (RecordedOrigin, decide_recorded_scale, forward_finding, recorded_origin,
                         unscaled_finding)
 from .recommendation import Recommendation, RecommendationKind, Source

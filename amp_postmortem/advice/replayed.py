@@ -5,7 +5,7 @@ package's doc says which recommendation comes when)."""
 from __future__ import annotations
 
 from ..analyses.bundle_choice import pick_bundle
-from ..loader import Run
+from ..reading.loader import Run
 from .decisions import (SCALE_FINDINGS, KeepFp32, ScaleAdvice, decide_bf16, decide_check_data, decide_instability,
                         decide_scale_advice, forward_step, no_fp16_config, unscaled_finding, window_drift)
 from .recommendation import Recommendation, RecommendationKind, Source

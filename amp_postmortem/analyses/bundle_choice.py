@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI's help text reads this module: keep it light
-    from ..loader import Run
+    from ..reading.loader import Run
 
 # Lower first: the step that went non-finite says most; a step the user asked
 # for (`rec.save_bundle()`, `bundle_steps`) comes next because the user knew
@@ -67,7 +67,7 @@ def saved_bundles(run: Run, rank: int | None = None) -> list[SavedBundle]:
     reasons it was saved: from the run and rank manifests (key "bundles"),
     else from the bundle's own bundle.json. BundleError for a bundles
     folder holding a name that is not canonical (`bundle.list_bundles`)."""
-    from ..bundle_dirs import list_bundles
+    from ..reading.bundle_dirs import list_bundles
     listed = {}
     for m in [run.manifest, *run.rank_manifests.values()]:
         for b in m.get("bundles") or []:
@@ -101,7 +101,7 @@ def choose_bundle(run: Run, rank: int | None = None) -> BundleChoice | None:
 
 def _bundle_reasons(path) -> list:
     from ..errors import BundleError
-    from ..files.safe import read_json
+    from ..reading.files.safe import read_json
     try:  # read safely: a FIFO named bundle.json must not hang the choice
         meta = read_json(path / "bundle.json", path, BundleError, "bundle.json")
     except BundleError:

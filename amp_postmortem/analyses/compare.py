@@ -44,7 +44,7 @@ import pandas as pd
 
 from ..names import display_name as _display
 from ..errors import OptionError
-from ..loader import Run
+from ..reading.loader import Run
 from ..display import report_html, report_repr
 from .updates import param_dtype
 from ..result import CommandResult

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..loader import Run
+from ..reading.loader import Run
 
 FLOAT16_MAX = 65504.0
 FLOAT32_MAX = float(np.finfo(np.float32).max)

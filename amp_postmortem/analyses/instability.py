@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 from recorders import schema
 from recorders.plain import plain
 
-from ..loader import Run
+from ..reading.loader import Run
 from ..names import display_name as _display
 
 LOSS_RISE = 2.0              # the late loss at least twice the lowest before it

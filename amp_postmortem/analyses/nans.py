@@ -49,7 +49,7 @@ import pandas as pd
 from recorders import schema
 
 from ..names import display_name as _display
-from ..loader import Run
+from ..reading.loader import Run
 from ..op_words import run_op_origin_line
 from ..display import report_html, report_repr
 from ..result import CommandResult

@@ -17,7 +17,7 @@ import enum
 import shlex
 from dataclasses import dataclass
 
-from ..window import window_spans, windows_off
+from ..reading.window import window_spans, windows_off
 
 DEFAULT_WINDOW_STEPS = 16  # what the record-again advice suggests
 

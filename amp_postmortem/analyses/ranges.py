@@ -89,7 +89,7 @@ import pandas as pd
 
 from recorders import schema
 
-from ..loader import Run
+from ..reading.loader import Run
 from .range_limits import (DTYPE_LIMITS, FALLBACK_DTYPE, FORECAST_HORIZON, FORECAST_IMMINENT, FORECAST_RISK_BITS,
                            OVERFLOW_RISK_BITS, UNDERFLOW_SHARE, range_dtype)
 from .ranges_report import RangesReport, lapsed_words, recent_words, sampled_values

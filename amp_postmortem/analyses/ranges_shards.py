@@ -10,8 +10,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..engines.scan import reduces_batches
-from ..loader import Run
+from ..reading.engines.scan import reduces_batches
+from ..reading.loader import Run
 
 KINDS = ("input", "activation", "grad_output", "grad_input")
 _COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "dtype", "absmax", "nan_count",

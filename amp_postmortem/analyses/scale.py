@@ -64,7 +64,7 @@ from recorders import schema
 from recorders.plain import plain
 
 from ..names import Word, display_name as _display
-from ..loader import Run
+from ..reading.loader import Run
 from .nans import attribute_shared_all, origins_of
 from .trend import theil_sen
 from ..display import report_html, report_repr

@@ -53,9 +53,9 @@ import pandas as pd
 from ..errors import BundleError
 from ..names import FINDING_KINDS
 from ..names import display_name as _display
-from ..window import window_spans
+from ..reading.window import window_spans
 from .bundle_choice import choose_bundle, saved_bundles
-from ..loader import Run
+from ..reading.loader import Run
 from .fail_on import SEVERITIES, fail_rule
 from .dtype_policies import PolicyProblem, dtype_policy_problems
 from .fp16_reductions import find_fp16_reductions

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..loader import Run
+from ..reading.loader import Run
 from ..names import Word
 
 LOG2_SMALLEST_SUBNORMAL = -24   # float16's smallest subnormal, 2^-24 = 5.96e-8

@@ -28,7 +28,7 @@ import numpy as np
 
 from recorders import schema
 
-from ..loader import Run
+from ..reading.loader import Run
 from ..names import Word
 from .trend import theil_sen
 
@@ -173,7 +173,7 @@ def _last_lr(run: Run) -> float | None:
 
 def _windows(run: Run) -> list:
     from ..errors import BundleError
-    from ..window import window_spans
+    from ..reading.window import window_spans
     try:
         return window_spans(run.path)
     except BundleError:

@@ -64,10 +64,10 @@ from recorders import schema
 from recorders.storage import is_spool
 
 from ..errors import EmptyRunError, OptionError, PostmortemError, RunNotFoundError
-from ..loader import load_run, read_manifest, with_status_slot
-from ..shards import RANK_DIR, error_text, rank_dirs
-from ..store import StorePath, fresh_view, run_location, shallow_view
-from ..tail import RunTail
+from ..reading.loader import load_run, read_manifest, with_status_slot
+from ..reading.shards import RANK_DIR, error_text, rank_dirs
+from ..reading.store import StorePath, fresh_view, run_location, shallow_view
+from ..reading.tail import RunTail
 from .fail_on import fail_rule
 from .summary import Finding, summarize
 

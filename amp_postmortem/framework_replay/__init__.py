@@ -20,7 +20,7 @@ from pathlib import Path
 
 from recorders import schema
 
-from ..array_bundle import ArrayBundle, is_array_bundle, load_array_bundle
+from ..reading.array_bundle import ArrayBundle, is_array_bundle, load_array_bundle
 from ..errors import BundleError, ModelSpecError, OptionError, PrecisionError
 from . import attribution
 from ..result import CommandResult
@@ -99,8 +99,8 @@ def bundle_framework(source, step: int | None, rank: int | None) -> str | None:
     manifest = path / schema.MANIFEST_FILE
     if not manifest.is_file():
         return None
-    from ..files.safe import Damaged, parse_json, read_bytes
-    from ..files import limits
+    from ..reading.files.safe import Damaged, parse_json, read_bytes
+    from ..reading.files import limits
     try:
         doc = parse_json(read_bytes(manifest, path, BundleError, limits.MAX_JSON_BYTES), manifest, BundleError)
     except Damaged:
@@ -113,7 +113,7 @@ def locate(source, step: int | None, rank: int | None) -> ArrayBundle:
     path = Path(source)
     if (path / schema.BUNDLE_MANIFEST_FILE).is_file():
         return load_array_bundle(path)
-    from ..bundle_dirs import list_bundles
+    from ..reading.bundle_dirs import list_bundles
     found = list_bundles(path)
     if not found:
         raise BundleError(f"no replay bundles in {path} (nothing under {schema.BUNDLES_DIR}/)")

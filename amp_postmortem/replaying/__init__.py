@@ -452,7 +452,7 @@ def _check_precisions(precisions) -> tuple:
 
 def _locate(source, step, rank, run_dir):
     """(bundle, run directory or None) from a run dir + step, a bundle dir or a Bundle."""
-    from .. import bundle as bundles
+    from ..reading import bundle as bundles
     if isinstance(source, bundles.Bundle):
         b = source
     else:

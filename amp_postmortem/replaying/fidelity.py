@@ -25,7 +25,7 @@ import torch
 
 from recorders import schema
 
-from ..shards import shard_files
+from ..reading.shards import shard_files
 
 ABSMAX_REL_TOL = 0.05    # CPU emulation of a CUDA step moves absmax by ~1e-3
 ABSMAX_AGREE_SHARE = 0.9

@@ -413,7 +413,7 @@ def saved_model_config(bundle, run_dir=None) -> dict | None:
     bundle's place inside its run (`bundles/step=N/rank=R`); None when
     there is none."""
     import os
-    from ..loader import read_manifest
+    from ..reading.loader import read_manifest
     roots = [Path(run_dir)] if run_dir is not None else []
     if getattr(bundle, "path", None):
         roots.append(Path(bundle.path).parent.parent.parent)

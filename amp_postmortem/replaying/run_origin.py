@@ -49,7 +49,7 @@ def op_origin_of_run(run, *, model, step: int | None = None, rank: int | None = 
                      forward_step: int | None = None, device: str = "cpu", policy: str = "recorded",
                      loss_fn=None) -> RunOpOrigin:
     """Replay one saved step of `run` (see the module's doc) and say its op origin."""
-    from .. import bundle as bundles
+    from ..reading import bundle as bundles
     from ..analyses.bundle_choice import pick_bundle
     from . import recorded_precision, replay
     saved = [(s, r) for s, r, _ in bundles.list_bundles(run.path) if rank is None or r == rank]

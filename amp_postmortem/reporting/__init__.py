@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..errors import MissingExtraError, ReplayFileError
-from ..loader import Run
+from ..reading.loader import Run
 from ..result import CommandResult
 
 EXTRA_HINT = "pip install 'amp-postmortem[report]'"
@@ -68,7 +68,7 @@ def report(run, output=None, replay=None, *, rank: int | None = None) -> ReportR
     was written: path, size, and each plot's number of data points."""
     require_plotly()
     if not isinstance(run, Run):
-        from ..loader import load_run
+        from ..reading.loader import load_run
         run = load_run(run, rank=rank)
     replay_doc = _read_replay(replay) if replay is not None else None
     out = Path(output) if output is not None else Path(f"{Path(run.path).resolve().name}-report.html")

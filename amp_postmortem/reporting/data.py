@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from recorders import schema
 
-from ..loader import Run
+from ..reading.loader import Run
 from ..names import display_name
 from .downsample import MAX_LINE_BUCKETS, Markers, bucket_of, marked_steps, minmax_line
 
@@ -150,7 +150,7 @@ def gather(run: Run) -> ReportData:
     nans = find_nans(run)
     spreads = [_spread(None, nans)]
     if len(run.ranks) > 1:
-        from ..loader import load_run
+        from ..reading.loader import load_run
         for r in run.ranks[:MAX_SPREAD_RANKS]:
             spreads.append(_spread(r, find_nans(load_run(run.path, rank=r))))
 

@@ -218,7 +218,7 @@ def load_step(source, step=None, rank=None):
     directory with `step` (and `rank`; default: the lowest that saved one)."""
     from pathlib import Path
 
-    from .. import bundle as bundles
+    from ..reading import bundle as bundles
     from ..errors import BundleError
     if isinstance(source, bundles.Bundle):
         return source
@@ -236,7 +236,7 @@ def other_bundles(prepared) -> list:
     window). Empty when the bundle does not sit in a run directory."""
     from pathlib import Path
 
-    from .. import bundle as bundles
+    from ..reading import bundle as bundles
     path = Path(prepared.bundle.path)
     if len(path.parents) < 3 or path.parents[1].name != "bundles":
         return []

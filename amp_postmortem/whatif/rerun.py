@@ -1,7 +1,7 @@
 """Re-run a saved window of steps under a remedy (`amp-postmortem rerun`).
 
 A counterfactual window (`recorders.BundlePolicy(window_steps=K)`, read by
-`amp_postmortem.window`) holds the weights, buffers, optimizer and scaler
+`amp_postmortem.reading.window`) holds the weights, buffers, optimizer and scaler
 state at its first step and every step's inputs and RNG states since.
 `rerun_window` trains those steps again, forward, backward through a
 `torch.amp.GradScaler` and the optimizer's step, as the job did but under a
@@ -188,7 +188,7 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
     from ..replaying import resolve_policy
     from ..replaying.model_spec import bundle_folders, resolve_model
     from ..replaying.run_config import preserved_rng
-    from ..window import find_window
+    from ..reading.window import find_window
 
     if precision not in RERUN_PRECISIONS:
         raise OptionError(f"precision {precision!r} is not one of {', '.join(RERUN_PRECISIONS)}")
@@ -198,7 +198,7 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
         raise OptionError(f"init_scale {init_scale!r} is not a positive number")
     w = window or find_window(run_dir, from_step, rank)
     if w is None and from_step is not None:
-        from ..window import window_spans
+        from ..reading.window import window_spans
         spans = window_spans(run_dir, rank)
         if spans:
             raise OptionError(f"--from {from_step} is outside the saved windows (steps "
@@ -271,7 +271,7 @@ def _config(precision, device, policy, flags, fp32_modules, fp32_lines):
 
 def recorded_steps(run_dir, rank: int) -> dict:
     """{step: (loss, skipped, loss_scale_before)} of the run's rank."""
-    from ..loader import load_run
+    from ..reading.loader import load_run
     try:
         run = load_run(run_dir, rank=rank)
     except Exception:  # noqa: BLE001 - a window copied out of its run: no recorded losses

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..analyses.precision_verdict import Basis, from_rerun, pick_window, undetermined
 from ..errors import PostmortemError
-from ..window import load_window, window_spans
+from ..reading.window import load_window, window_spans
 from .rerun import rerun_command, rerun_window
 
 

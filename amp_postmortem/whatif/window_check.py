@@ -18,7 +18,7 @@ from pathlib import Path
 from recorders import schema
 
 from ..analyses.precision_verdict import DEFAULT_WINDOW_STEPS, pick_window
-from ..window import load_window, window_spans, windows_off
+from ..reading.window import load_window, window_spans, windows_off
 
 
 class WindowStatus(enum.Enum):

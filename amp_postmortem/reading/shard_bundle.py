@@ -14,7 +14,7 @@ import torch
 
 from recorders import schema
 
-from .errors import BundleError
+from ..errors import BundleError
 from .files import limits
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

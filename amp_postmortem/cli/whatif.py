@@ -15,9 +15,9 @@ import click
 
 import amp_postmortem as api
 
-from .analyses.bundle_choice import priority_description
-from .cli_replay import LOSS_FN_HELP, MODEL_HELP
-from .names import DEVICES, POLICIES, REDUCED_PRECISIONS, RERUN_PRECISIONS
+from ..analyses.bundle_choice import priority_description
+from .replay import LOSS_FN_HELP, MODEL_HELP
+from ..names import DEVICES, POLICIES, REDUCED_PRECISIONS, RERUN_PRECISIONS
 from .output import RUN_LOCATION, StderrProgress, api_default, output_options, run_options
 
 

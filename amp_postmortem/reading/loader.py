@@ -33,7 +33,7 @@ from recorders import schema
 from .engines import Engine
 from .engines.local import LocalEngine
 from .engines.scan import NONFINITE_FILTER, ShardScan, scan_shard
-from .errors import CorruptRunError, EmptyRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
+from ..errors import CorruptRunError, EmptyRunError, MixedRunsError, RankNotFoundError, RunNotFoundError
 from .files.limits import MAX_STATUS_BYTES
 from .files.models import RunManifest, validate
 from .files.safe import Damaged, parse_json, read_bytes, read_json, shown

@@ -1,7 +1,9 @@
 """`amp-postmortem`: the command line, a thin layer over the Python API
-(`amp_postmortem/__init__.py`). Each command parses its options, calls the
+(`amp_postmortem/__init__.py`). This package: `main` and the analysis
+commands here, the other commands in `replay`, `whatif` and `report`, and
+`output`, the one output path. Each command parses its options, calls the
 API function of the same name with them as keyword arguments, and returns
-the result to the one output path (`output.py`).
+the result to that output path.
 
 Adding a command: add its function to the API first, then a small function
 under `@main.command()`, decorated with `run_options` (RUN and --rank), its
@@ -22,13 +24,13 @@ import click
 import amp_postmortem as api
 from recorders.schedule import MODES as RECORD_MODES
 
-from .errors import PostmortemError
-from .analyses.fail_on import SEVERITIES, fail_rule
-from .names import FINDING_KINDS
-from .cli_replay import replay_command
-from .cli_report import export_group, report_command
-from .cli_whatif import COMMANDS as WHATIF_COMMANDS
-from .cli_whatif import replay_options
+from ..errors import PostmortemError
+from ..analyses.fail_on import SEVERITIES, fail_rule
+from ..names import FINDING_KINDS
+from .replay import replay_command
+from .report import export_group, report_command
+from .whatif import COMMANDS as WHATIF_COMMANDS
+from .whatif import replay_options
 from .output import (StderrProgress, api_default, emit_event, engine_options, output_options, run_options,
                      stream_options)
 
@@ -268,7 +270,7 @@ def watch(run, fmt, **options):
 
 def _recorder_options(ctx, param, value):
     """--option KEY=VALUE (repeated) as {KEY: VALUE}; a malformed one is one `Error:` line."""
-    from .record_script import parse_option
+    from ..record_script import parse_option
     try:
         return dict(parse_option(text) for text in value) or None
     except PostmortemError as exc:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from recorders import schema
 
-from .errors import BundleError
+from ..errors import BundleError
 from .files.models import WindowMeta, validate
 from .files.safe import check_inside, numbered_dirs, rank_of, shown, step_of
 
@@ -104,7 +104,7 @@ def windows_off(run_dir) -> str | None:
     """Why the recorder kept no window although one was asked for (a
     sharded job's: `recorder.bundles.window_disabled` of a rank manifest),
     else None; unreadable manifests say nothing here."""
-    from .errors import PostmortemError
+    from ..errors import PostmortemError
     from .loader import read_manifest
     from .shards import rank_dirs
     if run_dir is None or not Path(run_dir).is_dir():

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from recorders import schema
 
-from .errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
+from ..errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
 from .files.limits import MAX_JSON_BYTES
 from .files.models import ShardIndex, validate
 from .files.safe import Damaged, check_entry, listed, parse_json, read_bytes, shown

@@ -30,7 +30,7 @@ class DaskEngine:
 
     @classmethod
     def connect(cls, scheduler: str | None = None) -> "DaskEngine":
-        from ..errors import EngineError
+        from ...errors import EngineError
         try:
             import dask
             from distributed import Client, get_client

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from recorders import schema
 
-from .errors import BundleError
+from ..errors import BundleError
 from .files.safe import check_inside, numbered_dirs, rank_of, step_of
 
 

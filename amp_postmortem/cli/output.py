@@ -26,7 +26,7 @@ import click
 
 from recorders.plain import plain
 
-from .names import ROOT_DISPLAY
+from ..names import ROOT_DISPLAY
 
 _RUNS_KEY = "amp_postmortem.runs"
 
@@ -135,7 +135,7 @@ def stdout_to_stderr():
 def open_run(run_dir, rank=None):
     """Load a run for a command that has no API function yet: progress bar
     wired, warnings kept for `emit`."""
-    from .loader import load_run
+    from ..reading.loader import load_run
 
     run = load_run(run_dir, rank=rank)
     run.progress = StderrProgress()

@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 
 from recorders import schema
 
-from .errors import CorruptRunError, MixedRunsError
+from ..errors import CorruptRunError, MixedRunsError
 from .files.ipc import Unbounded, read_stream_prefix
 from .files.limits import MAX_JOURNAL_BYTES
 from .files.safe import check_entry, check_inside, open_regular, shown

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from recorders import schema
 
-from .errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
+from ..errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
 from .files.safe import RANK_DIR, check_entry, check_inside, listed, numbered_dirs, rank_of
 from .store import filesystem_of, fs_path
 

@@ -243,10 +243,10 @@ def run_location(location) -> Path | StorePath:
     try:
         fs, root = open_filesystem(uri)
     except ValueError as exc:
-        from .errors import RunNotFoundError
+        from ..errors import RunNotFoundError
         raise RunNotFoundError(str(exc)) from None
     except OSError as exc:  # pyarrow asks an S3 store for the bucket's region here
-        from .errors import RunNotFoundError
+        from ..errors import RunNotFoundError
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise RunNotFoundError(f"cannot open {uri} ({detail})") from None
     return StorePath(_Listing(fs, root, uri), root)
@@ -293,7 +293,7 @@ def local_copy(location) -> Path:
     listing = root._listing
     kinds = listing.kinds()
     if not kinds:
-        from .errors import RunNotFoundError
+        from ..errors import RunNotFoundError
         raise RunNotFoundError(f"run directory not found: {root}")
     files = [p for p, k in kinds.items() if k == "file"]
     for path in files:
@@ -301,7 +301,7 @@ def local_copy(location) -> Path:
         # written outside the cache folder.
         rel = path[len(root.path):]
         if not rel.startswith("/") or any(p in ("", ".", "..") for p in rel[1:].split("/")):
-            from .errors import CorruptRunError
+            from ..errors import CorruptRunError
             raise CorruptRunError(f"{root}: object {path!r} is not a plain path inside the run")
 
     def fetch(path: str) -> None:

@@ -20,7 +20,7 @@ from recorders.plain import json_checksum
 from recorders.tensor_codec import decode_tree, itemsize, parse_dtype, tensor_from_bytes
 
 from .bundle_dirs import list_bundles  # noqa: F401  (part of this module's API)
-from .errors import BundleError, PostmortemError
+from ..errors import BundleError, PostmortemError
 from .files import limits
 from .files.models import BundleMeta, validate
 from .files.safe import Damaged, numbered_dirs, open_regular, parse_json, rank_of, read_bytes, shown, step_of

@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from recorders import schema
 
-from .errors import CorruptRunError, PostmortemError
+from ..errors import CorruptRunError, PostmortemError
 from .files.limits import MAX_JSON_BYTES
 from .files.safe import parse_json, read_bytes
 from .journal import location, read_journal_table

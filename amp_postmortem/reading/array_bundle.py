@@ -20,7 +20,7 @@ import numpy as np
 from recorders import schema
 from recorders.plain import json_checksum
 
-from .errors import BundleError
+from ..errors import BundleError
 from .files import limits
 from .files.safe import Damaged, parse_json, read_bytes, shown
 

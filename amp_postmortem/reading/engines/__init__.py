@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, Protocol
 
-from ..errors import EngineError
+from ...errors import EngineError
 
 ENGINES = ("local", "dask")
 

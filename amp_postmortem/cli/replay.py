@@ -13,7 +13,7 @@ import click
 
 import amp_postmortem as api
 
-from .names import DEVICES, POLICIES, PRECISIONS
+from ..names import DEVICES, POLICIES, PRECISIONS
 from .output import RUN_LOCATION, api_default, output_options
 
 MODEL_HELP = ("package.module:factory or path/to/file.py:factory returning the model, or a "
