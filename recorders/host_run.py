@@ -153,6 +153,12 @@ class HostRun:
     def set_scaler(self, scaler: dict | None) -> None:
         self.manifest["scaler"] = scaler
 
+    def set_loss_scaling(self, loss_scaling: dict) -> None:
+        """The manifest's `loss_scaling` (Keras, with a LossScaleOptimizer:
+        `keras_loss_scaling.LossScalingLog.entry()`), written with the
+        manifest's next write."""
+        self.manifest[schema.LOSS_SCALING_KEY] = loss_scaling
+
     def write_step(self, record: StepRecord) -> None:
         if self._closed:
             return

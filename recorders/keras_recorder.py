@@ -60,12 +60,14 @@ from . import schema
 from .errors import OptionError
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
 from .host_run import HostRun, StepRecord, TensorRow, framework_entry
+from .keras_loss_scaling import INNER_OPTIMIZER, LOSS_SCALE_OPTIMIZER, LossScalingLog, grad_loss_ratio
 
 LOGS_KEY = "_amp_postmortem"
 # [absmax, nan_count, inf_count, input_nonfinite, numel] of one row, float32
 # (counts exact up to 2**24 values per row).
 STAT_WIDTH = 5
-SCALARS = ("loss", "loss_scale_before", "loss_scale", "growth_tracker", "skipped", "grad_sqsum", "lr")
+SCALARS = ("loss", "loss_scale_before", "loss_scale", "growth_tracker", "skipped", "grad_sqsum", "lr",
+           "grad_loss_ratio")
 
 
 class KerasRecorderError(OptionError):
@@ -148,6 +150,11 @@ class _Trace:
         self.grad_stats: list = []
         self.scalars: dict = {}
         self.loss_dtype: str | None = None
+        self.loss_tensor = None           # the step's own loss, as computed (a graph value)
+        # How the step used a LossScaleOptimizer (keras_loss_scaling.py).
+        self.scale_loss_calls = 0
+        self.applied_by: str | None = None
+        self.in_loss_scale_apply = False  # inside LossScaleOptimizer.apply (which calls the inner one)
 
     def add_forward(self, name, kind, dtype, stats):
         call = self.calls.get((name, kind), 0)
@@ -178,7 +185,10 @@ class LayerTaps:
         def call(*args, **kwargs):
             out = original(*args, **kwargs)
             trace = trace_of()
-            if trace is not None:
+            # A layer built inside the step (a subclassed model's first
+            # call) runs once more in a scratch graph for its output spec:
+            # values from there cannot leave it.
+            if trace is not None and not _in_symbolic_scope():
                 outs = _floating(out)
                 if outs:
                     trace.add_forward(name, "activation", _dtype(outs),
@@ -198,6 +208,11 @@ class LayerTaps:
                 except AttributeError:
                     pass
         self._wrapped = []
+
+
+def _in_symbolic_scope() -> bool:
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+    return in_symbolic_scope()
 
 
 def _set(obj, attr, value):
@@ -252,6 +267,7 @@ class KerasRecorder(keras.callbacks.Callback):
         # one object shared by every recorder built without `bundles=`.
         self.bundles = bundles.fresh() if bundles is not None and bundles.enabled else None
         self._batch = None  # the batch the last train function call pulled (a reference)
+        self._loss_scaling: LossScalingLog | None = None  # with a LossScaleOptimizer
 
     # ---------------------------------------------------------- lifecycle
     def on_train_begin(self, logs=None):
@@ -360,6 +376,12 @@ class KerasRecorder(keras.callbacks.Callback):
         self._wrap_method(opt, "apply", self._apply_wrapper)
         if self.backend == "jax":
             self._wrap_method(opt, "stateless_apply", self._stateless_apply_wrapper)
+        if _is_loss_scale(opt):
+            self._loss_scaling = LossScalingLog(custom_train_step=_custom_train_step(model))
+            self._wrap_method(opt, "scale_loss", self._scale_loss_wrapper)
+            inner = opt.inner_optimizer
+            self._wrap_method(inner, "apply", self._inner_apply_wrapper)
+            self._wrap_method(inner, "stateless_apply", self._inner_stateless_apply_wrapper)
 
     def _wrap_method(self, obj, attr, make):
         had_own = attr in obj.__dict__
@@ -398,6 +420,8 @@ class KerasRecorder(keras.callbacks.Callback):
                 out = original(*args, **kwargs)
             finally:
                 self._trace = outer
+            if self._loss_scaling is not None:
+                self._loss_scaling.traced(trace.scale_loss_calls, trace.applied_by)
             if self.backend == "tensorflow" and isinstance(out, dict):
                 out = dict(out)
                 out[LOGS_KEY] = self._graph_payload(trace)
@@ -405,6 +429,7 @@ class KerasRecorder(keras.callbacks.Callback):
         return train_step
 
     def _note_loss(self, trace, loss):
+        trace.loss_tensor = loss
         trace.scalars["loss"] = ops.cast(loss, "float32")
         trace.loss_dtype = keras.backend.standardize_dtype(loss.dtype)
         trace.add_forward(schema.LOSS_NAME, "loss", trace.loss_dtype, row_stats([loss]))
@@ -458,8 +483,16 @@ class KerasRecorder(keras.callbacks.Callback):
             scaled = _is_loss_scale(opt)
             before = _scale_value(opt) if scaled else ops.ones((), "float32")
             finite = opt.check_finite(grads) if scaled else ops.convert_to_tensor(True)
-            sqsum = self._grad_rows(trace, grads, self._variables(trainable_variables), before)
-            out = original(grads, trainable_variables, *args, **kwargs)
+            variables = self._variables(trainable_variables)
+            sqsum = self._grad_rows(trace, grads, variables, before)
+            if scaled:
+                trace.applied_by = LOSS_SCALE_OPTIMIZER
+                trace.scalars["grad_loss_ratio"] = grad_loss_ratio(trace.loss_tensor, grads, variables)
+            trace.in_loss_scale_apply = scaled
+            try:
+                out = original(grads, trainable_variables, *args, **kwargs)
+            finally:
+                trace.in_loss_scale_apply = False
             trace.scalars.update({
                 "loss_scale_before": before,
                 "loss_scale": _scale_value(opt) if scaled else ops.ones((), "float32"),
@@ -486,7 +519,13 @@ class KerasRecorder(keras.callbacks.Callback):
             else:
                 before, finite = ops.ones((), "float32"), ops.convert_to_tensor(True)
             sqsum = self._grad_rows(trace, grads, self._model.trainable_variables, before)
-            new_trainable, new_opt_vars = original(optimizer_variables, grads, trainable_variables)
+            if scaled:
+                trace.applied_by = LOSS_SCALE_OPTIMIZER
+            trace.in_loss_scale_apply = scaled
+            try:
+                new_trainable, new_opt_vars = original(optimizer_variables, grads, trainable_variables)
+            finally:
+                trace.in_loss_scale_apply = False
             after = ops.cast(new_opt_vars[i_scale], "float32") if scaled else ops.ones((), "float32")
             tracker = ops.cast(new_opt_vars[i_count], "float32") if scaled else ops.zeros((), "float32")
             lr = _jax_lr(opt, optimizer_variables, ids)
@@ -494,6 +533,51 @@ class KerasRecorder(keras.callbacks.Callback):
                        "skipped": 1.0 - ops.cast(finite, "float32"), "grad_sqsum": sqsum, "lr": lr}
             self._emit_jax("update", trace.grads, _stack(trace.grad_stats), scalars, None)
             return new_trainable, new_opt_vars
+        return stateless_apply
+
+    def _scale_loss_wrapper(self, original):
+        def scale_loss(loss):
+            trace = self._trace
+            if trace is not None:
+                trace.scale_loss_calls += 1
+            return original(loss)
+        return scale_loss
+
+    def _inner_apply_wrapper(self, original):
+        """The inner optimizer's `apply` called by the step itself, not by
+        the LossScaleOptimizer: gradients applied without unscaling. The
+        step's rows and scalars are taken here then (the scale unchanged,
+        nothing skipped: no one checked)."""
+        lso = self._model.optimizer
+
+        def apply(grads, trainable_variables=None, *args, **kwargs):
+            trace = self._trace
+            if trace is None or trace.in_loss_scale_apply or self.backend == "jax":
+                return original(grads, trainable_variables, *args, **kwargs)
+            grads = list(grads)
+            trace.applied_by = INNER_OPTIMIZER
+            variables = self._variables(trainable_variables)
+            scale = _scale_value(lso)
+            # The rows are unscaled gradients: divided by the scale when the
+            # step scaled its loss (the optimizer applied them as they are).
+            sqsum = self._grad_rows(trace, grads, variables,
+                                    scale if trace.scale_loss_calls else ops.ones((), "float32"))
+            ratio = grad_loss_ratio(trace.loss_tensor, grads, variables)
+            out = original(grads, trainable_variables, *args, **kwargs)
+            tracker = ops.cast(lso.step_counter, "float32") if lso.built else ops.zeros((), "float32")
+            trace.scalars.update({
+                "loss_scale_before": scale, "loss_scale": scale, "growth_tracker": tracker,
+                "skipped": ops.zeros((), "float32"), "grad_sqsum": sqsum,
+                "lr": ops.cast(lso.learning_rate, "float32"), "grad_loss_ratio": ratio})
+            return out
+        return apply
+
+    def _inner_stateless_apply_wrapper(self, original):
+        def stateless_apply(optimizer_variables, grads, trainable_variables):
+            trace = self._trace
+            if trace is not None and not trace.in_loss_scale_apply:
+                trace.applied_by = INNER_OPTIMIZER
+            return original(optimizer_variables, grads, trainable_variables)
         return stateless_apply
 
     # ------------------------------------------------------ transports
@@ -554,6 +638,9 @@ class KerasRecorder(keras.callbacks.Callback):
             skipped=skipped, lr=[s["lr"]] if _finite(s.get("lr")) else None,
             grad_norm=math.sqrt(sq) if sq is not None and sq >= 0 else sq,
             loss_dtype=received.get("loss_dtype"), rows=rows, wall_time=time.time()))
+        if self._loss_scaling is not None:
+            self._loss_scaling.observe(step, s.get("grad_loss_ratio"), s.get("loss_scale_before"))
+            self.run.set_loss_scaling(self._loss_scaling.entry())
         if self.bundles is not None:
             self._maybe_save_bundle(step, s, skipped, rows, received.get("loss_dtype"))
 
@@ -622,6 +709,12 @@ def _finite(v) -> bool:
 
 def _class_name(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _custom_train_step(model) -> bool:
+    """The model's class has its own `train_step` (not one of Keras')."""
+    step = getattr(type(model), "train_step", None)
+    return not getattr(step, "__module__", "keras.").startswith("keras.")
 
 
 def _is_loss_scale(opt) -> bool:

@@ -48,6 +48,12 @@ LOST_UPDATES_KEY = "lost_updates"
 # the variables' own dtypes are the manifest's `params`.
 DTYPE_POLICIES_KEY = "dtype_policies"
 
+# The manifest key of how a Keras step used its LossScaleOptimizer (since
+# 1.5): whether the traced step called `scale_loss`, which optimizer applied
+# the gradients, and the measured factor between the gradients applied and
+# those of the step's own loss (`recorders/keras_loss_scaling.py`).
+LOSS_SCALING_KEY = "loss_scaling"
+
 # A counterfactual window (`BundlePolicy(window_steps=K)`): the weights,
 # buffers, optimizer and scaler state at a window's first step and every
 # step's inputs and RNG since, written when a bundle trigger fires.

@@ -15,6 +15,10 @@ Findings (kind, severity):
 - `scale_collapse` (critical): the loss scale is collapsing (`scale`).
 - `stuck_low_scale` (error): the scale is pinned low, or never grows
   (`stuck_low`, `growth_blocked`).
+- `loss_scaling_mistake` (error, Keras runs): a train step that misuses
+  its LossScaleOptimizer: the loss never scaled, the gradients unscaled
+  twice, or the scaled loss's gradients applied by the inner optimizer
+  (`loss_scaling`): the mistake, its evidence and the exact fix.
 - `fp16_reduction_overflow` (error, Flax runs): a module's float16 output
   overflowed where it sums many finite values that float32 would hold (a
   sum pooling, a softmax's normaliser; `fp16_reductions`): the module, its
@@ -59,6 +63,7 @@ from ..reading.loader import Run
 from .fail_on import SEVERITIES, fail_rule
 from .dtype_policies import PolicyProblem, dtype_policy_problems
 from .fp16_reductions import find_fp16_reductions
+from .loss_scaling import AppliedBy, Basis, ScalingMistake, loss_scaling_mistake
 from .instability import find_instability
 from .precision_verdict import Verdict, undetermined
 from .nans import applied_nonfinite_steps, basis_words, find_nans
@@ -227,6 +232,7 @@ def summarize(run: Run, *, window: int | None = None, model_spec: str | None = N
              *_underflow_findings(run, ranges, target),
              _overflow_risk_finding(run, ranges, target),
              _dtype_policy_finding(run),
+             _loss_scaling_finding(run),
              _fp16_reduction_finding(run),
              _lost_updates_finding(run, target),
              _disabled_finding(run, disabled),
@@ -396,6 +402,16 @@ def _dtype_policy_finding(run: Run) -> Finding | None:
         return None
     return Finding("dtype_policy_mismatch", "warning", None, found.layers[0], _dtype_policy_words(found),
                    _dtype_policy_next(found), found.to_dict())
+
+
+def _loss_scaling_finding(run: Run) -> Finding | None:
+    """`loss_scaling_mistake`: a Keras step that never scales its loss,
+    unscales its gradients twice, or applies scaled gradients."""
+    found = loss_scaling_mistake(run)
+    if found is None:
+        return None
+    return Finding("loss_scaling_mistake", "error", found.first_step, None, _loss_scaling_words(found),
+                   _loss_scaling_fix(found), found.to_dict())
 
 
 def _fp16_reduction_finding(run: Run) -> Finding | None:
@@ -598,6 +614,61 @@ def _dtype_policy_words(found) -> str:
     return ("dtype policies disagree: " + "; ".join(parts) + f". Remedy: one mixed policy for the whole model "
             f"({mixed}: float32 variables, {mixed.partition('_')[2]} compute), set before the model is built; "
             "a float32 layer on purpose (a final softmax) is fine")
+
+
+def _loss_scaling_fix(found) -> str:
+    """The exact lines of a right step, in the backend's own idiom."""
+    if found.mistake is ScalingMistake.SCALED_GRADIENTS_APPLIED:
+        call = ("self.optimizer.stateless_apply(optimizer_variables, grads, trainable_variables)"
+                if found.backend == "jax" else "self.optimizer.apply(grads, self.trainable_variables)")
+        return (f"{call} on the LossScaleOptimizer itself, not on self.optimizer.inner_optimizer: it divides "
+                "the gradients by the scale and skips a step whose gradients hold Inf/NaN")
+    if found.backend == "jax":
+        fix = ("in the function jax.value_and_grad differentiates, return the scaled loss: with "
+               "keras.StatelessScope(state_mapping=list(zip(self.optimizer.variables, optimizer_variables))): "
+               "scaled_loss = self.optimizer.scale_loss(loss); then self.optimizer.stateless_apply("
+               "optimizer_variables, grads, trainable_variables)")
+    else:
+        fix = ("inside the GradientTape: scaled_loss = self.optimizer.scale_loss(loss); after it: "
+               "grads = tape.gradient(scaled_loss, self.trainable_variables); "
+               "self.optimizer.apply(grads, self.trainable_variables)")
+    if found.mistake is ScalingMistake.UNSCALED_TWICE:
+        fix += " with those gradients as they are (it divides them by the scale itself)"
+    elif found.mistake is ScalingMistake.SCALE_UNUSED:
+        fix += " on the LossScaleOptimizer, not its inner_optimizer"
+    return fix
+
+
+def _loss_scaling_words(found) -> str:
+    scale = f"{found.loss_scale:g}" if found.loss_scale is not None else "the loss scale"
+    step = "the custom train_step" if found.custom_train_step else "the train step"
+    if found.basis is Basis.MEASURED:
+        evidence = (f"measured: the gradients handed to the optimizer were {found.factor:.3g}x the gradients "
+                    f"of the step's own loss while the loss scale was {scale} "
+                    f"({len(found.measured)} steps measured from step {found.first_step})")
+    else:
+        calls = found.scale_loss_calls
+        evidence = (f"from the traced step: optimizer.scale_loss called {calls} time{'s' if calls != 1 else ''}, "
+                    f"the gradients applied by the {'step itself, through the inner optimizer' if found.applied_by is AppliedBy.INNER_OPTIMIZER else 'LossScaleOptimizer'}")
+    what = {
+        ScalingMistake.LOSS_NOT_SCALED:
+            f"{step} never scales its loss (it does not call optimizer.scale_loss) yet hands the gradients "
+            f"to LossScaleOptimizer.apply, which divides every gradient by the scale: each update is "
+            f"{scale} times too small, and float16 gradients get no protection from underflow",
+        ScalingMistake.UNSCALED_TWICE:
+            f"{step} calls optimizer.scale_loss, but the gradients reach LossScaleOptimizer.apply at the "
+            f"size of the unscaled loss's: they were taken of the unscaled loss, or divided by the scale in "
+            f"the step before apply divided them again; each update is {scale} times too small",
+        ScalingMistake.SCALED_GRADIENTS_APPLIED:
+            f"{step} applies the scaled loss's gradients with optimizer.inner_optimizer.apply: they are never "
+            f"divided by the scale (each update {scale} times too large) and a step with Inf/NaN gradients "
+            f"is applied instead of skipped",
+        ScalingMistake.SCALE_UNUSED:
+            f"{step} neither scales its loss nor applies through the LossScaleOptimizer (its "
+            f"inner_optimizer applies): no loss scaling at all, float16 gradients unprotected and "
+            f"Inf/NaN steps applied",
+    }[found.mistake]
+    return f"the LossScaleOptimizer is misused: {what} ({evidence})"
 
 
 _FP16_REDUCTION_NEXT = ("compute the reduction in float32 and cast back: "
