@@ -300,7 +300,7 @@ def recommend(run, *, rank: int | None = None, model=None, step: int | None = No
     from .advice import recommend as advise
     if model is not None:
         _check_device(device)
-        from recorders.storage import is_uri
+        from recorders.format.locations import is_uri
         if is_uri(run):
             run = _path(run)  # the replays read the bundles from a local copy
     r = load_run(run, rank=rank, progress=progress)
@@ -415,7 +415,7 @@ def _path(run):
     first, since the replays read bundles from disk."""
     from pathlib import Path
 
-    from recorders.storage import is_uri
+    from recorders.format.locations import is_uri
     location = getattr(run, "path", run)
     if is_uri(location) or _loaded(location, "amp_postmortem.reading.store", "StorePath"):
         from .reading.store import local_copy
@@ -428,7 +428,7 @@ def _replayable(run, model):
     (the replay reads its bundles from disk)."""
     if model is None:
         return run
-    from recorders.storage import is_uri
+    from recorders.format.locations import is_uri
     return _path(run) if is_uri(run) else run
 
 
@@ -464,8 +464,8 @@ def _source(run):
 
 
 def _is_run(run) -> bool:
-    from recorders import schema
-    from recorders.storage import is_uri
+    from recorders.format import schema
+    from recorders.format.locations import is_uri
     if _loaded(run, "amp_postmortem.reading.loader", "Run"):
         return True
     if is_uri(run):

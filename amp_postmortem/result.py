@@ -8,7 +8,7 @@ the runs it read; a result made outside the API (`find_nans(run)`) has none
 set, and its `to_dict()` is its document alone."""
 from __future__ import annotations
 
-from recorders.plain import plain
+from recorders.format import plain
 
 
 class CommandResult:

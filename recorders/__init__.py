@@ -5,7 +5,8 @@ job never pays for the analyzer's dependencies. `AmpRecorder` and the parts
 it takes (`RecordSchedule`, `BundlePolicy`, `StorageOptions`,
 `WriterOptions`, `EventPolicy`, `ProbeOptions`) and the events an `on_event` callback gets
 (`Event`, `EventKind`) are imported lazily so that the analyzer can read
-`recorders.schema` (the format's one definition) without importing torch.
+the run format (`recorders.format`, which names `recorders.schema`, the
+format's one definition) without importing torch.
 """
 from .schema import SCHEMA_VERSION
 

@@ -337,6 +337,7 @@ RECORDER_LAYERS = [  # each imports only from its own layer and the ones before 
     {"options"},                                                                # the parts a user passes in
     {"recorder"},                                                               # AmpRecorder assembles them
     {"integrations", "keras_recorder", "keras_loss_scaling", "flax_recorder", "attach"},  # the frameworks' glue and recorders
+    {"format"},                                                                 # the run format, the analyzer's door
     {"__init__"},
 ]
 
@@ -345,6 +346,42 @@ def test_recorder_layers_import_only_downward():
     """`recorders.stats`, `aggregate`, `schema` never import the recorder:
     a part can be read, tested and changed without what assembles it."""
     assert not _upward_imports(RECORDERS, RECORDER_LAYERS)
+
+
+# What `amp_postmortem` may import of `recorders`, beside the package's public API (the names
+# in `recorders.__all__`, and the package itself): the run format, and the one recorder
+# option the CLI quotes.
+ANALYZER_READS_OF_RECORDERS = {
+    "recorders.format": "the run format: schema, JSON-plain values, checksums",
+    "recorders.format.locations": "where a run is: URIs, local paths, filesystems, a recorder's spool",
+    "recorders.format.tensors": "the tensor codec, and the recorder's rules a replay applies alike",
+    "recorders.format.keras_names": "how the Keras recorder names layers and variables",
+    "recorders.format.flax_names": "how the Flax recorder names module calls and parameters",
+    "recorders.schedule": "MODES: `record --mode`'s choices, `AmpRecorder(mode=)`'s",
+}
+
+
+def test_the_analyzer_reads_recorders_only_through_the_format():
+    """The analyzer reads the run format from `recorders.format`, never from
+    the recorder's internals (imports inside functions included)."""
+    import recorders
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                imported = [(node.module, [a.name for a in node.names])]
+            else:
+                continue
+            for module, names in imported:
+                if module.split(".")[0] != "recorders" or module in ANALYZER_READS_OF_RECORDERS:
+                    continue
+                if module == "recorders" and (names is None or set(names) <= set(recorders.__all__)):
+                    continue
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno} imports {module}"
+                             + (f" ({', '.join(names)})" if names else ""))
+    assert not wrong
 
 
 @pytest.mark.parametrize("package", [PACKAGE, RECORDERS], ids=lambda p: p.name)

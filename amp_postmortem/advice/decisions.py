@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from recorders import schema
+from recorders.format import schema
 
 from ..reading.loader import Run
 from ..names import BackwardStart

@@ -69,7 +69,7 @@ class Recommendations(CommandResult):
         return next((r for r in self.recommendations if r.kind is kind), None)
 
     def document(self) -> dict:
-        from recorders.plain import plain
+        from recorders.format import plain
         return plain({"run": self.run, "step": self.step, "replayed": self.replayed,
                       "recommendations": [r.to_dict() for r in self.recommendations], "notes": self.notes})
 

@@ -48,7 +48,7 @@ from ..reading.loader import Run
 from ..display import report_html, report_repr
 from .updates import param_dtype
 from ..result import CommandResult
-from recorders.plain import plain
+from recorders.format import plain
 
 THRESHOLD = 0.10
 PERSIST = 3            # consecutive common steps over the threshold that make a parting

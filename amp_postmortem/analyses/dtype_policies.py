@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from recorders import schema
+from recorders.format import schema
 
 from ..names import Word
 

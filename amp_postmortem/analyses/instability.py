@@ -41,8 +41,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 
-from recorders import schema
-from recorders.plain import plain
+from recorders.format import plain, schema
 
 from ..reading.loader import Run
 from ..names import display_name as _display

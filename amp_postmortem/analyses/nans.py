@@ -46,14 +46,13 @@ from enum import Enum
 import numpy as np
 import pandas as pd
 
-from recorders import schema
+from recorders.format import plain, schema
 
 from ..names import display_name as _display
 from ..reading.loader import Run
 from ..op_words import run_op_origin_line
 from ..display import report_html, report_repr
 from ..result import CommandResult
-from recorders.plain import plain
 
 LAYER_KINDS = ("input", "activation", "loss", "grad_output", "grad_input", "param_grad")
 _COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "call", "nan_count", "inf_count",

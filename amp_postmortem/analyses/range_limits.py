@@ -5,7 +5,7 @@ to a row: `range_dtype`), the headroom and forecast thresholds of
 them all (`RangesReport`'s "thresholds")."""
 from __future__ import annotations
 
-from recorders import schema
+from recorders.format import schema
 
 OVERFLOW_RISK_BITS = 2.0      # < 2 bits: absmax above 16376, a factor 4 from Inf
 FORECAST_HORIZON = 1000       # steps after the latest one

@@ -87,7 +87,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from recorders import schema
+from recorders.format import schema
 
 from ..reading.loader import Run
 from .range_limits import (DTYPE_LIMITS, FALLBACK_DTYPE, FORECAST_HORIZON, FORECAST_IMMINENT, FORECAST_RISK_BITS,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from recorders.plain import plain
+from recorders.format import plain
 
 from ..display import report_html, report_repr
 from ..names import display_name as _display

@@ -60,8 +60,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from recorders import schema
-from recorders.plain import plain
+from recorders.format import plain, schema
 
 from ..names import Word, display_name as _display
 from ..reading.loader import Run

@@ -14,7 +14,7 @@ import typing
 import numpy as np
 import pandas as pd
 
-from recorders import schema
+from recorders.format import schema
 
 from .range_limits import (LOG2_FLUSH_EDGE, LOG2_MIN_NORMAL, MIN_FIT_SPREAD, MIN_GAP_VALUES, RECENT_PART, STALE_PART,
                            UNDERFLOW_SHARE)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recorders import schema
+from recorders.format import schema
 
 from ..reading.loader import Run
 from ..names import Word

@@ -60,8 +60,8 @@ from typing import Callable, Iterator
 
 import pyarrow as pa
 
-from recorders import schema
-from recorders.storage import is_spool
+from recorders.format import schema
+from recorders.format.locations import is_spool
 
 from ..errors import EmptyRunError, OptionError, PostmortemError, RunNotFoundError
 from ..reading.loader import load_run, read_manifest, with_status_slot

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 
-from recorders.plain import plain
+from recorders.format import plain
 
 from ..names import ROOT_DISPLAY
 
@@ -39,7 +39,7 @@ class RunLocation(click.ParamType):
     name = "path"
 
     def convert(self, value, param, ctx):
-        from recorders.storage import is_uri
+        from recorders.format.locations import is_uri
         if isinstance(value, Path) or not is_uri(value):
             return Path(value)
         return str(value).rstrip("/")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recorders import schema
+from recorders.format import schema
 
 from ..reading.array_bundle import ArrayBundle, is_array_bundle, load_array_bundle
 from ..errors import BundleError, ModelSpecError, OptionError, PrecisionError

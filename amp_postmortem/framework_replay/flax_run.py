@@ -40,7 +40,7 @@ class _Call:
 
 class FlaxRunner:
     def __init__(self, bundle, factory, notes: list):
-        from recorders.flax_recorder import module_name, named_params
+        from recorders.format.flax_names import module_name, named_params
         self._params, self._module_name = named_params, module_name
         self.bundle, self.factory, self.notes = bundle, factory, notes
         compute = (bundle.meta.get("policy") or {}).get("compute_dtype") or "float32"

@@ -55,7 +55,7 @@ class _Call:
 class KerasRunner:
     def __init__(self, bundle, factory, notes: list):
         self.keras = keras = import_keras(bundle.backend, notes)
-        from recorders.keras_recorder import keras_name, layer_name, layers_of
+        from recorders.format.keras_names import keras_name, layer_name, layers_of
         self._names = (keras_name, layer_name, layers_of)
         self.bundle, self.factory, self.notes = bundle, factory, notes
         self.recorded_policy = (bundle.meta.get("policy") or {}).get("name") or "float32"

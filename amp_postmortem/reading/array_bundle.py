@@ -17,8 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recorders import schema
-from recorders.plain import json_checksum
+from recorders.format import json_checksum, schema
 
 from ..errors import BundleError
 from .files import limits

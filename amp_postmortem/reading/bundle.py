@@ -15,9 +15,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from recorders import schema
-from recorders.plain import json_checksum
-from recorders.tensor_codec import decode_tree, itemsize, parse_dtype, tensor_from_bytes
+from recorders.format import json_checksum, schema
+from recorders.format.tensors import decode_tree, itemsize, parse_dtype, tensor_from_bytes
 
 from .bundle_dirs import list_bundles  # noqa: F401  (part of this module's API)
 from ..errors import BundleError, PostmortemError

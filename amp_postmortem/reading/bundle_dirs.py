@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recorders import schema
+from recorders.format import schema
 
 from ..errors import BundleError
 from .files.safe import check_inside, numbered_dirs, rank_of, step_of

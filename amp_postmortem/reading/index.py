@@ -14,7 +14,7 @@ import fnmatch
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from recorders import schema
+from recorders.format import schema
 
 from ..errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
 from .files.limits import MAX_JSON_BYTES

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from recorders import schema
+from recorders.format import schema
 
 from ..errors import CorruptRunError, MixedRunsError
 from .files.ipc import Unbounded, read_stream_prefix

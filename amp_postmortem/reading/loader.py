@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs  # noqa: F401  (pa.fs)
 
-from recorders import schema
+from recorders.format import schema
 
 from .engines import Engine
 from .engines.local import LocalEngine

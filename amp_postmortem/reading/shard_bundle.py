@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from recorders import schema
+from recorders.format import schema
 
 from ..errors import BundleError
 from .files import limits

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recorders import schema
+from recorders.format import schema
 
 from ..errors import CorruptRunError, MixedRunsError, UnsupportedVersionError
 from .files.safe import RANK_DIR, check_entry, check_inside, listed, numbered_dirs, rank_of

@@ -22,7 +22,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recorders import schema
+from recorders.format import schema
 
 # What a steps shard is read for (projected: never `lr` or `wall_time`).
 READ_COLUMNS = ["step", "rank", "loss", "loss_scale_before", "loss_scale", "skipped", "tensor_rows",

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from recorders import schema
+from recorders.format import schema
 
 from .journal import location, read_journal_table
 from .shards import Shard, error_text

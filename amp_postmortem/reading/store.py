@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 
 import pyarrow.fs as pafs
 
-from recorders.storage import is_uri, local_path, open_filesystem
+from recorders.format.locations import is_uri, local_path, open_filesystem
 
 LOCAL_FS = pafs.LocalFileSystem()
 

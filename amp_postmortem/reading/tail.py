@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from recorders import schema
+from recorders.format import schema
 
 from ..errors import CorruptRunError, PostmortemError
 from .files.limits import MAX_JSON_BYTES

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recorders import schema
+from recorders.format import schema
 
 from ..errors import BundleError
 from .files.models import WindowMeta, validate

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from recorders import schema
+from recorders.format import schema
 
 from ..errors import BundleError, DeviceError, ModelSpecError, PolicyError, PrecisionError
 from ..names import ROOT_DISPLAY, BackwardStart
@@ -314,7 +314,7 @@ def _op_traces(session, reference, runs, culprit, primary, names) -> list:
     reduced = [p for p in (primary, "fp16", "bf16", "fp32") if p in runs]
     precision = (culprit or {}).get("precision") or next(iter(reduced), None)
     targets = []
-    if culprit is not None and culprit["name"] != attribution.LOSS_NAME:
+    if culprit is not None and culprit["name"] != schema.LOSS_NAME:
         targets.append(culprit["name"])
     targets += [n for n in names if n not in targets]
     if precision is None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recorders.schema import LOSS_NAME
+from recorders.format import schema
 
 # Thresholds (see the module docstring for how they were calibrated).
 DEGRADED_RATIO = 16.0
@@ -322,7 +322,7 @@ def _named(c) -> dict:
 
 def _compare_local(session, ref_config, config, ref_call, run_call, fwd, bwd, scale):
     from .capture import is_floating, round_to
-    from recorders.stats import iter_tensors
+    from recorders.format.tensors import iter_tensors
     floats = [t for t in iter_tensors(ref_call.inputs) if is_floating(t)]
     dtypes = list(run_call.input_dtypes)
     if len(dtypes) != len(floats):
@@ -374,7 +374,7 @@ def find_culprit(comparisons: list, precision: str) -> dict | None:
         if phase == "backward":
             root = next((c for c in comparisons if c.phase == "backward" and c.name == ""), None)
             if root is not None and root.local_input_nonfinite:
-                return {"name": LOSS_NAME, "phase": "backward", "precision": precision,
+                return {"name": schema.LOSS_NAME, "phase": "backward", "precision": precision,
                         "reason": f"the gradient of the loss w.r.t. the model's outputs times the loss "
                                   f"scale overflows ({root.local_input_nonfinite} values): the loss scale is "
                                   "too large for this step"}

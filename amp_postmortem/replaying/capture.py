@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recorders.stats import iter_tensors
+from recorders.format.tensors import iter_tensors
 
 from ..names import BackwardFrom
 

@@ -38,7 +38,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from recorders.stats import iter_tensors
+from recorders.format.tensors import iter_tensors
 
 from ..errors import ModelSpecError, PostmortemError
 from ..names import BackwardFrom, BackwardStart

@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from recorders import schema
+from recorders.format import schema
 
 from ..reading.shards import shard_files
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from recorders import schema
+from recorders.format import schema
 
 from ..errors import LossFnSpecError, ModelSpecError
 

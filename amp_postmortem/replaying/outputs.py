@@ -13,7 +13,7 @@ from __future__ import annotations
 
 # The one rule for the loss among a model's outputs, shared with the
 # recorder's loss tap: both sides must agree on which output the loss is.
-from recorders.loss_tap import find_loss  # noqa: F401 - the replay engine's name for it
+from recorders.format.tensors import find_loss  # noqa: F401 - the replay engine's name for it
 
 
 def backward_roots(outputs) -> list[bool]:

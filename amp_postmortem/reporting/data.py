@@ -18,7 +18,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recorders import schema
+from recorders.format import schema
 
 from ..reading.loader import Run
 from ..names import display_name

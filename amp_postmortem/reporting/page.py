@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import json
 
-from recorders.plain import plain
+from recorders.format import plain
 
 from ..analyses.summary import autocast_words, scaler_words
 from .data import ReportData

@@ -49,7 +49,7 @@ from enum import Enum
 
 import pandas as pd
 
-from recorders.plain import plain
+from recorders.format import plain
 
 from ..names import Word
 from . import Trial, prepare, report_progress
@@ -382,7 +382,7 @@ def _all_finite(run) -> bool:
 
 
 def _batch_size(inputs):
-    from recorders.stats import iter_tensors
+    from recorders.format.tensors import iter_tensors
     for t in iter_tensors(inputs):
         if t.dim() > 0:
             return int(t.shape[0])
@@ -396,7 +396,7 @@ def input_stats(inputs, n) -> list:
     can be neither NaN/Inf nor meaningfully large."""
     import torch
 
-    from recorders.stats import iter_tensors
+    from recorders.format.tensors import iter_tensors
     out = []
     for args in inputs:
         for t in iter_tensors(args):

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from recorders.plain import plain
+from recorders.format import plain
 from ..names import BackwardStart, Word
 from ..names import display_name as _display
 from . import NotSavedBy, Trial, fmt_num, prepare, report_progress

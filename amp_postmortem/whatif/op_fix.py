@@ -26,6 +26,8 @@ import enum
 import os
 from dataclasses import dataclass, field
 
+from recorders.format import schema
+
 from ..names import Word
 from ..op_words import op_origin_text
 from . import Trial, fmt_num
@@ -154,7 +156,7 @@ def find_op_fix(p, run, culprit, progress=None) -> OpFix:
     the module's doc). `run`: the recorded precision's captured replay the
     candidates were ranked on; `culprit`: `attribution.find_culprit`'s."""
     from ..replaying import attribution, op_trace
-    if culprit is None or culprit["name"] == attribution.LOSS_NAME:
+    if culprit is None or culprit["name"] == schema.LOSS_NAME:
         return OpFix(OpFixStatus.NO_OP, why_none="no module's own arithmetic is broken: no culprit to trace"
                      if culprit is None else "the loss function is the culprit, not a module")
     reference = p.reference_for(None, keep_inputs=True)

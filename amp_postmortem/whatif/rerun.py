@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from recorders.plain import plain
+from recorders.format import plain
 
 from ..errors import BundleError, ModelSpecError, OptionError
 from ..names import RERUN_PRECISIONS

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from recorders import schema
+from recorders.format import schema
 
 from ..analyses.nans import tied_aliases
 from ..analyses.ranges import zero_split

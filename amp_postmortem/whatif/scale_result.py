@@ -17,7 +17,7 @@ from enum import Enum
 
 import pandas as pd
 
-from recorders.plain import plain
+from recorders.format import plain
 
 from ..names import BackwardFrom, Word
 

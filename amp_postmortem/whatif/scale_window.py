@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from recorders import schema
+from recorders.format import schema
 
 from ..errors import OptionError
 from ..names import BackwardFrom

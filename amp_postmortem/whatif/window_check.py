@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from recorders import schema
+from recorders.format import schema
 
 from ..analyses.precision_verdict import DEFAULT_WINDOW_STEPS, pick_window
 from ..reading.window import load_window, window_spans, windows_off

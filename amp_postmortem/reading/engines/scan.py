@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from recorders import schema
+from recorders.format import schema
 
 _FORMAT = ds.ParquetFileFormat()
 NONFINITE_FILTER = (pc.field("nan_count") > 0) | (pc.field("inf_count") > 0)
@@ -136,6 +136,6 @@ def _filesystem(root_uri: str | None):
     with _lock:
         fs = _filesystems.get(root_uri)
         if fs is None:
-            from recorders.storage import open_filesystem
+            from recorders.format.locations import open_filesystem
             fs = _filesystems[root_uri] = open_filesystem(root_uri)[0]
         return fs
