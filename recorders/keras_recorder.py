@@ -48,6 +48,7 @@ name micro-batches, not optimizer steps).
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -674,6 +675,7 @@ class KerasRecorder(keras.callbacks.Callback):
             "targets": encode_tree(_numpy_tree(y), "target/y", arrays),
             "sample_weight": encode_tree(_numpy_tree(sample_weight), "sample_weight/w", arrays),
             "recorded_nonfinite": bad,
+            "loss_config": loss_config(model),
         }
         self.run.add_bundle(write_bundle(self.run_dir, rank=0, step=step, meta=meta, arrays=arrays))
 
@@ -687,6 +689,26 @@ def _row(name, kind, phase, order, call, dtype, v, input_nonfinite=False) -> Ten
 def _numpy_tree(tree):
     return keras.tree.map_structure(
         lambda t: ops.convert_to_numpy(t) if t is not None and hasattr(t, "shape") else t, tree)
+
+
+def loss_config(model) -> dict | None:
+    """The compiled loss as a bundle can name it without code: a Keras
+    built-in loss, by its name (`compile(loss="mse")`) or class and JSON
+    config (`keras.losses.MeanSquaredError(...)`); None for anything else
+    (a function or class of the user's, a list or dict of losses): the
+    replay's factory then compiles the model itself."""
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, str):
+        return {"name": loss}
+    if isinstance(loss, keras.losses.Loss) and type(loss).__module__.startswith("keras."):
+        config = loss.get_config()
+        config.pop("dtype", None)  # a policy object; the replay's policy decides
+        try:
+            json.dumps(config)
+        except (TypeError, ValueError):
+            return None
+        return {"class_name": type(loss).__name__, "config": config}
+    return None
 
 
 def _policy_entry(policy) -> dict:

@@ -32,7 +32,8 @@ BUNDLE_SCHEMA_VERSION = "1.2"
 # pickle off (docs/FORMAT.md, "Array bundles"). Same place as a PyTorch
 # bundle (`bundles/step=N/rank=R/`), another format name.
 ARRAY_BUNDLE_FORMAT_NAME = "amp-postmortem-array-bundle"
-ARRAY_BUNDLE_SCHEMA_VERSION = "1.0"
+# 1.1 added `loss_config` (the Keras loss a backward replay compiles).
+ARRAY_BUNDLE_SCHEMA_VERSION = "1.1"
 ARRAY_BUNDLE_ARRAYS_FILE = "arrays.npz"
 # `param`: a variable by its run name; `input`: a leaf of the model call's
 # arguments; `target`, `sample_weight`: Keras' y and sample weights.

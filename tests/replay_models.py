@@ -20,6 +20,24 @@ def keras_model():
     return keras.Model(inp, out, name="net")
 
 
+def keras_sqrt_model():
+    """`root` takes the square root of `d1`'s output: its forward is
+    finite in float16 for inputs near 1e-6, its backward (1/(2 sqrt x), some
+    500 there) times the loss scale's gradient overflows float16's 65504."""
+    import keras
+    from keras import ops
+
+    class Root(keras.layers.Layer):
+        def call(self, x):
+            return ops.sqrt(x)
+
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(8, name="d1", kernel_initializer="ones")(inp)
+    h = Root(name="root")(h)
+    out = keras.layers.Dense(1, name="d2", kernel_initializer="ones")(h)
+    return keras.Model(inp, out, name="net")
+
+
 def flax_model():
     import jax.numpy as jnp
     from flax import nnx

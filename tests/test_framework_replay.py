@@ -64,10 +64,34 @@ def test_keras_replay_names_the_layer_whose_own_arithmetic_breaks(keras_replay):
     assert (doc["framework"], doc["backend"], doc["recorded_precision"]) == ("keras", backend, "fp16")
     assert doc["reproduced"] is True
     assert doc["culprit"]["name"] == "blowup" and doc["culprit"]["precision"] == "fp16"
-    status = {m["name"]: m["status"]["fp16"] for m in doc["modules"]}
+    status = {m["name"]: m["status"]["fp16"] for m in doc["modules"] if m["phase"] == "forward"}
     assert status == {"d1": "ok", "blowup": "broken", "d2": "inputs_nonfinite"}
     assert doc["culprits"]["bf16"] is None  # bfloat16's range holds e**20
     assert doc["reference_nonfinite"] == []
+
+
+def test_keras_backward_replay_names_the_layer_whose_backward_overflows(keras_replay):
+    """`root`'s forward is finite in float16; its gradient (1/(2 sqrt x) times
+    the scaled loss's) is not: the backward replay names it, where the
+    forward replay alone found nothing."""
+    backend, out = keras_replay
+    doc = json.loads((out / "grad.json").read_text())
+    assert doc.get("exit_code") is None, doc
+    assert doc["culprit"]["name"] == "root" and doc["culprit"]["phase"] == "backward"
+    assert doc["culprit"]["precision"] == "fp16"
+    assert doc["reproduced"] is True and "skipped" in doc["fidelity"]["basis"]
+    fp16 = doc["backward"]["fp16"]
+    assert fp16["replayed"] and fp16["first_nonfinite"] == {"name": "root", "call": 0}
+    assert doc["backward"]["bf16"]["first_nonfinite"] is None and doc["culprits"]["bf16"] is None
+    phases = {(m["name"], m["phase"]): m["status"]["fp16"] for m in doc["modules"]}
+    assert phases == {("d1", "forward"): "ok", ("root", "forward"): "ok", ("d2", "forward"): "ok",
+                      ("<loss>", "backward"): "ok", ("d2", "backward"): "ok", ("root", "backward"): "broken",
+                      ("d1", "backward"): "inputs_nonfinite"}
+    # The forward overflow's run: the forward culprit stands, its backward is non-finite from the loss on.
+    forward = json.loads((out / "replay.json").read_text())
+    assert forward["culprit"]["phase"] == "forward"
+    assert forward["backward"]["fp16"]["first_nonfinite"] == {"name": "d2", "call": 0}
+    assert {m["status"]["fp16"] for m in forward["modules"] if m["phase"] == "backward"} == {"inputs_nonfinite"}
 
 
 # ------------------------------------------------------------------- Flax

@@ -7,7 +7,11 @@
 The step's forward runs in float32 (the reference) and in each reduced
 precision asked for, then every layer call alone on float32's inputs
 rounded as the precision's run rounded them (`attribution.py`); the first
-layer whose own arithmetic breaks is the culprit. The framework is the
+layer whose own arithmetic breaks is the culprit. Then, for a Keras
+bundle, the backward: each layer call's output and input gradients and its
+variables' (the loss times the recorded scale under float16), against
+float32's; when the forward has no culprit, the first layer in backward
+order whose own backward turns a finite gradient NaN/Inf is. The framework is the
 bundle's (`keras_run.py`, `flax_run.py`, imported only here and only for
 such a bundle); the model comes only from the user's factory (`--model
 FILE:factory` or `package.module:factory`, called with no arguments):
@@ -45,6 +49,7 @@ class FrameworkReplayResult(CommandResult):
     culprits: dict
     modules: list
     loss: dict
+    backward: dict = field(default_factory=dict)  # precision -> {"replayed", "error", "first_nonfinite", "culprit"}
     notes: list = field(default_factory=list)
     errors: dict = field(default_factory=dict)
     reference_nonfinite: list = field(default_factory=list)
@@ -54,7 +59,8 @@ class FrameworkReplayResult(CommandResult):
         return {"step": self.step, "rank": self.rank, "framework": self.framework, "backend": self.backend,
                 "device": "cpu", "recorded_precision": self.recorded_precision, "precisions": self.precisions,
                 "reproduced": self.reproduced, "fidelity": self.fidelity, "culprit": self.culprit,
-                "culprits": self.culprits, "modules": self.modules, "loss": self.loss, "notes": self.notes,
+                "culprits": self.culprits, "modules": self.modules, "loss": self.loss, "backward": self.backward,
+                "notes": self.notes,
                 "errors": self.errors, "reference_nonfinite": self.reference_nonfinite,
                 "thresholds": {"broken_rel": dict(attribution.BROKEN_REL)},
                 "bundle_choice": None if self.bundle_choice is None else self.bundle_choice.to_dict()}
@@ -70,6 +76,12 @@ class FrameworkReplayResult(CommandResult):
         c = self.culprit
         out.append(f"culprit: {c['name'] or '<root>'}, {c['phase']}, {c['precision']}: {c['reason']}" if c
                    else "culprit: none (no layer's own arithmetic is broken in the forward)")
+        for p, b in self.backward.items():
+            if b.get("error"):
+                out.append(f"backward {p}: not replayed ({b['error']})")
+            elif b.get("first_nonfinite"):
+                first = b["first_nonfinite"]
+                out.append(f"backward {p}: first NaN/Inf gradient at {first['name'] or '<root>'} (call {first['call']})")
         out.append("loss: recorded " + ("-" if self.loss.get("recorded") is None else f"{self.loss['recorded']:.6g}"))
         return out
 
@@ -197,6 +209,10 @@ def _replay(bundle, runner, reduced: list, notes: list) -> FrameworkReplayResult
         culprits[p] = found.to_dict() if found else None
     primary = runner.recorded_precision
     order = [primary] + [p for p in REDUCED if p != primary]
+    backward, backward_rows = _backward(bundle, runner, reference, runs, order)
+    for p in order:
+        if not culprits.get(p) and (backward.get(p) or {}).get("culprit"):
+            culprits[p] = backward[p]["culprit"]
     culprit = next((culprits[p] for p in order if culprits.get(p)), None)
     ref_bad = reference.nonfinite_calls()
     if ref_bad:
@@ -206,6 +222,8 @@ def _replay(bundle, runner, reduced: list, notes: list) -> FrameworkReplayResult
     if primary in runs:
         fid = attribution.check_fidelity(bundle.meta.get("recorded_nonfinite") or [],
                                          runs[primary].nonfinite_calls(), primary)
+        if fid.reproduced is None and primary in backward and not backward[primary].get("error"):
+            fid = _backward_fidelity(bool(bundle.meta.get("skipped")), backward[primary], primary)
     else:
         fid = attribution.Fidelity(None, f"recorded precision {primary} not replayed")
     if fid.reproduced is False:
@@ -217,9 +235,68 @@ def _replay(bundle, runner, reduced: list, notes: list) -> FrameworkReplayResult
     return FrameworkReplayResult(
         step=bundle.step, rank=bundle.rank, framework=bundle.framework, backend=bundle.backend,
         recorded_precision=primary, precisions=["fp32", *reduced], reproduced=fid.reproduced,
-        fidelity=fid.to_dict(), culprit=culprit, culprits=culprits, modules=_module_rows(comparisons),
-        loss={"recorded": bundle.loss}, notes=notes, errors={p: r.error for p, r in runs.items() if r.error},
+        fidelity=fid.to_dict(), culprit=culprit, culprits=culprits,
+        modules=_module_rows(comparisons) + backward_rows, loss={"recorded": bundle.loss}, backward=backward, notes=notes, errors={p: r.error for p, r in runs.items() if r.error},
         reference_nonfinite=[c["name"] for c in ref_bad])
+
+
+def _backward(bundle, runner, reference, runs: dict, order: list) -> tuple[dict, list]:
+    """Replay the backward in float32 and each precision (a runner that
+    has one); per precision: its first call with a NaN/Inf gradient and its
+    culprit, and the `modules` rows of phase `backward`."""
+    if not hasattr(runner, "backward"):
+        return {}, []
+    runner.backward("fp32", reference, 1.0)
+    if reference.backward_error:
+        return {p: {"replayed": False, "error": reference.backward_error} for p in ["fp32", *runs]}, []
+    scale = bundle.loss_scale if bundle.loss_scale and bundle.loss_scale > 0 else 1.0
+    out, comparisons = {}, {}
+    for p, run in runs.items():
+        if run.error:
+            continue
+        # A loss scale is float16's: bfloat16 has float32's range (Keras' mixed_bfloat16 scales nothing).
+        runner.backward(p, run, scale if p == "fp16" else 1.0)
+        if run.backward_error:
+            out[p] = {"replayed": False, "error": run.backward_error}
+            continue
+        comps = attribution.compare_backward(reference, run)
+        comparisons[p] = comps
+        found = attribution.find_backward_culprit(comps, p)
+        bad = run.nonfinite_grads()
+        out[p] = {"replayed": True, "error": None, "loss_scale": scale if p == "fp16" else 1.0,
+                  "first_nonfinite": bad[0] if bad else None, "culprit": found.to_dict() if found else None}
+    rows: dict = {}
+    for p, comps in comparisons.items():
+        for c in comps:
+            row = rows.setdefault((c.name, c.call), {
+                "name": c.name, "call": c.call, "phase": "backward", "order": c.order, "status": {},
+                "reason": {}, "local_rel_err": {}, "propagated_rel_err": {}, "local": {}, "propagated": {},
+                "local_error": {}})
+            status = c.status(p)
+            row["status"][p] = status.value
+            row["reason"][p] = c.reason(p) if status is not attribution.CallStatus.OK else None
+            row["local_rel_err"][p] = c.inputs.rel_l2
+            row["propagated_rel_err"][p] = c.outputs.rel_l2
+            row["local"][p] = c.to_dict()
+            row["propagated"][p] = c.outputs.to_dict()
+            row["local_error"][p] = None
+    out = {p: out[p] for p in order if p in out}
+    return out, sorted(rows.values(), key=lambda r: r["order"])
+
+
+def _backward_fidelity(skipped: bool, backward: dict, precision: str) -> attribution.Fidelity:
+    """A step whose forward was finite: whether its gradients went
+    non-finite (the loss scale skipped it) in training and in the replay."""
+    bad = backward.get("first_nonfinite")
+    if skipped and bad:
+        return attribution.Fidelity(True, f"the recorded step's gradients overflowed (the loss scale skipped it) "
+                                          f"and the {precision} replay's do, first at {bad['name']}")
+    if not skipped and not bad:
+        return attribution.Fidelity(True, f"the recorded step's gradients were finite (not skipped) and the "
+                                          f"{precision} replay's are")
+    said = "overflowed (skipped)" if skipped else "were finite"
+    return attribution.Fidelity(False, f"the recorded step's gradients {said}; the {precision} replay's "
+                                       + (f"first go NaN/Inf at {bad['name']}" if bad else "are finite"))
 
 
 def _module_rows(comparisons: dict) -> list:

@@ -141,6 +141,87 @@ def check_fidelity(recorded_nonfinite: list, replayed_nonfinite: list, precision
                            f"{said(rep)}")
 
 
+LOSS_CALL = "<loss>"  # recorders.schema.LOSS_NAME: the loss's own backward
+
+
+@dataclass
+class CallGrads:
+    """One layer call's gradients in a backward replay, unscaled, as host
+    float64 arrays: `outputs` reaching the call's floating outputs,
+    `inputs` it handed its floating inputs, `params` its layer's variables'
+    (on the layer's call 0 only: a variable's gradient sums its calls)."""
+    outputs: list = field(default_factory=list)
+    inputs: list = field(default_factory=list)
+    params: list = field(default_factory=list)
+
+
+@dataclass
+class BackwardComparison:
+    """One call's gradients against float32's. The call's own backward
+    broke when what it handed on (`inputs`, `params`) holds NaN/Inf where
+    float32's is finite while the gradient that reached it (`outputs`) is
+    finite; non-finite values that reached it came from later calls."""
+    name: str
+    call: int
+    order: int                       # place in the backward (the last call to finish goes first)
+    outputs: ErrorStats
+    inputs: ErrorStats
+    params: ErrorStats
+
+    def status(self, precision: str) -> CallStatus:
+        if self.outputs.ref_nonfinite or self.inputs.ref_nonfinite or self.params.ref_nonfinite:
+            return CallStatus.REFERENCE_NONFINITE
+        if self.outputs.nonfinite_new:
+            return CallStatus.INPUTS_NONFINITE
+        if self.inputs.nonfinite_new or self.params.nonfinite_new:
+            return CallStatus.BROKEN
+        return CallStatus.OK
+
+    def reason(self, precision: str) -> str:
+        if self.outputs.nonfinite_new:
+            return (f"{self.outputs.nonfinite_new} of {self.outputs.numel} values of the gradient reaching its "
+                    "output NaN/Inf where float32's is finite (made later in the backward)")
+        parts = [f"{c.nonfinite_new} of {c.numel} {what} values NaN/Inf where float32's are finite"
+                 for c, what in ((self.inputs, "input-gradient"), (self.params, "variable-gradient"))
+                 if c.nonfinite_new]
+        if parts:
+            return "its backward made " + " and ".join(parts) + " from a finite output gradient"
+        return f"input-gradient relative error {self.inputs.rel_l2:.3g} against float32"
+
+    def to_dict(self) -> dict:
+        return {"outputs": self.outputs.to_dict(), "inputs": self.inputs.to_dict(),
+                "params": self.params.to_dict()}
+
+
+def compare_backward(reference: RunCalls, run: RunCalls) -> list:
+    """Each call's gradients in `run` against `reference`'s, in backward
+    order; the loss's own backward first (its output gradient is the one
+    reaching the last call's output)."""
+    keys = [k for k in reversed(reference.order) if k in reference.grads and k in run.grads]
+    out = []
+    for order, key in enumerate(keys):
+        ref, got = reference.grads[key], run.grads[key]
+        out.append(BackwardComparison(key[0], key[1], order + 1, compare(ref.outputs, got.outputs),
+                                      compare(ref.inputs, got.inputs), compare(ref.params, got.params)))
+    if out:
+        first = out[0]
+        # The loss's backward: from d(loss)/d(loss) to the last call's
+        # output; a forward already non-finite there made it so (counted as
+        # what reached the loss).
+        last = run.outputs.get(keys[0], [])
+        reached = ErrorStats(numel=1, nonfinite_new=int(any(not np.all(np.isfinite(a)) for a in last)))
+        out.insert(0, BackwardComparison(LOSS_CALL, 0, 0, reached, first.outputs, ErrorStats()))
+    return out
+
+
+def find_backward_culprit(comparisons: list, precision: str) -> Culprit | None:
+    """The first call, in backward order, whose own backward breaks."""
+    for c in sorted(comparisons, key=lambda c: c.order):
+        if c.status(precision) is CallStatus.BROKEN:
+            return Culprit(c.name, c.call, precision, c.reason(precision), phase="backward")
+    return None
+
+
 @dataclass
 class RunCalls:
     """What a runner returns for one precision: its calls' outputs as host
@@ -149,6 +230,15 @@ class RunCalls:
     outputs: dict = field(default_factory=dict)   # (name, call) -> [np arrays]
     order: list = field(default_factory=list)     # (name, call) in finishing order
     error: str | None = None
+    # The backward replay (None: not run; `backward_error` says why).
+    grads: dict = field(default_factory=dict)     # (name, call) -> CallGrads
+    backward_error: str | None = None
+
+    def nonfinite_grads(self) -> list:
+        """Calls, in backward order, with a NaN/Inf among their gradients."""
+        return [{"name": n, "call": c} for n, c in reversed(self.order) if (n, c) in self.grads and any(
+            not np.all(np.isfinite(a)) for part in (self.grads[(n, c)].outputs, self.grads[(n, c)].inputs,
+                                                     self.grads[(n, c)].params) for a in part)]
 
     def nonfinite_calls(self) -> list:
         return [{"name": n, "call": c} for n, c in self.order
