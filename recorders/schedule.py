@@ -29,6 +29,14 @@ FULL = "full"
 
 # The options of `RecordSchedule.every_step()` (`AmpRecorder(mode="every_step")`).
 EVERY_STEP = {"cheap_every": 1, "full_every": 100, "full_after_event": 20}
+# The sentinel's periods. A sampled step registers every watched module's
+# hooks and writes their rows: 2.2x a small MLP's step and 4.5x the
+# launch-bound proxy's at the cheap tier, 4x and 15x at the full tier
+# (benchmarks/sentinel_cost.py). Every 250th and 2500th step keeps that
+# under 2% of a launch-bound job and 0.6% of the MLP's; a week-long job
+# still gets thousands of sampled steps, and the failing step is seen in
+# full anyway (re-executed).
+CHEAP_EVERY, FULL_EVERY = 250, 2500
 MODES = ("sentinel", "every_step")
 
 # What `note_event` may be told (a step can be several at once).
@@ -59,7 +67,7 @@ class RecordSchedule:
     each recorder its own. A subclass may override `tier` (a pure
     `step -> tier` decision, like `torch.profiler.schedule`)."""
 
-    def __init__(self, *, cheap_every: int = 100, full_every: int = 1000, full_after_event: int = 0):
+    def __init__(self, *, cheap_every: int = CHEAP_EVERY, full_every: int = FULL_EVERY, full_after_event: int = 0):
         self.cheap_every = max(1, option_int("cheap_every", cheap_every))
         self.full_every = option_int("full_every", full_every)
         self.full_after_event = option_int("full_after_event", full_after_event)

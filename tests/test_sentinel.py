@@ -212,7 +212,7 @@ def test_every_step_mode_and_the_env_variable(tmp_path, monkeypatch):
     rec.close()
     monkeypatch.delenv("AMP_POSTMORTEM_MODE")
     rec = AmpRecorder(tmp_path / "c", model)
-    assert (rec.schedule.cheap_every, rec.schedule.full_every, rec.mode) == (100, 1000, "sentinel")
+    assert (rec.schedule.cheap_every, rec.schedule.full_every, rec.mode) == (250, 2500, "sentinel")
     rec.close()
     from recorders.errors import OptionError
     with pytest.raises(OptionError, match="mode="):
@@ -303,3 +303,58 @@ def test_a_step_the_reexecution_cannot_reproduce_is_said_to_differ(tmp_path):
     assert entry["recorded"]["grad_sqsum"] != entry["reexecuted"]["grad_sqsum"]
     steps = ap.load_run(tmp_path / "run").steps.set_index("step")
     assert steps.loc[12, "reexecution"] == "differs" and bool(steps.loc[12, "reexecuted"])
+
+
+class _TiedLM(nn.Module):
+    """A language model whose output layer shares the embedding's weight."""
+
+    def __init__(self, vocab: int = 32, width: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.out = nn.Linear(width, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.mix(self.emb(idx))))
+
+
+TIED_STEP = 5
+
+
+def _tied_loss(model, x, y, step, accumulate):
+    return nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+
+
+def _grow_tied_weight(step, model, x):
+    # From TIED_STEP on the tied weight is 100x: the forward stays finite
+    # (|logits| <= 16 * 100), the scaled gradient reaching the float16 logits
+    # too (<= 2^16 / 32), but the output layer's own backward, that gradient
+    # times the weight summed over the vocabulary, overflows float16 first.
+    if step == TIED_STEP:
+        with torch.no_grad():
+            model.emb.weight.mul_(100.0)
+
+
+def test_a_tied_output_layer_whose_backward_overflows_first_is_named_alike(tmp_path):
+    """The issue's pattern: the backward overflows first, in a layer whose
+    weight is tied to the embedding; the sentinel re-executes the skipped
+    step and names the same origin, step and lead finding as every-step."""
+    runs = []
+    for mode in ("sentinel", "every_step"):
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(0)
+        data = [(torch.randint(0, 32, (4, 8), generator=gen), torch.randint(0, 32, (4, 8), generator=gen))
+                for _ in range(9)]
+        train(_TiedLM(), data, recorder=recorder_at(tmp_path / mode, mode=mode), loss_fn=_tied_loss,
+              on_step=_grow_tied_weight, scaler={"init_scale": 2.0 ** 16, "growth_interval": 10 ** 6}, lr=0.01)
+        runs.append(tmp_path / mode)
+    sentinel, every = runs
+    origins = _origins(sentinel)
+    assert origins == _origins(every)
+    backward = origins["backward"]
+    assert backward is not None and backward["step"] == TIED_STEP and backward["name"] == "out"
+    assert origins["forward"] is None  # the forward stayed finite
+    assert _lead(sentinel) == _lead(every)
+    steps = ap.load_run(sentinel).steps.set_index("step")
+    assert bool(steps.loc[TIED_STEP, "reexecuted"]) and bool(steps.loc[TIED_STEP, "skipped"])

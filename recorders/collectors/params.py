@@ -2,7 +2,6 @@
 each backward pass ends, and the optimizer's pre-step hook."""
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 
@@ -51,6 +50,7 @@ class ParamGradCollector:
         # force during the step re-executed, not the one after its update).
         self.scale_override = None
         self._norm_plan = None  # grad_norms.NormPlan of the plain gradients, at the first backward
+        self._guarded_end = self._guarded_queue = None  # the backward end's callbacks, guarded
 
     def _watched(self, pname: str) -> bool:
         return pname.rpartition(".")[0] in self._watched_modules or self._watch_param(pname)
@@ -139,9 +139,11 @@ class ParamGradCollector:
             return
         st.backward_task = task
         engine = torch.autograd.Variable._execution_engine
-        guard = self.shared.guard
-        measure = guard(functools.partial(self._on_backward_end, st), traced=False)
-        engine.queue_callback(guard(lambda: engine.queue_callback(measure), traced=False))
+        if self._guarded_end is None:  # built once: a wrapper per step cost as much as the rest of the hook
+            guard = self.shared.guard
+            self._guarded_end = guard(self._on_backward_end, traced=False)
+            self._guarded_queue = guard(engine.queue_callback, traced=False)
+        engine.queue_callback(_BackwardEnd(self, st))
 
     def _on_backward_end(self, st) -> None:
         shared = self.shared
@@ -263,3 +265,22 @@ class ParamGradCollector:
                 norms = st.grad_norms if st.grad_norms is not None else st.grad_sqsum
                 clean = norms is not None and norms.device.type == "cpu" and bool(torch.isfinite(norms).all())
         self.shared.bundles.on_optimizer_pre_step(clean_on_host=clean)
+
+
+class _BackwardEnd:
+    """The callback queued when a backward pass begins (one small object
+    per pass, holding its step): it queues itself once more, so that it runs
+    after the callbacks DDP and FSDP queue during the pass, then takes the
+    gradient facts (guarded: an exception turns recording off)."""
+
+    __slots__ = ("collector", "st", "queued")
+
+    def __init__(self, collector, st):
+        self.collector, self.st, self.queued = collector, st, False
+
+    def __call__(self):
+        if not self.queued:
+            self.queued = True
+            self.collector._guarded_queue(self)
+        else:
+            self.collector._guarded_end(self.st)
