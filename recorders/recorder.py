@@ -1,13 +1,10 @@
 """AmpRecorder: the black-box recorder that rides along with a training job.
 
 Lifecycle: construct (hooks registered, manifest written), `step()` once per
-optimizer step, `flush()` (blocks until everything so far is on disk),
-`close()` (idempotent; flushes and removes every hook). Also a context manager.
-
-`AmpRecorder` assembles its parts (docs/ARCHITECTURE.md lists them) and
-wires them; each keeps its own state. The training path only enqueues device
-work; every decision taken on values is made on host values or on the writer
-thread, one step (or more) late.
+optimizer step, `flush()`, `close()` (idempotent). Also a context manager.
+`AmpRecorder` assembles its parts (docs/ARCHITECTURE.md lists them); each
+keeps its own state. The training path only enqueues device work; decisions
+on values are made on host values or on the writer thread.
 """
 from __future__ import annotations
 
@@ -269,10 +266,8 @@ class AmpRecorder:
         if self.stance.found_compiled(finished):
             self.hooks.keep_attached()
             self.run_writer.submit(functools.partial(self.manifest.set_compiled, self.stance.info()))
-        reexecution, clean = None, False
-        if self.sentinel is not None:
-            reexecution, clean = self.sentinel.close_step(finished, loss_t, scale_before=self.rows.scale_before,
-                                                          compiled=self.stance.compiled)
+        reexecution, clean = self.sentinel.close_step(finished, loss_t, scale_before=self.rows.scale_before,
+                                                      compiled=self.stance.compiled) if self.sentinel else (None, False)
         pending = self.rows.pack(finished, step_id, loss, loss_t, loss_dtype=dtype, graph_slots=self.hooks.graph,
                                  reexecution=reexecution)
         self.bundles.on_step_end(step_id, loss=loss_t if loss_t is not None else loss, stepped=pending.stepped,
@@ -284,8 +279,7 @@ class AmpRecorder:
         self.stance.enter_tier(tier)
 
     def add_loss(self, loss) -> None:
-        """Add one micro-batch's loss as backpropagated (for a framework
-        hook that is handed it); summed into the step's loss at `step()`."""
+        """Add one micro-batch's loss as backpropagated (a framework hook's): summed at `step()`."""
         if self.guard.enabled and not self._closed and not self.hooks.paused:
             self.losses.add(loss)
 
@@ -342,11 +336,9 @@ class AmpRecorder:
             self._write_stop(status="closed")
         elif self.files is not None and self.files.status is not None:
             self.files.status.record(status="closed")
-        try:
+        with contextlib.suppress(Exception):  # the bundles' last writes never fail close()
             if self.bundles is not None:
                 self.bundles.close(write_decided=self.guard.failure is None and not self.writer.alive)
-        except Exception:
-            pass
         if self.files is not None:
             self.files.close(spool_full_steps=self.shards.dropped_steps if self.shards is not None else 0)
 
