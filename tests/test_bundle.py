@@ -330,14 +330,15 @@ def test_no_pickle_is_used_to_write_or_read_bundles(tmp_path, monkeypatch):
 def test_save_bundle_then_flush_puts_the_bundle_on_disk_before_close(tmp_path):
     model = PlantedNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with AmpRecorder(tmp_path / "run", model, optimizer=opt) as rec:
-        for step, (x, y) in enumerate(batches(3)):
-            if step == 1:
-                rec.save_bundle()  # before the forward: this step
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            rec.step()
+    rec = AmpRecorder(tmp_path / "run", model, optimizer=opt)
+
+    def ask(step, model, x):
+        if step == 1:
+            rec.save_bundle()  # before the forward: this step
+
+    with rec:
+        train_loop(model, batches(3), recorder=lambda *_: rec, optimizer=opt, dtype=None, scaler=None, on_step=ask,
+                   pass_loss=False, close=False)
         rec.flush()
         assert [s for s, _, _ in list_bundles(tmp_path / "run")] == [1]
         assert manifest(tmp_path / "run")["bundles"][0]["reason"] == "request"
@@ -421,14 +422,8 @@ def test_a_step_asked_for_but_not_sampled_is_saved_all_the_same(tmp_path):
     # The root's hooks hold every step's inputs, sampled or not (what a
     # re-execution needs): a step the schedule does not record still has
     # its bundle.
-    model = PlantedNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with AmpRecorder(tmp_path / "run", model, optimizer=opt, cheap_every=2, bundle_steps=[1, 2]) as rec:
-        for x, y in batches(3):
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            rec.step()
+    train_loop(PlantedNet(), batches(3), recorder=recorder_at(tmp_path / "run", cheap_every=2, bundle_steps=[1, 2]),
+               dtype=None, scaler=None, lr=0.1, pass_loss=False)
     assert [s for s, _, _ in list_bundles(tmp_path / "run")] == [1, 2]
     assert "bundles_missed" not in manifest(tmp_path / "run")
 
@@ -439,19 +434,13 @@ def _adam_job(run, **options):
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    with AmpRecorder(run, model, optimizer=opt, scaler=scaler, **options) as rec:
-        for step, (x, y) in enumerate(batches(2)):
-            if step == 1:
-                x = x.clone()
-                x[0, 0, 0] = math.inf
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = ((model(x).float() - y) ** 2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            rec.step(loss)
+
+    def inf_at_step_1(step, model, x):
+        if step == 1:
+            x[0, 0, 0] = math.inf
+
+    train_loop(model, batches(2), recorder=recorder_at(run, **options), optimizer=opt,
+               scaler={"init_scale": 2.0 ** 8}, on_step=inf_at_step_1)
     return model, opt
 
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from framework_runs import read_table
 from recorders import AmpRecorder, schema
+from tiny_models import recorder_at, train
 
 
 class Container(nn.Module):
@@ -24,19 +25,14 @@ class Container(nn.Module):
 
 
 def test_a_root_whose_forward_never_runs_is_recorded_per_micro_batch(tmp_path):
-    model = Container()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(0)
-    with AmpRecorder(tmp_path / "run", model, optimizer=opt, full_every=1, bundles=False) as rec:
-        for _ in range(2):
-            for _ in range(3):  # three micro-batches per optimizer step
-                x = torch.randn(5, 4, generator=g)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = model.head(model.body(x)).float().pow(2).mean()
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-            rec.step(loss)
+    data = [(torch.randn(5, 4, generator=g), None) for _ in range(6)]  # three micro-batches per optimizer step
+
+    def loss_fn(model, x, y, step, accumulate):
+        return model.head(model.body(x)).float().pow(2).mean()
+
+    train(Container(), data, recorder=recorder_at(tmp_path / "run", full_every=1, bundles=False), accumulate=3,
+          dtype=torch.bfloat16, scaler=None, lr=0.1, loss_fn=loss_fn)
     steps = read_table(tmp_path / "run", "steps")
     assert steps["micro_batches"].tolist() == [3, 3]
     tensors = read_table(tmp_path / "run", "tensors")
@@ -187,7 +183,7 @@ def _closures_made_in_a_step(model, recorder):
     import gc
     import types
 
-    from tiny_models import batches, train
+    from tiny_models import batches
     made = {}
 
     def build(*args):
@@ -227,7 +223,7 @@ def test_a_recorded_step_makes_no_closures_for_the_garbage_collector(tmp_path):
     most of the objects a step allocated (eleven each), enough for a
     garbage collection every step and a full one (~150 ms) every few
     hundred steps."""
-    from tiny_models import TinyNet, recorder_at
+    from tiny_models import TinyNet
     torch.manual_seed(0)
     model = TinyNet()
     plain = _closures_made_in_a_step(copy.deepcopy(model), None)
@@ -256,6 +252,7 @@ class FailsOnce(nn.Module):
 
 
 def _skip_bad_batches(run, model, batches, accumulate=1):
+    # Its own loop: the test is about a loop that drops a batch whose forward raised.
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with AmpRecorder(run, model, optimizer=opt, full_every=1) as rec:
         it = iter(batches)

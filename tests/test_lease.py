@@ -21,7 +21,7 @@ import recorders.lease as lease_module
 from amp_postmortem.reading.loader import load_run
 from recorders import AmpRecorder, schema
 from recorders.lease import LeaseHeldError, RankLease
-from tiny_models import TinyNet, batches, mse
+from tiny_models import TinyNet, batches, train
 
 TESTS = Path(__file__).resolve().parent
 
@@ -34,12 +34,9 @@ def _job(run):
 
 
 def _steps(rec, model, opt, n, first=0):
-    for i, (x, y) in enumerate(batches(n, seed=first + 1)):
-        loss = mse(model, x, y, first + i, 1)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        rec.step(loss)
+    """n steps of the job through its recorder `rec`, leaving it open."""
+    train(model, batches(n, seed=first + 1), recorder=lambda *_: rec, optimizer=opt, dtype=None, scaler=None,
+          close=False)
 
 
 def _files(run: Path) -> dict:

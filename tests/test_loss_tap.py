@@ -15,6 +15,7 @@ from framework_runs import read_table
 from recorders import AmpRecorder
 from recorders.loss_tap import find_loss
 from recorders.unwrap import unwrap_optimizer
+from tiny_models import recorder_at, train
 
 ACCUM, STEPS = 2, 3
 
@@ -42,31 +43,22 @@ def loop(run=None, *, scaler=True, pass_loss=False, nan_micro_batch=None, **opti
     ACCUM before scaling. Returns (the losses as backpropagated per step, the
     model, the scaler)."""
     model = LossNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
-    rec = AmpRecorder(run, model, optimizer=opt, scaler=sc, **options) if run else None
+    data = _data()
+    if nan_micro_batch is not None:
+        x, y = data[nan_micro_batch]
+        x = x.clone()
+        x[0, 0] = math.nan
+        data[nan_micro_batch] = (x, y)
     backpropagated = []
-    for i, (x, y) in enumerate(_data()):
-        if i == nan_micro_batch:
-            x = x.clone()
-            x[0, 0] = math.nan
-        with torch.autocast("cpu", dtype=torch.float16):
-            _, loss = model(x, y)
-        loss = loss / ACCUM
+
+    def loss_fn(model, x, y, step, accumulate):
+        loss = model(x, y)[1] / accumulate
         backpropagated.append(loss.item())
-        (sc.scale(loss) if sc else loss).backward()
-        if (i + 1) % ACCUM:
-            continue
-        if sc:
-            sc.step(opt)
-            sc.update()
-        else:
-            opt.step()
-        opt.zero_grad()
-        if rec:
-            rec.step(loss) if pass_loss else rec.step()
-    if rec:
-        rec.close()
+        return loss
+
+    train(model, data, recorder=recorder_at(run, **options) if run else None, scaler=sc, accumulate=ACCUM, lr=0.1,
+          loss_fn=loss_fn, pass_loss=pass_loss)
     per_step = [backpropagated[i:i + ACCUM] for i in range(0, len(backpropagated), ACCUM)]
     return per_step, model, sc
 
@@ -109,6 +101,7 @@ def test_a_disabled_scaler_still_hands_over_every_loss(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     passed = []
+    # Its own loop: nanoGPT's, which backpropagates loss / ACCUM and passes rec.step() the undivided loss.
     with AmpRecorder(tmp_path / "run", model, optimizer=opt, scaler=scaler, bundles=False) as rec:
         for i, (x, y) in enumerate(_data()[:4]):
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -141,14 +134,8 @@ def test_loss_dtype_is_the_backpropagated_loss_own_dtype(tmp_path, cast):
     """The step's recorded loss is combined in float32 at least; `loss_dtype`
     is the dtype of the loss that went through the scaler (its gradient is
     the scale in that dtype)."""
-    model = LossNet()
-    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    with AmpRecorder(tmp_path / "run", model, scaler=sc) as rec:
-        for x, y in _data()[:2]:
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(x, y)[1].to(cast)
-            sc.scale(loss).backward()
-            rec.step()
+    train(LossNet(), _data()[:2], recorder=recorder_at(tmp_path / "run"), scaler={"init_scale": 2.0 ** 8},
+          loss_fn=lambda model, x, y, step, accumulate: model(x, y)[1].to(cast), pass_loss=False)
     assert _loss_dtypes(tmp_path / "run") == [str(cast).removeprefix("torch.")] * 2
     assert read_table(tmp_path / "run", "steps")["loss"].notna().all()
 

@@ -167,6 +167,7 @@ def test_a_skip_in_a_run_without_a_scaler_is_the_loops_own_not_the_scalers(tmp_p
     model = BoomNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(3)
+    # Its own loop: the test is about a loop that skips opt.step() on a non-finite gradient.
     with AmpRecorder(tmp_path / "run", model, optimizer=opt) as rec:
         for step in range(4):
             model.amp.gain = math.nan if step == 2 else 1.0  # a NaN born in the backward pass

@@ -136,21 +136,17 @@ def test_gradient_accumulation_aggregates_micro_batches_into_one_step(tmp_path):
 def test_outputs_of_any_structure_repeated_calls_frozen_params_and_eval_passes(tmp_path):
     run = tmp_path / "run"
     torch.manual_seed(0)
-    model = FancyOutputs()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
-    sc = torch.amp.GradScaler("cpu")
-    with AmpRecorder(run, model, optimizer=opt, scaler=sc) as rec:
-        for x, y in batches(3, d_out=4):
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = model(x)
-                loss = ((out.logits.float() - y) ** 2).mean() + out.aux.float().mean()
-            sc.scale(loss).backward()
-            sc.step(opt)
-            sc.update()
-            opt.zero_grad()
-            with torch.no_grad():
-                model(x)  # an eval pass between steps is not a micro-batch
-            rec.step(loss)
+
+    def loss_fn(model, x, y, step, accumulate):
+        out = model(x)
+        return ((out.logits.float() - y) ** 2).mean() + out.aux.float().mean()
+
+    def eval_pass(step, model):
+        with torch.no_grad():
+            model(data[step][0])  # an eval pass between steps is not a micro-batch
+
+    data = batches(3, d_out=4)
+    train(FancyOutputs(), data, recorder=recorder_at(run), lr=0.01, loss_fn=loss_fn, after_update=eval_pass)
     t = read(run, "tensors")
     steps = read(run, "steps")
     assert steps["micro_batches"].tolist() == [1, 1, 1]
@@ -267,6 +263,7 @@ def test_include_and_exclude_patterns_choose_the_watched_modules(tmp_path):
     assert not any("mlp" in n for n in names) and "embed" not in names
 
 
+# Its own loop: a subprocess script that flushes, then kills itself mid-run.
 SIGKILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {tests!r})
@@ -403,20 +400,19 @@ def test_grad_norm_with_a_fused_optimizer_is_unscaled_and_skips_are_nonfinite(tm
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
     expected = []
-    with AmpRecorder(tmp_path / "run", model, optimizer=opt, scaler=scaler) as rec:
-        for step, (x, y) in enumerate(batches(3)):
-            if step == 1:
-                x = x * 1e4  # float16 overflow: a skipped step
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = ((model(x).float() - y) ** 2).mean()
-            scaler.scale(loss).backward()
-            # the user's view: the unscaled gradients, before the fused step
-            expected.append(torch.linalg.vector_norm(torch.stack(
-                [(p.grad.double() / scaler.get_scale()).norm() for p in model.parameters()])).item())
-            scaler.step(opt)  # fused: the optimizer unscales; its pre-hook sees scaled gradients
-            scaler.update()
-            opt.zero_grad()
-            rec.step(loss)
+
+    def overflow(step, model, x):
+        if step == 1:
+            x.mul_(1e4)  # float16 overflow: a skipped step
+
+    def unscaled_norm(step, micro_batch, rec):
+        # the user's view: the unscaled gradients, before the fused step
+        # (fused: the optimizer unscales; its pre-hook sees scaled gradients)
+        expected.append(torch.linalg.vector_norm(torch.stack(
+            [(p.grad.double() / scaler.get_scale()).norm() for p in model.parameters()])).item())
+
+    train(model, batches(3), recorder=recorder_at(tmp_path / "run"), optimizer=opt, scaler=scaler,
+          on_step=overflow, after_backward=unscaled_norm)
     steps = read(tmp_path / "run", "steps")
     assert steps["skipped"].tolist() == [False, True, False]
     assert not math.isfinite(steps["grad_norm"][1]) and not math.isfinite(expected[1])

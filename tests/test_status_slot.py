@@ -19,7 +19,7 @@ import amp_postmortem
 from amp_postmortem.reading.loader import load_run
 from recorders import AmpRecorder, schema
 from recorders.status_slot import SLOT_BYTES, StatusSlot
-from tiny_models import TinyNet, batches, mse
+from tiny_models import TinyNet, batches, train
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
 
@@ -47,17 +47,9 @@ def fill(directory: Path) -> None:
             assert exc.errno == errno.ENOSPC
 
 
-def steps(rec, model, opt, scaler, data, first: int, on_step=None):
-    for i, (x, y) in enumerate(data):
-        if on_step:
-            on_step(first + i)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = mse(model, x, y, first + i, 1)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        rec.step(loss)
+def steps(rec, model, opt, scaler, data):
+    """Train on `data` through the recorder `rec` of a job, leaving it open."""
+    train(model, data, recorder=lambda *_: rec, optimizer=opt, scaler=scaler, close=False)
 
 
 def _job(run, **options):
@@ -87,11 +79,11 @@ def test_a_full_tmpfs_still_takes_the_stop_record_and_summary_says_error(tmp_pat
         run = mnt / "run"
         rec, model, opt, scaler = _job(run, steps_per_shard=5, flush_interval_s=3600)
         data = batches(15)
-        steps(rec, model, opt, scaler, data[:5], 0)
+        steps(rec, model, opt, scaler, data[:5])
         rec.flush()  # steps 0-4 on disk
         fill(mnt)    # the disk fills up while the job runs
         with pytest.warns(RuntimeWarning, match="recording disabled after an internal error: OSError"):
-            steps(rec, model, opt, scaler, data[5:], 5)
+            steps(rec, model, opt, scaler, data[5:])
             rec.close()
         assert not rec.enabled
         # The manifest's rewrite failed (no room for a new file): only the
@@ -121,10 +113,10 @@ def test_a_read_only_remount_is_refused_while_the_recorder_holds_its_slot(tmp_pa
         run = mnt / "run"
         rec, model, opt, scaler = _job(run, steps_per_shard=4)
         data = batches(8)
-        steps(rec, model, opt, scaler, data[:4], 0)
+        steps(rec, model, opt, scaler, data[:4])
         remount = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True, text=True)
         assert remount.returncode != 0 and "busy" in remount.stderr.lower(), remount
-        steps(rec, model, opt, scaler, data[4:], 4)
+        steps(rec, model, opt, scaler, data[4:])
         rec.close()
         assert rec.enabled
         assert load_run(run).steps["step"].tolist() == list(range(8))
@@ -152,11 +144,11 @@ def test_a_filesystem_that_refuses_every_write_leaves_the_record_in_the_fallback
         run = mnt / "run"
         rec, model, opt, scaler = _job(run, steps_per_shard=2, flush_interval_s=3600)
         data = batches(6)
-        steps(rec, model, opt, scaler, data[:2], 0)
+        steps(rec, model, opt, scaler, data[:2])
         rec.flush()
         _shutdown(mnt)
         with pytest.warns(RuntimeWarning, match=f"The reason is recorded in {fallback}"):
-            steps(rec, model, opt, scaler, data[2:], 2)
+            steps(rec, model, opt, scaler, data[2:])
             rec.close()
         (record,) = fallback.glob("*-rank0.json")
         doc = json.loads(record.read_text())

@@ -129,6 +129,7 @@ def s3(tmp_path_factory):
 
 def _train(rec, model, opt, scaler, steps, *, on_step=None, nan_step=None):
     """Tiny fp16-autocast loop; returns each step's wall time (recorder included)."""
+    # Its own loop: it times each whole step, rec.step() included, against a store's outage.
     times = []
     for step in range(steps):
         if on_step:

@@ -319,7 +319,8 @@ class Trained(typing.NamedTuple):
 
 def train(model, data, *, recorder=None, dtype=torch.float16, scaler=True, accumulate: int = 1,
           lr: float = 0.05, loss_fn=mse, on_step=None, after_backward=None, before_update=None,
-          close: bool = True, stop_when=None) -> Trained:
+          close: bool = True, stop_when=None, optimizer=None, pass_loss: bool = True,
+          after_update=None) -> Trained:
     """The one AMP training loop of the tests, on the CPU.
 
     data: the micro-batches, `accumulate` per optimizer step ((x, y) pairs);
@@ -333,10 +334,13 @@ def train(model, data, *, recorder=None, dtype=torch.float16, scaler=True, accum
     before_update(step, model): after the backward passes, before the update;
     close: close the recorder at the end (False: leave it open);
     stop_when(rec): after each rec.step(), end the loop when true (a stop an
-    on_event callback asked for).
+    on_event callback asked for);
+    optimizer: the optimizer to step (None: SGD over the model's parameters at `lr`);
+    pass_loss: hand the loss to rec.step() (False: rec.step() with none);
+    after_update(step, model): after the update, before rec.step() (an eval pass).
     Returns the losses (as passed to rec.step), the scales after each step,
     the final parameters and the recorder."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=lr)
     if scaler is True or isinstance(scaler, dict):
         sc = torch.amp.GradScaler("cpu", **(scaler if isinstance(scaler, dict) else {}))
     else:
@@ -362,8 +366,10 @@ def train(model, data, *, recorder=None, dtype=torch.float16, scaler=True, accum
         else:
             opt.step()
         opt.zero_grad()
+        if after_update:
+            after_update(step, model)
         if rec:
-            rec.step(loss)
+            rec.step(loss) if pass_loss else rec.step()
         losses.append(loss.item())
         scales.append(sc.get_scale() if sc else None)
         if stop_when is not None and stop_when(rec):
