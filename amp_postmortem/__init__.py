@@ -68,7 +68,7 @@ def load_bundle(path, *, step: int | None = None, rank: int | None = None):
 # -------------------------------------------------------- table commands
 def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "local",
             scheduler: str | None = None, model=None, step: int | None = None, device: str = "cpu",
-            policy: str = "recorded", loss_fn=None, progress=None):
+            policy: str = "recorded", loss_fn=None, loss=None, progress=None):
     """Run facts and findings, most severe first (`amp-postmortem summary`).
     `window`: the last N steps `ranges` judges (0: the whole run).
     `engine`/`scheduler`: where the per-shard reads run (`local`, or `dask`
@@ -77,8 +77,9 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
     a run with a NaN/Inf replays a saved bundle and adds the op origin
     (`op_origin`: `replaying/run_origin.py`), and re-runs the saved window of
     steps in float32 to decide precision or instability
-    (`precision_verdict`: `whatif/verdict.py`); without it nothing is
-    replayed and the verdict is undetermined."""
+    (`precision_verdict`: `whatif/verdict.py`; `loss`: the loop's loss, as
+    for `rerun`); without it nothing is replayed and the verdict is
+    undetermined."""
     from .analyses.summary import summarize
     r = load_run(_replayable(run, model), rank=rank, engine=engine, scheduler=scheduler, progress=progress)
     with _engine_of(r):
@@ -89,11 +90,11 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
             report.op_origin = _op_origin(r, model, step, rank, origin.get("step") if origin.get("phase") ==
                                           "forward" else None, device, policy, loss_fn)
         if model is not None and report.precision_verdict is not None:
-            _decide_precision(report, r, model, rank, device, policy, loss_fn)
+            _decide_precision(report, r, model, rank, device, policy, loss_fn, loss)
         return _result(report, r)
 
 
-def _decide_precision(report, run, model, rank, device, policy, loss_fn):
+def _decide_precision(report, run, model, rank, device, policy, loss_fn, loss=None):
     """Precision or instability by the float32 re-run of the saved window
     (`whatif/verdict.py`), put into the summary (`apply_verdict`)."""
     import shlex
@@ -103,7 +104,7 @@ def _decide_precision(report, run, model, rank, device, policy, loss_fn):
     from .whatif.verdict import decide
     unstable = find_instability(run)
     verdict = decide(run, report.precision_verdict.failure_step, model=model, rank=rank, device=device,
-                     policy=policy, loss_fn=resolve_loss_fn(loss_fn))
+                     policy=policy, loss_fn=resolve_loss_fn(loss_fn), loss=loss)
     apply_verdict(report, verdict, unstable, shlex.quote(str(run.path)))
 
 
@@ -313,14 +314,17 @@ def recommend(run, *, rank: int | None = None, model=None, step: int | None = No
 
 def rerun(run, *, from_step: int | None = None, steps: int | None = None, rank: int | None = None, model=None,
           precision: str = "recorded", keep_fp32=(), init_scale: float | None = None, lr_scale: float = 1.0,
-          device: str = "cpu", policy: str = "recorded", loss_fn=None, optimizer=None):
+          device: str = "cpu", policy: str = "recorded", loss_fn=None, optimizer=None, loss=None):
     """Re-run the saved window of steps under a remedy (`amp-postmortem
     rerun`): from `from_step` (default: the window's first) for `steps`
     steps (default: to its end) in `precision` (recorded, fp64, fp32,
     bf16, fp16), `keep_fp32` modules in float32, from loss scale
     `init_scale`, the learning rate times `lr_scale`. Per step: finite or
     not, the loss vs the recorded loss, skipped. `optimizer`: a spec or
-    `factory(model)` for an optimizer outside the rebuilt torch.optim ones."""
+    `factory(model)` for an optimizer outside the rebuilt torch.optim ones.
+    `loss`: the loss the loop computes outside the model (a callable, or
+    `path/to/file.py:name`), called as the loop called it on the targets
+    the window kept (recorded with `AmpRecorder(..., loss_fn=criterion)`)."""
     _check_device(device)
     from .replaying.model_spec import resolve_factory, resolve_loss_fn
     from .whatif.rerun import rerun_window
@@ -331,7 +335,7 @@ def rerun(run, *, from_step: int | None = None, steps: int | None = None, rank: 
                                 keep_fp32=_names(keep_fp32 if isinstance(keep_fp32, str) else ",".join(keep_fp32)),
                                 init_scale=init_scale,
                                 lr_scale=lr_scale, device=device, policy=policy, loss_fn=resolve_loss_fn(loss_fn),
-                                optimizer=optimizer))
+                                optimizer=optimizer, loss=loss))
 
 
 # ------------------------------------------------------------- pictures

@@ -5,7 +5,8 @@ bundles=BundlePolicy(...) | False, storage=StorageOptions(...),
 writer=WriterOptions(...), on_event=callback | EventPolicy(...),
 probe=[patterns] | ProbeOptions(...))`: each option is defined and documented once, in
 its part. The flat keywords of earlier versions (`full_every=`,
-`max_bundles=`, `spool_dir=`, ...) keep working: `FLAT_OPTIONS` says which
+`max_bundles=`, `spool_dir=`, ..., and `loss_fn=`: the loss the loop computes
+outside the model, kept in the counterfactual window) keep working: `FLAT_OPTIONS` says which
 part and field each one is, and `parts_from_flat` is the one place that maps
 them. A part and one of its own flat keywords together are an `OptionError`
 (which one should win is not for the recorder to guess).
@@ -170,6 +171,7 @@ FLAT_OPTIONS = {
     "clone_inputs": ("bundles", "clone_inputs"),
     "window_steps": ("bundles", "window_steps"),
     "max_window_bytes": ("bundles", "max_window_bytes"),
+    "loss_fn": ("bundles", "loss_fn"),
     "spool_dir": ("storage", "spool_dir"),
     "spool_max_bytes": ("storage", "spool_max_bytes"),
     "upload_timeout_s": ("storage", "upload_timeout_s"),

@@ -59,7 +59,10 @@ LOSS_SCALING_KEY = "loss_scaling"
 # buffers, optimizer and scaler state at a window's first step and every
 # step's inputs and RNG since, written when a bundle trigger fires.
 WINDOW_FORMAT_NAME = "amp-postmortem-window"
-WINDOW_SCHEMA_VERSION = "1.0"
+WINDOW_SCHEMA_VERSION = "1.1"  # 1.1: the loop's loss calls (micro_batches[].loss, loss)
+# A kept loss call's prediction, in its argument tree (window 1.1):
+# {WINDOW_PREDICTION_KEY: i, "shape": [...], "dtype": "float16"}
+WINDOW_PREDICTION_KEY = "amp_postmortem.prediction"
 
 # float16 limits the statistics are measured against (IEEE binary16).
 FP16_MAX = 65504.0

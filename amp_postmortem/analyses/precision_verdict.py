@@ -72,25 +72,51 @@ class PrecisionVerdict:
         if b is Basis.NO_MODEL:
             return (f"precision or instability undetermined: a window of steps {self.window[0]}-{self.window[1]} "
                     f"is saved; re-run it in float32 to decide: {self.command}")
+        if self.why:  # windows were saved, none holding the failure
+            return f"precision or instability undetermined: {self.why}; decide it by {self.command}"
         return ("precision or instability undetermined: no window of steps was saved to re-run in float32; "
                 f"decide it by {self.command}")
 
 
-def undetermined(run, failure_step: int | None, *, rank: int | None = None) -> PrecisionVerdict:
-    """The verdict without a re-run: which window would decide it, and how."""
+def undetermined(run, failure_step: int | None, *, rank: int | None = None, model: str | None = None,
+                 loss: str | None = None) -> PrecisionVerdict:
+    """The verdict without a re-run: which window would decide it, and how
+    (the exact command: `--loss` where the window kept the loop's loss;
+    never advice to record what the run already holds)."""
     target = shlex.quote(str(run.path))
-    span = pick_window(window_spans(run.path, rank), failure_step)
+    spans = window_spans(run.path, rank)
+    span = pick_window(spans, failure_step)
+    model_words = shlex.quote(model) if model else "SPEC"
     if span is None:
         compare = f"training the job in float32 and running `amp-postmortem compare FP32_RUN {target}`"
         off = windows_off(run.path)
-        command = (f"{compare} (the recorder keeps no window here: {off})" if off else
-                   f"recording again with AmpRecorder(..., bundles=BundlePolicy(window_steps="
-                   f"{DEFAULT_WINDOW_STEPS})) and running `amp-postmortem summary {target} --model SPEC`, or "
-                   f"by {compare}")
-        return PrecisionVerdict(Verdict.UNDETERMINED, Basis.NO_WINDOW, failure_step, command=command)
+        why = None
+        if off:
+            command = f"{compare} (the recorder keeps no window here: {off})"
+        elif spans:
+            saved = ", ".join(f"{s['first_step']}-{s['last_step']}" for s in spans)
+            why = (f"the run saved window(s) of steps {saved}, none holding the failure at step {failure_step} "
+                   "(an older recorder opened its one window at the first bundle trigger, or max_window_bytes "
+                   "ran out)")
+            command = (f"recording again with this version (a window opens at the first non-finite loss or "
+                       f"forward value, and more than one is kept within max_window_bytes) and running "
+                       f"`amp-postmortem summary {target} --model {model_words}`, or by {compare}")
+        else:
+            command = (f"recording again with AmpRecorder(..., window_steps={DEFAULT_WINDOW_STEPS}) (a loop that "
+                       f"computes its loss outside the model: AmpRecorder(..., loss_fn=criterion), which keeps "
+                       f"the targets too) and running `amp-postmortem summary {target} --model {model_words}`, "
+                       f"or by {compare}")
+        return PrecisionVerdict(Verdict.UNDETERMINED, Basis.NO_WINDOW, failure_step, command=command, why=why)
     first, last = span["first_step"], span["last_step"]
+    loss_words = ""
+    if loss or span.get("loss"):
+        loss_words = f" --loss {shlex.quote(loss) if loss else 'FILE.py:NAME'}"
     command = (f"amp-postmortem rerun {target} --from {first} --steps {last - first + 1} --precision fp32 "
-               f"--model SPEC (or `amp-postmortem summary {target} --model SPEC`)")
+               f"--model {model_words}{loss_words} (or `amp-postmortem summary {target} --model {model_words}"
+               f"{loss_words}`)")
+    if span.get("loss") and not loss:
+        command += (f"; FILE.py:NAME: your own file and the loss the loop calls ({span['loss'].rpartition('.')[2]} "
+                    "was recorded)")
     return PrecisionVerdict(Verdict.UNDETERMINED, Basis.NO_MODEL, failure_step, window=[first, last],
                             command=command)
 

@@ -30,7 +30,7 @@ from ..names import FINDING_KINDS
 from .replay import replay_command
 from .report import export_group, report_command
 from .whatif import COMMANDS as WHATIF_COMMANDS
-from .whatif import replay_options
+from .whatif import LOSS_HELP, replay_options
 from .output import (StderrProgress, api_default, emit_event, engine_options, output_options, run_options,
                      stream_options)
 
@@ -194,6 +194,7 @@ FAIL_ON_HELP = ("a severity (" + ", ".join(SEVERITIES) + ": a finding of it or w
               help="Exit with code 1 when a finding of this severity or worse, or of these kinds, exists "
                    "(for CI): " + FAIL_ON_HELP + ".")
 @op_origin_options
+@click.option("--loss", metavar="FILE.py:NAME", default=None, help="With --model: " + LOSS_HELP)
 @engine_options
 @output_options(csv=True)
 def summary(run, fail_on, **options):

@@ -21,6 +21,11 @@ from ..names import DEVICES, POLICIES, REDUCED_PRECISIONS, RERUN_PRECISIONS
 from .output import RUN_LOCATION, StderrProgress, api_default, output_options, run_options
 
 
+LOSS_HELP = ("path/to/file.py:name (or package.module:name): the loss the loop computes outside the model "
+             "(a criterion module or class, or a function), called as the loop called it on the targets the "
+             "window kept (recorded with AmpRecorder(..., loss_fn=criterion)).")
+
+
 def replay_options(*, step_required: bool = True, precision: bool = True, step_help: str | None = None):
     """--step, --model, --loss-fn, --device, --policy and --precision of the
     what-ifs that replay a bundle (`nans` and `summary` take them without
@@ -203,6 +208,7 @@ def recommend(run, **options):
 @click.option("--loss-fn", metavar="SPEC", default=None,
               help="package.module:function or path/to/file.py:function, called as loss_fn(output, micro_batch): "
                    "the loss when the model does not return it (targets outside its inputs are not recorded).")
+@click.option("--loss", metavar="FILE.py:NAME", default=None, help=LOSS_HELP)
 @click.option("--optimizer", metavar="SPEC", default=None,
               help="package.module:factory called as factory(model), returning the optimizer: needed when the "
                    "run's optimizer is not a torch.optim class the re-run rebuilds (SGD, Adam, AdamW, RMSprop, ...).")
@@ -220,6 +226,7 @@ def rerun(run, **options):
     \b
         amp-postmortem rerun runs/exp1 --precision fp32 --model mypkg.models:build
         amp-postmortem rerun runs/exp1 --from 120 --steps 16 --keep-fp32 attn --model train.py:make_model
+        amp-postmortem rerun runs/exp1 --precision fp32 --model train.py:make_model --loss train.py:criterion
     """
     return api.rerun(run, **options)
 

@@ -18,6 +18,9 @@ from .files.models import WindowMeta, validate
 from .files.safe import check_inside, numbered_dirs, rank_of, shown, step_of
 
 
+PREDICTION_KEY = schema.WINDOW_PREDICTION_KEY  # a kept loss call's prediction (window 1.1)
+
+
 @dataclass
 class WindowStep:
     step: int
@@ -25,6 +28,10 @@ class WindowStep:
     rng: list               # per micro-batch: {"cpu": uint8 Tensor, "cuda": [...]}
     optimizer_groups: list | None  # the hyperparameters the step used, per group
     stepped: bool | None
+    # per micro-batch: the loop's loss call (`BundlePolicy(loss_fn=)`, since
+    # 1.1) as {"args": tuple, "kwargs": dict, "calls": int}, each prediction
+    # a {PREDICTION_KEY: i, "shape", "dtype"} dict; None: not kept
+    losses: list = field(default_factory=list)
 
 
 @dataclass
@@ -95,8 +102,11 @@ def window_spans(run_dir, rank: int | None = None) -> list[dict]:
             meta = _read_meta(path / schema.WINDOW_MANIFEST_FILE, path)
         except BundleError:
             continue
+        loss = meta.get("loss")
         out.append({"first_step": meta["first_step"], "last_step": meta["last_step"],
-                    "trigger_step": meta.get("trigger_step"), "rank": r, "path": str(path)})
+                    "trigger_step": meta.get("trigger_step"), "rank": r, "path": str(path),
+                    "reasons": list(meta.get("reasons") or []),
+                    "loss": loss.get("name") if isinstance(loss, dict) and loss.get("kept") else None})
     return out
 
 
@@ -166,6 +176,17 @@ def _check_place(path: Path, meta_path: Path, meta: dict) -> None:
                           f"{meta['first_step']} to last_step {meta['last_step']} in order")
 
 
+def _loss_call(spec, k: int, get):
+    """A micro-batch's kept loss call (window 1.1), its tensors read as the
+    inputs are; None when none was kept."""
+    if not isinstance(spec, dict):
+        return None
+    from .bundle import decode_tree  # the tensor codec, as the bundle reader imports it
+    lookup = (lambda name: get("input", name, k))
+    return {"args": tuple(decode_tree(spec["args"], lookup)), "kwargs": dict(decode_tree(spec["kwargs"], lookup)),
+            "calls": int(spec.get("calls", 1))}
+
+
 def _assemble(path: Path, meta: dict, tensors: dict) -> Window:
     from .bundle import micro_batch_of, optimizer_state_of, tensor_lookup, weights_of
     get = tensor_lookup(tensors, path, schema.WINDOW_MANIFEST_FILE)
@@ -176,12 +197,14 @@ def _assemble(path: Path, meta: dict, tensors: dict) -> Window:
     scaler_state = {n: get("scaler_state", n) for n in (scaler or {}).get("tensors", [])}
     steps = []
     for s in meta["steps"]:
-        inputs, rngs = [], []
+        inputs, rngs, losses = [], [], []
         for mb in s["micro_batches"]:
             call, rng = micro_batch_of(mb, mb["index"], get)
             inputs.append(call)
             rngs.append(rng)
-        steps.append(WindowStep(int(s["step"]), inputs, rngs, s.get("optimizer_groups"), s.get("stepped")))
+            losses.append(_loss_call(mb.get("loss"), mb["index"], get))
+        steps.append(WindowStep(int(s["step"]), inputs, rngs, s.get("optimizer_groups"), s.get("stepped"),
+                                losses))
     return Window(
         path=str(path), rank=int(meta["rank"]), first_step=int(meta["first_step"]),
         last_step=int(meta["last_step"]), trigger_step=meta.get("trigger_step"), params=params,

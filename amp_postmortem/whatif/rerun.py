@@ -23,9 +23,13 @@ What runs and what is never imported:
   and key); any other class needs `optimizer=` (`--optimizer SPEC`,
   `factory(model)` returning it), whose state is loaded the same way;
 - the scaler: `torch.amp.GradScaler` with the recorded settings;
-- the loss: the model's own (a scalar output, or `.loss` / `["loss"]`),
-  else `loss_fn(output, micro_batch)`; targets outside the model's inputs
-  are not recorded, so a model that does not return its loss needs one.
+- the loss: the loop's, called as the loop called it, when the window kept
+  its calls (`AmpRecorder(..., loss_fn=criterion)`: the targets are in the
+  window) and the user names it (`loss=`, `--loss FILE.py:fn`: the
+  recorded call's arguments with the model's output in the prediction's
+  place); else the model's own (a scalar output, or `.loss` / `["loss"]`),
+  else `loss_fn(output, micro_batch)`. The loss is never taken from the
+  window: it records only the loss's name, for the messages.
 """
 from __future__ import annotations
 
@@ -156,8 +160,11 @@ def remedy_words(r) -> str:
     return ", ".join(parts)
 
 
-def rerun_command(run, window, *, precision="fp32", model: str | None = None, keep_fp32=(), from_step=None) -> str:
-    """The command line that re-runs `window` (a `Window`, or (first, last))."""
+def rerun_command(run, window, *, precision="fp32", model: str | None = None, keep_fp32=(), from_step=None,
+                  loss: str | None = None) -> str:
+    """The command line that re-runs `window` (a `Window`, or (first, last));
+    `loss`: the --loss spec, or "FILE.py:FN" where the window kept the loss's
+    calls and none was given."""
     first, last = (window.first_step, window.last_step) if hasattr(window, "first_step") else window
     start = first if from_step is None else from_step
     parts = ["amp-postmortem", "rerun", shlex.quote(str(run)), "--from", str(start), "--steps",
@@ -165,14 +172,46 @@ def rerun_command(run, window, *, precision="fp32", model: str | None = None, ke
     for m in keep_fp32:
         parts += ["--keep-fp32", shlex.quote(m)]
     parts += ["--model", shlex.quote(model) if isinstance(model, str) else "SPEC"]
+    if loss is not None:
+        parts += ["--loss", shlex.quote(loss)]
     return " ".join(parts)
+
+
+def loss_kept(window) -> str | None:
+    """The name of the loss whose calls `window` kept (None: none kept)."""
+    meta = (window.meta if hasattr(window, "meta") else window).get("loss")
+    return meta.get("name") if isinstance(meta, dict) and meta.get("kept") else None
+
+
+def resolve_loss(loss):
+    """`--loss FILE.py:fn` (or package.module:name, or a callable): the loss
+    the loop called; a class (an nn.Module criterion's) is built with no
+    arguments."""
+    from ..errors import LossFnSpecError
+    from ..replaying.model_spec import resolve_factory
+    if loss is None:
+        return None
+    fn = loss if callable(loss) and not isinstance(loss, type) else None
+    if fn is None:
+        fn = resolve_factory(loss, what="loss spec", error=LossFnSpecError,
+                             forms="path/to/file.py:name or package.module:name") if isinstance(loss, str) else loss
+        if isinstance(fn, type):
+            try:
+                fn = fn()
+            except Exception as exc:  # noqa: BLE001 - the user's class
+                raise LossFnSpecError(f"loss spec {loss!r}: building {fn.__name__}() failed: "
+                                      f"{type(exc).__name__}: {exc}") from None
+    if not callable(fn):
+        raise LossFnSpecError(f"loss spec {loss!r} names {type(fn).__name__}, not a callable loss")
+    return fn
 
 
 # ------------------------------------------------------------------ running
 def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = None, rank: int | None = None,
                  model=None, precision: str = "recorded", keep_fp32=(), init_scale: float | None = None,
                  lr_scale: float = 1.0, device: str = "cpu", policy: str = "recorded", loss_fn=None,
-                 optimizer=None, window=None, recorded=None, fp32_lines=(), use_scaler: bool = True) -> RerunResult:
+                 optimizer=None, window=None, recorded=None, fp32_lines=(), use_scaler: bool = True,
+                 loss=None) -> RerunResult:
     """Re-run the saved window holding `from_step` (default: the first
     window, from its first step) for `steps` steps (default: to its end)
     under the remedy. `recorded`: {step: (loss, skipped, loss_scale_before)}
@@ -180,7 +219,8 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
     pairs of the model's source run in float32 (`fix`'s op-level remedy).
     A model given as a module is copied: the re-run trains the copy.
     `use_scaler=False`: the remedied steps run without a GradScaler (the
-    bfloat16 advice's "no GradScaler")."""
+    bfloat16 advice's "no GradScaler"). `loss`: the loop's loss (a callable
+    or a `--loss` spec), called as the window's kept calls say."""
     import copy
 
     import torch
@@ -212,6 +252,7 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
     if steps is not None and int(steps) < 1:
         raise OptionError(f"--steps {steps} is not a positive number of steps")
     end = w.last_step if steps is None else min(w.last_step, start + int(steps) - 1)
+    loss = _LoopLoss(resolve_loss(loss), loss_kept(w), w) if (loss is not None or loss_kept(w)) else None
     recorded = recorded if recorded is not None else recorded_steps(run_dir, w.rank)
     ac = w.autocast or {}
     recorded_precision = {"float16": "fp16", "bfloat16": "bf16"}.get(ac.get("dtype"), "fp32") \
@@ -259,7 +300,7 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
                              tuple(fp32_lines or ()) if remedied else ())
             hyper = s.optimizer_groups or hyper
             result.steps.append(_train_step(net, opt, scaler, s, hyper, config, recorded.get(s.step),
-                                            lr_scale if remedied else 1.0, loss_fn, dev, remedied))
+                                            lr_scale if remedied else 1.0, loss_fn, dev, remedied, loss))
     return result
 
 
@@ -379,7 +420,80 @@ def _scaler(w, recorded, precision, dev, init_scale, *, carry=None, first=None):
     return scaler
 
 
-def _train_step(net, opt, scaler, s, hyper, config, recorded, lr_scale, loss_fn, dev, remedied) -> RerunStep:
+class _LoopLoss:
+    """The loop's loss (`fn`, the user's) over a window's kept calls (the
+    loss named `kept`)."""
+
+    def __init__(self, fn, kept: str | None, w):
+        self.fn, self.kept, self.window = fn, kept, w
+
+    def __call__(self, output, step, k, cast):
+        from ..reading.window import PREDICTION_KEY
+        calls = step.losses[k] if k < len(step.losses) else None
+        if calls is None:
+            if self.fn is None:
+                return None
+            raise ModelSpecError(f"--loss needs the loss's targets, and the window kept no call of the loss at "
+                                 f"step {step.step}: record with AmpRecorder(..., loss_fn=criterion) (the "
+                                 "criterion the loop calls)" if not self.kept else
+                                 f"the window kept no call of {self.kept} at step {step.step} (micro-batch "
+                                 f"{k}): the loop called it by another name than the one recorded")
+        if self.fn is None:
+            raise ModelSpecError(
+                f"the rerun needs the loss: the loop computes it outside the model ({_short(self.kept)}, whose "
+                "targets the window kept); name it with --loss FILE.py:NAME (the criterion or function the "
+                "loop calls, from your own file: called as the loop called it)")
+        if calls["calls"] > 1:
+            raise ModelSpecError(f"the loop called {_short(self.kept)} {calls['calls']} times in one micro-batch "
+                                 f"(step {step.step}): the window kept the first call only, and the loss of "
+                                 "several calls cannot be rebuilt from it")
+        preds = _predictions(output)
+
+        def fill(obj):
+            if isinstance(obj, dict) and PREDICTION_KEY in obj:
+                i = int(obj[PREDICTION_KEY])
+                if not preds:
+                    raise ModelSpecError("the model's output holds no tensor to put in the loss's prediction")
+                p = preds[i] if i < len(preds) else preds[0]
+                shape = tuple(obj.get("shape") or ())
+                if tuple(p.shape) != shape and p.numel() == math.prod(shape):
+                    p = p.reshape(shape)  # the loop's own view of the output (logits.view(-1, V))
+                return p
+            if isinstance(obj, tuple):
+                return tuple(fill(v) for v in obj)
+            if isinstance(obj, list):
+                return [fill(v) for v in obj]
+            if isinstance(obj, dict):
+                return {key: fill(v) for key, v in obj.items()}
+            return cast(obj) if hasattr(obj, "is_floating_point") else obj
+
+        try:
+            return self.fn(*fill(calls["args"]), **fill(calls["kwargs"]))
+        except ModelSpecError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's loss
+            raise ModelSpecError(f"the loss given with --loss raised at step {step.step}: "
+                                 f"{type(exc).__name__}: {exc}") from None
+
+
+def _short(name: str | None) -> str:
+    return (name or "the loss").rpartition(".")[2]
+
+
+def _predictions(output) -> list:
+    """The model output's tensors, in order (`.logits` first)."""
+    import torch
+    if isinstance(output, torch.Tensor):
+        return [output]
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return [logits]
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+def _train_step(net, opt, scaler, s, hyper, config, recorded, lr_scale, loss_fn, dev, remedied,
+                loop_loss=None) -> RerunStep:
     import torch
 
     from ..replaying.engine import fp32_modules_kept
@@ -421,11 +535,20 @@ def _train_step(net, opt, scaler, s, hyper, config, recorded, lr_scale, loss_fn,
             with fp32_modules_kept(net, config.fp32_modules, devices), autocast_for(config), \
                     float32_lines(config.fp32_lines, devices):
                 output = net(*args, **kwargs)
-                loss = loss_fn(output, k) if loss_fn is not None else find_loss(output)
+                loss = None
+                if loop_loss is not None and loss_fn is None:
+                    loss = loop_loss(output, s, k, cast) if loop_loss.fn is not None else find_loss(output)
+                    if loss is None:
+                        loss = loop_loss(output, s, k, cast)  # says what is missing
+                if loss is None:
+                    loss = loss_fn(output, k) if loss_fn is not None else find_loss(output)
             if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ModelSpecError("the rerun needs the loss: the model returned no scalar loss (nor .loss); "
-                                     "pass --loss-fn package.module:function, called as loss_fn(output, "
-                                     "micro_batch) (targets outside the model's inputs are not recorded)")
+                raise ModelSpecError("the rerun needs the loss: the model returned no scalar loss (nor .loss), and "
+                                     "the window kept no call of the loop's loss: record with "
+                                     "AmpRecorder(..., loss_fn=criterion) (the criterion the loop calls, its "
+                                     "targets then kept in the window) and re-run with --loss FILE.py:NAME; "
+                                     "when the targets are among the model's inputs, pass --loss-fn "
+                                     "package.module:function, called as loss_fn(output, micro_batch)")
             value = float(loss.detach().double())
             total += value
             finite = finite and math.isfinite(value)

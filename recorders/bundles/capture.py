@@ -107,7 +107,11 @@ class BundleCapture:
         if self.enabled and window and policy.window_steps > 0:
             self.window = WindowCapture(model, optimizer, scaler, inventory=inv, steps=policy.window_steps,
                                         max_bytes=policy.max_window_bytes, run_dir=run_dir,
-                                        run_info=dict(run_info, has_scaler=has_scaler), post=self._post)
+                                        run_info=dict(run_info, has_scaler=has_scaler), post=self._post,
+                                        loss_fn=policy.loss_fn)
+            triggers.watch_window = True  # the writer notes the events that open a window
+        self._triggers = triggers
+        self._window_events: dict = {}
         self._current: StepCapture | None = None
         self._held: OrderedDict[int, StepCapture] = OrderedDict()
         self._evicted: set[int] = set()
@@ -326,9 +330,13 @@ class BundleCapture:
 
     def _service(self) -> None:
         """Apply the writer thread's decisions."""
-        for step, order in self.decisions.take().items():
+        decided = self.decisions.take()
+        if self.window is not None:
+            # Noted before the decisions they came with (writer thread): taken after them.
+            self._window_events.update(self._triggers.take_window_events())
+        for step, order in decided.items():
             if self.window is not None:
-                self.window.on_decision(step, order)
+                self.window.on_decision(step, order, self._window_events.pop(step, ()))
             cap = self._held.pop(step, None)
             if order is None:
                 if cap is not None:

@@ -10,9 +10,11 @@ import numbers
 from dataclasses import dataclass
 
 from ..errors import OptionError, option_float, option_int
+from .loss_call import loss_target
 from .triggers import TRIGGERS, trigger_names
 
 SNAPSHOT_PARAMS = ("auto", True, False)
+DEFAULT_LOSS_WINDOW_STEPS = 16  # the window `loss_fn=` alone turns on
 
 
 @dataclass(frozen=True)
@@ -47,18 +49,34 @@ class BundlePolicy:
         of the weights, buffers, optimizer state and scaler state at the
         window's first step, and every step's inputs (references, as held
         for bundles) and RNG states since. The window restarts every K
-        steps until the first bundle trigger fires; it then runs on for K
-        more steps (or until `close()`) and is written once, under
-        `windows/` (`amp-postmortem rerun` replays it). It holds up to K steps
-        from the triggering step on, and before it the steps since the
-        last restart (fewer than K; more when the writer thread lags: a
-        window restarts only once every held step is decided). 0 (the default): off; nothing is
-        copied or held on the training path.
-    max_window_bytes: at most this many bytes held for the window (the
-        copies and the inputs, 1 GiB): a rolling window restarts early
-        when it would exceed them; a triggered one is written early (its
-        last steps missing), and a state copy alone above them turns the
-        window off with a warning.
+        steps until an event that matters opens it (`WINDOW_EVENTS`: the
+        first non-finite loss, the first forward NaN/Inf, a loss-scale
+        collapse's onset, a `save_bundle()` request; never one isolated
+        scaler skip); it then runs on for K more steps (or until `close()`)
+        and is written under `windows/` (`amp-postmortem rerun` replays it),
+        and a new window rolls on for the next event, while
+        `max_window_bytes` allows. A window holds up to K steps from its
+        event on, and before it the steps since the last restart (fewer
+        than K; more when the writer thread lags: a window restarts only
+        once every held step is decided). Default: 16 when `loss_fn` is
+        given, else 0: off; nothing is copied or held on the training path.
+    max_window_bytes: the byte budget of the windows, per rank and run (the
+        copies and the inputs, 1 GiB): what one window holds and the raw
+        bytes of those written, together. A rolling window restarts early
+        when it would exceed what is left; a triggered one is written early
+        (its last steps missing); no new window opens when its state copy
+        alone exceeds what is left (the first one: turned off with a
+        warning).
+    loss_fn: the loss the loop computes outside the model
+        (`loss = loss_fn(model(x), y)`): an `nn.Module` criterion (its calls
+        are seen by a forward pre-hook) or a module-level function (the
+        name it is defined under is wrapped while the recorder is open).
+        Each micro-batch's call is kept in the window: its tensors but the
+        prediction (the targets, saved as the inputs are), the prediction's
+        shape and dtype, and the loss's name (never the object itself), so
+        that `amp-postmortem rerun --loss FILE.py:fn` can call the loss as
+        the loop did. Turns the window on (16 steps) unless `window_steps`
+        says otherwise.
 
     `AmpRecorder(bundles=False)` holds and saves nothing; `bundles=True` is
     `BundlePolicy()`."""
@@ -73,8 +91,9 @@ class BundlePolicy:
     snapshot_buffers_bytes: int = 64 << 20
     hold_steps: int = 2
     clone_inputs: bool = False
-    window_steps: int = 0
+    window_steps: int | None = None
     max_window_bytes: int = 1 << 30
+    loss_fn: object = None
 
     def __post_init__(self):
         triggers = trigger_names(self.triggers)
@@ -96,9 +115,12 @@ class BundlePolicy:
             "snapshot_buffers_bytes": option_int("snapshot_buffers_bytes", self.snapshot_buffers_bytes),
             "hold_steps": max(1, option_int("hold_steps", self.hold_steps)),
             "clone_inputs": bool(self.clone_inputs),
-            "window_steps": max(0, option_int("window_steps", self.window_steps)),
+            "window_steps": (DEFAULT_LOSS_WINDOW_STEPS if self.loss_fn is not None else 0)
+            if self.window_steps is None else max(0, option_int("window_steps", self.window_steps)),
             "max_window_bytes": option_int("max_window_bytes", self.max_window_bytes),
         }
+        if self.loss_fn is not None:
+            loss_target(self.loss_fn)  # refused here, in the user's line, when it cannot be seen called
         for name, value in normal.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
 
@@ -124,4 +146,6 @@ class BundlePolicy:
             "snapshot_buffers_bytes": self.snapshot_buffers_bytes, "hold_steps": self.hold_steps,
             "clone_inputs": self.clone_inputs, "window_steps": self.window_steps,
             "max_window_bytes": self.max_window_bytes,
+            # only when given: the options a run without it records are as before
+            **({} if self.loss_fn is None else {"loss_fn": loss_target(self.loss_fn)[0]}),
         }

@@ -20,10 +20,21 @@ holds, whether or not the cap then lets the bundle be saved:
 - `scale_low`: the scale after `update()` fell below `min_loss_scale`.
 
 Explicit reasons (`request`, `step_list`) are passed in and always count.
+
+A counterfactual window opens on fewer events than a bundle
+(`WINDOW_EVENTS`, whatever the bundle cap and `triggers` say): the first
+failure (a non-finite loss, or a non-finite forward value: with a GradScaler
+only forward values count, without one any recorded value), before it a
+loss-scale collapse's onset (`COLLAPSE_SKIPS` consecutive skips after
+settling, not counting probes, or the scale below `min_loss_scale`), and
+every explicit request. One isolated skip is how a healthy scaler behaves: it opens none.
+They are noted only when `watch_window` is set, and taken by the training
+thread (`take_window_events`).
 """
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -32,6 +43,9 @@ from ..errors import OptionError
 TRIGGERS = ("nonfinite_loss", "nonfinite_tensor", "skipped", "scale_low")
 # The first reason in this order names a bundle saved for several reasons.
 REASON_ORDER = TRIGGERS + ("request", "step_list")
+# What opens a counterfactual window, in this order of naming.
+WINDOW_EVENTS = ("nonfinite_loss", "nonfinite_tensor", "scale_collapse", "request")
+COLLAPSE_SKIPS = 3  # consecutive settled, non-probe skips: the scale is collapsing
 
 
 def trigger_names(triggers) -> tuple[str, ...]:
@@ -56,6 +70,11 @@ class BundleTriggers:
         self.orders = 0
         self._clean_steps = 0
         self._prev_scale_before = None
+        self._skip_run = 0
+        self.watch_window = False
+        self._window_latched: set[str] = set()
+        self._window_lock = threading.Lock()
+        self._window_events: dict[int, list[str]] = {}
 
     def conditions(self, summary: dict) -> list[str]:
         """Which trigger conditions hold at this step (state: settling)."""
@@ -77,8 +96,10 @@ class BundleTriggers:
         if summary.get("skipped"):
             if self.settled and not probe:
                 reasons.append("skipped")
+                self._skip_run += 1
             self._clean_steps = 0
         else:
+            self._skip_run = 0
             self._clean_steps += 1
             if self._clean_steps >= self.settle_steps:
                 self.settled = True
@@ -92,6 +113,8 @@ class BundleTriggers:
         """(reasons to save this step for, in REASON_ORDER; whether the cap
         allows it). A positive answer counts against `max_bundles`."""
         conditions = self.conditions(summary)
+        if self.watch_window:
+            self._note_window_events(summary.get("step"), conditions, explicit)
         fired = [r for r in conditions if r in self.triggers and r not in self.latched]
         self.latched.update(conditions)
         fired += [r for r in explicit if r not in fired]
@@ -102,6 +125,33 @@ class BundleTriggers:
             return fired, False
         self.orders += 1
         return fired, True
+
+    def _note_window_events(self, step, conditions, explicit) -> None:
+        # The first failure (a non-finite loss or forward value: one event,
+        # named by what was seen), and before it a collapse's onset; what
+        # follows a failure (more NaNs, the scale collapsing after it) is
+        # its consequence, not a new story.
+        events = []
+        if "failure" not in self._window_latched:
+            events = [c for c in conditions if c in ("nonfinite_loss", "nonfinite_tensor")]
+            if events:
+                self._window_latched.add("failure")
+            elif ((self._skip_run >= COLLAPSE_SKIPS or "scale_low" in conditions)
+                  and "scale_collapse" not in self._window_latched):
+                events = ["scale_collapse"]
+                self._window_latched.add("scale_collapse")
+        if "request" in explicit:
+            events.append("request")  # every request counts
+        if events and step is not None:
+            with self._window_lock:
+                self._window_events[int(step)] = sorted(events, key=WINDOW_EVENTS.index)
+
+    def take_window_events(self) -> dict[int, list[str]]:
+        """Training thread: the window events noted since the last call,
+        by step."""
+        with self._window_lock:
+            events, self._window_events = self._window_events, {}
+        return events
 
     def refund(self) -> None:
         """A decided bundle was not written (size cap, error): free its slot."""

@@ -13,13 +13,19 @@ from its own hooks (training thread) only when K > 0:
 - every micro-batch (`on_micro_batch`): references to its inputs (the same
   objects the bundle capture holds) and its RNG states;
 - optimizer pre-step (`on_pre_step`): the hyperparameters this step used;
-- a decision (`on_decision`): the first "save" of a step inside the window
-  freezes it: it runs on for K more steps, is then handed to the writer
-  thread (`write_window`) and never restarts again (one window per rank and
-  run).
+- the loss's calls (`BundlePolicy(loss_fn=...)`, `loss_call.LossTap`): the
+  call of each micro-batch, its targets held by reference as the inputs are
+  and the prediction replaced by its place, shape and dtype;
+- a decision (`on_decision`): a window event (`triggers.WINDOW_EVENTS`: the
+  first non-finite loss, the first forward NaN/Inf, a scale collapse's
+  onset, a request; never one isolated skip) at a step inside the window
+  freezes it: it runs on for K more steps and is then handed to the writer
+  thread (`write_window`); a new window then rolls from the next step, for
+  the next event, while the byte budget lasts.
 
-Bytes held are bounded by `max_window_bytes`; the writer copies to the host
-and writes the directory (`directory.write_bundle`, Parquet, no pickle).
+Bytes are bounded by `max_window_bytes`, for what one window holds and the
+windows written together; the writer copies to the host and writes the
+directory (`directory.write_bundle`, Parquet, no pickle).
 """
 from __future__ import annotations
 
@@ -33,8 +39,9 @@ import torch
 from .. import schema
 from ..layout import local_value
 from ..plain import plain
-from ..tensor_codec import encode_inputs
+from ..tensor_codec import encode_inputs, encode_tree
 from .directory import environment, write_bundle
+from .loss_call import LossTap
 
 
 def _nbytes(tensors) -> int:
@@ -42,11 +49,12 @@ def _nbytes(tensors) -> int:
 
 
 class _Step:
-    __slots__ = ("step", "micro_batches", "groups", "stepped")
+    __slots__ = ("step", "micro_batches", "losses", "groups", "stepped")
 
     def __init__(self, step: int):
         self.step = step
         self.micro_batches: list = []  # (args, kwargs, input versions, rng)
+        self.losses: list = []         # per micro-batch: None or [args, kwargs, calls, [(target, version)]]
         self.groups = None
         self.stepped = None
 
@@ -56,11 +64,13 @@ class WindowCapture:
     bundles; `post(job)`: the capture's hand-over to the writer thread."""
 
     def __init__(self, model, optimizer, scaler, *, inventory, steps: int, max_bytes: int,
-                 run_dir: Path, run_info: dict, post):
+                 run_dir: Path, run_info: dict, post, loss_fn=None):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.inventory = inventory
         self.k = int(steps)
-        self.max_bytes = int(max_bytes)
+        self.budget = int(max_bytes)           # all windows of the run (rank), held and written
+        self._spent = 0                        # raw bytes of the windows handed over
+        self._covered = None                   # the last step of the last window handed over
         self.run_dir = Path(run_dir)
         self.run_info = run_info
         self._post = post
@@ -79,7 +89,19 @@ class WindowCapture:
         self._snap = None
         self.autocast: dict = {}
         self.precision: dict = {}
-        self.saved: dict | None = None
+        self.windows: list[dict] = []          # the windows written (writer thread)
+        self._tap = LossTap(loss_fn, self._on_loss_call) if loss_fn is not None else None
+        self.loss = None if self._tap is None else {"name": self._tap.name, "seen_as": self._tap.kind}
+
+    @property
+    def max_bytes(self) -> int:
+        """What the next (or current) window may hold: the budget left."""
+        return self.budget - self._spent
+
+    @property
+    def saved(self) -> dict | None:
+        """The last window written (None: none yet)."""
+        return self.windows[-1] if self.windows else None
 
     # ------------------------------------------------------ training thread
     def on_step_start(self, step: int, autocast: dict, precision: dict) -> None:
@@ -129,8 +151,9 @@ class WindowCapture:
         size = sum(_nbytes(ts) for ts in parts.values())
         if size > self.max_bytes:
             self.done = True
-            warnings.warn(f"amp-postmortem: counterfactual window off: the weights and optimizer state "
-                          f"({size} bytes) exceed max_window_bytes={self.max_bytes}", RuntimeWarning)
+            if not self._spent:
+                warnings.warn(f"amp-postmortem: counterfactual window off: the weights and optimizer state "
+                              f"({size} bytes) exceed max_window_bytes={self.budget}", RuntimeWarning)
             return None
         snap = {}
         with torch.no_grad():
@@ -158,10 +181,27 @@ class WindowCapture:
             return
         self._bytes += _nbytes(t for t, _ in versions)
         self.steps[-1].micro_batches.append((args, kwargs, versions, rng))
+        self.steps[-1].losses.append(None)
 
     def on_micro_batch_aborted(self) -> None:
         if not self.done and self.steps and self.steps[-1].micro_batches:
             self.steps[-1].micro_batches.pop()
+            self.steps[-1].losses.pop()
+
+    def _on_loss_call(self, args, kwargs) -> None:
+        """The loss was called (`LossTap`): kept for the step's last
+        micro-batch (a second call in it is only counted)."""
+        if self.done or not self._open or not self.steps or not self.steps[-1].micro_batches:
+            return
+        from .loss_call import kept_call
+        losses = self.steps[-1].losses
+        kept = losses[-1]
+        if kept is not None:
+            kept[2] += 1
+            return
+        a, k, targets = kept_call(args, kwargs)
+        self._bytes += _nbytes(targets)
+        losses[-1] = [a, k, 1, [(t, t._version) for t in targets]]
 
     def on_pre_step(self) -> None:
         if self.done or not self.steps or self.optimizer is None:
@@ -191,12 +231,15 @@ class WindowCapture:
         if self.frozen_at is not None and (step >= self.frozen_at + self.k or self._bytes > self.max_bytes):
             self._hand_over()
 
-    def on_decision(self, step: int, order) -> None:
+    def on_decision(self, step: int, order, events=()) -> None:
+        """`events`: the window events of `step` (`triggers.WINDOW_EVENTS`);
+        a bundle's order alone (an isolated skip) opens no window."""
         if self.done:
             return
         self._undecided.discard(step)
-        if order is not None and self.frozen_at is None and any(s.step == step for s in self.steps):
-            self.frozen_at, self.reasons = step, list(order["reasons"])
+        if (events and self.frozen_at is None and (self._covered is None or step > self._covered)
+                and any(s.step == step for s in self.steps)):
+            self.frozen_at, self.reasons = step, list(events)
 
     def close(self, *, write: bool) -> None:
         """The recorder closes: a frozen window is written with the steps it
@@ -206,17 +249,28 @@ class WindowCapture:
             self._hand_over()
         self.done = True
         self.steps, self._snap, self._sets = [], None, {}
+        if self._tap is not None:
+            self._tap.remove()
 
     def _hand_over(self) -> None:
-        self.done = True
         steps = [s for s in self.steps if s.micro_batches]
         event = None
         devices = [t.device for ts in (self._snap["param"], self._snap["buffer"]) for t in ts if t.device.type == "cuda"]
         if devices:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(devices[0]))
-        job = functools.partial(write_window, self, self._snap, steps, event)
-        self.steps, self._snap = [], None
+        job = functools.partial(write_window, self, self._snap, steps, event, self.frozen_at, list(self.reasons),
+                                dict(self.autocast), dict(self.precision))
+        # The next window rolls from the next step: fresh copies (the writer
+        # still reads these), within what is left of the budget.
+        self._spent += self._bytes
+        self._covered = steps[-1].step if steps else self.frozen_at
+        self.steps, self._snap, self._sets = [], None, {}
+        self.start, self.frozen_at, self.reasons = None, None, []
+        self._undecided.clear()
+        self._gap, self._open, self._bytes = False, False, 0
+        if self.max_bytes <= 0:
+            self.done = True
         self._post(job)
 
 
@@ -232,26 +286,54 @@ def window_records(inventory, snap, steps, specs):
         yield name, "scaler_state", -1, t, False
     k = 0
     for step, step_specs in zip(steps, specs):
-        for (args, kwargs, _, rng), tensors in zip(step.micro_batches, step_specs[1]):
+        for (args, kwargs, _, rng), tensors, loss in zip(step.micro_batches, step_specs[1], step_specs[2]):
             for name, t in tensors:
                 yield name, "input", k, t, t.requires_grad
+            for name, t in loss[1]:
+                yield name, "input", k, t, False
             yield "cpu", "rng", k, rng["cpu"], False
             for i, state in enumerate(rng.get("cuda", ())):
                 yield f"cuda:{i}", "rng", k, state, False
             k += 1
 
 
-def _encode_step(step) -> tuple[list, list]:
-    specs, inputs = [], []
-    for args, kwargs, _, rng in step.micro_batches:
+def _encode_step(step) -> tuple[list, list, list]:
+    """(micro-batch specs, their input tensors, their loss calls' new
+    tensors) of a step."""
+    specs, inputs, losses = [], [], []
+    for (args, kwargs, _, rng), kept in zip(step.micro_batches, step.losses):
         spec, tensors = encode_inputs(args, kwargs)
         spec["rng"] = {"cpu": "cpu", "cuda": [f"cuda:{i}" for i in range(len(rng.get("cuda", ())))]}
+        extra = []
+        if kept is not None:
+            spec["loss"], extra = _encode_loss(kept, tensors)
         specs.append(spec)
         inputs.append(tensors)
-    return specs, inputs
+        losses.append((None, extra))
+    return specs, inputs, losses
 
 
-def write_window(window: WindowCapture, snap, steps, event) -> None:
+def _encode_loss(kept, inputs) -> tuple[dict, list]:
+    """A kept loss call as JSON (`{"args", "kwargs", "calls"}`, each
+    prediction a `{PREDICTION_KEY: i, "shape", "dtype"}` dict) and its
+    tensors not among the micro-batch's inputs (named `loss.args.1`, ...);
+    a target that is also an input is named as that input."""
+    args, kwargs, calls, _ = kept
+    by_id = {id(t): n for n, t in inputs}
+    extra: list = []
+
+    def name_tensor(path, t):
+        if id(t) not in by_id:
+            by_id[id(t)] = f"loss.{path}" + (f"#{len(extra)}" if any(n == f"loss.{path}" for n, _ in extra) else "")
+            extra.append((by_id[id(t)], t))
+        return by_id[id(t)]
+
+    spec = {"args": encode_tree(tuple(args), name_tensor, "args"),
+            "kwargs": encode_tree(dict(kwargs), name_tensor, "kwargs"), "calls": int(calls)}
+    return spec, extra
+
+
+def write_window(window: WindowCapture, snap, steps, event, trigger_step, reasons, autocast, precision) -> None:
     """Writer thread: copy the window to the host and write it."""
     run, inv = window.run_info, window.inventory
     rank = run["rank"]
@@ -264,7 +346,7 @@ def write_window(window: WindowCapture, snap, steps, event) -> None:
         records = list(window_records(inv, snap, steps, encoded))
         k = 0
         step_meta = []
-        for s, (specs, _) in zip(steps, encoded):
+        for s, (specs, _, _) in zip(steps, encoded):
             mbs = []
             for spec in specs:
                 mbs.append(dict(spec, index=k))
@@ -286,24 +368,28 @@ def write_window(window: WindowCapture, snap, steps, event) -> None:
         meta = {
             "format": schema.WINDOW_FORMAT_NAME, "version": schema.WINDOW_SCHEMA_VERSION,
             "run_id": run["run_id"], "rank": rank, "world_size": run["world_size"], "created_at": time.time(),
-            "first_step": steps[0].step, "last_step": steps[-1].step, "trigger_step": window.frozen_at,
-            "reasons": window.reasons, "window_steps": window.k,
-            "inputs_exact": all(t._version == v for s in steps for _, _, vs, _ in s.micro_batches for t, v in vs),
+            "first_step": steps[0].step, "last_step": steps[-1].step, "trigger_step": trigger_step,
+            "reasons": reasons, "window_steps": window.k,
+            "inputs_exact": all(t._version == v for s in steps for _, _, vs, _ in s.micro_batches for t, v in vs)
+            and all(t._version == v for s in steps for kept in s.losses if kept is not None for t, v in kept[3]),
             "training": bool(window.model.training),
             "params": {"names": inv.param_names, "aliases": inv.aliases},
             "buffers": {"names": inv.buffer_names, "non_persistent": inv.non_persistent},
             "optimizer": optimizer, "scaler": plain(scaler, keep_nonfinite=True),
-            "autocast": plain(window.autocast, keep_nonfinite=True),
-            "precision_flags": plain(window.precision, keep_nonfinite=True),
+            "autocast": plain(autocast, keep_nonfinite=True),
+            "precision_flags": plain(precision, keep_nonfinite=True),
             "model_class": inv.model_class, "name_prefix_removed": inv.prefix or None,
             "steps": step_meta,
+            **({"loss": dict(window.loss, kept=sum(kept is not None for s in steps for kept in s.losses))}
+               if window.loss is not None else {}),
             "env": environment(run["package_version"], run["device_type"], run["device_name"]),
         }
         rel = f"{schema.WINDOWS_DIR}/{schema.WINDOW_DIR.format(step=steps[0].step, rank=rank)}"
         files = write_bundle(window.run_dir / rel, records, meta, manifest_file=schema.WINDOW_MANIFEST_FILE,
                              format_name=schema.WINDOW_FORMAT_NAME, version=schema.WINDOW_SCHEMA_VERSION)
-        window.saved = {"path": rel, "first_step": steps[0].step, "last_step": steps[-1].step,
-                        "trigger_step": window.frozen_at, "bytes": sum(f["bytes"] for f in files.values())}
+        window.windows.append({"path": rel, "first_step": steps[0].step, "last_step": steps[-1].step,
+                               "trigger_step": trigger_step, "reasons": reasons,
+                               "bytes": sum(f["bytes"] for f in files.values())})
     except Exception as exc:  # noqa: BLE001 - a failed window never stops the recording
         warnings.warn(f"amp-postmortem: counterfactual window not saved: {type(exc).__name__}: {exc}",
                       RuntimeWarning)
