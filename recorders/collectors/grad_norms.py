@@ -22,6 +22,8 @@ import torch
 SMALL_NUMEL = 4096
 # Fewer gradients of one shape than this are not worth a concatenation.
 MIN_GROUP = 4
+# At most this many norms are read one by one rather than stacked.
+FEW = 32
 
 
 def grad_norms(grads: list, on_host: bool | None = None, as_float64: bool = True,
@@ -59,7 +61,15 @@ def cpu_norms(grads: list, plan: NormPlan | None = None) -> tuple[torch.Tensor, 
         work = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
         uniform, norms = None, None
     if norms is None:
-        norms = torch.stack(_foreach_norms(grads, work, uniform))
+        parts = _foreach_norms(grads, work, uniform)
+        if len(parts) <= FEW:
+            # A few norms: read one by one and summed in Python (float64),
+            # with no stack, conversion and dot product after a backward pass.
+            values = [t.item() for t in parts]
+            sq = math.fsum(v * v for v in values)
+            if math.isfinite(sq):
+                return torch.tensor(values, dtype=work), sq
+        norms = torch.stack(parts)
     values = norms.numpy().astype(np.float64)
     sq = float(values @ values)
     if math.isfinite(sq):
