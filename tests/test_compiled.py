@@ -22,7 +22,7 @@ import amp_postmortem
 from recorders import AmpRecorder
 from recorders.collectors.graph_stats import GraphStats
 from recorders.graph_rows import graph_rows, with_graph_rows
-from tiny_models import TinyNet, batches
+from tiny_models import TinyNet, batches, train
 
 STEPS = 6
 FULL_EVERY = 4  # steps 0 and 4 full (eager), the others compiled
@@ -49,24 +49,27 @@ def _job(attach, run, backend="inductor", **options):
     compiled = torch.compile(model, backend=counter) if attach != "eager" else model
     if attach in ("after", "eager"):
         rec = AmpRecorder(run, compiled, optimizer=opt, full_every=FULL_EVERY, **options)
-    losses, frames, graphs = [], [], []
-    for step, (x, y) in enumerate(batches(STEPS)):
+    frames, graphs = [], []
+
+    def plant(step, _, x):
         if step == PLANT_AT:
             with torch.no_grad():
                 model.blocks[0].mlp[0].weight[3, 5] = math.inf
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = ((compiled(x).float() - y) ** 2).mean()
+
+    def loss_fn(m, x, y, step, accumulate):
+        loss = ((m(x).float() - y) ** 2).mean()
         if step == PAUSED_AT and rec is not None:
-            with rec.paused(), torch.autocast("cpu", dtype=torch.bfloat16):
-                compiled(x)  # an eval pass with gradients enabled: not recorded
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if rec is not None:
-            rec.step(loss)
-        losses.append(loss.item())
+            with rec.paused():
+                m(x)  # an eval pass with gradients enabled: not recorded
+        return loss
+
+    def compiled_so_far(step, _):
         frames.append(counter.frame_count)
         graphs.append(counters["stats"]["unique_graphs"])
+
+    losses = train(compiled, batches(STEPS), recorder=(lambda *_: rec) if rec is not None else None, optimizer=opt,
+                   dtype=torch.bfloat16, scaler=None, on_step=plant, loss_fn=loss_fn, after_update=compiled_so_far,
+                   close=False).losses
     breaks = dict(counters["graph_break"])
     if rec is not None:
         rec.close()
@@ -336,17 +339,13 @@ def test_a_float16_overflow_made_in_the_graph_is_found_at_its_module(tmp_path):
         compiled = torch.compile(model, backend="inductor")
         if rec is None:
             rec = AmpRecorder(run, compiled, optimizer=opt, full_every=100, compiled_rows=True)
-        for step in range(3):
+
+        def gain_up(step, _, x, gain=model.gain):
             if step == 2:
-                model.gain.k.fill_(1000.0)
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = compiled(x)
-            loss = out.float().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            rec.step(loss)
-        rec.close()
+                gain.k.fill_(1000.0)
+
+        train(compiled, [(x, None)] * 3, recorder=lambda *_: rec, optimizer=opt, scaler=None, on_step=gain_up,
+              loss_fn=lambda m, x, y, step, accumulate: m(x).float().mean())
         rows = amp_postmortem.load_run(run).scan_tensors(["step", "name", "kind", "inf_count", "input_nonfinite"],
                                                          steps=[2])
         gain = rows[(rows["name"] == "gain") & (rows["kind"] == "activation")]
@@ -434,6 +433,7 @@ def test_full_tier_eager_forwards_leave_other_compiled_code_compiled(tmp_path):
     rec = AmpRecorder(tmp_path / "run", compiled, optimizer=opt, full_every=2, compiled_rows=False)
     z = torch.zeros(3)
     ran_compiled = []
+    # Its own loop: it probes other compiled code right after rec.step() too, where train() has no callback.
     for step, (x, y) in enumerate(batches(4)):
         ran_compiled.append(other(z)[0].item() == 1)
         loss = ((compiled(x) - y) ** 2).mean()

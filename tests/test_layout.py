@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import amp_postmortem
 from recorders import AmpRecorder
 from recorders.layout import canonical_modules, user_class
-from tiny_models import Block, TinyNet, batches
+from tiny_models import Block, TinyNet, batches, train
 
 STEPS = 4
 
@@ -33,20 +33,10 @@ def _train(model, data, rec_at=None, compile_=None, full_every=3):
     run_model = torch.compile(model, backend=counter) if compile_ else model
     if rec_at is not None and compile_ == "after":
         rec = rec_at(run_model, opt, full_every)
-    losses, graphs = [], []
-    for x, y in data:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = ((run_model(x).float() - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if rec:
-            rec.step(loss)
-        losses.append(loss.item())
-        graphs.append(counter.frame_count)
-    if rec:
-        rec.close()
-    return losses, [p.detach().clone() for p in model.parameters()], graphs
+    graphs = []
+    trained = train(run_model, data, recorder=(lambda *_: rec) if rec else None, optimizer=opt,
+                    dtype=torch.bfloat16, scaler=None, after_update=lambda step, _: graphs.append(counter.frame_count))
+    return trained.losses, trained.params, graphs
 
 
 def _recorder(run, **options):

@@ -22,7 +22,7 @@ from amp_postmortem.analyses.scale import scale_dynamics
 from amp_postmortem.analyses.summary import summarize
 from amp_postmortem.reading.loader import load_run
 from recorders import AmpRecorder
-from tiny_models import TinyNet, batches
+from tiny_models import TinyNet, batches, train
 
 PLANT_AT = 5  # a compiled (cheap-tier) step: full_every=4 runs steps 0, 4, 8 eagerly
 PLANTED = "blocks.0.mlp.0"
@@ -46,22 +46,14 @@ def _job(run, attach: str, steps: int, *, plant: bool = True, scaler_scale: floa
     compiled = torch.compile(model, backend="aot_eager") if attach != "eager" else model
     if rec is None:
         rec = AmpRecorder(run, compiled, **options)
-    for step, (x, y) in enumerate(batches(steps)):
+
+    def plant_inf(step, _, x):
         if plant and step == PLANT_AT:
             with torch.no_grad():
                 model.blocks[0].mlp[0].weight[3, 5] = math.inf
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = ((compiled(x).float() - y) ** 2).mean() * loss_mult
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad()
-        rec.step(loss)
-    rec.close()
+
+    train(compiled, batches(steps), recorder=lambda *_: rec, optimizer=opt, dtype=torch.bfloat16, scaler=scaler,
+          on_step=plant_inf, loss_fn=lambda m, x, y, step, accumulate: ((m(x).float() - y) ** 2).mean() * loss_mult)
 
 
 def test_a_compiled_step_without_module_rows_names_no_layer(tmp_path):
