@@ -13,6 +13,8 @@ import torch
 
 from amp_postmortem.names import BackwardStart
 from amp_postmortem.replaying import ReplaySession, RunConfig, replay, resolve_policy
+from tiny_models import recorder_at
+from tiny_models import train as train_loop
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra; CI installs it
 
@@ -32,29 +34,16 @@ def eager_gpt2():
 
 
 def train(path, model, *, steps, dtype, scaler=None, plant=None, **recorder_kwargs):
-    """A plain loop, the loss computed inside the model (`labels=`); returns
+    """The shared loop on `model`, the loss computed inside it (`labels=`); returns
     the parameter gradients of every step as training made them."""
-    from recorders import AmpRecorder
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(0)
-    rec = AmpRecorder(path, model, optimizer=opt, scaler=scaler, **recorder_kwargs)
+    data = [(ids, ids) for ids in (torch.randint(0, 64, (4, 16), generator=gen) for _ in range(steps))]
     grads = []
-    for step in range(steps):
-        ids = torch.randint(0, 64, (4, 16), generator=gen)
-        if plant is not None:
-            plant(step, model)
-        with torch.autocast("cpu", dtype=dtype):
-            loss = model(input_ids=ids, labels=ids).loss
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad()
-        rec.step(loss)
-    rec.close()
+    train_loop(model, data, recorder=recorder_at(path, **recorder_kwargs), dtype=dtype, scaler=scaler, lr=0.01,
+               loss_fn=lambda model, x, y, step, accumulate: model(input_ids=x, labels=y).loss,
+               on_step=plant and (lambda step, model, x: plant(step, model)),
+               before_update=lambda step, model: grads.append(
+                   {n: p.grad.detach().clone() for n, p in model.named_parameters()}))
     return grads
 
 

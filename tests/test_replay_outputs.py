@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from amp_postmortem.names import BackwardStart
 from amp_postmortem.replaying import ReplaySession, RunConfig, replay, resolve_policy
 from amp_postmortem.replaying.outputs import backward_roots, find_loss
+from tiny_models import recorder_at, train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -80,25 +81,18 @@ class TupleLM(nn.Module):
 def tuple_run(tmp_path_factory):
     """TupleLM trained 2 steps in bf16 under the real recorder, step 1 saved;
     with the parameter gradients training made at step 1."""
-    from recorders import AmpRecorder
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("runs") / "tuple_logits_loss"
-    model = TupleLM()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(0)
-    rec = AmpRecorder(path, model, optimizer=opt, bundle_steps=(1,))
+    data = [(idx, idx) for idx in (torch.randint(0, 16, (4, 6), generator=gen) for _ in range(2))]
     trained = {}
-    for step in range(2):
-        idx = torch.randint(0, 16, (4, 6), generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = model(idx, idx)
-        loss.backward()
+
+    def keep_grads(step, model):
         if step == 1:
-            trained = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        rec.step(loss)
-    rec.close()
+            trained.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+    train(TupleLM(), data, recorder=recorder_at(path, bundle_steps=(1,)), dtype=torch.bfloat16, scaler=None, lr=0.1,
+          loss_fn=lambda model, x, y, step, accumulate: model(x, y)[1], before_update=keep_grads)
     return path, trained
 
 

@@ -53,6 +53,7 @@ def train_with(path: Path, pass_scaler) -> list[float]:
     wrapper = NativeScalerLike()
     g = torch.Generator().manual_seed(1)
     scales = []
+    # Its own loop: timm's, where the scaler wrapper runs the backward, the step and the update.
     with AmpRecorder(path, model, optimizer=opt, scaler=pass_scaler(wrapper), full_every=1) as rec:
         for step in range(STEPS):
             x, y = torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)
