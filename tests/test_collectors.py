@@ -350,6 +350,7 @@ class Residual4(nn.Module):
 OBJECTS_PER_ROW_BUDGET = 6.5
 
 
+# Its own loop: it counts the objects one bare step makes, which train()'s own would add to.
 def _tracked_objects_made(model, rec, x, opt):
     def step():
         loss = model(x)

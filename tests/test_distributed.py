@@ -89,6 +89,7 @@ def _train(layout, rank, run=None):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if layout == "ddp" else None
     dtype = torch.float16 if layout == "ddp" else torch.bfloat16
     rec = AmpRecorder(run, model, optimizer=opt, scaler=scaler, full_every=2) if run else None
+    # Its own loop: a DDP/FSDP worker's, run in a spawned process per rank.
     losses, norms = [], []
     for step, (x, y) in enumerate(batches(STEPS, seed=rank)):
         if layout == "ddp" and (rank, step) == (NAN_RANK, NAN_STEP):
@@ -183,6 +184,7 @@ def _planted_job(layout, rank, run):
             output[at] = math.nan
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # Its own loop: a DDP/FSDP worker's, run in a spawned process per rank.
     with AmpRecorder(run, model, optimizer=opt, full_every=1, steps_per_shard=1) as rec:
         for step[0], (x, y) in enumerate(batches(2, seed=rank)):
             loss = ((model(x) - y) ** 2).mean()
@@ -221,6 +223,7 @@ def _bundle_job(layout, rank, root, record=True):
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     rec = AmpRecorder(os.path.join(root, f"{layout}_bundles"), model, optimizer=opt, full_every=1,
                       bundles=BundlePolicy(window_steps=2)) if record else None
+    # Its own loop: a DDP/FSDP worker's, run in a spawned process per rank.
     for step, (x, y) in enumerate(batches(2, seed=rank)):
         if step == BUNDLE_STEP:
             if rank == 1:
@@ -247,6 +250,7 @@ def _bundle_job(layout, rank, root, record=True):
 def _tied_job(rank, run):
     torch.manual_seed(0)
     model = _wrap("fsdp1_flat", TiedNet())
+    # Its own step: a worker's, one micro-batch under no_sync() (accumulation by hand).
     with AmpRecorder(run, model, full_every=1) as rec:
         (x, y), (x2, y2) = batches(2, d_out=8, seed=rank)
         with model.no_sync():  # gradient accumulation: an unsharded flat gradient first

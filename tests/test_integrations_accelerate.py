@@ -37,6 +37,7 @@ def train(run=None, *, mixed_precision="bf16", scaler=None, autocast_dtype=None,
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     rec = AmpRecorder(run, model, optimizer=opt, scaler=acc.scaler, full_every=1) if run else None
+    # Its own loop: Accelerate's (accumulate(), acc.backward(), sync_gradients), which the test is about.
     for i, batch in enumerate(token_batches(STEPS * ACCUM)):
         with acc.accumulate(model):
             with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):

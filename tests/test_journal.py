@@ -38,6 +38,7 @@ RUN_ID = "journal-test"
 # 60 s: no shard is written in the test's lifetime), ~30 ms steps, a side
 # log that says when each rec.step() returned. `boom` returns Inf at one
 # step when asked to.
+# Its own loop: a child process, killed by the test at random moments, logging each rec.step().
 CHILD = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {tests!r})

@@ -20,6 +20,7 @@ from recorders.attach_choice import AttachRefused, choose_training_objects
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "amp-postmortem record: "
 
+# The scripts keep their own loops: `record` runs a user's script as it is written.
 FP16_LOOP = """
 import sys
 import torch
