@@ -18,6 +18,7 @@ from recorders.bundles.triggers import BundleTriggers
 from recorders.bundles.directory import write_tensors
 from recorders.plain import json_checksum
 from recorders.tensor_codec import host_array, tensor_from_bytes
+from framework_runs import manifest
 from tiny_models import PlantedNet, batches, recorder_at
 from tiny_models import train as train_loop
 
@@ -85,10 +86,6 @@ def train(run, steps, *, dtype=torch.float16, scaler=True, accumulate=1, arm=(),
                      scaler=scaler, accumulate=accumulate, lr=lr, loss_fn=loss_fn, on_step=plant,
                      after_backward=ask_for_bundle, before_update=grads).rec
     return seen, rec
-
-
-def manifest(run):
-    return json.loads((run / "manifest.json").read_text())
 
 
 def replay(bundle, micro_batch=0, *, boom=None):

@@ -8,17 +8,13 @@ import subprocess
 import sys
 import textwrap
 
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import torch
 
+from framework_runs import read_table as read
 from recorders import AmpRecorder, schema
 from tiny_models import FancyOutputs, PlantedNet, TinyNet, batches, mse, recorder_at, train
-
-
-def read(run, table, rank=0):
-    return ds.dataset(run / f"rank={rank}" / table, format="parquet").to_table().to_pandas()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
