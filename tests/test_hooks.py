@@ -84,13 +84,13 @@ class EmbedFirst(nn.Module):
         return self.fc(h)
 
 
+def _embed_first_loss(model, tokens, y, step, accumulate):
+    return model(model.embed(tokens)).float().sum()
+
+
 def test_a_submodule_called_before_the_model_opens_no_extra_micro_batch(tmp_path):
-    model = EmbedFirst()
-    with AmpRecorder(tmp_path / "run", model, bundles=False) as rec:
-        for _ in range(3):
-            for _ in range(2):
-                model(model.embed(torch.arange(6))).sum().backward()
-            rec.step()
+    train(EmbedFirst(), [(torch.arange(6), None)] * 6, recorder=recorder_at(tmp_path / "run", bundles=False),
+          accumulate=2, dtype=None, scaler=None, loss_fn=_embed_first_loss, pass_loss=False)
     assert read_table(tmp_path / "run", "steps")["micro_batches"].tolist() == [2, 2, 2]
 
 
@@ -104,11 +104,8 @@ class PreparedEmbedFirst(EmbedFirst):
 
 
 def test_a_child_called_outside_autocast_does_not_hide_the_autocast_inside(tmp_path):
-    model = PreparedEmbedFirst()
-    with AmpRecorder(tmp_path / "run", model, bundles=False) as rec:
-        for _ in range(2):
-            model(model.embed(torch.arange(6))).float().sum().backward()
-            rec.step()
+    train(PreparedEmbedFirst(), [(torch.arange(6), None)] * 2, recorder=recorder_at(tmp_path / "run", bundles=False),
+          dtype=None, scaler=None, loss_fn=_embed_first_loss, pass_loss=False)
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "bfloat16",
                                     "cache_enabled": True}
