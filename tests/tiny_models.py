@@ -1,8 +1,10 @@
 """The tests' tiny CPU models and their one training loop (`train`).
 
 Every test that records a run trains through `train` (CPU autocast, an
-optional `torch.amp.GradScaler("cpu")`, SGD), changing only the model, the
-data, the loss and what its callbacks plant."""
+optional `torch.amp.GradScaler("cpu")`, SGD or the test's optimizer),
+changing only the model, the data, the loss and what its callbacks plant.
+A test about the loop itself (one that skips the update, drops a batch,
+runs in a worker or a script of its own) keeps its loop and says why."""
 from __future__ import annotations
 
 import dataclasses
