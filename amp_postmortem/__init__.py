@@ -232,18 +232,20 @@ def _framework_replay(run, *, step, rank, **options):
 
 
 def fix(run, *, step: int, rank: int | None = None, model=None, device: str = "cpu", policy: str = "recorded",
-        precision: str | None = None, loss_fn=None, max_candidates: int = 12, max_set: int = 4, progress=None):
+        precision: str | None = None, loss_fn=None, max_candidates: int = 12, max_set: int = 4, progress=None,
+        loss=None):
     """What kept in float32 saves the step (`amp-postmortem fix`): the
     culprit's op at its source line first (`op_fix`), then modules (`fix`,
     `patch`), ranked by their float32 work (`remedies`). `precision` (fp16,
     bf16; default: the recorded one) asks what a step recorded without
-    autocast would do in it."""
+    autocast would do in it. The cheapest remedy is re-run over the saved
+    window (`window_check`); `loss`: the loop's loss there, as for `rerun`."""
     _check_device(device, precision)
     from .replaying.model_spec import resolve_loss_fn
     from .whatif.fix import find_fix
     return _result(find_fix(_source(run), step, rank=rank, model=model, device=device, policy=policy,
                             precision=precision, loss_fn=resolve_loss_fn(loss_fn), max_candidates=max_candidates,
-                            max_set=max_set, progress=progress))
+                            max_set=max_set, progress=progress, loss=_loop_loss(loss)))
 
 
 def bisect(run, *, step: int, rank: int | None = None, model=None, device: str = "cpu", policy: str = "recorded",
@@ -260,11 +262,13 @@ def bisect(run, *, step: int, rank: int | None = None, model=None, device: str =
 
 def scale_window(run, *, step: int | None = None, rank: int | None = None, model=None, device: str = "cpu",
                  policy: str = "recorded", precision: str | None = None, loss_fn=None, scales=(-16, 40),
-                 max_underflow: float = 0.05, keep_fp32=(), progress=None):
+                 max_underflow: float = 0.05, keep_fp32=(), progress=None, loss=None):
     """The safe loss-scale window (`amp-postmortem scale-window`): replayed
     at every scale 2^k, k in `scales` = (min, max), when `model` is given
     (with `step`), and estimated from the recorded statistics whenever `run`
-    is a run (no torch)."""
+    is a run (no torch). The replayed window's settings are re-run over the
+    saved window (`window_check`); `loss`: the loop's loss there, as for
+    `rerun`."""
     from .errors import OptionError
     from .whatif.scale_window import ScaleWindowReport
     lo, hi = (int(k) for k in scales)
@@ -286,7 +290,7 @@ def scale_window(run, *, step: int | None = None, rank: int | None = None, model
                                        precision=precision, loss_fn=resolve_loss_fn(loss_fn),
                                        fp32_modules=_names(keep_fp32), scales=(lo, hi),
                                        max_underflow=max_underflow, progress=progress, verify=True,
-                                       loss_dtype=loss_dtype)
+                                       loss_dtype=loss_dtype, loss=_loop_loss(loss))
     if opened is not None:
         from .whatif.scale_estimate import estimate_scale_window
         estimate = estimate_scale_window(opened, step, scales=(lo, hi), max_underflow=max_underflow)
@@ -294,10 +298,12 @@ def scale_window(run, *, step: int | None = None, rank: int | None = None, model
 
 
 def recommend(run, *, rank: int | None = None, model=None, step: int | None = None, device: str = "cpu",
-              policy: str = "recorded", loss_fn=None, progress=None):
+              policy: str = "recorded", loss_fn=None, progress=None, loss=None):
     """What to change, with evidence (`amp-postmortem recommend`): from the
     recorded statistics, or from what-if replays of a bundle when `model`
-    is given (`step`, else `analyses.bundle_choice.pick_bundle`'s)."""
+    is given (`step`, else `analyses.bundle_choice.pick_bundle`'s), each
+    remedy re-run over the saved window; `loss`: the loop's loss there, as
+    for `rerun`."""
     from .advice import recommend as advise
     if model is not None:
         _check_device(device)
@@ -309,7 +315,18 @@ def recommend(run, *, rank: int | None = None, model=None, step: int | None = No
         from .replaying.model_spec import resolve_loss_fn
         loss_fn = resolve_loss_fn(loss_fn)
     return _result(advise(r, model=model, step=step, rank=rank, device=device, policy=policy, loss_fn=loss_fn,
-                          progress=progress), r)
+                          progress=progress, loss=_loop_loss(loss) if model is not None else None), r)
+
+
+def _loop_loss(loss):
+    """`loss` (a `--loss` spec or a callable) checked to load, the one way
+    `rerun` loads it (`whatif.rerun.resolve_loss`: a wrong spec is said at
+    once), and passed on as given: a spec's words stay in the commands the
+    answers print."""
+    if loss is not None:
+        from .whatif.rerun import resolve_loss
+        resolve_loss(loss)
+    return loss
 
 
 def rerun(run, *, from_step: int | None = None, steps: int | None = None, rank: int | None = None, model=None,

@@ -221,3 +221,81 @@ def test_targets_that_are_model_inputs_are_saved_once_and_kwargs_are_kept(tmp_pa
     assert torch.equal(target, args[1]) and torch.equal(call["kwargs"]["weight"], torch.full((8, 1), 2.0))
     names = json.loads((Path(w.path) / "window.json").read_text())["steps"][-1]["micro_batches"][0]["loss"]
     assert names["args"]["items"][1] == {"kind": "tensor", "name": "args.1"}  # the model input's row
+
+
+# ---- fix, scale-window and recommend check their remedy over the window with --loss
+# (issue 38, item 1: summary's advice never sends the user in a circle: the
+# commands that re-run the window to verify an answer take --loss, and say
+# how to add it when it is missing).
+FAIL = ["--step", job.FAULT_STEP, "--model", MODEL]
+
+
+def _window_check(out) -> dict:
+    assert out.exit_code == 0, out.output
+    return json.loads(out.output)
+
+
+def _says_how_to_add_loss(text: str, command: str) -> None:
+    assert "MSELoss" in text
+    assert f"add --loss FILE.py:NAME to `amp-postmortem {command}`" in text
+
+
+@pytest.mark.parametrize("command, extra", [("fix", []), ("scale-window", ["--keep-fp32", "fc1"])])
+def test_fix_and_scale_window_verify_over_the_window_with_loss_and_say_how_to_add_it_without(command, extra):
+    run = _run()
+    without = _window_check(cli(command, run, *FAIL, *extra, "--json"))
+    check = (without if command == "fix" else without["replay"])["window_check"]
+    assert check["status"] == "not_run" and check["window"][0] <= job.FAULT_STEP <= check["window"][1]
+    _says_how_to_add_loss(check["why"], command)
+    text = cli(command, run, *FAIL, *extra).output
+    assert "verified on the saved step only" in text and "could not be re-run" in text
+    _says_how_to_add_loss(text, command)          # the words the user reads, naming this very command
+    with_loss = _window_check(cli(command, run, *FAIL, *extra, "--loss", LOSS, "--json"))
+    check = (with_loss if command == "fix" else with_loss["replay"])["window_check"]
+    assert check["status"] == "verified" and check["verified"] and check["why"] is None
+    assert "verified over the saved window" in cli(command, run, *FAIL, *extra, "--loss", LOSS).output
+
+
+def test_scale_window_verifies_the_init_scale_it_prints():
+    out = _window_check(cli("scale-window", _run(), *FAIL, "--keep-fp32", "fc1", "--loss", LOSS, "--json"))
+    replay = out["replay"]
+    assert replay["window_check"]["remedy"] == f"init_scale={replay['settings']['init_scale']:g}"
+
+
+def _recommend_checks(doc) -> list:
+    """The window checks `recommend` made (its remedies' `data.window_check`)."""
+    return [r["data"]["window_check"] for r in doc["recommendations"] if (r.get("data") or {}).get("window_check")]
+
+
+def test_recommend_with_loss_verifies_its_remedies_and_decides_precision_and_says_how_without():
+    run = _run()
+    without = _window_check(cli("recommend", run, "--model", MODEL, "--json"))
+    checks = _recommend_checks(without)
+    assert checks and all(c["status"] == "not_run" for c in checks)
+    for c in checks:
+        _says_how_to_add_loss(c["why"], "recommend")
+    text = cli("recommend", run, "--model", MODEL).output
+    assert "add --loss FILE.py:NAME to `amp-postmortem recommend`" in text
+    assert "--loss FILE.py:NAME to `amp-postmortem rerun`" not in text  # never a command it did not run
+
+    with_loss = _window_check(cli("recommend", run, "--model", MODEL, "--loss", LOSS, "--json"))
+    recs = {r["kind"]: r for r in with_loss["recommendations"]}
+    assert "training_instability" not in recs          # the float32 re-run with the loss says precision
+    assert recs["keep_fp32"]["verified"] and recs["keep_fp32"]["data"]["window_check"]["status"] == "verified"
+    checks = _recommend_checks(with_loss)
+    assert checks and all(c["status"] == "verified" for c in checks)
+    assert "could not be re-run" not in cli("recommend", run, "--model", MODEL, "--loss", LOSS).output
+
+
+def test_a_wrong_loss_spec_is_said_at_once_as_for_rerun(tmp_path):
+    for command in (["fix", _run(), *FAIL], ["scale-window", _run(), *FAIL], ["recommend", _run(), "--model", MODEL],
+                    ["rerun", _run(), "--model", MODEL]):
+        out = cli(*command, "--loss", tmp_path / "absent.py:criterion")
+        assert out.exit_code == 2 and "does not exist" in out.output, (command, out.output)
+
+
+def test_the_loss_option_is_one_option_on_every_command_that_re_runs_the_window():
+    from amp_postmortem.cli.whatif import LOSS_HELP
+    for name in ("fix", "scale-window", "recommend", "rerun"):
+        option = next(p for p in main.commands[name].params if p.name == "loss")
+        assert option.help == LOSS_HELP and option.metavar == "FILE.py:NAME"

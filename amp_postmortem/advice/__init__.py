@@ -56,9 +56,10 @@ __all__ = ["ORDER", "Recommendation", "RecommendationKind", "Recommendations", "
 
 
 def recommend(run: Run, *, model=None, step: int | None = None, rank: int | None = None, device: str = "cpu",
-              policy: str = "recorded", loss_fn=None, progress=None) -> Recommendations:
+              policy: str = "recorded", loss_fn=None, progress=None, loss=None) -> Recommendations:
     """Recommendations for `run`; what-if replays when `model` is given
-    (`loss_fn(output, micro_batch)` as in `replay`)."""
+    (`loss_fn(output, micro_batch)` as in `replay`; `loss`: the loop's loss
+    for the re-runs of the saved window, as in `rerun`)."""
     from ..analyses.summary import summarize
 
     summary = summarize(run)
@@ -68,7 +69,7 @@ def recommend(run: Run, *, model=None, step: int | None = None, rank: int | None
         if picked is not None:
             bundle_step, bundle_rank = picked
             recs = replayed_recommendations(run, bundle_step, bundle_rank, model, device, policy, loss_fn,
-                                            progress, notes, summary)
+                                            progress, notes, summary, loss=loss)
             return Recommendations(run=str(run.path), step=bundle_step, replayed=True,
                                    recommendations=_sorted(recs), notes=notes)
     elif run.manifest.get("bundles"):

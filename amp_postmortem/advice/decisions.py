@@ -154,7 +154,7 @@ class Instability:
     beyond: str | None
 
 
-def decide_instability(run, p, step, *, model, device, policy, loss_fn) -> Instability:
+def decide_instability(run, p, step, *, model, device, policy, loss_fn, loss=None) -> Instability:
     from ..analyses.instability import LOSS_RISE, failure_step, find_instability, replay_evidence
     from ..analyses.precision_verdict import Verdict
     from ..whatif.verdict import decide
@@ -167,7 +167,8 @@ def decide_instability(run, p, step, *, model, device, policy, loss_fn) -> Insta
     is_unstable = unstable.unstable or (beyond is not None and rose)
     # Decided by a float32 re-run of the saved window when there is one
     # (`whatif/verdict.py`): the recorded evidence only suggests it.
-    verdict = decide(run, failure_step(run), model=model, rank=p.rank, device=device, policy=policy, loss_fn=loss_fn)
+    verdict = decide(run, failure_step(run), model=model, rank=p.rank, device=device, policy=policy, loss_fn=loss_fn,
+                     loss=loss, command="recommend")
     if verdict.verdict is Verdict.TRAINING_INSTABILITY:
         is_unstable = True
     elif verdict.verdict is Verdict.PRECISION:
@@ -204,14 +205,14 @@ class Bf16Replay:
         return bf16_outcome(self.avoids, self.confirmed, self.window_check)
 
 
-def decide_bf16(trial, p, step, *, model, device, policy, loss_fn) -> Bf16Replay:
+def decide_bf16(trial, p, step, *, model, device, policy, loss_fn, loss=None) -> Bf16Replay:
     avoids, confirmed, why = bf16_verdict(trial, p.backward_start)
     check = None
     if avoids and model is not None:
         from ..whatif.window_check import check_over_window, run_of_bundle
         check = check_over_window(run_of_bundle(p.bundle), step, "bfloat16 autocast and no GradScaler",
                                   model=model, rank=p.rank, precision="bf16", device=device, policy=policy,
-                                  loss_fn=loss_fn, use_scaler=False)
+                                  loss_fn=loss_fn, use_scaler=False, loss=loss, command="recommend")
     return Bf16Replay(trial, avoids, confirmed, why, check)
 
 

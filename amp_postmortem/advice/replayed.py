@@ -14,6 +14,8 @@ from .words import (add_grad_scaler_recommendation, avoid_recommendation, bf16_r
                     keep_fp32_recommendation, no_change_recommendation, scaler_settings_recommendation,
                     substitute_caveat)
 
+COMMAND = "recommend"  # the command the window checks are made for (named where they say how to add --loss)
+
 
 def bundle_to_replay(run: Run, step, rank, notes) -> tuple[int, int | None] | None:
     """(step, rank) of the bundle to replay: `step` as given, else
@@ -30,9 +32,12 @@ def bundle_to_replay(run: Run, step, rank, notes) -> tuple[int, int | None] | No
     return s, (rank if rank is not None else r)
 
 
-def replayed_recommendations(run, step, rank, model, device, policy, loss_fn, progress, notes, summary) -> list:
+def replayed_recommendations(run, step, rank, model, device, policy, loss_fn, progress, notes, summary,
+                             loss=None) -> list:
     """The replayed recommendations: each remedy decided on typed outcomes
-    (`decide_*`), its words made by the `*_recommendation` functions."""
+    (`decide_*`), its words made by the `*_recommendation` functions.
+    `loss`: the loop's loss for the re-runs of the saved window (as for
+    `rerun`)."""
     from ..replaying import resolve_policy
     from ..whatif import prepare
     from ..whatif.bisect import bisect_samples, slicing_note
@@ -46,7 +51,7 @@ def replayed_recommendations(run, step, rank, model, device, policy, loss_fn, pr
     recs = []
     baseline = p.trial()
     fix = find_fix(None, prepared=p, progress=progress, model=model, device=device, policy=policy,
-                   loss_fn=loss_fn) if p.reference_finite else None
+                   loss_fn=loss_fn, loss=loss, command=COMMAND) if p.reference_finite else None
     check_data = None
     if not baseline.saved:
         b = bisect_samples(None, prepared=p, progress=progress)
@@ -56,11 +61,12 @@ def replayed_recommendations(run, step, rank, model, device, policy, loss_fn, pr
         check_data = decide_check_data(step, p.reference_finite, b)
         if check_data is not None:
             recs.append(check_data_recommendation(check_data))
-    instability = decide_instability(run, p, step, model=model, device=device, policy=policy, loss_fn=loss_fn)
+    instability = decide_instability(run, p, step, model=model, device=device, policy=policy, loss_fn=loss_fn,
+                                     loss=loss)
     window_checks = {}  # RecommendationKind -> the WindowCheck its `verified` is decided on
     keep = None
     if fix is not None and fix.fix:
-        keep = KeepFp32(step, p.precision, fix, _modules_window_check(p, fix, model, device, policy, loss_fn),
+        keep = KeepFp32(step, p.precision, fix, _modules_window_check(p, fix, model, device, policy, loss_fn, loss),
                         substitute_caveat(p))
         window_checks[RecommendationKind.KEEP_FP32] = keep.window_check
         if not instability.unstable:
@@ -75,7 +81,7 @@ def replayed_recommendations(run, step, rank, model, device, policy, loss_fn, pr
     if p.precision == "fp16" and (not baseline.saved or scale_findings):
         bf16 = decide_bf16(p.trial(backoff=False, precision="bf16", loss_scale=1.0,
                                    policy=resolve_policy(policy, p.bundle, "bf16")), p, step, model=model,
-                           device=device, policy=policy, loss_fn=loss_fn)
+                           device=device, policy=policy, loss_fn=loss_fn, loss=loss)
         window_checks[RecommendationKind.USE_BF16] = bf16.window_check
         recs.append(bf16_recommendation(bf16, step, substitute_caveat(p)))
     kept = tuple(fix.fix) if fix is not None and fix.fix else ()
@@ -83,7 +89,7 @@ def replayed_recommendations(run, step, rank, model, device, policy, loss_fn, pr
     if p.precision == "fp16" and p.reference_finite:
         sw = replay_scale_window(None, prepared=p, fp32_modules=kept, progress=progress, verify=True, model=model,
                                  device=device, policy=policy, loss_fn=loss_fn,
-                                 loss_dtype=recorded_loss_dtype(run, step)[0])
+                                 loss_dtype=recorded_loss_dtype(run, step)[0], loss=loss, command=COMMAND)
         window = sw.window
         drift = window_drift(run, forward_step(summary)) if scale_findings else {"moves": False}
         advice = decide_scale_advice(sw, drift["moves"], scale_findings, kept)
@@ -127,7 +133,7 @@ def _settle_verified(r: Recommendation, check) -> None:
         r.why = "the window's drift is estimated from the recorded statistics of steps spread over the run"
 
 
-def _modules_window_check(p, fix, model, device, policy, loss_fn):
+def _modules_window_check(p, fix, model, device, policy, loss_fn, loss=None):
     """The module-level fix re-run over the saved window (`fix` checks its
     cheapest remedy, which may be a line); None without a model."""
     if model is None:
@@ -138,4 +144,5 @@ def _modules_window_check(p, fix, model, device, policy, loss_fn):
     remedy = next((r for r in fix.remedies if r.kind is RemedyKind.MODULES), None)
     if remedy is None:
         return None
-    return check_remedy(p, remedy, model=model, device=device, policy=policy, loss_fn=loss_fn)
+    return check_remedy(p, remedy, model=model, device=device, policy=policy, loss_fn=loss_fn, loss=loss,
+                        command=COMMAND)

@@ -24,6 +24,9 @@ from .output import RUN_LOCATION, StderrProgress, api_default, output_options, r
 LOSS_HELP = ("path/to/file.py:name (or package.module:name): the loss the loop computes outside the model "
              "(a criterion module or class, or a function), called as the loop called it on the targets the "
              "window kept (recorded with AmpRecorder(..., loss_fn=criterion)).")
+# The one --loss option of the commands that re-run the saved window (rerun,
+# and fix, scale-window and recommend checking their remedy over it).
+loss_option = click.option("--loss", metavar="FILE.py:NAME", default=None, help=LOSS_HELP)
 
 
 def replay_options(*, step_required: bool = True, precision: bool = True, step_help: str | None = None):
@@ -58,6 +61,7 @@ def _modules(ctx, param, value):
               show_default=True, help="Modules tried, worst local error first.")
 @click.option("--max-set", type=click.IntRange(min=1), default=api_default(api.fix, "max_set"), show_default=True,
               help="Largest set of modules the greedy search builds.")
+@loss_option
 @output_options(csv=True)
 def fix(run, **options):
     """What saves the step in float32, the cheapest first: the culprit's
@@ -71,6 +75,7 @@ def fix(run, **options):
     \b
         amp-postmortem fix runs/exp1 --step 1234 --model mypkg.models:build
         amp-postmortem fix runs/exp1 --step 1234 --model train.py:make_model --json
+        amp-postmortem fix runs/exp1 --step 1234 --model train.py:make_model --loss train.py:criterion
     """
     return api.fix(run, **options, progress=StderrProgress())
 
@@ -96,6 +101,7 @@ def _scale_range(ctx, param, value):
               help="Largest share of float16 gradient values flushed or subnormal at a usable scale.")
 @click.option("--keep-fp32", metavar="MODULE[,MODULE]", default="", callback=_modules,
               help="Replay with these modules kept in float32 (e.g. the ones `fix` names).")
+@loss_option
 @output_options(csv=True)
 def scale_window(run, **options):
     """The safe loss-scale window: scales 2^k at which the step's float16
@@ -110,6 +116,7 @@ def scale_window(run, **options):
     \b
         amp-postmortem scale-window runs/exp1
         amp-postmortem scale-window runs/exp1 --step 1234 --model mypkg.models:build --json
+        amp-postmortem scale-window runs/exp1 --step 1234 --model train.py:make_model --loss train.py:criterion
     """
     return api.scale_window(run, **options, progress=StderrProgress())
 
@@ -171,6 +178,7 @@ def compare(run_a, run_b, **options):
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True, help="Where to replay.")
 @click.option("--policy", type=click.Choice(POLICIES), default="recorded", show_default=True,
               help="Autocast policy of the replays: the recording device's, or CUDA's / the CPU's.")
+@loss_option
 @output_options(csv=True)
 def recommend(run, **options):
     """What to change, each with its evidence: modules to keep in float32,
@@ -183,6 +191,7 @@ def recommend(run, **options):
     \b
         amp-postmortem recommend runs/exp1
         amp-postmortem recommend runs/exp1 --model mypkg.models:build --json
+        amp-postmortem recommend runs/exp1 --model train.py:make_model --loss train.py:criterion
     """
     return api.recommend(run, **options, progress=StderrProgress())
 
@@ -208,7 +217,7 @@ def recommend(run, **options):
 @click.option("--loss-fn", metavar="SPEC", default=None,
               help="package.module:function or path/to/file.py:function, called as loss_fn(output, micro_batch): "
                    "the loss when the model does not return it (targets outside its inputs are not recorded).")
-@click.option("--loss", metavar="FILE.py:NAME", default=None, help=LOSS_HELP)
+@loss_option
 @click.option("--optimizer", metavar="SPEC", default=None,
               help="package.module:factory called as factory(model), returning the optimizer: needed when the "
                    "run's optimizer is not a torch.optim class the re-run rebuilds (SGD, Adam, AdamW, RMSprop, ...).")

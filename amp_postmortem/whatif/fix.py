@@ -179,8 +179,10 @@ def remedy_words(r: Remedy) -> str:
 
 def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", policy: str = "recorded",
              precision: str | None = None, loss_fn=None, max_candidates: int = MAX_CANDIDATES,
-             max_set: int = MAX_SET, progress=None, prepared=None) -> FixReport:
-    """Search the modules whose float32 execution saves the step."""
+             max_set: int = MAX_SET, progress=None, prepared=None, loss=None, command: str = "fix") -> FixReport:
+    """Search the modules whose float32 execution saves the step. `loss`:
+    the loop's loss for the window check (as for `rerun`); `command`: the
+    command it is made for (`recommend` runs it too)."""
     from ..replaying import attribution
 
     p = prepared or prepare(source, step, rank=rank, model=model, device=device, policy=policy,
@@ -238,11 +240,11 @@ def find_fix(source, step=None, *, rank=None, model=None, device: str = "cpu", p
     report.remedies = ranked_remedies(p, report)
     if report.remedies and model is not None:
         report.window_check = check_remedy(p, report.remedies[0], model=model, device=device, policy=policy,
-                                           loss_fn=loss_fn)
+                                           loss_fn=loss_fn, loss=loss, command=command)
     return report
 
 
-def check_remedy(p, remedy, *, model, device, policy, loss_fn):
+def check_remedy(p, remedy, *, model, device, policy, loss_fn, loss=None, command: str = "fix"):
     """`remedy` re-run over the saved window holding the step (`window_check`)."""
     from .window_check import check_over_window, run_of_bundle
     lines = ()
@@ -251,7 +253,7 @@ def check_remedy(p, remedy, *, model, device, policy, loss_fn):
         lines = ((file, int(line)),)
     return check_over_window(run_of_bundle(p.bundle), p.step, remedy_words(remedy), model=model, rank=p.rank,
                              fp32_modules=remedy.modules, fp32_lines=lines, precision=p.precision, device=device,
-                             policy=policy, loss_fn=loss_fn)
+                             policy=policy, loss_fn=loss_fn, loss=loss, command=command)
 
 
 class RemedyKind(enum.Enum):

@@ -183,6 +183,24 @@ def loss_kept(window) -> str | None:
     return meta.get("name") if isinstance(meta, dict) and meta.get("kept") else None
 
 
+class LossNeededError(ModelSpecError):
+    """The window kept the calls of the loop's loss (`kept`, its name) and
+    no `--loss` named it: the words name the command to add it to."""
+
+    def __init__(self, kept: str | None, command: str = "rerun"):
+        self.kept = kept
+        super().__init__(loss_needed(kept, command))
+
+
+def loss_needed(kept: str | None, command: str = "rerun") -> str:
+    """How to add the loop's loss to `amp-postmortem COMMAND` (one of the
+    commands that take --loss: rerun, summary, fix, scale-window,
+    recommend)."""
+    return (f"the loop computes its loss outside the model ({_short(kept)}, whose targets the window kept): "
+            f"add --loss FILE.py:NAME to `amp-postmortem {command}` (the criterion or function "
+            "the loop calls, from your own file: called as the loop called it)")
+
+
 def resolve_loss(loss):
     """`--loss FILE.py:fn` (or package.module:name, or a callable): the loss
     the loop called; a class (an nn.Module criterion's) is built with no
@@ -439,10 +457,7 @@ class _LoopLoss:
                                  f"the window kept no call of {self.kept} at step {step.step} (micro-batch "
                                  f"{k}): the loop called it by another name than the one recorded")
         if self.fn is None:
-            raise ModelSpecError(
-                f"the rerun needs the loss: the loop computes it outside the model ({_short(self.kept)}, whose "
-                "targets the window kept); name it with --loss FILE.py:NAME (the criterion or function the "
-                "loop calls, from your own file: called as the loop called it)")
+            raise LossNeededError(self.kept)
         if calls["calls"] > 1:
             raise ModelSpecError(f"the loop called {_short(self.kept)} {calls['calls']} times in one micro-batch "
                                  f"(step {step.step}): the window kept the first call only, and the loss of "
@@ -546,7 +561,8 @@ def _train_step(net, opt, scaler, s, hyper, config, recorded, lr_scale, loss_fn,
                 raise ModelSpecError("the rerun needs the loss: the model returned no scalar loss (nor .loss), and "
                                      "the window kept no call of the loop's loss: record with "
                                      "AmpRecorder(..., loss_fn=criterion) (the criterion the loop calls, its "
-                                     "targets then kept in the window) and re-run with --loss FILE.py:NAME; "
+                                     "targets then kept in the window) and re-run with --loss FILE.py:NAME (rerun, "
+                                     "summary, fix, scale-window and recommend take it); "
                                      "when the targets are among the model's inputs, pass --loss-fn "
                                      "package.module:function, called as loss_fn(output, micro_batch)")
             value = float(loss.detach().double())

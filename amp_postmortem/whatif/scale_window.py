@@ -122,7 +122,7 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
                         policy: str = "recorded", precision: str | None = None, loss_fn=None,
                         fp32_modules=(), scales=SCALES, max_underflow: float = MAX_UNDERFLOW,
                         progress=None, prepared=None, verify: bool = False,
-                        loss_dtype: str | None = None) -> ScaleWindow:
+                        loss_dtype: str | None = None, loss=None, command: str = "scale-window") -> ScaleWindow:
     """Replay the step's backward at every scale 2^k and find the window;
     with `verify`, check it on the run's other saved steps (`verify_window`).
 
@@ -132,7 +132,8 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
     Otherwise from the saved output gradient, and `loss_dtype` (the
     recorded one, `scale_result.recorded_loss_dtype`) stands for the loss:
     a scale that is Inf in it overflows, as the scaled loss's backward does
-    in training, whatever the output gradient."""
+    in training, whatever the output gradient. `loss` (the loop's loss, as
+    for `rerun`) and `command` are the window check's (`check_over_window`)."""
     from . import prepare
 
     p = prepared or prepare(source, step, rank=rank, model=model, device=device, policy=policy,
@@ -181,13 +182,17 @@ def replay_scale_window(source, step=None, *, rank=None, model=None, device: str
                      recorded_scaler=p.bundle.scaler, verified=True, overflow_cause=cause,
                      overflow_edge_by=LOSS_ROW if cause is EdgeCause.LOSS_DTYPE else None, loss_dtype=loss_dtype,
                      loss_max_k=loss_max_k(loss_dtype), backward_from=backward_from)
-    if verify and settings and model is not None:
+    if not verify:
+        return sw
+    sw = verify_window(sw, p, fp32_modules=fp32_modules, progress=progress, loss_fn=loss_fn)
+    if sw.settings and model is not None:  # the settings printed (the window narrowed by the saved steps)
         from .window_check import check_over_window, run_of_bundle
+        init_scale = sw.settings["init_scale"]
         sw.window_check = check_over_window(
-            run_of_bundle(p.bundle), p.step, f"init_scale={settings['init_scale']:g}", model=model, rank=p.rank,
-            fp32_modules=fp32_modules, init_scale=settings["init_scale"], precision=p.precision, device=device,
-            policy=policy, loss_fn=loss_fn)
-    return verify_window(sw, p, fp32_modules=fp32_modules, progress=progress, loss_fn=loss_fn) if verify else sw
+            run_of_bundle(p.bundle), p.step, f"init_scale={init_scale:g}", model=model, rank=p.rank,
+            fp32_modules=fp32_modules, init_scale=init_scale, precision=p.precision, device=device,
+            policy=policy, loss_fn=loss_fn, loss=loss, command=command)
+    return sw
 
 
 def _replay_at(p, k: int, fp32_modules, loss_fn, *, capture: bool):

@@ -79,10 +79,13 @@ def run_of_bundle(bundle) -> Path | None:
 def check_over_window(run_dir, step: int, remedy: str, *, model, rank: int | None = None, fp32_modules=(),
                       fp32_lines=(), init_scale: float | None = None, precision: str = "recorded",
                       device: str = "cpu", policy: str = "recorded", loss_fn=None,
-                      use_scaler: bool = True) -> WindowCheck:
-    """Re-run the window holding `step` with the remedy from its first step."""
+                      use_scaler: bool = True, loss=None, command: str = "rerun") -> WindowCheck:
+    """Re-run the window holding `step` with the remedy from its first step.
+    `loss`: the loop's loss (a callable or a `--loss` spec, as for `rerun`);
+    `command`: the command the check is made for, named where it says how
+    to add `--loss`."""
     from ..errors import PostmortemError
-    from .rerun import rerun_window
+    from .rerun import LossNeededError, loss_needed, rerun_window
     span = pick_window(window_spans(run_dir, rank), step) if run_dir is not None else None
     if span is None:
         return WindowCheck(WindowStatus.NO_WINDOW, remedy, why=windows_off(run_dir))
@@ -91,7 +94,10 @@ def check_over_window(run_dir, step: int, remedy: str, *, model, rank: int | Non
     try:
         r = rerun_window(run_dir, model=model, precision=precision, keep_fp32=tuple(fp32_modules), fp32_lines=lines,
                          init_scale=init_scale, device=device, policy=policy, loss_fn=loss_fn, window=w,
-                         use_scaler=use_scaler)
+                         use_scaler=use_scaler, loss=loss)
+    except LossNeededError as exc:  # the window kept the loop's loss and none was named: how to name it
+        return WindowCheck(WindowStatus.NOT_RUN, remedy, [w.first_step, w.last_step],
+                           why=loss_needed(exc.kept, command))
     except PostmortemError as exc:  # e.g. no loss to train on: the check is not made, and says so
         return WindowCheck(WindowStatus.NOT_RUN, remedy, [w.first_step, w.last_step], why=str(exc))
     status = WindowStatus.VERIFIED if r.carries else WindowStatus.FAILS
