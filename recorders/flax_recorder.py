@@ -171,7 +171,7 @@ class FlaxRecorder:
         # A copy: `fired`/`saved` count one run, and the default argument is
         # one object shared by every recorder built without `bundles=`.
         self.bundles = bundles.fresh() if bundles is not None and bundles.enabled else None
-        self._held = None  # (argument tree, device arrays) of the last step's model call
+        self._held = None  # (model-call tree, device arrays, step-arguments tree) of the last step
         policy_dtype = _param_dtype(model)
         modules = [{"name": module_name(p, "__call__"), "type": _class_name(type(node)), "watched": True}
                    for p, node in ((tuple(str(x) for x in path), node) for path, node in nnx.iter_graph(model))
@@ -203,6 +203,13 @@ class FlaxRecorder:
             names["inputs"] = None if tap.arguments is None else {
                 "args": [encode_tree(a, "input/x", held) for a in tap.arguments[0]],
                 "kwargs": [[k, encode_tree(v, "input/x", held)] for k, v in tap.arguments[1].items()]}
+            if self.bundles is not None:
+                # The step's own arguments (targets, the scale; the model and
+                # optimizer are no arrays: their nodes name their class), for
+                # a backward replay's loss function.
+                names["step_args"] = {
+                    "args": [encode_tree(a, "target/step", held) for a in args],
+                    "kwargs": [[k, encode_tree(v, "target/step", held)] for k, v in kwargs.items()]}
             if not isinstance(out, dict) or "loss" not in out:
                 raise TypeError("a step wrapped by FlaxRecorder.wrap returns a dict with at least 'loss'")
             out = dict(out)
@@ -227,7 +234,8 @@ class FlaxRecorder:
 
         def recorded_step(*args, **kwargs):
             out, payload, held = compiled(*args, **kwargs)
-            self._held = (names.get("inputs"), held)  # device arrays: copied only for a bundle
+            # Device arrays: copied only for a bundle.
+            self._held = (names.get("inputs"), held, names.get("step_args"))
             host = jax.device_get(payload)  # a few numbers per module: one transfer
             self._record(names, host)
             return out
@@ -286,7 +294,7 @@ class FlaxRecorder:
         reasons = self.bundles.reasons(step, loss, bool(bad))
         if not reasons:
             return
-        tree, held = self._held
+        tree, held, step_args = self._held
         arrays = dict(jax.device_get(held))
         names = []
         for name, leaf in named_params(self._model):
@@ -302,7 +310,7 @@ class FlaxRecorder:
             # Read after the step: unchanged when the step was skipped.
             "params": {"names": names, "exact": skipped, "source": "after_skipped_step" if skipped
                        else "after_update"},
-            "inputs": tree, "recorded_nonfinite": bad,
+            "inputs": tree, "recorded_nonfinite": bad, "step_arguments": step_args,
         }
         self.run.add_bundle(write_bundle(self.run_dir, rank=0, step=step, meta=meta, arrays=arrays))
 

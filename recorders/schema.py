@@ -32,7 +32,8 @@ BUNDLE_SCHEMA_VERSION = "1.2"
 # pickle off (docs/FORMAT.md, "Array bundles"). Same place as a PyTorch
 # bundle (`bundles/step=N/rank=R/`), another format name.
 ARRAY_BUNDLE_FORMAT_NAME = "amp-postmortem-array-bundle"
-# 1.1 added `loss_config` (the Keras loss a backward replay compiles).
+# 1.1 added `loss_config` (the Keras loss a backward replay compiles) and
+# `step_arguments` (the Flax step's own arguments, for its loss function).
 ARRAY_BUNDLE_SCHEMA_VERSION = "1.1"
 ARRAY_BUNDLE_ARRAYS_FILE = "arrays.npz"
 # `param`: a variable by its run name; `input`: a leaf of the model call's

@@ -56,3 +56,33 @@ def flax_model():
             return self.d2(self.mid(self.d1(x)))
 
     return Net(nnx.Rngs(0))
+
+
+def flax_loss(model, optimizer, scale, x, y):
+    """The step's loss (tests/test_flax_recorder.py's `train_step`), called
+    with the step's arguments for a backward replay (`--loss-fn`)."""
+    import jax.numpy as jnp
+    return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
+
+
+def flax_sqrt_model():
+    """`root` takes the square root of `d1`'s float16 output's magnitude: finite for
+    inputs near 1e-6, its gradient (some 500 there) times the scaled loss's
+    overflows float16 (as `keras_sqrt_model`)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Root(nnx.Module):
+        def __call__(self, x):
+            return jnp.sqrt(jnp.abs(x))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.d1 = nnx.Linear(4, 8, dtype=jnp.float16, kernel_init=nnx.initializers.ones, rngs=rngs)
+            self.root = Root()
+            self.d2 = nnx.Linear(8, 1, dtype=jnp.float16, kernel_init=nnx.initializers.ones, rngs=rngs)
+
+        def __call__(self, x):
+            return self.d2(self.root(self.d1(x)))
+
+    return Net(nnx.Rngs(0))

@@ -144,6 +144,67 @@ def test_flax_replay_names_the_module_and_takes_the_first_failure_without_step(f
     assert text.exit_code == 0 and "culprit: mid, forward, fp16" in text.output
 
 
+def test_flax_backward_replays_with_the_steps_loss(flax_run):
+    """Given the step's loss (`--loss-fn`, called with the step's own
+    arguments), the backward is replayed too; the forward culprit stands."""
+    bundle = load_array_bundle(flax_run / "bundles" / "step=3" / "rank=0")
+    kinds = [n["kind"] for n in bundle.meta["step_arguments"]["args"]]
+    assert kinds == ["unsupported", "unsupported", "array", "array", "array"]  # model, optimizer, scale, x, y
+    models = f"{HERE / 'replay_models.py'}"
+    doc = json.loads(cli("replay", flax_run, "--step", 3, "--model", f"{models}:flax_model",
+                         "--loss-fn", f"{models}:flax_loss", "--json").output)
+    assert doc["culprit"]["name"] == "mid" and doc["culprit"]["phase"] == "forward"
+    assert doc["backward"]["fp16"]["replayed"] and doc["backward"]["fp16"]["loss_scale"] == 2.0 ** 15
+    assert doc["backward"]["bf16"]["first_nonfinite"] is None
+    without = json.loads(cli("replay", flax_run, "--step", 3, "--model", f"{models}:flax_model", "--json").output)
+    assert "--loss-fn" in without["backward"]["fp16"]["error"]
+
+
+@pytest.fixture(scope="module")
+def flax_grad_run(tmp_path_factory):
+    """`flax_sqrt_model` with targets near 10 from step 3 on inputs of
+    2.5e-7: the forward stays finite in float16, the backward overflows
+    (the loss scale skips the step); step 3 saved by its number."""
+    jnp = importlib.import_module("jax.numpy")
+    nnx = importlib.import_module("flax.nnx")
+    optax = importlib.import_module("optax")
+    from recorders.flax_recorder import FlaxRecorder
+    from recorders.host_bundle import BundleTriggers
+    from test_flax_recorder import DynamicScale, train_step
+    sys.path.insert(0, str(HERE))
+    from replay_models import flax_sqrt_model
+
+    run = tmp_path_factory.mktemp("flax_grad") / "run"
+    model = flax_sqrt_model()
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(np.abs(rng.standard_normal((8, 4))) * 0.1, jnp.float32)
+    y = jnp.asarray(rng.standard_normal((8, 1)) * 0.1 + 10.0, jnp.float32)
+    with FlaxRecorder(run, model, optimizer=optimizer, loss_scale=DynamicScale(2.0 ** 15),
+                      bundles=BundleTriggers(steps=(3,))) as rec:
+        step = rec.wrap(train_step)
+        scale = jnp.float32(2.0 ** 15)
+        for batch in [x] * 3 + [jnp.full((8, 4), 2.5e-7, jnp.float32)] * 2:
+            scale = step(model, optimizer, scale, batch, y)["loss_scale"]
+    return run
+
+
+def test_flax_backward_replay_names_the_module_whose_backward_overflows(flax_grad_run):
+    models = f"{HERE / 'replay_models.py'}"
+    doc = json.loads(cli("replay", flax_grad_run, "--step", 3, "--model", f"{models}:flax_sqrt_model",
+                         "--loss-fn", f"{models}:flax_loss", "--json").output)
+    # The last module in the backward whose own backward breaks: d2's bias
+    # gradient, a sum over the batch of scaled gradients, passes 65504.
+    assert doc["culprit"]["name"] == "d2" and doc["culprit"]["phase"] == "backward"
+    assert "variable-gradient" in doc["culprit"]["reason"]
+    assert doc["reproduced"] is True and "skipped" in doc["fidelity"]["basis"]
+    phases = {(m["name"], m["phase"]): m["status"]["fp16"] for m in doc["modules"]}
+    assert all(v == "ok" for (_, phase), v in phases.items() if phase == "forward")
+    assert (phases[("d2", "backward")], phases[("root", "backward")], phases[("d1", "backward")]) == (
+        "broken", "broken", "inputs_nonfinite")
+    assert doc["culprits"]["bf16"] is None
+
+
 def test_summary_points_to_the_replay(flax_run):
     doc = json.loads(cli("summary", flax_run, "--json").output)
     assert doc["replay_command"].startswith(f"amp-postmortem replay {flax_run} --step 3 --model")

@@ -23,7 +23,9 @@ MODEL_HELP = ("package.module:factory or path/to/file.py:factory returning the m
               "never chooses the code a replay runs.")
 LOSS_FN_HELP = ("package.module:function or path/to/file.py:function, called as loss_fn(output, micro_batch), "
                 "giving the loss when the model does not return it (and a finite backward start when the "
-                "saved gradient of the loss is NaN/Inf).")
+                "saved gradient of the loss is NaN/Inf). For a Flax bundle: the step's loss, called with the "
+                "recorded step's arguments (the model in its place, None for the optimizer), so the backward "
+                "is replayed too.")
 
 
 def _precisions(ctx, param, value):

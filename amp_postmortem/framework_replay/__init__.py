@@ -8,7 +8,7 @@ The step's forward runs in float32 (the reference) and in each reduced
 precision asked for, then every layer call alone on float32's inputs
 rounded as the precision's run rounded them (`attribution.py`); the first
 layer whose own arithmetic breaks is the culprit. Then, for a Keras
-bundle, the backward: each layer call's output and input gradients and its
+bundle and for a Flax one given the step's loss (`loss_fn`), the backward: each layer call's output and input gradients and its
 variables' (the loss times the recorded scale under float16), against
 float32's; when the forward has no culprit, the first layer in backward
 order whose own backward turns a finite gradient NaN/Inf is. The framework is the
@@ -154,12 +154,13 @@ def replay_array_bundle(source, step: int | None = None, *, rank: int | None = N
     """Replay a Keras or Flax bundle's step (`source`: a run directory with
     `step`, or a bundle directory) and name the culprit layer. `model`: a
     factory spec or a no-argument callable returning the model."""
-    for flag, given in (("--loss-fn", loss_fn is not None), ("--anomaly", anomaly), ("--trace", bool(trace)),
-                        ("--policy", policy != "recorded")):
+    for flag, given in (("--anomaly", anomaly), ("--trace", bool(trace)), ("--policy", policy != "recorded")):
         if given:
             raise OptionError(f"{flag} is for PyTorch runs; a Keras or Flax replay takes --model, --step, "
-                              f"--rank and --precisions")
+                              f"--rank, --precisions and, for Flax, --loss-fn")
     bundle = locate(source, step, rank)
+    if loss_fn is not None and bundle.framework != "flax":
+        raise OptionError("--loss-fn is for PyTorch and Flax runs; a Keras replay takes the model's compiled loss")
     notes: list = []
     reduced = _check_precisions(precisions)
     if bundle.framework == "keras":
@@ -168,7 +169,7 @@ def replay_array_bundle(source, step: int | None = None, *, rank: int | None = N
         runner = KerasRunner(bundle, _factory(model, bundle), notes)
     elif bundle.framework == "flax":
         from .flax_run import FlaxRunner
-        runner = FlaxRunner(bundle, _factory(model, bundle), notes)
+        runner = FlaxRunner(bundle, _factory(model, bundle), notes, _loss_fn(loss_fn))
     else:
         raise BundleError(f"bundle {bundle.path}: framework {bundle.framework!r} is not keras or flax")
     return _replay(bundle, runner, reduced, notes)
@@ -183,6 +184,14 @@ def _factory(model, bundle):
         return model
     from ..replaying.model_spec import resolve_factory
     return resolve_factory(model)
+
+
+def _loss_fn(spec):
+    """A Flax step's loss function: a callable, or a spec (`FILE:fn`)."""
+    if spec is None or callable(spec):
+        return spec
+    from ..replaying.model_spec import resolve_factory
+    return resolve_factory(spec, what="--loss-fn")
 
 
 def _replay(bundle, runner, reduced: list, notes: list) -> FrameworkReplayResult:

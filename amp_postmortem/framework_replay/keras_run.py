@@ -164,13 +164,19 @@ class KerasRunner:
                         [keras.ops.zeros(t.shape, t.dtype) for t in _floating(keras, c.raw_outputs)])
                   for key, c in shapes.items()}
         keys = list(probes)
+        # Training differentiates the variables only: the gradient of the
+        # model's own inputs (as a layer receives them, cast) is never made
+        # there, so it is not probed here either.
+        model_inputs = _floating(keras, (self.args, self.kwargs))
+        skip = {key: [_is_model_input(keras, t, model_inputs) for t in _floating(keras, (c.args, c.kwargs))]
+                for key, c in shapes.items()}
         x = self.args[0] if len(self.args) == 1 else self.args
         y, sample_weight = self.targets
         variables = list(model.trainable_variables)
         counts: dict = {}
 
         def scaled_loss(flat_probes):
-            live = {k: (flat_probes[2 * i], flat_probes[2 * i + 1]) for i, k in enumerate(keys)}
+            live = {k: (flat_probes[2 * i], flat_probes[2 * i + 1], skip[k]) for i, k in enumerate(keys)}
             counts.clear()
             undo = [_probe(layer, layer_name(layer, model.name), live, counts, keras) for layer in layers_of(model)]
             try:
@@ -265,7 +271,7 @@ def _probe(layer, name, live: dict, counts: dict, keras):
         counts[name] = index + 1
         probes = live.get((name, index))
         if probes is not None:
-            args, kwargs = _plus(keras, (args, kwargs), probes[0])
+            args, kwargs = _plus(keras, (args, kwargs), probes[0], probes[2])
         out = original(*args, **kwargs)
         return _plus(keras, out, probes[1]) if probes is not None else out
 
@@ -282,13 +288,26 @@ def _probe(layer, name, live: dict, counts: dict, keras):
     return undo
 
 
-def _plus(keras, tree, probes: list):
-    """`tree` with the i-th floating leaf plus `probes[i]`."""
+def _plus(keras, tree, probes: list, skip=()):
+    """`tree` with the i-th floating leaf plus `probes[i]` (unless `skip[i]`)."""
     flat = keras.tree.flatten(tree)
     floating = {id(t) for t in _floating(keras, tree)}
-    it = iter(probes)
-    out = [keras.ops.add(t, next(it)) if id(t) in floating else t for t in flat]
+    out, i = [], 0
+    for t in flat:
+        if id(t) in floating:
+            out.append(t if i < len(skip) and skip[i] else keras.ops.add(t, probes[i]))
+            i += 1
+        else:
+            out.append(t)
     return keras.tree.pack_sequence_as(tree, out)
+
+
+def _is_model_input(keras, t, model_inputs: list) -> bool:
+    """`t` holds one of the model's inputs, cast to its dtype."""
+    dtype = keras.backend.standardize_dtype(t.dtype)
+    host = _host(keras, t)
+    return any(tuple(i.shape) == tuple(t.shape) and np.array_equal(_host(keras, keras.ops.cast(i, dtype)), host)
+               for i in model_inputs)
 
 
 def _tensor(keras):
