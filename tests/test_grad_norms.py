@@ -25,8 +25,12 @@ def test_grouped_norms_match_the_loop_in_the_gradients_order():
     assert plan.useful and len(plan.groups) >= 2
     grads = _grads(params)
     expected = torch.stack([torch.linalg.vector_norm(g) for g in grads])
-    norms = plan.norms(grads)
-    torch.testing.assert_close(norms, expected, rtol=1e-6, atol=0)
+    # In the plan's order, read from the list or off the parameters alike.
+    torch.testing.assert_close(plan.norms(grads), expected[plan.order], rtol=1e-6, atol=0)
+    for p, g in zip(params, grads):
+        p.grad = g
+    torch.testing.assert_close(plan.norms(), expected[plan.order], rtol=1e-6, atol=0)
+    assert [plan.grad_at(i) is g for i, g in enumerate(plan.in_order(grads))] == [True] * len(grads)
     got, sq = cpu_norms(grads, plan)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
     assert sq == pytest.approx(float((expected.double() ** 2).sum()), rel=1e-6)

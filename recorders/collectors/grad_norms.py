@@ -44,43 +44,46 @@ def grad_norms(grads: list, on_host: bool | None = None, as_float64: bool = True
 
 def cpu_norms(grads: list, plan: NormPlan | None = None) -> tuple[torch.Tensor, float]:
     """(each gradient's norm, the square sum of the norms in float64), on the
-    CPU; the sum is finite exactly when every norm is.
+    CPU, in the order of `grads`; the sum is finite exactly when every norm
+    is. `plan`: the gradients' `NormPlan` (None: the loop).
 
     The float64 pass converts every value first and cost ~9x the float32
     one (5 ms a step for 4M values), so the norms are taken in float32
     (relative error ~1e-5; float64 gradients keep float64), and only a norm
     that overflowed there (Inf from finite values too large to square in
-    float32) is taken again in float64. The sum is numpy's on the norms'
-    own memory: right after a backward pass a torch reduction of a few
-    values cost 25-45 us here, numpy's 2. `plan`: the gradients'
-    `NormPlan` (None: the loop)."""
-    if plan is not None:  # known from the parameters: no test per gradient and step
-        work, uniform = plan.work, plan.uniform
+    float32) is taken again in float64 (`settle`)."""
+    if plan is not None and plan.useful:
         norms = plan.norms(grads)
-    else:
-        work = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-        uniform, norms = None, None
-    if norms is None:
-        parts = _foreach_norms(grads, work, uniform)
-        if len(parts) <= FEW:
-            # A few norms: read one by one and summed in Python (float64),
-            # with no stack, conversion and dot product after a backward pass.
-            values = [t.item() for t in parts]
-            sq = math.fsum(v * v for v in values)
-            if math.isfinite(sq):
-                return torch.tensor(values, dtype=work), sq
-        norms = torch.stack(parts)
-    values = norms.numpy().astype(np.float64)
-    sq = float(values @ values)
+        if plan.inverse is not None:
+            norms = norms[plan.inverse]
+        return settle(norms, grads.__getitem__)
+    work = plan.work if plan is not None else (
+        torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32)
+    parts = _foreach_norms(grads, work, plan.uniform if plan is not None else None)
+    if len(parts) <= FEW:
+        # A few norms: read one by one and summed in Python (float64),
+        # with no stack after a backward pass, where every operation costs
+        # several times what it costs in a loop.
+        values = [t.item() for t in parts]
+        sq = math.fsum(v * v for v in values)
+        if math.isfinite(sq):
+            return torch.tensor(values, dtype=work), sq
+    return settle(torch.stack(parts), grads.__getitem__)
+
+
+def settle(norms: torch.Tensor, grad_at) -> tuple[torch.Tensor, float]:
+    """(norms, their square sum read on the host), an overflowed float32
+    norm taken again in float64 from `grad_at(i)`, the gradient of norm `i`."""
+    sq = math.fsum(v * v for v in norms.tolist())
     if math.isfinite(sq):
         return norms, sq
     norms = norms.to(torch.float64)
     overflow = torch.isinf(norms)
     if overflow.any():
         for i in overflow.nonzero().flatten().tolist():
-            norms[i] = torch.linalg.vector_norm(grads[i], dtype=torch.float64)
-        values = norms.numpy()
+            norms[i] = torch.linalg.vector_norm(grad_at(i), dtype=torch.float64)
         with np.errstate(over="ignore", invalid="ignore"):
+            values = norms.numpy()
             sq = float(values @ values)
     return norms, sq
 
@@ -116,20 +119,35 @@ class NormPlan:
         self.work = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         self.uniform = all(p.dtype == self.work for p in params)
         self.rest_uniform = all(params[i].dtype == self.work for i in self.rest)
+        self.order = order
+        self.group_params = [[params[i] for i in idx] for idx in self.groups]
+        self.rest_params = [params[i] for i in self.rest]
+        self.ordered_params = [params[i] for i in order]
         # Where each gradient's norm lands in the concatenated result.
         self.inverse = None if order == list(range(len(params))) else torch.argsort(torch.tensor(order))
 
-    def norms(self, grads: list) -> torch.Tensor | None:
-        """None when no group is worth it; raises on gradients the plan did
-        not foresee (a missing or sparse one)."""
+    def norms(self, grads: list | None = None) -> torch.Tensor | None:
+        """The norms in the plan's order (`order`): each group's, then the
+        rest's. `grads`: the gradients in the parameters' order; None reads
+        them off the parameters group by group (no list of them all).
+        Raises on gradients the plan did not foresee (missing, sparse)."""
         if not self.useful:
             return None
         work = self.work
         parts = []
-        for idx in self.groups:
-            rows = torch.cat([grads[i] for i in idx]).reshape(len(idx), -1)
+        for idx, params in zip(self.groups, self.group_params):
+            group = [p.grad for p in params] if grads is None else [grads[i] for i in idx]
+            rows = torch.cat(group).reshape(len(idx), -1)
             parts.append(torch.linalg.vector_norm(rows, dim=1, dtype=work if rows.dtype != work else None))
         if self.rest:
-            parts.append(torch.stack(_foreach_norms([grads[i] for i in self.rest], work, self.rest_uniform)))
-        out = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return out if self.inverse is None else out[self.inverse]
+            rest = [p.grad for p in self.rest_params] if grads is None else [grads[i] for i in self.rest]
+            parts.append(torch.stack(_foreach_norms(rest, work, self.rest_uniform)))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def in_order(self, items: list) -> list:
+        """`items` (one per parameter) in the plan's order."""
+        return [items[i] for i in self.order]
+
+    def grad_at(self, i: int):
+        """The gradient of the `i`-th norm in the plan's order."""
+        return self.ordered_params[i].grad

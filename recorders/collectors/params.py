@@ -8,7 +8,7 @@ import weakref
 import torch
 
 from ..layout import PLAIN_TENSORS, local
-from .grad_norms import NormPlan, cpu_norms, grad_norms
+from .grad_norms import NormPlan, cpu_norms, grad_norms, settle
 from .state import Shared, dtype_name, eager
 
 
@@ -50,6 +50,7 @@ class ParamGradCollector:
         # force during the step re-executed, not the one after its update).
         self.scale_override = None
         self._norm_plan = None  # grad_norms.NormPlan of the plain gradients, at the first backward
+        self._plan_names = None  # their names in the plan's order
         self._guarded_end = self._guarded_queue = None  # the backward end's callbacks, guarded
 
     def _watched(self, pname: str) -> bool:
@@ -168,7 +169,7 @@ class ParamGradCollector:
             # The usual job: plain tensors, nothing sharded; one pass for
             # every gradient, in one list (the per-parameter checks below
             # cost a few microseconds a parameter, every step).
-            grads = [p.grad for p in self._grad_tensors]
+            names = self._grad_names
             try:
                 # Without autograd: a gradient made with create_graph=True
                 # carries a graph. A missing gradient (None) raises: the
@@ -176,16 +177,24 @@ class ParamGradCollector:
                 # per-parameter Python every step; `in` compares with ==).
                 with torch.no_grad():
                     if self._grad_tensors[0].device.type == "cpu":  # read each time: a model may move
-                        if self._norm_plan is None:
-                            self._norm_plan = NormPlan(self._grad_tensors)
-                        norms, st.grad_sq_host = cpu_norms(grads, self._norm_plan)
+                        plan = self._norm_plan
+                        if plan is None:
+                            plan = self._norm_plan = NormPlan(self._grad_tensors)
+                            self._plan_names = plan.in_order(names)
+                        if plan.useful:
+                            # In the plan's order, names alike: no list of
+                            # every gradient, no reordering of the norms.
+                            norms, st.grad_sq_host = settle(plan.norms(), plan.grad_at)
+                            names = self._plan_names
+                        else:
+                            norms, st.grad_sq_host = cpu_norms([p.grad for p in self._grad_tensors], plan)
                     else:
-                        norms = grad_norms(grads, on_host=False)
+                        norms = grad_norms([p.grad for p in self._grad_tensors], on_host=False)
             except (TypeError, RuntimeError, AttributeError):
                 norms = None
             if norms is not None:
                 st.grad_norms = norms
-                st.grad_norm_names = self._grad_names
+                st.grad_norm_names = names
                 st.grad_scale = scale.detach().reshape(()) if scale is not None else None
                 return
         grads, sharded, names = [], [], []
