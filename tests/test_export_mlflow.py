@@ -61,6 +61,65 @@ def test_export_to_a_sqlite_store_reads_back_with_mlflows_client(overflow_run, t
     assert client.get_run(run_id).data.tags["amp_postmortem.finding_kinds"] == "nonfinite"
 
 
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server over HTTP on a loopback port (a sqlite
+    backend and an artifact root in a temporary folder), as a team runs it."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    root = tmp_path_factory.mktemp("mlflow_server")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--default-artifact-root", str(root / "artifacts")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180  # it starts in ~20 s on two busy cores
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None, "the MLflow server exited"
+            assert time.monotonic() < deadline, "the MLflow server did not answer /health"
+            time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+
+
+def test_export_to_a_tracking_server_over_http_reads_back(overflow_run, tmp_path, mlflow_server):
+    """A tracking server (`mlflow server`) over HTTP: the export logs the
+    steps, the findings as tags and their artifact; MLflow's client reads
+    them back from the server; --json stays parseable (MLflow's own lines
+    go to stderr)."""
+    result = CliRunner().invoke(main, ["export", "mlflow", str(overflow_run), "--tracking-uri", mlflow_server,
+                                       "--experiment", "over-http", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["tracking_uri"] == mlflow_server and doc["steps"] == 12
+    client = MlflowClient(tracking_uri=mlflow_server)
+    (run_id,) = doc["run_ids"]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "over-http"
+    assert sorted(history(client, run_id, "loss")) == list(range(12))
+    assert history(client, run_id, "skipped")[OVERFLOW_STEP] == 1.0
+    assert run.data.tags["amp_postmortem.finding_kinds"] == "nonfinite"
+    doc = json.loads(Path(client.download_artifacts(run_id, FINDINGS_ARTIFACT, str(tmp_path))).read_text())
+    assert "nonfinite" in [row[doc["columns"].index("kind")] for row in doc["data"]]
+
+
 def test_a_file_store_reads_back_only_with_the_opt_out_the_readme_names(overflow_run, tmp_path, monkeypatch):
     """MLflow 3 refuses to open a file store unless MLFLOW_ALLOW_FILE_STORE
     is set: the export sets it for itself; a reader must set it too (docs/COMMANDS.md)."""
