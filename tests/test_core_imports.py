@@ -37,6 +37,7 @@ FRAMEWORKS = {"integrations/transformers.py": {"transformers"},
               "integrations/lightning.py": {"lightning", "pytorch_lightning"},
               # The recorders of other frameworks: each imported only by who records with it.
               "keras_recorder.py": {"keras", "tensorflow", "jax"},
+              "keras_loss_scaling.py": {"keras", "tensorflow"},  # the Keras recorder's loss-scaling probe
               "flax_recorder.py": {"jax", "flax", "optax"}}
 
 
