@@ -1,6 +1,7 @@
 """Runs for the advice tests (instability, verified remedies, tied weights),
-recorded once per test session by the real recorder on the CPU (float16 CPU
-autocast, `torch.amp.GradScaler("cpu")`), each named after its fault:
+recorded once per test session by the real recorder on the CPU, trained
+through `tiny_models.train` (float16 CPU autocast,
+`torch.amp.GradScaler("cpu")`), each named after its fault:
 
 - `diverging_gpt_run`: a tiny GPT with tied token embedding and output
   projection, AdamW, gradient clipping and a far too high learning rate: it
@@ -61,25 +62,26 @@ def gpt_batch(step: int):
 
 
 def record_gpt(path, *, amp: bool, steps: int = GPT_STEPS, lr: float = GPT_LR):
-    from recorders import AmpRecorder
+    from tiny_models import recorder_at, train
     model = tied_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler("cpu", enabled=amp)
-    with AmpRecorder(path, model, optimizer=opt, scaler=scaler if amp else None, full_every=1) as rec:
-        for step in range(steps):
-            idx, target = gpt_batch(step)
-            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
-                logits = model(idx)
-            loss = nn.functional.cross_entropy(logits.float().view(-1, VOCAB), target.view(-1))
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            rec.step(loss)
-        rec.flush()
-        assert rec.enabled, f"the recorder failed: {rec.failure!r}"
+
+    def cross_entropy(model, idx, target, step, accumulate):
+        logits = model(idx)
+        with torch.autocast("cpu", enabled=False):  # the loss outside autocast, as the job wrote it
+            return nn.functional.cross_entropy(logits.float().view(-1, VOCAB), target.view(-1))
+
+    def clip(step, model):
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+    rec = train(model, [gpt_batch(step) for step in range(steps)], recorder=recorder_at(path, full_every=1),
+                optimizer=opt, scaler=scaler if amp else None, dtype=torch.float16 if amp else None,
+                loss_fn=cross_entropy, before_update=clip, close=False).rec
+    rec.flush()
+    assert rec.enabled, f"the recorder failed: {rec.failure!r}"
+    rec.close()
     return Path(path)
 
 
@@ -155,24 +157,18 @@ def branch_batch(step: int, hot: dict):
     return x, y
 
 
+def _mse(model, x, y, step, accumulate):
+    return ((model(x).float() - y) ** 2).mean()
+
+
 def record_branch(path, *, hot: dict, steps: int = 5, bundle_steps=(), init_scale=2.0 ** 8):
-    from recorders import AmpRecorder
-    model = branch_net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=10 ** 6)
-    with AmpRecorder(path, model, optimizer=opt, scaler=scaler, full_every=1,
-                     bundle_steps=tuple(bundle_steps)) as rec:
-        for step in range(steps):
-            x, y = branch_batch(step, hot)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = ((model(x).float() - y) ** 2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            rec.step(loss)
-        rec.flush()
-        assert rec.enabled, f"the recorder failed: {rec.failure!r}"
+    from tiny_models import recorder_at, train
+    rec = train(branch_net(), [branch_batch(step, hot) for step in range(steps)], lr=0.01,
+                recorder=recorder_at(path, full_every=1, bundle_steps=tuple(bundle_steps)),
+                scaler={"init_scale": init_scale, "growth_interval": 10 ** 6}, loss_fn=_mse, close=False).rec
+    rec.flush()
+    assert rec.enabled, f"the recorder failed: {rec.failure!r}"
+    rec.close()
     return Path(path)
 
 
@@ -219,25 +215,19 @@ def lower_scale_run() -> Path:
     module gradients: at the recorded scale 2^8 `out`'s float16
     weight-gradient matmul overflows while every module's output gradient
     fits; the scaler backs off until a lower scale saves the steps."""
-    from recorders import AmpRecorder
+    from tiny_models import recorder_at, train
     path = _root() / "weight_gradient_overflow_at_high_scale"
-    model = wide_head()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=10 ** 6)
-    with AmpRecorder(path, model, optimizer=opt, scaler=scaler, full_every=1,
-                     bundle_steps=LOWER_SCALE_BUNDLES) as rec:
-        for step in range(8):
-            g = torch.Generator().manual_seed(step)
-            x = torch.randn(BRANCH_BATCH, D_IN, generator=g) * 30.0
-            y = torch.randn(BRANCH_BATCH, 1, generator=g) * 30.0
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = ((model(x).float() - y) ** 2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            rec.step(loss)
-        rec.flush()
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(BRANCH_BATCH, D_IN, generator=g) * 30.0
+        return x, torch.randn(BRANCH_BATCH, 1, generator=g) * 30.0
+
+    rec = train(wide_head(), [batch(step) for step in range(8)], lr=0.0,
+                recorder=recorder_at(path, full_every=1, bundle_steps=LOWER_SCALE_BUNDLES),
+                scaler={"init_scale": 2.0 ** 8, "growth_interval": 10 ** 6}, loss_fn=_mse, close=False).rec
+    rec.flush()
+    rec.close()
     return Path(path)
 
 
@@ -262,21 +252,13 @@ def root_matmul():
 
 @functools.lru_cache(maxsize=None)
 def root_matmul_run() -> Path:
-    from recorders import AmpRecorder
+    from tiny_models import recorder_at, train
     path = _root() / "root_matmul_overflows_float16"
-    model = root_matmul()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    with AmpRecorder(path, model, optimizer=opt, scaler=scaler, full_every=1) as rec:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(BRANCH_BATCH, D_IN, generator=g) * 1e5
-        y = torch.randn(BRANCH_BATCH, 1, generator=g)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = ((model(x).float() - y) ** 2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        rec.step(loss)
-        rec.flush()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BRANCH_BATCH, D_IN, generator=g) * 1e5
+    y = torch.randn(BRANCH_BATCH, 1, generator=g)
+    rec = train(root_matmul(), [(x, y)], lr=0.0, recorder=recorder_at(path, full_every=1),
+                scaler={"init_scale": 2.0 ** 8}, loss_fn=_mse, close=False).rec
+    rec.flush()
+    rec.close()
     return Path(path)
