@@ -52,22 +52,12 @@ def cls_batches(steps: int):
 
 
 def _record_classifier(path: Path, mode: str) -> Path:
-    from recorders import AmpRecorder
+    from tiny_models import recorder_at, train
     model = bert_classifier()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu") if mode == "scaled" else None
-    with AmpRecorder(path, model, optimizer=opt, scaler=scaler, mode="every_step", full_every=3) as rec:
-        for tokens, label in cls_batches(CLS_STEPS):
-            with torch.autocast("cpu", dtype=torch.float16, enabled=mode != "fp32"):
-                loss = model(input_ids=tokens, labels=label).loss
-            (scaler.scale(loss) if scaler else loss).backward()
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad()
-            rec.step(loss)
+    train(model, cls_batches(CLS_STEPS), recorder=recorder_at(path, mode="every_step", full_every=3),
+          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), scaler=mode == "scaled",
+          dtype=None if mode == "fp32" else torch.float16,
+          loss_fn=lambda model, tokens, label, step, accumulate: model(input_ids=tokens, labels=label).loss)
     return path
 
 
@@ -134,20 +124,16 @@ def lm_loss(model, seq):
 
 
 def _record_lm(path: Path, *, bf16_weights: bool, lr: float) -> Path:
-    from recorders import AmpRecorder
+    from tiny_models import recorder_at, train
     torch.manual_seed(0)
     model = TinyLM()
     if bf16_weights:
         model = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    with AmpRecorder(path, model, optimizer=opt, mode="every_step", full_every=3) as rec:
-        for seq in lm_batches(LM_STEPS):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not bf16_weights):
-                loss = lm_loss(model, seq)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            rec.step(loss)
+    train(model, [(seq, None) for seq in lm_batches(LM_STEPS)],
+          recorder=recorder_at(path, mode="every_step", full_every=3),
+          optimizer=torch.optim.AdamW(model.parameters(), lr=lr), scaler=None,
+          dtype=None if bf16_weights else torch.bfloat16,
+          loss_fn=lambda model, seq, _, step, accumulate: lm_loss(model, seq))
     return path
 
 
