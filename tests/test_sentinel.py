@@ -109,21 +109,17 @@ def test_the_failing_step_is_reexecuted_exactly_and_training_is_untouched(tmp_pa
 def test_steps_not_sampled_carry_no_module_hook(tmp_path):
     torch.manual_seed(0)
     model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    rec = AmpRecorder(tmp_path / "run", model, optimizer=opt, schedule=RecordSchedule(cheap_every=3, full_every=0))
 
     def hooked():
         subs = [m for name, m in model.named_modules() if name]
         return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in subs) + sum(
             len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
     seen = []
-    for step, (x, y) in enumerate(batches(6)):
-        seen.append(hooked())
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        rec.step()
-    rec.close()
+    train(model, batches(6), lr=0.01, dtype=None, scaler=None, pass_loss=False,
+          recorder=lambda m, o, s: AmpRecorder(tmp_path / "run", m, optimizer=o,
+                                               schedule=RecordSchedule(cheap_every=3, full_every=0)),
+          loss_fn=lambda model, x, y, step, accumulate: ((model(x) - y) ** 2).mean(),
+          on_step=lambda step, model, x: seen.append(hooked()))
     assert [s > 0 for s in seen] == [True, False, False, True, False, False]
     assert hooked() == 0
     steps = ap.load_run(tmp_path / "run").steps
