@@ -77,27 +77,6 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(BATCH, D_IN, generator=torch.Generator().manual_seed(step))
 
 
-def _job(model, loss_of, scaler_at, on_step=None, steps=STEPS) -> list[bool]:
-    """The training loop; `scaler_at(step)` the GradScaler of each step.
-    Returns per step whether the scaler skipped it."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = None
-    skipped = []
-    for step in range(steps):
-        scaler = scaler_at(step, scaler)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_of(model, batch(step))
-        scaler.scale(loss).backward()
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        skipped.append(scaler.get_scale() < before)
-        opt.zero_grad()
-        if on_step is not None:
-            on_step(loss)
-    return skipped
-
-
 def _loss_of(inside: bool, half: bool):
     if inside:
         return lambda model, x: model(x)
@@ -105,27 +84,34 @@ def _loss_of(inside: bool, half: bool):
     return lambda model, x: fn(model(x))
 
 
+def _train(model, loss_of, scaler, steps, optimizer=None, recorder=None):
+    """The job through the tests' loop (SGD at 0.01, float16 CPU autocast)."""
+    import tiny_models
+    return tiny_models.train(model, [(batch(step), None) for step in steps], recorder=recorder, lr=0.01,
+                             optimizer=optimizer, scaler=scaler, close=False,
+                             loss_fn=lambda model, x, y, step, accumulate: loss_of(model, x))
+
+
 def record(path, *, half: bool = True, inside: bool = False, init_scale: float = RECORDED_SCALE,
            steps: int = STEPS) -> Path:
     from recorders import AmpRecorder
     model = loss_net() if inside else net()
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=10 ** 6)
-
-    def scaler_at(step, prior):
-        return scaler
-
-    with AmpRecorder(path, model, scaler=scaler, full_every=1, bundle_steps=BUNDLE_STEPS) as rec:
-        _job(model, _loss_of(inside, half), scaler_at, on_step=lambda loss: rec.step(loss), steps=steps)
-        rec.flush()
+    rec = AmpRecorder(path, model, scaler=scaler, full_every=1, bundle_steps=BUNDLE_STEPS)
+    _train(model, _loss_of(inside, half), scaler, range(steps), recorder=lambda m, o, s: rec)
+    rec.flush()
+    rec.close()
     return Path(path)
 
 
 def train(init_scale: float, *, half: bool = True, inside: bool = False) -> list[bool]:
     """The job re-run at the fixed scale `init_scale` (a fresh scaler each
-    step: no backoff, no growth): which steps were skipped."""
+    step: no backoff, no growth): which steps were skipped (the scale after
+    the step below `init_scale`)."""
     model = loss_net() if inside else net()
-    return _job(model, _loss_of(inside, half),
-                lambda step, prior: torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=10 ** 6))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return [_train(model, _loss_of(inside, half), {"init_scale": init_scale, "growth_interval": 10 ** 6},
+                   [step], optimizer=opt).scales[0] < init_scale for step in range(STEPS)]
 
 
 @functools.lru_cache(maxsize=None)
