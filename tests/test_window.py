@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import window_runs as runs
+from tiny_models import train
 from amp_postmortem.errors import BundleError
 from amp_postmortem.reading.window import find_window, list_windows, load_window, window_spans
 from recorders import schema
@@ -107,20 +108,12 @@ def test_a_restarted_window_reruns_the_recorded_steps_from_its_own_start(tmp_pat
     model = runs.gain_net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    rec = AmpRecorder(tmp_path / "r", model, optimizer=opt, scaler=sc, bundles=BundlePolicy(window_steps=3))
-    losses = []
-    for step in range(12):
-        x, y = runs.precision_batch(step - 4)  # the float16 overflow from step 8
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(x, y)
-        sc.scale(loss).backward()
-        sc.step(opt)
-        sc.update()
-        opt.zero_grad()
-        rec.step(loss)
-        rec.flush()  # the writer decides before the next step: the window restarts on time
-        losses.append(float(loss.detach()))
-    rec.close()
+    losses = train(model, [runs.precision_batch(step - 4) for step in range(12)],  # the float16 overflow from step 8
+                   recorder=lambda m, o, s: AmpRecorder(tmp_path / "r", m, optimizer=o, scaler=s,
+                                                        bundles=BundlePolicy(window_steps=3)),
+                   optimizer=opt, scaler=sc, loss_fn=lambda model, x, y, step, accumulate: model(x, y),
+                   # the writer decides before the next step: the window restarts on time
+                   after_step=lambda step, rec: rec.flush()).losses
     first = next(i for i, v in enumerate(losses) if not math.isfinite(v))
     (start, _, path), = list_windows(tmp_path / "r")
     w = load_window(path)

@@ -322,7 +322,7 @@ class Trained(typing.NamedTuple):
 def train(model, data, *, recorder=None, dtype=torch.float16, scaler=True, accumulate: int = 1,
           lr: float = 0.05, loss_fn=mse, on_step=None, after_backward=None, before_update=None,
           close: bool = True, stop_when=None, optimizer=None, pass_loss: bool = True,
-          after_update=None) -> Trained:
+          after_update=None, after_step=None) -> Trained:
     """The one AMP training loop of the tests, on the CPU.
 
     data: the micro-batches, `accumulate` per optimizer step ((x, y) pairs);
@@ -339,7 +339,8 @@ def train(model, data, *, recorder=None, dtype=torch.float16, scaler=True, accum
     on_event callback asked for);
     optimizer: the optimizer to step (None: SGD over the model's parameters at `lr`);
     pass_loss: hand the loss to rec.step() (False: rec.step() with none);
-    after_update(step, model): after the update, before rec.step() (an eval pass).
+    after_update(step, model): after the update, before rec.step() (an eval pass);
+    after_step(step, rec): after rec.step() (a flush: the writer keeps up).
     Returns the losses (as passed to rec.step), the scales after each step,
     the final parameters and the recorder."""
     opt = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=lr)
@@ -372,6 +373,8 @@ def train(model, data, *, recorder=None, dtype=torch.float16, scaler=True, accum
             after_update(step, model)
         if rec:
             rec.step(loss) if pass_loss else rec.step()
+        if after_step:
+            after_step(step, rec)
         losses.append(loss.item())
         scales.append(sc.get_scale() if sc else None)
         if stop_when is not None and stop_when(rec):

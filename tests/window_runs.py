@@ -88,31 +88,18 @@ def train(model, batch, *, lr, steps=STEPS, autocast=True, recorder=None):
     without either). Returns the losses, one per step. With a recorder the
     windows restart at steps 0, 4, 8, ...: the precision run's holds steps
     4-10 (the failure at 6), the runaway's 0-5 (the failure at 1)."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if autocast else None
-    rec = recorder(model, opt, sc) if recorder else None
-    losses = []
-    for step in range(steps):
-        x, y = batch(step)
-        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
-            loss = model(x, y)
-        if sc is not None:
-            sc.scale(loss).backward()
-            sc.step(opt)
-            sc.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad()
-        if rec is not None:
-            rec.step(loss)
-            # The writer decides before the next step: the window restarts
-            # every WINDOW_STEPS steps, as on a job whose writer keeps up.
-            rec.flush()
-        losses.append(float(loss.detach()))
-    if rec is not None:
-        rec.close()
-    return losses
+    import tiny_models
+
+    def flush(step, rec):
+        # The writer decides before the next step: the window restarts
+        # every WINDOW_STEPS steps, as on a job whose writer keeps up.
+        rec.flush()
+
+    return tiny_models.train(model, [batch(step) for step in range(steps)], recorder=recorder, lr=lr,
+                             dtype=torch.float16 if autocast else None,
+                             scaler={"init_scale": 2.0 ** 8} if autocast else None,
+                             loss_fn=lambda model, x, y, step, accumulate: model(x, y),
+                             after_step=flush if recorder else None).losses
 
 
 def record(path, model, batch, *, lr, window_steps=WINDOW_STEPS) -> Path:
