@@ -58,6 +58,7 @@ def main(run_dir, use_function=False):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     rec = AmpRecorder(run_dir, model, optimizer=opt, scaler=scaler, loss_fn=loss_fn if use_function else criterion)
+    # Its own loop: a user's script, run by subprocess, trains as users write it (not through tests/tiny_models.py).
     for step in range(STEPS):
         x, y = batch(step)
         with torch.autocast("cpu", dtype=torch.float16):

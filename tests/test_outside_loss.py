@@ -149,21 +149,18 @@ def _requested_windows(path, *, requests, max_window_bytes=1 << 30):
     import torch
 
     from recorders import AmpRecorder
+    from tiny_models import train
     model = job.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     rec = AmpRecorder(path, model, optimizer=opt, loss_fn=job.criterion, window_steps=3,
                       max_window_bytes=max_window_bytes)
-    for step in range(24):
-        x, y = job.batch(step)
-        if step in requests:
-            rec.save_bundle()
-        loss = job.criterion(model(x if step != job.FAULT_STEP else x / 1e6), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        rec.step(loss)
-        rec.flush()
-    rec.close()
+
+    def loss(model, x, y, step, accumulate):
+        return job.criterion(model(x if step != job.FAULT_STEP else x / 1e6), y)
+
+    train(model, [job.batch(step) for step in range(24)], recorder=lambda m, o, s: rec, optimizer=opt, dtype=None,
+          scaler=None, on_step=lambda step, model, x: rec.save_bundle() if step in requests else None, loss_fn=loss,
+          after_step=lambda step, rec: rec.flush())
     return sorted(json.loads(p.read_text())["trigger_step"] for p in (path / "windows").glob("*/*/window.json"))
 
 
@@ -185,6 +182,7 @@ def test_targets_that_are_model_inputs_are_saved_once_and_kwargs_are_kept(tmp_pa
 
     from amp_postmortem.reading.window import PREDICTION_KEY, find_window
     from recorders import AmpRecorder
+    from tiny_models import train
 
     class TwoInputs(nn.Module):
         def __init__(self):
@@ -202,17 +200,10 @@ def test_targets_that_are_model_inputs_are_saved_once_and_kwargs_are_kept(tmp_pa
     crit = nn.Module()
     crit.forward = lambda pred, target, weight: weighted(pred, target, weight=weight)
     rec = AmpRecorder(tmp_path / "r", model, optimizer=opt, loss_fn=crit, window_steps=2)
-    for step in range(4):
-        x, y = job.batch(step)
-        if step == 2:
-            rec.save_bundle()
-        loss = crit(model(x, y), y, weight=torch.full((8, 1), 2.0))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        rec.step(loss)
-        rec.flush()
-    rec.close()
+    train(model, [job.batch(step) for step in range(4)], recorder=lambda m, o, s: rec, optimizer=opt, dtype=None,
+          scaler=None, on_step=lambda step, model, x: rec.save_bundle() if step == 2 else None,
+          loss_fn=lambda model, x, y, step, accumulate: crit(model(x, y), y, weight=torch.full((8, 1), 2.0)),
+          after_step=lambda step, rec: rec.flush())
     w = find_window(tmp_path / "r")
     (args, _), = w.steps[-1].inputs
     call = w.steps[-1].losses[0]
