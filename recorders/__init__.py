@@ -5,10 +5,10 @@ job never pays for the analyzer's dependencies. `AmpRecorder` and the parts
 it takes (`RecordSchedule`, `BundlePolicy`, `StorageOptions`,
 `WriterOptions`, `EventPolicy`, `ProbeOptions`) and the events an `on_event` callback gets
 (`Event`, `EventKind`) are imported lazily so that the analyzer can read
-the run format (`recorders.format`, which names `recorders.schema`, the
-format's one definition) without importing torch.
+the run format (`recorders.format`, the format's one definition, which
+the recorder's own modules import too) without importing torch.
 """
-from .schema import SCHEMA_VERSION
+from .format.schema import SCHEMA_VERSION
 
 # name -> the module that defines it
 _LAZY = {"AmpRecorder": "recorder", "RecordSchedule": "schedule", "BundlePolicy": "bundles.policy",

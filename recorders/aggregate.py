@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import schema
+from .format import schema
 
 _NAN = float("nan")
 

@@ -49,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import schema
+from .format import schema
+from .format.flax_names import key_name, module_name, named_params
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
 from .host_run import HostRun, StepRecord, TensorRow, framework_entry
 
@@ -68,13 +69,6 @@ def array_stats(x, scale=None):
                       jnp.sum(jnp.isinf(x)).astype(jnp.float32), jnp.float32(0), jnp.float32(x.size)])
 
 
-def _key(k):
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return getattr(k, attr)
-    return str(k)
-
-
 def tree_stats(tree, scale=None):
     """(names, [n, 5] stats) of every floating leaf of a pytree (gradients):
     names `a.b.kernel`, statistics reduced in the graph."""
@@ -82,7 +76,7 @@ def tree_stats(tree, scale=None):
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue
-        parts = [str(_key(k)) for k in path if _key(k) != "value"]
+        parts = [str(key_name(k)) for k in path if key_name(k) != "value"]
         names.append((".".join(parts), str(leaf.dtype)))
         stats.append(array_stats(leaf, scale))
     return names, (jnp.stack(stats) if stats else jnp.zeros((0, STAT_WIDTH), jnp.float32))
@@ -94,7 +88,7 @@ def module_stats(intermediates):
     call, (module name, method, call, dtype)."""
     calls: dict = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(intermediates):
-        keys = [_key(k) for k in path]
+        keys = [key_name(k) for k in path]
         call = keys[-1] if isinstance(keys[-1], int) else 0
         names = [k for k in keys if isinstance(k, str) and k != "value"]
         if not names or not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -137,11 +131,6 @@ def definition_order(node, path=(), seen=None):
         for sub, child in children:
             if isinstance(child, nnx.Module):
                 yield from definition_order(child, path + ((attr,) if sub is None else (attr, sub)), seen)
-
-
-def module_name(module: tuple, method: str) -> str:
-    name = ".".join(module)
-    return name if method == "__call__" else (f"{name}.{method}" if name else method)
 
 
 # ------------------------------------------------------------ the recorder
@@ -381,12 +370,6 @@ def _versions() -> str:
     import flax
     import optax
     return f"flax {flax.__version__}, jax {jax.__version__}, optax {optax.__version__}"
-
-
-def named_params(model):
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        parts = [str(_key(k)) for k in path if _key(k) != "value"]
-        yield ".".join(parts), leaf
 
 
 def _param_dtype(model) -> str | None:

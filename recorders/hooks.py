@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 
-from . import schema
+from .format import schema
 from .collectors.autocast import AutocastWatch
 from .collectors.backward import BackwardCollector
 from .collectors.forward import ForwardCollector

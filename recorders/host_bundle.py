@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import schema
-from .plain import file_sha256, json_checksum, plain
+from .format import schema
+from .format.plain import file_sha256, json_checksum, plain
 from .writer import atomic_write_json, fsync_dir
 
 # Which automatic triggers a recorder of another framework has (the

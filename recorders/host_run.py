@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import schema
+from .format import schema
 from .writer import ShardWriter, atomic_write_json
 
 try:

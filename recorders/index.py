@@ -13,7 +13,7 @@ import math
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import schema
+from .format import schema
 
 
 def shard_index(*, run_id: str, rank: int, shard: str, step_rows: list[dict],

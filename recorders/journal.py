@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import schema
+from .format import schema
 from .durable import fsync_dir
 
 DEFAULT_DURABLE_INTERVAL_S = 5.0

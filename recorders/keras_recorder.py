@@ -57,7 +57,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from . import schema
+from .format import schema
+from .format.keras_names import keras_name, layer_name, layers_of
 from .errors import OptionError
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
 from .host_run import HostRun, StepRecord, TensorRow, framework_entry
@@ -119,25 +120,6 @@ def row_stats(tensors: list, inputs: list = (), scale=None):
 
 def _dtype(tensors) -> str:
     return keras.backend.standardize_dtype(tensors[0].dtype) if tensors else "float32"
-
-
-def keras_name(path: str, root: str) -> str:
-    """A Keras path as a PyTorch-style qualified name: `block/dense/kernel`
-    -> `block.dense.kernel`, without the model's own name in front."""
-    if path.startswith(root + "/"):
-        path = path[len(root) + 1:]
-    return path.replace("/", ".")
-
-
-def layers_of(model) -> list:
-    """The model's sublayers, nested ones included, without input layers
-    (they compute nothing)."""
-    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)
-            if not isinstance(layer, keras.layers.InputLayer)]
-
-
-def layer_name(layer, root: str) -> str:
-    return keras_name(getattr(layer, "path", None) or layer.name, root)
 
 
 class _Trace:

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import schema
+from .format import schema
 
 # Without flock: a lease another host has not refreshed for this long is
 # taken to be left by a dead job; the holder refreshes it far more often.

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping
 
 import torch
+
+from .format.tensors import find_loss
 
 
 class MicroBatchLosses:
@@ -160,40 +161,6 @@ class OutputLossTap:
 
     def remove(self) -> None:
         self._handle.remove()
-
-
-def find_loss(output):
-    """The loss among a model's outputs, or None; the one rule of the
-    recorder's tap and of the replay (`amp_postmortem.replay.outputs`).
-
-    A loss is a 0-d floating tensor (a reduced value, never the prediction
-    of a batch of one; integers are counts). It is the output itself; a
-    mapping's `"loss"` (Hugging Face's `ModelOutput` holds one only when
-    labels were given); an object's `.loss` (a dataclass, a namedtuple);
-    in a tuple or list, the first element (HF's `return_dict=False` gives
-    `(loss, logits, ...)`, MoE models `(loss, aux_loss, logits, ...)`, and
-    the Trainer trains on `outputs[0]`), else the only loss among the
-    elements (nanoGPT's `(logits, loss)`). None when there is none, or
-    several and none first: which one is trained on is not the outputs' to
-    say (a replay takes a loss_fn)."""
-    if _is_loss(output):
-        return output
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
-        return loss if _is_loss(loss) else None
-    loss = getattr(output, "loss", None)
-    if _is_loss(loss):
-        return loss
-    if not isinstance(output, (tuple, list)) or not output:
-        return None
-    if _is_loss(output[0]):
-        return output[0]
-    scalars = [t for t in output if _is_loss(t)]
-    return scalars[0] if len(scalars) == 1 else None
-
-
-def _is_loss(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
 
 
 def _tensors(outputs):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from . import schema
+from .format import schema
 from .layout import all_module_names, fsdp1_shapes, unwrap, user_class
-from .plain import plain
+from .format.plain import plain
 from .writer import atomic_write_json
 
 try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 
-from . import schema
+from .format import schema
 from .lease import LeaseHeldError, RankLease
 from .run_id import shared_run_id
 from .status_slot import StatusSlot

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from . import schema
+from .format import schema
 from .bundles.capture import BundleCapture
 from .bundles.policy import BundlePolicy
 from .errors import OptionError  # noqa: F401 - importable from here, as before recorders.errors
@@ -27,7 +27,7 @@ from .lease import LeaseHeldError
 from .loss_tap import MicroBatchLosses, loss_dtype, loss_tap_for, step_loss
 from .manifest import RunManifest, bare_manifest, describe_job, distributed_rank_world
 from .options import StorageOptions, WriterOptions, parts_from_flat, probe_targets, recorded_options
-from .plain import plain
+from .format.plain import plain
 from .rank_files import RankFiles
 from .reexecute import Reexecutor, Refusal, StepSentinel, reexecute_policy
 from .run_writer import RunWriter, write_stop

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import time
 
-from . import schema
+from .format import schema
 from .event_thread import FLUSH_WAIT_S
 from .events import EventDetector
 from .manifest import failure_reason

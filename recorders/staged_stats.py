@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from . import schema
+from .format import schema
 from .layout import local
 
 STAGED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -41,7 +41,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from . import schema
+from .format import schema
+from .format.tensors import iter_tensors
 from .layout import PLAIN_TENSORS, local
 from .staged_stats import StagedRow
 
@@ -54,24 +55,6 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def is_float_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype in _FLOATING and x.numel() > 0
-
-
-def iter_tensors(obj, _depth: int = 0):
-    """Yield the tensors inside a module's inputs or outputs: tensors, lists,
-    tuples, dicts (HF ModelOutput is an OrderedDict) and dataclasses."""
-    if _depth > 8:
-        return
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from iter_tensors(v, _depth + 1)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from iter_tensors(v, _depth + 1)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from iter_tensors(getattr(obj, name, None), _depth + 1)
 
 
 def share_sample(d: torch.Tensor) -> torch.Tensor:

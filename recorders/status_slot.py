@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import schema
+from .format import schema
 
 # One page: the usual unit of an in-place write, and room for a reason of
 # ~3,500 characters (a longer one is cut).

@@ -25,10 +25,8 @@ instance roles), never from the project's files.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,12 +35,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from . import schema
+from .format import schema
+from .format.locations import (SPOOL_ENV, StorageError, is_spool, is_uri,  # noqa: F401 - where a run is
+                               local_path, open_filesystem, spool_dir_for)
 
-# A scheme of two letters or more: "C:\runs" (a Windows drive) stays a path.
-_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
-
-SPOOL_ENV = "AMP_POSTMORTEM_SPOOL_DIR"
 # Bounded so that a store down for hours cannot fill the training node's
 # disk; at the default 1,000 steps per shard a shard pair is ~0.1-10 MiB.
 DEFAULT_SPOOL_MAX_BYTES = 2 << 30
@@ -59,68 +55,6 @@ STORE_WAIT_S = 0.5
 # Uploaded last: the files that describe the others (a reader that finds a
 # manifest or a bundle.json finds what it names).
 _DESCRIBING = (schema.MANIFEST_FILE, schema.BUNDLE_MANIFEST_FILE, schema.STATUS_FILE)
-
-
-class StorageError(ValueError):
-    """A run location that cannot be opened (bad URI, missing extra)."""
-
-
-def is_uri(location) -> bool:
-    """Whether `location` names a filesystem by URI (`s3://...`), not a local path."""
-    if isinstance(location, os.PathLike):
-        return False
-    m = _URI.match(str(location))
-    return bool(m) and m.group(1).lower() != "file"
-
-
-def local_path(location) -> Path:
-    """A local run location as a Path (`file://` URIs included)."""
-    s = os.fspath(location)
-    if isinstance(s, str) and s.lower().startswith("file://"):
-        return Path(s[len("file://"):])
-    return Path(s)
-
-
-def open_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path inside it) for a URI: pyarrow's own filesystem for
-    the schemes it knows (s3, gs, abfs, hdfs, file), else fsspec's (the `s3`
-    extra installs it) wrapped for pyarrow."""
-    uri = str(uri).rstrip("/")
-    try:
-        return pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowException, ValueError) as first:
-        try:
-            from fsspec.core import url_to_fs
-        except ImportError:
-            raise StorageError(f"cannot open {uri}: {first}; install fsspec "
-                               f"(pip install 'amp-postmortem[s3]') for more filesystems") from None
-        try:
-            fs, path = url_to_fs(uri)
-        except (ImportError, ValueError) as exc:
-            raise StorageError(f"cannot open {uri}: {exc}") from None
-        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path.rstrip("/")
-
-
-def spool_dir_for(uri: str, rank: int, base=None) -> Path:
-    """The spool of one rank of a run: under `base` (default
-    `$AMP_POSTMORTEM_SPOOL_DIR`, else the system temp directory), one folder
-    per run URI and rank, so that ranks sharing a node never share a spool
-    and a restarted job finds its leftovers."""
-    base = base or os.environ.get(SPOOL_ENV) or os.path.join(tempfile.gettempdir(), "amp-postmortem-spool")
-    key = hashlib.sha256(str(uri).rstrip("/").encode()).hexdigest()[:16]
-    return Path(base) / f"{key}-rank{int(rank)}"
-
-
-def is_spool(directory, uri, rank: int) -> bool:
-    """Whether `directory` is the spool of rank `rank` of the run at `uri`
-    (its name is derived from both, wherever its base is): a reader's
-    question, since a spool is no complete run (published pairs leave it
-    once uploaded)."""
-    d = Path(directory)
-    try:
-        return d == spool_dir_for(uri, int(rank), d.parent)
-    except (TypeError, ValueError):
-        return False
 
 
 def open_run_location(location, rank: int, *, spool_dir=None,

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import schema
+from .format import schema
 from .aggregate import event_rows
 from .durable import fsync_dir
 from .index import shard_index

@@ -328,7 +328,8 @@ def test_layers_import_only_downward():
 
 RECORDERS = REPO / "recorders"
 RECORDER_LAYERS = [  # each imports only from its own layer and the ones before it
-    {"errors", "schema", "plain", "unwrap", "fp32", "attach_choice"},           # the format, pure helpers
+    {"format"},                                                                 # the run format, both sides' one import
+    {"errors", "schema", "plain", "unwrap", "fp32", "attach_choice"},           # the old format paths (shims), pure helpers
     {"layout", "tensor_codec", "aggregate", "stats", "staged_stats", "loss_tap", "schedule", "events",
      "guard", "stance", "survey"},  # a tensor's and a step's values
     {"durable", "index", "journal", "writer", "writer_thread", "event_thread", "lease", "status_slot", "storage"},  # threads, files, stores
@@ -337,7 +338,6 @@ RECORDER_LAYERS = [  # each imports only from its own layer and the ones before 
     {"options"},                                                                # the parts a user passes in
     {"recorder"},                                                               # AmpRecorder assembles them
     {"integrations", "keras_recorder", "keras_loss_scaling", "flax_recorder", "attach"},  # the frameworks' glue and recorders
-    {"format"},                                                                 # the run format, the analyzer's door
     {"__init__"},
 ]
 

@@ -32,13 +32,16 @@ def test_recording_imports_no_framework_and_no_analyzer(tmp_path):
 CORE_ALLOWED = {"torch", "numpy", "pyarrow", "recorders"} | set(sys.stdlib_module_names)
 # Edge code that lives in a core module: imported inside the function that
 # needs it, so a job that does not use it never imports it.
-LAZY_EDGE = {"storage.py": {"fsspec"}}  # the filesystem of a URI pyarrow does not open itself
+LAZY_EDGE = {"format/locations.py": {"fsspec"}}  # the filesystem of a URI pyarrow does not open itself
 FRAMEWORKS = {"integrations/transformers.py": {"transformers"},
               "integrations/lightning.py": {"lightning", "pytorch_lightning"},
               # The recorders of other frameworks: each imported only by who records with it.
               "keras_recorder.py": {"keras", "tensorflow", "jax"},
               "keras_loss_scaling.py": {"keras", "tensorflow"},  # the Keras recorder's loss-scaling probe
-              "flax_recorder.py": {"jax", "flax", "optax"}}
+              "flax_recorder.py": {"jax", "flax", "optax"},
+              # How those recorders name layers and variables, with the run format.
+              "format/keras_names.py": {"keras"},
+              "format/flax_names.py": {"jax", "flax"}}
 
 
 def _foreign_imports():

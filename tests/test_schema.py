@@ -1,4 +1,4 @@
-"""docs/FORMAT.md and recorders/schema.py describe the same format."""
+"""docs/FORMAT.md and recorders/format/schema.py describe the same format."""
 import re
 from pathlib import Path
 

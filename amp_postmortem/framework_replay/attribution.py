@@ -141,7 +141,7 @@ def check_fidelity(recorded_nonfinite: list, replayed_nonfinite: list, precision
                            f"{said(rep)}")
 
 
-LOSS_CALL = "<loss>"  # recorders.schema.LOSS_NAME: the loss's own backward
+LOSS_CALL = "<loss>"  # recorders.format.schema.LOSS_NAME: the loss's own backward
 
 
 @dataclass

@@ -304,7 +304,7 @@ def _check_files(path: Path, meta: dict, listed: str = schema.BUNDLE_TENSORS_FIL
 
 
 def _sha256(f) -> str:
-    """sha256 of an open file's bytes (`recorders.plain.file_sha256`'s rule)."""
+    """sha256 of an open file's bytes (`recorders.format.plain.file_sha256`'s rule)."""
     h = hashlib.sha256()
     for block in iter(lambda: f.read(1 << 22), b""):
         h.update(block)

@@ -42,9 +42,9 @@ import torch
 
 from ..layout import PLAIN_TENSORS
 from ..manifest import scaler_enabled
-from ..plain import plain
+from ..format.plain import plain
 from ..stats import iter_tensors
-from ..tensor_codec import clone_tree, encode_inputs
+from ..format.tensor_codec import clone_tree, encode_inputs
 from .decisions import BundleDecisions
 from .directory import precision_flags
 from .held import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now, rng_state

@@ -15,7 +15,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .. import schema
+from ..format import schema
 from .directory import bundle_meta, bundle_records, write_bundle
 from .held import PendingBundle
 

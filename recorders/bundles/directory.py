@@ -22,9 +22,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .. import schema
-from ..plain import file_sha256, json_checksum, plain
-from ..tensor_codec import dtype_name, host_array
+from ..format import schema
+from ..format.plain import file_sha256, json_checksum, plain
+from ..format.tensor_codec import dtype_name, host_array
 from ..writer import fsync_dir
 
 ROW_GROUP_BYTES = 64 << 20

@@ -13,7 +13,7 @@ import torch
 
 from ..layout import (all_module_names, canonical_modules, fsdp1_flat_views, is_flat_param, local_value,
                       shard_placements, unwrap, user_class, version_of)
-from ..plain import plain
+from ..format.plain import plain
 
 
 class ModelInventory:

@@ -30,7 +30,7 @@ import sys
 import torch
 
 from ..errors import OptionError
-from ..schema import WINDOW_PREDICTION_KEY as PREDICTION_KEY  # a prediction's place in a kept call (JSON)
+from ..format.schema import WINDOW_PREDICTION_KEY as PREDICTION_KEY  # a prediction's place in a kept call (JSON)
 from ..stats import iter_tensors
 
 

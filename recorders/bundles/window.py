@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from .. import schema
+from ..format import schema
 from ..layout import local_value
-from ..plain import plain
-from ..tensor_codec import encode_inputs, encode_tree
+from ..format.plain import plain
+from ..format.tensor_codec import encode_inputs, encode_tree
 from .directory import environment, write_bundle
 from .loss_call import LossTap
 

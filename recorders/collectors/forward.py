@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from .. import schema
+from ..format import schema
 from ..aggregate import COUNT_KIND
 from ..layout import local
 from ..stats import CHEAP_WIDTH, FULL_WIDTH, float_tensors, pad_row

@@ -47,7 +47,7 @@ import math
 
 import torch
 
-from .. import schema
+from ..format import schema
 from ..graph_rows import (ABSMAX, AUTOCAST_DEVICES, AUTOCAST_DTYPE, AUTOCAST_DEVICE, DTYPE, DTYPES, ENTER, INF,
                           INPUT_BAD, MICRO_BATCHES, NAN, NUMEL, SEQ, TENSORS, WIDTH)
 from ..stats import float_tensors

@@ -42,7 +42,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import schema
+from ..format import schema
 from ..layout import PLAIN_TENSORS
 from ..stats import CHEAP_WIDTH, FULL_WIDTH, pad_row, row_stats
 from .state import Shared, dtype_name
