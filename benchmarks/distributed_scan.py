@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import analyzer_scale  # noqa: E402
 import common  # noqa: E402
 
-from recorders import schema  # noqa: E402
+from recorders.format import schema  # noqa: E402
 from recorders.writer import ShardWriter, atomic_write_json  # noqa: E402
 
 COMMANDS = ("nans", "summary")

@@ -212,7 +212,7 @@ class GeneralDevicePath:
 
     def put(self, t, scale=None):
         import torch
-        from recorders import schema
+        from recorders.format import schema
         from recorders.stats import _device_stats
         d = t.detach()
         if d.numel() == 0 or d.dtype == torch.float64:

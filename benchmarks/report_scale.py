@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from analyzer_scale import scale_series  # noqa: E402
 
-from recorders import schema  # noqa: E402
+from recorders.format import schema  # noqa: E402
 from recorders.writer import atomic_write_json  # noqa: E402
 
 MODULES = ("embed", "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "head")

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from recorders import schema
+from recorders.format import schema
 from recorders.aggregate import COUNT_KIND, merge_rows
 
 NAN = math.nan

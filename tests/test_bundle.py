@@ -13,11 +13,12 @@ import torch.nn as nn
 
 from amp_postmortem.reading.bundle import autocast_dtype, find_bundle, list_bundles, load_bundle
 from amp_postmortem.errors import BundleError
-from recorders import AmpRecorder, schema
+from recorders import AmpRecorder
+from recorders.format import schema
 from recorders.bundles.triggers import BundleTriggers
 from recorders.bundles.directory import write_tensors
-from recorders.plain import json_checksum
-from recorders.tensor_codec import host_array, tensor_from_bytes
+from recorders.format.plain import json_checksum
+from recorders.format.tensor_codec import host_array, tensor_from_bytes
 from framework_runs import manifest
 from tiny_models import PlantedNet, batches, recorder_at
 from tiny_models import train as train_loop
@@ -457,7 +458,7 @@ def test_the_optimizer_state_is_saved_and_is_the_one_a_skipped_step_would_have_u
 def raw_bytes(bundle_dir) -> int:
     """The raw bytes of a bundle's tensors, as its byte cap counts them."""
     import pyarrow.parquet as pq
-    from recorders.tensor_codec import itemsize, parse_dtype
+    from recorders.format.tensor_codec import itemsize, parse_dtype
     rows = pq.read_table(bundle_dir / schema.BUNDLE_TENSORS_FILE, columns=["dtype", "shape", "offset"]).to_pylist()
     return sum(math.prod(r["shape"]) * itemsize(parse_dtype(r["dtype"])) for r in rows if r["offset"] == 0)
 

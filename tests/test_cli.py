@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from amp_postmortem.cli import main
 from amp_postmortem.cli.output import StderrProgress, render_table
-from recorders import schema
+from recorders.format import schema
 
 COMMANDS = ["nans", "scale", "ranges", "summary"]
 

@@ -107,7 +107,7 @@ def test_a_steps_shard_is_reduced_where_it_is_read(uneven_ranks_run):
     """The steps map ships like the tensors map: a plain task, a small partial."""
     from distributed.protocol import deserialize, serialize
     from amp_postmortem.reading import step_series
-    from recorders import schema
+    from recorders.format import schema
     shard = load_run(uneven_ranks_run).step_shards[0]
     task = ShardScan(path=str(shard.path), columns=tuple(step_series.READ_COLUMNS),
                      reduce=step_series.shard_partial, table=schema.STEPS_DIR)

@@ -262,7 +262,7 @@ def test_an_object_array_needing_pickle_is_refused(tmp_path):
     (path / "arrays.npz").write_bytes(buf.getvalue())
     meta = json.loads((path / "bundle.json").read_text())
     meta["files"]["arrays.npz"] = {"bytes": len(buf.getvalue()), "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}
-    from recorders.plain import json_checksum
+    from recorders.format.plain import json_checksum
     meta["checksum"] = json_checksum(meta)
     (path / "bundle.json").write_text(json.dumps(meta))
     with pytest.raises(BundleError, match="without pickle"):

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from framework_runs import read_table
-from recorders import AmpRecorder, schema
+from recorders import AmpRecorder
+from recorders.format import schema
 from tiny_models import recorder_at, train
 
 

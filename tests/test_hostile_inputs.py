@@ -20,8 +20,8 @@ from click.testing import CliRunner
 
 from amp_postmortem.cli import main
 from amp_postmortem.reading.files import limits
-from recorders import schema
-from recorders.plain import file_sha256, json_checksum
+from recorders.format import schema
+from recorders.format.plain import file_sha256, json_checksum
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "sample_runs" / "fp16_layernorm"

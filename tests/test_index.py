@@ -13,7 +13,7 @@ from amp_postmortem.cli import main
 from amp_postmortem.reading.loader import load_run
 from amp_postmortem.reading.step_facts import from_table
 from conftest import OVERFLOW_STEP
-from recorders import schema
+from recorders.format import schema
 
 
 def _index(run, n, rank=0):

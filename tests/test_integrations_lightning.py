@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recorders import schema
+from recorders.format import schema
 from framework_runs import manifest, read_table, same_weights, summary_json
 
 STEPS = 3

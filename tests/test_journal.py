@@ -23,7 +23,7 @@ import amp_postmortem
 from amp_postmortem.cli import main
 from amp_postmortem.errors import EmptyRunError
 from amp_postmortem.reading.loader import load_run
-from recorders import schema
+from recorders.format import schema
 from recorders.journal import Journal, journal_path
 from recorders.step_rows import StepRows
 from recorders.writer import ShardWriter

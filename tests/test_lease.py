@@ -19,7 +19,8 @@ import torch
 
 import recorders.lease as lease_module
 from amp_postmortem.reading.loader import load_run
-from recorders import AmpRecorder, schema
+from recorders import AmpRecorder
+from recorders.format import schema
 from recorders.lease import LeaseHeldError, RankLease
 from tiny_models import TinyNet, batches, train
 

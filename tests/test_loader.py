@@ -6,7 +6,7 @@ import pytest
 from amp_postmortem.errors import (CorruptRunError, MixedRunsError, RankNotFoundError, RunNotFoundError,
                                    UnsupportedVersionError)
 from amp_postmortem.reading.loader import load_run
-from recorders import schema
+from recorders.format import schema
 
 
 def test_loads_steps_and_footers(overflow_run):

@@ -10,7 +10,8 @@ import torch
 
 from amp_postmortem.reading.loader import load_run
 from conftest import PROBE_STEPS, record_probed_run
-from recorders import AmpRecorder, OptionError, ProbeOptions, schema
+from recorders import AmpRecorder, OptionError, ProbeOptions
+from recorders.format import schema
 from tiny_models import HalfNorm, ProbeNet, batches, recorder_at, train
 
 

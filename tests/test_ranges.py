@@ -7,7 +7,7 @@ import pytest
 
 from amp_postmortem.analyses.ranges import layer_ranges
 from amp_postmortem.reading.loader import load_run
-from recorders import schema
+from recorders.format import schema
 
 
 def _row(rep, name, kind):

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 from amp_postmortem.analyses import ranges, ranges_shards
 from amp_postmortem.reading.engines import scan
 from amp_postmortem.reading.loader import load_run
-from recorders import schema
+from recorders.format import schema
 
 
 def _rows(path) -> pa.Table:

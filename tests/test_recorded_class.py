@@ -20,7 +20,7 @@ import torch.nn as nn
 import whatif_runs as W
 from amp_postmortem.errors import ModelSpecError
 from amp_postmortem.replaying.model_spec import RECORDED, build_model, recorded_class, resolve_model
-from recorders.plain import json_checksum
+from recorders.format.plain import json_checksum
 
 ROOT = Path(__file__).resolve().parent.parent
 

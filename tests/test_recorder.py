@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from framework_runs import read_table as read
-from recorders import AmpRecorder, schema
+from recorders import AmpRecorder
+from recorders.format import schema
 from tiny_models import FancyOutputs, PlantedNet, TinyNet, batches, mse, recorder_at, train
 
 

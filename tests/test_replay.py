@@ -295,7 +295,7 @@ def test_json_contract():
     assert set(d["culprit"]) >= {"name", "phase", "precision", "reason"}
     for m in d["modules"]:
         assert set(m) >= {"name", "phase", "status", "local_rel_err", "propagated_rel_err"}
-    from recorders.plain import plain
+    from recorders.format.plain import plain
     json.loads(json.dumps(plain(d), allow_nan=False))
     table = result.table()
     assert list(table.columns[:5]) == ["name", "phase", "fp16", "fp16_local", "fp16_prop"]

@@ -238,7 +238,7 @@ def replay_json(overflow_run, tmp_path_factory):
 
     doc = replay(overflow_run, OVERFLOW_STEP, model=BoomNet, precisions=("fp64", "fp32", "fp16")).to_dict()
     path = tmp_path_factory.mktemp("replay") / "replay.json"
-    from recorders.plain import plain
+    from recorders.format.plain import plain
     path.write_text(json.dumps(plain(doc)))
     return path
 

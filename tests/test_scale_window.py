@@ -19,7 +19,7 @@ from amp_postmortem.names import BackwardFrom
 from amp_postmortem.whatif.scale_result import ScalePosition, WindowMethod
 from amp_postmortem.whatif.scale_window import (MAX_UNDERFLOW, estimate_scale_window, replay_scale_window,
                                                 scaler_settings)
-from recorders.schema import FP16_MIN_NORMAL
+from recorders.format.schema import FP16_MIN_NORMAL
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from recorders import schema
+from recorders.format import schema
 
 FORMAT_MD = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
 

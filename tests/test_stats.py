@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from recorders import schema, stats
+from recorders import stats
+from recorders.format import schema
 
 
 def _cases():

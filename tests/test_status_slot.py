@@ -17,7 +17,8 @@ import torch
 
 import amp_postmortem
 from amp_postmortem.reading.loader import load_run
-from recorders import AmpRecorder, schema
+from recorders import AmpRecorder
+from recorders.format import schema
 from recorders.status_slot import SLOT_BYTES, StatusSlot
 from tiny_models import TinyNet, batches, train
 

@@ -18,7 +18,7 @@ from amp_postmortem.analyses.summary import summarize
 from amp_postmortem.cli import main
 from amp_postmortem.reading.engines.scan import ShardScan, scan_shard
 from amp_postmortem.reading.loader import load_run
-from recorders import schema
+from recorders.format import schema
 
 
 def test_the_series_reduced_shard_by_shard_equals_the_one_from_the_steps_table(uneven_ranks_run):

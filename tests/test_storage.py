@@ -16,7 +16,8 @@ from click.testing import CliRunner
 import whatif_runs as W
 from amp_postmortem.cli import main
 from amp_postmortem.reading.loader import load_run
-from recorders import AmpRecorder, schema
+from recorders import AmpRecorder
+from recorders.format import schema
 from recorders.storage import SpoolUploader, is_uri, open_filesystem
 
 BUCKET = "amp-runs"

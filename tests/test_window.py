@@ -12,7 +12,7 @@ import window_runs as runs
 from tiny_models import train
 from amp_postmortem.errors import BundleError
 from amp_postmortem.reading.window import find_window, list_windows, load_window, window_spans
-from recorders import schema
+from recorders.format import schema
 from recorders.errors import OptionError
 
 
@@ -87,7 +87,7 @@ def test_an_edited_or_damaged_window_is_refused(tmp_path):
 
 def test_a_window_of_another_run_put_into_a_run_is_refused(tmp_path):
     # Checksummed anew, so only its run id betrays it: as for bundles.
-    from recorders.plain import json_checksum
+    from recorders.format.plain import json_checksum
     path = _copy(runs.precision_run(), tmp_path)
     meta_file = path / schema.WINDOW_MANIFEST_FILE
     meta = json.loads(meta_file.read_text())
