@@ -260,7 +260,7 @@ class AmpRecorder:
         taken = self.losses.take()
         dtype = loss_dtype(taken, loss)
         loss = step_loss(taken, loss)
-        loss_t = loss.detach() if isinstance(loss, torch.Tensor) else None
+        loss_t = (loss.detach() if loss.requires_grad else loss) if isinstance(loss, torch.Tensor) else None
         self.stance.leave_tier()
         finished = self.hooks.end_step(loss_t)
         if self.stance.found_compiled(finished):

@@ -232,15 +232,16 @@ def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
     read on any device: its scaler synchronised for the skip already, after
     the loss was made, so reading the loss waits for nothing. `scale`: the
     loss scale the step's backward used (its gradient norms are divided by
-    it)."""
+    it; a float on the CPU, where `StepRows` keeps it as the host value it read)."""
     norms, sqsum = st.grad_norms, st.grad_sqsum
+    scale_tensor = isinstance(scale, torch.Tensor)
     # Attribute tests, not a loop: this runs on every step.
-    on_host = ((loss_t is None or loss_t.device.type == "cpu") and (scale is None or scale.device.type == "cpu")
+    on_host = ((loss_t is None or loss_t.device.type == "cpu") and (not scale_tensor or scale.device.type == "cpu")
                and (norms is None or norms.device.type == "cpu") and (sqsum is None or sqsum.device.type == "cpu")
                and (st.grad_nonfinite is None or st.grad_nonfinite.device.type == "cpu"))
     if not (on_host or skipped):
         return None
-    scale_value = scale.item() if scale is not None else None
+    scale_value = (scale.item() if scale_tensor else float(scale)) if scale is not None else None
     loss = loss_t.item() if loss_t is not None and loss_t.numel() == 1 else None
     if skipped:
         return StepFacts(st.step_id, skipped=True, loss=loss, loss_scale=scale_value)
@@ -298,6 +299,8 @@ class Reexecutor:
         backward used, None without a scaler)."""
         if self.refuse is not None:
             return Outcome(step, kind, self.refuse)
+        if scale is not None and not isinstance(scale, torch.Tensor):
+            scale = torch.tensor(float(scale), dtype=torch.float32)  # a host value (the CPU's `StepRows`)
         if compiled:
             return Outcome(step, kind, Refusal.COMPILED)
         cap = self.bundles.held(step)
@@ -430,10 +433,12 @@ class StepSentinel:
     def close_step(self, finished, loss_t, *, scale_before, compiled: bool) -> tuple[Outcome | None, bool]:
         """(the re-execution's `Outcome`, or None when none is asked for or
         the cap says no; whether the step is clean). `scale_before`: the loss
-        scale the step's backward used."""
+        scale the step's backward used (a device tensor, or a float: the
+        host value `StepRows` read, or a scaler's initial scale)."""
         if finished.record:
             return None, False  # sampled: its rows are there
-        scale = scale_before if isinstance(scale_before, torch.Tensor) else None
+        scale = scale_before if isinstance(scale_before, torch.Tensor) or (
+            isinstance(scale_before, float) and math.isfinite(scale_before)) else None
         skipped = (self.has_scaler and finished.stepped is False
                    and (finished.micro_batches or finished.backward_passes) > 0)
         facts = host_facts(finished, loss_t, skipped=skipped, scale=scale)

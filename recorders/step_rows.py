@@ -49,7 +49,7 @@ class StepRows:
             return None
         scale = getattr(self.scaler, "_scale", None)
         if isinstance(scale, torch.Tensor):
-            return scale.detach().clone()
+            return scale.item() if scale.device.type == "cpu" else scale.detach().clone()
         return float(getattr(self.scaler, "_init_scale", math.nan))
 
     # ------------------------------------------------------ training thread
@@ -97,7 +97,7 @@ class StepRows:
                     # read of what the job changes in place (the scale, a
                     # host value here: no copy).
                     host[key] = (value.item() if value.numel() == 1 else value.detach().clone()) if mutable \
-                        else value.detach()
+                        else value.detach() if value.requires_grad else value
                 else:
                     dev.append(value.detach().reshape(()).to(torch.float64))
                     keys.append((key, 0))
@@ -106,7 +106,7 @@ class StepRows:
 
         def put_vector(key, value):
             if value.device.type == "cpu":
-                host[key] = value.detach()
+                host[key] = value.detach() if value.requires_grad else value
             else:
                 keys.append((key, value.numel()))
                 dev.append(value.detach().reshape(-1).to(torch.float64))
@@ -124,9 +124,11 @@ class StepRows:
                 mutable=True)
             tracker = getattr(self.scaler, "_growth_tracker", None)
             put("growth_tracker", tracker if isinstance(tracker, torch.Tensor) else None, mutable=True)
-            # The scale the next step's backward uses; cloned because
-            # GradScaler.update() changes it in place.
-            self.scale_before = scale.detach().clone() if isinstance(scale, torch.Tensor) else self.scale_before
+            # The scale the next step's backward uses: on the CPU the value
+            # just read (no copy on the training path); on a device a clone,
+            # because GradScaler.update() changes it in place.
+            if isinstance(scale, torch.Tensor):
+                self.scale_before = host["loss_scale"] if scale.device.type == "cpu" else scale.detach().clone()
         for prefix, state in (("", facts),) + ((("reexec_", st),) if st is not facts else ()):
             # The gradient facts, and what a re-execution measured against them.
             if state.grad_sqsum is not None:

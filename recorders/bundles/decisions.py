@@ -50,6 +50,8 @@ class BundleDecisions:
     def note_step(self, step: int, explicit: list[str], *, no_loss: bool) -> None:
         """A step closed: the reasons it was asked for explicitly, and
         whether it had no loss (its summary's NaN then means nothing)."""
+        if not explicit and not no_loss:
+            return  # the usual step: nothing to note (no lock on every step)
         with self._lock:
             if explicit:
                 self._explicit[step] = list(explicit)
@@ -58,6 +60,10 @@ class BundleDecisions:
 
     def take(self) -> dict[int, dict | None]:
         """The decisions made since the last call: step -> order (None: no)."""
+        if not self._decisions:
+            # Read without the lock (one reference, atomic under the GIL): a
+            # decision that lands meanwhile is taken at the next call.
+            return _NONE
         with self._lock:
             decisions, self._decisions = self._decisions, {}
         return decisions
@@ -123,3 +129,8 @@ class BundleDecisions:
             self.miss(p.step, p.order["reasons"], f"{type(exc).__name__}: {exc}", refund=True)
         finally:
             p.params = p.buffers = p.inputs = p.capture = p.optimizer_state = None
+
+
+# What `take` returns when nothing was decided: one shared empty mapping,
+# never changed (its callers only iterate it).
+_NONE: dict = {}

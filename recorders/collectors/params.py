@@ -195,7 +195,7 @@ class ParamGradCollector:
             if norms is not None:
                 st.grad_norms = norms
                 st.grad_norm_names = names
-                st.grad_scale = scale.detach().reshape(()) if scale is not None else None
+                st.grad_scale = scale  # a flag: its value is read as the step's loss_scale_before
                 return
         grads, sharded, names = [], [], []
         for pname, p in self._grad_params:
@@ -233,7 +233,7 @@ class ParamGradCollector:
         # thread, or `reexecute.host_facts` on the CPU).
         st.grad_norms = grad_norms(grads, as_float64=False)
         st.grad_norm_names = names
-        st.grad_scale = scale.detach().reshape(()) if scale is not None else None
+        st.grad_scale = scale
 
     @staticmethod
     def _clean_on_host(st) -> bool:

@@ -74,7 +74,9 @@ class StepState:
         self.grad_nonfinite = None  # how many of those gradients hold a NaN/Inf (sharded jobs), on the device
         self.grad_norms = None  # else each gradient's norm (scaled as they were), on the device ...
         self.grad_norm_names = None  # ... their parameters' names ...
-        self.grad_scale = None  # ... and the scale to divide them by (None: unscaled already)
+        # ... and whether they are to be divided by the loss scale the step's
+        # backward used (the scale tensor, never read: None when unscaled already)
+        self.grad_scale = None
         # On the CPU: the norms' square sum, a host float (finite exactly
         # when every norm is), taken with them; None elsewhere.
         self.grad_sq_host = None
