@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import (all_module_names, canonical_modules, fsdp1_flat_views, is_flat_param, local_value,
-                      shard_placements, unwrap, user_class, version_of)
+from ..layout import (PLAIN_TENSORS, all_module_names, canonical_modules, fsdp1_flat_views, is_flat_param,
+                      local_value, shard_placements, unwrap, user_class, version_of)
 from ..format.plain import plain
 
 
@@ -201,11 +201,15 @@ class SnapshotPool:
         self.max_sets = max_sets
         self.free: list[list] = []
         self.allocated = 0
+        # Plain tensors are copied from as they are (the copy runs under
+        # no_grad): no detach per tensor and step (a BatchNorm CNN's
+        # buffers are copied at every step's forward).
+        self._plain = all(type(t) in PLAIN_TENSORS for t in self.tensors)
 
     def take(self):
-        # Local parts read at each copy (a DTensor's local tensor can be
+        # Else local parts read at each copy (a DTensor's local tensor can be
         # replaced by FSDP2's lazy initialisation); an empty shard copies nothing.
-        src = [local_value(t) for t in self.tensors]
+        src = self.tensors if self._plain else [local_value(t) for t in self.tensors]
         if self.free:
             snap = self.free.pop()
         elif self.allocated < self.max_sets:
