@@ -49,6 +49,10 @@ def record_run(path, *, steps, plant=None, scaler_kwargs=None, lr=0.01, fixed_ba
     x0, y0 = torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)
     data = [(x0.clone(), y0) if fixed_batch else (torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen))
             for _ in range(steps)]
+    # Every step held until the writer decides on its bundle: on a loaded
+    # machine the writer falls behind the default hold, and which bundles a
+    # test run keeps must not depend on the machine's load.
+    recorder_kwargs.setdefault("hold_steps", steps + 8)
     rec = train(model, data, recorder=recorder_at(path, **recorder_kwargs), scaler=scaler_kwargs or {},
                 lr=lr, dtype=getattr(torch, autocast_dtype), on_step=plant, close=close).rec
     if not close:
