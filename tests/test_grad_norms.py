@@ -4,7 +4,7 @@ not foresee."""
 import pytest
 import torch
 
-from recorders.collectors.grad_norms import MIN_GROUP, NormPlan, cpu_norms, grad_norms
+from recorders.collectors.grad_norms import MIN_GROUP, NormPlan, cpu_norms, grad_norms, settle
 
 
 def _params(shapes, dtype=torch.float32):
@@ -13,8 +13,20 @@ def _params(shapes, dtype=torch.float32):
 
 
 def _grads(params, scale=1.0):
+    """Gradients set on `params` (the plan reads them there), returned in
+    the parameters' order."""
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(p.shape, generator=g, dtype=p.dtype) * scale for p in params]
+    grads = [torch.randn(p.shape, generator=g, dtype=p.dtype) * scale for p in params]
+    for p, grad in zip(params, grads):
+        p.grad = grad
+    return grads
+
+
+def _in_params_order(plan, norms):
+    """The plan's norms (its order) put back in the parameters' order."""
+    out = torch.empty_like(norms)
+    out[torch.tensor(plan.order)] = norms
+    return out
 
 
 def test_grouped_norms_match_the_loop_in_the_gradients_order():
@@ -25,15 +37,15 @@ def test_grouped_norms_match_the_loop_in_the_gradients_order():
     assert plan.useful and len(plan.groups) >= 2
     grads = _grads(params)
     expected = torch.stack([torch.linalg.vector_norm(g) for g in grads])
-    # In the plan's order, read from the list or off the parameters alike.
-    torch.testing.assert_close(plan.norms(grads), expected[plan.order], rtol=1e-6, atol=0)
-    for p, g in zip(params, grads):
-        p.grad = g
-    torch.testing.assert_close(plan.norms(), expected[plan.order], rtol=1e-6, atol=0)
+    # In the plan's order, read off the parameters; `in_order` and `grad_at` agree with it.
+    got, sq = settle(plan.norms(), plan.grad_at)
+    torch.testing.assert_close(got, expected[plan.order], rtol=1e-6, atol=0)
     assert [plan.grad_at(i) is g for i, g in enumerate(plan.in_order(grads))] == [True] * len(grads)
-    got, sq = cpu_norms(grads, plan)
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
     assert sq == pytest.approx(float((expected.double() ** 2).sum()), rel=1e-6)
+    # The loop the recorder falls back on gives the same, in the gradients' order.
+    loop, loop_sq = cpu_norms(grads)
+    torch.testing.assert_close(loop, expected, rtol=1e-6, atol=0)
+    assert loop_sq == pytest.approx(sq, rel=1e-6)
 
 
 def test_a_nonfinite_gradient_stays_at_its_position():
@@ -41,37 +53,42 @@ def test_a_nonfinite_gradient_stays_at_its_position():
     grads = _grads(params)
     grads[3][2, 1] = float("nan")
     grads[-1][0] = float("inf")
-    norms, sq = cpu_norms(grads, NormPlan(params))
-    bad = torch.nonzero(~torch.isfinite(norms)).flatten().tolist()
+    plan = NormPlan(params)
+    norms, sq = settle(plan.norms(), plan.grad_at)
+    bad = torch.nonzero(~torch.isfinite(_in_params_order(plan, norms))).flatten().tolist()
     assert bad == [3, len(grads) - 1]
     assert sq != sq or sq == float("inf")
+    loop, _ = cpu_norms(grads)
+    assert torch.nonzero(~torch.isfinite(loop)).flatten().tolist() == bad
 
 
 def test_a_float32_overflow_is_taken_again_in_float64():
     params = _params([(8, 8)] * MIN_GROUP)
     grads = _grads(params)
     grads[1].fill_(1e30)  # finite values whose squares overflow float32
-    norms, sq = cpu_norms(grads, NormPlan(params))
-    assert norms.dtype == torch.float64 and torch.isfinite(norms).all()
-    assert norms[1].item() == pytest.approx(1e30 * 8, rel=1e-6)
+    plan = NormPlan(params)
+    norms, sq = settle(plan.norms(), plan.grad_at)
+    assert norms.dtype == torch.float64 and torch.isfinite(norms).all() and sq == float((norms ** 2).sum())
+    assert _in_params_order(plan, norms)[1].item() == pytest.approx(1e30 * 8, rel=1e-6)
 
 
 def test_what_the_plan_did_not_foresee_raises_for_the_loop_to_take():
     params = _params([(8, 8)] * MIN_GROUP)
-    grads = _grads(params)
-    grads[2] = None  # a parameter that got no gradient this step
+    _grads(params)
+    params[2].grad = None  # a parameter that got no gradient this step
     with pytest.raises((TypeError, RuntimeError)):
-        NormPlan(params).norms(grads)
+        NormPlan(params).norms()
 
 
 def test_float64_and_half_gradients():
     params = _params([(8, 8)] * MIN_GROUP, dtype=torch.float64)
     grads = _grads(params)
     expected = torch.stack([torch.linalg.vector_norm(g) for g in grads])
-    torch.testing.assert_close(grad_norms(grads, plan=NormPlan(params)), expected)
+    torch.testing.assert_close(NormPlan(params).norms(), expected)
+    torch.testing.assert_close(grad_norms(grads), expected)
     half = _params([(8, 8)] * MIN_GROUP, dtype=torch.float16)
     hgrads = _grads(half, scale=1000.0)  # squares overflow float16: summed in float32
-    norms = NormPlan(half).norms(hgrads)
+    norms = NormPlan(half).norms()
     assert norms.dtype == torch.float32 and torch.isfinite(norms).all()
     torch.testing.assert_close(norms, torch.stack([torch.linalg.vector_norm(g.float()) for g in hgrads]))
 
@@ -84,7 +101,8 @@ def test_the_recorder_takes_the_same_facts_with_and_without_the_plan(tmp_path, m
 
     def run(name, plan_on):
         if not plan_on:
-            monkeypatch.setattr(NormPlan, "norms", lambda self, grads: None)
+            # No group is worth a plan: the per-tensor loop.
+            monkeypatch.setattr("recorders.collectors.grad_norms.MIN_GROUP", 10 ** 9)
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)

@@ -24,8 +24,7 @@ SMALL_NUMEL = 4096
 MIN_GROUP = 4
 
 
-def grad_norms(grads: list, on_host: bool | None = None, as_float64: bool = True,
-               plan: NormPlan | None = None) -> torch.Tensor:
+def grad_norms(grads: list, on_host: bool | None = None, as_float64: bool = True) -> torch.Tensor:
     """The L2 norm of each gradient, as a vector on their device.
 
     On a GPU: one fused pass in float64 (a scaled float16 gradient's norm
@@ -36,28 +35,24 @@ def grad_norms(grads: list, on_host: bool | None = None, as_float64: bool = True
         on_host = grads[0].device.type == "cpu"
     if not on_host:
         return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
-    norms, _ = cpu_norms(grads, plan)
+    norms, _ = cpu_norms(grads)
     return norms.to(torch.float64) if as_float64 else norms
 
 
-def cpu_norms(grads: list, plan: NormPlan | None = None) -> tuple[torch.Tensor, float]:
+def cpu_norms(grads: list, work: torch.dtype | None = None, uniform: bool | None = None) -> tuple[torch.Tensor, float]:
     """(each gradient's norm, the square sum of the norms in float64), on the
-    CPU, in the order of `grads`; the sum is finite exactly when every norm
-    is. `plan`: the gradients' `NormPlan` (None: the loop).
+    CPU, in the order of `grads`, by `_foreach_norm`'s loop (a `NormPlan`
+    groups what it can first); the sum is finite exactly when every norm
+    is. `work`, `uniform`: the plan's, when known (None: read off `grads`).
 
     The float64 pass converts every value first and cost ~9x the float32
     one (5 ms a step for 4M values), so the norms are taken in float32
     (relative error ~1e-5; float64 gradients keep float64), and only a norm
     that overflowed there (Inf from finite values too large to square in
     float32) is taken again in float64 (`settle`)."""
-    if plan is not None and plan.useful:
-        norms = plan.norms(grads)
-        if plan.inverse is not None:
-            norms = norms[plan.inverse]
-        return settle(norms, grads.__getitem__)
-    work = plan.work if plan is not None else (
-        torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32)
-    parts = _foreach_norms(grads, work, plan.uniform if plan is not None else None)
+    if work is None:
+        work = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    parts = _foreach_norms(grads, work, uniform)
     # One stack and one read, whatever the count: after a backward pass
     # every operation costs several times what it costs in a loop, and
     # reading a few norms one by one then building a tensor of them cost
@@ -121,25 +116,21 @@ class NormPlan:
         self.group_params = [[params[i] for i in idx] for idx in self.groups]
         self.rest_params = [params[i] for i in self.rest]
         self.ordered_params = [params[i] for i in order]
-        # Where each gradient's norm lands in the concatenated result.
-        self.inverse = None if order == list(range(len(params))) else torch.argsort(torch.tensor(order))
 
-    def norms(self, grads: list | None = None) -> torch.Tensor | None:
-        """The norms in the plan's order (`order`): each group's, then the
-        rest's. `grads`: the gradients in the parameters' order; None reads
-        them off the parameters group by group (no list of them all).
-        Raises on gradients the plan did not foresee (missing, sparse)."""
+    def norms(self) -> torch.Tensor | None:
+        """The norms of the parameters' gradients in the plan's order
+        (`order`): each group's, then the rest's, read off the parameters
+        group by group (no list of them all). Raises on gradients the plan
+        did not foresee (missing, sparse)."""
         if not self.useful:
             return None
         work = self.work
         parts = []
-        for idx, params in zip(self.groups, self.group_params):
-            group = [p.grad for p in params] if grads is None else [grads[i] for i in idx]
-            rows = torch.cat(group).reshape(len(idx), -1)
+        for params in self.group_params:
+            rows = torch.cat([p.grad for p in params]).reshape(len(params), -1)
             parts.append(torch.linalg.vector_norm(rows, dim=1, dtype=work if rows.dtype != work else None))
         if self.rest:
-            rest = [p.grad for p in self.rest_params] if grads is None else [grads[i] for i in self.rest]
-            parts.append(torch.stack(_foreach_norms(rest, work, self.rest_uniform)))
+            parts.append(torch.stack(_foreach_norms([p.grad for p in self.rest_params], work, self.rest_uniform)))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def in_order(self, items: list) -> list:

@@ -187,7 +187,8 @@ class ParamGradCollector:
                             norms, st.grad_sq_host = settle(plan.norms(), plan.grad_at)
                             names = self._plan_names
                         else:
-                            norms, st.grad_sq_host = cpu_norms([p.grad for p in self._grad_tensors], plan)
+                            norms, st.grad_sq_host = cpu_norms([p.grad for p in self._grad_tensors],
+                                                               plan.work, plan.uniform)
                     else:
                         norms = grad_norms([p.grad for p in self._grad_tensors], on_host=False)
             except (TypeError, RuntimeError, AttributeError):
