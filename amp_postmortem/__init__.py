@@ -78,12 +78,22 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
     (`op_origin`: `replaying/run_origin.py`), and re-runs the saved window of
     steps in float32 to decide precision or instability
     (`precision_verdict`: `whatif/verdict.py`; `loss`: the loop's loss, as
-    for `rerun`); without it nothing is replayed and the verdict is
-    undetermined."""
+    for `rerun`), and re-runs it with each remedy of lost updates
+    (`lost_updates` finding: `whatif/update_trials.py`); where the recorded
+    rows cannot tell flushed gradient zeros from structural ones, it
+    replays a saved step in float32 and the recorded precision
+    (`whatif/flush.py`: `step`'s bundle, else the one `replay` takes).
+    Without it nothing is replayed, the verdict is undetermined, no remedy
+    verified, and such zeros stay undetermined."""
     from .analyses.summary import summarize
     r = load_run(_replayable(run, model), rank=rank, engine=engine, scheduler=scheduler, progress=progress)
     with _engine_of(r):
-        report = summarize(r, window=window, model_spec=model if isinstance(model, str) else None)
+        spec = model if isinstance(model, str) else None
+        report = summarize(r, window=window, model_spec=spec)
+        if model is not None and _zeros_undetermined(report):
+            replayed = _replay_zeros(r, model, step, rank, device, policy, loss_fn, report)
+            if replayed is not None:
+                report = summarize(r, window=window, model_spec=spec, replayed_zeros=replayed)
         failing = next((f for f in report.findings if f.kind == "nonfinite"), None)
         if failing is not None:
             origin = (failing.evidence.get("origin") or {})
@@ -91,7 +101,46 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
                                           "forward" else None, device, policy, loss_fn)
         if model is not None and report.precision_verdict is not None:
             _decide_precision(report, r, model, rank, device, policy, loss_fn, loss)
+        if model is not None and "lost_updates" in report.kinds():
+            _verify_update_remedies(report, r, model, rank, device, policy, loss_fn, loss)
         return _result(report, r)
+
+
+def _zeros_undetermined(report) -> bool:
+    from .analyses.summary import zeros_undetermined
+    return zeros_undetermined(report)
+
+
+def _replay_zeros(run, model, step, rank, device, policy, loss_fn, report):
+    """A saved step's gradient zeros, flushed or structural, replayed in
+    float32 and the recorded precision (`whatif/flush.py`): `step`'s bundle,
+    else the one `replay` takes; None, with a warning, when none can be."""
+    from .analyses.bundle_choice import pick_bundle
+    from .errors import PostmortemError
+    from .replaying.model_spec import resolve_loss_fn
+    from .whatif.flush import replay_zeros
+    picked = (step, rank) if step is not None else pick_bundle(run, rank)
+    if picked is None:
+        return None
+    try:
+        return replay_zeros(run.path, picked[0], rank=picked[1], model=model, device=device, policy=policy,
+                            loss_fn=resolve_loss_fn(loss_fn))
+    except PostmortemError as exc:  # e.g. a step recorded without autocast: said, the rest stands
+        report.run.setdefault("warnings", []).append(f"the gradient zeros of step {picked[0]} could not be "
+                                                     f"replayed: {exc}")
+        return None
+
+
+def _verify_update_remedies(report, run, model, rank, device, policy, loss_fn, loss=None):
+    """The lost updates' remedies re-run over the saved window
+    (`whatif/update_trials.py`), put into the finding (`apply_update_checks`)."""
+    from .analyses.summary import apply_update_checks
+    from .analyses.updates import lost_updates
+    from .replaying.model_spec import resolve_loss_fn
+    from .whatif.update_trials import verify_update_remedies
+    checks = verify_update_remedies(run, lost_updates(run), model=model, rank=rank, device=device, policy=policy,
+                                    loss_fn=resolve_loss_fn(loss_fn), loss=loss)
+    apply_update_checks(report, run, checks)
 
 
 def _decide_precision(report, run, model, rank, device, policy, loss_fn, loss=None):
@@ -331,7 +380,8 @@ def _loop_loss(loss):
 
 def rerun(run, *, from_step: int | None = None, steps: int | None = None, rank: int | None = None, model=None,
           precision: str = "recorded", keep_fp32=(), init_scale: float | None = None, lr_scale: float = 1.0,
-          device: str = "cpu", policy: str = "recorded", loss_fn=None, optimizer=None, loss=None):
+          device: str = "cpu", policy: str = "recorded", loss_fn=None, optimizer=None, loss=None,
+          param_dtype: str | None = None, update_rounding: str = "nearest"):
     """Re-run the saved window of steps under a remedy (`amp-postmortem
     rerun`): from `from_step` (default: the window's first) for `steps`
     steps (default: to its end) in `precision` (recorded, fp64, fp32,
@@ -341,7 +391,13 @@ def rerun(run, *, from_step: int | None = None, steps: int | None = None, rank: 
     `factory(model)` for an optimizer outside the rebuilt torch.optim ones.
     `loss`: the loss the loop computes outside the model (a callable, or
     `path/to/file.py:name`), called as the loop called it on the targets
-    the window kept (recorded with `AmpRecorder(..., loss_fn=criterion)`)."""
+    the window kept (recorded with `AmpRecorder(..., loss_fn=criterion)`).
+    `param_dtype`: `recorded` (the dtypes the window saved the parameters
+    in) or `float32` (master weights); None: float32 in a fp32/fp64
+    re-run, else recorded. `update_rounding`: `nearest` or `stochastic`
+    (the bfloat16/float16 parameters' updates rounded stochastically).
+    Each step and the result say the share of the updates that left those
+    parameters unchanged (`lost_share`)."""
     _check_device(device)
     from .replaying.model_spec import resolve_factory, resolve_loss_fn
     from .whatif.rerun import rerun_window
@@ -352,7 +408,8 @@ def rerun(run, *, from_step: int | None = None, steps: int | None = None, rank: 
                                 keep_fp32=_names(keep_fp32 if isinstance(keep_fp32, str) else ",".join(keep_fp32)),
                                 init_scale=init_scale,
                                 lr_scale=lr_scale, device=device, policy=policy, loss_fn=resolve_loss_fn(loss_fn),
-                                optimizer=optimizer, loss=loss))
+                                optimizer=optimizer, loss=loss, param_dtype=param_dtype,
+                                update_rounding=update_rounding))
 
 
 # ------------------------------------------------------------- pictures

@@ -15,6 +15,10 @@ PRECISIONS = ("fp64", "fp32", "fp16", "bf16")
 REDUCED_PRECISIONS = ("fp16", "bf16")
 # `rerun --precision`: a saved window re-run as recorded or in one of these.
 RERUN_PRECISIONS = ("recorded", "fp64", "fp32", "bf16", "fp16")
+# `rerun --param-dtype` (the window's dtypes, or float32 master weights) and
+# `--update-rounding` (of bfloat16/float16 parameters' updates).
+PARAM_DTYPES = ("recorded", "float32")
+UPDATE_ROUNDINGS = ("nearest", "stochastic")
 # Whose autocast rules a float16/bfloat16 replay follows: the recording
 # device type's, or CUDA's / the CPU's.
 POLICIES = ("recorded", "cuda", "cpu")

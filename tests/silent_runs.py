@@ -8,8 +8,12 @@ write them, each fault planted by its real cause:
   default `torch.amp.GradScaler("cpu")`. `fp32_run`: without autocast.
 - `bf16_weights_run`: a small GPT-style language model (torch.nn) cast with
   `model.to(torch.bfloat16)` and trained by AdamW at lr 1e-5, no float32
-  master weights. `bf16_autocast_run`: the same model in float32 under
-  bfloat16 autocast, at a learning rate that trains it.
+  master weights. `bf16_weights_window_run`: the same job keeping a window
+  of steps (and a bundle) at step BUNDLE_STEP. `bf16_autocast_run`: the
+  same model in float32 under bfloat16 autocast, at a learning rate that
+  trains it.
+- `unscaled_bundle_run`, `scaled_bundle_run`: the classifier jobs keeping
+  step BUNDLE_STEP as a replay bundle.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
 VOCAB, SEQ, BATCH, HIDDEN = 64, 16, 32, 32
 CLS_STEPS, LM_STEPS = 12, 12
+BUNDLE_STEP = 6      # the step a job keeps (rec.save_bundle()): a bundle, and a window where one is kept
+WINDOW_STEPS = 8
 
 
 def bert_classifier():
@@ -51,12 +57,25 @@ def cls_batches(steps: int):
     return out
 
 
-def _record_classifier(path: Path, mode: str) -> Path:
+def _record_classifier(path: Path, mode: str, *, bundle_step: int | None = None) -> Path:
+    """`bundle_step`: the step whose replay bundle the job asks for
+    (`rec.save_bundle()`, as a user does to keep one step for later)."""
     from tiny_models import recorder_at, train
+
+    def ask(step, model, x):
+        if step == bundle_step:
+            recorder.save_bundle()
+
+    def make(model, opt, sc):
+        nonlocal recorder
+        recorder = recorder_at(path, mode="every_step", full_every=3)(model, opt, sc)
+        return recorder
+
+    recorder = None
     model = bert_classifier()
-    train(model, cls_batches(CLS_STEPS), recorder=recorder_at(path, mode="every_step", full_every=3),
+    train(model, cls_batches(CLS_STEPS), recorder=make,
           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), scaler=mode == "scaled",
-          dtype=None if mode == "fp32" else torch.float16,
+          dtype=None if mode == "fp32" else torch.float16, on_step=ask if bundle_step is not None else None,
           loss_fn=lambda model, tokens, label, step, accumulate: model(input_ids=tokens, labels=label).loss)
     return path
 
@@ -64,6 +83,18 @@ def _record_classifier(path: Path, mode: str) -> Path:
 @functools.lru_cache(maxsize=None)
 def unscaled_run() -> Path:
     return _record_classifier(_ROOT / "unscaled", "unscaled")
+
+
+@functools.lru_cache(maxsize=None)
+def unscaled_bundle_run() -> Path:
+    """The unscaled job, its step BUNDLE_STEP kept as a replay bundle."""
+    return _record_classifier(_ROOT / "unscaled_bundle", "unscaled", bundle_step=BUNDLE_STEP)
+
+
+@functools.lru_cache(maxsize=None)
+def scaled_bundle_run() -> Path:
+    """The GradScaler job, its step BUNDLE_STEP kept as a replay bundle."""
+    return _record_classifier(_ROOT / "scaled_bundle", "scaled", bundle_step=BUNDLE_STEP)
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,13 +130,17 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList([Block(d), Block(d)])
         self.ln = nn.LayerNorm(d)
 
-    def forward(self, tokens):
+    def forward(self, tokens, targets=None):
         n = tokens.shape[1]
         mask = torch.ones(n, n, dtype=torch.bool, device=tokens.device).triu(1)
         x = self.tok(tokens) + self.pos.weight[:n]
         for b in self.blocks:
             x = b(x, mask)
-        return self.ln(x) @ self.tok.weight.t()
+        logits = self.ln(x) @ self.tok.weight.t()
+        if targets is None:
+            return logits
+        # nanoGPT's way: given the targets, the model returns the loss (a re-run finds it there).
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def lm_batches(steps: int):
@@ -123,23 +158,53 @@ def lm_loss(model, seq):
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
 
 
-def _record_lm(path: Path, *, bf16_weights: bool, lr: float) -> Path:
+def _record_lm(path: Path, *, bf16_weights: bool, lr: float, window_steps: int = 0) -> Path:
+    """`window_steps`: keep a window of steps (BundlePolicy(window_steps=K)),
+    the job asking for step BUNDLE_STEP (`rec.save_bundle()`: a silent
+    failure opens none by itself); its loss is then the model's own
+    (`model(tokens, targets)`, as nanoGPT's), which a re-run finds."""
+    from recorders import BundlePolicy
     from tiny_models import recorder_at, train
+
+    def make(model, opt, sc):
+        nonlocal recorder
+        options = {"bundles": BundlePolicy(window_steps=window_steps)} if window_steps else {}
+        recorder = recorder_at(path, mode="every_step", full_every=3, **options)(model, opt, sc)
+        return recorder
+
+    def ask(step, model, x):
+        if step == BUNDLE_STEP:
+            recorder.save_bundle()
+
+    def loss(model, seq, _, step, accumulate):
+        return model(seq[:, :-1], seq[:, 1:]) if window_steps else lm_loss(model, seq)
+
+    recorder = None
+    model = lm_model(bf16_weights)
+    train(model, [(seq, None) for seq in lm_batches(LM_STEPS)], recorder=make,
+          optimizer=torch.optim.AdamW(model.parameters(), lr=lr), scaler=None,
+          dtype=None if bf16_weights else torch.bfloat16, loss_fn=loss, on_step=ask if window_steps else None,
+          after_step=(lambda step, rec: rec.flush()) if window_steps else None)
+    return path
+
+
+def lm_model(bf16_weights: bool) -> TinyLM:
+    """The job's model as it starts: seeded, cast to bfloat16 where the job casts it."""
     torch.manual_seed(0)
     model = TinyLM()
-    if bf16_weights:
-        model = model.to(torch.bfloat16)
-    train(model, [(seq, None) for seq in lm_batches(LM_STEPS)],
-          recorder=recorder_at(path, mode="every_step", full_every=3),
-          optimizer=torch.optim.AdamW(model.parameters(), lr=lr), scaler=None,
-          dtype=None if bf16_weights else torch.bfloat16,
-          loss_fn=lambda model, seq, _, step, accumulate: lm_loss(model, seq))
-    return path
+    return model.to(torch.bfloat16) if bf16_weights else model
 
 
 @functools.lru_cache(maxsize=None)
 def bf16_weights_run() -> Path:
     return _record_lm(_ROOT / "bf16_weights", bf16_weights=True, lr=1e-5)
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_weights_window_run() -> Path:
+    """The bfloat16-weights job, keeping a window of WINDOW_STEPS steps
+    from its first step (through BUNDLE_STEP + WINDOW_STEPS, or the end)."""
+    return _record_lm(_ROOT / "bf16_weights_window", bf16_weights=True, lr=1e-5, window_steps=WINDOW_STEPS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -222,7 +222,9 @@ def test_the_enums_keep_their_json_strings():
     assert {s.value for s in ScaleStatus} == {"no_scaler", "collapse", "stuck_low", "growth_blocked", "healthy"}
     assert [k.value for k in ORDER] == ["check_data", "training_instability", "keep_fp32", "add_grad_scaler",
                                         "gradient_drift",
-                                        "use_bf16", "scaler_settings", "avoid_mixed_precision", "no_change"]
+                                        "use_bf16", "scaler_settings", "fp32_master_weights",
+                                        "larger_learning_rate", "stochastic_rounding", "avoid_mixed_precision",
+                                        "no_change"]
     assert tuple(RecommendationKind) == ORDER
     assert {p.value for p in ScalePosition} == {"inside", "above", "below"}
     fields = dict(_typed_fields())

@@ -44,6 +44,12 @@ nonfinite_tensor, else request or step_list, else scale_low, else skipped):
   float16 one does (then float16 is not advisable: bfloat16, or the
   instability first).
 - `no_change`: nothing to recommend (a healthy run).
+
+Either way, a `lost_updates` finding adds its remedies,
+`fp32_master_weights`, `larger_learning_rate` and `stochastic_rounding`,
+each `verified` only by a re-run of the saved window with it that keeps
+the updates and makes the loss fall further than as recorded
+(`analyses/update_remedies.py`; given a model), else with why not.
 """
 from __future__ import annotations
 
@@ -51,6 +57,7 @@ from ..reading.loader import Run
 from .recommendation import ORDER, Recommendation, RecommendationKind, Recommendations, Source
 from .recorded import recorded_recommendations
 from .replayed import bundle_to_replay, replayed_recommendations
+from .words import lost_updates_recommendations
 
 __all__ = ["ORDER", "Recommendation", "RecommendationKind", "Recommendations", "Source", "recommend"]
 
@@ -64,6 +71,7 @@ def recommend(run: Run, *, model=None, step: int | None = None, rank: int | None
 
     summary = summarize(run)
     notes: list[str] = []
+    updates = dict(model=model, rank=rank, device=device, policy=policy, loss_fn=loss_fn, loss=loss)
     if model is not None:
         picked = bundle_to_replay(run, step, rank, notes)
         if picked is not None:
@@ -71,11 +79,26 @@ def recommend(run: Run, *, model=None, step: int | None = None, rank: int | None
             recs = replayed_recommendations(run, bundle_step, bundle_rank, model, device, policy, loss_fn,
                                             progress, notes, summary, loss=loss)
             return Recommendations(run=str(run.path), step=bundle_step, replayed=True,
-                                   recommendations=_sorted(recs), notes=notes)
+                                   recommendations=_sorted(_with_lost_updates(recs, run, summary, **updates)),
+                                   notes=notes)
     elif run.manifest.get("bundles"):
         notes.append("the run holds replay bundles: pass --model to confirm these with replays")
-    return Recommendations(run=str(run.path), step=None, replayed=False,
-                           recommendations=_sorted(recorded_recommendations(run, summary)), notes=notes)
+    recs = _with_lost_updates(recorded_recommendations(run, summary), run, summary, **updates)
+    return Recommendations(run=str(run.path), step=None, replayed=False, recommendations=_sorted(recs), notes=notes)
+
+
+def _with_lost_updates(recs, run: Run, summary, **options) -> list:
+    """The remedies of a `lost_updates` finding added, each verified by
+    re-running the saved window with it given a model
+    (`whatif/update_trials.py`); no `no_change` beside them."""
+    finding = next((f for f in summary.findings if f.kind == "lost_updates"), None)
+    if finding is None:
+        return recs
+    from ..analyses.updates import lost_updates
+    from ..whatif.update_trials import verify_update_remedies
+    checks = verify_update_remedies(run, lost_updates(run), command="recommend", **options)
+    return [r for r in recs if r.kind is not RecommendationKind.NO_CHANGE] + lost_updates_recommendations(
+        finding, checks)
 
 
 def _sorted(recs):

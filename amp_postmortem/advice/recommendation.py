@@ -21,6 +21,10 @@ class RecommendationKind(Word):
     GRADIENT_DRIFT = "gradient_drift"
     USE_BF16 = "use_bf16"
     SCALER_SETTINGS = "scaler_settings"
+    # the remedies of lost updates (`analyses.updates.UpdateRemedy`, the same strings)
+    FP32_MASTER_WEIGHTS = "fp32_master_weights"
+    LARGER_LEARNING_RATE = "larger_learning_rate"
+    STOCHASTIC_ROUNDING = "stochastic_rounding"
     AVOID_MIXED_PRECISION = "avoid_mixed_precision"
     NO_CHANGE = "no_change"
 

@@ -3,6 +3,7 @@ its action, evidence, code and data from the typed outcomes `decisions.py`
 decided (and the what-ifs' results they carry)."""
 from __future__ import annotations
 
+from ..analyses.updates import UpdateRemedy
 from ..names import ROOT_DISPLAY, BackwardStart
 from .decisions import (SCALE_FINDINGS, Bf16Outcome, Bf16Replay, CheckData, KeepFp32, NoFp16Config, RecordedScale,
                         ScaleAdvice)
@@ -298,3 +299,44 @@ def _pct(v) -> str:
     if v is None or v != v:
         return "-"
     return "inf" if v == float("inf") else f"{v:.1%}"
+
+
+_UPDATE_ACTIONS = {
+    UpdateRemedy.FP32_MASTER_WEIGHTS: "keep float32 master weights: build the model in float32 (no model.to(torch.{dtype})) "
+                           "and run its forward under torch.autocast(device_type, dtype=torch.{dtype})",
+    UpdateRemedy.LARGER_LR: "a larger learning rate, so that the optimizer's updates reach half an ulp of the "
+                            "{dtype} weights",
+    UpdateRemedy.STOCHASTIC_ROUNDING: "where the weights must stay {dtype}, round the optimizer's updates stochastically "
+                           "(or keep a compensation buffer: Kahan summation)",
+}
+
+
+def lost_updates_recommendations(finding, checks) -> list:
+    """fp32_master_weights, larger_learning_rate, stochastic_rounding: the
+    remedies of a `lost_updates` finding, each verified by the re-run of
+    the saved window with it (`checks`, `update_remedies.RemedyChecks`) or
+    said why not."""
+    from ..analyses.update_remedies import check_line
+    ev = finding.evidence
+    dtype = ev.get("param_dtype") or "bfloat16"
+    cited = (f"lost_updates: {ev['recent_lost_share']:.0%} of the optimizer's updates leave the {dtype} weights "
+             f"unchanged (measured from step {ev['recent_from_step']})")
+    out = []
+    for check in checks.checks:
+        trial = check.trial
+        line = check_line(check, checks)
+        code = None
+        if check.remedy is UpdateRemedy.FP32_MASTER_WEIGHTS:
+            code = (f"model = make_model()  # float32 parameters: no model.to(torch.{dtype})\n"
+                    f"with torch.autocast(device_type, dtype=torch.{dtype}):\n"
+                    "    loss = compute_loss(model, batch)")
+        elif check.remedy is UpdateRemedy.LARGER_LR and trial is not None:
+            code = f"for group in optimizer.param_groups:\n    group[\"lr\"] *= {trial.lr_scale:g}"
+        out.append(Recommendation(
+            RecommendationKind(check.remedy.value), _UPDATE_ACTIONS[check.remedy].format(dtype=dtype),
+            [cited] + ([line] if check.verified else []), Source.REPLAY if trial is not None else Source.RECORDED,
+            code=code, data={"verification": check.to_dict(), "window": checks.window,
+                             "as_recorded": None if checks.as_recorded is None else checks.as_recorded.to_dict(),
+                             "lr_scale": None if trial is None else trial.lr_scale},
+            verified=check.verified, why=None if check.verified else line))
+    return out

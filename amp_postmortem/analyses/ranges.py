@@ -32,7 +32,9 @@ For each layer (module name and row kind: `input`, `activation`,
   first): `flushed_zero_share` (counted in `underflow_share`),
   `structural_zero_share` (not counted), and `zeros`, the verdict at the
   latest evidence step (`structural`, `flushed`, `mixed`, `none`, or
-  `undetermined`: not counted). Where a row alone cannot tell (its values
+  `undetermined`: not counted), with `zeros_told`: whether the recorded
+  distribution told them apart there (false: the verdict is the default
+  below, and only a replay of a saved step can tell, `whatif/flush.py`). Where a row alone cannot tell (its values
   sit at the flush edge, or it is all zeros), the layer's structural share
   at the steps that could tell is structural there too (`row_shares`); an
   all-zero row beyond that counts as flushed only in a step where other
@@ -115,7 +117,7 @@ _EVIDENCE_STEPS = ("evidence_first_step", "evidence_last_step", "recent_from_ste
 LAYER_COLUMNS = ["name", "kind", "dtype", "range_dtype", "step", "absmax", "headroom_bits",
                  "headroom_trend_per_kstep", "overflow_forecast_step", "underflow_share", "zero_share",
                  "share_sample_size", "flags", "structural_zero_share", "flushed_zero_share", "zeros",
-                 "evidence_steps", *_EVIDENCE_STEPS[:2], "recent_underflow_share", _EVIDENCE_STEPS[2],
+                 "zeros_told", "evidence_steps", *_EVIDENCE_STEPS[:2], "recent_underflow_share", _EVIDENCE_STEPS[2],
                  "underflow_episode_share", *_EVIDENCE_STEPS[3:]]
 
 

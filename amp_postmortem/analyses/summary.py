@@ -40,6 +40,11 @@ Findings (kind, severity):
   no more, or nothing recent was measured; dated by the last step it was
   seen, and no warning.
 - `overflow_risk` (warning): activations close to or heading for 65504.
+- `lost_updates` (warning): the optimizer's updates leave bfloat16/float16
+  weights unchanged (`updates.lost_updates`), with the cause and the
+  remedies, each with its check (`update_remedies`): not verified here; a
+  re-run of the saved window with each, given a model
+  (`apply_update_checks`, `whatif/update_trials.py`).
 - `recording_disabled` (error): the recorder stopped part-way (a full disk,
   an internal error) and said so in its status slot or manifest.
 - `recording_not_closed` (warning): a recorder ended without closing and
@@ -69,8 +74,9 @@ from .precision_verdict import Verdict, undetermined
 from .nans import applied_nonfinite_steps, basis_words, find_nans
 from .ranges import DTYPE_LIMITS, WINDOW, lapsed_words, layer_ranges, recent_words, sampled_values
 from .scale import ScaleStatus, scale_dynamics, underflow_phrase
+from .update_remedies import Verification, check_line, unchecked
 from .updates import UpdateRemedy, lost_updates, param_dtype, param_dtypes
-from .unscaled import ScaleAbsence, find_unscaled, layer_losses, only_subnormal
+from .unscaled import ScaleAbsence, ZerosBasis, find_unscaled, layer_losses, only_subnormal, zeros_basis
 from ..display import report_html, report_repr
 from ..op_words import run_op_origin_line
 from ..result import CommandResult
@@ -209,10 +215,14 @@ def scaler_words(scaler: dict | None) -> str:
             f"{num('growth_interval')} clean steps, backoff x{num('backoff_factor')}")
 
 
-def summarize(run: Run, *, window: int | None = None, model_spec: str | None = None) -> Summary:
+def summarize(run: Run, *, window: int | None = None, model_spec: str | None = None,
+              replayed_zeros=None) -> Summary:
     """Run facts and the findings of `nans`, `scale` and `ranges`, most severe first,
     and what the run saved for replays. `model_spec`: the `--model` the
     replay commands it suggests name (default: the placeholder `SPEC`).
+    `replayed_zeros`: a saved step's gradient zeros replayed
+    (`unscaled.ReplayedZeros`, `whatif/flush.py`; the API passes it given a
+    model when the recorded rows cannot tell flushed from structural).
 
     Each `_*_finding` decides on the analyses' typed results whether its
     finding applies; the words of every finding are made in one place
@@ -229,7 +239,7 @@ def summarize(run: Run, *, window: int | None = None, model_spec: str | None = N
     found = [_nonfinite_finding(nans, applied_nonfinite_steps(run), target),
              instability_finding(unstable, verdict, target) if unstable.unstable else None,
              _scale_finding(scale, target),
-             *_underflow_findings(run, ranges, target),
+             *_underflow_findings(run, ranges, target, replayed_zeros),
              _overflow_risk_finding(run, ranges, target),
              _dtype_policy_finding(run),
              _loss_scaling_finding(run),
@@ -334,15 +344,19 @@ def _scale_finding(scale, target: str) -> Finding | None:
     return None
 
 
-def _underflow_findings(run: Run, ranges, target: str) -> list:
+def _underflow_findings(run: Run, ranges, target: str, replayed=None) -> list:
     """Gradients that underflow now (`grad_underflow`), else those that did
-    earlier (`underflow_lapsed`, an info)."""
+    earlier (`underflow_lapsed`, an info). `replayed`: a saved step's
+    replayed zeros (`unscaled.ReplayedZeros`), read for the layers whose
+    rows cannot tell flushed zeros from structural ones: they rank the
+    layers and decide flushed or subnormal there."""
     under = ranges.flagged("underflow")
     if len(under):
-        unscaled = find_unscaled(run, ranges)
-        losses = layer_losses(ranges)
+        unscaled = find_unscaled(run, ranges, replayed)
+        losses = layer_losses(ranges, replayed=replayed)
+        zeros = _zeros_evidence(run, losses, replayed)
         if unscaled.underflows:
-            return [_unscaled_finding(run, ranges, unscaled, under, target)]
+            return [_unscaled_finding(run, ranges, unscaled, under, target, zeros, replayed)]
         subnormal = only_subnormal(losses) and len(losses) == len(under)
         # The layer that loses the most signal leads, not the one with the most zeros.
         lead = losses[0].name if losses else None
@@ -350,14 +364,16 @@ def _underflow_findings(run: Run, ranges, target: str) -> list:
         worst = by_share[by_share["name"] == lead].iloc[0] if lead in set(by_share["name"]) else by_share.iloc[0]
         where = underflow_measured(run, str(worst["name"]), ranges.first_step, limit=worst["range_dtype"])
         kind, severity = ("grad_subnormal", "info") if subnormal else ("grad_underflow", "warning")
-        words = _subnormal_words(len(under), worst) if subnormal else _underflow_words(len(under), worst,
-                                                                                      where["phrase"])
+        words = (_subnormal_words(len(under), worst) if subnormal else _underflow_words(len(under), worst,
+                                                                                       where["phrase"]))
+        words += _zeros_words(losses, replayed, zeros["bundles_saved"])
         return [Finding(
             kind, severity, int(worst["evidence_last_step"]), worst["name"], words,
             f"amp-postmortem ranges {target}",
             {"layers": [str(n) for n in under["name"]], "underflow_share": float(worst["underflow_share"]),
              "lost_signal": [lay.to_dict() for lay in losses],
-             **_dates(worst), **{k: v for k, v in where.items() if k != "phrase"}})]
+             **_dates(worst), **{k: v for k, v in where.items() if k != "phrase"},
+             **{k: v for k, v in zeros.items() if k != "bundles_saved"}})]
     lapsed = ranges.flagged("underflow_lapsed")
     if not len(lapsed):
         return []
@@ -372,26 +388,68 @@ def _underflow_findings(run: Run, ranges, target: str) -> list:
          **_dates(worst)})]
 
 
-def _unscaled_finding(run: Run, ranges, unscaled, under, target: str) -> Finding:
+def _unscaled_finding(run: Run, ranges, unscaled, under, target: str, zeros: dict, replayed) -> Finding:
     """`unscaled_fp16_backward`: the cause of the underflow, its layers by the signal they lose."""
     lead = unscaled.layers[0].name
     row = under[under["name"] == lead].iloc[0]
     return Finding(
         "unscaled_fp16_backward", "error", int(row["evidence_last_step"]), lead,
-        _unscaled_words(unscaled, len(under)), f"amp-postmortem recommend {target}",
+        _unscaled_words(unscaled, len(under), _zeros_words(unscaled.layers, replayed, zeros["bundles_saved"])),
+        f"amp-postmortem recommend {target}",
         {**unscaled.to_dict(), "code": grad_scaler_code(unscaled.device_type),
-         "underflow_layers": [str(n) for n in under["name"]], **_dates(row)})
+         "underflow_layers": [str(n) for n in under["name"]], **_dates(row),
+         **{k: v for k, v in zeros.items() if k != "bundles_saved"}})
 
 
-def _lost_updates_finding(run: Run, target: str) -> Finding | None:
-    """`lost_updates`: the optimizer's updates round away in low-precision weights."""
+def _zeros_evidence(run: Run, losses: list, replayed) -> dict:
+    """Where the underflowing layers' zeros were read (`--json`
+    `zeros_basis`, `replayed_zeros`), and whether a bundle could tell."""
+    basis = zeros_basis(losses)
+    return {"zeros_basis": None if basis is None else basis.value,
+            "replayed_zeros": None if replayed is None else replayed.to_dict(),
+            "bundles_saved": replayed is not None or _has_bundle(run)}
+
+
+def _has_bundle(run: Run) -> bool:
+    try:
+        return bool(saved_bundles(run))
+    except BundleError:
+        return False
+
+
+
+def _lost_updates_finding(run: Run, target: str, checks=None) -> Finding | None:
+    """`lost_updates`: the optimizer's updates round away in low-precision
+    weights; each remedy with its check (`checks`, `update_remedies.
+    RemedyChecks`: a window re-run given a model; else why not verified)."""
     lost = lost_updates(run)
     if not lost.lost:
         return None
+    if checks is None:
+        checks = unchecked(lost.remedies(), Verification.NO_MODEL if lost.window else Verification.NO_WINDOW,
+                           _latest_window(run))
     lead = lost.layers[0] if lost.layers else None
     return Finding(
         "lost_updates", "warning", lost.steps[-1] if lost.steps else None, lead.name if lead else None,
-        _lost_updates_words(lost), _lost_updates_next(lost, target), lost.to_dict())
+        _lost_updates_words(lost, checks), _lost_updates_next(lost, checks, target),
+        {**lost.to_dict(), "verification": checks.to_dict()})
+
+
+def apply_update_checks(summary: Summary, run: Run, checks) -> Summary:
+    """Put the window re-runs of the lost updates' remedies (`checks`,
+    `update_remedies.RemedyChecks`) into the summary's `lost_updates` finding."""
+    target = shlex.quote(str(run.path))
+    summary.findings = [(_lost_updates_finding(run, target, checks) or f) if f.kind == "lost_updates" else f
+                        for f in summary.findings]
+    return summary
+
+
+def _latest_window(run: Run) -> list | None:
+    try:
+        spans = window_spans(run.path)
+    except BundleError:
+        return None
+    return [spans[-1]["first_step"], spans[-1]["last_step"]] if spans else None
 
 
 def _dtype_policy_finding(run: Run) -> Finding | None:
@@ -533,19 +591,41 @@ def _subnormal_words(count: int, worst) -> str:
             f"restore their precision")
 
 
+_PRECISION_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
+
 _ABSENCE_WORDS = {ScaleAbsence.NO_SCALER: "no GradScaler",
                   ScaleAbsence.SCALER_DISABLED: "a GradScaler that is disabled (enabled=False)",
                   ScaleAbsence.SCALE_ONE: "a loss scale of 1"}
 
 
-def _unscaled_words(unscaled, count: int) -> str:
+def _unscaled_words(unscaled, count: int, zeros: str = "") -> str:
     named = ", ".join(
         f"{_display(lay.name)} ({_bits_words(lay.flush_headroom_bits)}"
         + (f", {lay.underflow_share:.0%} subnormal or flushed" if lay.underflow_share is not None else "") + ")"
         for lay in unscaled.layers[:3])
     return (f"float16 gradients travel unscaled ({_ABSENCE_WORDS[unscaled.cause]}): {count} gradient(s) "
-            f"underflow, the most signal lost in {named}. Add a GradScaler: " + "; ".join(
+            f"underflow, the most signal lost in {named}{zeros}. Add a GradScaler: " + "; ".join(
                 grad_scaler_code(unscaled.device_type).splitlines()))
+
+
+def _zeros_words(losses: list, replayed, bundles_saved: bool) -> str:
+    """What a replay said of the zeros, or that nothing could."""
+    if zeros_basis(losses) is not ZerosBasis.UNDETERMINED:
+        shown = [lay for lay in losses if lay.zeros_basis is ZerosBasis.REPLAY][:3]
+        if replayed is None or not shown:
+            return ""
+        share = replayed.flushed_share
+        return (f"; flushed or structural told by replaying step {replayed.step} in float32 and "
+                f"{_PRECISION_NAMES.get(replayed.precision, replayed.precision)}"
+                + ("" if share is None else f": {share:.0%} of the gradient values non-zero in float32 were "
+                                            "flushed to zero")
+                + ", most in " + ", ".join(f"{_display(lay.name)} {lay.replayed.flushed_share:.0%}"
+                                           for lay in shown if lay.replayed.flushed_share is not None))
+    unknown = [lay.name for lay in losses if lay.zeros_basis is ZerosBasis.UNDETERMINED]
+    how = ("replay a saved step to tell (`amp-postmortem summary RUN --model SPEC`)" if bundles_saved else
+           "no bundle was saved to replay (record with bundles and call rec.save_bundle())")
+    return (f"; whether the zeros of {len(unknown)} gradient(s) were flushed or are structural is undetermined: "
+            f"their values sit at float16's flush edge, where the recorded rows cannot tell; {how}")
 
 
 def _bits_words(bits) -> str:
@@ -571,18 +651,19 @@ _REMEDY_WORDS = {
                                       "compensated (Kahan) summation in the optimizer's update"}
 
 
-def _lost_updates_words(lost) -> str:
+def _lost_updates_words(lost, checks) -> str:
     named = ", ".join(f"{_display(lay.name)} {lay.recent_lost_share:.0%}" + _trend_words(lay.trend_per_kstep)
                       for lay in lost.layers[:3] if lay.recent_lost_share is not None)
     lr = f" at learning rate {lost.learning_rate:g}" if lost.learning_rate is not None else ""
     opt = f" ({lost.optimizer.rpartition('.')[2]})" if lost.optimizer else ""
-    verify = ("verify each with `amp-postmortem rerun` over the saved window" if lost.window else
-              "not verified: the run saved no window of steps to re-run them on (BundlePolicy(window_steps=K))")
+    remedies = []
+    for r in lost.remedies():
+        check = checks.get(r)
+        remedies.append(_REMEDY_WORDS[r] + (f" [{check_line(check, checks)}]" if check is not None else ""))
     return (f"{lost.recent_lost_share:.0%} of the optimizer's updates{opt} leave the {lost.param_dtype} weights "
             f"unchanged (measured from step {lost.recent_from_step}): below half an ulp of the weight{lr}, they "
             f"round away; most lost in {named}. Cause: parameters held in {lost.param_dtype} with no float32 "
-            f"master copy, times the learning rate. Remedies: "
-            + "; ".join(_REMEDY_WORDS[r] for r in lost.remedies()) + f" ({verify})")
+            f"master copy, times the learning rate. Remedies: " + "; ".join(remedies))
 
 
 def _mixed_policy(found) -> str:
@@ -686,9 +767,12 @@ def _fp16_reduction_words(found) -> str:
             "sum above 65504 stays in float32 or becomes a mean")
 
 
-def _lost_updates_next(lost, target: str) -> str:
-    if lost.window:
-        return f"amp-postmortem rerun {target} --precision fp32 --model SPEC"
+def _lost_updates_next(lost, checks, target: str) -> str:
+    verified = next((c for c in checks.checks if c.verified), None)
+    if verified is not None:  # the re-run that shows it
+        return verified.trial.command
+    if any(c.status is Verification.NO_MODEL for c in checks.checks):
+        return f"amp-postmortem summary {target} --model SPEC (re-runs the saved window with each remedy)"
     return "cast the parameters back to float32 and train under autocast (then record again)"
 
 
@@ -906,3 +990,10 @@ def _pct(v) -> str:
 def _normal_limit(dtype: str) -> str:
     """The smallest normal of `dtype`, as `6.1e-5` (float16)."""
     return f"{DTYPE_LIMITS[dtype][1]:.2g}".replace("e-0", "e-")
+
+
+def zeros_undetermined(summary: Summary) -> bool:
+    """An underflow finding whose layers' zeros the recorded rows could not
+    tell apart (`zeros_basis` undetermined): a replay of a saved step can."""
+    return any(f.evidence.get("zeros_basis") == ZerosBasis.UNDETERMINED.value for f in summary.findings
+               if f.kind in ("unscaled_fp16_backward", "grad_underflow", "grad_subnormal"))

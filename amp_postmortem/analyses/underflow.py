@@ -126,8 +126,11 @@ def underflow_share_of_rows(full: pd.DataFrame, limit: str = "float16", *, flush
 
 
 def row_shares(full: pd.DataFrame, limit: str = "float16", *, flushing_steps=None, layer: str | None = None):
-    """Per row: (underflow share, flushed zero share, `Zeros` verdict), as
-    Series. Where a row alone cannot split its zeros (its values sit at the
+    """Per row: (underflow share, flushed zero share, `Zeros` verdict,
+    told), as Series; `told` is False where the recorded distribution could
+    not split the row's zeros (at the flush edge with no other row of its
+    layer to ask, or nothing but zeros) and the verdict is a default, not
+    evidence: a replay of a saved step can tell (`whatif/flush.py`). Where a row alone cannot split its zeros (its values sit at the
     flush edge, or it holds nothing but zeros), its layer's other rows can:
     with `layer` (the column naming a row's layer), the median structural
     share of the layer's rows that could split theirs is structural in
@@ -150,6 +153,7 @@ def row_shares(full: pd.DataFrame, limit: str = "float16", *, flushing_steps=Non
         known = unsplit & np.isfinite(typical)
         flushed[known] = np.maximum(0.0, z[known] - typical[known])
         unsplit &= ~known
+    told = ~unsplit
     whole = unsplit & (z >= 1)
     if flushing_steps is not None and len(flushing_steps):
         in_flush = whole & full["step"].isin(list(flushing_steps)).to_numpy()
@@ -160,7 +164,8 @@ def row_shares(full: pd.DataFrame, limit: str = "float16", *, flushing_steps=Non
     share = below_normal(full, limit).to_numpy(dtype=float) + counted
     share[whole] = np.nan
     index = full.index
-    return pd.Series(share, index=index), pd.Series(flushed, index=index), pd.Series(verdict, index=index)
+    return (pd.Series(share, index=index), pd.Series(flushed, index=index), pd.Series(verdict, index=index),
+            pd.Series(told, index=index))
 
 
 def flushing_steps(full: pd.DataFrame, layers: list) -> set:
@@ -194,7 +199,9 @@ def underflow_evidence(full, limit: str, shares_by_limit: dict, full_all, first:
 
     - `underflow_share`, `zero_share`, `structural_zero_share`,
       `flushed_zero_share`: medians over the evidence steps; `zeros`: the
-      `Zeros` verdict at the latest of them.
+      `Zeros` verdict at the latest of them, and `zeros_told` whether the
+      recorded distribution told that step's zeros apart (False: the
+      verdict is the default of a row that cannot, see `row_shares`).
     - `recent_underflow_share`: the median over the recent evidence, the
       full-tier steps from `recent_from_step` on: the window's last
       `RECENT_PART`, or back to the latest evidence step when none lies
@@ -205,7 +212,7 @@ def underflow_evidence(full, limit: str, shares_by_limit: dict, full_all, first:
       `underflow_episode_share` the median over the evidence between them
       (null when no step reached it)."""
     out = {"underflow_share": None, "zero_share": None, "share_sample_size": None, "structural_zero_share": None,
-           "flushed_zero_share": None, "zeros": None, "evidence_steps": 0, "evidence_first_step": None,
+           "flushed_zero_share": None, "zeros": None, "zeros_told": None, "evidence_steps": 0, "evidence_first_step": None,
            "evidence_last_step": None, "recent_underflow_share": None, "recent_from_step": None,
            "underflow_episode_share": None, "underflow_first_step": None, "underflow_last_step": None}
     if full is None or not len(full):
@@ -213,7 +220,7 @@ def underflow_evidence(full, limit: str, shares_by_limit: dict, full_all, first:
     if limit not in shares_by_limit:  # a share per row: computed once per limit
         shares_by_limit[limit] = row_shares(full_all, limit, flushing_steps=shares_by_limit["flushing_steps"],
                                             layer="lid")
-    shares, flushed, verdict = (x.loc[full.index] for x in shares_by_limit[limit])
+    shares, flushed, verdict, told = (x.loc[full.index] for x in shares_by_limit[limit])
     order = np.argsort(full["step"].to_numpy(), kind="stable")
     steps = full["step"].to_numpy()[order]
     share = shares.to_numpy(dtype=float)[order]
@@ -225,6 +232,7 @@ def underflow_evidence(full, limit: str, shares_by_limit: dict, full_all, first:
         out["flushed_zero_share"] = float(fl.median())
         out["structural_zero_share"] = float((full["zero_share"].loc[fl.index] - fl).median())
     out["zeros"] = verdict.to_numpy()[order][-1]
+    out["zeros_told"] = bool(told.to_numpy()[order][-1])
     known = np.isfinite(share)  # unknown: the float16 shares cannot tell, or nothing but zeros (`row_shares`)
     if not known.any():
         return out

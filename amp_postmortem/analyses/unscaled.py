@@ -19,7 +19,15 @@ largest value is a few binades above the edge, nearly all of it is flushed
 or subnormal whatever its zeros are, so the fewest bits lose the most.
 Zeros are no evidence by themselves (`ranges.zero_split` cannot tell a
 structural zero from a flushed one when every value sits near the edge, as
-in an unscaled backward); a replay of a saved step can (`whatif.flush`).
+in an unscaled backward: the row's `zeros_told` is then false); a replay of
+a saved step can (`whatif/flush.py`): the step in float32 and in the
+recorded precision, and per layer the gradient values zero in the
+recorded precision but not in float32 (flushed) against those zero in
+both (structural) (`ReplayedZeros`). Each layer says where its zeros were
+read (`ZerosBasis`): the recorded rows where they tell, the replay where
+they do not, else `undetermined`; a replayed layer is ranked by the share
+of its float32 non-zero values the recorded precision flushed, which is
+the signal it lost, ahead of the headroom order.
 
 Subnormal values are not flushed ones: `Underflow.SUBNORMAL` (values kept,
 with fewer bits) is told from `Underflow.FLUSHED` (values made zero) on the
@@ -56,6 +64,60 @@ class Underflow(Word):
     SUBNORMAL = "subnormal"      # values kept as subnormals: fewer bits, none lost
 
 
+class ZerosBasis(Word):
+    """Where a layer's zeros were told apart; `value` is the `--json`
+    "zeros_basis"."""
+    RECORDED = "recorded"          # the recorded distribution split them (`underflow.row_shares`)
+    REPLAY = "replay"              # a saved step replayed in float32 and in the recorded precision
+    UNDETERMINED = "undetermined"  # neither: the rows cannot tell, and no bundle (or no --model) to replay
+
+
+@dataclass(frozen=True)
+class LayerZeros:
+    """One layer's gradient values in a replayed step: its output
+    gradients' and its own parameters'."""
+    name: str
+    values: int        # counted
+    live: int          # non-zero in float32
+    flushed: int       # of the live ones, exactly zero in the recorded precision
+    subnormal: int     # of the live ones, non-zero but below float16's smallest normal (float16 only)
+    structural: int    # zero in float32 and in the recorded precision
+
+    @property
+    def flushed_share(self) -> float | None:
+        return self.flushed / self.live if self.live else None
+
+    @property
+    def structural_share(self) -> float | None:
+        return self.structural / self.values if self.values else None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "values": self.values, "live": self.live, "flushed": self.flushed,
+                "subnormal": self.subnormal, "structural": self.structural, "flushed_share": self.flushed_share,
+                "structural_share": self.structural_share}
+
+
+@dataclass
+class ReplayedZeros:
+    """A saved step's gradients in float32 and in the recorded precision
+    (`whatif/flush.py`), per layer."""
+    step: int
+    rank: int
+    precision: str
+    loss_scale: float
+    layers: dict = field(default_factory=dict)   # name -> LayerZeros
+
+    @property
+    def flushed_share(self) -> float | None:
+        live = sum(z.live for z in self.layers.values())
+        return sum(z.flushed for z in self.layers.values()) / live if live else None
+
+    def to_dict(self) -> dict:
+        order = sorted(self.layers.values(), key=lambda z: (-(z.flushed_share or 0.0), z.name))
+        return {"step": self.step, "rank": self.rank, "precision": self.precision, "loss_scale": self.loss_scale,
+                "flushed_share": self.flushed_share, "layers": [z.to_dict() for z in order]}
+
+
 @dataclass(frozen=True)
 class LayerLoss:
     """One gradient's loss of signal (a `ranges` grad_output row)."""
@@ -66,12 +128,15 @@ class LayerLoss:
     structural_zero_share: float | None
     zero_share: float | None
     underflow: Underflow
+    zeros_basis: ZerosBasis = ZerosBasis.RECORDED
+    replayed: LayerZeros | None = None  # the replay's count, where one ran and saw the layer
 
     def to_dict(self) -> dict:
         return {"name": self.name, "flush_headroom_bits": self.flush_headroom_bits,
                 "underflow_share": self.underflow_share, "flushed_zero_share": self.flushed_zero_share,
                 "structural_zero_share": self.structural_zero_share, "zero_share": self.zero_share,
-                "underflow": self.underflow.value}
+                "underflow": self.underflow.value, "zeros_basis": self.zeros_basis.value,
+                "replayed": None if self.replayed is None else self.replayed.to_dict()}
 
 
 @dataclass
@@ -112,35 +177,66 @@ def scale_absence(run: Run) -> ScaleAbsence | None:
     return None
 
 
-def layer_losses(ranges, flag: str = "underflow") -> list[LayerLoss]:
+def layer_losses(ranges, flag: str = "underflow", replayed: ReplayedZeros | None = None) -> list[LayerLoss]:
     """The float16 gradient rows `ranges` flags with `flag`, most signal
-    lost first (fewest bits above the flush edge, then the larger share)."""
+    lost first (`lost_signal_order`). A layer's zeros are read from its
+    row where the row tells them apart, else from `replayed` (a replay of
+    a saved step) where it saw the layer, else undetermined (and counted
+    as the row counts them)."""
     rows = ranges.flagged(flag)
     rows = rows[(rows["kind"] == "grad_output") & (rows["range_dtype"] == "float16")]
     out = []
     for r in rows.to_dict("records"):
+        name = str(r["name"])
         flushed = _num(r.get("flushed_zero_share"))
+        told = r.get("zeros_told")
+        seen = replayed.layers.get(name) if replayed is not None else None
+        if told is not False and told is not None:
+            basis = ZerosBasis.RECORDED
+        else:
+            basis = ZerosBasis.REPLAY if seen is not None else ZerosBasis.UNDETERMINED
+        share = seen.flushed_share if basis is ZerosBasis.REPLAY else flushed
         out.append(LayerLoss(
-            name=str(r["name"]), flush_headroom_bits=_bits(r.get("absmax")),
+            name=name, flush_headroom_bits=_bits(r.get("absmax")),
             underflow_share=_num(r.get("recent_underflow_share")), flushed_zero_share=flushed,
             structural_zero_share=_num(r.get("structural_zero_share")), zero_share=_num(r.get("zero_share")),
-            underflow=Underflow.FLUSHED if (flushed or 0.0) >= FLUSHED_SHARE else Underflow.SUBNORMAL))
+            underflow=Underflow.FLUSHED if (share or 0.0) >= FLUSHED_SHARE else Underflow.SUBNORMAL,
+            zeros_basis=basis, replayed=seen))
     return sorted(out, key=lost_signal_order)
 
 
 def lost_signal_order(lay: LayerLoss) -> tuple:
+    """Replayed layers first, by the share of their float32 signal the
+    recorded precision flushed; then by the fewest bits above the flush
+    edge, then the larger share."""
+    if lay.zeros_basis is ZerosBasis.REPLAY and lay.replayed is not None:
+        return (0, -(lay.replayed.flushed_share or 0.0), 0.0, lay.name)
     bits = lay.flush_headroom_bits
-    return (math.inf if bits is None else bits, -(lay.underflow_share or 0.0), lay.name)
+    return (1, math.inf if bits is None else bits, -(lay.underflow_share or 0.0), lay.name)
 
 
-def find_unscaled(run: Run, ranges) -> Unscaled:
+def zeros_basis(layers: list) -> ZerosBasis | None:
+    """Where the layers' zeros were read, as one word: `undetermined` when
+    any layer's could not be, else `replay` when any came from a replay,
+    else `recorded`; None without layers."""
+    if not layers:
+        return None
+    found = {lay.zeros_basis for lay in layers}
+    for basis in (ZerosBasis.UNDETERMINED, ZerosBasis.REPLAY):
+        if basis in found:
+            return basis
+    return ZerosBasis.RECORDED
+
+
+def find_unscaled(run: Run, ranges, replayed: ReplayedZeros | None = None) -> Unscaled:
     """The unscaled float16 backward of `run` (see the module's doc);
-    `ranges`: its `layer_ranges` report."""
+    `ranges`: its `layer_ranges` report; `replayed`: a saved step's
+    replayed zeros, where the rows cannot tell them."""
     cause = scale_absence(run)
     device = (run.autocast or {}).get("device_type") or run.manifest.get("device_type")
     if cause is None:
         return Unscaled(None, device)
-    return Unscaled(cause, device, layer_losses(ranges))
+    return Unscaled(cause, device, layer_losses(ranges, replayed=replayed))
 
 
 def only_subnormal(layers: list) -> bool:

@@ -13,8 +13,8 @@ weights) are not measured: a float32 master weight keeps every update.
 `lost_updates(run)` returns per layer (module) the lost share at the latest
 measured step and its trend (Theil-Sen slope per 1000 steps), the share
 over the run's recent measured steps, the cause (`LostCause`) and the
-remedies (`UpdateRemedy`), each with how it can be verified: a re-run of a
-saved window of steps (`amp-postmortem rerun`) where the run holds one.
+remedies (`UpdateRemedy`); `update_remedies.py` says whether each is
+verified by a re-run of a saved window of steps where the run holds one.
 `param_dtypes(run)` says the parameters' dtypes from the manifest, for the
 run facts and `compare`.
 """

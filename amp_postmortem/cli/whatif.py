@@ -17,7 +17,7 @@ import amp_postmortem as api
 
 from ..analyses.bundle_choice import priority_description
 from .replay import LOSS_FN_HELP, MODEL_HELP
-from ..names import DEVICES, POLICIES, REDUCED_PRECISIONS, RERUN_PRECISIONS
+from ..names import DEVICES, PARAM_DTYPES, POLICIES, REDUCED_PRECISIONS, RERUN_PRECISIONS, UPDATE_ROUNDINGS
 from .output import RUN_LOCATION, StderrProgress, api_default, output_options, run_options
 
 
@@ -213,6 +213,13 @@ def recommend(run, **options):
               help="Start the GradScaler at this scale (default: the recorded one).")
 @click.option("--lr-scale", type=click.FloatRange(min=0, min_open=True), default=api_default(api.rerun, "lr_scale"),
               show_default=True, help="Multiply every recorded learning rate by this factor.")
+@click.option("--param-dtype", type=click.Choice(PARAM_DTYPES), default=None,
+              help="The parameters' dtype: as the window saved them (recorded), or float32 (master weights); "
+                   "default: float32 for --precision fp32/fp64, else recorded.")
+@click.option("--update-rounding", type=click.Choice(UPDATE_ROUNDINGS),
+              default=api_default(api.rerun, "update_rounding"), show_default=True,
+              help="How updates of bfloat16/float16 parameters are rounded: to nearest (as torch does), or "
+                   "stochastically.")
 @click.option("--model", metavar="SPEC", default=None, help=MODEL_HELP)
 @click.option("--loss-fn", metavar="SPEC", default=None,
               help="package.module:function or path/to/file.py:function, called as loss_fn(output, micro_batch): "
@@ -236,6 +243,7 @@ def rerun(run, **options):
         amp-postmortem rerun runs/exp1 --precision fp32 --model mypkg.models:build
         amp-postmortem rerun runs/exp1 --from 120 --steps 16 --keep-fp32 attn --model train.py:make_model
         amp-postmortem rerun runs/exp1 --precision fp32 --model train.py:make_model --loss train.py:criterion
+        amp-postmortem rerun runs/exp1 --precision bf16 --param-dtype float32 --model train.py:make_model
     """
     return api.rerun(run, **options)
 

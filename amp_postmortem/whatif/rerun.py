@@ -7,9 +7,19 @@ state at its first step and every step's inputs and RNG states since.
 `torch.amp.GradScaler` and the optimizer's step, as the job did but under a
 remedy: another precision (`fp32`, `bf16`, `fp16`, `fp64`), modules kept
 in float32, another initial loss scale, a learning rate scaled by a
-factor. Each step says whether it stayed finite (its loss, and the weights
-after its update), its loss against the recorded one, and whether the
-scaler skipped it; the run `carries` the window when every step is finite.
+factor, float32 parameters where the run held them in bfloat16/float16
+(`param_dtype="float32"`: master weights), stochastic rounding of their
+updates (`update_rounding="stochastic"`). Each step says whether it stayed
+finite (its loss, and the weights after its update), its loss against the
+recorded one, whether the scaler skipped it, and, where the run held
+parameters in low precision, the share of the optimizer's updates that
+left them unchanged (`lost_share`, `weight_updates.UpdateCount`); the run
+`carries` the window when every step is finite.
+
+The parameters are held in the dtypes the window saved them in (a model
+cast with `model.to(torch.bfloat16)` re-runs in bfloat16 whatever dtype
+`--model` builds), except under `param_dtype="float32"` and in a float32
+or float64 re-run, which are float32/float64 throughout.
 
 Steps before `from_step` are re-run as recorded (the recorded precision,
 scale and learning rate) to reach `from_step`'s state; the remedy applies
@@ -42,7 +52,7 @@ import pandas as pd
 from recorders.format import plain
 
 from ..errors import BundleError, ModelSpecError, OptionError
-from ..names import RERUN_PRECISIONS
+from ..names import PARAM_DTYPES, RERUN_PRECISIONS, UPDATE_ROUNDINGS
 from ..result import CommandResult
 
 # The optimizers rebuilt from a window, by the class name the recorder
@@ -56,7 +66,7 @@ OPTIMIZERS = {
 # Hyperparameters a step's recorded groups may set on the rebuilt optimizer.
 _STEP_KEYS = ("lr", "momentum", "dampening", "weight_decay", "betas", "eps", "alpha", "nesterov", "rho",
               "lr_decay", "momentum_decay")
-STEP_COLUMNS = ["step", "finite", "loss", "recorded_loss", "skipped", "recorded_skipped", "loss_scale"]
+STEP_COLUMNS = ["step", "finite", "loss", "recorded_loss", "skipped", "recorded_skipped", "loss_scale", "lost_share"]
 
 
 @dataclass
@@ -69,12 +79,15 @@ class RerunStep:
     recorded_skipped: bool | None
     loss_scale: float | None       # in force during the backward
     remedied: bool                 # run under the remedy (False: the prefix before from_step)
+    # of the updates asked of the parameters the run held in bf16/fp16, the share left unchanged
+    # (None: no such parameter, or the step was skipped)
+    lost_share: float | None = None
 
     def to_dict(self) -> dict:
         return plain({"step": self.step, "finite": self.finite, "loss": self.loss,
                       "recorded_loss": self.recorded_loss, "skipped": self.skipped,
                       "recorded_skipped": self.recorded_skipped, "loss_scale": self.loss_scale,
-                      "remedied": self.remedied}, keep_nonfinite=True)
+                      "remedied": self.remedied, "lost_share": self.lost_share}, keep_nonfinite=True)
 
 
 @dataclass
@@ -93,6 +106,20 @@ class RerunResult(CommandResult):
     optimizer: str                 # the class rebuilt, or "user" (optimizer=)
     steps: list                    # RerunStep, prefix included
     notes: list = field(default_factory=list)
+    param_dtype: str = "recorded"          # the parameters' dtype in the re-run: "recorded" or one name
+    recorded_param_dtype: str | None = None  # the window's: one name or "mixed (...)"
+    update_rounding: str = "nearest"
+    # the remedied steps' asked and unchanged updates (low-precision parameters; None: none held)
+    updates: tuple | None = None
+    # `evaluate=True`: the float32 loss of the window's re-run batches with the weights before and after
+    window_loss: tuple | None = None
+
+    @property
+    def lost_share(self) -> float | None:
+        """The share of the remedied steps' asked updates left unchanged."""
+        if not self.updates or not self.updates[0]:
+            return None
+        return self.updates[1] / self.updates[0]
 
     @property
     def remedied(self) -> list:
@@ -124,7 +151,10 @@ class RerunResult(CommandResult):
                       "optimizer": self.optimizer, "carries": self.carries, "stays_finite": self.carries,
                       "first_nonfinite_step": self.first_nonfinite_step, "skipped_steps": self.skipped_steps,
                       "recorded_first_nonfinite_step": self.recorded_first_nonfinite_step,
-                      "steps": [s.to_dict() for s in self.steps], "notes": self.notes}, keep_nonfinite=True)
+                      "steps": [s.to_dict() for s in self.steps], "notes": self.notes,
+                      "param_dtype": self.param_dtype, "recorded_param_dtype": self.recorded_param_dtype,
+                      "update_rounding": self.update_rounding, "lost_share": self.lost_share},
+                     keep_nonfinite=True)
 
     def table(self) -> pd.DataFrame:
         return pd.DataFrame([{k: getattr(s, k) for k in STEP_COLUMNS} for s in self.steps], columns=STEP_COLUMNS)
@@ -146,6 +176,9 @@ class RerunResult(CommandResult):
         rec = self.recorded_first_nonfinite_step
         if rec is not None:
             out.append(f"as recorded, the loss was first non-finite at step {rec}")
+        if self.lost_share is not None:
+            out.append(f"{self.lost_share:.1%} of the optimizer's updates left the weights the run held in "
+                       f"{self.recorded_param_dtype} unchanged")
         return out
 
 
@@ -157,11 +190,16 @@ def remedy_words(r) -> str:
         parts.append(f"from loss scale {r.init_scale:g}")
     if r.lr_scale != 1.0:
         parts.append(f"learning rate x{r.lr_scale:g}")
+    if r.param_dtype != "recorded":
+        parts.append(f"parameters in {r.param_dtype}")
+    if r.update_rounding != "nearest":
+        parts.append(f"updates rounded {r.update_rounding}ally")
     return ", ".join(parts)
 
 
 def rerun_command(run, window, *, precision="fp32", model: str | None = None, keep_fp32=(), from_step=None,
-                  loss: str | None = None) -> str:
+                  loss: str | None = None, lr_scale: float = 1.0, param_dtype: str | None = None,
+                  update_rounding: str = "nearest") -> str:
     """The command line that re-runs `window` (a `Window`, or (first, last));
     `loss`: the --loss spec, or "FILE.py:FN" where the window kept the loss's
     calls and none was given."""
@@ -171,6 +209,12 @@ def rerun_command(run, window, *, precision="fp32", model: str | None = None, ke
              str(last - start + 1), "--precision", precision]
     for m in keep_fp32:
         parts += ["--keep-fp32", shlex.quote(m)]
+    if lr_scale != 1.0:
+        parts += ["--lr-scale", f"{lr_scale:g}"]
+    if param_dtype is not None:
+        parts += ["--param-dtype", param_dtype]
+    if update_rounding != "nearest":
+        parts += ["--update-rounding", update_rounding]
     parts += ["--model", shlex.quote(model) if isinstance(model, str) else "SPEC"]
     if loss is not None:
         parts += ["--loss", shlex.quote(loss)]
@@ -229,7 +273,8 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
                  model=None, precision: str = "recorded", keep_fp32=(), init_scale: float | None = None,
                  lr_scale: float = 1.0, device: str = "cpu", policy: str = "recorded", loss_fn=None,
                  optimizer=None, window=None, recorded=None, fp32_lines=(), use_scaler: bool = True,
-                 loss=None) -> RerunResult:
+                 loss=None, param_dtype: str | None = None, update_rounding: str = "nearest",
+                 watchers=(), evaluate: bool = False) -> RerunResult:
     """Re-run the saved window holding `from_step` (default: the first
     window, from its first step) for `steps` steps (default: to its end)
     under the remedy. `recorded`: {step: (loss, skipped, loss_scale_before)}
@@ -238,7 +283,14 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
     A model given as a module is copied: the re-run trains the copy.
     `use_scaler=False`: the remedied steps run without a GradScaler (the
     bfloat16 advice's "no GradScaler"). `loss`: the loop's loss (a callable
-    or a `--loss` spec), called as the window's kept calls say."""
+    or a `--loss` spec), called as the window's kept calls say.
+    `param_dtype`: "recorded" (the window's dtypes) or "float32" (master
+    weights where the run held bf16/fp16 ones); None: float32/float64 for
+    an fp32/fp64 re-run, else recorded. `update_rounding`: "stochastic"
+    rounds the low-precision parameters' updates stochastically from the
+    remedied steps on. `watchers`: more `weight_updates` watchers of the
+    remedied steps' updates. `evaluate`: measure the float32 loss of the
+    re-run's batches with the weights before and after (`window_loss`)."""
     import copy
 
     import torch
@@ -247,6 +299,7 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
     from ..replaying.model_spec import bundle_folders, resolve_model
     from ..replaying.run_config import preserved_rng
     from ..reading.window import find_window
+    from .weight_updates import StochasticRounding, UpdateCount, hold_params, state_in_float32, window_param_dtype
 
     if precision not in RERUN_PRECISIONS:
         raise OptionError(f"precision {precision!r} is not one of {', '.join(RERUN_PRECISIONS)}")
@@ -254,6 +307,10 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
         raise OptionError(f"lr_scale {lr_scale!r} is not a positive number")
     if init_scale is not None and not (float(init_scale) > 0 and math.isfinite(float(init_scale))):
         raise OptionError(f"init_scale {init_scale!r} is not a positive number")
+    if param_dtype is not None and param_dtype not in PARAM_DTYPES:
+        raise OptionError(f"param_dtype {param_dtype!r} is not one of {', '.join(PARAM_DTYPES)}")
+    if update_rounding not in UPDATE_ROUNDINGS:
+        raise OptionError(f"update_rounding {update_rounding!r} is not one of {', '.join(UPDATE_ROUNDINGS)}")
     w = window or find_window(run_dir, from_step, rank)
     if w is None and from_step is not None:
         from ..reading.window import window_spans
@@ -288,10 +345,19 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
                 if name in w.extra_buffers:
                     b.copy_(w.extra_buffers[name])
         net.to(dev)
+        held = param_dtype or ("float32" if wanted in ("fp32", "fp64") and precision != "recorded" else "recorded")
+        low = hold_params(net, w, held)  # before the optimizer: its state takes the parameters' dtypes
         if wanted == "fp64":
             net.double()
         net.train(bool(w.meta.get("training", True)))
         opt, opt_name = build_optimizer(net, w, optimizer)
+        rounding = None
+        if update_rounding == "stochastic" and low:
+            rounding = StochasticRounding()
+            state_in_float32(opt, [p for _, p in low])  # the update is computed in float32
+        count = UpdateCount() if low else None
+        watch = tuple(x for x in (count, *watchers, rounding) if x is not None)
+        start_loss = _window_loss(net, w, start, end, loss_fn, loss, dev) if evaluate else None
         notes = []
         if w.meta.get("inputs_exact") is False:
             notes.append("some inputs were changed in place after their step: those steps re-run on the "
@@ -300,7 +366,12 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
             window_path=w.path, rank=w.rank, window_steps=[w.first_step, w.last_step], trigger_step=w.trigger_step,
             from_step=start, to_step=end, precision=wanted, recorded_precision=recorded_precision,
             keep_fp32=list(keep_fp32 or ()), init_scale=None if init_scale is None else float(init_scale),
-            lr_scale=float(lr_scale), optimizer=opt_name, steps=[], notes=notes)
+            lr_scale=float(lr_scale), optimizer=opt_name, steps=[], notes=notes,
+            param_dtype="recorded" if held == "recorded" else ("float64" if wanted == "fp64" else held),
+            recorded_param_dtype=window_param_dtype(w), update_rounding=update_rounding if low else "nearest")
+        if rounding is not None:
+            notes.append("stochastic rounding: each update computed in float32 (the optimizer's state held in "
+                         "float32) and rounded to the parameter's dtype up or down with the odds of its remainder")
         recorded_scaler = _scaler(w, recorded, recorded_precision, dev, None)
         hyper = [_hyper(g) for g in (w.optimizer or {}).get("param_groups") or []]
         remedy_scaler = None
@@ -318,8 +389,70 @@ def rerun_window(run_dir, *, from_step: int | None = None, steps: int | None = N
                              tuple(fp32_lines or ()) if remedied else ())
             hyper = s.optimizer_groups or hyper
             result.steps.append(_train_step(net, opt, scaler, s, hyper, config, recorded.get(s.step),
-                                            lr_scale if remedied else 1.0, loss_fn, dev, remedied, loss))
+                                            lr_scale if remedied else 1.0, loss_fn, dev, remedied, loss,
+                                            watch if remedied else (count,) if count else (), low))
+        if count is not None:
+            taken = [i for i, st in enumerate(result.steps) if st.remedied]
+            result.updates = (sum(count.moved[i] for i in taken), sum(count.unchanged[i] for i in taken))
+        if evaluate:
+            result.window_loss = (start_loss, _window_loss(net, w, start, end, loss_fn, loss, dev))
     return result
+
+
+def _window_loss(net, w, start: int, end: int, loss_fn, loss, dev) -> float | None:
+    """The mean float32 loss of the window's steps `start`..`end` (their
+    recorded inputs and RNG states) with `net`'s weights as they are, on a
+    float32 copy without autocast: the same yardstick for every re-run,
+    whatever precision it trained in; None where a loss is not finite."""
+    import copy
+
+    import torch
+
+    from ..replaying.capture import map_tensors
+    from ..replaying.run_config import set_rng
+    loop_loss = _LoopLoss(resolve_loss(loss), loss_kept(w), w) if (loss is not None or loss_kept(w)) else None
+    probe = copy.deepcopy(net).float()
+    total, count = 0.0, 0
+
+    def cast(t):
+        t = t.detach().to(dev)
+        return t.float() if t.is_floating_point() else t
+
+    with torch.no_grad():
+        for s in w.steps:
+            if not start <= s.step <= end:
+                continue
+            for k, ((args, kwargs), rng) in enumerate(zip(s.inputs, s.rng)):
+                set_rng(rng.get("cpu"), rng.get("cuda"), dev)
+                output = probe(*map_tensors(tuple(args), cast), **map_tensors(dict(kwargs), cast))
+                value = _step_loss(output, s, k, cast, loss_fn, loop_loss)
+                total += float(value.detach().double())
+                count += 1
+    return total / count if count and math.isfinite(total) else None
+
+
+def _step_loss(output, s, k, cast, loss_fn, loop_loss):
+    """The micro-batch's loss from the model's output: the loop's (`--loss`),
+    else `loss_fn`'s, else the model's own."""
+    import torch
+
+    from ..replaying.outputs import find_loss
+    loss = None
+    if loop_loss is not None and loss_fn is None:
+        loss = loop_loss(output, s, k, cast) if loop_loss.fn is not None else find_loss(output)
+        if loss is None:
+            loss = loop_loss(output, s, k, cast)  # says what is missing
+    if loss is None:
+        loss = loss_fn(output, k) if loss_fn is not None else find_loss(output)
+    if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ModelSpecError("the rerun needs the loss: the model returned no scalar loss (nor .loss), and "
+                             "the window kept no call of the loop's loss: record with "
+                             "AmpRecorder(..., loss_fn=criterion) (the criterion the loop calls, its "
+                             "targets then kept in the window) and re-run with --loss FILE.py:NAME (rerun, "
+                             "summary, fix, scale-window and recommend take it); "
+                             "when the targets are among the model's inputs, pass --loss-fn "
+                             "package.module:function, called as loss_fn(output, micro_batch)")
+    return loss
 
 
 def _config(precision, device, policy, flags, fp32_modules, fp32_lines):
@@ -508,14 +641,13 @@ def _predictions(output) -> list:
 
 
 def _train_step(net, opt, scaler, s, hyper, config, recorded, lr_scale, loss_fn, dev, remedied,
-                loop_loss=None) -> RerunStep:
+                loop_loss=None, watchers=(), low=()) -> RerunStep:
     import torch
 
     from ..replaying.engine import fp32_modules_kept
     from ..replaying.fp32_lines import float32_lines
     from ..replaying.run_config import autocast_device_types, autocast_for, numerics_flags, set_rng
     from ..replaying.capture import map_tensors
-    from ..replaying.outputs import find_loss
 
     # The step's recorded hyperparameters (a scheduler's lr included), the
     # learning rate times lr_scale; a step without them keeps the last ones.
@@ -550,33 +682,28 @@ def _train_step(net, opt, scaler, s, hyper, config, recorded, lr_scale, loss_fn,
             with fp32_modules_kept(net, config.fp32_modules, devices), autocast_for(config), \
                     float32_lines(config.fp32_lines, devices):
                 output = net(*args, **kwargs)
-                loss = None
-                if loop_loss is not None and loss_fn is None:
-                    loss = loop_loss(output, s, k, cast) if loop_loss.fn is not None else find_loss(output)
-                    if loss is None:
-                        loss = loop_loss(output, s, k, cast)  # says what is missing
-                if loss is None:
-                    loss = loss_fn(output, k) if loss_fn is not None else find_loss(output)
-            if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ModelSpecError("the rerun needs the loss: the model returned no scalar loss (nor .loss), and "
-                                     "the window kept no call of the loop's loss: record with "
-                                     "AmpRecorder(..., loss_fn=criterion) (the criterion the loop calls, its "
-                                     "targets then kept in the window) and re-run with --loss FILE.py:NAME (rerun, "
-                                     "summary, fix, scale-window and recommend take it); "
-                                     "when the targets are among the model's inputs, pass --loss-fn "
-                                     "package.module:function, called as loss_fn(output, micro_batch)")
+                loss = _step_loss(output, s, k, cast, loss_fn, loop_loss)
             value = float(loss.detach().double())
             total += value
             finite = finite and math.isfinite(value)
             (scaler.scale(loss) if scaler is not None else loss).backward()
         skipped = False
+        if scaler is not None and watchers:
+            scaler.unscale_(opt)  # before the watchers: they see the gradients the optimizer applies
+        for w in watchers:
+            w.before(low)
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
             skipped = scaler.get_scale() < scale  # a backoff: the step found Inf/NaN and was skipped
         else:
             opt.step()
+        for w in reversed(watchers):
+            w.after(low, skipped)
     weights = all(bool(torch.isfinite(p).all()) for p in net.parameters())
     rec_loss, rec_skipped = (recorded[0], recorded[1]) if recorded else (None, None)
+    from .weight_updates import UpdateCount
+    count = next((w for w in watchers if isinstance(w, UpdateCount)), None)
     return RerunStep(step=s.step, finite=finite and weights, loss=total, recorded_loss=rec_loss, skipped=skipped,
-                     recorded_skipped=rec_skipped, loss_scale=scale, remedied=remedied)
+                     recorded_skipped=rec_skipped, loss_scale=scale, remedied=remedied,
+                     lost_share=count.share() if count is not None and not skipped else None)
