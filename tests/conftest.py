@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,69 @@ os.environ["AMP_POSTMORTEM_MODE"] = "every_step"
 def sentinel_mode(monkeypatch):
     """The recorder's own default mode (no $AMP_POSTMORTEM_MODE)."""
     monkeypatch.delenv("AMP_POSTMORTEM_MODE", raising=False)
+
+
+# ------------------------------------------------------------ xdist units
+# `-n 2` (the README's test command): a module- or session-scoped fixture is
+# made once per worker that runs a test taking it. xdist's `load` hands out
+# tests in chunks that split modules between the workers (a compiled job, a
+# spawn of ranks, a Keras run then made twice), and its `loadgroup` cannot
+# name groups under pytest 9 (it sets `item._nodeid`, which pytest no longer
+# reads). So this scheduler sends, as one unit to one worker: every test of
+# a module that defines a module- or session-scoped fixture of its own, and
+# the tests that share the session's short sample runs (SAMPLE_RUNS_GROUP);
+# every other test is a unit of its own. Units go out largest first, so
+# the single tests, last, balance the two workers at the end.
+SAMPLE_RUNS_GROUP = "short_sample_runs"
+_SAMPLE_RUNS_TESTS = ("tests/test_sample_runs.py::",
+                      "tests/test_sentinel.py::test_every_sample_run_gets_the_same_answers_in_both_modes[")
+_SHARED_FIXTURE = re.compile(r"""@pytest\.fixture\([^)]*scope\s*=\s*["'](module|session)["']""")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    rootpath = config.rootpath
+    shares = {}
+
+    def shares_a_fixture(path: str) -> bool:
+        if path not in shares:
+            try:
+                shares[path] = bool(_SHARED_FIXTURE.search((rootpath / path).read_text()))
+            except OSError:
+                shares[path] = False
+        return shares[path]
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(_SAMPLE_RUNS_TESTS):
+                return SAMPLE_RUNS_GROUP
+            path = nodeid.split("::", 1)[0]
+            return path if shares_a_fixture(path) else nodeid
+
+    return SharedFixtureScheduling(config, log)
+
+
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_runs"
+
+
+def generate_short_sample_runs(folder: Path, mode: str) -> Path:
+    """sample_runs/generate.py's short schedule into `folder`, recorded in
+    `mode` ($AMP_POSTMORTEM_MODE)."""
+    subprocess.run([sys.executable, str(SAMPLES / "generate.py"), "--out", str(folder), "--short"],
+                   check=True, cwd=SAMPLES.parent, capture_output=True, text=True, timeout=900,
+                   env={**os.environ, "AMP_POSTMORTEM_MODE": mode})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def short_sample_runs(tmp_path_factory):
+    """The sample runs' jobs on the short schedule, recorded every step (the
+    suite's mode), generated once for test_sample_runs and test_sentinel
+    (tests that take it carry `xdist_group(SAMPLE_RUNS_GROUP)`: one worker).
+    Read-only."""
+    return generate_short_sample_runs(tmp_path_factory.mktemp("sample_runs"), "every_step")
 
 # ------------------------------------------------------------ analyzer runs
 # Planted-fault constants the tests pin against.

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import shutil
-import tempfile
 
 import click
 import pytest
@@ -36,9 +35,14 @@ STREAMING = {"watch"}
 # Commands that run a program: their API function returns its exit code.
 PROCESSES = {"record"}
 
-# Where `report` and `export tensorboard` write (the API and the CLI write
-# the same file; the export directory is emptied between the two).
-OUT = Path(tempfile.mkdtemp(prefix="amp-postmortem-api-"))
+# Where `report` and the exports write (the API and the CLI write the same
+# file; the export directory is emptied between the two): a placeholder that
+# the `results` fixture replaces with a temporary directory of its own (one
+# per module and worker, removed by pytest), as it replaces WINDOW_RUN with
+# the run `rerun` reads (recorded when the fixture first needs it, not at
+# collection).
+OUT = "{out}"
+WINDOW_RUN = "{window_run}"
 
 # One invocation per command on a sample run (small replays: seconds in all).
 CALLS = {
@@ -56,11 +60,11 @@ CALLS = {
                      "--scales", "8:12"),
     "recommend": ("sample_runs/bad_batch", "--model", MODELS + "feature_mlp"),
     # A run with a counterfactual window, recorded here (no sample run has one).
-    "rerun": (str(window_runs.instability_run()), "--precision", "fp32", "--model", "tests/window_runs.py:linear_net"),
-    "report": ("sample_runs/attention_overflow", "-o", str(OUT / "report.html")),
-    "export tensorboard": ("sample_runs/grad_underflow", "--logdir", str(OUT / "tb")),
-    "export mlflow": ("sample_runs/grad_underflow", "--tracking-uri", str(OUT / "mlruns")),
-    "export wandb": ("sample_runs/grad_underflow", "--offline", "--dir", str(OUT / "wandb")),
+    "rerun": (WINDOW_RUN, "--precision", "fp32", "--model", "tests/window_runs.py:linear_net"),
+    "report": ("sample_runs/attention_overflow", "-o", f"{OUT}/report.html"),
+    "export tensorboard": ("sample_runs/grad_underflow", "--logdir", f"{OUT}/tb"),
+    "export mlflow": ("sample_runs/grad_underflow", "--tracking-uri", f"{OUT}/mlruns"),
+    "export wandb": ("sample_runs/grad_underflow", "--offline", "--dir", f"{OUT}/wandb"),
 }
 
 
@@ -100,21 +104,34 @@ def _api_dict(command, argv) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
     """{command: (api to_dict, --json)} of CALLS, computed once."""
     import os
+    out_dir = tmp_path_factory.mktemp("api-out")
+    places = {OUT: str(out_dir), WINDOW_RUN: None}
     cwd = os.getcwd()
     os.chdir(REPO)
     try:
         out = {}
         for command, argv in CALLS.items():
+            if WINDOW_RUN in argv and places[WINDOW_RUN] is None:
+                places[WINDOW_RUN] = str(window_runs.instability_run())
+            argv = tuple(_resolve(arg, places) for arg in argv)
             from_api = _api_dict(command, argv)
             if command == "export tensorboard":
-                shutil.rmtree(OUT / "tb")  # an export refuses a directory that holds one
+                shutil.rmtree(out_dir / "tb")  # an export refuses a directory that holds one
             out[command] = (from_api, _cli_json((command, argv)))
         return out
     finally:
         os.chdir(cwd)
+
+
+def _resolve(arg: str, places: dict) -> str:
+    """An argument of CALLS with its placeholders (OUT, WINDOW_RUN) replaced."""
+    for placeholder, value in places.items():
+        if placeholder in arg:
+            arg = arg.replace(placeholder, value)
+    return arg
 
 
 def _relative(doc):

@@ -7,8 +7,6 @@ still make the analyzer say what their README says.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -28,12 +26,12 @@ def _nonfinite(tensors: pd.DataFrame) -> pd.DataFrame:
     return tensors[(tensors.nan_count > 0) | (tensors.inf_count > 0)]
 
 
-@pytest.fixture(scope="module")
-def short_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sample_runs")
-    subprocess.run([sys.executable, str(SAMPLES / "generate.py"), "--out", str(out), "--short"],
-                   check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    return out
+# The short runs are generated once per session (conftest.short_sample_runs,
+# recorded every step), shared with test_sentinel's comparison of the two
+# modes; under `-n 2` conftest's scheduler runs both on one worker.
+@pytest.fixture
+def short_runs(short_sample_runs):
+    return short_sample_runs
 
 
 def test_short_healthy_has_nothing_non_finite(short_runs):

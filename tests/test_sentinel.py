@@ -6,17 +6,13 @@ summary's lead finding) and the training's numbers must be the same."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import amp_postmortem as ap
-from conftest import _collapse, _input_nan, _overflow, record_run
+from conftest import _collapse, _input_nan, _overflow, generate_short_sample_runs, record_run
 from recorders import AmpRecorder
 from recorders.reexecute import ReexecutePolicy
 from recorders.schedule import RecordSchedule
@@ -229,21 +225,14 @@ def test_sampled_underflow_evidence_says_how_old_it_is(tmp_path):
 
 
 # ------------------------------------------------------ every sample run
-SAMPLES = Path(__file__).resolve().parents[1] / "sample_runs"
-
-
 @pytest.fixture(scope="module")
-def sample_runs_both_ways(tmp_path_factory):
+def sample_runs_both_ways(tmp_path_factory, short_sample_runs):
     """The sample runs' jobs (sample_runs/generate.py, short schedule)
-    recorded in each mode: {mode: folder}."""
-    out = {}
-    for mode in ("sentinel", "every_step"):
-        folder = tmp_path_factory.mktemp(f"samples_{mode}")
-        subprocess.run([sys.executable, str(SAMPLES / "generate.py"), "--out", str(folder), "--short"],
-                       check=True, cwd=SAMPLES.parent, capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "AMP_POSTMORTEM_MODE": mode})
-        out[mode] = folder
-    return out
+    recorded in each mode: {mode: folder}. The every-step recording is the
+    session's (test_sample_runs reads it too: conftest's scheduler runs both
+    on one worker), generated once."""
+    sentinel = generate_short_sample_runs(tmp_path_factory.mktemp("samples_sentinel"), "sentinel")
+    return {"sentinel": sentinel, "every_step": short_sample_runs}
 
 
 @pytest.mark.parametrize("name", ["healthy", "attention_overflow", "fp32_baseline", "bad_batch", "scale_collapse",
