@@ -125,7 +125,10 @@ def _replay_zeros(run, model, step, rank, device, policy, loss_fn, report):
     try:
         return replay_zeros(run.path, picked[0], rank=picked[1], model=model, device=device, policy=policy,
                             loss_fn=resolve_loss_fn(loss_fn))
-    except PostmortemError as exc:  # e.g. a step recorded without autocast: said, the rest stands
+    except PostmortemError as exc:
+        if step is not None:
+            raise  # the step the user named: a wrong one is theirs to fix (exit 2)
+        # The bundle chosen for them (e.g. recorded without autocast): said, the rest of the answer stands.
         report.run.setdefault("warnings", []).append(f"the gradient zeros of step {picked[0]} could not be "
                                                      f"replayed: {exc}")
         return None

@@ -76,3 +76,40 @@ def test_float32_run_is_quiet():
     s = ap.summary(str(runs.fp32_run()))
     assert _kinds(s) == ["healthy"]
     assert s.run["param_dtype"] == "float32"
+
+
+class _Rows:
+    """`ranges` as `layer_losses` reads it: the rows a flag selects."""
+
+    def __init__(self, rows):
+        import pandas as pd
+        self.rows = pd.DataFrame(rows)
+
+    def flagged(self, flag):
+        return self.rows
+
+
+def _row(name, told):
+    # At float16's flush edge: every value zero or subnormal, the zeros counted as flushed by default.
+    return {"name": name, "kind": "grad_output", "range_dtype": "float16", "absmax": 2.0 ** -23,
+            "recent_underflow_share": 1.0, "flushed_zero_share": 0.5, "structural_zero_share": 0.0,
+            "zero_share": 0.5, "zeros_told": told}
+
+
+def test_zeros_the_rows_cannot_tell_are_read_from_a_replay_else_undetermined():
+    from amp_postmortem.analyses.unscaled import (LayerZeros, ReplayedZeros, Underflow, ZerosBasis, layer_losses,
+                                                  zeros_basis)
+    ranges = _Rows([_row("mask", False), _row("proj", False), _row("told", True)])
+    alone = {lay.name: lay for lay in layer_losses(ranges)}
+    assert alone["mask"].zeros_basis is ZerosBasis.UNDETERMINED and alone["told"].zeros_basis is ZerosBasis.RECORDED
+    assert zeros_basis(list(alone.values())) is ZerosBasis.UNDETERMINED
+    # The replay: mask's zeros are zero in float32 too (structural), proj's were flushed.
+    replayed = ReplayedZeros(step=3, rank=0, precision="fp16", loss_scale=1.0, layers={
+        "mask": LayerZeros("mask", values=100, live=50, flushed=0, subnormal=50, structural=50),
+        "proj": LayerZeros("proj", values=100, live=100, flushed=60, subnormal=40, structural=0)})
+    told = layer_losses(ranges, replayed=replayed)
+    assert [lay.name for lay in told][:2] == ["proj", "mask"]  # the signal lost leads, not the zeros
+    by = {lay.name: lay for lay in told}
+    assert by["mask"].zeros_basis is ZerosBasis.REPLAY and by["mask"].underflow is Underflow.SUBNORMAL
+    assert by["proj"].underflow is Underflow.FLUSHED and by["told"].zeros_basis is ZerosBasis.RECORDED
+    assert zeros_basis(told) is ZerosBasis.REPLAY and by["proj"].to_dict()["replayed"]["flushed_share"] == 0.6

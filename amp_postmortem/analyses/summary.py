@@ -656,14 +656,21 @@ def _lost_updates_words(lost, checks) -> str:
                       for lay in lost.layers[:3] if lay.recent_lost_share is not None)
     lr = f" at learning rate {lost.learning_rate:g}" if lost.learning_rate is not None else ""
     opt = f" ({lost.optimizer.rpartition('.')[2]})" if lost.optimizer else ""
+    statuses = {c.status for c in checks.checks}
+    # Not re-run at all (no window, no model): said once, not per remedy.
+    once = len(statuses) == 1 and not any(c.trial for c in checks.checks) and checks.checks
     remedies = []
     for r in lost.remedies():
         check = checks.get(r)
-        remedies.append(_REMEDY_WORDS[r] + (f" [{check_line(check, checks)}]" if check is not None else ""))
+        remedies.append(_REMEDY_WORDS[r] + (f" [{check_line(check, checks)}]" if check is not None and not once
+                                            else ""))
+    tail = ""
+    if once:
+        tail = " (" + check_line(checks.checks[0], checks, named=False) + ")"
     return (f"{lost.recent_lost_share:.0%} of the optimizer's updates{opt} leave the {lost.param_dtype} weights "
             f"unchanged (measured from step {lost.recent_from_step}): below half an ulp of the weight{lr}, they "
             f"round away; most lost in {named}. Cause: parameters held in {lost.param_dtype} with no float32 "
-            f"master copy, times the learning rate. Remedies: " + "; ".join(remedies))
+            f"master copy, times the learning rate. Remedies: " + "; ".join(remedies) + tail)
 
 
 def _mixed_policy(found) -> str:

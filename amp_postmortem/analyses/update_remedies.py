@@ -164,31 +164,36 @@ def _trial_words(t: UpdateTrial) -> str:
     return ", ".join(what + [lost + drop])
 
 
-def check_line(check: RemedyCheck, checks: RemedyChecks) -> str:
-    """One remedy's check in words (the one place they are made)."""
-    name = remedy_name(check.remedy)
+def check_line(check: RemedyCheck, checks: RemedyChecks, *, named: bool = True) -> str:
+    """One remedy's check in words (the one place they are made);
+    `named=False`: without the remedy's name in front (a check that holds
+    for every remedy, said once)."""
+    return (remedy_name(check.remedy) + ": " if named else "") + _check_words(check, checks)
+
+
+def _check_words(check: RemedyCheck, checks: RemedyChecks) -> str:
     base = checks.as_recorded
     span = f"steps {checks.window[0]}-{checks.window[1]}" if checks.window else "the saved window"
     versus = (f" vs as recorded {base.lost_share:.1%} lost, loss fell {base.loss_drop:.4g}"
               if base is not None and base.lost_share is not None and base.loss_drop is not None else "")
     s = check.status
     if s is Verification.VERIFIED:
-        return f"{name}: verified by re-running {span} ({_trial_words(check.trial)}{versus})"
+        return f"verified by re-running {span} ({_trial_words(check.trial)}{versus})"
     if s is Verification.NO_WINDOW:
-        return (f"{name}: not verified, the run saved no window of steps to re-run (record with "
+        return (f"not verified, the run saved no window of steps to re-run (record with "
                 "BundlePolicy(window_steps=K) and call rec.save_bundle() at a step: a silent failure opens none)")
     if s is Verification.NO_MODEL:
-        return f"{name}: not verified yet, re-run {span} with --model SPEC (summary or recommend) to verify it"
+        return f"not verified yet, re-run {span} with --model SPEC (summary or recommend) to verify it"
     if s is Verification.NOT_RUN:
-        return f"{name}: not verified, the re-run of {span} failed: {check.why}"
+        return f"not verified, the re-run of {span} failed: {check.why}"
     if s is Verification.NOT_REPRODUCED:
         lost = "" if base is None or base.lost_share is None else f" (it lost {base.lost_share:.1%})"
-        return (f"{name}: not verified, the re-run of {span} as recorded does not lose the updates the run "
+        return (f"not verified, the re-run of {span} as recorded does not lose the updates the run "
                 f"lost{lost}: nothing to compare with (is --model the model the run trained?)")
     if s is Verification.NONFINITE:
-        return (f"{name}: NOT verified, its re-run of {span} goes non-finite at step "
+        return (f"NOT verified, its re-run of {span} goes non-finite at step "
                 f"{check.trial.first_nonfinite_step}")
     if s is Verification.UPDATES_STILL_LOST:
-        return f"{name}: NOT verified, its re-run of {span} still loses updates ({_trial_words(check.trial)})"
-    return (f"{name}: NOT verified, its re-run of {span} keeps the updates but the loss falls no further than "
+        return f"NOT verified, its re-run of {span} still loses updates ({_trial_words(check.trial)})"
+    return (f"NOT verified, its re-run of {span} keeps the updates but the loss falls no further than "
             f"as recorded ({_trial_words(check.trial)}{versus})")

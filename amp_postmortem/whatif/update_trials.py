@@ -51,6 +51,9 @@ def verify_update_remedies(run, lost, *, model, rank: int | None = None, device:
     low = next((lay.dtype for lay in lost.layers if lay.dtype in _AUTOCAST), "bfloat16")
     ac = w.autocast or {}
     master_precision = "recorded" if ac.get("enabled") else _AUTOCAST[low]
+    # Float16 autocast needs a loss scale: the run had none to carry over when it held float16 weights.
+    float16 = (ac.get("dtype") if ac.get("enabled") else low) == "float16"
+    master_scale = 2.0 ** 16 if float16 and not (w.scaler and w.scaler.get("enabled", True) is not False) else None
     spec = model if isinstance(model, str) else None
     loss_spec = loss if isinstance(loss, str) else ("FILE.py:NAME" if loss_kept(w) and loss is None else None)
 
@@ -74,7 +77,7 @@ def verify_update_remedies(run, lost, *, model, rank: int | None = None, device:
         checks.as_recorded = base = trial(None)
         reach = UpdateReach({name: t.dtype for name, t in w.params.items()})
         master = trial(UpdateRemedy.FP32_MASTER_WEIGHTS, precision=master_precision, param_dtype="float32",
-                       init_scale=2.0 ** 16 if master_precision == "fp16" else None, watchers=(reach,))
+                       init_scale=master_scale, watchers=(reach,))
         factor = reach.factor(KEEP_SHARE)
         checks.lr_scale_basis = factor
         results = {UpdateRemedy.FP32_MASTER_WEIGHTS: master,
