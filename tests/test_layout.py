@@ -48,27 +48,44 @@ def _rows(run, steps=None):
     return df.sort_values(["step", "name", "kind", "call"]).reset_index(drop=True)
 
 
+def _eager_run(root, blocks):
+    run = root / f"eager_{blocks}_blocks"
+    torch.manual_seed(0)
+    _train(TinyNet(blocks=blocks), batches(STEPS), _recorder(run))
+    return run
+
+
 @pytest.fixture(scope="module")
 def eager_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("layout") / "eager"
-    torch.manual_seed(0)
-    _train(TinyNet(), batches(STEPS), _recorder(run))
-    return run
+    return _eager_run(tmp_path_factory.mktemp("layout"), blocks=2)
+
+
+# The compiled jobs train a one-block TinyNet (its residual sums, LayerNorm,
+# attention and MLP are what dynamo traces; a second block doubled the
+# tracing time) against the same model's eager run.
+COMPILED_BLOCKS = 1
+
+
+@pytest.fixture(scope="module")
+def compiled_eager_run(tmp_path_factory):
+    return _eager_run(tmp_path_factory.mktemp("layout"), blocks=COMPILED_BLOCKS)
 
 
 # ---------------------------------------------------------------- compile
 @pytest.mark.parametrize("attach", ["after", "before"])
-def test_compiled_model_records_without_graph_breaks_or_recompiles(attach, eager_run, tmp_path):
+def test_compiled_model_records_without_graph_breaks_or_recompiles(attach, compiled_eager_run, tmp_path):
+    eager_run = compiled_eager_run
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    plain = _train(TinyNet(), batches(STEPS), compile_=attach)
+    plain = _train(TinyNet(blocks=COMPILED_BLOCKS), batches(STEPS), compile_=attach)
     plain_breaks = dict(counters["graph_break"])
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     run = tmp_path / "compiled"
-    recorded = _train(TinyNet(), batches(STEPS), _recorder(run, compiled_rows=True), compile_=attach)
+    recorded = _train(TinyNet(blocks=COMPILED_BLOCKS), batches(STEPS), _recorder(run, compiled_rows=True),
+                      compile_=attach)
 
     assert recorded[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(recorded[1], plain[1]))
     assert dict(counters["graph_break"]) == plain_breaks == {}
@@ -99,12 +116,12 @@ def test_eager_full_steps_off_keeps_every_step_compiled(tmp_path):
     torch._dynamo.reset()
     torch.manual_seed(0)
     run = tmp_path / "compiled"
-    _, _, graphs = _train(TinyNet(), batches(STEPS), _recorder(run, eager_full_steps=False, compiled_rows=True),
-                          compile_="after")
+    _, _, graphs = _train(TinyNet(blocks=COMPILED_BLOCKS), batches(STEPS),
+                          _recorder(run, eager_full_steps=False, compiled_rows=True), compile_="after")
     assert graphs == [1, 1, 1, 1]  # step 0, full tier, compiled too
     rows = _rows(run)
     # The graph's cheap rows on every step, the full tier's own included.
-    names = {n for n, _ in canonical_modules(TinyNet())}
+    names = {n for n, _ in canonical_modules(TinyNet(blocks=COMPILED_BLOCKS))}
     for step in range(STEPS):
         assert set(rows.loc[(rows["step"] == step) & (rows["kind"] == "activation"), "name"]) == names
     assert amp_postmortem.load_run(run).manifest["compiled"]["eager_steps"] == "none (eager_full_steps=False)"
