@@ -122,3 +122,13 @@ def test_without_a_bundle_the_zeros_stay_undetermined():
     f = next(f for f in s.findings if f.kind == "unscaled_fp16_backward")
     assert f.evidence["zeros_basis"] == "undetermined" and f.evidence["replayed_zeros"] is None
     assert "no bundle was saved" in f.message
+
+
+def test_a_step_without_a_bundle_is_a_one_line_error():
+    from click.testing import CliRunner
+
+    from amp_postmortem.cli import main
+    out = CliRunner().invoke(main, ["summary", str(runs.unscaled_bundle_run()), "--model",
+                                    "tests/silent_runs.py:bert_classifier", "--step", "99"])
+    assert out.exit_code == 2 and out.output.startswith("Error: no bundle for step 99")
+    assert len(out.output.strip().splitlines()) == 1
