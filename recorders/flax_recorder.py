@@ -17,27 +17,36 @@ the caller gets back), `loss_scale_before` (the scale the backward used),
 dynamic scale refused the update: the step's own finiteness decision, so
 the flag is exact). Every module method's output (`nnx.capture` with
 `nnx.Intermediate`) and every gradient leaf is reduced inside the jitted
-step to five numbers ([absmax, NaN count, Inf count, -, numel]); those and
-the scalars are the only values that leave the device.
+step to five numbers ([absmax, NaN count, Inf count, -, numel]); so are,
+in backward order, the gradient reaching each module call's output
+(`grad_output`) and what its backward hands its inputs (`grad_input`),
+scaled as they travel (`ModuleGradientTaps`). Those and the scalars are
+the only values that leave the device.
 
 Without the helper, call `rec.step(loss=..., loss_scale_before=...,
 loss_scale=..., skipped=..., grad_norm=...)` after each step, and for
 module rows return `module_stats(intermediates)` / `tree_stats(grads)`
-from your own jitted step and pass them as `forward=` / `grads=`.
+from your own jitted step and pass them as `forward=` / `grads=`; for
+`grad_output` / `grad_input` rows, trace your step inside `with
+ModuleGradientTaps(model) as taps:`, return the stats of `taps.rows` from
+it and pass the rows as `backward=`.
 
 Replay bundles (`bundles=`, a `host_bundle.BundleTriggers`; None: off):
 with the helper, the arguments of the model's first call in the step (the
 root module's `__call__`, seen while the step is traced) come back from the
 jitted step as device arrays, held by reference until the next step; at
-the first step with a non-finite loss or NaN/Inf in a module output they
-and the model's `nnx.Param`s are written pickle-free (`host_bundle.py`) for
+the first step with a non-finite loss, NaN/Inf in a module output or
+(the forward finite) NaN/Inf in a gradient, they and the model's
+`nnx.Param`s are written pickle-free (`host_bundle.py`) for
 `amp-postmortem replay RUN --step N --model FILE:factory`. The parameters
 are read after the step: those the forward used when the step was skipped
 (`params.exact`).
 
 Order of the `activation` rows: modules in definition order, children
 before their parent (how a model written in call order runs); a module
-called twice has `call` 0 and 1.
+called twice has `call` 0 and 1. The `grad_output` / `grad_input` rows
+come in the order the backward ran them (only `__call__` is tapped: other
+methods get `activation` rows only).
 """
 from __future__ import annotations
 
@@ -52,7 +61,7 @@ from flax import nnx
 from .format import schema
 from .format.flax_names import key_name, module_name, named_params
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
-from .host_run import HostRun, StepRecord, TensorRow, framework_entry
+from .host_run import HostRun, StepRecord, backward_rows, framework_entry, stats_row
 
 STAT_WIDTH = 5
 
@@ -186,7 +195,8 @@ class FlaxRecorder:
 
         def instrumented(*args, **kwargs):
             captured = nnx.capture(step_fn, nnx.Intermediate, method_outputs=nnx.Intermediate)
-            with RootCallTap(type(self._model), active=self.bundles is not None) as tap:
+            with RootCallTap(type(self._model), active=self.bundles is not None) as tap, \
+                    ModuleGradientTaps(self._model) as gradient_taps:
                 out, intermediates = captured(*args, **kwargs)
             held: dict = {}
             names["inputs"] = None if tap.arguments is None else {
@@ -209,6 +219,9 @@ class FlaxRecorder:
             loss = jnp.asarray(out["loss"])
             names["loss_dtype"] = str(loss.dtype)
             payload = {"forward": forward, "loss": array_stats(loss)}
+            names["backward"] = [row[:4] for row in gradient_taps.rows]
+            payload["backward"] = (jnp.stack([row[4] for row in gradient_taps.rows]) if gradient_taps.rows
+                                   else jnp.zeros((0, STAT_WIDTH), jnp.float32))
             if grads is not None:
                 payload["grads"] = grad_stats
                 leaves = [g.astype(jnp.float32) for g in jax.tree_util.tree_leaves(grads)
@@ -243,8 +256,9 @@ class FlaxRecorder:
         grads = None
         if "grads" in host:
             grads = [(name, dtype, v) for (name, dtype), v in zip(names["grads"], np.asarray(host["grads"]))]
+        backward = [(*meta, v) for meta, v in zip(names.get("backward", ()), np.asarray(host["backward"]))]
         sq = host.get("grad_sqsum")
-        self.step(loss=loss, loss_scale_before=_opt_float(host.get("loss_scale_before")),
+        self.step(loss=loss, backward=backward, loss_scale_before=_opt_float(host.get("loss_scale_before")),
                   loss_scale=_opt_float(host.get("loss_scale")),
                   skipped=bool(host["skipped"] >= 0.5) if "skipped" in host else False,
                   grad_norm=math.sqrt(float(sq)) if sq is not None and float(sq) >= 0 else _opt_float(sq),
@@ -252,24 +266,30 @@ class FlaxRecorder:
 
     # ------------------------------------------------- the documented call
     def step(self, *, loss, loss_scale_before=None, loss_scale=None, skipped: bool = False,
-             grad_norm=None, lr=None, forward=None, grads=None, loss_dtype=None, step: int | None = None):
+             grad_norm=None, lr=None, forward=None, grads=None, loss_dtype=None, step: int | None = None,
+             backward=None):
         """Record one optimizer step from host values (floats, or jax
         scalars: read here). `forward`: (name, kind, call, dtype, stats)
         per row in execution order; `grads`: (name, dtype, stats) per
         gradient, stats the five numbers of `array_stats` (unscaled
-        gradients)."""
+        gradients); `backward`: (name, kind, call, dtype, stats) per
+        `grad_output` / `grad_input` row in the order the backward made
+        them (scaled gradients, as they travelled; `ModuleGradientTaps`)."""
         index = self.step_index if step is None else int(step)
         self.step_index = index + 1
         loss = _opt_float(loss)
         rows = []
-        if index % self.every == 0 or skipped or loss is None or not math.isfinite(loss):
+        # NaN/Inf in any gradient (a step with rows, as a skip or a non-finite loss).
+        backward_bad = any(float(np.asarray(r[-1])[1]) or float(np.asarray(r[-1])[2])
+                           for r in (*(grads or ()), *(backward or ())))
+        if index % self.every == 0 or skipped or backward_bad or loss is None or not math.isfinite(loss):
             for order, (name, kind, call, dtype, v) in enumerate(forward or ()):
                 # nnx.capture keeps outputs only: the inputs' NaN/Inf are unknown (null).
-                rows.append(_row(name, kind, "forward", order, call, dtype, v))
-            for order, (name, dtype, v) in enumerate(reversed(list(grads or ()))):
-                rows.append(_row(name, "param_grad", "backward", order, 0, dtype, v))
+                rows.append(stats_row(name, kind, "forward", order, call, dtype, v))
+            rows.extend(backward_rows(backward or (), grads or ()))
         if self.bundles is not None and self._held is not None and self._held[0] is not None:
-            self._maybe_save_bundle(index, loss, bool(skipped), rows, loss_dtype, _opt_float(loss_scale_before))
+            self._maybe_save_bundle(index, loss, bool(skipped), rows, loss_dtype, _opt_float(loss_scale_before),
+                                    backward_bad)
         self.run.write_step(StepRecord(
             step=index, loss=loss,
             loss_scale_before=_opt_float(loss_scale_before) if self._scaled else None,
@@ -277,10 +297,11 @@ class FlaxRecorder:
             skipped=bool(skipped), lr=[float(lr)] if lr is not None else None,
             grad_norm=_opt_float(grad_norm), loss_dtype=loss_dtype, rows=rows, wall_time=time.time()))
 
-    def _maybe_save_bundle(self, step, loss, skipped, rows, loss_dtype, loss_scale) -> None:
+    def _maybe_save_bundle(self, step, loss, skipped, rows, loss_dtype, loss_scale, backward_bad) -> None:
         bad = [{"name": r.name, "call": r.call} for r in rows
                if r.phase == "forward" and r.kind == "activation" and (r.nan_count or r.inf_count)]
-        reasons = self.bundles.reasons(step, loss, bool(bad))
+        reasons = self.bundles.reasons(step, loss, bool(bad), backward_bad, skipped=skipped,
+                                       loss_scale_before=loss_scale)
         if not reasons:
             return
         tree, held, step_args = self._held
@@ -351,11 +372,98 @@ class RootCallTap:
         return False
 
 
-def _row(name, kind, phase, order, call, dtype, v, input_nonfinite=False) -> TensorRow:
-    v = np.asarray(v, dtype=np.float64)
-    return TensorRow(name=name, kind=kind, phase=phase, order=order, call=int(call), dtype=dtype,
-                     numel=int(v[4]), absmax=float(v[0]), nan_count=int(v[1]), inf_count=int(v[2]),
-                     input_nonfinite=int(v[3]) if input_nonfinite else None)
+class ModuleGradientTaps:
+    """While a step is traced: every module call's floating inputs and
+    outputs pass through an identity whose backward rule (a `jax.custom_vjp`,
+    run by the step's own `value_and_grad` with the step's traced values)
+    reduces the gradient reaching the output (`grad_output`) and what the
+    module's backward hands its inputs (`grad_input`) to `array_stats`'s
+    five numbers, appended to `rows` in the order the backward runs them.
+    Values as they travel: scaled by the loss scale, in their own dtype.
+    The `__call__` of each class that defines the model's modules' one is
+    wrapped on entry and restored on exit; a call is named by its module's
+    path from the first call of the model's class (`module_name`)."""
+
+    def __init__(self, model):
+        self.root_cls = type(model)
+        self.rows: list = []        # (name, kind, call, dtype, stats) in backward order
+        self._paths: dict = {}      # id(module) -> path, from the traced model
+        self._calls: dict = {}
+        self._received: dict = {}
+        owners = {}
+        for _, node in nnx.iter_graph(model):
+            if isinstance(node, nnx.Module):
+                owner = next((c for c in type(node).__mro__ if "__call__" in c.__dict__), None)
+                if owner is not None and owner is not nnx.Module:
+                    owners[owner] = None
+        self._owners = list(owners)
+        self._restore: list = []
+
+    def __enter__(self):
+        for cls in self._owners:
+            original = cls.__dict__["__call__"]
+            cls.__call__ = self._wrapper(original)
+            self._restore.append((cls, original))
+        return self
+
+    def __exit__(self, *exc):
+        for cls, original in reversed(self._restore):
+            cls.__call__ = original
+        self._restore = []
+        return False
+
+    def _wrapper(self, original):
+        taps = self
+
+        def __call__(module, *args, **kwargs):
+            if not taps._paths and isinstance(module, taps.root_cls):
+                taps._paths = {id(node): tuple(str(p) for p in path) for path, node in nnx.iter_graph(module)
+                               if isinstance(node, nnx.Module)}
+            path = taps._paths.get(id(module))
+            if path is None:
+                return original(module, *args, **kwargs)
+            name = module_name(path, "__call__")
+            call = taps._calls.get(name, 0)
+            taps._calls[name] = call + 1
+            args, kwargs = taps._tap((args, kwargs), name, "grad_input", call)
+            return taps._tap(original(module, *args, **kwargs), name, "grad_output", call)
+        return __call__
+
+    def _tap(self, tree, name, kind, call):
+        leaves, treedef = jax.tree_util.tree_flatten(
+            tree, is_leaf=lambda x: isinstance(x, (nnx.Module, nnx.Variable)))
+        where = [i for i, x in enumerate(leaves)
+                 if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)]
+        if not where:
+            return tree
+
+        def on_grads(grads):
+            stats = [array_stats(g) for g in grads]
+            merged = jnp.stack([jnp.max(jnp.stack([p[0] for p in stats])), sum(p[1] for p in stats),
+                                sum(p[2] for p in stats), jnp.float32(0), sum(p[4] for p in stats)])
+            if kind == "grad_output":
+                self._received[(name, call)] = merged[1] + merged[2]
+            else:
+                # input_nonfinite of a grad_input row: NaN/Inf in what the module received.
+                merged = merged.at[3].set(self._received.get((name, call), jnp.float32(0)))
+            self.rows.append((name, kind, call, str(grads[0].dtype), merged))
+
+        @jax.custom_vjp
+        def tap(*xs):
+            return xs
+
+        def forward(*xs):
+            return xs, None
+
+        def backward(_, grads):
+            on_grads(list(grads))
+            return tuple(grads)
+
+        tap.defvjp(forward, backward)
+        out = tap(*[leaves[i] for i in where])
+        for i, t in zip(where, out):
+            leaves[i] = t
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _opt_float(v):

@@ -25,10 +25,14 @@ from .format import schema
 from .format.plain import file_sha256, json_checksum, plain
 from .writer import atomic_write_json, fsync_dir
 
-# Which automatic triggers a recorder of another framework has (the
-# PyTorch recorder's `nonfinite_loss` and `nonfinite_tensor`; with a loss
-# scale, gradients overflowing are the scale's business, as there).
-TRIGGERS = ("nonfinite_loss", "nonfinite_tensor")
+# Which automatic triggers a recorder of another framework has: the
+# PyTorch recorder's `nonfinite_loss` and `nonfinite_tensor` (a forward
+# row), and `nonfinite_gradient`, the first step with NaN/Inf in a backward
+# row (`grad_output`, `grad_input`, `param_grad`) while the forward rows and
+# the loss are finite: a backward-only overflow, whose step the loss scale
+# skips, is otherwise saved by none of them (PyTorch's `skipped` covers it;
+# as there, not the skips of a scale calibrating or probing).
+TRIGGERS = ("nonfinite_loss", "nonfinite_tensor", "nonfinite_gradient")
 
 
 def _is_array(obj) -> bool:
@@ -110,25 +114,38 @@ def write_bundle(run_dir, *, rank: int, step: int, meta: dict, arrays: dict) -> 
 
 class BundleTriggers:
     """Which finished steps save a bundle: the first step with a non-finite
-    loss, the first with NaN/Inf in a forward row (each once), and every
+    loss, the first with NaN/Inf in a forward row, the first with NaN/Inf
+    in a backward row only (forward and loss finite; each once), and every
     step of `steps`; at most `max_bundles`. A pure decision on host values;
-    the recorder gathers and writes."""
+    the recorder gathers and writes.
 
-    def __init__(self, *, max_bundles: int = 3, steps=(), triggers=TRIGGERS):
+    A step the loss scale skipped counts for `nonfinite_gradient` only once
+    the scale has settled (`settle_steps` consecutive steps applied, as for
+    PyTorch's `skipped` trigger): a fresh scale calibrating down from its
+    initial value skips on overflowing gradients, and so does a scale that
+    has just grown (a probe: `loss_scale_before` above the step before's);
+    neither fires."""
+
+    def __init__(self, *, max_bundles: int = 3, steps=(), triggers=TRIGGERS, settle_steps: int = 10):
         bad = [t for t in triggers if t not in TRIGGERS]
         if bad:
             raise ValueError(f"bundle trigger {bad[0]!r} is not one of {', '.join(TRIGGERS)}")
         self.max_bundles = int(max_bundles)
         self.steps = {int(s) for s in steps}
         self.triggers = tuple(triggers)
+        self.settle_steps = int(settle_steps)
         self.fired: set = set()
         self.saved = 0
+        self._clean_steps = 0
+        self._settled = self.settle_steps <= 0
+        self._prev_scale = None
 
     def fresh(self) -> BundleTriggers:
         """These options with nothing fired or saved yet: what one run
         counts on (a recorder takes its own, so that a default or shared
         `BundleTriggers` does not carry one run's count into the next)."""
-        return BundleTriggers(max_bundles=self.max_bundles, steps=self.steps, triggers=self.triggers)
+        return BundleTriggers(max_bundles=self.max_bundles, steps=self.steps, triggers=self.triggers,
+                              settle_steps=self.settle_steps)
 
     @property
     def enabled(self) -> bool:
@@ -136,15 +153,35 @@ class BundleTriggers:
 
     def options(self) -> dict:
         return {"max_bundles": self.max_bundles, "bundle_steps": sorted(self.steps),
-                "bundle_triggers": list(self.triggers)}
+                "bundle_triggers": list(self.triggers), "settle_steps": self.settle_steps}
 
-    def reasons(self, step: int, loss, forward_nonfinite: bool) -> list[str]:
-        """The reasons `step` is saved for (empty: not saved); counts it."""
+    def _skip_counts(self, skipped: bool, loss_scale_before) -> bool:
+        """Whether this step's skip says the gradients broke (the scale had
+        settled, and had not just grown); True for a step not skipped.
+        Counts the step towards settling."""
+        probe = (loss_scale_before is not None and self._prev_scale is not None
+                 and loss_scale_before > self._prev_scale)
+        self._prev_scale = loss_scale_before
+        if skipped:
+            self._clean_steps = 0
+            return self._settled and not probe
+        self._clean_steps += 1
+        self._settled = self._settled or self._clean_steps >= self.settle_steps
+        return True
+
+    def reasons(self, step: int, loss, forward_nonfinite: bool, backward_nonfinite: bool = False, *,
+                skipped: bool = False, loss_scale_before=None) -> list[str]:
+        """The reasons `step` is saved for (empty: not saved); counts it.
+        Called once per step, in order (the scale's settling is counted)."""
+        counts = self._skip_counts(bool(skipped), loss_scale_before)
         if not self.enabled or self.saved >= self.max_bundles:
             return []
         fire = []
         loss_bad = loss is None or not np.isfinite(loss)
-        for reason, holds in (("nonfinite_loss", loss_bad), ("nonfinite_tensor", forward_nonfinite)):
+        # Backward-only: a step whose forward broke is saved for that.
+        backward_only = backward_nonfinite and not forward_nonfinite and not loss_bad and counts
+        for reason, holds in (("nonfinite_loss", loss_bad), ("nonfinite_tensor", forward_nonfinite),
+                              ("nonfinite_gradient", backward_only)):
             if reason in self.triggers and holds and reason not in self.fired:
                 fire.append(reason)
         if step in self.steps:

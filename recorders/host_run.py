@@ -19,7 +19,7 @@ import math
 import platform
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,38 @@ class TensorRow:
     nan_count: int
     inf_count: int
     input_nonfinite: int | None = None
+
+
+def stats_row(name: str, kind: str, phase: str, order: int, call: int, dtype: str, stats,
+              input_nonfinite: bool = False) -> TensorRow:
+    """A row from the five in-graph numbers [absmax, NaN count, Inf count,
+    NaN/Inf among the inputs, numel] (`input_nonfinite` kept when true)."""
+    v = np.asarray(stats, dtype=np.float64)
+    return TensorRow(name=name, kind=kind, phase=phase, order=order, call=int(call), dtype=dtype,
+                     numel=int(v[4]), absmax=float(v[0]), nan_count=int(v[1]), inf_count=int(v[2]),
+                     input_nonfinite=int(v[3]) if input_nonfinite else None)
+
+
+def backward_rows(module_rows, grads) -> list[TensorRow]:
+    """A step's backward rows in backward order. `module_rows`: (name,
+    kind, call, dtype, stats) of the `grad_output` / `grad_input` rows as
+    the backward made them; `grads`: (name, dtype, stats) of each
+    parameter's unscaled gradient in parameter order (the backward visits
+    them last first). A parameter's `param_grad` row goes where its module's
+    backward made it: after the module's last `grad_output` row, before its
+    last `grad_input` row; without a row of its module, after the parameter
+    before it."""
+    module_rows, grads = list(module_rows), list(grads)
+    keyed = [((i, 0, 0), stats_row(name, kind, "backward", 0, call, dtype, v, input_nonfinite=kind == "grad_input"))
+             for i, (name, kind, call, dtype, v) in enumerate(module_rows)]
+    place = {name: (i - 0.5) if kind == "grad_input" else (i + 0.5)
+             for i, (name, kind, *_) in enumerate(module_rows)}
+    at = -1.0
+    for j, (name, dtype, v) in enumerate(reversed(grads)):
+        at = place.get(name.rpartition(".")[0], at)
+        keyed.append(((at, 1, j), stats_row(name, "param_grad", "backward", 0, 0, dtype, v)))
+    keyed.sort(key=lambda kr: kr[0])
+    return [replace(r, order=order) for order, (_, r) in enumerate(keyed)]
 
 
 @dataclass

@@ -11,8 +11,11 @@ exact skip flag from the `LossScaleOptimizer` (its own finiteness check of
 the gradients), the unscaled gradient norm; and the cheap tier's rows: each
 layer's output (`activation`, `input_nonfinite` from its inputs), the
 model's `<input>`, the `<loss>` and every trainable variable's unscaled
-gradient (`param_grad`). All of it is reduced inside the compiled train
-step, to five numbers per row, and leaves the device once per step.
+gradient (`param_grad`); in backward order, the gradient reaching each
+layer's output (`grad_output`, the model's output's named "") and what the
+layer's backward hands its inputs (`grad_input`), scaled as they travel
+(`gradient_tap`). All of it is reduced inside the compiled train step, to
+five numbers per row, and leaves the device once per step.
 
 How the numbers leave the step. Every layer's `call`, the model's
 `compute_loss` and `train_step` and the optimizer's `apply` /
@@ -32,10 +35,11 @@ custom train steps writes it); a step that computes its loss by other
 means hands it over with `rec.add_loss(loss)` inside the step.
 
 Replay bundles (`bundles=`, a `host_bundle.BundleTriggers`; None: off):
-at the first step with a non-finite loss and the first with NaN/Inf in a
-forward row, the step's batch (x, y, sample weights: the train function is
-wrapped to hold a reference to the batch it pulls, nothing is copied unless
-a bundle is saved) and the model's variables are written, pickle-free
+at the first step with a non-finite loss, the first with NaN/Inf in a
+forward row and the first with NaN/Inf in a backward row only, the step's
+batch (x, y, sample weights: the train function is wrapped to hold a
+reference to the batch it pulls, nothing is copied unless a bundle is
+saved) and the model's variables are written, pickle-free
 (`host_bundle.py`); `amp-postmortem replay RUN --step N --model
 FILE:factory` re-runs it. The variables are read after the step: exactly
 those the forward used when the loss scale skipped the update
@@ -61,7 +65,7 @@ from .format import schema
 from .format.keras_names import keras_name, layer_name, layers_of
 from .errors import OptionError
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
-from .host_run import HostRun, StepRecord, TensorRow, framework_entry
+from .host_run import HostRun, StepRecord, backward_rows, framework_entry, stats_row
 from .keras_loss_scaling import INNER_OPTIMIZER, LOSS_SCALE_OPTIMIZER, LossScalingLog, grad_loss_ratio
 
 LOGS_KEY = "_amp_postmortem"
@@ -122,6 +126,84 @@ def _dtype(tensors) -> str:
     return keras.backend.standardize_dtype(tensors[0].dtype) if tensors else "float32"
 
 
+def gradient_tap(tree, trace, name: str, kind: str, call: int):
+    """`tree` with its floating tensors passed through an identity whose
+    gradient adds a `kind` row (`grad_output`: the gradient reaching the
+    layer's output; `grad_input`: what the layer's own backward hands its
+    inputs) to `trace` when the backward runs it: rows in backward order,
+    reduced in the graph. The values are the gradient as it travels (scaled
+    by the loss scale, in its own dtype). A tensor the backward never
+    reaches (the model's own inputs) gives no row."""
+    leaves = keras.tree.flatten(tree)
+    where = [i for i, t in enumerate(leaves) if _is_floating(t)]
+    if not where:
+        return tree
+
+    def on_grads(grads):
+        grads = [g for g in grads if g is not None]
+        if not grads or trace.own_backward:
+            return
+        if kind == "grad_output":
+            stats = row_stats(grads)
+            trace.received[(name, call)] = stats[1] + stats[2]
+        else:
+            # input_nonfinite of a grad_input row: NaN/Inf in the gradient
+            # the layer received at its outputs.
+            received = trace.received.get((name, call))
+            stats = row_stats(grads)
+            if received is not None:
+                stats = ops.concatenate([stats[:3], ops.reshape(received, (1,)), stats[4:]])
+        trace.add_backward(name, kind, call, _dtype(grads), stats)
+
+    tapped = _identity_with_gradient([leaves[i] for i in where], on_grads)
+    for i, t in zip(where, tapped):
+        mask = getattr(leaves[i], "_keras_mask", None)
+        if mask is not None:
+            try:
+                t._keras_mask = mask
+            except AttributeError:
+                pass
+        leaves[i] = t
+    return keras.tree.pack_sequence_as(tree, leaves)
+
+
+def _is_floating(t) -> bool:
+    return bool(_floating([t])) and not isinstance(t, keras.Variable)
+
+
+def _identity_with_gradient(tensors: list, on_grads) -> list:
+    """The identity on `tensors`, whose gradient calls `on_grads(grads)`
+    (inside the backward: TensorFlow builds it into the step's graph; JAX
+    calls a custom VJP's backward rule with the step's own traced values,
+    outside `value_and_grad`'s tracers) and passes the gradients on."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def tap(*xs):
+            def grad(*dys):
+                on_grads(list(dys))
+                return list(dys)
+            return [tf.identity(x) for x in xs], grad
+
+        return list(tap(*tensors))
+    import jax
+
+    @jax.custom_vjp
+    def tap(*xs):
+        return xs
+
+    def forward(*xs):
+        return xs, None
+
+    def backward(_, grads):
+        on_grads(list(grads))
+        return tuple(grads)
+
+    tap.defvjp(forward, backward)
+    return list(tap(*tensors))
+
+
 class _Trace:
     """What one trace of the train step collects (static names, graph values)."""
 
@@ -131,6 +213,12 @@ class _Trace:
         self.calls: dict = {}
         self.grads: list = []        # (name, dtype)
         self.grad_stats: list = []
+        # grad_output / grad_input rows, appended by the gradient taps as the
+        # backward runs them (backward order): (name, kind, call, dtype).
+        self.backward: list = []
+        self.backward_stats: list = []
+        self.received: dict = {}     # (name, call) -> NaN/Inf count of its grad_output (graph value)
+        self.own_backward = False    # the recorder's own gradient (grad_loss_ratio): no rows
         self.scalars: dict = {}
         self.loss_dtype: str | None = None
         self.loss_tensor = None           # the step's own loss, as computed (a graph value)
@@ -138,6 +226,10 @@ class _Trace:
         self.scale_loss_calls = 0
         self.applied_by: str | None = None
         self.in_loss_scale_apply = False  # inside LossScaleOptimizer.apply (which calls the inner one)
+
+    def add_backward(self, name, kind, call, dtype, stats):
+        self.backward.append((name, kind, call, dtype))
+        self.backward_stats.append(stats)
 
     def add_forward(self, name, kind, dtype, stats):
         call = self.calls.get((name, kind), 0)
@@ -166,16 +258,21 @@ class LayerTaps:
         had_own = "call" in layer.__dict__
 
         def call(*args, **kwargs):
-            out = original(*args, **kwargs)
             trace = trace_of()
             # A layer built inside the step (a subclassed model's first
             # call) runs once more in a scratch graph for its output spec:
             # values from there cannot leave it.
-            if trace is not None and not _in_symbolic_scope():
+            tapped = trace is not None and not _in_symbolic_scope()
+            if tapped:
+                n = trace.calls.get((name, "activation"), 0)
+                args, kwargs = gradient_tap((args, kwargs), trace, name, "grad_input", n)
+            out = original(*args, **kwargs)
+            if tapped:
                 outs = _floating(out)
                 if outs:
                     trace.add_forward(name, "activation", _dtype(outs),
                                       row_stats(outs, _floating((args, kwargs))))
+                    out = gradient_tap(out, trace, name, "grad_output", n)
             return out
 
         object.__setattr__(layer, "call", call)
@@ -419,8 +516,19 @@ class KerasRecorder(keras.callbacks.Callback):
 
     def _compute_loss_wrapper(self, original):
         def compute_loss(*args, **kwargs):
-            loss = original(*args, **kwargs)
             trace = self._trace
+            if trace is not None and not _in_symbolic_scope():
+                # The gradient entering the model (the root's grad_output, name
+                # ""): NaN/Inf there was made by the loss's own backward.
+                # Keras passes (x, y, y_pred, sample_weight) by position.
+                call = trace.calls.get(("", "grad_output"), 0)
+                if "y_pred" in kwargs:
+                    trace.calls[("", "grad_output")] = call + 1
+                    kwargs["y_pred"] = gradient_tap(kwargs["y_pred"], trace, "", "grad_output", call)
+                elif len(args) > 2:
+                    trace.calls[("", "grad_output")] = call + 1
+                    args = (*args[:2], gradient_tap(args[2], trace, "", "grad_output", call), *args[3:])
+            loss = original(*args, **kwargs)
             if trace is None:
                 return loss
             x = kwargs.get("x", args[0] if args else None)
@@ -433,7 +541,7 @@ class KerasRecorder(keras.callbacks.Callback):
                 trace.forward_stats.insert(0, stats)
             self._note_loss(trace, loss)
             if self.backend == "jax":
-                self._emit_jax("forward", trace.forward, _stack(trace.forward_stats),
+                self._emit_jax({"forward": (trace.forward, _stack(trace.forward_stats))},
                                {"loss": trace.scalars["loss"]}, trace.loss_dtype)
             return loss
         return compute_loss
@@ -450,6 +558,14 @@ class KerasRecorder(keras.callbacks.Callback):
             g32 = ops.cast(g, "float32") / scale
             sqsum = sqsum + ops.sum(g32 * g32)
         return sqsum
+
+    @staticmethod
+    def _ratio(trace, grads, variables):
+        trace.own_backward = True  # its backward passes the layers' gradient taps again
+        try:
+            return grad_loss_ratio(trace.loss_tensor, grads, variables)
+        finally:
+            trace.own_backward = False
 
     def _variables(self, trainable_variables):
         return list(trainable_variables) if trainable_variables is not None else list(
@@ -470,7 +586,7 @@ class KerasRecorder(keras.callbacks.Callback):
             sqsum = self._grad_rows(trace, grads, variables, before)
             if scaled:
                 trace.applied_by = LOSS_SCALE_OPTIMIZER
-                trace.scalars["grad_loss_ratio"] = grad_loss_ratio(trace.loss_tensor, grads, variables)
+                trace.scalars["grad_loss_ratio"] = self._ratio(trace, grads, variables)
             trace.in_loss_scale_apply = scaled
             try:
                 out = original(grads, trainable_variables, *args, **kwargs)
@@ -514,7 +630,8 @@ class KerasRecorder(keras.callbacks.Callback):
             lr = _jax_lr(opt, optimizer_variables, ids)
             scalars = {"loss_scale_before": before, "loss_scale": after, "growth_tracker": tracker,
                        "skipped": 1.0 - ops.cast(finite, "float32"), "grad_sqsum": sqsum, "lr": lr}
-            self._emit_jax("update", trace.grads, _stack(trace.grad_stats), scalars, None)
+            self._emit_jax({"update": (trace.grads, _stack(trace.grad_stats)),
+                            "backward": (trace.backward, _stack(trace.backward_stats))}, scalars, None)
             return new_trainable, new_opt_vars
         return stateless_apply
 
@@ -545,7 +662,7 @@ class KerasRecorder(keras.callbacks.Callback):
             # step scaled its loss (the optimizer applied them as they are).
             sqsum = self._grad_rows(trace, grads, variables,
                                     scale if trace.scale_loss_calls else ops.ones((), "float32"))
-            ratio = grad_loss_ratio(trace.loss_tensor, grads, variables)
+            ratio = self._ratio(trace, grads, variables)
             out = original(grads, trainable_variables, *args, **kwargs)
             tracker = ops.cast(lso.step_counter, "float32") if lso.built else ops.zeros((), "float32")
             trace.scalars.update({
@@ -568,32 +685,36 @@ class KerasRecorder(keras.callbacks.Callback):
         # Names are static: kept on the host, keyed by the trace (TF traces
         # the step once, again for a last batch of another shape: the same
         # names).
-        self._tf_meta = (list(trace.forward), list(trace.grads), trace.loss_dtype)
+        self._tf_meta = (list(trace.forward), list(trace.grads), list(trace.backward), trace.loss_dtype)
         scalars = [ops.cast(trace.scalars.get(k, math.nan), "float32") for k in SCALARS]
         return {"forward": _stack(trace.forward_stats), "grads": _stack(trace.grad_stats),
-                "scalars": ops.stack(scalars)}
+                "backward": _stack(trace.backward_stats), "scalars": ops.stack(scalars)}
 
     def _host_payload(self, payload) -> dict:
-        forward_meta, grad_meta, loss_dtype = self._tf_meta
+        forward_meta, grad_meta, backward_meta, loss_dtype = self._tf_meta
         scalars = np.asarray(payload["scalars"], dtype=np.float64)
         return {"forward": (forward_meta, np.asarray(payload["forward"])),
                 "update": (grad_meta, np.asarray(payload["grads"])),
+                "backward": (backward_meta, np.asarray(payload["backward"])),
                 "scalars": dict(zip(SCALARS, scalars.tolist())), "loss_dtype": loss_dtype}
 
-    def _emit_jax(self, part, meta, stats, scalars, loss_dtype):
+    def _emit_jax(self, parts: dict, scalars, loss_dtype):
+        """One callback for `parts` ({part: (meta, stacked stats)}) and the scalars."""
         import jax
-        meta = list(meta)
+        metas = {part: list(meta) for part, (meta, _) in parts.items()}
         names = sorted(scalars)
 
         def receive(stats_host, *values):
             with self._lock:
-                self._received[part] = (meta, np.asarray(stats_host))
+                for part, stats in stats_host.items():
+                    self._received[part] = (metas[part], np.asarray(stats))
                 self._received.setdefault("scalars", {}).update(
                     {k: float(np.asarray(v)) for k, v in zip(names, values)})
                 if loss_dtype is not None:
                     self._received["loss_dtype"] = loss_dtype
 
-        jax.debug.callback(receive, stats, *[scalars[k] for k in names])
+        jax.debug.callback(receive, {part: stats for part, (_, stats) in parts.items()},
+                           *[scalars[k] for k in names])
 
     # ----------------------------------------------------------- host side
     def _write(self, received: dict) -> None:
@@ -603,15 +724,17 @@ class KerasRecorder(keras.callbacks.Callback):
         scaled = _is_loss_scale(self._model.optimizer)
         skipped = bool(s.get("skipped", 0.0) >= 0.5)
         rows = []
-        if step % self.every == 0 or skipped or not _finite(s.get("loss")):
+        grad_meta, grads = received.get("update", ([], np.empty((0, STAT_WIDTH))))
+        backward_meta, backward = received.get("backward", ([], np.empty((0, STAT_WIDTH))))
+        # NaN/Inf in any gradient: a step with rows, as a skip or a non-finite loss.
+        backward_bad = bool(np.any(grads[:, 1:3]) or np.any(backward[:, 1:3]))
+        if step % self.every == 0 or skipped or backward_bad or not _finite(s.get("loss")):
             forward_meta, forward = received.get("forward", ([], np.empty((0, STAT_WIDTH))))
             for order, ((name, kind, call, dtype), v) in enumerate(zip(forward_meta, forward)):
-                rows.append(_row(name, kind, "forward", order, call, dtype, v,
+                rows.append(stats_row(name, kind, "forward", order, call, dtype, v,
                                  input_nonfinite=kind == "activation"))
-            grad_meta, grads = received.get("update", ([], np.empty((0, STAT_WIDTH))))
-            # Backward order: autograd visits the last layer's variables first.
-            for order, ((name, dtype), v) in enumerate(reversed(list(zip(grad_meta, grads)))):
-                rows.append(_row(name, "param_grad", "backward", order, 0, dtype, v))
+            rows.extend(backward_rows([(*meta, v) for meta, v in zip(backward_meta, backward)],
+                                      [(*meta, v) for meta, v in zip(grad_meta, grads)]))
         sq = s.get("grad_sqsum")
         self.run.write_step(StepRecord(
             step=step, loss=s.get("loss"),
@@ -625,12 +748,13 @@ class KerasRecorder(keras.callbacks.Callback):
             self._loss_scaling.observe(step, s.get("grad_loss_ratio"), s.get("loss_scale_before"))
             self.run.set_loss_scaling(self._loss_scaling.entry())
         if self.bundles is not None:
-            self._maybe_save_bundle(step, s, skipped, rows, received.get("loss_dtype"))
+            self._maybe_save_bundle(step, s, skipped, rows, received.get("loss_dtype"), backward_bad)
 
-    def _maybe_save_bundle(self, step, s, skipped, rows, loss_dtype) -> None:
+    def _maybe_save_bundle(self, step, s, skipped, rows, loss_dtype, backward_bad) -> None:
         bad = [{"name": r.name, "call": r.call} for r in rows
                if r.phase == "forward" and r.kind == "activation" and (r.nan_count or r.inf_count)]
-        reasons = self.bundles.reasons(step, s.get("loss"), bool(bad))
+        reasons = self.bundles.reasons(step, s.get("loss"), bool(bad), backward_bad, skipped=skipped,
+                                       loss_scale_before=s.get("loss_scale_before"))
         if not reasons or self._batch is None:
             return
         model = self.model  # the property syncs the JAX backend's state into the variables
@@ -660,12 +784,6 @@ class KerasRecorder(keras.callbacks.Callback):
             "loss_config": loss_config(model),
         }
         self.run.add_bundle(write_bundle(self.run_dir, rank=0, step=step, meta=meta, arrays=arrays))
-
-
-def _row(name, kind, phase, order, call, dtype, v, input_nonfinite=False) -> TensorRow:
-    return TensorRow(name=name, kind=kind, phase=phase, order=order, call=call, dtype=dtype,
-                     numel=int(v[4]), absmax=float(v[0]), nan_count=int(v[1]), inf_count=int(v[2]),
-                     input_nonfinite=int(v[3]) if input_nonfinite else None)
 
 
 def _numpy_tree(tree):

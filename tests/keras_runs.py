@@ -8,18 +8,30 @@ float16 (`mixed_float16`) model trained with `model.fit` and recorded by
   when the inputs grow 100x;
 - `collapse`: 10 clean steps, then the inputs grow 100x and a layer
   whose gradient is then 1e20 times what it receives overflows float16 on
-  every step: the loss scale halves on every step from step 10;
+  every step: the loss scale halves on every step from step 10 (on
+  TensorFlow compiled with `jit_compile=False`; the others, and JAX, with
+  Keras' default, XLA);
 - `healthy`: the same model without either, a modest initial scale.
+
+Beside `collapse`, `collapse_truth.json`: `step`, the first step the
+LossScaleOptimizer skipped with a finite loss (its own finiteness check,
+the steps table's flag), and `layer`, the layer whose own backward turns
+that batch's finite scaled-loss gradient non-finite, walked layer by layer
+with the backend's own differentiation (not the recorder) on the weights
+the run ended with: the step's own, since a skipped step keeps them.
 """
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import keras
 import numpy as np
+import pandas as pd
 from keras import ops
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from recorders.keras_recorder import KerasRecorder  # noqa: E402
 
 BATCH = 8
@@ -49,9 +61,40 @@ def model(middle) -> keras.Model:
     return keras.Model(inp, out, name="net")
 
 
-def train(run_dir, net, x, y, initial_scale=2.0 ** 15):
+def backward_origin(net, x, y, scale):
+    """The first layer, walking the backward of one batch from the loss,
+    whose input gradient is non-finite while its output's is finite (None:
+    none). Each layer's gradient is its own vector-Jacobian product
+    (`tf.GradientTape` / `jax.vjp`); the loss's is mse's, times `scale`."""
+    layers = [layer for layer in net.layers if not isinstance(layer, keras.layers.InputLayer)]
+    hs = [ops.convert_to_tensor(x)]
+    for layer in layers:
+        hs.append(layer(hs[-1]))
+    pred = ops.cast(hs[-1], "float32")
+    g = ops.cast(scale * 2.0 * (pred - y) / float(np.prod(pred.shape)), hs[-1].dtype)
+    for layer, h in zip(reversed(layers), reversed(hs[:-1])):
+        g_in = _vjp(layer, h, g)
+        if np.all(np.isfinite(ops.convert_to_numpy(g))) and not np.all(np.isfinite(ops.convert_to_numpy(g_in))):
+            return layer.name
+        g = g_in
+    return None
+
+
+def _vjp(layer, h, g):
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+        with tf.GradientTape() as tape:
+            tape.watch(h)
+            y = layer(h)
+        return tape.gradient(y, h, output_gradients=g)
+    import jax
+    _, vjp = jax.vjp(layer, h)
+    return vjp(g)[0]
+
+
+def train(run_dir, net, x, y, initial_scale=2.0 ** 15, jit_compile="auto"):
     opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-3), initial_scale=initial_scale)
-    net.compile(optimizer=opt, loss="mse")
+    net.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
     with KerasRecorder(run_dir, net) as rec:
         net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
 
@@ -69,7 +112,16 @@ def main(out: str) -> None:
     y30 = np.tile(y, (5, 1))[:30 * BATCH]
     grown = small.copy()
     grown[10 * BATCH:] *= 100.0
-    train(f"{out}/collapse", model(HugeGrad(name="hugegrad")), grown, y30)
+    collapse = model(HugeGrad(name="hugegrad"))
+    # TensorFlow without XLA (a graph still); JAX without jit runs eagerly, some
+    # 1 s a step on this model: checked by hand, not here.
+    jit = False if keras.backend.backend() == "tensorflow" else "auto"
+    train(f"{out}/collapse", collapse, grown, y30, jit_compile=jit)
+    steps = pd.read_parquet(f"{out}/collapse/rank=0/steps")
+    step = int(steps[steps["skipped"] & np.isfinite(steps["loss"])]["step"].min())
+    batch = slice(step * BATCH, (step + 1) * BATCH)
+    layer = backward_origin(collapse, grown[batch], y30[batch], steps["loss_scale_before"].iloc[step])
+    Path(out, "collapse_truth.json").write_text(json.dumps({"step": step, "layer": layer}))
     train(f"{out}/healthy", model(keras.layers.ReLU(name="relu")), small[:20 * BATCH], y30[:20 * BATCH],
           initial_scale=2.0 ** 8)
 

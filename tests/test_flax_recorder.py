@@ -80,8 +80,7 @@ def train_step(model, optimizer, scale, x, y):
             "skipped": jnp.logical_not(finite)}
 
 
-def record(run_dir, middle, xs, y, scale=2.0 ** 15):
-    model = Net(middle, nnx.Rngs(0))
+def record(run_dir, model, xs, y, scale=2.0 ** 15):
     optimizer = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
     with FlaxRecorder(run_dir, model, optimizer=optimizer, loss_scale=DynamicScale(scale)) as rec:
         step = rec.wrap(train_step)
@@ -97,11 +96,34 @@ def runs(tmp_path_factory):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((BATCH, 4)) * 0.1, jnp.float32)
     y = jnp.asarray(rng.standard_normal((BATCH, 1)) * 0.1, jnp.float32)
+    collapse, grown = Net(HugeGrad(), nnx.Rngs(0)), [x] * 10 + [x * 100.0] * 20
     return {
-        "overflow": record(out / "overflow", Blowup(), [x] * 3 + [x * 1000.0] * 3, y),
-        "collapse": record(out / "collapse", HugeGrad(), [x] * 10 + [x * 100.0] * 20, y),
-        "healthy": record(out / "healthy", Relu(), [x] * 20, y, scale=2.0 ** 8),
+        "overflow": record(out / "overflow", Net(Blowup(), nnx.Rngs(0)), [x] * 3 + [x * 1000.0] * 3, y),
+        "collapse": record(out / "collapse", collapse, grown, y),
+        "healthy": record(out / "healthy", Net(Relu(), nnx.Rngs(0)), [x] * 20, y, scale=2.0 ** 8),
+        # What `collapse` trained, for the truth: its weights at the end are those
+        # of every skipped step (a skip keeps them).
+        "collapse_trained": (collapse, grown, y),
     }
+
+
+def backward_origin(model, x, y, scale):
+    """Independent of the recorder: the first module, walking the backward
+    from `train_step`'s scaled loss, whose input gradient is non-finite
+    while its output's is finite (None: none), each module's gradient its
+    own `jax.vjp`."""
+    modules = [("d1", model.d1), ("mid", model.mid), ("d2", model.d2)]
+    hs = [x]
+    for _, module in modules:
+        hs.append(module(hs[-1]))
+    pred = hs[-1].astype(jnp.float32)
+    g = (scale * 2.0 * (pred - y) / pred.size).astype(hs[-1].dtype)
+    for (name, module), h in zip(reversed(modules), reversed(hs[:-1])):
+        g_in = jax.vjp(module, h)[1](g)[0]
+        if bool(jnp.all(jnp.isfinite(g))) and not bool(jnp.all(jnp.isfinite(g_in))):
+            return name
+        g = g_in
+    return None
 
 
 def cli_json(*args) -> dict:
@@ -142,6 +164,32 @@ def test_the_loss_scale_collapse_is_found(runs):
     found = findings(runs["collapse"])
     assert found["scale_collapse"]["step"] == 10
     assert "nonfinite" not in found
+
+
+def test_a_backward_only_overflow_is_traced_to_its_module_and_step(runs):
+    """`mid`'s forward stays finite; from step 10 its backward overflows
+    float16. The truth: the step, the scale's own first skip with a finite
+    loss; the module, walked by hand (`backward_origin`). `nans` and the
+    collapse's finding name them from the `grad_output`/`grad_input` rows."""
+    steps = pd.read_parquet(runs["collapse"] / "rank=0" / "steps")
+    step = int(steps[steps["skipped"] & np.isfinite(steps["loss"])]["step"].min())
+    model, xs, y = runs["collapse_trained"]
+    module = backward_origin(model, xs[step], y, steps["loss_scale_before"].iloc[step])
+    assert module is not None
+    origins = cli_json("nans", str(runs["collapse"]))["origins"]
+    assert origins["forward"] is None
+    assert (origins["backward"]["name"], origins["backward"]["step"]) == (module, step)
+    assert origins["backward"]["kind"] == "grad_input" and origins["backward"]["basis"] == "rule"
+    collapse = findings(runs["collapse"])["scale_collapse"]
+    assert (collapse["layer"], collapse["step"]) == (module, step)
+    # Its step is saved for `replay` (the scale had settled: no calibration skip).
+    manifest = json.loads((runs["collapse"] / "manifest.json").read_text())
+    assert [(b["step"], b["reasons"]) for b in manifest["bundles"]] == [(step, ["nonfinite_gradient"])]
+    tensors = pd.read_parquet(runs["collapse"] / "rank=0" / "tensors")
+    backward = tensors[(tensors.step == 0) & (tensors.phase == "backward")].sort_values("order")
+    assert [(n, k) for n, k in zip(backward["name"], backward["kind"]) if k != "param_grad"] == [
+        ("", "grad_output"), ("d2", "grad_output"), ("d2", "grad_input"), ("mid", "grad_output"),
+        ("mid", "grad_input"), ("d1", "grad_output")]
 
 
 def test_the_healthy_run_is_quiet(runs):

@@ -99,6 +99,38 @@ def test_the_loss_scale_collapse_is_found(runs):
     assert "nonfinite" not in found
 
 
+def test_a_backward_only_overflow_is_traced_to_its_layer_and_step(runs):
+    """`hugegrad`'s forward stays finite; from step 10 its backward
+    overflows float16 (on TensorFlow, a step compiled without XLA). The
+    truth (tests/keras_runs.py): the step, the LossScaleOptimizer's own
+    first skip with a finite loss; the layer, walked by hand with the
+    backend's differentiation. `nans` and the collapse's finding name them
+    from the `grad_output`/`grad_input` rows."""
+    _, out = runs
+    truth = json.loads((out / "collapse_truth.json").read_text())
+    step, layer = truth["step"], truth["layer"]
+    assert layer is not None
+    origins = cli_json("nans", str(out / "collapse"))["origins"]
+    assert origins["forward"] is None
+    assert (origins["backward"]["name"], origins["backward"]["step"]) == (layer, step)
+    assert origins["backward"]["kind"] == "grad_input" and origins["backward"]["basis"] == "rule"
+    collapse = findings(out / "collapse")["scale_collapse"]
+    assert (collapse["layer"], collapse["step"]) == (layer, step)
+    # Its step is saved for `replay` (the scale had settled: no calibration skip).
+    manifest = json.loads((out / "collapse" / "manifest.json").read_text())
+    assert [(b["step"], b["reasons"]) for b in manifest["bundles"]] == [(step, ["nonfinite_gradient"])]
+    # The rows of a step compiled by XLA too (`overflow`, a clean step), in backward
+    # order: the gradient entering the model (""), then each layer's output's and what
+    # it hands its inputs, its variables' between them; the model's input gets none.
+    tensors = pd.read_parquet(out / "overflow" / "rank=0" / "tensors")
+    backward = tensors[(tensors.step == 0) & (tensors.phase == "backward")].sort_values("order")
+    assert list(zip(backward["name"], backward["kind"])) == [
+        ("", "grad_output"), ("d2", "grad_output"), ("d2.bias", "param_grad"), ("d2.kernel", "param_grad"),
+        ("d2", "grad_input"), ("blowup", "grad_output"), ("blowup", "grad_input"), ("d1", "grad_output"),
+        ("d1.bias", "param_grad"), ("d1.kernel", "param_grad")]
+    assert set(backward[backward.kind != "param_grad"]["dtype"]) == {"float16"}
+
+
 def test_the_healthy_run_is_quiet(runs):
     _, out = runs
     assert set(findings(out / "healthy")) == {"healthy"}
