@@ -49,6 +49,8 @@ _SHARED_FIXTURE = re.compile(r"""@pytest\.fixture\([^)]*scope\s*=\s*["'](module|
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
 def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":  # `-n 2` alone; an explicit --dist keeps xdist's own
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     rootpath = config.rootpath
