@@ -23,7 +23,8 @@ bundle's step decide instead, each remedy also tried on the run's other
 saved bundles (`fix`'s saved and not saved steps, the scale window lowered
 until every saved step a scale can save is finite) (`step`, else
 `pick_bundle`: the earliest bundle saved for nonfinite_loss or
-nonfinite_tensor, else request or step_list, else scale_low, else skipped):
+nonfinite_tensor, else request or step_list, else scale_low, else skipped or
+nonfinite_gradient):
 - `check_data`: the float64 replay is non-finite too, or a few samples of
   the batch fail alone (`bisect`): no precision setting is the fix;
 - `keep_fp32`: the smallest set of modules whose float32 execution makes the

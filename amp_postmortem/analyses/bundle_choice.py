@@ -10,9 +10,11 @@ if TYPE_CHECKING:  # the CLI's help text reads this module: keep it light
 # Lower first: the step that went non-finite says most; a step the user asked
 # for (`rec.save_bundle()`, `bundle_steps`) comes next because the user knew
 # something the triggers did not (e.g. a silent float16 norm overflow); a
-# skipped step after settling is often one ordinary backoff.
+# skipped step after settling is often one ordinary backoff, and so is the
+# Keras and Flax recorders' `nonfinite_gradient` (a NaN/Inf born in the
+# backward, the forward and the loss finite: what the loss scale skips).
 BUNDLE_PRIORITY = {"nonfinite_loss": 0, "nonfinite_tensor": 0, "request": 1, "step_list": 1,
-                   "scale_low": 2, "skipped": 3}
+                   "scale_low": 2, "skipped": 3, "nonfinite_gradient": 3}
 
 
 def priority_description() -> str:
