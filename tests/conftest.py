@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -31,20 +30,19 @@ def sentinel_mode(monkeypatch):
 
 
 # ------------------------------------------------------------ xdist units
-# `-n 2` (the README's test command): a module- or session-scoped fixture is
-# made once per worker that runs a test taking it. xdist's `load` hands out
-# tests in chunks that split modules between the workers (a compiled job, a
-# spawn of ranks, a Keras run then made twice), and its `loadgroup` cannot
-# name groups under pytest 9 (it sets `item._nodeid`, which pytest no longer
-# reads). So this scheduler sends, as one unit to one worker: every test of
-# a module that defines a module- or session-scoped fixture of its own, and
-# the tests that share the session's short sample runs (SAMPLE_RUNS_GROUP);
-# every other test is a unit of its own. Units go out largest first, so
-# the single tests, last, balance the two workers at the end.
+# `-n 2` (the README's test command): what a test module shares among its
+# tests (module-scoped fixtures: a compiled job, a spawn of ranks, a Keras
+# run; the lru-cached runs of tests/*_runs.py) is made once per worker that
+# runs one of its tests. xdist's `load` hands out chunks of tests that, late
+# in the run, split modules between the workers, so both made them. This
+# scheduler sends each module's tests to one worker, as one unit (xdist's
+# `loadfile`), and the tests that read the session's short sample runs
+# (test_sample_runs and test_sentinel's comparison of the two modes) as one
+# unit, so they are generated once. Units go out largest first.
+# (`loadgroup` cannot do it: under pytest 9 it cannot rename a test.)
 SAMPLE_RUNS_GROUP = "short_sample_runs"
 _SAMPLE_RUNS_TESTS = ("tests/test_sample_runs.py::",
                       "tests/test_sentinel.py::test_every_sample_run_gets_the_same_answers_in_both_modes[")
-_SHARED_FIXTURE = re.compile(r"""@pytest\.fixture\([^)]*scope\s*=\s*["'](module|session)["']""")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
@@ -53,25 +51,13 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    rootpath = config.rootpath
-    shares = {}
-
-    def shares_a_fixture(path: str) -> bool:
-        if path not in shares:
-            try:
-                shares[path] = bool(_SHARED_FIXTURE.search((rootpath / path).read_text()))
-            except OSError:
-                shares[path] = False
-        return shares[path]
-
-    class SharedFixtureScheduling(LoadScopeScheduling):
+    class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith(_SAMPLE_RUNS_TESTS):
                 return SAMPLE_RUNS_GROUP
-            path = nodeid.split("::", 1)[0]
-            return path if shares_a_fixture(path) else nodeid
+            return nodeid.split("::", 1)[0]
 
-    return SharedFixtureScheduling(config, log)
+    return ModuleScheduling(config, log)
 
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_runs"
