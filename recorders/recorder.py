@@ -184,7 +184,9 @@ class AmpRecorder:
             thread=self.writer, rows=self.rows, files=self.files, manifest=self.manifest, schedule=self.schedule,
             bundles=self.bundles, guard=self.guard, writing=parts.writer, world_size=self.world_size,
             event_policy=parts.events, events=self.events, sentinel=self.sentinel,
-            lost_updates=self.hooks.updates.report)
+            lost_updates=self.hooks.updates.report,
+            # A step that lost most of its updates freezes a window (bundles.triggers).
+            update_counts=self.hooks.updates.watch_steps() if self.bundles.window is not None else None)
         self.shards = self.run_writer.shards
         if self.files.uploader is not None:
             self.manifest.set_storage(self.run_location)

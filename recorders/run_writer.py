@@ -42,11 +42,14 @@ class RunWriter:
     `EventPolicy` `event_policy`, whose detector runs here; None without
     `on_event`), `sentinel` (`reexecute.StepSentinel`, or None): told
     each step's summary; `lost_updates()`: a report for the manifest, or
-    None; `guard`: the recorder's `FailureGuard` (the step being written
-    dates a failure on this thread)."""
+    None; `update_counts(step)`: the step's (moved, unchanged) updates of
+    the low-precision parameters, or None (`LostUpdates.step_counts`; None:
+    not asked, when no window is kept), added to its summary as
+    `lost_updates` for the bundle triggers; `guard`: the recorder's
+    `FailureGuard` (the step being written dates a failure on this thread)."""
 
     def __init__(self, *, thread, rows, files, manifest, schedule, bundles, guard, writing, world_size: int,
-                 event_policy=None, events=None, sentinel=None, lost_updates=None):
+                 event_policy=None, events=None, sentinel=None, lost_updates=None, update_counts=None):
         self.thread = thread
         self.rows = rows
         up = files.uploader
@@ -67,6 +70,7 @@ class RunWriter:
             manifest.set_events(events.report())
         self.sentinel = sentinel
         self.lost_updates = lost_updates
+        self.update_counts = update_counts
         self.dropped_steps = 0
         self._last_roll = time.monotonic()
         self._journaled_first_step = False  # the manifest rewritten after it (see write_step)
@@ -136,6 +140,8 @@ class RunWriter:
         if self.event_detector is not None:
             for event in self.event_detector.observe(summary):
                 self.events.post(event)
+        if self.update_counts is not None:
+            summary["lost_updates"] = self.update_counts(pending.step)
         self.bundles.on_step_summary(summary)
         if self.sentinel is not None and (summary.get("reexecution") is not None or self.sentinel.capped):
             self.manifest.note_reexecution(summary.get("reexecution"), self.sentinel.capped)

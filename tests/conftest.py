@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,17 +33,22 @@ def sentinel_mode(monkeypatch):
 # ------------------------------------------------------------ xdist units
 # `-n 2` (the README's test command): what a test module shares among its
 # tests (module-scoped fixtures: a compiled job, a spawn of ranks, a Keras
-# run; the lru-cached runs of tests/*_runs.py) is made once per worker that
-# runs one of its tests. xdist's `load` hands out chunks of tests that, late
-# in the run, split modules between the workers, so both made them. This
-# scheduler sends each module's tests to one worker, as one unit (xdist's
-# `loadfile`), and the tests that read the session's short sample runs
-# (test_sample_runs and test_sentinel's comparison of the two modes) as one
-# unit, so they are generated once. Units go out largest first.
-# (`loadgroup` cannot do it: under pytest 9 it cannot rename a test.)
+# run; the lru-cached runs of tests/*_runs.py; test_readme's cached CLI
+# calls) is made once per worker that runs one of its tests. xdist's `load`
+# hands out chunks of tests that, late in the run, split modules between the
+# workers, so both made them. This scheduler sends as one unit to one
+# worker: every test of a module that shares something (SHARES finds it in
+# the module's text), and the tests that read the session's short sample
+# runs (test_sample_runs and test_sentinel's comparison of the two modes:
+# generated once). Every other test is a unit of its own. Units go out
+# largest first, so the single tests, last, balance the two workers.
+# (`loadgroup` cannot do it: under pytest 9 its marks rename no test.)
 SAMPLE_RUNS_GROUP = "short_sample_runs"
 _SAMPLE_RUNS_TESTS = ("tests/test_sample_runs.py::",
                       "tests/test_sentinel.py::test_every_sample_run_gets_the_same_answers_in_both_modes[")
+SHARES = re.compile(r"""@pytest\.fixture\([^)]*scope\s*=\s*["'](module|session)["']"""
+                    r"|^\s*(import|from)\s+\w+_runs\b|^\s*(import|from)\s+test_\w+|lru_cache|functools\.cache",
+                    re.MULTILINE)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
@@ -51,13 +57,24 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class ModuleScheduling(LoadScopeScheduling):
+    rootpath, shares = config.rootpath, {}
+
+    def shares_state(path: str) -> bool:
+        if path not in shares:
+            try:
+                shares[path] = bool(SHARES.search((rootpath / path).read_text()))
+            except OSError:
+                shares[path] = True
+        return shares[path]
+
+    class SharedStateScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith(_SAMPLE_RUNS_TESTS):
                 return SAMPLE_RUNS_GROUP
-            return nodeid.split("::", 1)[0]
+            path = nodeid.split("::", 1)[0]
+            return path if shares_state(path) else nodeid
 
-    return ModuleScheduling(config, log)
+    return SharedStateScheduling(config, log)
 
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_runs"

@@ -9,9 +9,11 @@ write them, each fault planted by its real cause:
 - `bf16_weights_run`: a small GPT-style language model (torch.nn) cast with
   `model.to(torch.bfloat16)` and trained by AdamW at lr 1e-5, no float32
   master weights. `bf16_weights_window_run`: the same job keeping a window
-  of steps (and a bundle) at step BUNDLE_STEP. `bf16_autocast_run`: the
-  same model in float32 under bfloat16 autocast, at a learning rate that
-  trains it.
+  of steps from its first, frozen there by its lost updates (and a bundle
+  at step BUNDLE_STEP); `bf16_weights_unasked_window_run`: the same with
+  no `save_bundle()`. `bf16_autocast_run`: the same model in float32 under
+  bfloat16 autocast, at a learning rate that trains it;
+  `quiet_window_runs`: it and the float32 job, keeping windows.
 - `unscaled_bundle_run`, `scaled_bundle_run`: the classifier jobs keeping
   step BUNDLE_STEP as a replay bundle.
 """
@@ -34,6 +36,7 @@ VOCAB, SEQ, BATCH, HIDDEN = 64, 16, 32, 32
 CLS_STEPS, LM_STEPS = 12, 12
 BUNDLE_STEP = 6      # the step a job keeps (rec.save_bundle()): a bundle, and a window where one is kept
 WINDOW_STEPS = 8
+QUIET_STEPS = 6      # a healthy job keeping windows: any event would come at its first steps
 
 
 def bert_classifier():
@@ -158,22 +161,25 @@ def lm_loss(model, seq):
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
 
 
-def _record_lm(path: Path, *, bf16_weights: bool, lr: float, window_steps: int = 0) -> Path:
-    """`window_steps`: keep a window of steps (BundlePolicy(window_steps=K)),
-    the job asking for step BUNDLE_STEP (`rec.save_bundle()`: a silent
-    failure opens none by itself); its loss is then the model's own
-    (`model(tokens, targets)`, as nanoGPT's), which a re-run finds."""
-    from recorders import BundlePolicy
+def _record_lm(path: Path, *, bf16_weights: bool, lr: float, window_steps: int = 0,
+               ask_step: int | None = BUNDLE_STEP, autocast: bool = True, steps: int = LM_STEPS) -> Path:
+    """`window_steps`: keep a window of steps (`AmpRecorder(...,
+    window_steps=K)`), the job asking for step `ask_step`
+    (`rec.save_bundle()`; None: it asks for none, and only a window event
+    freezes a window); its loss is then the model's own (`model(tokens,
+    targets)`, as nanoGPT's), which a re-run finds. `autocast`: the float32
+    model trains under bfloat16 autocast (False: in float32); `steps`: how
+    many it trains."""
     from tiny_models import recorder_at, train
 
     def make(model, opt, sc):
         nonlocal recorder
-        options = {"bundles": BundlePolicy(window_steps=window_steps)} if window_steps else {}
+        options = {"window_steps": window_steps} if window_steps else {}
         recorder = recorder_at(path, mode="every_step", full_every=3, **options)(model, opt, sc)
         return recorder
 
     def ask(step, model, x):
-        if step == BUNDLE_STEP:
+        if step == ask_step:
             recorder.save_bundle()
 
     def loss(model, seq, _, step, accumulate):
@@ -181,9 +187,10 @@ def _record_lm(path: Path, *, bf16_weights: bool, lr: float, window_steps: int =
 
     recorder = None
     model = lm_model(bf16_weights)
-    train(model, [(seq, None) for seq in lm_batches(LM_STEPS)], recorder=make,
+    train(model, [(seq, None) for seq in lm_batches(steps)], recorder=make,
           optimizer=torch.optim.AdamW(model.parameters(), lr=lr), scaler=None,
-          dtype=None if bf16_weights else torch.bfloat16, loss_fn=loss, on_step=ask if window_steps else None,
+          dtype=None if bf16_weights or not autocast else torch.bfloat16, loss_fn=loss,
+          on_step=ask if window_steps and ask_step is not None else None,
           after_step=(lambda step, rec: rec.flush()) if window_steps else None)
     return path
 
@@ -203,8 +210,27 @@ def bf16_weights_run() -> Path:
 @functools.lru_cache(maxsize=None)
 def bf16_weights_window_run() -> Path:
     """The bfloat16-weights job, keeping a window of WINDOW_STEPS steps
-    from its first step (through BUNDLE_STEP + WINDOW_STEPS, or the end)."""
+    from its first step: frozen there by its lost updates (the request at
+    BUNDLE_STEP falls inside it, and keeps a bundle)."""
     return _record_lm(_ROOT / "bf16_weights_window", bf16_weights=True, lr=1e-5, window_steps=WINDOW_STEPS)
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_weights_unasked_window_run() -> Path:
+    """The bfloat16-weights job with windows on and no `save_bundle()`:
+    only its lost updates can freeze a window."""
+    return _record_lm(_ROOT / "bf16_weights_unasked", bf16_weights=True, lr=1e-5, window_steps=WINDOW_STEPS,
+                      ask_step=None)
+
+
+@functools.lru_cache(maxsize=None)
+def quiet_window_runs() -> dict:
+    """Healthy jobs with windows on and no `save_bundle()`, QUIET_STEPS
+    steps: the model in float32 without autocast, and under bfloat16
+    autocast; by name."""
+    return {name: _record_lm(_ROOT / f"{name}_window", bf16_weights=False, lr=1e-3, window_steps=WINDOW_STEPS,
+                             ask_step=None, autocast=name == "bf16_autocast", steps=QUIET_STEPS)
+            for name in ("fp32", "bf16_autocast")}
 
 
 @functools.lru_cache(maxsize=None)

@@ -180,8 +180,9 @@ def _check_words(check: RemedyCheck, checks: RemedyChecks) -> str:
     if s is Verification.VERIFIED:
         return f"verified by re-running {span} ({_trial_words(check.trial)}{versus})"
     if s is Verification.NO_WINDOW:
-        return (f"not verified, the run saved no window of steps to re-run (record with "
-                "BundlePolicy(window_steps=K) and call rec.save_bundle() at a step: a silent failure opens none)")
+        return ("not verified, the run saved no window of steps to re-run (record with "
+                "BundlePolicy(window_steps=K): the first recorded step that loses half of its updates then "
+                "keeps one)")
     if s is Verification.NO_MODEL:
         return f"not verified yet, re-run {span} with --model SPEC (summary or recommend) to verify it"
     if s is Verification.NOT_RUN:

@@ -51,8 +51,9 @@ class BundlePolicy:
         for bundles) and RNG states since. The window restarts every K
         steps until an event that matters opens it (`WINDOW_EVENTS`: the
         first non-finite loss, the first forward NaN/Inf, a loss-scale
-        collapse's onset, a `save_bundle()` request; never one isolated
-        scaler skip); it then runs on for K more steps (or until `close()`)
+        collapse's onset, the first recorded step whose updates of the
+        bfloat16/float16 parameters were at least half left unchanged, a
+        `save_bundle()` request; never one isolated scaler skip); it then runs on for K more steps (or until `close()`)
         and is written under `windows/` (`amp-postmortem rerun` replays it),
         and a new window rolls on for the next event, while
         `max_window_bytes` allows. A window holds up to K steps from its

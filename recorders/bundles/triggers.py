@@ -28,6 +28,10 @@ only forward values count, without one any recorded value), before it a
 loss-scale collapse's onset (`COLLAPSE_SKIPS` consecutive skips after
 settling, not counting probes, or the scale below `min_loss_scale`), and
 every explicit request. One isolated skip is how a healthy scaler behaves: it opens none.
+A silent failure opens one too: the first step measured (`collectors.updates`)
+where at least `LOST_UPDATE_SHARE` of the updates the optimizer asked of the
+low-precision parameters left them unchanged (`lost_updates`, the summary's
+`(moved, unchanged)` over all of them), whether or not a failure came before.
 They are noted only when `watch_window` is set, and taken by the training
 thread (`take_window_events`).
 """
@@ -44,8 +48,24 @@ TRIGGERS = ("nonfinite_loss", "nonfinite_tensor", "skipped", "scale_low")
 # The first reason in this order names a bundle saved for several reasons.
 REASON_ORDER = TRIGGERS + ("request", "step_list")
 # What opens a counterfactual window, in this order of naming.
-WINDOW_EVENTS = ("nonfinite_loss", "nonfinite_tensor", "scale_collapse", "request")
+WINDOW_EVENTS = ("nonfinite_loss", "nonfinite_tensor", "scale_collapse", "lost_updates", "request")
 COLLAPSE_SKIPS = 3  # consecutive settled, non-probe skips: the scale is collapsing
+# Half the asked-for updates rounded away: the weights mostly stand still,
+# which no NaN or skip shows. A small language model held in bfloat16
+# (tests/silent_runs.TinyLM, AdamW, its first 12 steps) loses 6-15% of them
+# at lr 1e-3, 29-45% at 3e-4, 78-81% at 1e-4 and 96% at 1e-5; issue 42's
+# GPT-2 at 1e-5, 89%.
+LOST_UPDATE_SHARE = 0.5
+
+
+def updates_lost(summary: dict) -> bool:
+    """Whether the step's measured updates were mostly lost to rounding
+    (the summary's `lost_updates`: (moved, unchanged), or None: not measured)."""
+    counts = summary.get("lost_updates")
+    if not counts:
+        return False
+    moved, unchanged = counts
+    return moved > 0 and unchanged >= LOST_UPDATE_SHARE * moved
 
 
 def trigger_names(triggers) -> tuple[str, ...]:
@@ -114,7 +134,7 @@ class BundleTriggers:
         allows it). A positive answer counts against `max_bundles`."""
         conditions = self.conditions(summary)
         if self.watch_window:
-            self._note_window_events(summary.get("step"), conditions, explicit)
+            self._note_window_events(summary, conditions, explicit)
         fired = [r for r in conditions if r in self.triggers and r not in self.latched]
         self.latched.update(conditions)
         fired += [r for r in explicit if r not in fired]
@@ -126,7 +146,7 @@ class BundleTriggers:
         self.orders += 1
         return fired, True
 
-    def _note_window_events(self, step, conditions, explicit) -> None:
+    def _note_window_events(self, summary, conditions, explicit) -> None:
         # The first failure (a non-finite loss or forward value: one event,
         # named by what was seen), and before it a collapse's onset; what
         # follows a failure (more NaNs, the scale collapsing after it) is
@@ -140,8 +160,13 @@ class BundleTriggers:
                   and "scale_collapse" not in self._window_latched):
                 events = ["scale_collapse"]
                 self._window_latched.add("scale_collapse")
+        if "lost_updates" not in self._window_latched and updates_lost(summary):
+            # Its own story, before or after a failure: the weights stood still.
+            events.append("lost_updates")
+            self._window_latched.add("lost_updates")
         if "request" in explicit:
             events.append("request")  # every request counts
+        step = summary.get("step")
         if events and step is not None:
             with self._window_lock:
                 self._window_events[int(step)] = sorted(events, key=WINDOW_EVENTS.index)

@@ -18,7 +18,8 @@ from its own hooks (training thread) only when K > 0:
   and the prediction replaced by its place, shape and dtype;
 - a decision (`on_decision`): a window event (`triggers.WINDOW_EVENTS`: the
   first non-finite loss, the first forward NaN/Inf, a scale collapse's
-  onset, a request; never one isolated skip) at a step inside the window
+  onset, the first step that lost most of its updates to rounding, a
+  request; never one isolated skip) at a step inside the window
   freezes it: it runs on for K more steps and is then handed to the writer
   thread (`write_window`); a new window then rolls from the next step, for
   the next event, while the byte budget lasts.

@@ -11,7 +11,12 @@ bit-for-bit unchanged: the weights copied in the optimizer's pre-step hook
 are compared with themselves in its post-step hook. Float32 parameters
 (and everything on steps not recorded) cost nothing: no hook body runs,
 no copy is made. The counts are device tensors, read on the writer
-thread (`report`), never on the training path.
+thread (`report`, `step_counts`), never on the training path.
+
+`watch_steps()` (a recorder keeping a counterfactual window): each measured
+step's counts are also kept until the writer thread reads them for that
+step's summary (`step_counts`), where the bundle triggers judge them: a
+step that lost most of its updates is a window event (`lost_updates`).
 
 `report()` is the manifest's `lost_updates` (docs/FORMAT.md): the
 parameters' names and dtypes and, per measured step, the two counts per
@@ -28,6 +33,9 @@ from .state import dtype_name, eager
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MAX_POINTS = 128
+# Steps measured and not yet read by the writer thread (`step_counts`): a
+# writer that lags further drops the oldest (only their window event is lost).
+MAX_UNREAD = 64
 
 
 class LostUpdates:
@@ -45,6 +53,7 @@ class LostUpdates:
         self._lock = threading.Lock()
         self._steps: list[int] = []
         self._counts: list = []   # per measured step: int64 tensor [2, n] (moved, unchanged), on the device
+        self._unread: dict | None = None  # step -> its counts, for `step_counts` (None: nobody reads them)
         self._step = 0
 
     def register(self, handles: list) -> None:
@@ -55,6 +64,12 @@ class LostUpdates:
         guard = self.guard
         handles.append(self.optimizer.register_step_pre_hook(eager(guard(self._pre, traced=False))))
         handles.append(self.optimizer.register_step_post_hook(eager(guard(self._post, traced=False))))
+
+    def watch_steps(self):
+        """Keep each measured step's counts for the writer thread; returns
+        the reader, `step_counts`."""
+        self._unread = {}
+        return self.step_counts
 
     def begin_step(self, step_id: int) -> None:
         self._step = int(step_id)
@@ -85,10 +100,25 @@ class LostUpdates:
         with self._lock:
             self._steps.append(self._step)
             self._counts.append(counts)
+            if self._unread is not None:
+                self._unread[self._step] = counts
+                if len(self._unread) > MAX_UNREAD:
+                    del self._unread[next(iter(self._unread))]
             if len(self._steps) > self.max_points:
                 # Thin evenly, the first step kept: the trend spans the run.
                 self._steps = self._steps[:1] + self._steps[2::2]
                 self._counts = self._counts[:1] + self._counts[2::2]
+
+    def step_counts(self, step: int) -> tuple[int, int] | None:
+        """Writer thread: (moved, unchanged) of `step` summed over the
+        low-precision parameters (None: the step was not measured, or
+        `watch_steps` was not called), read once."""
+        with self._lock:
+            counts = self._unread.pop(int(step), None) if self._unread else None
+        if counts is None:
+            return None
+        moved, kept = counts.tolist()  # waits for the device here, on the writer thread
+        return sum(moved), sum(kept)
 
     def report(self) -> dict | None:
         """The manifest's `lost_updates` (writer thread); None when no

@@ -60,7 +60,7 @@ LOSS_SCALING_KEY = "loss_scaling"
 # buffers, optimizer and scaler state at a window's first step and every
 # step's inputs and RNG since, written when a bundle trigger fires.
 WINDOW_FORMAT_NAME = "amp-postmortem-window"
-WINDOW_SCHEMA_VERSION = "1.1"  # 1.1: the loop's loss calls (micro_batches[].loss, loss)
+WINDOW_SCHEMA_VERSION = "1.2"  # 1.1: the loop's loss calls (micro_batches[].loss, loss); 1.2: reason lost_updates
 # A kept loss call's prediction, in its argument tree (window 1.1):
 # {WINDOW_PREDICTION_KEY: i, "shape": [...], "dtype": "float16"}
 WINDOW_PREDICTION_KEY = "amp_postmortem.prediction"
