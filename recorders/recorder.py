@@ -1,11 +1,10 @@
 """AmpRecorder: the black-box recorder that rides along with a training job.
 
 Lifecycle: construct (hooks registered, manifest written), `step()` once per
-optimizer step, `flush()`, `close()` (idempotent). Also a context manager.
-`AmpRecorder` assembles its parts (docs/ARCHITECTURE.md lists them); each
-keeps its own state. The training path only enqueues device work; decisions
-on values are made on host values or on the writer thread.
-"""
+optimizer step, `flush()`, `close()` (idempotent); also a context manager. It
+assembles its parts (docs/ARCHITECTURE.md lists them), each with its own state.
+The training path only enqueues device work; decisions on values are made on
+host values or on the writer thread."""
 from __future__ import annotations
 
 import contextlib
@@ -107,7 +106,7 @@ class AmpRecorder:
         self._closed, self._step_counter, self._should_stop, self.checkpoint_requested = False, 0, False, False
         self.guard = FailureGuard(current_step=lambda: self._step_counter, on_failure=self._write_stop)
         self.stance = CompileStance(eager_full_steps=eager_full_steps, compiled_rows=compiled_rows,
-                                    guard=self.guard)
+                                    compiled=is_compiled(model), guard=self.guard)
         self.rank, self.world_size, self.run_id = int(rank or 0), int(world_size or 1), run_id
         self.files = self.manifest = self.hooks = self.writer = self.run_writer = self.bundles = None
         self.shards = self.events = self.sentinel = self.loss_tap = None
@@ -171,12 +170,12 @@ class AmpRecorder:
             bundles=self.bundles, probe=parts.probe, probed=probed, probe_leaves=probe_leaves,
             on_probe_error=self.guard.fail,
             on_autocast=lambda info: self.run_writer.submit(functools.partial(self.manifest.set_autocast, info)),
-            sampled_hooks=self.schedule.cheap_every > 1 and not is_compiled(model))
+            sampled_hooks=self.schedule.cheap_every > 1 and not self.stance.compiled)
         if policy is not None:
-            self.sentinel = StepSentinel(policy, Reexecutor(model, self.hooks, self.bundles, refuse=refuse),
+            self.sentinel = StepSentinel(policy, Reexecutor(model, self.hooks, self.bundles, refuse=refuse,
+                                                            eager_when_compiled=self.stance.eager_full_steps),
                                          scaler=scaler, optimizer=optimizer, losses=self.losses,
                                          scale_floor=parts.bundle_policy.min_loss_scale)
-        self.stance.compiled = is_compiled(model)
         if self.stance.compiled:
             self.manifest.set_compiled(self.stance.info())
         self.hooks.begin_step(0, self.schedule.tier(0))
@@ -195,8 +194,7 @@ class AmpRecorder:
         self.hooks.register()
         self.stance.register_hooks(model)
         if self.capture_loss:
-            self.loss_tap = loss_tap_for(model, scaler, self.losses,
-                                         lambda: self.guard.enabled and not self.hooks.paused)
+            self.loss_tap = loss_tap_for(model, scaler, self.losses, lambda: self.guard.enabled and not self.hooks.paused)
         self.stance.enter_tier(self.schedule.tier(0))
 
     def _unhook(self) -> None:

@@ -36,8 +36,11 @@ What is held, and so what can be re-executed:
   next step in full instead (`RecordSchedule.note_event`);
 - DDP and FSDP: never in the job (its backward would issue collectives the
   other ranks do not join): the saved bundle and the offline `replay` stand
-  for it (`Refusal.DISTRIBUTED`); a compiled model likewise
-  (`Refusal.COMPILED`).
+  for it (`Refusal.DISTRIBUTED`);
+- a compiled model: re-executed eagerly (`torch.compiler.set_stance(
+  "force_eager")`, as its full-tier steps run: no graph is dropped or
+  recompiled), its rows then eager's arithmetic; with
+  `eager_full_steps=False`, never (`Refusal.COMPILED`).
 """
 from __future__ import annotations
 
@@ -126,7 +129,7 @@ class Refusal(enum.Enum):
     """Why an event's step was not re-executed (the manifest's words: `value`)."""
     NOT_CAPTURED = "not_captured"          # no forward of the root was held for the step
     DISTRIBUTED = "distributed"            # DDP/FSDP: collectives the other ranks do not join
-    COMPILED = "compiled"                  # a compiled model: its graphs guard on the hooks
+    COMPILED = "compiled"                  # a compiled model, and eager_full_steps=False: no eager run
     WEIGHTS_NOT_HELD = "weights_not_held"  # the optimizer stepped and no copy of the weights was held
     INPUTS_CHANGED = "inputs_changed"      # the loop wrote into the held inputs since
     FAILED = "failed"                      # the re-execution raised (restored; recording goes on)
@@ -158,6 +161,9 @@ class Outcome:
     refusal: Refusal | None = None
     detail: str | None = None
     state: object = None
+    # Re-executed eagerly, the step having run compiled: the compiler's
+    # fused kernels round their own way, so the facts may be close, not exact.
+    eager: bool = False
     loss: torch.Tensor | None = None
     backward: bool = False  # the backward ran too (gradients of the root's outputs were held)
     facts: dict = field(default_factory=dict)
@@ -285,23 +291,29 @@ class _Recent:
 class Reexecutor:
     """Runs a held step again with every hook. `hooks`: the recorder's
     `TrainingHooks`; `bundles`: its `BundleCapture` (what is held);
-    `refuse`: a `Refusal` that holds for the whole job (DDP/FSDP), or None."""
+    `refuse`: a `Refusal` that holds for the whole job (DDP/FSDP), or None;
+    `eager_when_compiled`: a compiled model's step is re-executed eagerly
+    (the recorder's `eager_full_steps`; False: refused, `Refusal.COMPILED`)."""
 
-    def __init__(self, model, hooks, bundles, *, refuse: Refusal | None = None):
+    def __init__(self, model, hooks, bundles, *, refuse: Refusal | None = None, eager_when_compiled: bool = True):
         self.model = model
         self.hooks = hooks
         self.bundles = bundles
         self.refuse = refuse
+        self.eager_when_compiled = eager_when_compiled
         self.inventory = bundles.inventory
 
     def run(self, step: int, kind: str, *, scale, compiled: bool) -> Outcome:
         """Re-execute the held step `step` (`scale`: the loss scale its
-        backward used, None without a scaler)."""
+        backward used, None without a scaler). A compiled model's runs
+        eagerly (`torch.compiler.set_stance("force_eager")`: its graphs are
+        neither dropped nor recompiled), so that every module's hooks fire;
+        its rounding is then eager's, not the compiler's (`Outcome.eager`)."""
         if self.refuse is not None:
             return Outcome(step, kind, self.refuse)
         if scale is not None and not isinstance(scale, torch.Tensor):
             scale = torch.tensor(float(scale), dtype=torch.float32)  # a host value (the CPU's `StepRows`)
-        if compiled:
+        if compiled and not self.eager_when_compiled:
             return Outcome(step, kind, Refusal.COMPILED)
         cap = self.bundles.held(step)
         if cap is None or not cap.micro_batches:
@@ -314,7 +326,12 @@ class Reexecutor:
                 return Outcome(step, kind, Refusal.WEIGHTS_NOT_HELD)
             weights = cap.params
         try:
-            return self._run(cap, kind, weights, scale)
+            if not compiled:
+                return self._run(cap, kind, weights, scale)
+            with torch.compiler.set_stance("force_eager"):
+                out = self._run(cap, kind, weights, scale)
+            out.eager = True
+            return out
         except Exception as exc:  # noqa: BLE001 - restored; the training goes on
             return Outcome(step, kind, Refusal.FAILED, detail=f"{type(exc).__name__}: {exc}")
 

@@ -45,11 +45,12 @@ class CompileStance:
     `compiled_rows`: the cheap rows are computed inside the graph (for the
     manifest's words); `guard`: the recorder's `FailureGuard`."""
 
-    def __init__(self, *, eager_full_steps: bool, compiled_rows: bool, guard):
+    def __init__(self, *, eager_full_steps: bool, compiled_rows: bool, guard, compiled: bool = False):
         self.eager_full_steps = bool(eager_full_steps)
         self.compiled_rows = bool(compiled_rows)
         self.guard = guard
-        self.compiled = False
+        # Known when attached (an OptimizedModule), else found at a recorded step (`found_compiled`).
+        self.compiled = bool(compiled)
         self._prior_stance = None  # the compiler stance to restore after an eager step
         # Whether the next forwards of the model run eagerly (a full-tier step
         # of a compiled model whose root's hooks run outside its graph).

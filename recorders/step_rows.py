@@ -318,6 +318,8 @@ def reexecution_check(p: PendingStep, scalars: dict, cols: dict | None) -> dict:
     bad_again = sorted(nonfinite_param_names(cols)) if cols is not None else None
     entry["recorded_nonfinite_grads"] = bad_recorded
     entry["backward"] = bool(out.backward)
+    if out.eager:  # a compiled step run again eagerly: the compiler's rounding is not eager's
+        entry["eager"] = True
     compared = [k for k in recorded if recorded[k] is not None and again[k] is not None]
     same_params = not out.backward or bad_again is None or not names or bad_recorded == bad_again
     if not compared:

@@ -31,7 +31,7 @@ PLANT_AT = 5  # an Inf planted in PLANTED's weight before this step's forward
 PLANTED = "blocks.0.mlp.0"  # its Inf reaches mlp.2, the residual sum and the head
 
 
-def _job(attach, run, backend="inductor", **options):
+def _job(attach, run, backend="inductor", on_close=None, **options):
     """(losses, graph breaks, frames compiled after each step, unique graphs
     after each step) of a bf16 autocast job on a one-block TinyNet (its
     residual sums, LayerNorm, attention and MLP are what inductor fuses;
@@ -73,6 +73,8 @@ def _job(attach, run, backend="inductor", **options):
     breaks = dict(counters["graph_break"])
     if rec is not None:
         rec.close()
+    if on_close is not None:  # after the last rec.step() (`after_update` runs before it)
+        on_close(counter)
     return losses, breaks, frames, graphs
 
 
@@ -218,6 +220,33 @@ def test_compiled_rows_off_puts_no_statistic_in_the_graph_and_changes_no_bit(job
         kinds = set(rows.loc[rows["step"] == step, "kind"])
         assert "param_grad" in kinds and "loss" in kinds
         assert not kinds & {"activation", "grad_output", "grad_input"}, (step, kinds)
+
+
+def test_a_failing_compiled_step_is_re_executed_eagerly_in_sentinel_mode(tmp_path, sentinel_mode):
+    """The recorder's default mode, attached to the compiled module: the
+    planted Inf's step is not sampled, so its rows come from re-executing it
+    eagerly (`force_eager`) from what the recorder held; `nans` names the
+    planted layer from them, and the re-execution compiles nothing (dynamo's
+    frame count is unchanged after the job). `aot_eager` (no inductor: the
+    same rounding eagerly or compiled, so the facts reproduce exactly)."""
+    run = tmp_path / "run"
+    frames_after = []
+    losses, breaks, frames, _ = _job("after", run, backend="aot_eager", compiled_rows=False,
+                                     on_close=lambda counter: frames_after.append(counter.frame_count))
+    assert not math.isfinite(losses[PLANT_AT]) and not breaks
+    assert frames_after == [frames[PLANT_AT]]  # the re-execution at step PLANT_AT's rec.step() compiled nothing
+    loaded = amp_postmortem.load_run(run)
+    assert loaded.manifest["recorder"]["mode"] == "sentinel"
+    (entry,) = loaded.manifest["reexecutions"]
+    assert (entry["step"], entry["kind"], entry["eager"], entry["check"]) == (PLANT_AT, "nonfinite_loss", True, "exact")
+    assert loaded.steps.set_index("step").loc[PLANT_AT, "reexecuted"]
+    report = amp_postmortem.nans(run)
+    assert report.first_nonfinite_step == PLANT_AT
+    assert report.origins["forward"].name == PLANTED
+    # eager_full_steps=False: no eager execution at all, the step refused as compiled.
+    _job("after", tmp_path / "off", backend="aot_eager", compiled_rows=False, eager_full_steps=False)
+    (entry,) = amp_postmortem.load_run(tmp_path / "off").manifest["reexecutions"]
+    assert (entry["check"], entry["reason"]) == ("refused", "compiled")
 
 
 def test_in_graph_rows_change_no_bit_where_the_rounding_does_not_follow_the_fusion(tmp_path):
