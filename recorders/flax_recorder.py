@@ -21,7 +21,10 @@ step to five numbers ([absmax, NaN count, Inf count, -, numel]); so are,
 in backward order, the gradient reaching each module call's output
 (`grad_output`) and what its backward hands its inputs (`grad_input`),
 scaled as they travel (`ModuleGradientTaps`). Those and the scalars are
-the only values that leave the device.
+the only values that leave the device. Every `full_every`-th step (default
+100, from step 0) calls a second jitted step that also reduces the full
+tier's nine (`graph_stats`, PyTorch's definitions); the others call the
+one without them.
 
 Without the helper, call `rec.step(loss=..., loss_scale_before=...,
 loss_scale=..., skipped=..., grad_norm=...)` after each step, and for
@@ -58,43 +61,67 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import graph_stats
 from .format import schema
 from .format.flax_names import key_name, module_name, named_params
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
 from .host_run import HostRun, StepRecord, backward_rows, framework_entry, stats_row
 
 STAT_WIDTH = 5
+# The full tier every 100 steps by default, as the PyTorch recorder's
+# every-step mode (`schedule.EVERY_STEP`): this recorder records every step.
+FULL_EVERY = 100
+
+
+def _cast(x, dtype):
+    return jnp.asarray(x).astype(dtype)
+
+
+def _width(full: bool) -> int:
+    return graph_stats.FULL_WIDTH if full else STAT_WIDTH
 
 
 # ------------------------------------------------------------ in the graph
-def array_stats(x, scale=None):
-    """[absmax, NaN count, Inf count, 0, numel] of one array, float32, in the graph."""
+def array_stats(x, scale=None, full: bool = False):
+    """[absmax, NaN count, Inf count, 0, numel] of one array, float32, in
+    the graph; `full`: the full tier's nine after them (`graph_stats`)."""
     x = jnp.asarray(x).astype(jnp.float32)
     if scale is not None:
         x = x / scale
     finite = jnp.isfinite(x)
     absmax = jnp.max(jnp.where(finite, jnp.abs(x), 0.0), initial=0.0)
-    return jnp.stack([absmax, jnp.sum(jnp.isnan(x)).astype(jnp.float32),
-                      jnp.sum(jnp.isinf(x)).astype(jnp.float32), jnp.float32(0), jnp.float32(x.size)])
+    cheap = [absmax, jnp.sum(jnp.isnan(x)).astype(jnp.float32),
+             jnp.sum(jnp.isinf(x)).astype(jnp.float32), jnp.float32(0), jnp.float32(x.size)]
+    if full and x.size:
+        cheap += graph_stats.full_tail(x, int(x.size), jnp, _cast)
+    elif full:  # empty: no value, every statistic null
+        cheap += [jnp.float32(math.nan)] * 4 + [jnp.float32(0)] * 5
+    return jnp.stack(cheap)
 
 
-def tree_stats(tree, scale=None):
+def merge_stats(parts: list):
+    """One row from the stats of its arrays (`graph_stats.merge_rows`)."""
+    return graph_stats.merge_rows(parts, jnp, _cast)
+
+
+def tree_stats(tree, scale=None, full: bool = False):
     """(names, [n, 5] stats) of every floating leaf of a pytree (gradients):
-    names `a.b.kernel`, statistics reduced in the graph."""
+    names `a.b.kernel`, statistics reduced in the graph; `full`: [n, 14],
+    the full tier's after them."""
     names, stats = [], []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue
         parts = [str(key_name(k)) for k in path if key_name(k) != "value"]
         names.append((".".join(parts), str(leaf.dtype)))
-        stats.append(array_stats(leaf, scale))
-    return names, (jnp.stack(stats) if stats else jnp.zeros((0, STAT_WIDTH), jnp.float32))
+        stats.append(array_stats(leaf, scale, full))
+    return names, (jnp.stack(stats) if stats else jnp.zeros((0, _width(full)), jnp.float32))
 
 
-def module_stats(intermediates):
+def module_stats(intermediates, full: bool = False):
     """(rows, [n, 5] stats) of `nnx.capture(..., nnx.Intermediate,
     method_outputs=nnx.Intermediate)`'s state: one row per module method
-    call, (module name, method, call, dtype)."""
+    call, (module name, method, call, dtype); `full`: [n, 14]."""
     calls: dict = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(intermediates):
         keys = [key_name(k) for k in path]
@@ -106,13 +133,9 @@ def module_stats(intermediates):
         calls.setdefault((module, method, call), []).append(leaf)
     rows, stats = [], []
     for (module, method, call), leaves in calls.items():
-        parts = [array_stats(leaf) for leaf in leaves]
-        merged = jnp.stack([jnp.max(jnp.stack([p[0] for p in parts])),
-                            sum(p[1] for p in parts), sum(p[2] for p in parts), jnp.float32(0),
-                            sum(p[4] for p in parts)])
         rows.append((module, method, call, str(leaves[0].dtype)))
-        stats.append(merged)
-    return rows, (jnp.stack(stats) if stats else jnp.zeros((0, STAT_WIDTH), jnp.float32))
+        stats.append(merge_stats([array_stats(leaf, full=full) for leaf in leaves]))
+    return rows, (jnp.stack(stats) if stats else jnp.zeros((0, _width(full)), jnp.float32))
 
 
 def module_order(model) -> dict:
@@ -151,16 +174,24 @@ class FlaxRecorder:
     dynamic loss scale in use, jmp's `DynamicLossScale` or any object with
     `loss_scale`, `period` and `factor` (None: no scaling); `every`: write
     the per-row statistics every N steps (and on every step with a skip or a
-    non-finite loss); `steps_per_shard`: as the PyTorch recorder's;
+    non-finite loss); `full_every`: every N-th step (from step 0; 0: never)
+    the rows also carry the full tier's statistics (min, max, mean, rms,
+    the zero, below-normal, below-subnormal and near-overflow shares,
+    `graph_stats`), from a second jitted step traced for those steps (the
+    others run without them), and the steps table's `tier` says `full`;
+    `steps_per_shard`: as the PyTorch recorder's;
     `bundles`: when to save a replay bundle (a `BundleTriggers`, of which
     the recorder counts on its own copy; None: never; needs `wrap`)."""
 
     def __init__(self, run_dir, model, *, optimizer=None, loss_scale=None, every: int = 1,
-                 steps_per_shard: int = 1000, run_id: str | None = None,
+                 full_every: int = FULL_EVERY, steps_per_shard: int = 1000, run_id: str | None = None,
                  bundles: BundleTriggers | None = BundleTriggers()):
         if int(every) < 1:
             raise ValueError(f"every={every!r}: record every N >= 1 steps")
+        if int(full_every) < 0:
+            raise ValueError(f"full_every={full_every!r}: the full tier every N >= 1 steps, or 0 for never")
         self.every = int(every)
+        self.full_every = int(full_every)
         self.step_index = 0
         self._order = module_order(model)
         self._scaled = loss_scale is not None
@@ -182,7 +213,8 @@ class FlaxRecorder:
             optimizer=describe_optimizer(optimizer),
             autocast={"enabled": policy_dtype not in (None, "float32"), "device_type": jax.default_backend(),
                       "dtype": policy_dtype, "cache_enabled": None},
-            recorder_options={"recorder": "flax", "every": self.every, "steps_per_shard": steps_per_shard,
+            recorder_options={"recorder": "flax", "every": self.every, "full_every": self.full_every,
+                              "steps_per_shard": steps_per_shard,
                               "bundles": self.bundles.options() if self.bundles is not None else None},
             device_type=jax.default_backend(), steps_per_shard=steps_per_shard, run_id=run_id)
 
@@ -190,13 +222,39 @@ class FlaxRecorder:
     def wrap(self, step_fn, *, jit: bool = True):
         """`step_fn` jitted (`nnx.jit`) so that each call also returns the
         module and gradient statistics, recorded as one step. See the
-        module's docstring for what `step_fn` returns."""
-        names: dict = {}
+        module's docstring for what `step_fn` returns. Every `full_every`-th
+        step calls a second jitted function, traced with the full tier's
+        reductions; the others call one without them."""
+        tiers = {}
+        for full in ((False, True) if self.full_every else (False,)):
+            names: dict = {}
+            instrumented = self._instrumented(step_fn, full, names)
+            tiers[full] = (nnx.jit(instrumented) if jit else instrumented, names)
+
+        def recorded_step(*args, **kwargs):
+            full = self.is_full_step(self.step_index)
+            compiled, names = tiers[full]
+            out, payload, held = compiled(*args, **kwargs)
+            # Device arrays: copied only for a bundle.
+            self._held = (names.get("inputs"), held, names.get("step_args"))
+            host = jax.device_get(payload)  # a few numbers per module: one transfer
+            self._record(names, host, full)
+            return out
+
+        return recorded_step
+
+    def is_full_step(self, step: int) -> bool:
+        """Whether `step` carries the full tier (`full_every`)."""
+        return self.full_every > 0 and step % self.full_every == 0
+
+    def _instrumented(self, step_fn, full: bool, names: dict):
+        """`step_fn` returning its statistics too (the full tier's with
+        `full`); `names` gets the rows' static names as it is traced."""
 
         def instrumented(*args, **kwargs):
             captured = nnx.capture(step_fn, nnx.Intermediate, method_outputs=nnx.Intermediate)
             with RootCallTap(type(self._model), active=self.bundles is not None) as tap, \
-                    ModuleGradientTaps(self._model) as gradient_taps:
+                    ModuleGradientTaps(self._model, full=full) as gradient_taps:
                 out, intermediates = captured(*args, **kwargs)
             held: dict = {}
             names["inputs"] = None if tap.arguments is None else {
@@ -213,15 +271,15 @@ class FlaxRecorder:
                 raise TypeError("a step wrapped by FlaxRecorder.wrap returns a dict with at least 'loss'")
             out = dict(out)
             grads = out.pop("grads", None)
-            forward_rows, forward = module_stats(intermediates)
-            grad_rows, grad_stats = tree_stats(grads) if grads is not None else ([], None)
+            forward_rows, forward = module_stats(intermediates, full)
+            grad_rows, grad_stats = tree_stats(grads, full=full) if grads is not None else ([], None)
             names["forward"], names["grads"] = forward_rows, grad_rows
             loss = jnp.asarray(out["loss"])
             names["loss_dtype"] = str(loss.dtype)
-            payload = {"forward": forward, "loss": array_stats(loss)}
+            payload = {"forward": forward, "loss": array_stats(loss, full=full)}
             names["backward"] = [row[:4] for row in gradient_taps.rows]
             payload["backward"] = (jnp.stack([row[4] for row in gradient_taps.rows]) if gradient_taps.rows
-                                   else jnp.zeros((0, STAT_WIDTH), jnp.float32))
+                                   else jnp.zeros((0, _width(full)), jnp.float32))
             if grads is not None:
                 payload["grads"] = grad_stats
                 leaves = [g.astype(jnp.float32) for g in jax.tree_util.tree_leaves(grads)
@@ -232,19 +290,9 @@ class FlaxRecorder:
                     payload[k] = jnp.asarray(out[k]).astype(jnp.float32)
             return out, payload, held
 
-        compiled = nnx.jit(instrumented) if jit else instrumented
+        return instrumented
 
-        def recorded_step(*args, **kwargs):
-            out, payload, held = compiled(*args, **kwargs)
-            # Device arrays: copied only for a bundle.
-            self._held = (names.get("inputs"), held, names.get("step_args"))
-            host = jax.device_get(payload)  # a few numbers per module: one transfer
-            self._record(names, host)
-            return out
-
-        return recorded_step
-
-    def _record(self, names: dict, host: dict) -> None:
+    def _record(self, names: dict, host: dict, full: bool = False) -> None:
         loss_stats = np.asarray(host["loss"])
         loss = float(loss_stats[0]) if loss_stats[1] == 0 and loss_stats[2] == 0 else math.nan
         forward = []
@@ -262,19 +310,23 @@ class FlaxRecorder:
                   loss_scale=_opt_float(host.get("loss_scale")),
                   skipped=bool(host["skipped"] >= 0.5) if "skipped" in host else False,
                   grad_norm=math.sqrt(float(sq)) if sq is not None and float(sq) >= 0 else _opt_float(sq),
-                  forward=forward_rows, grads=grads, loss_dtype=names.get("loss_dtype"))
+                  forward=forward_rows, grads=grads, loss_dtype=names.get("loss_dtype"), full=full)
 
     # ------------------------------------------------- the documented call
     def step(self, *, loss, loss_scale_before=None, loss_scale=None, skipped: bool = False,
              grad_norm=None, lr=None, forward=None, grads=None, loss_dtype=None, step: int | None = None,
-             backward=None):
+             backward=None, full: bool | None = None):
         """Record one optimizer step from host values (floats, or jax
         scalars: read here). `forward`: (name, kind, call, dtype, stats)
         per row in execution order; `grads`: (name, dtype, stats) per
         gradient, stats the five numbers of `array_stats` (unscaled
         gradients); `backward`: (name, kind, call, dtype, stats) per
         `grad_output` / `grad_input` row in the order the backward made
-        them (scaled gradients, as they travelled; `ModuleGradientTaps`)."""
+        them (scaled gradients, as they travelled; `ModuleGradientTaps`).
+        Stats of 14 numbers (`full=True` given to `array_stats`,
+        `module_stats`, `tree_stats`, `ModuleGradientTaps`) carry the full
+        tier; `full`: the step's `tier` is `full` (None: when its rows
+        have the full tier's numbers)."""
         index = self.step_index if step is None else int(step)
         self.step_index = index + 1
         loss = _opt_float(loss)
@@ -282,7 +334,10 @@ class FlaxRecorder:
         # NaN/Inf in any gradient (a step with rows, as a skip or a non-finite loss).
         backward_bad = any(float(np.asarray(r[-1])[1]) or float(np.asarray(r[-1])[2])
                            for r in (*(grads or ()), *(backward or ())))
-        if index % self.every == 0 or skipped or backward_bad or loss is None or not math.isfinite(loss):
+        if full is None:
+            full = any(len(np.asarray(r[-1])) > STAT_WIDTH for r in (*(forward or ()), *(grads or ()),
+                                                                   *(backward or ())))
+        if index % self.every == 0 or full or skipped or backward_bad or loss is None or not math.isfinite(loss):
             for order, (name, kind, call, dtype, v) in enumerate(forward or ()):
                 # nnx.capture keeps outputs only: the inputs' NaN/Inf are unknown (null).
                 rows.append(stats_row(name, kind, "forward", order, call, dtype, v))
@@ -295,7 +350,8 @@ class FlaxRecorder:
             loss_scale_before=_opt_float(loss_scale_before) if self._scaled else None,
             loss_scale=_opt_float(loss_scale) if self._scaled else None,
             skipped=bool(skipped), lr=[float(lr)] if lr is not None else None,
-            grad_norm=_opt_float(grad_norm), loss_dtype=loss_dtype, rows=rows, wall_time=time.time()))
+            grad_norm=_opt_float(grad_norm), loss_dtype=loss_dtype, rows=rows, full=bool(full) and bool(rows),
+            wall_time=time.time()))
 
     def _maybe_save_bundle(self, step, loss, skipped, rows, loss_dtype, loss_scale, backward_bad) -> None:
         bad = [{"name": r.name, "call": r.call} for r in rows
@@ -378,13 +434,14 @@ class ModuleGradientTaps:
     run by the step's own `value_and_grad` with the step's traced values)
     reduces the gradient reaching the output (`grad_output`) and what the
     module's backward hands its inputs (`grad_input`) to `array_stats`'s
-    five numbers, appended to `rows` in the order the backward runs them.
+    five numbers (14 with `full`), appended to `rows` in the order the backward runs them.
     Values as they travel: scaled by the loss scale, in their own dtype.
     The `__call__` of each class that defines the model's modules' one is
     wrapped on entry and restored on exit; a call is named by its module's
     path from the first call of the model's class (`module_name`)."""
 
-    def __init__(self, model):
+    def __init__(self, model, *, full: bool = False):
+        self.full = full            # the full tier's statistics too (graph_stats)
         self.root_cls = type(model)
         self.rows: list = []        # (name, kind, call, dtype, stats) in backward order
         self._paths: dict = {}      # id(module) -> path, from the traced model
@@ -438,9 +495,7 @@ class ModuleGradientTaps:
             return tree
 
         def on_grads(grads):
-            stats = [array_stats(g) for g in grads]
-            merged = jnp.stack([jnp.max(jnp.stack([p[0] for p in stats])), sum(p[1] for p in stats),
-                                sum(p[2] for p in stats), jnp.float32(0), sum(p[4] for p in stats)])
+            merged = merge_stats([array_stats(g, full=self.full) for g in grads])
             if kind == "grad_output":
                 self._received[(name, call)] = merged[1] + merged[2]
             else:

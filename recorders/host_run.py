@@ -34,9 +34,14 @@ except Exception:  # noqa: BLE001 - not installed (running from a source tree)
     PACKAGE_VERSION = "0+unknown"
 
 
+# The full tier's columns after the cheap tier's (schema.FULL_STATS).
+FULL_COLUMNS = schema.FULL_STATS[len(schema.CHEAP_STATS):]
+
+
 @dataclass(frozen=True)
 class TensorRow:
-    """One row of the tensors table, cheap tier (docs/FORMAT.md, "Table: tensors")."""
+    """One row of the tensors table (docs/FORMAT.md, "Table: tensors"); the
+    full tier's columns None on a cheap-tier row."""
     name: str
     kind: str
     phase: str
@@ -48,16 +53,35 @@ class TensorRow:
     nan_count: int
     inf_count: int
     input_nonfinite: int | None = None
+    min: float | None = None
+    max: float | None = None
+    mean: float | None = None
+    rms: float | None = None
+    zero_share: float | None = None
+    below_normal_share: float | None = None
+    below_subnormal_share: float | None = None
+    near_overflow_share: float | None = None
+    share_sample_size: int | None = None
 
 
 def stats_row(name: str, kind: str, phase: str, order: int, call: int, dtype: str, stats,
               input_nonfinite: bool = False) -> TensorRow:
     """A row from the five in-graph numbers [absmax, NaN count, Inf count,
-    NaN/Inf among the inputs, numel] (`input_nonfinite` kept when true)."""
+    NaN/Inf among the inputs, numel] (`input_nonfinite` kept when true),
+    and on a full-tier step the nine of `FULL_COLUMNS` after them, the four
+    shares as counts over the sample (`graph_stats`)."""
     v = np.asarray(stats, dtype=np.float64)
+    full = {}
+    if len(v) > 5:
+        full = {c: float(x) for c, x in zip(FULL_COLUMNS, v[5:])}
+        # The shares come as counts over the sample: divided here, in float64.
+        m = int(v[13])
+        for c in FULL_COLUMNS[4:8]:
+            full[c] = full[c] / m if m else math.nan
+        full["share_sample_size"] = m
     return TensorRow(name=name, kind=kind, phase=phase, order=order, call=int(call), dtype=dtype,
                      numel=int(v[4]), absmax=float(v[0]), nan_count=int(v[1]), inf_count=int(v[2]),
-                     input_nonfinite=int(v[3]) if input_nonfinite else None)
+                     input_nonfinite=int(v[3]) if input_nonfinite else None, **full)
 
 
 def backward_rows(module_rows, grads) -> list[TensorRow]:
@@ -87,7 +111,8 @@ class StepRecord:
     """What one optimizer step of a non-torch framework says, on the host.
     `loss_scale_before`/`loss_scale`: the scale the step's backward used and
     the one the next step uses (None without a dynamic loss scale);
-    `skipped`: the scale's own finiteness check refused the update."""
+    `skipped`: the scale's own finiteness check refused the update;
+    `full`: the rows carry the full tier (the steps table's `tier`)."""
     step: int
     loss: float | None
     loss_scale_before: float | None = None
@@ -100,6 +125,7 @@ class StepRecord:
     micro_batches: int = 1
     rows: list = field(default_factory=list)  # TensorRow, forward rows first
     wall_time: float | None = None
+    full: bool = False
 
 
 def framework_entry(name: str, version: str | None, backend: str | None = None) -> dict:
@@ -136,8 +162,10 @@ def tensor_columns(step: int, rank: int, rows: list[TensorRow]) -> dict | None:
         "input_nonfinite": floats("input_nonfinite"),
         "op": [None] * n, "op_index": nan.copy(), "source": [None] * n,
     }
-    for c in schema.FULL_STATS:
-        cols.setdefault(c, nan.copy())
+    # A cheap-tier step's full columns are null: no per-row reads.
+    full = any(r.share_sample_size is not None for r in rows)
+    for c in FULL_COLUMNS:
+        cols[c] = floats(c) if full else nan.copy()
     return cols
 
 
@@ -207,7 +235,7 @@ class HostRun:
             "nonfinite_param_grads": param_bad if has_grads else None,
             "micro_batches": int(record.micro_batches),
             # Schema 1.5: a step without tensor rows (not sampled) has no tier.
-            "tier": "cheap" if rows else None,
+            "tier": ("full" if record.full else "cheap") if rows else None,
             "tensor_rows": len(rows), "sharded_grad_sqsum": None, "loss_dtype": record.loss_dtype,
         }
         self.shards.add_step(step_row, tensor_columns(record.step, self.rank, rows))

@@ -15,7 +15,11 @@ gradient (`param_grad`); in backward order, the gradient reaching each
 layer's output (`grad_output`, the model's output's named "") and what the
 layer's backward hands its inputs (`grad_input`), scaled as they travel
 (`gradient_tap`). All of it is reduced inside the compiled train step, to
-five numbers per row, and leaves the device once per step.
+five numbers per row, and leaves the device once per step. Every
+`full_every`-th step (default 100, from step 0) runs a second train
+function, traced with the full tier's reductions too (`graph_stats`: 14
+numbers per row, PyTorch's definitions); the other steps run the one
+without them.
 
 How the numbers leave the step. Every layer's `call`, the model's
 `compute_loss` and `train_step` and the optimizer's `apply` /
@@ -61,6 +65,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from . import graph_stats
 from .format import schema
 from .format.keras_names import keras_name, layer_name, layers_of
 from .errors import OptionError
@@ -72,6 +77,9 @@ LOGS_KEY = "_amp_postmortem"
 # [absmax, nan_count, inf_count, input_nonfinite, numel] of one row, float32
 # (counts exact up to 2**24 values per row).
 STAT_WIDTH = 5
+# The full tier every 100 steps by default, as the PyTorch recorder's
+# every-step mode (`schedule.EVERY_STEP`): these recorders record every step.
+FULL_EVERY = 100
 SCALARS = ("loss", "loss_scale_before", "loss_scale", "growth_tracker", "skipped", "grad_sqsum", "lr",
            "grad_loss_ratio")
 
@@ -102,10 +110,14 @@ def _nonfinite_count(tensors) -> object:
     return total
 
 
-def row_stats(tensors: list, inputs: list = (), scale=None):
+def row_stats(tensors: list, inputs: list = (), scale=None, full: bool = False):
     """The row's five numbers, in the graph: the largest finite magnitude,
     the NaN and Inf counts, the non-finite values among `inputs`, the number
-    of values; `scale`: divide by it first (gradients, unscaled)."""
+    of values; `scale`: divide by it first (gradients, unscaled). `full`:
+    the full tier's nine after them (`graph_stats`), on full-tier steps
+    only (their own traced train function: cheap steps run none of it)."""
+    if full:
+        return _full_row_stats(tensors, inputs, scale)
     absmax = ops.zeros((), "float32")
     nans = ops.zeros((), "float32")
     infs = ops.zeros((), "float32")
@@ -120,6 +132,30 @@ def row_stats(tensors: list, inputs: list = (), scale=None):
         infs = infs + ops.cast(ops.sum(ops.cast(ops.isinf(x), "int32")), "float32")
         numel = numel + ops.cast(ops.size(x), "float32")
     return ops.stack([absmax, nans, infs, _nonfinite_count(inputs), ops.cast(numel, "float32")])
+
+
+def _full_row_stats(tensors, inputs, scale):
+    rows = []
+    for t in tensors:
+        x = ops.cast(t, "float32")
+        if scale is not None:
+            x = x / scale
+        cheap = row_stats([x])
+        tail = graph_stats.full_tail(x, _static_size(x), ops, ops.cast)
+        rows.append(ops.stack([cheap[0], cheap[1], cheap[2], cheap[3], cheap[4], *tail]))
+    merged = graph_stats.merge_rows(rows, ops, ops.cast)
+    return ops.concatenate([merged[:3], ops.reshape(_nonfinite_count(inputs), (1,)), merged[4:]])
+
+
+def _static_size(x) -> int | None:
+    """The number of values when the traced shape says it (None: a
+    dimension unknown while TensorFlow traces)."""
+    n = 1
+    for d in x.shape:
+        if d is None:
+            return None
+        n *= int(d)
+    return n
 
 
 def _dtype(tensors) -> str:
@@ -144,13 +180,13 @@ def gradient_tap(tree, trace, name: str, kind: str, call: int):
         if not grads or trace.own_backward:
             return
         if kind == "grad_output":
-            stats = row_stats(grads)
+            stats = row_stats(grads, full=trace.full)
             trace.received[(name, call)] = stats[1] + stats[2]
         else:
             # input_nonfinite of a grad_input row: NaN/Inf in the gradient
             # the layer received at its outputs.
             received = trace.received.get((name, call))
-            stats = row_stats(grads)
+            stats = row_stats(grads, full=trace.full)
             if received is not None:
                 stats = ops.concatenate([stats[:3], ops.reshape(received, (1,)), stats[4:]])
         trace.add_backward(name, kind, call, _dtype(grads), stats)
@@ -207,7 +243,8 @@ def _identity_with_gradient(tensors: list, on_grads) -> list:
 class _Trace:
     """What one trace of the train step collects (static names, graph values)."""
 
-    def __init__(self):
+    def __init__(self, full: bool = False):
+        self.full = full             # the full tier's statistics (a full-tier step's train function)
         self.forward: list = []      # (name, kind, call, dtype)
         self.forward_stats: list = []
         self.calls: dict = {}
@@ -238,8 +275,9 @@ class _Trace:
         self.forward_stats.append(stats)
 
 
-def _stack(stats):
-    return ops.stack(stats) if stats else ops.zeros((0, STAT_WIDTH), "float32")
+def _stack(stats, full: bool = False):
+    width = graph_stats.FULL_WIDTH if full else STAT_WIDTH
+    return ops.stack(stats) if stats else ops.zeros((0, width), "float32")
 
 
 # ---------------------------------------------------------------- taps
@@ -271,7 +309,7 @@ class LayerTaps:
                 outs = _floating(out)
                 if outs:
                     trace.add_forward(name, "activation", _dtype(outs),
-                                      row_stats(outs, _floating((args, kwargs))))
+                                      row_stats(outs, _floating((args, kwargs)), full=trace.full))
                     out = gradient_tap(out, trace, name, "grad_output", n)
             return out
 
@@ -315,19 +353,28 @@ class KerasRecorder(keras.callbacks.Callback):
     `model`: the model `fit` trains (compiled before the first `fit`).
     `every`: record the per-row statistics every N steps (the steps table
     gets every step; N > 1 still computes the rows in the graph every step,
-    only fewer reach the disk). `steps_per_shard`: as the PyTorch
+    only fewer reach the disk). `full_every`: every N-th step (from step 0;
+    0: never) every row also carries the full tier's statistics (min, max,
+    mean, rms, the zero, below-normal, below-subnormal and near-overflow
+    shares: `graph_stats`), reduced by a second train function traced for
+    those steps, so the other steps run what they ran without it; the
+    steps table's `tier` says `full` there. `steps_per_shard`: as the PyTorch
     recorder's; `bundles`: when to save a replay bundle (a
     `BundleTriggers`, of which the recorder counts on its own copy; None:
     never). Use as a callback of `model.fit`;
     `close()` (idempotent) or a `with` block ends the run."""
 
-    def __init__(self, run_dir, model, *, every: int = 1, steps_per_shard: int = 1000,
-                 run_id: str | None = None, bundles: BundleTriggers | None = BundleTriggers()):
+    def __init__(self, run_dir, model, *, every: int = 1, full_every: int = FULL_EVERY,
+                 steps_per_shard: int = 1000, run_id: str | None = None,
+                 bundles: BundleTriggers | None = BundleTriggers()):
         super().__init__()
         if int(every) < 1:
             raise KerasRecorderError(f"every={every!r}: record every N >= 1 steps")
+        if int(full_every) < 0:
+            raise KerasRecorderError(f"full_every={full_every!r}: the full tier every N >= 1 steps, or 0 for never")
         self.run_dir = run_dir
         self.every = int(every)
+        self.full_every = int(full_every)
         self.backend = keras.backend.backend()
         if self.backend not in ("tensorflow", "jax"):
             raise KerasRecorderError(f"Keras backend {self.backend!r} is not recorded; "
@@ -338,6 +385,8 @@ class KerasRecorder(keras.callbacks.Callback):
         self.run: HostRun | None = None
         self.step_index = 0
         self._trace: _Trace | None = None
+        self._full_now = False  # the train function being called is the full tier's
+        self._train_steps = {}  # full tier or not -> the train function made for it
         self._restore: list = []
         self._layer_taps: LayerTaps | None = None
         self._received: dict = {}
@@ -368,9 +417,7 @@ class KerasRecorder(keras.callbacks.Callback):
             self.run = self._start_run(model)
         if self._layer_taps is None:
             self._install(model)
-        model.make_train_function(force=True)
-        if self.backend == "tensorflow" or self.bundles is not None:
-            self._wrap_train_function(model)
+        self._make_train_functions(model)
 
     def on_train_batch_end(self, batch, logs=None):
         if self.backend == "jax":
@@ -380,6 +427,7 @@ class KerasRecorder(keras.callbacks.Callback):
             received, self._received = self._received, {}
         if not received:
             return
+        received["full"] = self._full_now
         self._write(received)
 
     def on_train_end(self, logs=None):
@@ -443,13 +491,15 @@ class KerasRecorder(keras.callbacks.Callback):
             scaler=describe_loss_scale(opt), optimizer=describe_optimizer(opt),
             autocast={"enabled": compute != variable, "device_type": "cpu", "dtype": compute,
                       "cache_enabled": None, "policy": policy.name},
-            recorder_options={"recorder": "keras", "every": self.every, "steps_per_shard": self._steps_per_shard,
+            recorder_options={"recorder": "keras", "every": self.every, "full_every": self.full_every,
+                              "steps_per_shard": self._steps_per_shard,
                               "bundles": self.bundles.options() if self.bundles is not None else None},
             dtype_policies=dtype_policies(model), steps_per_shard=self._steps_per_shard, run_id=self._run_id)
 
     # ---------------------------------------------------------- wrappers
     def _install(self, model):
         self._layer_taps = LayerTaps(model, lambda: self._trace)
+        self._original_train_step = model.train_step
         self._wrap_method(model, "train_step", self._train_step_wrapper)
         self._wrap_method(model, "compute_loss", self._compute_loss_wrapper)
         opt = model.optimizer
@@ -469,11 +519,31 @@ class KerasRecorder(keras.callbacks.Callback):
         _set(obj, attr, make(original))
         self._restore.append(lambda: _restore(obj, attr, had_own, original))
 
+    def _make_train_functions(self, model):
+        """A train function per tier. Each is made from its own wrapper
+        object of `train_step`: jax.jit caches its traces by the function
+        it is given, so one object would hand the full tier's steps the
+        cheap trace."""
+        original = self._original_train_step
+        for full in ((False, True) if self.full_every else (False,)):
+            _set(model, "train_step", self._train_step_wrapper(original))
+            model.make_train_function(force=True)
+            self._train_steps[full] = model.train_function
+        _set(model, "train_step", self._train_step_wrapper(original))
+        self._wrap_train_function(model)
+
+    def is_full_step(self, step: int) -> bool:
+        """Whether `step` carries the full tier (`full_every`)."""
+        return self.full_every > 0 and step % self.full_every == 0
+
     def _wrap_train_function(self, model):
-        inner = model.train_function
         hold = self.bundles is not None
 
         def train_function(*args, **kwargs):
+            # Read while the chosen function traces (a first call, a new
+            # batch shape): the trace's tier.
+            self._full_now = self.is_full_step(self.step_index)
+            inner = self._train_steps[self._full_now]
             if hold:
                 # Pull the batch here (both backends' train functions take a
                 # plain iterator too) and keep a reference for a bundle.
@@ -494,7 +564,7 @@ class KerasRecorder(keras.callbacks.Callback):
 
     def _train_step_wrapper(self, original):
         def train_step(*args, **kwargs):
-            outer, self._trace = self._trace, _Trace()
+            outer, self._trace = self._trace, _Trace(full=self._full_now)
             trace = self._trace
             try:
                 out = original(*args, **kwargs)
@@ -512,7 +582,7 @@ class KerasRecorder(keras.callbacks.Callback):
         trace.loss_tensor = loss
         trace.scalars["loss"] = ops.cast(loss, "float32")
         trace.loss_dtype = keras.backend.standardize_dtype(loss.dtype)
-        trace.add_forward(schema.LOSS_NAME, "loss", trace.loss_dtype, row_stats([loss]))
+        trace.add_forward(schema.LOSS_NAME, "loss", trace.loss_dtype, row_stats([loss], full=trace.full))
 
     def _compute_loss_wrapper(self, original):
         def compute_loss(*args, **kwargs):
@@ -534,14 +604,14 @@ class KerasRecorder(keras.callbacks.Callback):
             x = kwargs.get("x", args[0] if args else None)
             inputs = _floating(x)
             if inputs:
-                stats = row_stats(inputs)
+                stats = row_stats(inputs, full=trace.full)
                 call = trace.calls.get((schema.INPUT_NAME, "input"), 0)
                 trace.calls[(schema.INPUT_NAME, "input")] = call + 1
                 trace.forward.insert(0, (schema.INPUT_NAME, "input", call, _dtype(inputs)))
                 trace.forward_stats.insert(0, stats)
             self._note_loss(trace, loss)
             if self.backend == "jax":
-                self._emit_jax({"forward": (trace.forward, _stack(trace.forward_stats))},
+                self._emit_jax({"forward": (trace.forward, _stack(trace.forward_stats, trace.full))},
                                {"loss": trace.scalars["loss"]}, trace.loss_dtype)
             return loss
         return compute_loss
@@ -554,7 +624,7 @@ class KerasRecorder(keras.callbacks.Callback):
             if g is None:
                 continue
             trace.grads.append((keras_name(v.path, root), keras.backend.standardize_dtype(g.dtype)))
-            trace.grad_stats.append(row_stats([g], scale=scale))
+            trace.grad_stats.append(row_stats([g], scale=scale, full=trace.full))
             g32 = ops.cast(g, "float32") / scale
             sqsum = sqsum + ops.sum(g32 * g32)
         return sqsum
@@ -630,8 +700,8 @@ class KerasRecorder(keras.callbacks.Callback):
             lr = _jax_lr(opt, optimizer_variables, ids)
             scalars = {"loss_scale_before": before, "loss_scale": after, "growth_tracker": tracker,
                        "skipped": 1.0 - ops.cast(finite, "float32"), "grad_sqsum": sqsum, "lr": lr}
-            self._emit_jax({"update": (trace.grads, _stack(trace.grad_stats)),
-                            "backward": (trace.backward, _stack(trace.backward_stats))}, scalars, None)
+            self._emit_jax({"update": (trace.grads, _stack(trace.grad_stats, trace.full)),
+                            "backward": (trace.backward, _stack(trace.backward_stats, trace.full))}, scalars, None)
             return new_trainable, new_opt_vars
         return stateless_apply
 
@@ -687,8 +757,8 @@ class KerasRecorder(keras.callbacks.Callback):
         # names).
         self._tf_meta = (list(trace.forward), list(trace.grads), list(trace.backward), trace.loss_dtype)
         scalars = [ops.cast(trace.scalars.get(k, math.nan), "float32") for k in SCALARS]
-        return {"forward": _stack(trace.forward_stats), "grads": _stack(trace.grad_stats),
-                "backward": _stack(trace.backward_stats), "scalars": ops.stack(scalars)}
+        return {"forward": _stack(trace.forward_stats, trace.full), "grads": _stack(trace.grad_stats, trace.full),
+                "backward": _stack(trace.backward_stats, trace.full), "scalars": ops.stack(scalars)}
 
     def _host_payload(self, payload) -> dict:
         forward_meta, grad_meta, backward_meta, loss_dtype = self._tf_meta
@@ -728,7 +798,8 @@ class KerasRecorder(keras.callbacks.Callback):
         backward_meta, backward = received.get("backward", ([], np.empty((0, STAT_WIDTH))))
         # NaN/Inf in any gradient: a step with rows, as a skip or a non-finite loss.
         backward_bad = bool(np.any(grads[:, 1:3]) or np.any(backward[:, 1:3]))
-        if step % self.every == 0 or skipped or backward_bad or not _finite(s.get("loss")):
+        full = bool(received.get("full"))
+        if step % self.every == 0 or full or skipped or backward_bad or not _finite(s.get("loss")):
             forward_meta, forward = received.get("forward", ([], np.empty((0, STAT_WIDTH))))
             for order, ((name, kind, call, dtype), v) in enumerate(zip(forward_meta, forward)):
                 rows.append(stats_row(name, kind, "forward", order, call, dtype, v,
@@ -743,7 +814,7 @@ class KerasRecorder(keras.callbacks.Callback):
             growth_tracker=int(s["growth_tracker"]) if scaled and _finite(s.get("growth_tracker")) else None,
             skipped=skipped, lr=[s["lr"]] if _finite(s.get("lr")) else None,
             grad_norm=math.sqrt(sq) if sq is not None and sq >= 0 else sq,
-            loss_dtype=received.get("loss_dtype"), rows=rows, wall_time=time.time()))
+            loss_dtype=received.get("loss_dtype"), rows=rows, full=full and bool(rows), wall_time=time.time()))
         if self._loss_scaling is not None:
             self._loss_scaling.observe(step, s.get("grad_loss_ratio"), s.get("loss_scale_before"))
             self.run.set_loss_scaling(self._loss_scaling.entry())

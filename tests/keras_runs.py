@@ -11,7 +11,19 @@ float16 (`mixed_float16`) model trained with `model.fit` and recorded by
   every step: the loss scale halves on every step from step 10 (on
   TensorFlow compiled with `jit_compile=False`; the others, and JAX, with
   Keras' default, XLA);
-- `healthy`: the same model without either, a modest initial scale.
+- `healthy`: the same model without either, a modest initial scale;
+- `underflow`: one step (the full tier's: step 0) under a fixed loss scale
+  of 2**-12, `d1` starting at zero and `d2`'s bias at zero, so the model
+  predicts exactly 0: the gradient reaching `d2`'s output is exactly
+  `-y * 2**-14` (mse over 8 values: scale * 2 / 8, powers of two), rounded
+  to float16 once, and the one reaching `d1`'s output is each of those
+  times each of `d2`'s 8 weights (a product of two float16 values, rounded
+  once): much of both below float16's smallest normal.
+
+Beside `underflow`, `underflow_truth.json`: per layer (`d2`, `d1`), the
+number of those float16 values that are zero or below 2**-14 and their
+count, computed with numpy from the batch's `y` and `d2`'s initial weights
+(not the recorder), whatever the kernels or a flush to zero do.
 
 Beside `collapse`, `collapse_truth.json`: `step`, the first step the
 LossScaleOptimizer skipped with a finite loss (its own finiteness check,
@@ -99,6 +111,26 @@ def train(run_dir, net, x, y, initial_scale=2.0 ** 15, jit_compile="auto"):
         net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
 
 
+def underflow(out: str, x, y) -> None:
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(8, name="d1", kernel_initializer="zeros")(inp)
+    d2 = keras.layers.Dense(1, name="d2", bias_initializer="zeros")
+    net = keras.Model(inp, d2(h), name="net")
+    w2 = ops.convert_to_numpy(d2.kernel).astype(np.float16)[:, 0]
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-3), initial_scale=2.0 ** -12,
+                                              dynamic_growth_steps=10 ** 6)
+    net.compile(optimizer=opt, loss="mse")
+    with KerasRecorder(f"{out}/underflow", net, full_every=100) as rec:
+        net.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
+    g2 = (-y[:BATCH, 0].astype(np.float64) * 2.0 ** -14).astype(np.float16)  # rounded once
+    g1 = (g2[:, None].astype(np.float64) * w2[None, :].astype(np.float64)).astype(np.float16)
+
+    def tiny(g):
+        return {"below_normal_or_zero": int(np.sum((g == 0) | (np.abs(g) < np.float16(2.0 ** -14)))),
+                "numel": int(g.size)}
+    Path(out, "underflow_truth.json").write_text(json.dumps({"d2": tiny(g2), "d1": tiny(g1)}))
+
+
 def main(out: str) -> None:
     keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
@@ -124,6 +156,7 @@ def main(out: str) -> None:
     Path(out, "collapse_truth.json").write_text(json.dumps({"step": step, "layer": layer}))
     train(f"{out}/healthy", model(keras.layers.ReLU(name="relu")), small[:20 * BATCH], y30[:20 * BATCH],
           initial_scale=2.0 ** 8)
+    underflow(out, x, rng.standard_normal((6 * BATCH, 1)).astype("float32"))
 
 
 if __name__ == "__main__":

@@ -232,3 +232,53 @@ def test_each_recorder_counts_its_own_bundles(tmp_path):
         assert [(b["step"], b["reasons"]) for b in manifest["bundles"]] == \
             [(3, ["nonfinite_loss", "nonfinite_tensor"])], name
     assert shared.saved == 0 and shared.fired == set()
+
+
+class Identity(nnx.Module):
+    def __call__(self, x):
+        return x
+
+
+def test_the_full_tier_reports_a_planted_gradient_underflow_for_its_modules(tmp_path):
+    """One step (step 0: the full tier's) under a fixed loss scale of 2**-12,
+    `d1` at zero and `d2`'s bias at zero: the model predicts exactly 0, the
+    gradient reaching `d2`'s output is exactly -y * 2**-14 rounded to
+    float16 once, the one reaching `d1`'s output each of those times each of
+    `d2`'s weights, rounded once. The rows, `ranges` and `summary` agree
+    with those values counted here with numpy (zero or below 2**-14, so a
+    flush to zero changes nothing)."""
+    model = Net(Identity(), nnx.Rngs(0))
+    model.d1.kernel[...] = jnp.zeros_like(model.d1.kernel[...])
+    w2 = np.asarray(model.d2.kernel[...]).astype(np.float16)[:, 0]
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((BATCH, 4)), jnp.float32)
+    y = rng.standard_normal((BATCH, 1)).astype(np.float32)
+    run = record(tmp_path / "underflow", model, [x], jnp.asarray(y), scale=2.0 ** -12)
+    g2 = (-y[:, 0].astype(np.float64) * 2.0 ** -14).astype(np.float16)
+    g1 = (g2[:, None].astype(np.float64) * w2[None, :].astype(np.float64)).astype(np.float16)
+    truth = {"d2": g2, "d1": g1}
+    assert pd.read_parquet(run / "rank=0" / "steps")["tier"].tolist() == ["full"]
+    rows = pd.read_parquet(run / "rank=0" / "tensors")
+    layers = {r["name"]: r for r in cli_json("ranges", str(run))["layers"] if r["kind"] == "grad_output"}
+    for name, g in truth.items():
+        tiny = int(np.sum((g == 0) | (np.abs(g) < np.float16(2.0 ** -14))))
+        row = rows[(rows["name"] == name) & (rows["kind"] == "grad_output")].iloc[0]
+        assert row["share_sample_size"] == row["numel"] == g.size
+        assert round((row["below_normal_share"] + row["zero_share"]) * g.size) == tiny
+        assert layers[name]["underflow_share"] == pytest.approx(tiny / g.size)
+        assert "underflow" in layers[name]["flags"]
+    found = findings(run)
+    kind = "grad_underflow" if "grad_underflow" in found else "grad_subnormal"  # a flush to zero or not: the kernels'
+    assert {"d1", "d2"} <= set(found[kind]["evidence"]["layers"])
+
+
+def test_only_full_tier_steps_carry_the_full_columns(runs):
+    """`overflow` (6 steps, full_every=100): step 0 full, the others cheap
+    with null full-tier columns."""
+    steps = pd.read_parquet(runs["overflow"] / "rank=0" / "steps").sort_values("step")
+    assert steps["tier"].tolist() == ["full"] + ["cheap"] * 5
+    rows = pd.read_parquet(runs["overflow"] / "rank=0" / "tensors")
+    full_cols = ["min", "max", "mean", "rms", "zero_share", "below_normal_share", "below_subnormal_share",
+                 "near_overflow_share", "share_sample_size"]
+    assert rows[rows["step"] > 0][full_cols].isna().all().all()
+    assert rows[rows["step"] == 0][full_cols[4:]].notna().all().all()

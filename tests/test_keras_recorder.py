@@ -179,3 +179,42 @@ def test_each_recorder_counts_its_own_bundles(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          cwd=HERE.parent)
     assert out.stdout.splitlines() == ["first [3]", "second [3]"], out.stderr[-2000:]
+
+
+def test_the_full_tier_reports_a_planted_gradient_underflow_for_its_layers(runs):
+    """Step 0 of `underflow` is a full-tier step: its rows' below-normal and
+    zero shares, `ranges`' underflow share and `summary`'s underflow finding
+    agree with the truth counted with numpy from the batch (tests/keras_runs.py)."""
+    _, out = runs
+    truth = json.loads((out / "underflow_truth.json").read_text())
+    steps = pd.read_parquet(out / "underflow" / "rank=0" / "steps")
+    assert steps["tier"].tolist() == ["full"]
+    rows = pd.read_parquet(out / "underflow" / "rank=0" / "tensors")
+    layers = {r["name"]: r for r in cli_json("ranges", str(out / "underflow"))["layers"] if r["kind"] == "grad_output"}
+    for name in ("d2", "d1"):
+        t = truth[name]
+        row = rows[(rows["name"] == name) & (rows["kind"] == "grad_output")].iloc[0]
+        assert row["share_sample_size"] == row["numel"] == t["numel"]
+        assert round((row["below_normal_share"] + row["zero_share"]) * t["numel"]) == t["below_normal_or_zero"]
+        assert layers[name]["underflow_share"] == pytest.approx(t["below_normal_or_zero"] / t["numel"])
+        assert "underflow" in layers[name]["flags"]
+    found = findings(out / "underflow")
+    kind = "grad_underflow" if "grad_underflow" in found else "grad_subnormal"  # a flush to zero or not: the kernels'
+    assert {"d1", "d2"} <= set(found[kind]["evidence"]["layers"])
+
+
+def test_only_full_tier_steps_carry_the_full_columns(runs):
+    """`overflow`: step 0 is full (full_every=100), steps 1-5 cheap, their
+    full-tier columns null."""
+    _, out = runs
+    steps = pd.read_parquet(out / "overflow" / "rank=0" / "steps").sort_values("step")
+    assert steps["tier"].tolist() == ["full"] + ["cheap"] * 5
+    rows = pd.read_parquet(out / "overflow" / "rank=0" / "tensors")
+    full_cols = ["min", "max", "mean", "rms", "zero_share", "below_normal_share", "below_subnormal_share",
+                 "near_overflow_share", "share_sample_size"]
+    assert rows[rows["step"] > 0][full_cols].isna().all().all()
+    first = rows[rows["step"] == 0]
+    # Every row has its shares (a gradient with no finite value, as the
+    # 2**15 scale's first step makes, has no extremes, mean or rms).
+    assert first[full_cols[4:]].notna().all().all()
+    assert set(first["kind"]) == {"input", "activation", "loss", "grad_output", "grad_input", "param_grad"}
