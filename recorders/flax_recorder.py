@@ -23,7 +23,7 @@ in backward order, the gradient reaching each module call's output
 scaled as they travel (`ModuleGradientTaps`). Those and the scalars are
 the only values that leave the device. Every `full_every`-th step (default
 100, from step 0) calls a second jitted step that also reduces the full
-tier's nine (`graph_stats`, PyTorch's definitions); the others call the
+tier's nine (`xp_stats`, PyTorch's definitions); the others call the
 one without them.
 
 Without the helper, call `rec.step(loss=..., loss_scale_before=...,
@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import graph_stats
+from . import xp_stats
 from .format import schema
 from .format.flax_names import key_name, module_name, named_params
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
@@ -78,13 +78,13 @@ def _cast(x, dtype):
 
 
 def _width(full: bool) -> int:
-    return graph_stats.FULL_WIDTH if full else STAT_WIDTH
+    return xp_stats.FULL_WIDTH if full else STAT_WIDTH
 
 
 # ------------------------------------------------------------ in the graph
 def array_stats(x, scale=None, full: bool = False):
     """[absmax, NaN count, Inf count, 0, numel] of one array, float32, in
-    the graph; `full`: the full tier's nine after them (`graph_stats`)."""
+    the graph; `full`: the full tier's nine after them (`xp_stats`)."""
     x = jnp.asarray(x).astype(jnp.float32)
     if scale is not None:
         x = x / scale
@@ -93,15 +93,15 @@ def array_stats(x, scale=None, full: bool = False):
     cheap = [absmax, jnp.sum(jnp.isnan(x)).astype(jnp.float32),
              jnp.sum(jnp.isinf(x)).astype(jnp.float32), jnp.float32(0), jnp.float32(x.size)]
     if full and x.size:
-        cheap += graph_stats.full_tail(x, int(x.size), jnp, _cast)
+        cheap += xp_stats.full_tail(x, int(x.size), jnp, _cast)
     elif full:  # empty: no value, every statistic null
         cheap += [jnp.float32(math.nan)] * 4 + [jnp.float32(0)] * 5
     return jnp.stack(cheap)
 
 
 def merge_stats(parts: list):
-    """One row from the stats of its arrays (`graph_stats.merge_rows`)."""
-    return graph_stats.merge_rows(parts, jnp, _cast)
+    """One row from the stats of its arrays (`xp_stats.merge_rows`)."""
+    return xp_stats.merge_rows(parts, jnp, _cast)
 
 
 def tree_stats(tree, scale=None, full: bool = False):
@@ -177,7 +177,7 @@ class FlaxRecorder:
     non-finite loss); `full_every`: every N-th step (from step 0; 0: never)
     the rows also carry the full tier's statistics (min, max, mean, rms,
     the zero, below-normal, below-subnormal and near-overflow shares,
-    `graph_stats`), from a second jitted step traced for those steps (the
+    `xp_stats`), from a second jitted step traced for those steps (the
     others run without them), and the steps table's `tier` says `full`;
     `steps_per_shard`: as the PyTorch recorder's;
     `bundles`: when to save a replay bundle (a `BundleTriggers`, of which
@@ -441,7 +441,7 @@ class ModuleGradientTaps:
     path from the first call of the model's class (`module_name`)."""
 
     def __init__(self, model, *, full: bool = False):
-        self.full = full            # the full tier's statistics too (graph_stats)
+        self.full = full            # the full tier's statistics too (xp_stats)
         self.root_cls = type(model)
         self.rows: list = []        # (name, kind, call, dtype, stats) in backward order
         self._paths: dict = {}      # id(module) -> path, from the traced model

@@ -69,7 +69,7 @@ def stats_row(name: str, kind: str, phase: str, order: int, call: int, dtype: st
     """A row from the five in-graph numbers [absmax, NaN count, Inf count,
     NaN/Inf among the inputs, numel] (`input_nonfinite` kept when true),
     and on a full-tier step the nine of `FULL_COLUMNS` after them, the four
-    shares as counts over the sample (`graph_stats`)."""
+    shares as counts over the sample (`xp_stats`)."""
     v = np.asarray(stats, dtype=np.float64)
     full = {}
     if len(v) > 5:

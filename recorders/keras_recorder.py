@@ -17,7 +17,7 @@ layer's backward hands its inputs (`grad_input`), scaled as they travel
 (`gradient_tap`). All of it is reduced inside the compiled train step, to
 five numbers per row, and leaves the device once per step. Every
 `full_every`-th step (default 100, from step 0) runs a second train
-function, traced with the full tier's reductions too (`graph_stats`: 14
+function, traced with the full tier's reductions too (`xp_stats`: 14
 numbers per row, PyTorch's definitions); the other steps run the one
 without them.
 
@@ -65,7 +65,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from . import graph_stats
+from . import xp_stats
 from .format import schema
 from .format.keras_names import keras_name, layer_name, layers_of
 from .errors import OptionError
@@ -114,7 +114,7 @@ def row_stats(tensors: list, inputs: list = (), scale=None, full: bool = False):
     """The row's five numbers, in the graph: the largest finite magnitude,
     the NaN and Inf counts, the non-finite values among `inputs`, the number
     of values; `scale`: divide by it first (gradients, unscaled). `full`:
-    the full tier's nine after them (`graph_stats`), on full-tier steps
+    the full tier's nine after them (`xp_stats`), on full-tier steps
     only (their own traced train function: cheap steps run none of it)."""
     if full:
         return _full_row_stats(tensors, inputs, scale)
@@ -141,9 +141,9 @@ def _full_row_stats(tensors, inputs, scale):
         if scale is not None:
             x = x / scale
         cheap = row_stats([x])
-        tail = graph_stats.full_tail(x, _static_size(x), ops, ops.cast)
+        tail = xp_stats.full_tail(x, _static_size(x), ops, ops.cast)
         rows.append(ops.stack([cheap[0], cheap[1], cheap[2], cheap[3], cheap[4], *tail]))
-    merged = graph_stats.merge_rows(rows, ops, ops.cast)
+    merged = xp_stats.merge_rows(rows, ops, ops.cast)
     return ops.concatenate([merged[:3], ops.reshape(_nonfinite_count(inputs), (1,)), merged[4:]])
 
 
@@ -276,7 +276,7 @@ class _Trace:
 
 
 def _stack(stats, full: bool = False):
-    width = graph_stats.FULL_WIDTH if full else STAT_WIDTH
+    width = xp_stats.FULL_WIDTH if full else STAT_WIDTH
     return ops.stack(stats) if stats else ops.zeros((0, width), "float32")
 
 
@@ -356,7 +356,7 @@ class KerasRecorder(keras.callbacks.Callback):
     only fewer reach the disk). `full_every`: every N-th step (from step 0;
     0: never) every row also carries the full tier's statistics (min, max,
     mean, rms, the zero, below-normal, below-subnormal and near-overflow
-    shares: `graph_stats`), reduced by a second train function traced for
+    shares: `xp_stats`), reduced by a second train function traced for
     those steps, so the other steps run what they ran without it; the
     steps table's `tier` says `full` there. `steps_per_shard`: as the PyTorch
     recorder's; `bundles`: when to save a replay bundle (a

@@ -1,4 +1,4 @@
-"""recorders/graph_stats.py, the Keras and Flax recorders' full tier, run
+"""recorders/xp_stats.py, the Keras and Flax recorders' full tier, run
 on numpy (it takes any namespace with numpy's names) against the PyTorch
 recorder's own statistics (recorders/stats.py) of the same values: the
 same definitions, so `ranges` reads the frameworks' rows alike."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from recorders import graph_stats, stats
+from recorders import xp_stats, stats
 from recorders.format import schema
 
 
@@ -22,7 +22,7 @@ def full_row(x16: np.ndarray) -> np.ndarray:
     x = x16.astype(np.float32)
     finite = np.isfinite(x)
     cheap = [np.max(np.where(finite, np.abs(x), 0)), np.sum(np.isnan(x)), np.sum(np.isinf(x)), 0.0, x.size]
-    return np.array(cheap + [float(v) for v in graph_stats.full_tail(x, x.size, np, cast)], dtype=np.float64)
+    return np.array(cheap + [float(v) for v in xp_stats.full_tail(x, x.size, np, cast)], dtype=np.float64)
 
 
 def shares(row: np.ndarray) -> np.ndarray:
@@ -66,7 +66,7 @@ def test_nonfinite_values_are_in_the_sample_but_in_no_share():
 
 def test_a_row_of_several_tensors_merges_as_one():
     a, b = values(300, seed=1), values(500, seed=2)
-    merged = graph_stats.merge_rows([full_row(a), full_row(b)], np, cast)
+    merged = xp_stats.merge_rows([full_row(a), full_row(b)], np, cast)
     whole = full_row(np.concatenate([a, b]))
     assert merged[[0, 1, 2, 4, 5, 6, 9, 10, 11, 12, 13]].tolist() == pytest.approx(
         whole[[0, 1, 2, 4, 5, 6, 9, 10, 11, 12, 13]].tolist(), abs=1e-12)
