@@ -21,6 +21,7 @@ from amp_postmortem.replaying import ReplaySession, RunConfig, recorded_precisio
 from amp_postmortem.replaying import attribution
 from amp_postmortem.replaying.attribution import ErrorStats
 from amp_postmortem.replaying.policy import get_policy
+from interrupt import default_sigint
 from recorders.stats import iter_tensors
 from tiny_models import (BackwardBlowup, BlowupNet, BoomNet, ConvBN, DropMLP, ScoreNet, TinyNet,
                          recorder_at, train)
@@ -533,7 +534,7 @@ def test_ctrl_c_during_a_replay_is_one_line_and_exit_130(saved_run, tmp_path):
     replay_cli = subprocess.Popen(
         [sys.executable, "-m", "amp_postmortem", "replay", str(saved_run / "run"), "--step", "3", "--model",
          f"{tmp_path / 'slow_model.py'}:slow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONPATH=str(repo)))
+        env=dict(os.environ, PYTHONPATH=str(repo)), preexec_fn=default_sigint)
     try:
         assert replay_cli.stderr.readline() == "building\n"  # inside the user's factory
         replay_cli.send_signal(signal.SIGINT)

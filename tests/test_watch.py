@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from amp_postmortem.analyses.summary import Finding
 from amp_postmortem.analyses.watch import EXIT_CODES, Outcome, RunWatcher, fail_rule, finding_key, follow
 from amp_postmortem.cli import main
+from interrupt import default_sigint
 from recorders.storage import spool_dir_for
 from test_storage import BUCKET, s3  # noqa: F401  (the S3 endpoint fixture)
 
@@ -70,7 +71,7 @@ def _job(tmp_path, run, *, steps, nan_step=-1, pause=0.2):
 def _watch(run, *args):
     return subprocess.Popen([sys.executable, "-m", "amp_postmortem", "watch", str(run), "--interval",
                              str(INTERVAL), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+                            env=_env(), preexec_fn=default_sigint)
 
 
 def _stepped_at(job_stdout: str) -> dict[int, float]:
