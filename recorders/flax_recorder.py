@@ -66,6 +66,7 @@ from .format import schema
 from .format.flax_names import key_name, module_name, named_params
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
 from .host_run import HostRun, StepRecord, backward_rows, framework_entry, stats_row
+from .jax_grad_tap import identity_with_gradient
 
 STAT_WIDTH = 5
 # The full tier every 100 steps by default, as the PyTorch recorder's
@@ -503,19 +504,7 @@ class ModuleGradientTaps:
                 merged = merged.at[3].set(self._received.get((name, call), jnp.float32(0)))
             self.rows.append((name, kind, call, str(grads[0].dtype), merged))
 
-        @jax.custom_vjp
-        def tap(*xs):
-            return xs
-
-        def forward(*xs):
-            return xs, None
-
-        def backward(_, grads):
-            on_grads(list(grads))
-            return tuple(grads)
-
-        tap.defvjp(forward, backward)
-        out = tap(*[leaves[i] for i in where])
+        out = identity_with_gradient([leaves[i] for i in where], on_grads)
         for i, t in zip(where, out):
             leaves[i] = t
         return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -67,6 +67,7 @@ from keras import ops
 
 from . import xp_stats
 from .format import schema
+from .jax_grad_tap import identity_with_gradient
 from .format.keras_names import keras_name, layer_name, layers_of
 from .errors import OptionError
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
@@ -223,21 +224,7 @@ def _identity_with_gradient(tensors: list, on_grads) -> list:
             return [tf.identity(x) for x in xs], grad
 
         return list(tap(*tensors))
-    import jax
-
-    @jax.custom_vjp
-    def tap(*xs):
-        return xs
-
-    def forward(*xs):
-        return xs, None
-
-    def backward(_, grads):
-        on_grads(list(grads))
-        return tuple(grads)
-
-    tap.defvjp(forward, backward)
-    return list(tap(*tensors))
+    return identity_with_gradient(tensors, on_grads)
 
 
 class _Trace:

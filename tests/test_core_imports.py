@@ -39,6 +39,7 @@ FRAMEWORKS = {"integrations/transformers.py": {"transformers"},
               "keras_recorder.py": {"keras", "tensorflow", "jax"},
               "keras_loss_scaling.py": {"keras", "tensorflow"},  # the Keras recorder's loss-scaling probe
               "flax_recorder.py": {"jax", "flax", "optax"},
+              "jax_grad_tap.py": {"jax"},  # both recorders' JAX gradient tap
               # How those recorders name layers and variables, with the run format.
               "format/keras_names.py": {"keras"},
               "format/flax_names.py": {"jax", "flax"}}
