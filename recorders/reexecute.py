@@ -311,8 +311,6 @@ class Reexecutor:
         its rounding is then eager's, not the compiler's (`Outcome.eager`)."""
         if self.refuse is not None:
             return Outcome(step, kind, self.refuse)
-        if scale is not None and not isinstance(scale, torch.Tensor):
-            scale = torch.tensor(float(scale), dtype=torch.float32)  # a host value (the CPU's `StepRows`)
         if compiled and not self.eager_when_compiled:
             return Outcome(step, kind, Refusal.COMPILED)
         cap = self.bundles.held(step)
@@ -325,12 +323,12 @@ class Reexecutor:
             if cap.params is None or not cap.params_exact:
                 return Outcome(step, kind, Refusal.WEIGHTS_NOT_HELD)
             weights = cap.params
+        if scale is not None and not isinstance(scale, torch.Tensor):
+            scale = torch.tensor(float(scale), dtype=torch.float32)  # a host value (the CPU's `StepRows`)
         try:
-            if not compiled:
-                return self._run(cap, kind, weights, scale)
-            with torch.compiler.set_stance("force_eager"):
+            with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
                 out = self._run(cap, kind, weights, scale)
-            out.eager = True
+            out.eager = compiled
             return out
         except Exception as exc:  # noqa: BLE001 - restored; the training goes on
             return Outcome(step, kind, Refusal.FAILED, detail=f"{type(exc).__name__}: {exc}")
