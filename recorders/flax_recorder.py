@@ -21,10 +21,14 @@ step to five numbers ([absmax, NaN count, Inf count, -, numel]); so are,
 in backward order, the gradient reaching each module call's output
 (`grad_output`) and what its backward hands its inputs (`grad_input`),
 scaled as they travel (`ModuleGradientTaps`). Those and the scalars are
-the only values that leave the device. Every `full_every`-th step (default
-100, from step 0) calls a second jitted step that also reduces the full
-tier's nine (`xp_stats`, PyTorch's definitions); the others call the
-one without them.
+the only values that leave the device. A full-tier step calls a second
+jitted step that also reduces the full tier's nine (`xp_stats`, PyTorch's
+definitions); the others call the one without them. Which steps are full
+is the PyTorch recorder's `RecordSchedule` (`schedule.py`), with its
+every-step mode's defaults: every `full_every`-th step (100, from step 0)
+and a burst of `full_after_event` steps (20) after the first event of each
+kind (a skipped step, NaN/Inf in the forward, in the gradients, in the
+loss). Each jitted step is traced once; switching tiers recompiles nothing.
 
 Without the helper, call `rec.step(loss=..., loss_scale_before=...,
 loss_scale=..., skipped=..., grad_norm=...)` after each step, and for
@@ -61,17 +65,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import xp_stats
+from . import jax_program, xp_stats
 from .format import schema
 from .format.flax_names import key_name, module_name, named_params
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
-from .host_run import HostRun, StepRecord, backward_rows, framework_entry, stats_row
+from .errors import OptionError, option_float, option_int
+from .host_run import HostRun, StepRecord, backward_rows, framework_entry, stats_row, step_events
 from .jax_grad_tap import identity_with_gradient
+from .schedule import EVERY_STEP, FULL, RecordSchedule
 
 STAT_WIDTH = 5
-# The full tier every 100 steps by default, as the PyTorch recorder's
-# every-step mode (`schedule.EVERY_STEP`): this recorder records every step.
-FULL_EVERY = 100
+# The full tier every 100 steps and in a burst of 20 after the first event
+# of each kind by default, as the PyTorch recorder's every-step mode
+# (`schedule.EVERY_STEP`): this recorder reduces every step's rows in the
+# jitted step and re-executes no failing step (the sentinel's
+# `full_after_event=0` leans on that re-execution).
+FULL_EVERY = EVERY_STEP["full_every"]
+FULL_AFTER_EVENT = EVERY_STEP["full_after_event"]
 
 
 def _cast(x, dtype):
@@ -83,9 +93,10 @@ def _width(full: bool) -> int:
 
 
 # ------------------------------------------------------------ in the graph
-def array_stats(x, scale=None, full: bool = False):
+def array_stats(x, scale=None, full: bool = False, near_overflow: float = schema.FP16_MAX):
     """[absmax, NaN count, Inf count, 0, numel] of one array, float32, in
-    the graph; `full`: the full tier's nine after them (`xp_stats`)."""
+    the graph; `full`: the full tier's nine after them (`xp_stats`;
+    `near_overflow`: the magnitude counted as near overflow)."""
     x = jnp.asarray(x).astype(jnp.float32)
     if scale is not None:
         x = x / scale
@@ -94,7 +105,7 @@ def array_stats(x, scale=None, full: bool = False):
     cheap = [absmax, jnp.sum(jnp.isnan(x)).astype(jnp.float32),
              jnp.sum(jnp.isinf(x)).astype(jnp.float32), jnp.float32(0), jnp.float32(x.size)]
     if full and x.size:
-        cheap += xp_stats.full_tail(x, int(x.size), jnp, _cast)
+        cheap += xp_stats.full_tail(x, int(x.size), jnp, _cast, near_overflow)
     elif full:  # empty: no value, every statistic null
         cheap += [jnp.float32(math.nan)] * 4 + [jnp.float32(0)] * 5
     return jnp.stack(cheap)
@@ -105,24 +116,25 @@ def merge_stats(parts: list):
     return xp_stats.merge_rows(parts, jnp, _cast)
 
 
-def tree_stats(tree, scale=None, full: bool = False):
+def tree_stats(tree, scale=None, full: bool = False, near_overflow: float = schema.FP16_MAX):
     """(names, [n, 5] stats) of every floating leaf of a pytree (gradients):
     names `a.b.kernel`, statistics reduced in the graph; `full`: [n, 14],
-    the full tier's after them."""
+    the full tier's after them (`near_overflow`: as `array_stats`')."""
     names, stats = [], []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue
         parts = [str(key_name(k)) for k in path if key_name(k) != "value"]
         names.append((".".join(parts), str(leaf.dtype)))
-        stats.append(array_stats(leaf, scale, full))
+        stats.append(array_stats(leaf, scale, full, near_overflow))
     return names, (jnp.stack(stats) if stats else jnp.zeros((0, _width(full)), jnp.float32))
 
 
-def module_stats(intermediates, full: bool = False):
+def module_stats(intermediates, full: bool = False, near_overflow: float = schema.FP16_MAX):
     """(rows, [n, 5] stats) of `nnx.capture(..., nnx.Intermediate,
     method_outputs=nnx.Intermediate)`'s state: one row per module method
-    call, (module name, method, call, dtype); `full`: [n, 14]."""
+    call, (module name, method, call, dtype); `full`: [n, 14]
+    (`near_overflow`: as `array_stats`')."""
     calls: dict = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(intermediates):
         keys = [key_name(k) for k in path]
@@ -135,7 +147,7 @@ def module_stats(intermediates, full: bool = False):
     rows, stats = [], []
     for (module, method, call), leaves in calls.items():
         rows.append((module, method, call, str(leaves[0].dtype)))
-        stats.append(merge_stats([array_stats(leaf, full=full) for leaf in leaves]))
+        stats.append(merge_stats([array_stats(leaf, full=full, near_overflow=near_overflow) for leaf in leaves]))
     return rows, (jnp.stack(stats) if stats else jnp.zeros((0, _width(full)), jnp.float32))
 
 
@@ -180,19 +192,36 @@ class FlaxRecorder:
     the zero, below-normal, below-subnormal and near-overflow shares,
     `xp_stats`), from a second jitted step traced for those steps (the
     others run without them), and the steps table's `tier` says `full`;
-    `steps_per_shard`: as the PyTorch recorder's;
+    `full_after_event`: the full tier also for a burst of N steps after
+    the first event of each kind (a skipped step, NaN/Inf in the forward,
+    in the gradients of a step not skipped, a non-finite loss; 0: never),
+    as `RecordSchedule`'s option of that name; `near_overflow`: the
+    magnitude the full tier's `near_overflow_share` counts from (65504,
+    float16's largest; the PyTorch recorder's option, recorded in the
+    manifest's `recorder` as there; without the helper, pass it to
+    `array_stats` / `module_stats` / `tree_stats` / `ModuleGradientTaps`
+    yourself); `steps_per_shard`: as the PyTorch recorder's;
     `bundles`: when to save a replay bundle (a `BundleTriggers`, of which
     the recorder counts on its own copy; None: never; needs `wrap`)."""
 
     def __init__(self, run_dir, model, *, optimizer=None, loss_scale=None, every: int = 1,
-                 full_every: int = FULL_EVERY, steps_per_shard: int = 1000, run_id: str | None = None,
+                 full_every: int = FULL_EVERY, full_after_event: int = FULL_AFTER_EVENT,
+                 near_overflow: float = schema.FP16_MAX, steps_per_shard: int = 1000, run_id: str | None = None,
                  bundles: BundleTriggers | None = BundleTriggers()):
-        if int(every) < 1:
-            raise ValueError(f"every={every!r}: record every N >= 1 steps")
-        if int(full_every) < 0:
-            raise ValueError(f"full_every={full_every!r}: the full tier every N >= 1 steps, or 0 for never")
+        if option_int("every", every) < 1:
+            raise OptionError(f"every={every!r}: record every N >= 1 steps")
+        if option_int("full_every", full_every) < 0:
+            raise OptionError(f"full_every={full_every!r}: the full tier every N >= 1 steps, or 0 for never")
+        if option_int("full_after_event", full_after_event) < 0:
+            raise OptionError(f"full_after_event={full_after_event!r}: a burst of N >= 1 steps, or 0 for none")
+        self.near_overflow = option_float("near_overflow", near_overflow)
+        if not self.near_overflow > 0:
+            raise OptionError(f"near_overflow={near_overflow!r}: a magnitude above 0")
         self.every = int(every)
         self.full_every = int(full_every)
+        # Which steps are full (the rows are written every `every` steps, and on a bad one).
+        self.schedule = RecordSchedule(cheap_every=self.every, full_every=self.full_every,
+                                       full_after_event=int(full_after_event))
         self.step_index = 0
         self._order = module_order(model)
         self._scaled = loss_scale is not None
@@ -202,6 +231,7 @@ class FlaxRecorder:
         # one object shared by every recorder built without `bundles=`.
         self.bundles = bundles.fresh() if bundles is not None and bundles.enabled else None
         self._held = None  # (model-call tree, device arrays, step-arguments tree) of the last step
+        self._program_read = False  # the step's jaxpr scanned for float16 reductions (once)
         policy_dtype = _param_dtype(model)
         modules = [{"name": module_name(p, "__call__"), "type": _class_name(type(node)), "watched": True}
                    for p, node in ((tuple(str(x) for x in path), node) for path, node in nnx.iter_graph(model))
@@ -214,8 +244,8 @@ class FlaxRecorder:
             optimizer=describe_optimizer(optimizer),
             autocast={"enabled": policy_dtype not in (None, "float32"), "device_type": jax.default_backend(),
                       "dtype": policy_dtype, "cache_enabled": None},
-            recorder_options={"recorder": "flax", "every": self.every, "full_every": self.full_every,
-                              "steps_per_shard": steps_per_shard,
+            recorder_options={"recorder": "flax", "every": self.every, **self.schedule.config(),
+                              "near_overflow": self.near_overflow, "steps_per_shard": steps_per_shard,
                               "bundles": self.bundles.options() if self.bundles is not None else None},
             device_type=jax.default_backend(), steps_per_shard=steps_per_shard, run_id=run_id)
 
@@ -223,11 +253,12 @@ class FlaxRecorder:
     def wrap(self, step_fn, *, jit: bool = True):
         """`step_fn` jitted (`nnx.jit`) so that each call also returns the
         module and gradient statistics, recorded as one step. See the
-        module's docstring for what `step_fn` returns. Every `full_every`-th
-        step calls a second jitted function, traced with the full tier's
-        reductions; the others call one without them."""
+        module's docstring for what `step_fn` returns. A full-tier step
+        (`is_full_step`) calls a second jitted function, traced with the
+        full tier's reductions; the others call one without them."""
         tiers = {}
-        for full in ((False, True) if self.full_every else (False,)):
+        sched = self.schedule
+        for full in ((False, True) if sched.full_every or sched.full_after_event else (False,)):
             names: dict = {}
             instrumented = self._instrumented(step_fn, full, names)
             tiers[full] = (nnx.jit(instrumented) if jit else instrumented, names)
@@ -236,6 +267,10 @@ class FlaxRecorder:
             full = self.is_full_step(self.step_index)
             compiled, names = tiers[full]
             out, payload, held = compiled(*args, **kwargs)
+            if jit and not self._program_read:  # the program read once: jax's cached trace, nothing rerun
+                self._program_read = True
+                self.run.set_jax_reductions(jax_program.trace_reductions(compiled, args, kwargs,
+                                                                         step=self.step_index))
             # Device arrays: copied only for a bundle.
             self._held = (names.get("inputs"), held, names.get("step_args"))
             host = jax.device_get(payload)  # a few numbers per module: one transfer
@@ -245,8 +280,10 @@ class FlaxRecorder:
         return recorded_step
 
     def is_full_step(self, step: int) -> bool:
-        """Whether `step` carries the full tier (`full_every`)."""
-        return self.full_every > 0 and step % self.full_every == 0
+        """Whether `step` carries the full tier (`full_every`, a burst of
+        `full_after_event`: `self.schedule`). Without the helper, ask it
+        before tracing a step's statistics with `full=`."""
+        return self.schedule.tier(step) == FULL
 
     def _instrumented(self, step_fn, full: bool, names: dict):
         """`step_fn` returning its statistics too (the full tier's with
@@ -255,7 +292,7 @@ class FlaxRecorder:
         def instrumented(*args, **kwargs):
             captured = nnx.capture(step_fn, nnx.Intermediate, method_outputs=nnx.Intermediate)
             with RootCallTap(type(self._model), active=self.bundles is not None) as tap, \
-                    ModuleGradientTaps(self._model, full=full) as gradient_taps:
+                    ModuleGradientTaps(self._model, full=full, near_overflow=self.near_overflow) as gradient_taps:
                 out, intermediates = captured(*args, **kwargs)
             held: dict = {}
             names["inputs"] = None if tap.arguments is None else {
@@ -272,12 +309,13 @@ class FlaxRecorder:
                 raise TypeError("a step wrapped by FlaxRecorder.wrap returns a dict with at least 'loss'")
             out = dict(out)
             grads = out.pop("grads", None)
-            forward_rows, forward = module_stats(intermediates, full)
-            grad_rows, grad_stats = tree_stats(grads, full=full) if grads is not None else ([], None)
+            near = self.near_overflow
+            forward_rows, forward = module_stats(intermediates, full, near)
+            grad_rows, grad_stats = tree_stats(grads, full=full, near_overflow=near) if grads is not None else ([], None)
             names["forward"], names["grads"] = forward_rows, grad_rows
             loss = jnp.asarray(out["loss"])
             names["loss_dtype"] = str(loss.dtype)
-            payload = {"forward": forward, "loss": array_stats(loss, full=full)}
+            payload = {"forward": forward, "loss": array_stats(loss, full=full, near_overflow=near)}
             names["backward"] = [row[:4] for row in gradient_taps.rows]
             payload["backward"] = (jnp.stack([row[4] for row in gradient_taps.rows]) if gradient_taps.rows
                                    else jnp.zeros((0, _width(full)), jnp.float32))
@@ -346,13 +384,17 @@ class FlaxRecorder:
         if self.bundles is not None and self._held is not None and self._held[0] is not None:
             self._maybe_save_bundle(index, loss, bool(skipped), rows, loss_dtype, _opt_float(loss_scale_before),
                                     backward_bad)
-        self.run.write_step(StepRecord(
+        record = StepRecord(
             step=index, loss=loss,
             loss_scale_before=_opt_float(loss_scale_before) if self._scaled else None,
             loss_scale=_opt_float(loss_scale) if self._scaled else None,
             skipped=bool(skipped), lr=[float(lr)] if lr is not None else None,
             grad_norm=_opt_float(grad_norm), loss_dtype=loss_dtype, rows=rows, full=bool(full) and bool(rows),
-            wall_time=time.time()))
+            wall_time=time.time())
+        self.run.write_step(record)
+        events = step_events(record)
+        if events:  # note_event takes no kinds as one unnamed event
+            self.schedule.note_event(index, events)
 
     def _maybe_save_bundle(self, step, loss, skipped, rows, loss_dtype, loss_scale, backward_bad) -> None:
         bad = [{"name": r.name, "call": r.call} for r in rows
@@ -435,19 +477,20 @@ class ModuleGradientTaps:
     run by the step's own `value_and_grad` with the step's traced values)
     reduces the gradient reaching the output (`grad_output`) and what the
     module's backward hands its inputs (`grad_input`) to `array_stats`'s
-    five numbers (14 with `full`), appended to `rows` in the order the backward runs them.
+    five numbers (14 with `full`; `near_overflow` as `array_stats`'), appended to `rows` in the order the backward runs them.
     Values as they travel: scaled by the loss scale, in their own dtype.
     The `__call__` of each class that defines the model's modules' one is
     wrapped on entry and restored on exit; a call is named by its module's
     path from the first call of the model's class (`module_name`)."""
 
-    def __init__(self, model, *, full: bool = False):
+    def __init__(self, model, *, full: bool = False, near_overflow: float = schema.FP16_MAX):
         self.full = full            # the full tier's statistics too (xp_stats)
         self.root_cls = type(model)
         self.rows: list = []        # (name, kind, call, dtype, stats) in backward order
         self._paths: dict = {}      # id(module) -> path, from the traced model
         self._calls: dict = {}
         self._received: dict = {}
+        self.near_overflow = near_overflow
         owners = {}
         for _, node in nnx.iter_graph(model):
             if isinstance(node, nnx.Module):
@@ -496,7 +539,7 @@ class ModuleGradientTaps:
             return tree
 
         def on_grads(grads):
-            merged = merge_stats([array_stats(g, full=self.full) for g in grads])
+            merged = merge_stats([array_stats(g, full=self.full, near_overflow=self.near_overflow) for g in grads])
             if kind == "grad_output":
                 self._received[(name, call)] = merged[1] + merged[2]
             else:

@@ -128,6 +128,22 @@ class StepRecord:
     full: bool = False
 
 
+def step_events(record: StepRecord) -> list[str]:
+    """What a step says to the record schedule (`schedule.EVENT_KINDS`), as
+    the PyTorch recorder's writer tells it: a skip; NaN/Inf in a forward
+    row; in a backward row of a step that was not skipped (a skipped
+    step's non-finite gradients are that skip); a non-finite loss."""
+    events = ["skipped"] if record.skipped else []
+    bad = [r for r in record.rows if r.nan_count or r.inf_count]
+    if any(r.phase == "forward" for r in bad):
+        events.append("nonfinite_forward")
+    if not record.skipped and any(r.phase != "forward" for r in bad):
+        events.append("nonfinite_gradient")
+    if record.loss is not None and not math.isfinite(record.loss):
+        events.append("nonfinite_loss")
+    return events
+
+
 def framework_entry(name: str, version: str | None, backend: str | None = None) -> dict:
     """The manifest's `framework` object (schema 1.5)."""
     if name not in schema.FRAMEWORKS:
@@ -218,6 +234,12 @@ class HostRun:
         `keras_loss_scaling.LossScalingLog.entry()`), written with the
         manifest's next write."""
         self.manifest[schema.LOSS_SCALING_KEY] = loss_scaling
+
+    def set_jax_reductions(self, entry: dict) -> None:
+        """The manifest's `jax_reductions` (a JAX step's float16/bfloat16
+        reductions: `jax_program.trace_reductions`), written with the
+        manifest's next write."""
+        self.manifest[schema.JAX_REDUCTIONS_KEY] = entry
 
     def write_step(self, record: StepRecord) -> None:
         if self._closed:

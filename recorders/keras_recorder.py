@@ -15,11 +15,15 @@ gradient (`param_grad`); in backward order, the gradient reaching each
 layer's output (`grad_output`, the model's output's named "") and what the
 layer's backward hands its inputs (`grad_input`), scaled as they travel
 (`gradient_tap`). All of it is reduced inside the compiled train step, to
-five numbers per row, and leaves the device once per step. Every
-`full_every`-th step (default 100, from step 0) runs a second train
-function, traced with the full tier's reductions too (`xp_stats`: 14
-numbers per row, PyTorch's definitions); the other steps run the one
-without them.
+five numbers per row, and leaves the device once per step. A full-tier
+step runs a second train function, traced with the full tier's reductions
+too (`xp_stats`: 14 numbers per row, PyTorch's definitions); the other
+steps run the one without them. Which steps are full is the PyTorch
+recorder's `RecordSchedule` (`schedule.py`), with its every-step mode's
+defaults: every `full_every`-th step (100, from step 0), and a burst of
+`full_after_event` steps (20) after the first event of each kind (a
+skipped step, NaN/Inf in the forward, in the gradients, in the loss).
+Both train functions are traced once; switching tiers recompiles nothing.
 
 How the numbers leave the step. Every layer's `call`, the model's
 `compute_loss` and `train_step` and the optimizer's `apply` /
@@ -69,18 +73,23 @@ from . import xp_stats
 from .format import schema
 from .jax_grad_tap import identity_with_gradient
 from .format.keras_names import keras_name, layer_name, layers_of
-from .errors import OptionError
+from .errors import OptionError, option_float, option_int
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
-from .host_run import HostRun, StepRecord, backward_rows, framework_entry, stats_row
+from .host_run import HostRun, StepRecord, backward_rows, framework_entry, stats_row, step_events
 from .keras_loss_scaling import INNER_OPTIMIZER, LOSS_SCALE_OPTIMIZER, LossScalingLog, grad_loss_ratio
+from .schedule import EVERY_STEP, FULL, RecordSchedule
 
 LOGS_KEY = "_amp_postmortem"
 # [absmax, nan_count, inf_count, input_nonfinite, numel] of one row, float32
 # (counts exact up to 2**24 values per row).
 STAT_WIDTH = 5
-# The full tier every 100 steps by default, as the PyTorch recorder's
-# every-step mode (`schedule.EVERY_STEP`): these recorders record every step.
-FULL_EVERY = 100
+# The full tier every 100 steps and in a burst of 20 after the first event
+# of each kind by default, as the PyTorch recorder's every-step mode
+# (`schedule.EVERY_STEP`): this recorder reduces every step's rows in the
+# graph and re-executes no failing step (the sentinel's `full_after_event=0`
+# leans on that re-execution), so the burst is what shows a failure's start.
+FULL_EVERY = EVERY_STEP["full_every"]
+FULL_AFTER_EVENT = EVERY_STEP["full_after_event"]
 SCALARS = ("loss", "loss_scale_before", "loss_scale", "growth_tracker", "skipped", "grad_sqsum", "lr",
            "grad_loss_ratio")
 
@@ -111,14 +120,16 @@ def _nonfinite_count(tensors) -> object:
     return total
 
 
-def row_stats(tensors: list, inputs: list = (), scale=None, full: bool = False):
+def row_stats(tensors: list, inputs: list = (), scale=None, full: bool = False,
+              near_overflow: float = schema.FP16_MAX):
     """The row's five numbers, in the graph: the largest finite magnitude,
     the NaN and Inf counts, the non-finite values among `inputs`, the number
     of values; `scale`: divide by it first (gradients, unscaled). `full`:
-    the full tier's nine after them (`xp_stats`), on full-tier steps
-    only (their own traced train function: cheap steps run none of it)."""
+    the full tier's nine after them (`xp_stats`; `near_overflow`: the
+    magnitude counted as near overflow), on full-tier steps only (their
+    own traced train function: cheap steps run none of it)."""
     if full:
-        return _full_row_stats(tensors, inputs, scale)
+        return _full_row_stats(tensors, inputs, scale, near_overflow)
     absmax = ops.zeros((), "float32")
     nans = ops.zeros((), "float32")
     infs = ops.zeros((), "float32")
@@ -135,14 +146,14 @@ def row_stats(tensors: list, inputs: list = (), scale=None, full: bool = False):
     return ops.stack([absmax, nans, infs, _nonfinite_count(inputs), ops.cast(numel, "float32")])
 
 
-def _full_row_stats(tensors, inputs, scale):
+def _full_row_stats(tensors, inputs, scale, near_overflow):
     rows = []
     for t in tensors:
         x = ops.cast(t, "float32")
         if scale is not None:
             x = x / scale
         cheap = row_stats([x])
-        tail = xp_stats.full_tail(x, _static_size(x), ops, ops.cast)
+        tail = xp_stats.full_tail(x, _static_size(x), ops, ops.cast, near_overflow)
         rows.append(ops.stack([cheap[0], cheap[1], cheap[2], cheap[3], cheap[4], *tail]))
     merged = xp_stats.merge_rows(rows, ops, ops.cast)
     return ops.concatenate([merged[:3], ops.reshape(_nonfinite_count(inputs), (1,)), merged[4:]])
@@ -181,13 +192,13 @@ def gradient_tap(tree, trace, name: str, kind: str, call: int):
         if not grads or trace.own_backward:
             return
         if kind == "grad_output":
-            stats = row_stats(grads, full=trace.full)
+            stats = trace.row_stats(grads)
             trace.received[(name, call)] = stats[1] + stats[2]
         else:
             # input_nonfinite of a grad_input row: NaN/Inf in the gradient
             # the layer received at its outputs.
             received = trace.received.get((name, call))
-            stats = row_stats(grads, full=trace.full)
+            stats = trace.row_stats(grads)
             if received is not None:
                 stats = ops.concatenate([stats[:3], ops.reshape(received, (1,)), stats[4:]])
         trace.add_backward(name, kind, call, _dtype(grads), stats)
@@ -230,8 +241,9 @@ def _identity_with_gradient(tensors: list, on_grads) -> list:
 class _Trace:
     """What one trace of the train step collects (static names, graph values)."""
 
-    def __init__(self, full: bool = False):
+    def __init__(self, full: bool = False, near_overflow: float = schema.FP16_MAX):
         self.full = full             # the full tier's statistics (a full-tier step's train function)
+        self.near_overflow = near_overflow
         self.forward: list = []      # (name, kind, call, dtype)
         self.forward_stats: list = []
         self.calls: dict = {}
@@ -250,6 +262,10 @@ class _Trace:
         self.scale_loss_calls = 0
         self.applied_by: str | None = None
         self.in_loss_scale_apply = False  # inside LossScaleOptimizer.apply (which calls the inner one)
+
+    def row_stats(self, tensors, inputs=(), scale=None):
+        """`row_stats` at this trace's tier and near-overflow threshold."""
+        return row_stats(tensors, inputs, scale, full=self.full, near_overflow=self.near_overflow)
 
     def add_backward(self, name, kind, call, dtype, stats):
         self.backward.append((name, kind, call, dtype))
@@ -296,7 +312,7 @@ class LayerTaps:
                 outs = _floating(out)
                 if outs:
                     trace.add_forward(name, "activation", _dtype(outs),
-                                      row_stats(outs, _floating((args, kwargs)), full=trace.full))
+                                      trace.row_stats(outs, _floating((args, kwargs))))
                     out = gradient_tap(out, trace, name, "grad_output", n)
             return out
 
@@ -345,23 +361,39 @@ class KerasRecorder(keras.callbacks.Callback):
     mean, rms, the zero, below-normal, below-subnormal and near-overflow
     shares: `xp_stats`), reduced by a second train function traced for
     those steps, so the other steps run what they ran without it; the
-    steps table's `tier` says `full` there. `steps_per_shard`: as the PyTorch
+    steps table's `tier` says `full` there. `full_after_event`: the full
+    tier also for a burst of N steps after the first event of each kind (a
+    skipped step, NaN/Inf in the forward, in the gradients of a step not
+    skipped, a non-finite loss; 0: never), as `RecordSchedule`'s option of
+    that name. `near_overflow`: the magnitude the full tier's
+    `near_overflow_share` counts from (65504, float16's largest; the
+    PyTorch recorder's option, recorded in the manifest's `recorder` as
+    there). `steps_per_shard`: as the PyTorch
     recorder's; `bundles`: when to save a replay bundle (a
     `BundleTriggers`, of which the recorder counts on its own copy; None:
     never). Use as a callback of `model.fit`;
     `close()` (idempotent) or a `with` block ends the run."""
 
     def __init__(self, run_dir, model, *, every: int = 1, full_every: int = FULL_EVERY,
+                 full_after_event: int = FULL_AFTER_EVENT, near_overflow: float = schema.FP16_MAX,
                  steps_per_shard: int = 1000, run_id: str | None = None,
                  bundles: BundleTriggers | None = BundleTriggers()):
         super().__init__()
-        if int(every) < 1:
+        if option_int("every", every) < 1:
             raise KerasRecorderError(f"every={every!r}: record every N >= 1 steps")
-        if int(full_every) < 0:
+        if option_int("full_every", full_every) < 0:
             raise KerasRecorderError(f"full_every={full_every!r}: the full tier every N >= 1 steps, or 0 for never")
+        if option_int("full_after_event", full_after_event) < 0:
+            raise KerasRecorderError(f"full_after_event={full_after_event!r}: a burst of N >= 1 steps, or 0 for none")
+        self.near_overflow = option_float("near_overflow", near_overflow)
+        if not self.near_overflow > 0:
+            raise KerasRecorderError(f"near_overflow={near_overflow!r}: a magnitude above 0")
         self.run_dir = run_dir
         self.every = int(every)
         self.full_every = int(full_every)
+        # Which steps are full (the rows are written every `every` steps, and on a bad one).
+        self.schedule = RecordSchedule(cheap_every=self.every, full_every=self.full_every,
+                                       full_after_event=int(full_after_event))
         self.backend = keras.backend.backend()
         if self.backend not in ("tensorflow", "jax"):
             raise KerasRecorderError(f"Keras backend {self.backend!r} is not recorded; "
@@ -478,8 +510,8 @@ class KerasRecorder(keras.callbacks.Callback):
             scaler=describe_loss_scale(opt), optimizer=describe_optimizer(opt),
             autocast={"enabled": compute != variable, "device_type": "cpu", "dtype": compute,
                       "cache_enabled": None, "policy": policy.name},
-            recorder_options={"recorder": "keras", "every": self.every, "full_every": self.full_every,
-                              "steps_per_shard": self._steps_per_shard,
+            recorder_options={"recorder": "keras", "every": self.every, **self.schedule.config(),
+                              "near_overflow": self.near_overflow, "steps_per_shard": self._steps_per_shard,
                               "bundles": self.bundles.options() if self.bundles is not None else None},
             dtype_policies=dtype_policies(model), steps_per_shard=self._steps_per_shard, run_id=self._run_id)
 
@@ -512,7 +544,8 @@ class KerasRecorder(keras.callbacks.Callback):
         it is given, so one object would hand the full tier's steps the
         cheap trace."""
         original = self._original_train_step
-        for full in ((False, True) if self.full_every else (False,)):
+        sched = self.schedule
+        for full in ((False, True) if sched.full_every or sched.full_after_event else (False,)):
             _set(model, "train_step", self._train_step_wrapper(original))
             model.make_train_function(force=True)
             self._train_steps[full] = model.train_function
@@ -520,8 +553,9 @@ class KerasRecorder(keras.callbacks.Callback):
         self._wrap_train_function(model)
 
     def is_full_step(self, step: int) -> bool:
-        """Whether `step` carries the full tier (`full_every`)."""
-        return self.full_every > 0 and step % self.full_every == 0
+        """Whether `step` carries the full tier (`full_every`, a burst of
+        `full_after_event`: `self.schedule`)."""
+        return self.schedule.tier(step) == FULL
 
     def _wrap_train_function(self, model):
         hold = self.bundles is not None
@@ -551,7 +585,7 @@ class KerasRecorder(keras.callbacks.Callback):
 
     def _train_step_wrapper(self, original):
         def train_step(*args, **kwargs):
-            outer, self._trace = self._trace, _Trace(full=self._full_now)
+            outer, self._trace = self._trace, _Trace(full=self._full_now, near_overflow=self.near_overflow)
             trace = self._trace
             try:
                 out = original(*args, **kwargs)
@@ -569,7 +603,7 @@ class KerasRecorder(keras.callbacks.Callback):
         trace.loss_tensor = loss
         trace.scalars["loss"] = ops.cast(loss, "float32")
         trace.loss_dtype = keras.backend.standardize_dtype(loss.dtype)
-        trace.add_forward(schema.LOSS_NAME, "loss", trace.loss_dtype, row_stats([loss], full=trace.full))
+        trace.add_forward(schema.LOSS_NAME, "loss", trace.loss_dtype, trace.row_stats([loss]))
 
     def _compute_loss_wrapper(self, original):
         def compute_loss(*args, **kwargs):
@@ -591,7 +625,7 @@ class KerasRecorder(keras.callbacks.Callback):
             x = kwargs.get("x", args[0] if args else None)
             inputs = _floating(x)
             if inputs:
-                stats = row_stats(inputs, full=trace.full)
+                stats = trace.row_stats(inputs)
                 call = trace.calls.get((schema.INPUT_NAME, "input"), 0)
                 trace.calls[(schema.INPUT_NAME, "input")] = call + 1
                 trace.forward.insert(0, (schema.INPUT_NAME, "input", call, _dtype(inputs)))
@@ -611,7 +645,7 @@ class KerasRecorder(keras.callbacks.Callback):
             if g is None:
                 continue
             trace.grads.append((keras_name(v.path, root), keras.backend.standardize_dtype(g.dtype)))
-            trace.grad_stats.append(row_stats([g], scale=scale, full=trace.full))
+            trace.grad_stats.append(trace.row_stats([g], scale=scale))
             g32 = ops.cast(g, "float32") / scale
             sqsum = sqsum + ops.sum(g32 * g32)
         return sqsum
@@ -794,14 +828,18 @@ class KerasRecorder(keras.callbacks.Callback):
             rows.extend(backward_rows([(*meta, v) for meta, v in zip(backward_meta, backward)],
                                       [(*meta, v) for meta, v in zip(grad_meta, grads)]))
         sq = s.get("grad_sqsum")
-        self.run.write_step(StepRecord(
+        record = StepRecord(
             step=step, loss=s.get("loss"),
             loss_scale_before=s.get("loss_scale_before") if scaled else None,
             loss_scale=s.get("loss_scale") if scaled else None,
             growth_tracker=int(s["growth_tracker"]) if scaled and _finite(s.get("growth_tracker")) else None,
             skipped=skipped, lr=[s["lr"]] if _finite(s.get("lr")) else None,
             grad_norm=math.sqrt(sq) if sq is not None and sq >= 0 else sq,
-            loss_dtype=received.get("loss_dtype"), rows=rows, full=full and bool(rows), wall_time=time.time()))
+            loss_dtype=received.get("loss_dtype"), rows=rows, full=full and bool(rows), wall_time=time.time())
+        self.run.write_step(record)
+        events = step_events(record)
+        if events:  # note_event takes no kinds as one unnamed event
+            self.schedule.note_event(step, events)
         if self._loss_scaling is not None:
             self._loss_scaling.observe(step, s.get("grad_loss_ratio"), s.get("loss_scale_before"))
             self.run.set_loss_scaling(self._loss_scaling.entry())

@@ -104,10 +104,10 @@ def _vjp(layer, h, g):
     return vjp(g)[0]
 
 
-def train(run_dir, net, x, y, initial_scale=2.0 ** 15, jit_compile="auto"):
+def train(run_dir, net, x, y, initial_scale=2.0 ** 15, jit_compile="auto", **options):
     opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-3), initial_scale=initial_scale)
     net.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
-    with KerasRecorder(run_dir, net) as rec:
+    with KerasRecorder(run_dir, net, **options) as rec:
         net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
 
 
@@ -139,7 +139,8 @@ def main(out: str) -> None:
     y = rng.standard_normal((6 * BATCH, 1)).astype("float32") * 0.1
     big = x.copy()
     big[3 * BATCH:] *= 1000.0  # steps 3..5: exp of values in the hundreds
-    train(f"{out}/overflow", model(Blowup(name="blowup")), big, y)
+    # The period alone (no burst after events): its steps' tiers say `full_every`'s.
+    train(f"{out}/overflow", model(Blowup(name="blowup")), big, y, full_after_event=0)
     small = np.tile(x, (5, 1))[:30 * BATCH]
     y30 = np.tile(y, (5, 1))[:30 * BATCH]
     grown = small.copy()

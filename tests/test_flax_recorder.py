@@ -80,9 +80,9 @@ def train_step(model, optimizer, scale, x, y):
             "skipped": jnp.logical_not(finite)}
 
 
-def record(run_dir, model, xs, y, scale=2.0 ** 15):
+def record(run_dir, model, xs, y, scale=2.0 ** 15, **options):
     optimizer = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
-    with FlaxRecorder(run_dir, model, optimizer=optimizer, loss_scale=DynamicScale(scale)) as rec:
+    with FlaxRecorder(run_dir, model, optimizer=optimizer, loss_scale=DynamicScale(scale), **options) as rec:
         step = rec.wrap(train_step)
         s = jnp.float32(scale)
         for x in xs:
@@ -98,7 +98,9 @@ def runs(tmp_path_factory):
     y = jnp.asarray(rng.standard_normal((BATCH, 1)) * 0.1, jnp.float32)
     collapse, grown = Net(HugeGrad(), nnx.Rngs(0)), [x] * 10 + [x * 100.0] * 20
     return {
-        "overflow": record(out / "overflow", Net(Blowup(), nnx.Rngs(0)), [x] * 3 + [x * 1000.0] * 3, y),
+        # The period alone (no burst after events): its steps' tiers say `full_every`'s.
+        "overflow": record(out / "overflow", Net(Blowup(), nnx.Rngs(0)), [x] * 3 + [x * 1000.0] * 3, y,
+                           full_after_event=0),
         "collapse": record(out / "collapse", collapse, grown, y),
         "healthy": record(out / "healthy", Net(Relu(), nnx.Rngs(0)), [x] * 20, y, scale=2.0 ** 8),
         # What `collapse` trained, for the truth: its weights at the end are those
@@ -273,7 +275,7 @@ def test_the_full_tier_reports_a_planted_gradient_underflow_for_its_modules(tmp_
 
 
 def test_only_full_tier_steps_carry_the_full_columns(runs):
-    """`overflow` (6 steps, full_every=100): step 0 full, the others cheap
+    """`overflow` (6 steps, full_every=100, full_after_event=0): step 0 full, the others cheap
     with null full-tier columns."""
     steps = pd.read_parquet(runs["overflow"] / "rank=0" / "steps").sort_values("step")
     assert steps["tier"].tolist() == ["full"] + ["cheap"] * 5

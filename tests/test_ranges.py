@@ -280,3 +280,21 @@ def test_evidence_from_the_first_half_of_the_window_is_stale():
     assert (head["underflow_first_step"], head["underflow_last_step"]) == (0, Z.WARMUP_STEPS - 1)
     line = next(x for x in rep.lines() if x.startswith("lapsed underflow: "))
     assert "no full-tier step since step 9" in line and "unknown" in line
+
+
+def test_an_all_zero_row_is_flushed_only_as_a_gradient_of_a_flushing_step():
+    """A row of nothing but zeros (a zero-initialised weight's, at step 0)
+    in a layer with no zero at its other steps: those steps are no evidence
+    of a flush, the row is undetermined; in a step where other gradients
+    underflow a gradient row counts as flushed whole, a forward row never."""
+    import numpy as np
+    from amp_postmortem.analyses.underflow import row_shares
+    full = pd.DataFrame({"step": [0, 1, 2, 0], "lid": [0, 0, 0, 1], "zero_share": [1.0, 0.0, 0.0, 1.0],
+                         "below_normal_share": [0.0] * 4, "below_subnormal_share": [0.0] * 4,
+                         "absmax": [0.0, 0.5, 0.4, 0.0], "share_sample_size": [64] * 4,
+                         "gradient": [True, True, True, False]})
+    share, _, verdict, told = row_shares(full, layer="lid")
+    assert list(verdict) == ["undetermined", "none", "none", "undetermined"] and not told[0] and np.isnan(share[0])
+    share, flushed, verdict, told = row_shares(full, flushing_steps={0}, layer="lid")
+    assert (verdict[0], share[0], flushed[0]) == ("flushed", 1.0, 1.0)
+    assert verdict[3] == "undetermined" and np.isnan(share[3])

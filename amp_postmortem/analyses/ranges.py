@@ -34,11 +34,13 @@ For each layer (module name and row kind: `input`, `activation`,
   latest evidence step (`structural`, `flushed`, `mixed`, `none`, or
   `undetermined`: not counted), with `zeros_told`: whether the recorded
   distribution told them apart there (false: the verdict is the default
-  below, and only a replay of a saved step can tell, `whatif/flush.py`). Where a row alone cannot tell (its values
-  sit at the flush edge, or it is all zeros), the layer's structural share
-  at the steps that could tell is structural there too (`row_shares`); an
-  all-zero row beyond that counts as flushed only in a step where other
-  gradients underflow, and is no evidence otherwise. `zero_share` is
+  below, and only a replay of a saved step can tell, `whatif/flush.py`). Where a row's values
+  sit at the flush edge, the layer's structural share at the steps that
+  could tell is structural there too, the rest flushed (`row_shares`). A
+  row of nothing but zeros is `undetermined` (a zero-initialised weight or
+  bias makes one in a layer whose other steps have no zero: they are no
+  evidence), except a gradient row in a step where other gradients
+  underflow, counted as flushed whole; a forward row never is. `zero_share` is
   reported beside them, and `share_sample_size`: how many values of the
   tensor the shares were counted on (the recorder samples at most 65,536
   per tensor; null for runs recorded before the format said).
@@ -97,7 +99,7 @@ from .range_limits import (DTYPE_LIMITS, FALLBACK_DTYPE, FORECAST_HORIZON, FOREC
 from .ranges_report import RangesReport, lapsed_words, recent_words, sampled_values
 from .ranges_shards import KINDS, reduce_window
 from .trend import theil_sen
-from .underflow import flushing_steps, underflow_evidence, underflow_share_of_rows, zero_split
+from .underflow import GRADIENT_KINDS, flushing_steps, underflow_evidence, underflow_share_of_rows, zero_split
 
 # The entry point, and what other modules take from here, re-exported: the
 # limits (range_limits.py), the report and its sentences (ranges_report.py),
@@ -143,6 +145,9 @@ def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
     top_of = np.array([DTYPE_LIMITS[range_dtype(d)][0] for d in per_step.dtypes]
                       + [DTYPE_LIMITS[FALLBACK_DTYPE][0]])  # code -1: no dtype recorded
     full_all = per_step.full[per_step.full["below_normal_share"].notna() & ~per_step.full["bad"]]
+    # Which rows are gradients: only those can be flushed whole by a flushing step (`row_shares`).
+    gradient = np.array([kind in GRADIENT_KINDS for _, kind in per_step.layers] + [False])
+    full_all = full_all.assign(gradient=gradient[full_all["lid"].to_numpy()])
     full_of = full_all.groupby("lid", sort=False).indices  # row positions per layer, not 1,000s of frames
     # Steps where some float16 gradient underflows: an all-zero row there was flushed whole.
     shares_by_limit: dict = {"flushing_steps": flushing_steps(full_all, per_step.layers)}

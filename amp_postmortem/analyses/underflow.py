@@ -20,6 +20,10 @@ from .range_limits import (LOG2_FLUSH_EDGE, LOG2_MIN_NORMAL, MIN_FIT_SPREAD, MIN
                            UNDERFLOW_SHARE)
 
 
+# The rows a flushing step can flush whole (`row_shares`): the backward's.
+GRADIENT_KINDS = ("grad_output", "grad_input", "param_grad")
+
+
 class Zeros(str, enum.Enum):
     """What a row's exact zeros are, as far as its recorded statistics tell."""
     NONE = "none"                  # no exact zero
@@ -130,33 +134,45 @@ def row_shares(full: pd.DataFrame, limit: str = "float16", *, flushing_steps=Non
     told), as Series; `told` is False where the recorded distribution could
     not split the row's zeros (at the flush edge with no other row of its
     layer to ask, or nothing but zeros) and the verdict is a default, not
-    evidence: a replay of a saved step can tell (`whatif/flush.py`). Where a row alone cannot split its zeros (its values sit at the
-    flush edge, or it holds nothing but zeros), its layer's other rows can:
-    with `layer` (the column naming a row's layer), the median structural
-    share of the layer's rows that could split theirs is structural in
-    these rows too (a mask is the same from step to step), and only the
-    zeros beyond it are flushed. Without that, a row at the edge counts its
-    zeros as flushed, and a row of nothing but zeros is undetermined (NaN
-    share): in a step of `flushing_steps` (where other gradients of the
-    step underflow) the range flushed it whole and it counts as flushed;
-    elsewhere (a zero-initialised gamma in a healthy step) it is no
-    evidence either way. Against a wider dtype the flushed zeros are not
-    counted: a float32 row's zeros are not its own range's, a float16
-    gradient before it flushed them and is judged on its own row."""
+    evidence: a replay of a saved step can tell (`whatif/flush.py`).
+
+    A row whose values sit at the flush edge can ask its layer's other
+    rows: with `layer` (the column naming a row's layer), the median
+    structural share of the layer's rows that could split theirs is
+    structural in these rows too (a mask is the same from step to step),
+    and only the zeros beyond it are flushed; without that, its zeros
+    count as flushed (its non-zero values say the range was reached).
+
+    A row of nothing but zeros has no non-zero value to say where the
+    range was, and its layer's other steps are no evidence either: a
+    zero-initialised weight or bias (Keras' Dense biases, a zero kernel)
+    makes whole rows zero in the first steps of a layer whose later
+    gradients have no zero at all. Such a row is undetermined (NaN share,
+    not told), except a gradient row in a step of `flushing_steps` (where
+    other gradients of the step underflow): the range flushed it whole and
+    it counts as flushed. A forward row (input, activation) is never
+    flushed that way: the gradients' underflow says nothing of the
+    forward's values. `full`'s optional boolean column `gradient` says
+    which rows are gradients (absent: all of them).
+
+    Against a wider dtype the flushed zeros are not counted: a float32
+    row's zeros are not its own range's, a float16 gradient before it
+    flushed them and is judged on its own row."""
     split = zero_split(full["zero_share"], full["below_normal_share"], full["absmax"], _values(full))
     z = full["zero_share"].to_numpy(dtype=float)
     flushed = split.flushed.copy()
-    unsplit = split.unsplit & (z > 0)
-    if layer is not None and unsplit.any():
+    whole = split.unsplit & (z >= 1)  # nothing but zeros: undetermined unless a flushing step's gradient
+    edge = split.unsplit & (z > 0) & ~whole
+    if layer is not None and edge.any():
         structural = pd.Series(np.where(~split.unsplit & np.isfinite(flushed), z - flushed, np.nan), index=full.index)
         typical = structural.groupby(full[layer].to_numpy()).transform("median").to_numpy()
-        known = unsplit & np.isfinite(typical)
+        known = edge & np.isfinite(typical)
         flushed[known] = np.maximum(0.0, z[known] - typical[known])
-        unsplit &= ~known
-    told = ~unsplit
-    whole = unsplit & (z >= 1)
+        edge &= ~known
+    told = ~(edge | whole)
     if flushing_steps is not None and len(flushing_steps):
-        in_flush = whole & full["step"].isin(list(flushing_steps)).to_numpy()
+        gradient = full["gradient"].to_numpy(dtype=bool) if "gradient" in full else True
+        in_flush = whole & gradient & full["step"].isin(list(flushing_steps)).to_numpy()
         flushed[in_flush] = 1.0
         whole &= ~in_flush
     verdict = verdicts(z, flushed)
