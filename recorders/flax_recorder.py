@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import xp_stats
+from . import jax_program, xp_stats
 from .format import schema
 from .format.flax_names import key_name, module_name, named_params
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
@@ -231,6 +231,7 @@ class FlaxRecorder:
         # one object shared by every recorder built without `bundles=`.
         self.bundles = bundles.fresh() if bundles is not None and bundles.enabled else None
         self._held = None  # (model-call tree, device arrays, step-arguments tree) of the last step
+        self._program_read = False  # the step's jaxpr scanned for float16 reductions (once)
         policy_dtype = _param_dtype(model)
         modules = [{"name": module_name(p, "__call__"), "type": _class_name(type(node)), "watched": True}
                    for p, node in ((tuple(str(x) for x in path), node) for path, node in nnx.iter_graph(model))
@@ -266,6 +267,10 @@ class FlaxRecorder:
             full = self.is_full_step(self.step_index)
             compiled, names = tiers[full]
             out, payload, held = compiled(*args, **kwargs)
+            if jit and not self._program_read:  # the program read once: jax's cached trace, nothing rerun
+                self._program_read = True
+                self.run.set_jax_reductions(jax_program.trace_reductions(compiled, args, kwargs,
+                                                                         step=self.step_index))
             # Device arrays: copied only for a bundle.
             self._held = (names.get("inputs"), held, names.get("step_args"))
             host = jax.device_get(payload)  # a few numbers per module: one transfer

@@ -235,6 +235,12 @@ class HostRun:
         manifest's next write."""
         self.manifest[schema.LOSS_SCALING_KEY] = loss_scaling
 
+    def set_jax_reductions(self, entry: dict) -> None:
+        """The manifest's `jax_reductions` (a JAX step's float16/bfloat16
+        reductions: `jax_program.trace_reductions`), written with the
+        manifest's next write."""
+        self.manifest[schema.JAX_REDUCTIONS_KEY] = entry
+
     def write_step(self, record: StepRecord) -> None:
         if self._closed:
             return

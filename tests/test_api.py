@@ -354,7 +354,7 @@ RECORDER_LAYERS = [  # each imports only from its own layer and the ones before 
     {"collectors", "hooks", "bundles", "reexecute"},                            # the parts on the training path
     {"options"},                                                                # the parts a user passes in
     {"recorder"},                                                               # AmpRecorder assembles them
-    {"integrations", "jax_grad_tap", "keras_recorder", "keras_loss_scaling", "flax_recorder", "attach"},  # the frameworks' glue and recorders
+    {"integrations", "jax_grad_tap", "jax_program", "keras_recorder", "keras_loss_scaling", "flax_recorder", "attach"},  # the frameworks' glue and recorders
     {"__init__"},
 ]
 

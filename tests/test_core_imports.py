@@ -40,6 +40,7 @@ FRAMEWORKS = {"integrations/transformers.py": {"transformers"},
               "keras_loss_scaling.py": {"keras", "tensorflow"},  # the Keras recorder's loss-scaling probe
               "flax_recorder.py": {"jax", "flax", "optax"},
               "jax_grad_tap.py": {"jax"},  # both recorders' JAX gradient tap
+              "jax_program.py": {"jax"},  # the float16 reductions of a JAX step's program
               # How those recorders name layers and variables, with the run format.
               "format/keras_names.py": {"keras"},
               "format/flax_names.py": {"jax", "flax"}}

@@ -88,7 +88,9 @@ def test_the_json_keeps_its_keys_and_adds_the_losses(overflow_run):
     assert {"path", "run_id", "status", "steps", "first_step", "last_step", "ranks", "world_size", "device_type",
             "device_name", "model_class", "autocast", "dtype", "scaler", "scale_status", "final_scale",
             "skipped_steps", "nonfinite_loss_steps", "warnings", "first_loss", "last_loss", "failure_step",
-            "failure_loss", "param_dtype", "param_dtypes"} == set(d["run"])  # parameters' dtype: issue 42
+            "failure_loss", "param_dtype", "param_dtypes",
+            "jax_reductions", "jax_reductions_error"} == set(d["run"])  # parameters' dtype: issue 42; JAX programs: 39
+    assert d["run"]["jax_reductions"] is None  # a PyTorch run: no JAX program to read
 
 
 # --------------------------------------------- exact zeros, dated underflow

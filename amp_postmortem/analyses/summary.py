@@ -22,7 +22,15 @@ Findings (kind, severity):
 - `fp16_reduction_overflow` (error, Flax runs): a module's float16 output
   overflowed where it sums many finite values that float32 would hold (a
   sum pooling, a softmax's normaliser; `fp16_reductions`): the module, its
-  first step and the remedy (compute in float32, cast back).
+  first step and the remedy (compute in float32, cast back); with the
+  program's site of that module's class (below) when the run has one.
+- `fp16_reduction_risk` (warning, JAX runs): a softmax, log_softmax,
+  logsumexp or sum the step's program computes on float16/bfloat16 values
+  (`fp16_reductions`' sites, read from the jaxpr by the recorder): each
+  site's pattern, dtype, values per output, source line and the remedy
+  (`jax.nn.softmax(x.astype(jnp.float32)).astype(x.dtype)`); a risk, "not
+  observed to overflow". A JAX run whose program was not read says so in
+  its facts (`jax_reductions`: `not_traced`, `failed`): undetermined.
 - `grad_underflow` (warning): gradients sit in the float16 subnormal range
   or are flushed to zero now (`ranges`, `underflow` flag: the recent
   full-tier steps; structural zeros, zero at any scale, not counted); its
@@ -67,7 +75,7 @@ from .bundle_choice import choose_bundle, saved_bundles
 from ..reading.loader import Run
 from .fail_on import SEVERITIES, fail_rule
 from .dtype_policies import PolicyProblem, dtype_policy_problems
-from .fp16_reductions import find_fp16_reductions
+from .fp16_reductions import Program, find_fp16_reductions
 from .loss_scaling import AppliedBy, Basis, ScalingMistake, loss_scaling_mistake
 from .instability import find_instability
 from .precision_verdict import Verdict, undetermined
@@ -170,6 +178,7 @@ class Summary(CommandResult):
             f"scaler: {scaler_words(r.get('scaler'))}",
             f"skipped steps {r['skipped_steps']}, non-finite loss steps {r['nonfinite_loss_steps']}",
             _loss_line(r),
+        ] + _program_lines(r) + [
             "",
             "findings (most severe first):",
         ] + [line for f in self.findings for line in f.lines()] + (
@@ -236,6 +245,7 @@ def summarize(run: Run, *, window: int | None = None, model_spec: str | None = N
     unstable = find_instability(run)
     verdict = undetermined(run, unstable.failure_step) if unstable.failure_step is not None else None
     disabled = _disabled_ranks(run)
+    reductions = find_fp16_reductions(run)
     found = [_nonfinite_finding(nans, applied_nonfinite_steps(run), target),
              instability_finding(unstable, verdict, target) if unstable.unstable else None,
              _scale_finding(scale, target),
@@ -243,7 +253,7 @@ def summarize(run: Run, *, window: int | None = None, model_spec: str | None = N
              _overflow_risk_finding(run, ranges, target),
              _dtype_policy_finding(run),
              _loss_scaling_finding(run),
-             _fp16_reduction_finding(run),
+             *_fp16_reduction_findings(reductions),
              _lost_updates_finding(run, target),
              _disabled_finding(run, disabled),
              _not_closed_finding(run, disabled)]
@@ -259,6 +269,7 @@ def summarize(run: Run, *, window: int | None = None, model_spec: str | None = N
     # (a NaN forward before the backoffs it triggers), then by step.
     findings.sort(key=_finding_order)
     facts = _facts(run, nans, scale, skipped)
+    facts.update(_program_facts(reductions))
     failure = next((f for f in findings if f.severity == "critical" and f.step is not None), None)
     facts.update(_losses(per_step, failure.step if failure else None))
     return Summary(run=facts, findings=findings, precision_verdict=verdict, bundles=bundles,
@@ -472,15 +483,37 @@ def _loss_scaling_finding(run: Run) -> Finding | None:
                    _loss_scaling_fix(found), found.to_dict())
 
 
-def _fp16_reduction_finding(run: Run) -> Finding | None:
+def _fp16_reduction_findings(found) -> list:
     """`fp16_reduction_overflow`: a Flax module whose float16 reduction
-    overflowed while float32 would have held it."""
-    found = find_fp16_reductions(run)
-    if not found.reductions:
-        return None
-    first = found.reductions[0]
-    return Finding("fp16_reduction_overflow", "error", first.first_step, first.module,
-                   _fp16_reduction_words(found), _FP16_REDUCTION_NEXT, found.to_dict())
+    overflowed while float32 would have held it; `fp16_reduction_risk`:
+    the program's float16/bfloat16 reductions the rows do not show failing."""
+    out = []
+    if found.reductions:
+        first = found.reductions[0]
+        out.append(Finding("fp16_reduction_overflow", "error", first.first_step, first.module,
+                           _fp16_reduction_words(found), _FP16_REDUCTION_NEXT, found.to_dict()))
+    if found.risks:
+        out.append(Finding("fp16_reduction_risk", "warning", found.program_step, None, _reduction_risk_words(found),
+                           _reduction_remedy(found.risks[0]), found.to_dict()))
+    return out
+
+
+def _program_lines(facts: dict) -> list:
+    """A JAX run whose step program was not read: its float16 reductions undetermined."""
+    state = facts.get("jax_reductions")
+    if state == Program.NOT_TRACED.value:
+        return ["float16 reductions in the step's program: undetermined (not traced: the recorder did not "
+                "read the program: recorded before it did, by the Keras recorder, or a step FlaxRecorder.wrap did not jit)"]
+    if state == Program.FAILED.value:
+        return [f"float16 reductions in the step's program: undetermined (the recorder could not read it: "
+                f"{facts.get('jax_reductions_error')})"]
+    return []
+
+
+def _program_facts(found) -> dict:
+    """Whether the step's program was read (JAX runs; None otherwise)."""
+    return {"jax_reductions": None if found.program is Program.NOT_JAX else found.program.value,
+            "jax_reductions_error": found.trace_error}
 
 
 def _overflow_risk_finding(run: Run, ranges, target: str) -> Finding | None:
@@ -767,11 +800,59 @@ def _fp16_reduction_words(found) -> str:
     shown = [f"{_display(r.module)} at step {r.first_step} ({r.values_per_output} values per output, the "
              f"largest input {r.input_absmax:g}: up to {r.bound:.3g})" for r in found.reductions[:3]]
     more = f" and {len(found.reductions) - 3} more" if len(found.reductions) > 3 else ""
+    sites = [f"{_site_words(s)} (overflowed at {', '.join(_display(m) for m in s.overflowed_at)}); remedy: "
+             f"{_reduction_remedy(s)}" for s in found.sites if s.phase == "forward" and s.overflowed_at][:3]
     return ("a reduction computed in float16 overflowed: " + "; ".join(shown) + more + ". Each module's input "
             "was finite and its float16 output is not: a sum of that many values passes float16's 65504 and "
             "stays far below float32's 3.4e38. Remedy: compute it in float32 and cast back what float16 "
             "holds (a softmax or log_softmax: jax.nn.softmax(x.astype(jnp.float32)).astype(x.dtype)); a "
-            "sum above 65504 stays in float32 or becomes a mean")
+            "sum above 65504 stays in float32 or becomes a mean"
+            + ("" if not sites else ". In the step's program: " + "; ".join(sites)))
+
+
+# How each pattern of `jax_program` reads, and its float32 form.
+_PATTERN_WORDS = {"softmax": "softmax", "log_softmax": "log_softmax", "logsumexp": "logsumexp",
+                  "exp_sum": "a sum of exp", "sum": "a sum", "mean": "a mean", "prod": "a product",
+                  "cumsum": "a cumulative sum", "cumprod": "a cumulative product",
+                  "cumlogsumexp": "a cumulative logsumexp"}
+_PATTERN_REMEDY = {"softmax": "jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)",
+                   "log_softmax": "jax.nn.log_softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)",
+                   "logsumexp": "jax.nn.logsumexp(x.astype(jnp.float32), axis=-1).astype(x.dtype)",
+                   "exp_sum": "jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype) (the max "
+                              "subtracted, in float32)",
+                   "sum": "x.astype(jnp.float32).sum(axis), kept in float32 (or a mean) while it may pass 65504",
+                   "mean": "x.astype(jnp.float32).mean(axis).astype(x.dtype)",
+                   "prod": "jnp.prod(x.astype(jnp.float32), axis).astype(x.dtype)",
+                   "cumsum": "jnp.cumsum(x.astype(jnp.float32), axis), kept in float32 while it may pass 65504",
+                   "cumprod": "jnp.cumprod(x.astype(jnp.float32), axis).astype(x.dtype)",
+                   "cumlogsumexp": "jax.lax.cumlogsumexp(x.astype(jnp.float32), axis).astype(x.dtype)"}
+
+
+def _reduction_remedy(site) -> str:
+    return f"compute it in float32 and cast back: {_PATTERN_REMEDY[site.pattern]}"
+
+
+def _site_words(site) -> str:
+    where = (f"{site.file}:{site.line}" if site.file else "an unknown line") + (
+        f" ({site.function})" if site.function else "")
+    how = [f"{site.values_per_output} values per output"]
+    if site.accumulation_dtype != site.dtype:
+        how.append(f"summed in {site.accumulation_dtype} by jnp, the result held in {site.dtype}"
+                   if site.pattern in ("sum", "cumsum") else f"its sum in {site.accumulation_dtype}, the rest in {site.dtype}")
+    if site.shifted is False:
+        how.append(f"exp of values not shifted by their max: Inf in {site.dtype} past exp(11.09)"
+                   if site.dtype == "float16" else "exp of values not shifted by their max")
+    return f"{_PATTERN_WORDS[site.pattern]} in {site.dtype} at {where} ({', '.join(how)})"
+
+
+def _reduction_risk_words(found) -> str:
+    risks = found.risks
+    shown = [f"{_site_words(s)}; remedy: {_reduction_remedy(s)}" for s in risks[:4]]
+    more = f"; and {len(risks) - 4} more" if len(risks) > 4 else ""
+    dropped = f" ({found.sites_dropped} more sites not recorded)" if found.sites_dropped else ""
+    return ("the step's program computes reductions on float16/bfloat16 values: " + "; ".join(shown) + more
+            + dropped + ". Computed in low precision; not observed to overflow in the recorded rows: a risk "
+            "(its precision, and an overflow once the values grow), not a failure")
 
 
 def _lost_updates_next(lost, checks, target: str) -> str:

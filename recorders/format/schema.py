@@ -56,6 +56,15 @@ DTYPE_POLICIES_KEY = "dtype_policies"
 # those of the step's own loss (`recorders/keras_loss_scaling.py`).
 LOSS_SCALING_KEY = "loss_scaling"
 
+# The manifest key of the float16/bfloat16 reductions in a JAX step's
+# program (since 1.5, Flax runs): the jaxpr read once at the first recorded
+# step (`recorders/jax_program.py`), one entry per site: its pattern (one of
+# JAX_REDUCTION_PATTERNS), dtypes, values reduced per output and the user's
+# source line. Absent: the program was not traced (undetermined, not "none").
+JAX_REDUCTIONS_KEY = "jax_reductions"
+JAX_REDUCTION_PATTERNS = ("softmax", "log_softmax", "logsumexp", "exp_sum", "sum", "mean", "prod", "cumsum",
+                          "cumprod", "cumlogsumexp")
+
 # A counterfactual window (`BundlePolicy(window_steps=K)`): the weights,
 # buffers, optimizer and scaler state at a window's first step and every
 # step's inputs and RNG since, written when a bundle trigger fires.
