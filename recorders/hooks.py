@@ -205,6 +205,12 @@ class TrainingHooks:
         shared = self.shared
         st = shared.state
         self.autocast_watch.end_step()
+        if not (st.record or st.contexts or st.param_grads or st.param_values):
+            # A step not sampled (most steps): no collector holds anything
+            # to finish; a compiled graph's values are taken (dropped).
+            shared.flush_stage()
+            self.graph.take()
+            return st
         self.backward.end_step(st)
         self.params.end_step(st)
         if st.record and loss is not None and loss.numel():

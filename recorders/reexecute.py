@@ -461,13 +461,19 @@ class StepSentinel:
             return None, False
         decision = self.trigger.decide(facts)
         if decision.kind is None or decision.capped:
-            return None, decision.kind is None and self._above_floor()
+            return None, decision.kind is None and self._above_floor(scale)
         outcome = self.reexecutor.run(finished.step_id, decision.kind, scale=scale, compiled=compiled)
         self.losses.take()  # what the re-execution's forward handed the loss tap
         return outcome, False
 
-    def _above_floor(self) -> bool:
+    def _above_floor(self, before=None) -> bool:
+        """The scaler's scale is at least `scale_floor` after the update.
+        `before`: the scale this step's backward used, as a host float: a
+        step not skipped never lowers the scale, so one at the floor
+        already needs no read of the scaler's."""
         if self.scaler is None or self.scale_floor is None:
+            return True
+        if type(before) is float and before >= self.scale_floor:
             return True
         scale = getattr(self.scaler, "_scale", None)
         return isinstance(scale, torch.Tensor) and scale.device.type == "cpu" and float(scale) >= self.scale_floor

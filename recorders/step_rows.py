@@ -30,6 +30,30 @@ class PendingStep:
                  "recorded", "reexecution", "norm_names")
 
 
+
+def _put(host: dict, dev: list, keys: list, key: str, value, mutable: bool = False) -> None:
+    """A step scalar: a host value as it is, a CPU tensor as it is (read by
+    the writer thread: no operation here but a read of what the job changes
+    in place, `mutable`: the scale, a host value here, no copy), a device
+    tensor into `dev` (its key and 0, a scalar, into `keys`)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu":
+            host[key] = (value.item() if value.numel() == 1 else value.detach().clone()) if mutable \
+                else value.detach() if value.requires_grad else value
+        else:
+            dev.append(value.detach().reshape(()).to(torch.float64))
+            keys.append((key, 0))
+    else:
+        host[key] = math.nan if value is None else float(value)
+
+
+def _put_vector(host: dict, dev: list, keys: list, key: str, value) -> None:
+    if value.device.type == "cpu":
+        host[key] = value.detach() if value.requires_grad else value
+    else:
+        keys.append((key, value.numel()))
+        dev.append(value.detach().reshape(-1).to(torch.float64))
+
 class StepRows:
     """`rank`: stamped on every row; `optimizer`, `scaler`: read for the
     learning rates and the loss scale (the scale as a device tensor: never
@@ -89,41 +113,20 @@ class StepRows:
         p.stepped = facts.stepped if self.optimizer is not None else None
         p.has_scaler = self.scaler is not None
         host, dev, keys = {}, [], []  # keys: (key, 0 for a scalar, else the vector's length), in dev's order
-
-        def put(key, value, mutable=False):
-            if isinstance(value, torch.Tensor):
-                if value.device.type == "cpu":
-                    # Read by the writer thread: no operation here but a
-                    # read of what the job changes in place (the scale, a
-                    # host value here: no copy).
-                    host[key] = (value.item() if value.numel() == 1 else value.detach().clone()) if mutable \
-                        else value.detach() if value.requires_grad else value
-                else:
-                    dev.append(value.detach().reshape(()).to(torch.float64))
-                    keys.append((key, 0))
-            else:
-                host[key] = math.nan if value is None else float(value)
-
-        def put_vector(key, value):
-            if value.device.type == "cpu":
-                host[key] = value.detach() if value.requires_grad else value
-            else:
-                keys.append((key, value.numel()))
-                dev.append(value.detach().reshape(-1).to(torch.float64))
-
         if loss_t is not None and loss_t.numel() == 1:
-            put("loss", loss_t)
+            _put(host, dev, keys, "loss", loss_t)
         elif isinstance(loss, (int, float)):
-            put("loss", loss)
+            _put(host, dev, keys, "loss", loss)
         else:
             host["loss"] = None  # no loss given: null, never a fake NaN loss
         if p.has_scaler:
-            put("loss_scale_before", self.scale_before)
+            _put(host, dev, keys, "loss_scale_before", self.scale_before)
             scale = getattr(self.scaler, "_scale", None)
-            put("loss_scale", scale if isinstance(scale, torch.Tensor) else getattr(self.scaler, "_init_scale", None),
-                mutable=True)
+            _put(host, dev, keys, "loss_scale",
+                 scale if isinstance(scale, torch.Tensor) else getattr(self.scaler, "_init_scale", None), mutable=True)
             tracker = getattr(self.scaler, "_growth_tracker", None)
-            put("growth_tracker", tracker if isinstance(tracker, torch.Tensor) else None, mutable=True)
+            _put(host, dev, keys, "growth_tracker", tracker if isinstance(tracker, torch.Tensor) else None,
+                 mutable=True)
             # The scale the next step's backward uses: on the CPU the value
             # just read (no copy on the training path); on a device a clone,
             # because GradScaler.update() changes it in place.
@@ -132,17 +135,21 @@ class StepRows:
         for prefix, state in (("", facts),) + ((("reexec_", st),) if st is not facts else ()):
             # The gradient facts, and what a re-execution measured against them.
             if state.grad_sqsum is not None:
-                put(prefix + "grad_sqsum", state.grad_sqsum)
+                _put(host, dev, keys, prefix + "grad_sqsum", state.grad_sqsum)
             if state.grad_nonfinite is not None:
-                put(prefix + "grad_nonfinite", state.grad_nonfinite)
+                _put(host, dev, keys, prefix + "grad_nonfinite", state.grad_nonfinite)
             if state.grad_norms is not None:
-                put_vector(prefix + "grad_norms", state.grad_norms)
+                _put_vector(host, dev, keys, prefix + "grad_norms", state.grad_norms)
                 host[prefix + "grad_unscale"] = state.grad_scale is not None
+                if state.grad_sq_host is not None and math.isfinite(state.grad_sq_host):
+                    # Their square sum, taken with them (the CPU): the
+                    # writer needs the norms only when one is not finite.
+                    host[prefix + "grad_sq_host"] = state.grad_sq_host
         p.norm_names = facts.grad_norm_names
         if facts.sharded_sqsum is not None:
-            put("sharded_grad_sqsum", facts.sharded_sqsum)
+            _put(host, dev, keys, "sharded_grad_sqsum", facts.sharded_sqsum)
         if st is not facts and reexecution.loss is not None:
-            put("reexec_loss", reexecution.loss)
+            _put(host, dev, keys, "reexec_loss", reexecution.loss)
 
         device = st.device or (dev[0].device if dev else torch.device("cpu"))
         p.host_rows = None
@@ -201,7 +208,12 @@ class StepRows:
             norms = scalars.pop(prefix + "grad_norms", None)
             if norms is not None:
                 before = scalars.get("loss_scale_before")
-                sq, count, bad = grad_facts(norms, before if scalars.get(prefix + "grad_unscale") else None)
+                unscale = before if scalars.get(prefix + "grad_unscale") else None
+                sq = scalars.pop(prefix + "grad_sq_host", None)
+                if sq is not None and (unscale is None or (unscale and math.isfinite(unscale))):
+                    sq, count, bad = (sq / unscale / unscale if unscale else sq), 0, []  # as `host_facts`
+                else:
+                    sq, count, bad = grad_facts(norms, unscale)
                 scalars[prefix + "grad_sqsum"], scalars[prefix + "grad_nonfinite"] = sq, count
                 if not prefix:
                     scalars["nonfinite_grad_positions"] = bad

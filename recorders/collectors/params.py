@@ -52,6 +52,7 @@ class ParamGradCollector:
         self._norm_plan = None  # grad_norms.NormPlan of the plain gradients, at the first backward
         self._plan_names = None  # their names in the plan's order
         self._guarded_end = self._guarded_queue = None  # the backward end's callbacks, guarded
+        self._no_grad = torch.no_grad()  # reusable: entered and left by the training thread only
 
     def _watched(self, pname: str) -> bool:
         return pname.rpartition(".")[0] in self._watched_modules or self._watch_param(pname)
@@ -175,7 +176,7 @@ class ParamGradCollector:
                 # carries a graph. A missing gradient (None) raises: the
                 # loop below checks each one (testing each here would cost
                 # per-parameter Python every step; `in` compares with ==).
-                with torch.no_grad():
+                with self._no_grad:  # one context object, not one a step
                     if self._grad_tensors[0].device.type == "cpu":  # read each time: a model may move
                         plan = self._norm_plan
                         if plan is None:

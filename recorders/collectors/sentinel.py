@@ -69,7 +69,10 @@ class SentinelHooks:
         if st is None or not st.in_forward:
             return
         st.in_forward = 0
-        outs = [t for t in float_tensors(output) if t.requires_grad]
+        if type(output) is torch.Tensor:  # the usual model: no walk of an output tree
+            outs = (output,) if output.requires_grad and output.is_floating_point() and output.numel() else ()
+        else:
+            outs = [t for t in float_tensors(output) if t.requires_grad]
         micro_batch = st.micro_batches - 1
         self.shared.bundles.on_model_outputs(micro_batch, len(outs))
         for idx, t in enumerate(outs):
