@@ -4,7 +4,8 @@ not foresee."""
 import pytest
 import torch
 
-from recorders.collectors.grad_norms import MIN_GROUP, NormPlan, cpu_norms, grad_norms, settle
+from recorders.collectors.grad_norms import (BIG_NUMEL, MIN_GROUP, NormPlan, big_positions, cpu_norms, grad_norms,
+                                             settle)
 
 
 def _params(shapes, dtype=torch.float32):
@@ -70,6 +71,33 @@ def test_a_float32_overflow_is_taken_again_in_float64():
     norms, sq = settle(plan.norms(), plan.grad_at)
     assert norms.dtype == torch.float64 and torch.isfinite(norms).all() and sq == float((norms ** 2).sum())
     assert _in_params_order(plan, norms)[1].item() == pytest.approx(1e30 * 8, rel=1e-6)
+
+
+def test_big_gradients_are_taken_by_dot_in_their_place():
+    # Large float32 gradients (BLAS dot, every thread) among small ones and a
+    # group: the same norms, in the same order, non-finite ones where they
+    # are, and a square that overflows float32 taken again in float64.
+    shapes = [(BIG_NUMEL,), (16,)] * 2 + [(16, 16)] * MIN_GROUP + [(2, BIG_NUMEL // 2)]
+    params = _params(shapes)
+    grads = _grads(params)
+    assert big_positions(params, torch.float32) == {0, 2, len(params) - 1}
+    assert big_positions(_params([(BIG_NUMEL,)], dtype=torch.float16), torch.float32) == frozenset()
+    expected = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+    plan = NormPlan(params)
+    assert plan.big == {0, 2, len(params) - 1}
+    got, sq = settle(plan.norms(), plan.grad_at)
+    torch.testing.assert_close(got, expected[plan.order], rtol=1e-5, atol=0)
+    loop, loop_sq = cpu_norms(grads, big=plan.big)
+    torch.testing.assert_close(loop, expected, rtol=1e-5, atol=0)
+    assert loop_sq == pytest.approx(float((expected.double() ** 2).sum()), rel=1e-5)
+    grads[2][7] = float("nan")
+    grads[1][0] = float("inf")
+    loop, _ = cpu_norms(grads, big=plan.big)
+    assert torch.nonzero(~torch.isfinite(loop)).flatten().tolist() == [1, 2]
+    grads[1].fill_(1.0)
+    grads[2].fill_(1e20)  # a finite gradient whose square sum overflows float32
+    loop, sq = cpu_norms(grads, big=plan.big)
+    assert torch.isfinite(loop).all() and loop[2].item() == pytest.approx(1e20 * BIG_NUMEL ** 0.5, rel=1e-6)
 
 
 def test_what_the_plan_did_not_foresee_raises_for_the_loop_to_take():

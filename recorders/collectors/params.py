@@ -189,7 +189,7 @@ class ParamGradCollector:
                             names = self._plan_names
                         else:
                             norms, st.grad_sq_host = cpu_norms([p.grad for p in self._grad_tensors],
-                                                               plan.work, plan.uniform)
+                                                               plan.work, plan.uniform, plan.big)
                     else:
                         norms = grad_norms([p.grad for p in self._grad_tensors], on_host=False)
             except (TypeError, RuntimeError, AttributeError):
