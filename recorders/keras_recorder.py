@@ -174,6 +174,22 @@ def _dtype(tensors) -> str:
     return keras.backend.standardize_dtype(tensors[0].dtype) if tensors else "float32"
 
 
+# What Keras reads off a tensor further on, carried to its tapped copy: the
+# mask, and the logits a softmax or sigmoid output holds (`_keras_logits`),
+# from which Keras' crossentropy losses compute the loss instead of from the
+# probabilities. Without them the tapped output would be trained by another
+# formula (the log of clipped probabilities): other numbers than the job's
+# own, and worse ones (a confident wrong class costs 16.1 instead of its
+# true loss).
+CARRIED = ("_keras_mask", "_keras_logits")
+# TensorFlow ops whose output Keras' crossentropy losses recognise by type
+# when it holds no `_keras_logits` (`tf.nn.softmax` called in a layer's own
+# code): a tap would hide the op, so those outputs are not tapped; the
+# model's output is remade from its tapped input instead (the same op on
+# the same values: the same bits).
+LOGITS_OPS = ("Softmax", "Sigmoid")
+
+
 def gradient_tap(tree, trace, name: str, kind: str, call: int):
     """`tree` with its floating tensors passed through an identity whose
     gradient adds a `kind` row (`grad_output`: the gradient reaching the
@@ -181,19 +197,30 @@ def gradient_tap(tree, trace, name: str, kind: str, call: int):
     inputs) to `trace` when the backward runs it: rows in backward order,
     reduced in the graph. The values are the gradient as it travels (scaled
     by the loss scale, in its own dtype). A tensor the backward never
-    reaches (the model's own inputs) gives no row."""
+    reaches (the model's own inputs) gives no row.
+
+    The model's output (`name` "", `grad_output`: the gradient entering the
+    model) is tapped where the loss's gradient enters: at the logits a
+    softmax or sigmoid output holds, which Keras' crossentropy losses
+    differentiate instead of the probabilities; its row is the first of its
+    taps the backward reaches."""
     leaves = keras.tree.flatten(tree)
     where = [i for i, t in enumerate(leaves) if _is_floating(t)]
     if not where:
         return tree
+    entry = name == "" and kind == "grad_output"
 
     def on_grads(grads):
         grads = [g for g in grads if g is not None]
         if not grads or trace.own_backward:
             return
+        if entry and trace.entered.get(call):
+            return  # the loss's gradient entered by another of the output's taps
         if kind == "grad_output":
             stats = trace.row_stats(grads)
             trace.received[(name, call)] = stats[1] + stats[2]
+            if entry:
+                trace.entered[call] = True
         else:
             # input_nonfinite of a grad_input row: NaN/Inf in the gradient
             # the layer received at its outputs.
@@ -203,16 +230,51 @@ def gradient_tap(tree, trace, name: str, kind: str, call: int):
                 stats = ops.concatenate([stats[:3], ops.reshape(received, (1,)), stats[4:]])
         trace.add_backward(name, kind, call, _dtype(grads), stats)
 
-    tapped = _identity_with_gradient([leaves[i] for i in where], on_grads)
-    for i, t in zip(where, tapped):
-        mask = getattr(leaves[i], "_keras_mask", None)
-        if mask is not None:
-            try:
-                t._keras_mask = mask
-            except AttributeError:
-                pass
-        leaves[i] = t
+    ops_out = {i: _logits_op(leaves[i]) for i in where}
+    plain = [i for i in where if ops_out[i] is None]
+    if plain:
+        tapped = _identity_with_gradient([leaves[i] for i in plain], on_grads)
+        for i, t in zip(plain, tapped):
+            for attr in CARRIED:
+                value = getattr(leaves[i], attr, None)
+                if value is not None:
+                    try:
+                        setattr(t, attr, value)
+                    except AttributeError:
+                        pass
+            leaves[i] = t
+    if entry:
+        # The logits: those the outputs hold, and the inputs of the softmax
+        # and sigmoid ops the losses recognise, remade on the tapped inputs.
+        held = [i for i in plain if getattr(leaves[i], "_keras_logits", None) is not None]
+        made = [i for i in where if ops_out[i] is not None]
+        logits = [leaves[i]._keras_logits for i in held] + [leaves[i].op.inputs[0] for i in made]
+        if logits:
+            logits = _identity_with_gradient(logits, on_grads)
+            for i, lg in zip(held, logits):
+                leaves[i]._keras_logits = lg
+            for i, lg in zip(made, logits[len(held):]):
+                leaves[i] = _remake(ops_out[i], lg)
     return keras.tree.pack_sequence_as(tree, leaves)
+
+
+def _logits_op(t) -> str | None:
+    """The type of the TensorFlow op that made `t` when it is one the losses
+    recognise (and `t` holds no `_keras_logits`); None otherwise (JAX, eager
+    values, every other op)."""
+    op = getattr(t, "op", None)
+    if op is None or getattr(t, "_keras_logits", None) is not None or keras.backend.backend() != "tensorflow":
+        return None
+    try:
+        kind = op.type
+    except AttributeError:  # an eager tensor's op raises
+        return None
+    return kind if kind in LOGITS_OPS and len(op.inputs) == 1 else None
+
+
+def _remake(op_type: str, x):
+    import tensorflow as tf
+    return tf.nn.softmax(x) if op_type == "Softmax" else tf.math.sigmoid(x)
 
 
 def _is_floating(t) -> bool:
@@ -254,6 +316,7 @@ class _Trace:
         self.backward: list = []
         self.backward_stats: list = []
         self.received: dict = {}     # (name, call) -> NaN/Inf count of its grad_output (graph value)
+        self.entered: dict = {}      # call -> the model output's grad_output row is taken
         self.own_backward = False    # the recorder's own gradient (grad_loss_ratio): no rows
         self.scalars: dict = {}
         self.loss_dtype: str | None = None

@@ -138,6 +138,30 @@ def test_the_healthy_run_is_quiet(runs):
         cli_json(command, str(out / "healthy"))
 
 
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_recording_changes_no_bit_of_a_classifier_trained_through_its_logits(backend, tmp_path):
+    """Plain and recorded, the same classifiers (a softmax layer, a softmax
+    in a layer's own code, sigmoid outputs under binary crossentropy) give
+    the same losses and weights bit for bit. On TensorFlow, Keras' losses
+    differentiate the outputs' logits: the planted confident-and-wrong row
+    costs ~200 from the logits and 16.1 from clipped probabilities, so a
+    tap that hid the logits could not pass as noise."""
+    importlib.import_module(backend)
+    out = tmp_path / "bits.json"
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run([sys.executable, str(HERE / "keras_bits_runs.py"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["backend"] == backend
+    for head in ("softmax_layer", "raw_softmax", "sigmoid"):
+        plain, recorded = doc[head]["plain"], doc[head]["recorded"]
+        assert recorded["running_mean"] == plain["running_mean"], head
+        assert recorded["weights"] == plain["weights"], head
+        if backend == "tensorflow":
+            assert plain["first_loss"] > 200 / 8 - 1, (head, plain["first_loss"])  # the row's 200, over 8
+
+
 def test_steps_per_execution_above_one_is_refused(tmp_path):
     code = (
         "import keras, numpy as np\n"
