@@ -219,7 +219,9 @@ class HostRun:
         if dtype_policies is not None:
             self.manifest[schema.DTYPE_POLICIES_KEY] = dtype_policies
         self.shards = ShardWriter(self.rank_dir, run_id=self.manifest["run_id"], rank=rank,
-                                  world_size=world_size, steps_per_shard=steps_per_shard)
+                                  world_size=world_size, steps_per_shard=steps_per_shard,
+                                  # Every step has rows, written on the training thread.
+                                  gather_rows=True)
         self._closed = False
         self._write_manifest()
 

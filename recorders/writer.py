@@ -74,7 +74,7 @@ def _column_array(parts: list, type_: pa.DataType) -> pa.Array:
     return pa.array(values, type=type_, from_pandas=values.dtype.kind == "f")
 
 
-# How late a step with no tensor row and nothing urgent may reach the journal
+# How late a step with nothing urgent (no NaN/Inf, no skip) may reach the journal
 # (the OS): with the journal's fsync interval, a killed job still loses at most
 # `durable_interval_s` plus this.
 JOURNAL_BATCH_STEPS = 64
@@ -160,7 +160,8 @@ class ShardWriter:
     def __init__(self, rank_dir: Path, *, run_id: str, rank: int, world_size: int,
                  steps_per_shard: int, row_group_rows: int = 1 << 16,
                  first_index: int = 0, has_room=None,
-                 durable_interval_s: float = DEFAULT_DURABLE_INTERVAL_S, publisher: Publisher | None = None):
+                 durable_interval_s: float = DEFAULT_DURABLE_INTERVAL_S, publisher: Publisher | None = None,
+                 gather_rows: bool = False):
         # ~64k rows per row group: small enough that step and non-finite
         # filters can skip most of a shard by its column statistics.
         self.rank_dir = Path(rank_dir)
@@ -171,11 +172,20 @@ class ShardWriter:
         self.row_group_rows = row_group_rows
         self._step_rows: list[dict] = []
         self._step_batches: list[pa.RecordBatch] = []
-        # Steps with no tensor row and nothing urgent (a sentinel's step
-        # facts), not yet in the journal: written together, at most
-        # JOURNAL_BATCH_STEPS or JOURNAL_BATCH_S late (one IPC batch and
-        # flush a step was most of the writer thread's time).
+        # Steps with nothing urgent (no NaN/Inf, no skip) and, unless
+        # `gather_rows`, no tensor row, not yet in the journal, with their
+        # tensor columns (steps that have rows): written
+        # together, at most JOURNAL_BATCH_STEPS or JOURNAL_BATCH_S late (one
+        # IPC batch and flush a step was most of the writer thread's time,
+        # and building ~25 Arrow arrays for each step's few rows, half of a
+        # Keras or Flax recorder's host time a step).
         self._unjournaled: list[dict] = []
+        self._unjournaled_tensors: list[dict] = []
+        # Whether steps with tensor rows are gathered too (`gather_rows`):
+        # the Keras and Flax recorders, which write every step's rows from
+        # the training thread; the PyTorch recorder's writer thread, whose
+        # row steps are sampled ones, journals each at once.
+        self.gather_rows = bool(gather_rows)
         self._unjournaled_since = 0.0
         self._tensor_batches: list[pa.RecordBatch] = []
         self._tensor_rows = 0
@@ -213,66 +223,71 @@ class ShardWriter:
         if self._orphans:
             self.compact_orphans()
         has_rows = tensor_columns is not None and len(tensor_columns["step"])
-        if not has_rows and not _urgent_step(step_row):
+        nonfinite = int(event_rows(tensor_columns).sum()) if has_rows else 0
+        self._step_rows.append(step_row)
+        urgent = bool(nonfinite or _urgent_step(step_row))
+        if urgent or (has_rows and not self.gather_rows):
+            # A step with a NaN/Inf or a skip is what a post-mortem needs: on
+            # disk before the writer takes the next step, whatever kills the
+            # job, after the steps held back (order kept).
+            self.journal_pending()
+            steps_batch = pa.RecordBatch.from_pylist([step_row], schema=schema.STEP_SCHEMA)
+            tensors_batch = self._tensors_batch([tensor_columns]) if has_rows else self._empty_tensors
+            self._nonfinite_rows += nonfinite
+            self.journal.append(self.shard_index, tensors_batch, steps_batch, urgent=urgent)
+            self._step_batches.append(steps_batch)
+        else:
             if not self._unjournaled:
                 self._unjournaled_since = time.monotonic()
             self._unjournaled.append(step_row)
-            self._step_rows.append(step_row)
+            if has_rows:
+                self._unjournaled_tensors.append(tensor_columns)
             if (len(self._unjournaled) >= JOURNAL_BATCH_STEPS
                     or time.monotonic() - self._unjournaled_since >= JOURNAL_BATCH_S):
                 self.journal_pending()
-            if len(self._step_rows) >= self.steps_per_shard:
-                self.roll()
-            return
-        self.journal_pending()
-        steps_batch = pa.RecordBatch.from_pylist([step_row], schema=schema.STEP_SCHEMA)
-        nonfinite = 0
-        if tensor_columns is not None and len(tensor_columns["step"]):
-            # Arrow arrays built once, here: the journal writes them, the
-            # pair is their concatenation.
-            tensors_batch = pa.RecordBatch.from_arrays(
-                [self._arrow_column(tensor_columns[c.name], c) for c in schema.TENSOR_COLUMNS],
-                schema=schema.TENSOR_SCHEMA)
-            self._tensor_batches.append(tensors_batch)
-            self._tensor_rows += tensors_batch.num_rows
-            nonfinite = int(event_rows(tensor_columns).sum())
-            self._nonfinite_rows += nonfinite
-        else:
-            tensors_batch = self._empty_tensors
-        # A step with a NaN/Inf or a skip is what a post-mortem needs: on
-        # disk before the writer takes the next step, whatever kills the job.
-        urgent = bool(nonfinite or _urgent_step(step_row))
-        self.journal.append(self.shard_index, tensors_batch, steps_batch, urgent=urgent)
-        self._step_rows.append(step_row)
-        self._step_batches.append(steps_batch)
         if len(self._step_rows) >= self.steps_per_shard:
             self.roll()
 
     _empty_tensors = empty_batch(schema.TENSORS_DIR)
 
-    def _arrow_column(self, values, column) -> pa.Array:
-        """A step's column as an Arrow array; a string column that is the
-        very list of the step before (`aggregate.MergePlan` hands the same
-        objects while a step's rows keep their structure) reuses its array:
-        building ~1,000 strings into Arrow every step held the GIL the
-        training thread needs."""
-        if isinstance(values, list):
+    def _tensors_batch(self, parts: list) -> pa.RecordBatch:
+        """Steps' tensor columns as one batch, Arrow arrays built once here:
+        the journal writes it, the pair is the concatenation of them."""
+        batch = pa.RecordBatch.from_arrays(
+            [self._arrow_column([p[c.name] for p in parts], c) for c in schema.TENSOR_COLUMNS],
+            schema=schema.TENSOR_SCHEMA)
+        self._tensor_batches.append(batch)
+        self._tensor_rows += batch.num_rows
+        return batch
+
+    def _arrow_column(self, parts: list, column) -> pa.Array:
+        """Steps' parts of a column as one Arrow array. A string part equal
+        to the step before's (the very list, as `aggregate.MergePlan` hands
+        it while a step's rows keep their structure, or an equal one, as the
+        Keras and Flax recorders make each step) reuses its array: building
+        ~1,000 strings into Arrow every step held the GIL the training
+        thread needs."""
+        if not isinstance(parts[0], list):
+            return _column_array(parts, column.type)
+        arrays = []
+        for values in parts:
             cached = self._string_columns.get(column.name)
-            if cached is not None and cached[0] is values:
-                return cached[1]
-            array = _column_array([values], column.type)
-            self._string_columns[column.name] = (values, array)
-            return array
-        return _column_array([values], column.type)
+            if cached is None or (cached[0] is not values and cached[0] != values):
+                cached = (values, _column_array([values], column.type))
+                self._string_columns[column.name] = cached
+            arrays.append(cached[1])
+        return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
 
     def journal_pending(self) -> None:
         """The steps held back from the journal (`add_step`), written as one
-        batch, in order before any later step."""
+        batch (their tensor rows as one), in order before any later step."""
         if self._unjournaled:
             batch = pa.RecordBatch.from_pylist(self._unjournaled, schema=schema.STEP_SCHEMA)
-            self._unjournaled = []
+            tensors = (self._tensors_batch(self._unjournaled_tensors) if self._unjournaled_tensors
+                       else self._empty_tensors)
+            self._unjournaled, self._unjournaled_tensors = [], []
             self._step_batches.append(batch)
-            self.journal.append(self.shard_index, self._empty_tensors, batch)
+            self.journal.append(self.shard_index, tensors, batch)
 
     def sync_journal(self) -> None:
         """fsync what the journal holds unsynced (the writer thread, idle),
@@ -388,6 +403,7 @@ class ShardWriter:
         self._step_rows = []
         self._step_batches = []
         self._unjournaled = []
+        self._unjournaled_tensors = []
         self._tensor_batches = []
         self._tensor_rows = 0
         self._nonfinite_rows = 0

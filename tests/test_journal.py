@@ -387,3 +387,54 @@ def test_every_analysis_reads_a_journal_as_the_shard_it_becomes(tmp_path, comman
         assert [f["kind"] for f in killed.pop("findings")] == ["recording_not_closed"]
         assert [f["kind"] for f in closed.pop("findings")] == ["healthy"]
     assert killed == closed
+
+
+def test_a_writer_that_gathers_rows_journals_them_in_batches_and_an_event_at_once(tmp_path, monkeypatch):
+    """`gather_rows` (the Keras and Flax recorders: rows every step, from the
+    training thread): steps with rows but nothing urgent wait, in order, for
+    64 steps, 0.5 s or the next urgent step; a step with a NaN/Inf row is
+    journalled and fsynced at once, after them; every row reaches the pair."""
+    import numpy as np
+
+    from recorders import writer as rw
+    from recorders.host_run import TensorRow, tensor_columns
+    from recorders.journal import read_journal
+
+    syncs = []
+    monkeypatch.setattr(Journal, "sync", lambda self, _s=Journal.sync: (syncs.append(self.index), _s(self))[1])
+    rank_dir = tmp_path / "rank=0"
+    w = ShardWriter(rank_dir, run_id=RUN_ID, rank=0, world_size=1, steps_per_shard=1000,
+                    durable_interval_s=3600, gather_rows=True)
+
+    def step(i, nan=0):
+        rows = [TensorRow(name=name, kind="activation", phase="forward", order=k, call=0, dtype="float16",
+                          numel=4, absmax=1.0, nan_count=nan if name == "b" else 0, inf_count=0)
+                for k, name in enumerate(("a", "b"))]
+        w.add_step({"step": i, "rank": 0, "wall_time": 0.0, "skipped": False, "loss": 1.0, "micro_batches": 1,
+                    "tensor_rows": 2, "tier": "cheap"}, tensor_columns(i, 0, rows))
+
+    def journaled():
+        found = read_journal(rank_dir, 0)
+        return ([], []) if found is None else (found[1]["step"].to_pylist(), found[2]["step"].to_pylist())
+
+    for i in range(3):
+        step(i)
+    assert journaled() == ([], [])                       # held: nothing urgent
+    step(3, nan=1)                                       # a NaN row: the held steps, then it, at once
+    assert journaled() == ([0, 1, 2, 3], [0, 0, 1, 1, 2, 2, 3, 3]) and syncs == [0]
+    for i in range(4, 4 + rw.JOURNAL_BATCH_STEPS):
+        step(i)
+    steps, rows = journaled()
+    assert steps == list(range(4 + rw.JOURNAL_BATCH_STEPS)) and len(rows) == 2 * len(steps)
+    step(100)
+    monkeypatch.setattr(rw, "JOURNAL_BATCH_S", 0.0)      # the half second is up at the next step
+    step(101)
+    assert journaled()[0][-2:] == [100, 101]
+    w.roll()
+    w.wait_published()
+    import pyarrow.parquet as pq
+    steps = pq.read_table(rank_dir / schema.STEPS_DIR / schema.SHARD_FILE.format(index=0))["step"].to_pylist()
+    tensors = pq.read_table(rank_dir / schema.TENSORS_DIR / schema.SHARD_FILE.format(index=0))
+    assert steps == list(range(4 + rw.JOURNAL_BATCH_STEPS)) + [100, 101]
+    assert tensors.num_rows == 2 * len(steps) and sum(tensors["nan_count"].to_pylist()) == 1
+    assert tensors["name"].to_pylist() == ["a", "b"] * len(steps)
