@@ -25,3 +25,30 @@ def identity_with_gradient(arrays: list, on_grads) -> list:
 
     tap.defvjp(forward, backward)
     return list(tap(*arrays))
+
+
+def carry_out(x, values, on_values):
+    """`x` through an identity whose residuals are `values` (a pytree): its
+    backward rule calls `on_values(values)` with them as the outer trace's
+    values (outside `value_and_grad`'s tracers), which a step can then
+    return. The values are cut from the gradient (`stop_gradient`), so the
+    zero cotangents the rule hands back reach nothing: the step's gradients
+    are unchanged."""
+    import jax
+    import jax.numpy as jnp
+
+    values = jax.lax.stop_gradient(values)
+
+    @jax.custom_vjp
+    def carry(x, values):
+        return x
+
+    def forward(x, values):
+        return x, values
+
+    def backward(values, g):
+        on_values(values)
+        return g, jax.tree_util.tree_map(jnp.zeros_like, values)
+
+    carry.defvjp(forward, backward)
+    return carry(x, values)
