@@ -238,3 +238,25 @@ def test_sentinel_cost_smoke_measures_every_job_and_variant_and_changes_no_bit(t
         assert set(job["variants"]) == set(sentinel_cost.VARIANTS)
         assert all(v["same_bits"] for v in job["variants"].values())  # recording changes no bit
         assert job["target"]["default_at_most"] > 1 and isinstance(job["target"]["met"], bool)
+
+
+def test_xp_recorder_cost_smoke_measures_keras_tf_with_its_probe_and_flax(tmp_path):
+    """One child process (Keras on TensorFlow: its four variants, the
+    probe's difference); Flax in this process (jax is imported by the
+    suite anyway). Keras on JAX shares the Keras child's code."""
+    import math
+
+    import xp_recorder_cost
+    out = tmp_path / "xp.json"
+    assert xp_recorder_cost.main(["--smoke", "--frameworks", "keras_tf", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["cpu_model"] and set(doc["frameworks"]) == {"keras_tf"}
+    keras_tf = doc["frameworks"]["keras_tf"]
+    assert set(keras_tf["variants"]) == set(xp_recorder_cost.VARIANTS["keras_tf"])
+    assert all(v["steps"] == 3 and v["median_ms"] > 0 for v in keras_tf["variants"].values())
+    assert keras_tf["tiers"]["full"] == {"full": 5}  # every step of the run, warm-up included
+    assert math.isfinite(keras_tf["probe"]["ms_per_step"])
+    flax = xp_recorder_cost._flax_child(rounds=2, warmup=1, smoke=True, seed=0)
+    assert set(flax["variants"]) == set(xp_recorder_cost.VARIANTS["flax"])
+    assert flax["tiers"]["full"] == {"full": 3} and flax["tiers"]["default"]["full"] >= 1
+    assert all(v["same_bits"] for v in flax["variants"].values())  # recording changes no bit
