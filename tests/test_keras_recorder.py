@@ -246,3 +246,99 @@ def test_only_full_tier_steps_carry_the_full_columns(runs):
     # 2**15 scale's first step makes, has no extremes, mean or rms).
     assert first[full_cols[4:]].notna().all().all()
     assert set(first["kind"]) == {"input", "activation", "loss", "grad_output", "grad_input", "param_grad"}
+
+
+ADD_LOSS_STEP = '''
+import json, sys, keras, numpy as np
+from keras import ops
+from recorders.keras_recorder import KerasRecorder
+keras.mixed_precision.set_global_policy("mixed_float16")
+keras.utils.set_random_seed(0)
+
+
+class OwnLoss(keras.Model):
+    """A custom step whose loss is its own formula, not compute_loss: handed
+    to the recorder with add_loss (differentiated as returned, or not)."""
+
+    def __init__(self, use_returned):
+        super().__init__(name="net")
+        self.use_returned = use_returned
+        self.d1 = keras.layers.Dense(8, activation="relu", name="d1")
+        self.d2 = keras.layers.Dense(1, name="d2")
+
+    def call(self, x):
+        return self.d2(self.d1(x))
+
+    def _loss(self, x, y, y_pred):
+        loss = ops.mean((ops.cast(y_pred, "float32") - y) ** 2)
+        handed = self.rec.add_loss(loss)
+        return handed if self.use_returned else loss
+'''
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_a_custom_step_hands_its_loss_with_add_loss(backend, tmp_path):
+    """A custom train step that computes its loss without `compute_loss` gets
+    its loss and forward rows by `loss = rec.add_loss(loss)`; on JAX, a step
+    that differentiates another tensor than the one returned records no
+    forward row and an unknown loss, never a NaN loss (no false event)."""
+    step = {
+        "tensorflow": '''
+    def train_step(self, data):
+        import tensorflow as tf
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self._loss(x, y, self(x, training=True))
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+''',
+        "jax": '''
+    def compute_loss_and_updates(self, tv, ntv, ov, x, y):
+        y_pred, ntv = self.stateless_call(tv, ntv, x)
+        loss = self._loss(x, y, y_pred)
+        mapping = list(zip(self.optimizer.variables, ov))
+        with keras.StatelessScope(state_mapping=mapping):
+            scaled = self.optimizer.scale_loss(loss)
+        return scaled, (loss, ntv)
+
+    def train_step(self, state, data):
+        import jax
+        tv, ntv, ov, mv = state
+        x, y = data
+        (_, (loss, ntv)), grads = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)(
+            tv, ntv, ov, x, y)
+        tv, ov = self.optimizer.stateless_apply(ov, grads, tv)
+        return {"loss": loss}, (tv, ntv, ov, mv)
+'''}[backend]
+    code = ADD_LOSS_STEP.replace("\n\nclass OwnLoss", "\n\nclass OwnLoss").replace(
+        "        return handed if self.use_returned else loss\n",
+        "        return handed if self.use_returned else loss\n" + step) + f'''
+x = np.random.default_rng(0).standard_normal((16, 4)).astype("float32")
+y = np.zeros((16, 1), "float32")
+for use in (True, False):
+    net = OwnLoss(use)
+    net.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-3)))
+    run = {str(tmp_path)!r} + "/" + str(use)
+    with KerasRecorder(run, net) as rec:
+        net.rec = rec
+        net.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
+'''
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(HERE.parent)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=HERE.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from amp_postmortem.reading.loader import load_run
+    used = load_run(tmp_path / "True")
+    assert used.steps["loss"].notna().all() and (used.steps["loss"] > 0).all()
+    tensors = used.tensors.to_table().to_pandas()
+    forward = tensors[tensors["kind"] == "activation"]
+    assert {"d1", "d2"} <= set(forward["name"]) and set(forward["step"]) == {0, 1}
+    ignored = load_run(tmp_path / "False")
+    if backend == "jax":  # the forward's values could not leave value_and_grad
+        assert ignored.steps["loss"].isna().all()
+        assert not (ignored.tensors.to_table().to_pandas()["kind"] == "activation").any()
+    else:  # TensorFlow's graph values need no carrying
+        assert ignored.steps["loss"].notna().all()
+    assert "nonfinite_loss" not in {f["kind"] for f in cli_json("summary", str(tmp_path / "False"))["findings"]}
