@@ -71,7 +71,7 @@ from .format.flax_names import key_name, module_name, named_params
 from .host_bundle import BundleTriggers, encode_tree, write_bundle
 from .errors import OptionError, option_float, option_int
 from .host_run import HostRun, StepRecord, backward_rows, framework_entry, stats_row, step_events
-from .jax_grad_tap import identity_with_gradient
+from .jax_grad_tap import cheap_stats, identity_with_gradient
 from .schedule import EVERY_STEP, FULL, RecordSchedule
 
 STAT_WIDTH = 5
@@ -100,10 +100,8 @@ def array_stats(x, scale=None, full: bool = False, near_overflow: float = schema
     x = jnp.asarray(x).astype(jnp.float32)
     if scale is not None:
         x = x / scale
-    finite = jnp.isfinite(x)
-    absmax = jnp.max(jnp.where(finite, jnp.abs(x), 0.0), initial=0.0)
-    cheap = [absmax, jnp.sum(jnp.isnan(x)).astype(jnp.float32),
-             jnp.sum(jnp.isinf(x)).astype(jnp.float32), jnp.float32(0), jnp.float32(x.size)]
+    absmax, nans, infs = cheap_stats(x)
+    cheap = [absmax, nans, infs, jnp.float32(0), jnp.float32(x.size)]
     if full and x.size:
         cheap += xp_stats.full_tail(x, int(x.size), jnp, _cast, near_overflow)
     elif full:  # empty: no value, every statistic null

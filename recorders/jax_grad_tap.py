@@ -52,3 +52,30 @@ def carry_out(x, values, on_values):
 
     carry.defvjp(forward, backward)
     return carry(x, values)
+
+
+def cheap_stats(x):
+    """(the largest finite magnitude, the NaN count, the Inf count) of a
+    float32 array, float32 scalars, in the graph, by one variadic reduction:
+    one pass over the values where a max and two counts made three (~3x
+    less time for a step's rows on XLA's CPU: 190 against 580 us for 25
+    arrays of 16K values). An empty array gives zeros."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    # Statistics are never differentiated, and a variadic reduction has no
+    # JVP rule: cut from the gradient (the forward's rows are taken inside
+    # value_and_grad).
+    x = jnp.ravel(lax.stop_gradient(x))
+    finite = jnp.isfinite(x)
+    nan = jnp.isnan(x)
+    magnitude = jnp.where(finite, jnp.abs(x), jnp.zeros((), x.dtype))
+
+    def combine(a, b):
+        return jnp.maximum(a[0], b[0]), a[1] + b[1], a[2] + b[2]
+
+    zero = jnp.zeros((), jnp.int32)
+    largest, nans, infs = lax.reduce(
+        (magnitude, nan.astype(jnp.int32), (~finite & ~nan).astype(jnp.int32)),
+        (jnp.zeros((), x.dtype), zero, zero), combine, (0,))
+    return largest.astype(jnp.float32), nans.astype(jnp.float32), infs.astype(jnp.float32)

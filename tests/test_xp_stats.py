@@ -77,3 +77,31 @@ def test_nothing_finite_leaves_the_extremes_null():
     row = full_row(np.array([np.nan, np.inf], dtype=np.float16))
     assert all(math.isnan(v) for v in row[5:9])
     assert row[9:].tolist() == [0.0, 0.0, 0.0, 0.0, 2.0]  # counts
+
+
+def test_jax_cheap_stats_in_one_pass_match_the_definitions_and_leave_gradients_alone():
+    """`jax_grad_tap.cheap_stats` (the Keras-JAX and Flax rows' absmax, NaN
+    and Inf counts by one variadic reduction): the largest finite magnitude
+    and the exact counts, zeros for an empty array; taken inside
+    value_and_grad (as the forward's rows are) it raises nothing and changes
+    no gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    from recorders.jax_grad_tap import cheap_stats
+
+    x = np.array([1.0, -5.0, np.nan, np.inf, -np.inf, 3.0, np.nan, -0.0], np.float32)
+    assert [float(v) for v in jax.jit(cheap_stats)(jnp.asarray(x))] == [5.0, 2.0, 2.0]
+    assert [float(v) for v in cheap_stats(jnp.zeros((0, 3), jnp.float32))] == [0.0, 0.0, 0.0]
+    assert [float(v) for v in cheap_stats(jnp.full((3, 4), np.inf, jnp.float32))] == [0.0, 0.0, 12.0]
+    seen = {}
+
+    def loss(w):
+        h = jnp.tanh(w * 3.0)
+        seen["stats"] = cheap_stats(h)[0]
+        return jnp.sum(h ** 2)
+
+    w = jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float32)
+    _, with_stats = jax.jit(jax.value_and_grad(loss))(w)
+    _, plain = jax.jit(jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(w * 3.0) ** 2)))(w)
+    assert np.array_equal(np.asarray(with_stats), np.asarray(plain))
