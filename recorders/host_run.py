@@ -19,7 +19,7 @@ import math
 import platform
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,10 +38,12 @@ except Exception:  # noqa: BLE001 - not installed (running from a source tree)
 FULL_COLUMNS = schema.FULL_STATS[len(schema.CHEAP_STATS):]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TensorRow:
     """One row of the tensors table (docs/FORMAT.md, "Table: tensors"); the
-    full tier's columns None on a cheap-tier row."""
+    full tier's columns None on a cheap-tier row. Not frozen: a frozen
+    dataclass sets each of its 20 fields through object.__setattr__, ~3 us
+    a row and ~25 rows every step of a Keras or Flax job."""
     name: str
     kind: str
     phase: str
@@ -70,10 +72,12 @@ def stats_row(name: str, kind: str, phase: str, order: int, call: int, dtype: st
     NaN/Inf among the inputs, numel] (`input_nonfinite` kept when true),
     and on a full-tier step the nine of `FULL_COLUMNS` after them, the four
     shares as counts over the sample (`xp_stats`)."""
-    v = np.asarray(stats, dtype=np.float64)
+    # Python floats at once: indexing a numpy row and converting each
+    # value cost more than the row's other work (~25 rows a step).
+    v = np.asarray(stats, dtype=np.float64).tolist()
     full = {}
     if len(v) > 5:
-        full = {c: float(x) for c, x in zip(FULL_COLUMNS, v[5:])}
+        full = dict(zip(FULL_COLUMNS, v[5:]))
         # The shares come as counts over the sample: divided here, in float64.
         m = int(v[13])
         for c in FULL_COLUMNS[4:8]:
@@ -94,16 +98,18 @@ def backward_rows(module_rows, grads) -> list[TensorRow]:
     last `grad_input` row; without a row of its module, after the parameter
     before it."""
     module_rows, grads = list(module_rows), list(grads)
-    keyed = [((i, 0, 0), stats_row(name, kind, "backward", 0, call, dtype, v, input_nonfinite=kind == "grad_input"))
-             for i, (name, kind, call, dtype, v) in enumerate(module_rows)]
+    keyed = [((i, 0, 0), (name, kind, call, dtype, v)) for i, (name, kind, call, dtype, v) in enumerate(module_rows)]
     place = {name: (i - 0.5) if kind == "grad_input" else (i + 0.5)
              for i, (name, kind, *_) in enumerate(module_rows)}
     at = -1.0
     for j, (name, dtype, v) in enumerate(reversed(grads)):
         at = place.get(name.rpartition(".")[0], at)
-        keyed.append(((at, 1, j), stats_row(name, "param_grad", "backward", 0, 0, dtype, v)))
+        keyed.append(((at, 1, j), (name, "param_grad", 0, dtype, v)))
     keyed.sort(key=lambda kr: kr[0])
-    return [replace(r, order=order) for order, (_, r) in enumerate(keyed)]
+    # Rows made once their order is known (a frozen row copied by
+    # dataclasses.replace cost ~5 us a row, every step).
+    return [stats_row(name, kind, "backward", order, call, dtype, v, input_nonfinite=kind == "grad_input")
+            for order, (_, (name, kind, call, dtype, v)) in enumerate(keyed)]
 
 
 @dataclass
