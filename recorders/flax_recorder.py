@@ -369,8 +369,7 @@ class FlaxRecorder:
         loss = _opt_float(loss)
         rows = []
         # NaN/Inf in any gradient (a step with rows, as a skip or a non-finite loss).
-        backward_bad = any(float(np.asarray(r[-1])[1]) or float(np.asarray(r[-1])[2])
-                           for r in (*(grads or ()), *(backward or ())))
+        backward_bad = any(_nonfinite_stats(r[-1]) for r in (*(grads or ()), *(backward or ())))
         if full is None:
             full = any(len(np.asarray(r[-1])) > STAT_WIDTH for r in (*(forward or ()), *(grads or ()),
                                                                    *(backward or ())))
@@ -549,6 +548,12 @@ class ModuleGradientTaps:
         for i, t in zip(where, out):
             leaves[i] = t
         return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _nonfinite_stats(stats) -> bool:
+    """A row's statistics count a NaN or an Inf (one conversion a row)."""
+    v = np.asarray(stats)
+    return bool(v[1] or v[2])
 
 
 def _opt_float(v):
