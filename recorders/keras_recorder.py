@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 
 import keras
@@ -144,13 +143,12 @@ def row_stats(tensors: list, inputs: list = (), scale=None, full: bool = False,
             x = x / scale
         if jax_backend:  # one pass over the values, not three
             largest, n, i = cheap_stats(x)
-            absmax, nans, infs = ops.maximum(absmax, largest), nans + n, infs + i
-            numel = numel + ops.cast(ops.size(x), "float32")
-            continue
-        finite = ops.isfinite(x)
-        absmax = ops.maximum(absmax, ops.max(ops.where(finite, ops.abs(x), ops.zeros_like(x))))
-        nans = nans + ops.cast(ops.sum(ops.cast(ops.isnan(x), "int32")), "float32")
-        infs = infs + ops.cast(ops.sum(ops.cast(ops.isinf(x), "int32")), "float32")
+        else:
+            finite = ops.isfinite(x)
+            largest = ops.max(ops.where(finite, ops.abs(x), ops.zeros_like(x)))
+            n = ops.cast(ops.sum(ops.cast(ops.isnan(x), "int32")), "float32")
+            i = ops.cast(ops.sum(ops.cast(ops.isinf(x), "int32")), "float32")
+        absmax, nans, infs = ops.maximum(absmax, largest), nans + n, infs + i
         numel = numel + ops.cast(ops.size(x), "float32")
     return ops.stack([absmax, nans, infs, _nonfinite_count(inputs), ops.cast(numel, "float32")])
 
@@ -483,7 +481,6 @@ class KerasRecorder(keras.callbacks.Callback):
         self._layer_taps: LayerTaps | None = None
         self._received: dict = {}
         self._pending = None  # JAX: the last step's statistics, device arrays
-        self._lock = threading.Lock()
         self._closed = False
         # A copy: `fired`/`saved` count one run, and the default argument is
         # one object shared by every recorder built without `bundles=`.
@@ -516,11 +513,8 @@ class KerasRecorder(keras.callbacks.Callback):
         if self._pending is not None:
             import jax
             payload, self._pending = self._pending, None
-            received = self._host_payload(jax.device_get(payload))  # one transfer
-            with self._lock:
-                self._received.update(received)
-        with self._lock:
-            received, self._received = self._received, {}
+            self._received.update(self._host_payload(jax.device_get(payload)))  # one transfer
+        received, self._received = self._received, {}
         if not received:
             return
         received["full"] = self._full_now
@@ -664,8 +658,7 @@ class KerasRecorder(keras.callbacks.Callback):
             if isinstance(out, dict) and LOGS_KEY in out:
                 out = dict(out)
                 payload = out.pop(LOGS_KEY)
-                with self._lock:
-                    self._received.update(self._host_payload(payload))
+                self._received.update(self._host_payload(payload))
             return out
 
         model.train_function = train_function
