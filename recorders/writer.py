@@ -172,21 +172,21 @@ class ShardWriter:
         self.row_group_rows = row_group_rows
         self._step_rows: list[dict] = []
         self._step_batches: list[pa.RecordBatch] = []
-        # Steps with nothing urgent (no NaN/Inf, no skip) and, unless
-        # `gather_rows`, no tensor row, not yet in the journal, with their
-        # tensor columns (steps that have rows): written
-        # together, at most JOURNAL_BATCH_STEPS or JOURNAL_BATCH_S late (one
-        # IPC batch and flush a step was most of the writer thread's time,
-        # and building ~25 Arrow arrays for each step's few rows, half of a
-        # Keras or Flax recorder's host time a step).
+        # Steps not yet in the journal, and the tensor columns of those with
+        # rows: nothing urgent (no NaN/Inf, no skip) and, unless
+        # `gather_rows`, no tensor row. Written together, at most
+        # JOURNAL_BATCH_STEPS or JOURNAL_BATCH_S late: one IPC batch and
+        # flush a step was most of the writer thread's time, and building
+        # ~25 Arrow arrays for each step's few rows half of a Keras or Flax
+        # recorder's host time a step.
         self._unjournaled: list[dict] = []
         self._unjournaled_tensors: list[dict] = []
-        # Whether steps with tensor rows are gathered too (`gather_rows`):
-        # the Keras and Flax recorders, which write every step's rows from
-        # the training thread; the PyTorch recorder's writer thread, whose
-        # row steps are sampled ones, journals each at once.
-        self.gather_rows = bool(gather_rows)
         self._unjournaled_since = 0.0
+        # Whether steps with tensor rows are gathered too: the Keras and
+        # Flax recorders, which write every step's rows from the training
+        # thread; the PyTorch recorder's writer thread, whose row steps are
+        # sampled ones, journals each at once.
+        self.gather_rows = bool(gather_rows)
         self._tensor_batches: list[pa.RecordBatch] = []
         self._tensor_rows = 0
         self._nonfinite_rows = 0
