@@ -188,6 +188,40 @@ def test_a_skipped_or_nonfinite_step_is_fsynced_at_once_the_others_by_the_interv
     assert on_append == [0, 1, 2]
 
 
+def test_a_burst_of_skips_fsyncs_its_first_at_once_and_gathers_the_rest(tmp_path, monkeypatch, sentinel_mode):
+    """A diverging job, every step from 3 on a skip (the default recorder:
+    steps with the facts only, as a long job's are): step 3 is journaled and
+    fsynced alone at once; the burst's next steps (within
+    `URGENT_SYNC_GAP_S` of that fsync) are gathered as clean steps are, not
+    a write and an fsync each, and every one of them reaches the run."""
+    import recorders.journal as journal_module
+    on_append, _ = _spy_syncs(monkeypatch)
+    appended = []
+    append = Journal.append  # the spy installed above
+
+    def count_append(self, index, tensors, steps, urgent=False):
+        appended.append(steps.column("step").to_pylist())
+        append(self, index, tensors, steps, urgent)
+
+    monkeypatch.setattr(Journal, "append", count_append)
+    # A gap no test machine outruns: every skip after step 3 falls in it.
+    monkeypatch.setattr(journal_module, "URGENT_SYNC_GAP_S", 3600.0)
+
+    def plant(step, model, x):
+        model.boom.gain = float("inf") if step >= 3 else 1.0
+
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    train(PlantedNet(), batches(10), recorder=recorder_at(run, durable_interval_s=3600),
+          scaler={"init_scale": 2.0 ** 8}, on_step=plant)
+    assert on_append == [3] and [3] in appended, (on_append, appended)
+    later = [steps for steps in appended if any(s > 3 for s in steps)]
+    assert sorted(s for steps in later for s in steps) == [4, 5, 6, 7, 8, 9], appended  # each once
+    assert len(later) < 6, appended  # not one write each
+    skipped = load_run(run).steps.set_index("step")["skipped"]
+    assert skipped.loc[3:9].all() and not skipped.loc[:2].any()
+
+
 def test_an_idle_writer_fsyncs_what_it_wrote(tmp_path, monkeypatch):
     _, on_idle = _spy_syncs(monkeypatch)
     torch.manual_seed(0)
