@@ -145,7 +145,14 @@ class ParamGradCollector:
             guard = self.shared.guard
             self._guarded_end = guard(self._on_backward_end, traced=False)
             self._guarded_queue = guard(engine.queue_callback, traced=False)
-        engine.queue_callback(_BackwardEnd(self, st))
+        end = _BackwardEnd(self, st)
+        # The callbacks the measurement must follow are those of collective
+        # wrappers (DDP, FSDP, DeepSpeed), which need a process group: in a
+        # job without one the callback measures at once (a second trip from
+        # the engine into Python a step spared). Read every pass: a group
+        # may be made after the recorder.
+        end.queued = not (self._sharded or self._late_grads or self._flat_views or _process_group())
+        engine.queue_callback(end)
 
     def _on_backward_end(self, st) -> None:
         shared = self.shared
@@ -278,11 +285,17 @@ class ParamGradCollector:
         self.shared.bundles.on_optimizer_pre_step(clean_on_host=clean)
 
 
+def _process_group() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
+
 class _BackwardEnd:
     """The callback queued when a backward pass begins (one small object
-    per pass, holding its step): it queues itself once more, so that it runs
-    after the callbacks DDP and FSDP queue during the pass, then takes the
-    gradient facts (guarded: an exception turns recording off)."""
+    per pass, holding its step): it queues itself once more (unless made
+    `queued`), so that it runs after the callbacks DDP and FSDP queue during
+    the pass, then takes the gradient facts (guarded: an exception turns
+    recording off)."""
 
     __slots__ = ("collector", "st", "queued")
 

@@ -40,20 +40,47 @@ class CallContext:
 
 
 class StepState:
-    """What the collectors gathered during one optimizer step (training thread)."""
+    """What the collectors gathered during one optimizer step (training thread).
+
+    Made once a step: its immutable starting values are class attributes
+    (an instance sets only what it changes), the containers its own; half
+    the attribute stores of a plain `__init__`, on the path of every step."""
+
+    micro_batches = 0
+    forward_open = False  # a micro-batch's forward ran, its backward not yet
+    opened_by_child = False  # ... and a submodule, not the root, opened it
+    micro_batch_start = None  # (rows, contexts) before the micro-batch in progress
+    fwd_order = 0
+    bwd_order = 0
+    last_sum = None  # (weak refs to the parts, their sum): the last grad_input summed
+    stepped = False
+    grad_sqsum = None  # square sum of this rank's unscaled gradients (local shards), on the device
+    sharded_sqsum = None  # its part from the local shards of sharded gradients
+    grad_nonfinite = None  # how many of those gradients hold a NaN/Inf (sharded jobs), on the device
+    grad_norms = None  # else each gradient's norm (scaled as they were), on the device ...
+    grad_norm_names = None  # ... their parameters' names ...
+    # ... and whether they are to be divided by the loss scale the step's
+    # backward used (the scale tensor, never read: None when unscaled already)
+    grad_scale = None
+    # On the CPU: the norms' square sum, a host float (finite exactly
+    # when every norm is), taken with them; None elsewhere.
+    grad_sq_host = None
+    backward_task = None  # the autograd graph task whose end is awaited
+    backward_passes = 0  # ended backward passes (counts micro-batches a compiled forward hides)
+    in_forward = 0  # depth of root forwards being recorded (checkpointing's no_grad regions count)
+    device = None
+    # Compiled modules: the in-graph statistics' buffer of the step
+    # (graph_stats.GraphStats.take; None: no graph wrote it), and the
+    # forward order of the eager row a graph's forward rows come before.
+    graph_values = None
+    graph_anchor = None
 
     def __init__(self, step_id: int, record: bool, full: bool):
         self.step_id = step_id
         self.record = record
         self.full = full
-        self.micro_batches = 0
-        self.forward_open = False  # a micro-batch's forward ran, its backward not yet
-        self.opened_by_child = False  # ... and a submodule, not the root, opened it
-        self.micro_batch_start = None  # (rows, contexts) before the micro-batch in progress
         self.meta: list[tuple] = []
         self.stats: list = []  # host tuples or device vectors (stats.row_stats)
-        self.fwd_order = 0
-        self.bwd_order = 0
         self.calls: dict[str, int] = {}
         self.stacks: dict[str, list] = {}
         self.recompute_stacks: dict[str, list] = {}  # reentrant recomputation: (context, input edges)
@@ -67,29 +94,7 @@ class StepState:
         # autograd node -> the calls watching it (backward._NodeWatch), for
         # one forward: calls sharing a node share its hooks.
         self.node_watches: dict = {}
-        self.last_sum = None  # (weak refs to the parts, their sum): the last grad_input summed
-        self.stepped = False
-        self.grad_sqsum = None  # square sum of this rank's unscaled gradients (local shards), on the device
-        self.sharded_sqsum = None  # its part from the local shards of sharded gradients
-        self.grad_nonfinite = None  # how many of those gradients hold a NaN/Inf (sharded jobs), on the device
-        self.grad_norms = None  # else each gradient's norm (scaled as they were), on the device ...
-        self.grad_norm_names = None  # ... their parameters' names ...
-        # ... and whether they are to be divided by the loss scale the step's
-        # backward used (the scale tensor, never read: None when unscaled already)
-        self.grad_scale = None
-        # On the CPU: the norms' square sum, a host float (finite exactly
-        # when every norm is), taken with them; None elsewhere.
-        self.grad_sq_host = None
-        self.backward_task = None  # the autograd graph task whose end is awaited
-        self.backward_passes = 0  # ended backward passes (counts micro-batches a compiled forward hides)
-        self.in_forward = 0  # depth of root forwards being recorded (checkpointing's no_grad regions count)
         self.param_values: list[tuple] = []
-        self.device = None
-        # Compiled modules: the in-graph statistics' buffer of the step
-        # (graph_stats.GraphStats.take; None: no graph wrote it), and the
-        # forward order of the eager row a graph's forward rows come before.
-        self.graph_values = None
-        self.graph_anchor = None
 
 
 class TensorInfo:
