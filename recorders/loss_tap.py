@@ -77,7 +77,7 @@ def step_loss(taken, explicit=None):
         # micro-batch): the value is the same, finite or not.
         return explicit.detach() if explicit.dim() == 0 else explicit.detach().reshape(())
     if isinstance(explicit, torch.Tensor) and explicit.numel() == 1 and all(
-            t.device.type == "cpu" and t.numel() == 1 for t in losses) and all(
+            t.is_cpu and t.numel() == 1 for t in losses) and all(
             math.isfinite(float(t)) for t in losses):
         # Host values (the CPU): every captured loss is finite, so the one
         # passed wins, with no operation on the training path.

@@ -242,9 +242,9 @@ def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
     norms, sqsum = st.grad_norms, st.grad_sqsum
     scale_tensor = isinstance(scale, torch.Tensor)
     # Attribute tests, not a loop: this runs on every step.
-    on_host = ((loss_t is None or loss_t.device.type == "cpu") and (not scale_tensor or scale.device.type == "cpu")
-               and (norms is None or norms.device.type == "cpu") and (sqsum is None or sqsum.device.type == "cpu")
-               and (st.grad_nonfinite is None or st.grad_nonfinite.device.type == "cpu"))
+    on_host = ((loss_t is None or loss_t.is_cpu) and (not scale_tensor or scale.is_cpu)
+               and (norms is None or norms.is_cpu) and (sqsum is None or sqsum.is_cpu)
+               and (st.grad_nonfinite is None or st.grad_nonfinite.is_cpu))
     if not (on_host or skipped):
         return None
     scale_value = (scale.item() if scale_tensor else float(scale)) if scale is not None else None
@@ -476,4 +476,4 @@ class StepSentinel:
         if type(before) is float and before >= self.scale_floor:
             return True
         scale = getattr(self.scaler, "_scale", None)
-        return isinstance(scale, torch.Tensor) and scale.device.type == "cpu" and float(scale) >= self.scale_floor
+        return isinstance(scale, torch.Tensor) and scale.is_cpu and float(scale) >= self.scale_floor

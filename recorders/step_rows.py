@@ -37,7 +37,7 @@ def _put(host: dict, dev: list, keys: list, key: str, value, mutable: bool = Fal
     in place, `mutable`: the scale, a host value here, no copy), a device
     tensor into `dev` (its key and 0, a scalar, into `keys`)."""
     if isinstance(value, torch.Tensor):
-        if value.device.type == "cpu":
+        if value.is_cpu:
             host[key] = (value.item() if value.numel() == 1 else value.detach().clone()) if mutable \
                 else value.detach() if value.requires_grad else value
         else:
@@ -48,7 +48,7 @@ def _put(host: dict, dev: list, keys: list, key: str, value, mutable: bool = Fal
 
 
 def _put_vector(host: dict, dev: list, keys: list, key: str, value) -> None:
-    if value.device.type == "cpu":
+    if value.is_cpu:
         host[key] = value.detach() if value.requires_grad else value
     else:
         keys.append((key, value.numel()))
@@ -73,7 +73,7 @@ class StepRows:
             return None
         scale = getattr(self.scaler, "_scale", None)
         if isinstance(scale, torch.Tensor):
-            return scale.item() if scale.device.type == "cpu" else scale.detach().clone()
+            return scale.item() if scale.is_cpu else scale.detach().clone()
         return float(getattr(self.scaler, "_init_scale", math.nan))
 
     # ------------------------------------------------------ training thread
@@ -131,7 +131,7 @@ class StepRows:
             # just read (no copy on the training path); on a device a clone,
             # because GradScaler.update() changes it in place.
             if isinstance(scale, torch.Tensor):
-                self.scale_before = host["loss_scale"] if scale.device.type == "cpu" else scale.detach().clone()
+                self.scale_before = host["loss_scale"] if scale.is_cpu else scale.detach().clone()
         for prefix, state in (("", facts),) + ((("reexec_", st),) if st is not facts else ()):
             # The gradient facts, and what a re-execution measured against them.
             if state.grad_sqsum is not None:
@@ -175,7 +175,7 @@ class StepRows:
                 p.packed = packed.to("cpu", non_blocking=True)
                 p.event = torch.cuda.Event()
                 p.event.record()
-            elif packed.device.type == "cpu":
+            elif packed.is_cpu:
                 p.packed = packed
             else:
                 p.packed = packed.to("cpu", non_blocking=True)

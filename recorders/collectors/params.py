@@ -173,32 +173,37 @@ class ParamGradCollector:
         """Square sums of this rank's gradients (local shards), unscaled
         with `scale` (None: already unscaled); every micro-batch's backward
         overwrites them, so the last one's accumulated gradients count."""
+        if torch.is_grad_enabled():
+            # A backward with create_graph=True (gradients that carry a
+            # graph), or the optimizer's pre-step hook: measured without
+            # autograd. The usual backward's end runs with grad mode off,
+            # where entering no_grad cost ~6 us of the MLP's step.
+            with self._no_grad:
+                return self._measure_grad_norm(st, scale)
         if self._plain_grads:
             # The usual job: plain tensors, nothing sharded; one pass for
             # every gradient, in one list (the per-parameter checks below
             # cost a few microseconds a parameter, every step).
             names = self._grad_names
             try:
-                # Without autograd: a gradient made with create_graph=True
-                # carries a graph. A missing gradient (None) raises: the
-                # loop below checks each one (testing each here would cost
-                # per-parameter Python every step; `in` compares with ==).
-                with self._no_grad:  # one context object, not one a step
-                    if self._grad_tensors[0].device.type == "cpu":  # read each time: a model may move
-                        plan = self._norm_plan
-                        if plan is None:
-                            plan = self._norm_plan = NormPlan(self._grad_tensors)
-                            self._plan_names = plan.in_order(names)
-                        if plan.useful:
-                            # In the plan's order, names alike: no list of
-                            # every gradient, no reordering of the norms.
-                            norms, st.grad_sq_host = settle(plan.norms(), plan.grad_at)
-                            names = self._plan_names
-                        else:
-                            norms, st.grad_sq_host = cpu_norms([p.grad for p in self._grad_tensors],
-                                                               plan.work, plan.uniform, plan.big)
+                # A missing gradient (None) raises: the loop below checks
+                # each one (testing each here would cost per-parameter
+                # Python every step; `in` compares with ==).
+                if self._grad_tensors[0].is_cpu:  # read each time: a model may move
+                    plan = self._norm_plan
+                    if plan is None:
+                        plan = self._norm_plan = NormPlan(self._grad_tensors)
+                        self._plan_names = plan.in_order(names)
+                    if plan.useful:
+                        # In the plan's order, names alike: no list of
+                        # every gradient, no reordering of the norms.
+                        norms, st.grad_sq_host = settle(plan.norms(), plan.grad_at)
+                        names = self._plan_names
                     else:
-                        norms = grad_norms([p.grad for p in self._grad_tensors], on_host=False)
+                        norms, st.grad_sq_host = cpu_norms([p.grad for p in self._grad_tensors],
+                                                           plan.work, plan.uniform, plan.big)
+                else:
+                    norms = grad_norms([p.grad for p in self._grad_tensors], on_host=False)
             except (TypeError, RuntimeError, AttributeError):
                 norms = None
             if norms is not None:
@@ -281,13 +286,17 @@ class ParamGradCollector:
                 clean = math.isfinite(st.grad_sq_host)  # read when the norms were taken
             else:
                 norms = st.grad_norms if st.grad_norms is not None else st.grad_sqsum
-                clean = norms is not None and norms.device.type == "cpu" and bool(torch.isfinite(norms).all())
+                clean = norms is not None and norms.is_cpu and bool(torch.isfinite(norms).all())
         self.shared.bundles.on_optimizer_pre_step(clean_on_host=clean)
 
 
+_GroupMember = torch.distributed.distributed_c10d.GroupMember if torch.distributed.is_available() else None
+
+
 def _process_group() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()
+    """`torch.distributed.is_initialized()` in one attribute read (a
+    function call through the package costs ~3 us cold, on every step)."""
+    return _GroupMember is not None and _GroupMember.WORLD is not None
 
 
 class _BackwardEnd:
