@@ -462,7 +462,7 @@ def test_every_rank_saves_its_shards_and_they_reassemble_to_the_full_weights(dis
     metas = [json.loads((run / "bundles" / f"step={BUNDLE_STEP}" / f"rank={r}" / "bundle.json").read_text())
              for r in (0, 1)]
     for m in metas:
-        assert m["version"] == "1.2" and m["params"]["exact"] and m["params"]["source"] == "pre_step_snapshot"
+        assert m["version"] == "1.3" and m["params"]["exact"] and m["params"]["source"] == "pre_step_snapshot"
         kinds = {p["kind"] for p in m["params"]["placements"].values()}
         assert kinds == {"dtensor" if layout == "fsdp2" else "flat"}
     local = amp_postmortem.load_bundle(run, step=BUNDLE_STEP, rank=1)

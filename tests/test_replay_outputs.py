@@ -133,3 +133,19 @@ def test_a_loss_fn_on_the_logits_alone_starts_the_backward_at_the_logits(tuple_r
     logits_loss(model(*args, **kwargs), 0).backward()
     for name, p in model.named_parameters():
         assert torch.allclose(run.param_grads[name], p.grad, rtol=1e-12, atol=0), name
+
+
+def test_a_bundle_whose_output_gradients_were_let_go_says_how_its_backward_starts(tuple_run):
+    """`grad_outputs_released` (a clean step's bundle saved after its output
+    gradients were let go): the backward starts from a loss function when
+    one is given, else it is not replayed, and the note says which."""
+    path, _ = tuple_run
+    bundle = result_bundle(path, 1)
+    bundle.meta["grad_outputs_released"] = True
+    bundle.grad_outputs = [[None] * len(grads) for grads in bundle.grad_outputs]
+    notes = ReplaySession(bundle, TupleLM()).start_backward()
+    assert len(notes) == 1 and "not replayed" in notes[0]
+    session = ReplaySession(bundle, TupleLM())
+    notes = session.start_backward(lambda out, mb: out[1])
+    assert "loss_fn" in notes[0] and session.backward_start is BackwardStart.LOSS_FN
+    assert any(g is not None for g in session.grad_outputs[0])

@@ -343,3 +343,26 @@ def test_a_tied_output_layer_whose_backward_overflows_first_is_named_alike(tmp_p
     assert _lead(sentinel) == _lead(every)
     steps = ap.load_run(sentinel).steps.set_index("step")
     assert bool(steps.loc[TIED_STEP, "reexecuted"]) and bool(steps.loc[TIED_STEP, "skipped"])
+
+
+def test_a_clean_step_lets_its_output_gradients_go_and_an_asked_for_one_keeps_them(tmp_path):
+    """A CPU job holds up to ten closed steps while the writer decides: a
+    clean step (facts with no event, no bundle asked for) keeps its inputs
+    and RNG states but not the gradient that reached the model's outputs
+    (a language model's logits' is vocabulary x tokens); a step asked for
+    keeps it, and its bundle replays the backward from it."""
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    rec = train(TinyNet(), batches(5), recorder=recorder_at(run, bundle_steps=(3,)), close=False).rec
+    held = rec.bundles._held
+    clean = [s for s in (1, 2, 4) if s in held]
+    assert clean, sorted(held)
+    for s in clean:
+        cap = held[s]
+        assert cap.clean and cap.grads_released and cap.micro_batches, s
+        assert all(mb.grads == {} and mb.args for mb in cap.micro_batches), s
+    rec.close()
+    from amp_postmortem.reading.bundle import find_bundle, load_bundle
+    bundle = load_bundle(find_bundle(run, 3))
+    assert "grad_outputs_released" not in bundle.meta
+    assert all(g is not None for grads in bundle.grad_outputs for g in grads)

@@ -156,7 +156,19 @@ class ReplaySession:
         Every precision starts from the same gradient (times the loss scale
         for fp16/bf16), so the comparisons with float64 stay fair; with a
         substitute they measure each precision's arithmetic on a stand-in,
-        not the step's true gradient, and the note says so."""
+        not the step's true gradient, and the note says so.
+        A bundle whose output gradients the recorder let go
+        (`grad_outputs_released`) starts from `loss_fn` when given, else its
+        backward is not replayed, and the note says which."""
+        meta = self.bundle.meta if isinstance(self.bundle.meta, dict) else {}
+        if meta.get("grad_outputs_released") and not any(g is not None for mb in self.grad_outputs for g in mb):
+            if loss_fn is not None:
+                self.derive_grad_outputs(loss_fn)
+                return ["the recorder let this step's output gradients go at its close (its facts showed no "
+                        "event): every precision's backward starts from the gradient of loss_fn at the float64 "
+                        "run's outputs (backward_start: loss_fn)"]
+            return ["the recorder let this step's output gradients go at its close (its facts showed no event) "
+                    "and no loss function was given: the backward is not replayed, only the forward"]
         if not self.saved_grad_nonfinite:
             return []
         bad = self.saved_grad_nonfinite

@@ -281,6 +281,17 @@ class BundleCapture:
                 # then, and says so).
                 self._param_pool.give(cap.params)
                 cap.params, cap.params_pooled = None, False
+            if clean and not explicit:
+                # The gradients that reached the model's outputs are the
+                # largest thing a held step keeps (a language model's logits'
+                # gradient: vocabulary x tokens), and a CPU job holds up to
+                # `_hold_limit` (10) steps. A clean step's decision is "no"
+                # but where a rule of the writer's goes beyond the host facts
+                # (`bundle_meta`'s `grad_outputs_released` then says so).
+                for mb in cap.micro_batches:
+                    if mb.grads:
+                        mb.grads = {}
+                        cap.grads_released = True
             old = self._held.pop(step, None)
             if old is not None:
                 self._release(old)

@@ -212,6 +212,7 @@ def bundle_meta(inventory, p, run: dict) -> dict:
         "buffers": {"names": inventory.buffer_names, "non_persistent": inventory.non_persistent,
                     "source": p.info["buffers_source"], "exact": p.info["buffers_exact"]},
         "inputs_exact": p.info["inputs_exact"],
+        **({"grad_outputs_released": True} if cap.grads_released else {}),
         "autocast": plain(cap.autocast, keep_nonfinite=True), "precision_flags": plain(cap.precision, keep_nonfinite=True),
         "scaler": plain(scaler, keep_nonfinite=True), "model_class": inventory.model_class,
         "name_prefix_removed": inventory.prefix or None,

@@ -170,7 +170,8 @@ class MicroBatch:
 class StepCapture:
     __slots__ = ("step", "micro_batches", "param_versions", "buffer_versions", "opt_steps",
                  "buffers", "params", "params_source", "params_exact", "params_pooled",
-                 "autocast", "precision", "optimizer_groups", "explicit", "stepped", "training", "clean")
+                 "autocast", "precision", "optimizer_groups", "explicit", "stepped", "training", "clean",
+                 "grads_released")
 
     def __init__(self, step: int):
         self.step = step
@@ -179,6 +180,7 @@ class StepCapture:
         self.params_source = None
         self.params_exact = False
         self.clean = False  # host facts showed no event: the first to give up when too many are held
+        self.grads_released = False  # its output gradients let go at its close (clean, not asked for)
         self.params_pooled = False
         self.buffers = None
         self.optimizer_groups = None

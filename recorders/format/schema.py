@@ -25,7 +25,7 @@ SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 FRAMEWORKS = ("torch", "keras", "flax")
 
 BUNDLE_FORMAT_NAME = "amp-postmortem-bundle"
-BUNDLE_SCHEMA_VERSION = "1.2"
+BUNDLE_SCHEMA_VERSION = "1.3"
 
 # The replay bundles of the Keras and Flax recorders (since run format 1.5):
 # `bundle.json` and one `arrays.npz` whose members are .npy arrays read with
