@@ -10,10 +10,12 @@ no tensor rows), N being the number the pair will have. Each step is handed
 to the OS at once (a killed process loses nothing the OS holds); the files
 are fsynced at least every `durable_interval_s` and at once after a step
 with a NaN/Inf or a skip (the evidence a post-mortem needs survives a node
-failure too), the first of a burst of them: more such steps within
-`URGENT_SYNC_GAP_S` of that fsync are fsynced with the first step after the
-gap (a diverging job, where every step is a skip, fsynced every step: on a
-virtual disk ~0.7 ms of CPU a step, 9% of an 8 ms step on 2 cores). When the pair is published (Parquet, then its index) the
+failure too). In a burst of them (a diverging job, every step a skip and a
+NaN loss) a step whose kinds of trouble the burst's steps fsynced within
+`URGENT_SYNC_GAP_S` already showed is gathered as clean steps are and
+fsynced with the first write after that gap (`ShardWriter.add_step`): an
+fsync a step cost ~0.7 ms of CPU on a virtual disk, 9% of a 9 ms step on 2
+cores. When the pair is published (Parquet, then its index) the
 journal of that pair is removed: shard counts stay what `steps_per_shard`
 and `flush_interval_s` make them, and a journal holds at most one shard
 interval.
@@ -37,10 +39,9 @@ from .format import schema
 from .durable import fsync_dir
 
 DEFAULT_DURABLE_INTERVAL_S = 5.0
-# At most one fsync a second for steps with a NaN/Inf or a skip after the
-# first (which syncs at once): a job killed meanwhile loses none of them
-# (the OS holds them), a node failure at most this second of a burst whose
-# first step is on disk.
+# How long a burst of steps with a NaN/Inf or a skip lasts after its last
+# step fsynced at once: its later steps that show no new kind of trouble are
+# gathered, and fsynced at most this long after that one.
 URGENT_SYNC_GAP_S = 1.0
 TABLES = (schema.TENSORS_DIR, schema.STEPS_DIR)  # the write order of a step
 # Tensor batches are the bulk (thousands of rows a step for a large model):
@@ -117,13 +118,15 @@ class Journal:
         self._files: dict = {}
         self._writers: dict = {}
         self._unsynced_since: float | None = None  # when the oldest write not fsynced was made
-        self._urgent_unsynced = False  # a step with a NaN/Inf or a skip waits for its fsync
-        self._last_urgent_sync: float | None = None
+        self._soon = False  # a burst's gathered NaN/Inf or skip waits for its fsync (`append`)
+        self._last_sync: float | None = None
         self.syncs = 0
 
-    def append(self, index: int, tensors: pa.RecordBatch, steps: pa.RecordBatch, urgent: bool = False) -> None:
+    def append(self, index: int, tensors: pa.RecordBatch, steps: pa.RecordBatch, urgent: bool = False,
+               soon: bool = False) -> None:
         """A step's batches (or gathered steps'); `urgent` (a NaN/Inf, a
-        skip among them): fsync now, or a burst's at most once a second."""
+        skip): fsync now; `soon` (more of a burst's, `ShardWriter.add_step`):
+        fsync with the first write `URGENT_SYNC_GAP_S` after the last fsync."""
         if self.index != index:
             self.close()
             self._open(index)
@@ -136,17 +139,10 @@ class Journal:
             self._unsynced_since = now
         # `idle_sync_s` short of the interval: the next chance to sync (the
         # next step, or the writer's idle wake-up) may come that much later.
-        self._urgent_unsynced |= urgent
-        if now - self._unsynced_since >= self.durable_interval_s - self.idle_sync_s or (
-                self._urgent_unsynced and (self._last_urgent_sync is None
-                                           or now - self._last_urgent_sync >= URGENT_SYNC_GAP_S)):
+        self._soon |= soon
+        if urgent or now - self._unsynced_since >= self.durable_interval_s - self.idle_sync_s or (
+                self._soon and (self._last_sync is None or now - self._last_sync >= URGENT_SYNC_GAP_S)):
             self.sync()
-
-    def in_urgent_burst(self) -> bool:
-        """A step with a NaN/Inf or a skip was fsynced within
-        `URGENT_SYNC_GAP_S`: the next ones need not be journaled alone."""
-        last = self._last_urgent_sync
-        return last is not None and time.monotonic() - last < URGENT_SYNC_GAP_S
 
     @property
     def idle_sync_s(self) -> float:
@@ -161,9 +157,7 @@ class Journal:
             return
         for table in TABLES:
             os.fsync(self._files[table].fileno())
-        self._unsynced_since = None
-        if self._urgent_unsynced:
-            self._urgent_unsynced, self._last_urgent_sync = False, time.monotonic()
+        self._unsynced_since, self._soon, self._last_sync = None, False, time.monotonic()
         self.syncs += 1
 
     def _open(self, index: int) -> None:

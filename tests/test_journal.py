@@ -153,10 +153,10 @@ def _spy_syncs(monkeypatch) -> tuple[list[int], list[int]]:
     on_append, on_idle, last = [], [], []
     append, sync_journal = Journal.append, ShardWriter.sync_journal
 
-    def spy_append(self, index, tensors, steps, urgent=False):
+    def spy_append(self, index, tensors, steps, urgent=False, soon=False):
         last.append(steps.column("step")[0].as_py())
         before = self.syncs
-        append(self, index, tensors, steps, urgent)
+        append(self, index, tensors, steps, urgent, soon)
         if self.syncs > before:
             on_append.append(last[-1])
 
@@ -188,38 +188,50 @@ def test_a_skipped_or_nonfinite_step_is_fsynced_at_once_the_others_by_the_interv
     assert on_append == [0, 1, 2]
 
 
-def test_a_burst_of_skips_fsyncs_its_first_at_once_and_gathers_the_rest(tmp_path, monkeypatch, sentinel_mode):
-    """A diverging job, every step from 3 on a skip (the default recorder:
-    steps with the facts only, as a long job's are): step 3 is journaled and
-    fsynced alone at once; the burst's next steps (within
-    `URGENT_SYNC_GAP_S` of that fsync) are gathered as clean steps are, not
-    a write and an fsync each, and every one of them reaches the run."""
-    import recorders.journal as journal_module
-    on_append, _ = _spy_syncs(monkeypatch)
-    appended = []
-    append = Journal.append  # the spy installed above
+def test_a_burst_fsyncs_each_new_kind_of_trouble_at_once_and_gathers_its_repeats(tmp_path, monkeypatch):
+    """A diverging job's steps (the facts only): the first skip is journaled
+    and fsynced alone at once; the skips after it, within
+    `URGENT_SYNC_GAP_S`, are gathered as clean steps are; the first NaN loss
+    among them is a new kind of trouble: journaled and fsynced at once, after
+    the gathered steps; its repeats are gathered again; the gathered are
+    fsynced once the gap is up; every step reaches the pair, in order."""
+    from recorders import writer as rw
+    from recorders.journal import read_journal
 
-    def count_append(self, index, tensors, steps, urgent=False):
-        appended.append(steps.column("step").to_pylist())
-        append(self, index, tensors, steps, urgent)
+    syncs = []
+    monkeypatch.setattr(Journal, "sync", lambda self, _s=Journal.sync: (syncs.append(self.index), _s(self))[1])
+    rank_dir = tmp_path / "rank=0"
+    w = ShardWriter(rank_dir, run_id=RUN_ID, rank=0, world_size=1, steps_per_shard=1000, durable_interval_s=3600)
 
-    monkeypatch.setattr(Journal, "append", count_append)
-    # A gap no test machine outruns: every skip after step 3 falls in it.
-    monkeypatch.setattr(journal_module, "URGENT_SYNC_GAP_S", 3600.0)
+    def step(i, *, skipped=False, loss=1.0):
+        w.add_step({"step": i, "rank": 0, "wall_time": 0.0, "skipped": skipped, "loss": loss,
+                    "grad_norm": float("inf") if skipped else 1.0, "micro_batches": 1, "tensor_rows": 0}, None)
 
-    def plant(step, model, x):
-        model.boom.gain = float("inf") if step >= 3 else 1.0
+    def journaled():
+        found = read_journal(rank_dir, 0)
+        return [] if found is None else found[1]["step"].to_pylist()
 
-    torch.manual_seed(0)
-    run = tmp_path / "run"
-    train(PlantedNet(), batches(10), recorder=recorder_at(run, durable_interval_s=3600),
-          scaler={"init_scale": 2.0 ** 8}, on_step=plant)
-    assert on_append == [3] and [3] in appended, (on_append, appended)
-    later = [steps for steps in appended if any(s > 3 for s in steps)]
-    assert sorted(s for steps in later for s in steps) == [4, 5, 6, 7, 8, 9], appended  # each once
-    assert len(later) < 6, appended  # not one write each
-    skipped = load_run(run).steps.set_index("step")["skipped"]
-    assert skipped.loc[3:9].all() and not skipped.loc[:2].any()
+    step(0)
+    assert journaled() == [] and syncs == []             # clean: gathered
+    step(1, skipped=True)                                # the first skip: at once, after step 0
+    assert journaled() == [0, 1] and len(syncs) == 1
+    for i in range(2, 6):
+        step(i, skipped=True)                            # its repeats: gathered, no fsync each
+    assert journaled() == [0, 1] and len(syncs) == 1
+    step(6, skipped=True, loss=float("nan"))             # a NaN loss: new, at once, after them
+    assert journaled() == list(range(7)) and len(syncs) == 2
+    step(7, skipped=True, loss=float("nan"))
+    step(8, skipped=True)
+    assert journaled() == list(range(7)) and len(syncs) == 2
+    monkeypatch.setattr(rw, "JOURNAL_BATCH_S", 0.0)      # the half second is up: written ...
+    monkeypatch.setattr(w.journal, "_last_sync", time.monotonic() - 2 * rw.URGENT_SYNC_GAP_S)
+    step(9, skipped=True)                                # ... and, the gap being up, fsynced
+    assert journaled() == list(range(10)) and len(syncs) == 3
+    w.roll()
+    w.wait_published()
+    import pyarrow.parquet as pq
+    steps = pq.read_table(rank_dir / schema.STEPS_DIR / schema.SHARD_FILE.format(index=0))["step"].to_pylist()
+    assert steps == list(range(10))
 
 
 def test_an_idle_writer_fsyncs_what_it_wrote(tmp_path, monkeypatch):
