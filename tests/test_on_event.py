@@ -336,8 +336,13 @@ def test_trainer_stop_on_event_sets_should_training_stop(tmp_path, one_torch_thr
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-    assert trainer.state.global_step == 3  # the NaN at step 1, the stop taken at step 2
-    assert read_table(tmp_path / "hf", "steps")["step"].sort_values().tolist() == [0, 1, 2]
+    # The NaN at step 1; the stop taken at the first step end after the
+    # callback asked for it: step 2's (the Flush callback delivered the
+    # event), or step 1's own when the writer and event threads answered
+    # before its rec.step() returned (a race a loaded CI machine loses).
+    steps = trainer.state.global_step
+    assert steps in (2, 3)
+    assert read_table(tmp_path / "hf", "steps")["step"].sort_values().tolist() == list(range(steps))
 
 
 def test_lightning_stop_on_event_sets_trainer_should_stop(tmp_path, one_torch_thread):
@@ -378,6 +383,9 @@ def test_lightning_stop_on_event_sets_trainer_should_stop(tmp_path, one_torch_th
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
         trainer.fit(Regressor(), torch.utils.data.DataLoader(data, batch_size=4))
-    # bf16 without a scaler: the NaN step 1 ran the optimizer; the stop was taken at step 2.
-    assert trainer.global_step == 3
-    assert read_table(tmp_path / "pl", "steps")["step"].sort_values().tolist() == [0, 1, 2]
+    # bf16 without a scaler: the NaN step 1 ran the optimizer; the stop was
+    # taken at step 2 (the Flush callback delivered the event), or at step 1
+    # when the writer and event threads answered before its rec.step() returned.
+    steps = trainer.global_step
+    assert steps in (2, 3)
+    assert read_table(tmp_path / "pl", "steps")["step"].sort_values().tolist() == list(range(steps))
