@@ -195,13 +195,17 @@ def test_a_burst_fsyncs_each_new_kind_of_trouble_at_once_and_gathers_its_repeats
     among them is a new kind of trouble: journaled and fsynced at once, after
     the gathered steps; its repeats are gathered again; the gathered are
     fsynced once the gap is up; every step reaches the pair, in order."""
+    from recorders import journal as rj
     from recorders import writer as rw
     from recorders.journal import read_journal
 
-    syncs = []
-    monkeypatch.setattr(Journal, "sync", lambda self, _s=Journal.sync: (syncs.append(self.index), _s(self))[1])
     rank_dir = tmp_path / "rank=0"
     w = ShardWriter(rank_dir, run_id=RUN_ID, rank=0, world_size=1, steps_per_shard=1000, durable_interval_s=3600)
+    # Counted on this writer's journal only: a journal left by an earlier
+    # test in the same worker (its writer thread still closing) may sync.
+    syncs = []
+    sync = w.journal.sync
+    monkeypatch.setattr(w.journal, "sync", lambda: (syncs.append(w.journal.index), sync())[1])
 
     def step(i, *, skipped=False, loss=1.0):
         w.add_step({"step": i, "rank": 0, "wall_time": 0.0, "skipped": skipped, "loss": loss,
@@ -211,6 +215,11 @@ def test_a_burst_fsyncs_each_new_kind_of_trouble_at_once_and_gathers_its_repeats
         found = read_journal(rank_dir, 0)
         return [] if found is None else found[1]["step"].to_pylist()
 
+    # Time stands still until the test moves it: a loaded machine's second
+    # between two calls would otherwise write or fsync the gathered early.
+    monkeypatch.setattr(rw, "JOURNAL_BATCH_S", 3600.0)
+    monkeypatch.setattr(rw, "URGENT_SYNC_GAP_S", 3600.0)
+    monkeypatch.setattr(rj, "URGENT_SYNC_GAP_S", 3600.0)
     step(0)
     assert journaled() == [] and syncs == []             # clean: gathered
     step(1, skipped=True)                                # the first skip: at once, after step 0
@@ -224,7 +233,8 @@ def test_a_burst_fsyncs_each_new_kind_of_trouble_at_once_and_gathers_its_repeats
     step(8, skipped=True)
     assert journaled() == list(range(7)) and len(syncs) == 2
     monkeypatch.setattr(rw, "JOURNAL_BATCH_S", 0.0)      # the half second is up: written ...
-    monkeypatch.setattr(w.journal, "_last_sync", time.monotonic() - 2 * rw.URGENT_SYNC_GAP_S)
+    monkeypatch.setattr(rj, "URGENT_SYNC_GAP_S", 1.0)    # ... and the gap since the last fsync
+    monkeypatch.setattr(w.journal, "_last_sync", time.monotonic() - 2.0)
     step(9, skipped=True)                                # ... and, the gap being up, fsynced
     assert journaled() == list(range(10)) and len(syncs) == 3
     w.roll()
