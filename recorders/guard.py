@@ -41,15 +41,15 @@ class FailureGuard:
         calls `in_graph` instead (`collectors.graph_stats`: tensor ops the
         graph takes in, no graph break, no recompilation) or returns."""
         def hook(*args, **kwargs):
+            # Returns None (`in_graph`'s value while compiling): a forward
+            # hook's value would replace the module's output.
             if traced and torch.compiler.is_compiling():
                 return in_graph(*args, **kwargs) if in_graph is not None else None
-            if not self.enabled:
-                return None
-            try:
-                fn(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - the training must go on
-                self.fail(exc)
-            return None
+            if self.enabled:
+                try:
+                    fn(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - the training must go on
+                    self.fail(exc)
         hook.__wrapped__ = fn
         return hook
 

@@ -155,6 +155,7 @@ class TrainingHooks:
             if not self.sampled_hooks:
                 return True  # every step's hooks are there: an unrecorded step stays so
             st.record = True
+            st.containers()
             self.graph.set_gate(not self.shared.paused)
             self.attach()
         st.full = True

@@ -52,6 +52,25 @@ class MicroBatchLosses:
         self._backpropagated, self._returned = [], []
         return taken
 
+    def close_step(self, explicit=None) -> tuple:
+        """(`step_loss`, `loss_dtype`) of the losses taken, emptied: the
+        step's loss and its dtype name. The usual loop (one micro-batch
+        through the scaler, its loss passed to `rec.step()`) in a few lines:
+        this runs every step."""
+        back = self._backpropagated
+        if len(back) == 1 and not self._returned and type(explicit) is torch.Tensor:
+            t = back[0]
+            self._backpropagated = []
+            dtype = _DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch.")
+            if _same_value(t, explicit):
+                return explicit.detach() if explicit.dim() == 0 else explicit.detach().reshape(()), dtype
+            return step_loss(([t], []), explicit), dtype
+        taken = self.take()
+        return step_loss(taken, explicit), loss_dtype(taken, explicit)
+
+
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
 
 def _usable(loss) -> bool:
     return isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel() > 0
@@ -130,8 +149,11 @@ class ScaleTap:
 
         def scale(outputs):
             if active():
-                for t in _tensors(outputs):
-                    losses.add(t)
+                if type(outputs) is torch.Tensor:  # the usual loss: no walk
+                    losses.add(outputs)
+                else:
+                    for t in _tensors(outputs):
+                        losses.add(t)
             return original(outputs)
 
         self._wrapper = scale

@@ -23,7 +23,7 @@ from .guard import FailureGuard
 from .hooks import TrainingHooks
 from .layout import fsdp1_sharded_params, is_compiled
 from .lease import LeaseHeldError
-from .loss_tap import MicroBatchLosses, loss_dtype, loss_tap_for, step_loss
+from .loss_tap import MicroBatchLosses, loss_tap_for
 from .manifest import RunManifest, bare_manifest, describe_job, distributed_rank_world
 from .options import StorageOptions, WriterOptions, parts_from_flat, probe_targets, recorded_options
 from .format.plain import plain
@@ -257,9 +257,7 @@ class AmpRecorder:
 
     def _step(self, loss, step):
         step_id = self._step_counter if step is None else int(step)
-        taken = self.losses.take()
-        dtype = loss_dtype(taken, loss)
-        loss = step_loss(taken, loss)
+        loss, dtype = self.losses.close_step(loss)
         loss_t = (loss.detach() if loss.requires_grad else loss) if isinstance(loss, torch.Tensor) else None
         self.stance.leave_tier()
         finished = self.hooks.end_step(loss_t)

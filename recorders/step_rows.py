@@ -22,13 +22,28 @@ from .stats import CHEAP_WIDTH, FULL_WIDTH, grad_facts, pack_rows
 
 
 class PendingStep:
-    """A finished step on its way to the writer thread."""
+    """A finished step on its way to the writer thread. What most steps
+    (not sampled, not re-executed, no compiled graph) leave unset is read
+    from the class: `pack` runs on every step, and each attribute it need
+    not set is a line less on the training path."""
 
-    __slots__ = ("step", "wall_time", "tier", "micro_batches", "lr", "meta", "width",
-                 "packed", "host_rows", "event", "host_scalars", "dev_scalar_keys", "stepped", "has_scaler",
-                 "loss_dtype", "graph_slots", "graph_size", "graph_anchor", "eager_micro_batches",
-                 "recorded", "reexecution", "norm_names")
-
+    tier = None
+    width = CHEAP_WIDTH
+    meta = ()
+    lr = None
+    stepped = None
+    has_scaler = False
+    loss_dtype = None
+    graph_slots = None
+    graph_size = 0
+    graph_anchor = None
+    eager_micro_batches = 0
+    recorded = False
+    reexecution = None
+    norm_names = None
+    host_rows = None
+    packed = None
+    event = None
 
 
 def _put(host: dict, dev: list, keys: list, key: str, value, mutable: bool = False) -> None:
@@ -53,6 +68,21 @@ def _put_vector(host: dict, dev: list, keys: list, key: str, value) -> None:
     else:
         keys.append((key, value.numel()))
         dev.append(value.detach().reshape(-1).to(torch.float64))
+
+def _put_grad_facts(host: dict, dev: list, keys: list, prefix: str, state) -> None:
+    if state.grad_norms is not None:
+        _put_vector(host, dev, keys, prefix + "grad_norms", state.grad_norms)
+        host[prefix + "grad_unscale"] = state.grad_scale is not None
+        sq = state.grad_sq_host
+        if sq is not None and math.isfinite(sq):
+            # Their square sum, taken with them (the CPU): the writer
+            # needs the norms only when one is not finite.
+            host[prefix + "grad_sq_host"] = sq
+    if state.grad_sqsum is not None:
+        _put(host, dev, keys, prefix + "grad_sqsum", state.grad_sqsum)
+    if state.grad_nonfinite is not None:
+        _put(host, dev, keys, prefix + "grad_nonfinite", state.grad_nonfinite)
+
 
 class StepRows:
     """`rank`: stamped on every row; `optimizer`, `scaler`: read for the
@@ -88,75 +118,80 @@ class StepRows:
         asked), whose re-executed state gives the step's rows."""
         p = PendingStep()
         facts = st
-        p.recorded = st.record
-        p.reexecution = reexecution
-        p.norm_names = None
-        if reexecution is not None and reexecution.state is not None:
-            st = reexecution.state  # the rows: the re-execution's; the facts: the step's
-        p.eager_micro_batches = st.micro_batches
-        p.graph_anchor = st.graph_anchor
-        graph = st.graph_values if graph_slots is not None else None
-        p.graph_slots = graph_slots if graph is not None else None
-        p.graph_size = graph.numel() if graph is not None else 0
-        p.step = step_id
-        p.loss_dtype = loss_dtype
-        p.wall_time = time.time()
-        p.tier = ("full" if st.full else "cheap") if st.record else None
+        p.step, p.wall_time, p.loss_dtype = step_id, time.time(), loss_dtype
         # A model compiled after the recorder was attached runs no forward
         # hook: its micro-batches are counted by their backward passes.
         p.micro_batches = facts.micro_batches or facts.backward_passes
-        p.lr = None
-        if self.optimizer is not None:
-            p.lr = [host_float(g.get("lr")) for g in self.optimizer.param_groups]
-        p.meta = st.meta
-        p.width = FULL_WIDTH if st.full else CHEAP_WIDTH
-        p.stepped = facts.stepped if self.optimizer is not None else None
-        p.has_scaler = self.scaler is not None
+        p.norm_names = facts.grad_norm_names
+        if reexecution is not None:
+            p.reexecution = reexecution
+            if reexecution.state is not None:
+                st = reexecution.state  # the rows: the re-execution's; the facts: the step's
+        graph = st.graph_values if graph_slots is not None else None
+        if st.record or st.meta or graph is not None:
+            p.recorded = facts.record
+            p.tier = ("full" if st.full else "cheap") if st.record else None
+            p.meta, p.eager_micro_batches, p.graph_anchor = st.meta, st.micro_batches, st.graph_anchor
+            if st.full:
+                p.width = FULL_WIDTH
+            if graph is not None:
+                p.graph_slots, p.graph_size = graph_slots, graph.numel()
+        optimizer = self.optimizer
+        if optimizer is not None:
+            p.lr = [host_float(g.get("lr")) for g in optimizer.param_groups]
+            p.stepped = facts.stepped
         host, dev, keys = {}, [], []  # keys: (key, 0 for a scalar, else the vector's length), in dev's order
         if loss_t is not None and loss_t.numel() == 1:
-            _put(host, dev, keys, "loss", loss_t)
+            if loss_t.is_cpu:
+                host["loss"] = loss_t  # read by the writer thread
+            else:
+                _put(host, dev, keys, "loss", loss_t)
         elif isinstance(loss, (int, float)):
             _put(host, dev, keys, "loss", loss)
         else:
             host["loss"] = None  # no loss given: null, never a fake NaN loss
-        if p.has_scaler:
-            _put(host, dev, keys, "loss_scale_before", self.scale_before)
-            scale = getattr(self.scaler, "_scale", None)
-            _put(host, dev, keys, "loss_scale",
-                 scale if isinstance(scale, torch.Tensor) else getattr(self.scaler, "_init_scale", None), mutable=True)
-            tracker = getattr(self.scaler, "_growth_tracker", None)
-            _put(host, dev, keys, "growth_tracker", tracker if isinstance(tracker, torch.Tensor) else None,
-                 mutable=True)
-            # The scale the next step's backward uses: on the CPU the value
-            # just read (no copy on the training path); on a device a clone,
-            # because GradScaler.update() changes it in place.
-            if isinstance(scale, torch.Tensor):
-                self.scale_before = host["loss_scale"] if scale.is_cpu else scale.detach().clone()
-        for prefix, state in (("", facts),) + ((("reexec_", st),) if st is not facts else ()):
-            # The gradient facts, and what a re-execution measured against them.
-            if state.grad_sqsum is not None:
-                _put(host, dev, keys, prefix + "grad_sqsum", state.grad_sqsum)
-            if state.grad_nonfinite is not None:
-                _put(host, dev, keys, prefix + "grad_nonfinite", state.grad_nonfinite)
-            if state.grad_norms is not None:
-                _put_vector(host, dev, keys, prefix + "grad_norms", state.grad_norms)
-                host[prefix + "grad_unscale"] = state.grad_scale is not None
-                if state.grad_sq_host is not None and math.isfinite(state.grad_sq_host):
-                    # Their square sum, taken with them (the CPU): the
-                    # writer needs the norms only when one is not finite.
-                    host[prefix + "grad_sq_host"] = state.grad_sq_host
-        p.norm_names = facts.grad_norm_names
+        scaler = self.scaler
+        if scaler is not None:
+            p.has_scaler = True
+            before = self.scale_before
+            if type(before) is float:
+                host["loss_scale_before"] = before
+            else:
+                _put(host, dev, keys, "loss_scale_before", before)
+            scale = getattr(scaler, "_scale", None)
+            tracker = getattr(scaler, "_growth_tracker", None)
+            if type(scale) is torch.Tensor and scale.is_cpu and type(tracker) is torch.Tensor and tracker.is_cpu:
+                # The CPU: read now (the job changes them in place), and
+                # the value just read is the scale the next backward uses.
+                host["loss_scale"] = self.scale_before = scale.item()
+                host["growth_tracker"] = tracker.item()
+            else:
+                _put(host, dev, keys, "loss_scale",
+                     scale if isinstance(scale, torch.Tensor) else getattr(scaler, "_init_scale", None), mutable=True)
+                _put(host, dev, keys, "growth_tracker", tracker if isinstance(tracker, torch.Tensor) else None,
+                     mutable=True)
+                # The scale the next step's backward uses: on a device a
+                # clone, because GradScaler.update() changes it in place.
+                if isinstance(scale, torch.Tensor):
+                    self.scale_before = host["loss_scale"] if scale.is_cpu else scale.detach().clone()
+        # The gradient facts, and what a re-execution measured against them.
+        _put_grad_facts(host, dev, keys, "", facts)
+        if st is not facts:
+            _put_grad_facts(host, dev, keys, "reexec_", st)
+            if reexecution.loss is not None:
+                _put(host, dev, keys, "reexec_loss", reexecution.loss)
         if facts.sharded_sqsum is not None:
             _put(host, dev, keys, "sharded_grad_sqsum", facts.sharded_sqsum)
-        if st is not facts and reexecution.loss is not None:
-            _put(host, dev, keys, "reexec_loss", reexecution.loss)
-
+        p.host_scalars = host
+        p.dev_scalar_keys = keys
+        if not dev and graph is None and st.device is None:
+            # Every value a host value (the CPU), every row a tuple of host
+            # floats: handed over as they are, the writer thread makes the
+            # array (building a tensor here cost the training thread ~0.1 ms).
+            p.host_rows = st.stats
+            return p
         device = st.device or (dev[0].device if dev else torch.device("cpu"))
-        p.host_rows = None
         if st.device is None and device.type == "cpu":
-            # Every row is a tuple of host floats (the CPU): handed over as
-            # they are, the writer thread makes the array. Building a tensor
-            # from them here cost the training thread ~0.1 ms a step.
             p.host_rows = st.stats
             flat = []
         else:
@@ -164,9 +199,6 @@ class StepRows:
         flat += [d.to(device).reshape(-1) for d in dev]
         if graph is not None:  # last: `rows` finds it at the end
             flat.append(graph.reshape(-1).to(device))
-        p.host_scalars = host
-        p.dev_scalar_keys = keys
-        p.event = None
         if flat:
             packed = torch.cat(flat) if len(flat) > 1 else flat[0]
             if packed.device.type == "cuda":
@@ -179,8 +211,6 @@ class StepRows:
                 p.packed = packed
             else:
                 p.packed = packed.to("cpu", non_blocking=True)
-        else:
-            p.packed = None
         return p
 
     # -------------------------------------------------------- writer thread

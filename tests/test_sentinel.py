@@ -346,14 +346,20 @@ def test_a_tied_output_layer_whose_backward_overflows_first_is_named_alike(tmp_p
 
 
 def test_a_clean_step_lets_its_output_gradients_go_and_an_asked_for_one_keeps_them(tmp_path):
-    """A CPU job holds up to ten closed steps while the writer decides: a
-    clean step (facts with no event, no bundle asked for) keeps its inputs
-    and RNG states but not the gradient that reached the model's outputs
-    (a language model's logits' is vocabulary x tokens); a step asked for
-    keeps it, and its bundle replays the backward from it."""
+    """A CPU job's clean step (facts with no event, no bundle asked for) is
+    let go at its close: nothing the writer rules on goes beyond the facts
+    just read. With a counterfactual window (whose lost-updates rule does)
+    it is held while the writer decides, with its inputs and RNG states
+    but not the gradient that reached the model's outputs (a language
+    model's logits' is vocabulary x tokens). A step asked for keeps it, and
+    its bundle replays the backward from it."""
+    torch.manual_seed(0)
+    rec = train(TinyNet(), batches(5), recorder=recorder_at(tmp_path / "plain", bundle_steps=(3,))).rec
+    assert rec.bundles.saved and not any(s in rec.bundles._held for s in (1, 2, 4))
     run = tmp_path / "run"
     torch.manual_seed(0)
-    rec = train(TinyNet(), batches(5), recorder=recorder_at(run, bundle_steps=(3,)), close=False).rec
+    rec = train(TinyNet(), batches(5), recorder=recorder_at(run, bundle_steps=(3,), window_steps=4),
+                close=False).rec
     held = rec.bundles._held
     clean = [s for s in (1, 2, 4) if s in held]
     assert clean, sorted(held)

@@ -114,6 +114,7 @@ class BundleCapture:
         self._window_events: dict = {}
         self._current: StepCapture | None = None
         self._held: OrderedDict[int, StepCapture] = OrderedDict()
+        self._awaiting_copy: list[StepCapture] = []  # held with no optimizer step since their forward
         self._evicted: set[int] = set()
         self._opt_steps = 0
         self._request_pending = False
@@ -143,7 +144,8 @@ class BundleCapture:
         if not self.enabled:
             return
         if micro_batch == 0 or self._current is None:
-            self._service()
+            # The writer's decisions were taken at the last step's end (and
+            # are at the optimizer's step): none here, a call less a step.
             if self._current is not None:
                 self._release(self._current)  # a step that never reached rec.step()
             self._current = self._new_capture(step, autocast)
@@ -169,16 +171,19 @@ class BundleCapture:
 
     def _new_capture(self, step: int, autocast: dict | None) -> StepCapture:
         cap = StepCapture(step)
-        cap.param_versions = self.inventory.param_versions()
-        cap.buffer_versions = self.inventory.buffer_versions()
+        inv = self.inventory
+        cap.param_versions, cap.buffer_versions = inv.param_versions(), inv.buffer_versions()
         cap.opt_steps = self._opt_steps
-        cap.buffers = self._buffer_pool.take() if self._buffer_pool is not None else None
-        cap.autocast = dict(autocast or {})
-        # Global switches that rarely change: read when a bundle is made of
-        # the step (`_finalize`), not at every step's forward, unless a
-        # window (which starts at any step) needs them now.
-        cap.precision = precision_flags() if self.window is not None else None
-        cap.training = bool(self.model.training)
+        if self._buffer_pool is not None:
+            cap.buffers = self._buffer_pool.take()
+        cap.autocast = autocast if autocast is not None else {}  # shared: never changed in place, only replaced
+        if self.window is not None:
+            # Global switches that rarely change: read when a bundle is made
+            # of the step (`_finalize`), not at every step's forward, unless
+            # a window (which starts at any step) needs them now.
+            cap.precision = precision_flags()
+        if not self.model.training:
+            cap.training = False
         if self._request_pending:
             cap.explicit.append("request")
             self._request_pending = False
@@ -212,12 +217,16 @@ class BundleCapture:
         self._service()
         # The weights are about to change: held, undecided steps whose
         # weights are still those of their forward (skipped steps) get a copy.
-        versions = None  # read once, for every held step
-        for cap in self._held.values():
-            if cap.params is None and cap.opt_steps == self._opt_steps:
-                versions = self.inventory.param_versions() if versions is None else versions
-                if cap.param_versions == versions:
+        if self._awaiting_copy:
+            # Only the steps held since the last optimizer step (skipped
+            # ones) can still have the weights of their forward: the others
+            # are not looked at (a CPU job holds ten, every step).
+            versions = self.inventory.param_versions()  # read once, for every such step
+            for cap in self._awaiting_copy:
+                if (self._held.get(cap.step) is cap and cap.params is None and cap.opt_steps == self._opt_steps
+                        and cap.param_versions == versions):
                     self._secure(cap, clone_now(self.inventory.params), "copy_before_next_update")
+            self._awaiting_copy = []
         cap = self._current
         if cap is not None and cap.params is None:
             wanted = cap.explicit or cap.step in self.steps
@@ -231,7 +240,8 @@ class BundleCapture:
                 self._secure(cap, clone_now(self.inventory.params), "pre_step_snapshot")
             opt = self.optimizer
             if opt is not None:  # as this step used them: a scheduler may change them later
-                cap.optimizer_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                # Shallow copies ("params" dropped when a bundle is made).
+                cap.optimizer_groups = [dict(g) for g in opt.param_groups]
         if self.window is not None:
             self.window.on_pre_step()
         self._opt_steps += 1
@@ -270,34 +280,57 @@ class BundleCapture:
             self._request_pending = False
         if step in self.steps and "step_list" not in explicit:
             explicit.append("step_list")
-        # loss None: the summary then says NaN, which is not a non-finite loss
-        self.decisions.note_step(step, explicit, no_loss=loss is None)
-        if cap is not None:
+        if explicit or loss is None:
+            # loss None: the summary then says NaN, which is not a non-finite loss
+            self.decisions.note_step(step, explicit, no_loss=loss is None)
+        if cap is not None and clean and not explicit and self.window is None:
+            # The host facts showed no event and no window's rule (lost
+            # updates) looks beyond them: the writer's decision is "no".
+            # Let go now, never held (a CPU job held ten such steps, one
+            # given up at every step).
+            self._release(cap)
+        elif cap is not None:
             cap.step, cap.stepped, cap.clean = step, stepped, clean
-            if clean and cap.params_pooled and cap.params is not None:
-                # Its decision comes late (handed over with others) and is
-                # a "no" but for a rare trigger: the pooled copy goes back
-                # now, for the next steps (a later "yes" copies the weights
-                # then, and says so).
-                self._param_pool.give(cap.params)
-                cap.params, cap.params_pooled = None, False
-            if clean and not explicit:
-                # The gradients that reached the model's outputs are the
-                # largest thing a held step keeps (a language model's logits'
-                # gradient: vocabulary x tokens), and a CPU job holds up to
-                # `_hold_limit` (10) steps. A clean step's decision is "no"
-                # but where a rule of the writer's goes beyond the host facts
-                # (`bundle_meta`'s `grad_outputs_released` then says so).
-                for mb in cap.micro_batches:
-                    if mb.grads:
-                        mb.grads = {}
-                        cap.grads_released = True
-            old = self._held.pop(step, None)
-            if old is not None:
-                self._release(old)
-            self._held[step] = cap
-            if len(self._held) > self._hold_limit:
-                self._evict()
+            if clean:
+                if cap.params_pooled and cap.params is not None:
+                    # Its decision comes late (handed over with others) and
+                    # is a "no" but for a rare trigger: the pooled copy goes
+                    # back now, for the next steps (a later "yes" copies the
+                    # weights then, and says so).
+                    self._param_pool.give(cap.params)
+                    cap.params, cap.params_pooled = None, False
+                if not explicit:
+                    # The gradients that reached the model's outputs are the
+                    # largest thing a held step keeps (a language model's
+                    # logits' gradient: vocabulary x tokens), and a CPU job
+                    # holds up to `_hold_limit` (10) steps. A clean step's
+                    # decision is "no" but where a rule of the writer's goes
+                    # beyond the host facts (`bundle_meta`'s
+                    # `grad_outputs_released` then says so).
+                    for mb in cap.micro_batches:
+                        if mb.grads:
+                            mb.grads = {}
+                            cap.grads_released = True
+            held = self._held
+            if step in held:
+                self._release(held.pop(step))
+            held[step] = cap
+            if cap.params is None and cap.opt_steps == self._opt_steps:
+                self._awaiting_copy.append(cap)  # no optimizer step since its forward (on_optimizer_pre_step)
+            if len(held) > self._hold_limit:
+                # The writer hands clean steps over together: on a CPU job
+                # the oldest held step, a clean one, goes at every step.
+                oldest = next(iter(held))
+                old = held[oldest]
+                if old.clean and not old.explicit and oldest not in self.steps:
+                    del held[oldest]
+                    evicted = self._evicted
+                    if len(evicted) > 4096:
+                        evicted.clear()
+                    evicted.add(oldest)  # too late for the writer's decision
+                    self._release(old)
+                else:
+                    self._evict()
         if self.window is not None:
             self.window.on_step_end(step, stepped)
         self._service()
@@ -341,6 +374,8 @@ class BundleCapture:
 
     def _service(self) -> None:
         """Apply the writer thread's decisions."""
+        if not (self.decisions.pending or self._unposted or self.window is not None):
+            return  # most calls: nothing decided since the last
         decided = self.decisions.take()
         if self.window is not None:
             # Noted before the decisions they came with (writer thread): taken after them.
@@ -395,7 +430,7 @@ class BundleCapture:
         optimizer = None
         p.optimizer_state = []
         if opt is not None:
-            hyper = cap.optimizer_groups or [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in cap.optimizer_groups or opt.param_groups]
             groups = [dict(h, params=inv.param_names_of(g["params"])) for h, g in zip(hyper, opt.param_groups)]
             # The state as it is now: the one the step's update used when no
             # optimizer step ran since its forward (a skipped step's).

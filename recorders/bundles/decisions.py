@@ -58,6 +58,11 @@ class BundleDecisions:
             if no_loss:
                 self._no_loss.add(step)
 
+    @property
+    def pending(self) -> bool:
+        """Decisions wait to be taken (read without the lock: see `take`)."""
+        return bool(self._decisions)
+
     def take(self) -> dict[int, dict | None]:
         """The decisions made since the last call: step -> order (None: no)."""
         if not self._decisions:

@@ -168,25 +168,29 @@ class MicroBatch:
 
 
 class StepCapture:
-    __slots__ = ("step", "micro_batches", "param_versions", "buffer_versions", "opt_steps",
-                 "buffers", "params", "params_source", "params_exact", "params_pooled",
-                 "autocast", "precision", "optimizer_groups", "explicit", "stepped", "training", "clean",
-                 "grads_released")
+    """What is held of one step. What most steps leave as it is comes from
+    the class (one is made every step: each line counts on the training path)."""
+
+    params = None
+    params_source = None
+    params_exact = False
+    clean = False  # host facts showed no event: the first to give up when too many are held
+    grads_released = False  # its output gradients let go at its close (clean, not asked for)
+    params_pooled = False
+    buffers = None
+    optimizer_groups = None
+    stepped = None
+    training = True
+    precision = None
+    autocast = None
+    param_versions = None
+    buffer_versions = None
+    opt_steps = 0
 
     def __init__(self, step: int):
         self.step = step
         self.micro_batches: list[MicroBatch] = []
-        self.params = None
-        self.params_source = None
-        self.params_exact = False
-        self.clean = False  # host facts showed no event: the first to give up when too many are held
-        self.grads_released = False  # its output gradients let go at its close (clean, not asked for)
-        self.params_pooled = False
-        self.buffers = None
-        self.optimizer_groups = None
         self.explicit: list[str] = []
-        self.stepped = None
-        self.training = True
 
 
 class PendingBundle:

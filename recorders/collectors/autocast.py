@@ -12,18 +12,31 @@ import torch
 from ..layout import unwrap
 
 
+# One call for "no autocast on any device" (read at every step's forward).
+_any_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
+_last: list = [None, None]  # (device, dtype, cache) last read, and the dict made of it
+
+
 def read_autocast() -> dict:
-    info = {"enabled": False, "device_type": None, "dtype": None}
-    for dev in ("cuda", "cpu", "xpu", "mps"):
-        try:
-            if torch.is_autocast_enabled(dev):
-                info = {"enabled": True, "device_type": dev,
-                        "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
-                break
-        except (RuntimeError, TypeError, AttributeError):
-            continue
-    info["cache_enabled"] = torch.is_autocast_cache_enabled()
-    return info
+    """The autocast state: enabled, device_type, dtype (name), cache_enabled.
+    Read at every step's forward: the usual device is tried first, and the
+    dict of an unchanged state is made once (never changed in place)."""
+    cache = torch.is_autocast_cache_enabled()
+    found = (None, None, cache)
+    if _any_enabled is None or _any_enabled():
+        for dev in ("cuda", "cpu", "xpu", "mps"):
+            try:
+                if torch.is_autocast_enabled(dev):
+                    found = (dev, torch.get_autocast_dtype(dev), cache)
+                    break
+            except (RuntimeError, TypeError, AttributeError):
+                continue
+    if _last[0] != found:
+        dev, dtype, cache = found
+        _last[:] = [found, {"enabled": dev is not None, "device_type": dev,
+                            "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+                            "cache_enabled": cache}]
+    return _last[1]
 
 
 class AutocastWatch:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from types import MappingProxyType
 
 import torch
 
@@ -75,10 +76,21 @@ class StepState:
     graph_values = None
     graph_anchor = None
 
+    # A step not recorded (most steps) gathers no rows: its containers are
+    # these empty, read-only ones (a write raises, and the guard says so),
+    # until `containers()` (a step raised to the full tier) makes its own.
+    meta = stats = contexts = param_values = ()
+    calls = stacks = recompute_stacks = param_grads = producers = walks = node_watches = MappingProxyType({})
+
     def __init__(self, step_id: int, record: bool, full: bool):
         self.step_id = step_id
         self.record = record
         self.full = full
+        if record:
+            self.containers()
+
+    def containers(self) -> None:
+        """The step's own containers (a recorded step's)."""
         self.meta: list[tuple] = []
         self.stats: list = []  # host tuples or device vectors (stats.row_stats)
         self.calls: dict[str, int] = {}
