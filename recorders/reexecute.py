@@ -169,6 +169,9 @@ class Outcome:
     facts: dict = field(default_factory=dict)
 
 
+_NO_EVENT = Decision()  # never changed: the answer of most steps, made once
+
+
 class ReexecuteTrigger:
     """Which steps' facts ask for a re-execution: the first event of each
     kind, then one per `min_interval` steps of a kind, at most
@@ -188,7 +191,7 @@ class ReexecuteTrigger:
         kind = self._event(facts)
         self._remember(facts)
         if kind is None:
-            return Decision()
+            return _NO_EVENT
         if kind not in self.policy.kinds:
             return Decision(kind, capped=True)
         last = self.last.get(kind)
@@ -239,6 +242,17 @@ def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
     the loss was made, so reading the loss waits for nothing. `scale`: the
     loss scale the step's backward used (its gradient norms are divided by
     it; a float on the CPU, where `StepRows` keeps it as the host value it read)."""
+    sq = st.grad_sq_host
+    if (sq is not None and not skipped and type(scale) is not torch.Tensor and st.grad_sqsum is None
+            and (loss_t is None or loss_t.is_cpu) and math.isfinite(sq)):
+        # The usual CPU step: every fact a host value, the square sum taken
+        # with the norms (finite: no NaN/Inf among the gradients).
+        unscale = float(scale) if scale is not None and st.grad_scale is not None else None
+        if unscale is None or unscale:
+            sq = sq / unscale / unscale if unscale else sq
+            return StepFacts(st.step_id, loss=loss_t.item() if loss_t is not None and loss_t.numel() == 1 else None,
+                             grad_norm=math.sqrt(sq), nonfinite_grads=0,
+                             loss_scale=float(scale) if scale is not None else None)
     norms, sqsum = st.grad_norms, st.grad_sqsum
     scale_tensor = isinstance(scale, torch.Tensor)
     # Attribute tests, not a loop: this runs on every step.

@@ -160,11 +160,10 @@ class MicroBatch:
     __slots__ = ("args", "kwargs", "input_versions", "rng", "outputs", "grads")
 
     def __init__(self, args, kwargs, input_versions, rng):
-        self.args, self.kwargs = args, kwargs
-        self.input_versions = input_versions  # [(tensor, _version at the forward)]
-        self.rng = rng                        # {"cpu": ByteTensor, "cuda": [ByteTensor, ...]}
-        self.outputs = None                   # floating outputs requiring grad, when known
-        self.grads: dict[int, torch.Tensor] = {}  # output index -> scaled gradient
+        # args, kwargs; [(tensor, _version at the forward)]; {"cpu": ByteTensor, "cuda": [ByteTensor, ...]}
+        self.args, self.kwargs, self.input_versions, self.rng = args, kwargs, input_versions, rng
+        # floating outputs requiring grad, when known; output index -> scaled gradient
+        self.outputs, self.grads = None, {}
 
 
 class StepCapture:

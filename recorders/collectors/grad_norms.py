@@ -151,6 +151,9 @@ class NormPlan:
         self.group_params = [[params[i] for i in idx] for idx in self.groups]
         self.rest_params = [params[i] for i in self.rest]
         self.ordered_params = [params[i] for i in order]
+        # No group, no big matrix, one dtype: one `_foreach_norm` of every
+        # gradient as it is (`ParamGradCollector`'s few-line path).
+        self.simple = not self.useful and self.uniform and not self.big
 
     def norms(self) -> torch.Tensor | None:
         """The norms of the parameters' gradients in the plan's order

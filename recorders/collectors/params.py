@@ -3,6 +3,7 @@ each backward pass ends, and the optimizer's pre-step hook."""
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 
 import torch
@@ -194,7 +195,17 @@ class ParamGradCollector:
                     if plan is None:
                         plan = self._norm_plan = NormPlan(self._grad_tensors)
                         self._plan_names = plan.in_order(names)
-                    if plan.useful:
+                    if plan.simple:
+                        # One reduction, one read, the square sum in C
+                        # (the usual small model: no group, no big matrix).
+                        norms = torch.stack(torch._foreach_norm([p.grad for p in self._grad_tensors], 2))
+                        values = norms.tolist()
+                        sq = sum(map(operator.mul, values, values))
+                        if math.isfinite(sq):
+                            st.grad_norms, st.grad_norm_names, st.grad_scale, st.grad_sq_host = norms, names, scale, sq
+                            return
+                        norms, st.grad_sq_host = settle(norms, lambda i: self._grad_tensors[i].grad)
+                    elif plan.useful:
                         # In the plan's order, names alike: no list of
                         # every gradient, no reordering of the norms.
                         norms, st.grad_sq_host = settle(plan.norms(), plan.grad_at)

@@ -44,29 +44,28 @@ class SentinelHooks:
         handles.append(self.model.register_forward_pre_hook(guard(self._on_root_pre), with_kwargs=True))
         handles.append(self.model.register_forward_hook(guard(self._on_root_post), with_kwargs=True))
 
-    def _active(self, module):
+    # The two hooks below run on every step: their tests are written out in
+    # one condition each (a helper call per hook cost as much as the rest).
+    def _on_root_pre(self, module, args, kwargs):
         shared = self.shared
         st = shared.state
-        if st.record or shared.paused or module is not self._root_ref():
-            return None
-        if in_backward() or not torch.is_grad_enabled():
-            return None  # a checkpoint's recomputation, an evaluation pass
-        return st
-
-    def _on_root_pre(self, module, args, kwargs):
-        st = self._active(module)
-        if st is None or st.in_forward:
+        # Not on a sampled step (the collectors record it), nor in a
+        # checkpoint's recomputation or an evaluation pass.
+        if (st.record or st.in_forward or shared.paused or module is not self._root_ref()
+                or not torch.is_grad_enabled() or in_backward()):
             return
         st.in_forward = 1
-        if st.micro_batches == 0:
+        if not st.micro_batches:
             self._autocast = read_autocast()
         st.micro_batches += 1
         st.forward_open = True
-        self.shared.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs, self._autocast)
+        shared.bundles.on_micro_batch_start(st.step_id, st.micro_batches - 1, args, kwargs, self._autocast)
 
     def _on_root_post(self, module, args, kwargs, output):
-        st = self._active(module)
-        if st is None or not st.in_forward:
+        shared = self.shared
+        st = shared.state
+        if (st.record or not st.in_forward or shared.paused or module is not self._root_ref()
+                or not torch.is_grad_enabled() or in_backward()):
             return
         st.in_forward = 0
         if type(output) is torch.Tensor:  # the usual model: no walk of an output tree
@@ -74,7 +73,7 @@ class SentinelHooks:
         else:
             outs = [t for t in float_tensors(output) if t.requires_grad]
         micro_batch = st.micro_batches - 1
-        self.shared.bundles.on_model_outputs(micro_batch, len(outs))
+        shared.bundles.on_model_outputs(micro_batch, len(outs))
         for idx, t in enumerate(outs):
             node = t.grad_fn
             if node is not None:
