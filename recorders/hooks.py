@@ -205,12 +205,14 @@ class TrainingHooks:
         finished step's state. `loss`: the detached loss tensor or None."""
         shared = self.shared
         st = shared.state
-        self.autocast_watch.end_step()
+        if self.autocast_watch.children_ran:
+            self.autocast_watch.end_step()
         if not (st.record or st.contexts or st.param_grads or st.param_values):
             # A step not sampled (most steps): no collector holds anything
             # to finish; a compiled graph's values are taken (dropped).
             shared.flush_stage()
-            self.graph.take()
+            if self.graph.ran:
+                self.graph.take()
             return st
         self.backward.end_step(st)
         self.params.end_step(st)

@@ -259,13 +259,14 @@ class AmpRecorder:
         step_id = self._step_counter if step is None else int(step)
         loss, dtype = self.losses.close_step(loss)
         loss_t = (loss.detach() if loss.requires_grad else loss) if isinstance(loss, torch.Tensor) else None
-        self.stance.leave_tier()
+        stance = self.stance
+        stance.leave_tier()
         finished = self.hooks.end_step(loss_t)
-        if self.stance.found_compiled(finished):
+        if finished.record and stance.found_compiled(finished):
             self.hooks.keep_attached()
-            self.run_writer.submit(functools.partial(self.manifest.set_compiled, self.stance.info()))
+            self.run_writer.submit(functools.partial(self.manifest.set_compiled, stance.info()))
         reexecution, clean = self.sentinel.close_step(finished, loss_t, scale_before=self.rows.scale_before,
-                                                      compiled=self.stance.compiled) if self.sentinel else (None, False)
+                                                      compiled=stance.compiled) if self.sentinel else (None, False)
         pending = self.rows.pack(finished, step_id, loss, loss_t, loss_dtype=dtype, graph_slots=self.hooks.graph,
                                  reexecution=reexecution)
         self.bundles.on_step_end(step_id, loss=loss_t if loss_t is not None else loss, stepped=pending.stepped,
@@ -274,7 +275,8 @@ class AmpRecorder:
         self._step_counter = step_id + 1
         tier = self.schedule.tier(step_id + 1)
         self.hooks.begin_step(step_id + 1, tier)
-        self.stance.enter_tier(tier)
+        if stance.compiled:  # else no compiler stance to set (`CompileStance`)
+            stance.enter_tier(tier)
 
     def add_loss(self, loss) -> None:
         """Add one micro-batch's loss as backpropagated (a framework hook's): summed at `step()`."""

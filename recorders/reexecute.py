@@ -226,13 +226,17 @@ class ReexecuteTrigger:
         return median > 0 and abs(value) > self.policy.spike_factor * abs(median)
 
     def _remember(self, f: StepFacts) -> None:
-        if f.loss_scale is not None:
-            self._prev_scale = f.loss_scale
-            self._max_scale = f.loss_scale if self._max_scale is None else max(self._max_scale, f.loss_scale)
+        scale = f.loss_scale
+        if scale is not None:
+            self._prev_scale = scale
+            if self._max_scale is None or scale > self._max_scale:
+                self._max_scale = scale
         if not f.skipped:
-            for value, history in ((f.loss, self._losses), (f.grad_norm, self._norms)):
-                if value is not None and math.isfinite(value):
-                    history.add(value)
+            loss, norm = f.loss, f.grad_norm
+            if loss is not None and math.isfinite(loss):
+                self._losses.add(loss)
+            if norm is not None and math.isfinite(norm):
+                self._norms.add(norm)
 
 
 def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:

@@ -51,7 +51,7 @@ class AutocastWatch:
         self._active = active
         self.autocast: dict | None = None  # as the first recorded forward saw it
         self._from_child = False  # the root's children have told what ran
-        self._children_ran = False  # ... in the step in progress
+        self.children_ran = False  # ... in the step in progress
 
     def hooks(self, model, graph=None) -> list:
         """(register method, hook, keywords) of a pre-hook on each of the
@@ -67,13 +67,13 @@ class AutocastWatch:
             self._note(read_autocast())
 
     def end_step(self) -> None:
-        if self._children_ran:  # a whole step of child calls saw no autocast
+        if self.children_ran:  # a whole step of child calls saw no autocast
             self._from_child = True
 
     def _on_child_pre(self, module, args):
         if self._from_child or self._active() is None:
             return
-        self._children_ran = True
+        self.children_ran = True
         info = read_autocast()
         if not info["enabled"]:
             # A child called outside the autocast region (an embedding

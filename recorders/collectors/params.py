@@ -53,6 +53,9 @@ class ParamGradCollector:
         self._norm_plan = None  # grad_norms.NormPlan of the plain gradients, at the first backward
         self._plan_names = None  # their names in the plan's order
         self._guarded_end = self._guarded_queue = None  # the backward end's callbacks, guarded
+        # The recorder's FailureGuard behind `shared.guard` (its `wrap`), for
+        # the callback that checks it itself (None: a guard of another kind).
+        self._failure_guard = getattr(shared.guard, "__self__", None)
         self._no_grad = torch.no_grad()  # reusable: entered and left by the training thread only
 
     def _watched(self, pname: str) -> bool:
@@ -323,8 +326,16 @@ class _BackwardEnd:
         self.collector, self.st, self.queued = collector, st, False
 
     def __call__(self):
+        collector = self.collector
         if not self.queued:
             self.queued = True
-            self.collector._guarded_queue(self)
-        else:
-            self.collector._guarded_end(self.st)
+            collector._guarded_queue(self)
+            return
+        guard = collector._failure_guard
+        if guard is None:
+            collector._guarded_end(self.st)
+        elif guard.enabled:  # the guard's checks written out: a wrapper's frame a step less
+            try:
+                collector._on_backward_end(self.st)
+            except Exception as exc:  # noqa: BLE001 - the training must go on
+                guard.fail(exc)

@@ -33,7 +33,7 @@ class SentinelHooks:
         self.params = params
         self._root_ref = weakref.ref(model)
         self._autocast = None  # as the current step's first forward saw it
-        self.guarded_output_grad = shared.guard(self.on_output_grad, traced=False)
+        self.guard = shared.guard.__self__  # the FailureGuard (`_OutputGrad` checks it itself)
 
     def register(self, handles: list) -> None:
         # Traced (the default guard): inside a graph dynamo compiles (the
@@ -105,7 +105,12 @@ class _OutputGrad:
         self.hooks, self.st, self.micro_batch, self.idx, self.slot = hooks, st, micro_batch, idx, slot
 
     def __call__(self, grad_outputs):
+        # The guard's checks written out (a wrapper's frame a step less):
+        # never compiled (the engine calls it), recording on, errors off.
         hooks = self.hooks
-        if hooks.shared.state is self.st and self.slot < len(grad_outputs):
-            hooks.guarded_output_grad(self.st, self.micro_batch, self.idx, grad_outputs[self.slot])
+        if hooks.shared.state is self.st and self.slot < len(grad_outputs) and hooks.guard.enabled:
+            try:
+                hooks.on_output_grad(self.st, self.micro_batch, self.idx, grad_outputs[self.slot])
+            except Exception as exc:  # noqa: BLE001 - the training must go on
+                hooks.guard.fail(exc)
         return None
