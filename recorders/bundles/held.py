@@ -9,11 +9,15 @@ copies so that steady state allocates nothing.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..layout import (PLAIN_TENSORS, all_module_names, canonical_modules, fsdp1_flat_views, is_flat_param,
                       local_value, shard_placements, unwrap, user_class, version_of)
 from ..format.plain import plain
+
+_VERSION = operator.attrgetter("_version")
 
 
 class ModelInventory:
@@ -124,11 +128,11 @@ class ModelInventory:
         if self._plain_params is None:
             self._plain_params = all(isinstance(p, torch.Tensor) for p in self.params)
         if self._plain_params:
-            return [p._version for p in self.params]
+            return list(map(_VERSION, self.params))  # in C: read every step
         return [version_of(p) for p in self.params]
 
     def buffer_versions(self) -> list[int]:
-        return [b._version for b in self.buffers]
+        return list(map(_VERSION, self.buffers))
 
 
 def _raw_prefix(model) -> str:

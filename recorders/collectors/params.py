@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from ..layout import PLAIN_TENSORS, local
-from .grad_norms import NormPlan, cpu_norms, grad_norms, settle
+from .grad_norms import GRAD, NormPlan, cpu_norms, grad_norms, settle
 from .state import Shared, dtype_name, eager
 
 
@@ -201,7 +201,7 @@ class ParamGradCollector:
                     if plan.simple:
                         # One reduction, one read, the square sum in C
                         # (the usual small model: no group, no big matrix).
-                        norms = torch.stack(torch._foreach_norm([p.grad for p in self._grad_tensors], 2))
+                        norms = torch.stack(torch._foreach_norm(list(map(GRAD, self._grad_tensors)), 2))
                         values = norms.tolist()
                         sq = sum(map(operator.mul, values, values))
                         if math.isfinite(sq):
@@ -214,10 +214,10 @@ class ParamGradCollector:
                         norms, st.grad_sq_host = settle(plan.norms(), plan.grad_at)
                         names = self._plan_names
                     else:
-                        norms, st.grad_sq_host = cpu_norms([p.grad for p in self._grad_tensors],
+                        norms, st.grad_sq_host = cpu_norms(list(map(GRAD, self._grad_tensors)),
                                                            plan.work, plan.uniform, plan.big)
                 else:
-                    norms = grad_norms([p.grad for p in self._grad_tensors], on_host=False)
+                    norms = grad_norms(list(map(GRAD, self._grad_tensors)), on_host=False)
             except (TypeError, RuntimeError, AttributeError):
                 norms = None
             if norms is not None:
