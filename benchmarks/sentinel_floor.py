@@ -1,0 +1,92 @@
+"""The floor of the sentinel's design on this machine: a minimal recorder
+that takes the same step facts and holds the same state for a
+re-execution as `AmpRecorder`'s default, and nothing else.
+
+`sentinel_cost.py` trains it as the `floor` variant beside the product, so
+that every run shows how far the default is from what its design can cost
+on the machine it ran on. Where the floor itself misses a target, no
+bookkeeping cut reaches it there; where the floor meets it and the default
+does not, the difference is the product's own work (the decision rules,
+the held steps' bookkeeping, the step row, the guards).
+
+What it does a step, as the default's hooks do on a step not sampled:
+- the root's forward pre-hook holds the inputs (references), the CPU RNG
+  state and the parameters' version counters;
+- its forward hook puts a pre-hook on the output's autograd node, which
+  holds the gradient reaching the output and queues a callback for the
+  end of the backward pass;
+- that callback takes every gradient's norm in the product's way
+  (`NormPlan` on the CPU: small gradients of one shape concatenated; one
+  `_foreach_norm` and one read otherwise) and their square sum;
+- the optimizer's pre-step hook notes that the step stepped;
+- `step(loss)` reads the loss and the scaler's scale (host values on the
+  CPU) and keeps one tuple.
+No spike rule, no held-step bookkeeping, no writer thread, no file, no
+guard: none of it is optional in the product, which is why this is a floor
+and not a variant anyone should run.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from recorders.collectors.grad_norms import GRAD, NormPlan, cpu_norms, settle  # noqa: E402
+
+_VERSION = operator.attrgetter("_version")
+
+
+class FloorSentinel:
+    """Attach to `model` (and `optimizer`, `scaler`); call `step(loss)`
+    once per optimizer step, as `AmpRecorder.step`."""
+
+    def __init__(self, model, optimizer, scaler=None):
+        self.scaler = scaler
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._plan = NormPlan(self.params)
+        self._engine = torch.autograd.Variable._execution_engine
+        self._held = None  # [args, kwargs, rng, versions, output grad, (norms, square sum), stepped]
+        self.facts: list[tuple] = []
+        self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         model.register_forward_hook(self._post, with_kwargs=True),
+                         optimizer.register_step_pre_hook(self._opt_pre)]
+
+    def _pre(self, module, args, kwargs):
+        if torch.is_grad_enabled():
+            self._held = [args, kwargs, torch.get_rng_state(), list(map(_VERSION, self.params)), None, None, False]
+
+    def _post(self, module, args, kwargs, out):
+        if self._held is not None and type(out) is torch.Tensor and out.grad_fn is not None:
+            out.grad_fn.register_prehook(self._output_grad)
+
+    def _output_grad(self, grad_outputs):
+        self._held[4] = grad_outputs[0]
+        self._engine.queue_callback(self._backward_end)
+
+    def _backward_end(self):
+        plan = self._plan
+        if plan.useful:
+            self._held[5] = settle(plan.norms(), plan.grad_at)
+        else:
+            self._held[5] = cpu_norms(list(map(GRAD, self.params)), plan.work, plan.uniform, plan.big)
+
+    def _opt_pre(self, optimizer, args, kwargs):
+        if self._held is not None:
+            self._held[6] = True
+
+    def step(self, loss) -> None:
+        held, self._held = self._held, None
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        sq = held[5][1] if held is not None and held[5] is not None else math.nan
+        self.facts.append((loss.item(), scale, held is not None and held[6], math.sqrt(sq) / scale))
+        if len(self.facts) >= 1000:  # the product hands its rows to a writer: none kept here
+            self.facts.clear()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
