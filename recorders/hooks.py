@@ -65,7 +65,7 @@ class TrainingHooks:
                  watch_param, near_overflow: float, guard, guard_call, bundles, on_autocast,
                  modules: dict | None = None, params: list | None = None, sharded=frozenset(),
                  late_grads=frozenset(), flat_views=(), compiled_rows=False, probe=None, probed=(), probe_leaves=(), on_probe_error=None,
-                 sampled_hooks: bool = False):
+                 sampled_hooks: bool = False, on_backward_start=None):
         self.model = model
         self.shared = Shared(near_overflow=near_overflow, guard=guard, guard_call=guard_call, bundles=bundles)
         # name -> module to hook: the unwrapped modules; the root ("") is
@@ -95,7 +95,7 @@ class TrainingHooks:
             self.probe = ProbeCollector(self.shared, modules=modules, named=probed, leaves=probe_leaves,
                                         active=self.forward.active, fail=on_probe_error,
                                         max_ops=probe.max_ops_per_call)
-        self.sentinel = SentinelHooks(self.shared, model=model, params=self.params)
+        self.sentinel = SentinelHooks(self.shared, model=model, params=self.params, on_backward_start=on_backward_start)
         self.sampled_hooks = bool(sampled_hooks)
         self.handles: list = []  # the hooks of every step (the root's, the optimizer's)
         self.step_handles: list = []  # the collectors' hooks

@@ -168,7 +168,7 @@ class AmpRecorder:
             flat_views=survey.flat_views, compiled_rows=self.stance.compiled_rows, watch_param=self.matches,
             near_overflow=float(near_overflow), guard=self.guard.wrap, guard_call=self.guard.wrap_call,
             bundles=self.bundles, probe=parts.probe, probed=probed, probe_leaves=probe_leaves,
-            on_probe_error=self.guard.fail,
+            on_probe_error=self.guard.fail, on_backward_start=lambda: self.run_writer.on_backward_start(),
             on_autocast=lambda info: self.run_writer.submit(functools.partial(self.manifest.set_autocast, info)),
             sampled_hooks=self.schedule.cheap_every > 1 and not self.stance.compiled)
         if policy is not None:

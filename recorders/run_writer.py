@@ -6,7 +6,12 @@ waiting (a full queue drops the step and counts it); `submit_step` holds a
 clean step (not sampled, facts showing no event) back until a few more are
 there (`HOLD_BACK_STEPS`, `HOLD_BACK_S`): one hand-over, a lock and a
 wake-up, for many steps. Any other job sends them first, so the writer's
-order is the steps'.
+order is the steps'. Held steps that are due go when the next backward pass
+begins (`on_backward_start`), or at the next step if none was seen: the
+writer's Python then runs while the training thread is inside the autograd
+engine, which holds no GIL. Handed over at `rec.step()`, it ran while the
+training thread's next forward needed the GIL at every operation, and a
+launch-bound job waited on it (~0.1-0.25 ms a step on 242 modules).
 
 Writer thread: a step becomes table rows (`StepRows.rows`), goes to the
 shards and journal (`ShardWriter`), tells the schedule, the event detector
@@ -76,6 +81,7 @@ class RunWriter:
         self._journaled_first_step = False  # the manifest rewritten after it (see write_step)
         self._held_back: list = []
         self._held_back_since = 0.0
+        self._due = False  # the held steps are to go at the next backward pass's start
 
     # ------------------------------------------------------ training thread
     def submit(self, job) -> None:
@@ -89,13 +95,22 @@ class RunWriter:
         if not clean:
             self.submit(functools.partial(self.write_step, pending))
             return
-        if not self._held_back:
+        held = self._held_back
+        if not held:
             self._held_back_since = time.monotonic()
-        self._held_back.append(pending)
-        if len(self._held_back) >= HOLD_BACK_STEPS or time.monotonic() - self._held_back_since >= HOLD_BACK_S:
+        held.append(pending)
+        if self._due:
+            self.release_held()  # due since the last step, and no backward pass began since
+        elif len(held) >= HOLD_BACK_STEPS or time.monotonic() - self._held_back_since >= HOLD_BACK_S:
+            self._due = True
+
+    def on_backward_start(self) -> None:
+        """A backward pass begins (training thread): the held steps go, if due."""
+        if self._due:
             self.release_held()
 
     def release_held(self) -> None:
+        self._due = False
         batch, self._held_back = self._held_back, []
         if batch and not self.thread.submit(functools.partial(self.write_steps, batch)):
             self.dropped_steps += len(batch)

@@ -178,3 +178,42 @@ def test_the_recorder_only_assembles_its_parts():
 
     lines = Path(module.__file__).read_text().splitlines()
     assert len(lines) < 350, f"recorders/recorder.py has {len(lines)} lines"
+
+
+# ------------------------------------------------------------ the writer side
+def test_held_clean_steps_go_to_the_writer_when_a_backward_pass_begins(tmp_path, monkeypatch, sentinel_mode):
+    """Clean steps are handed over in batches; a due batch goes when the
+    next backward pass begins (the training thread is then inside the
+    autograd engine, which holds no GIL, while the writer turns the steps
+    into rows), or at the next step when no backward pass began since."""
+    import recorders.run_writer as rw
+    from amp_postmortem import load_run
+    monkeypatch.setattr(rw, "HOLD_BACK_STEPS", 3)
+    monkeypatch.setattr(rw, "HOLD_BACK_S", 1e9)  # the count decides, not the clock
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    rec = AmpRecorder(tmp_path / "r", model, optimizer=opt)
+    handed = []  # (steps in the batch, in a backward pass)
+    submit = rec.writer.submit
+
+    def spy(job):
+        if getattr(job, "func", None) == rec.run_writer.write_steps:
+            handed.append(([p.step for p in job.args[0]], torch._C._current_graph_task_id() != -1))
+        return submit(job)
+
+    monkeypatch.setattr(rec.writer, "submit", spy)
+    for x, y in batches(8):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        rec.step()
+    # Step 0 is a full-tier step (written alone); 1-3 are due at step 3's
+    # end and go at step 4's backward, 4-6 at step 7's.
+    assert handed == [([1, 2, 3], True), ([4, 5, 6], True)]
+    for _ in range(3):  # steps with no forward and no backward: 7-9 are due at step 9's end ...
+        rec.step()
+    assert handed[2:] == [([7, 8, 9, 10], False)]  # ... and go at step 10's, no backward having begun
+    assert rec.enabled
+    rec.close()
+    assert load_run(tmp_path / "r").steps["step"].tolist() == list(range(11))

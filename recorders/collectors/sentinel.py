@@ -25,12 +25,15 @@ from .state import Shared, in_backward
 
 class SentinelHooks:
     """`params`: the `ParamGradCollector`, whose backward-end measurement
-    gives the gradient facts."""
+    gives the gradient facts; `on_backward_start()`: told when a backward
+    pass of a step not sampled begins (the writer's held steps go then:
+    `RunWriter.on_backward_start`), or None."""
 
-    def __init__(self, shared: Shared, *, model, params):
+    def __init__(self, shared: Shared, *, model, params, on_backward_start=None):
         self.shared = shared
         self.model = model
         self.params = params
+        self.on_backward_start = on_backward_start or _nothing
         self._root_ref = weakref.ref(model)
         self._autocast = None  # as the current step's first forward saw it
         self.guard = shared.guard.__self__  # the FailureGuard (`_OutputGrad` checks it itself)
@@ -91,7 +94,12 @@ class SentinelHooks:
         st.forward_open = False
         shared.bundles.on_model_output_grad(micro_batch, idx, grad)
         self.params.await_backward_end(st)
+        self.on_backward_start()
 
+
+
+def _nothing() -> None:
+    return None
 
 
 class _OutputGrad:
