@@ -47,6 +47,7 @@ class FloorSentinel:
 
     def __init__(self, model, optimizer, scaler=None):
         self.scaler = scaler
+        self._scale = scaler.get_scale() if scaler is not None else 1.0
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._plan = NormPlan(self.params)
         self._engine = torch.autograd.Variable._execution_engine
@@ -81,9 +82,12 @@ class FloorSentinel:
 
     def step(self, loss) -> None:
         held, self._held = self._held, None
-        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        # The scale this step's backward used: the one read at the last step
+        # (the scaler's update has changed it since).
+        scale, self._scale = self._scale, self.scaler.get_scale() if self.scaler is not None else 1.0
         sq = held[5][1] if held is not None and held[5] is not None else math.nan
-        self.facts.append((loss.item(), scale, held is not None and held[6], math.sqrt(sq) / scale))
+        norm = math.sqrt(sq) / scale if scale else math.nan  # a diverging job drives its scale to 0
+        self.facts.append((loss.item(), scale, held is not None and held[6], norm))
         if len(self.facts) >= 1000:  # the product hands its rows to a writer: none kept here
             self.facts.clear()
 

@@ -50,6 +50,7 @@ import enum
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -135,10 +136,9 @@ class Refusal(enum.Enum):
     FAILED = "failed"                      # the re-execution raised (restored; recording goes on)
 
 
-@dataclass
-class StepFacts:
+class StepFacts(NamedTuple):
     """A step's facts as host values (None: unknown); `loss_scale`: the
-    scale its backward used."""
+    scale its backward used. A tuple: made on every step, in one call."""
     step: int
     skipped: bool = False
     loss_scale: float | None = None
@@ -182,8 +182,8 @@ class ReexecuteTrigger:
         self.last: dict[str, int] = {}
         self.count = 0
         self.capped = 0
-        self._losses = _Recent(policy.spike_window)
-        self._norms = _Recent(policy.spike_window)
+        self._losses = _Recent(policy.spike_window, policy.spike_factor)
+        self._norms = _Recent(policy.spike_window, policy.spike_factor)
         self._prev_scale: float | None = None
         self._max_scale: float | None = None
 
@@ -215,15 +215,13 @@ class ReexecuteTrigger:
             return "skipped"
         if f.nonfinite_grads:
             return "nonfinite_gradient"
-        if self._spike(f.loss, self._losses) or self._spike(f.grad_norm, self._norms):
+        # Finite values only (a NaN compares False; an Inf norm is no spike:
+        # its gradients' count says what it is).
+        loss, norm = f.loss, f.grad_norm
+        if (loss is not None and abs(loss) > self._losses.limit) or (
+                norm is not None and abs(norm) > self._norms.limit and math.isfinite(norm)):
             return "spike"
         return None
-
-    def _spike(self, value, history) -> bool:
-        if value is None or not math.isfinite(value) or len(history) < 10:
-            return False
-        median = history.median()
-        return median > 0 and abs(value) > self.policy.spike_factor * abs(median)
 
     def _remember(self, f: StepFacts) -> None:
         scale = f.loss_scale
@@ -284,26 +282,29 @@ def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
 
 
 class _Recent:
-    """The last `size` finite values of a series and their median, kept
-    sorted as they come (the spike rule reads the median every step)."""
+    """The last `size` finite values of a series, kept sorted as they come,
+    and the spike rule's bound on the next value: `factor` times their
+    median once there are 10 of them and the median is positive (else
+    infinite: no spike). Made when a value is added, so that the rule
+    reads one number every step."""
 
-    __slots__ = ("order", "ranked")
+    __slots__ = ("order", "ranked", "factor", "limit")
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, factor: float):
         self.order: deque = deque(maxlen=size)
         self.ranked: list = []
-
-    def __len__(self) -> int:
-        return len(self.order)
+        self.factor = factor
+        self.limit = math.inf
 
     def add(self, value: float) -> None:
-        if len(self.order) == self.order.maxlen:
-            del self.ranked[bisect.bisect_left(self.ranked, self.order[0])]
-        self.order.append(value)
-        bisect.insort(self.ranked, value)
-
-    def median(self) -> float:
-        return self.ranked[len(self.ranked) // 2]
+        order, ranked = self.order, self.ranked
+        if len(order) == order.maxlen:
+            del ranked[bisect.bisect_left(ranked, order[0])]
+        order.append(value)
+        bisect.insort(ranked, value)
+        if len(ranked) >= 10:
+            median = ranked[len(ranked) // 2]
+            self.limit = self.factor * median if median > 0 else math.inf
 
 
 class Reexecutor:

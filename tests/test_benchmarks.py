@@ -284,7 +284,7 @@ def test_sentinel_floor_takes_the_facts_the_default_records(tmp_path):
         for kind in ("floor", "default"):
             model = copy.deepcopy(template)
             opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)  # a new scale every step
             rec = FloorSentinel(model, opt, scaler) if kind == "floor" else \
                 AmpRecorder(tmp_path / name, model, optimizer=opt, scaler=scaler)
             for _ in range(5):

@@ -69,6 +69,7 @@ class AutocastWatch:
     def end_step(self) -> None:
         if self.children_ran:  # a whole step of child calls saw no autocast
             self._from_child = True
+            self.children_ran = False  # asked no more: nothing for later steps' ends to do
 
     def _on_child_pre(self, module, args):
         if self._from_child or self._active() is None:
