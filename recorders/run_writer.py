@@ -10,8 +10,11 @@ order is the steps'. Held steps that are due go when the next backward pass
 begins (`on_backward_start`), or at the next step if none was seen: the
 writer's Python then runs while the training thread is inside the autograd
 engine, which holds no GIL. Handed over at `rec.step()`, it ran while the
-training thread's next forward needed the GIL at every operation, and a
-launch-bound job waited on it (~0.1-0.25 ms a step on 242 modules).
+training thread's next forward needed the GIL at every operation (the
+launch-bound proxy of `benchmarks/`, ablated in one process: 0.1-0.25 ms of
+a 14 ms step; the trees before and after, each in its own process: within
+the machine's run-to-run noise). On a GPU the engine's device thread makes
+the call while the training thread waits in `backward()`.
 
 Writer thread: a step becomes table rows (`StepRows.rows`), goes to the
 shards and journal (`ShardWriter`), tells the schedule, the event detector
