@@ -262,7 +262,7 @@ def test_xp_recorder_cost_smoke_measures_keras_tf_with_its_probe_and_flax(tmp_pa
     assert all(v["same_bits"] for v in flax["variants"].values())  # recording changes no bit
 
 
-def test_sentinel_floor_takes_the_facts_the_default_records(tmp_path):
+def test_sentinel_floor_takes_the_facts_the_default_records(tmp_path, sentinel_mode):
     """The `floor` variant is a fair floor only if it does the work the
     default must do: the same loss, loss scale, stepped flag and gradient
     norm, step for step, on identical copies (the launch-bound model's
@@ -273,30 +273,16 @@ def test_sentinel_floor_takes_the_facts_the_default_records(tmp_path):
 
     import amp_postmortem
     from common import deep_narrow
-    from recorders import AmpRecorder
     from sentinel_floor import FloorSentinel
+    from tiny_models import recorder_at, train
 
     for name, template in (("narrow", deep_narrow(6, 8)),
                            ("mlp", nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))):
         torch.manual_seed(0)
         x, y = torch.randn(4, 8), torch.randn(4, template(torch.randn(1, 8)).shape[-1])
-        runs = []
-        for kind in ("floor", "default"):
-            model = copy.deepcopy(template)
-            opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)  # a new scale every step
-            rec = FloorSentinel(model, opt, scaler) if kind == "floor" else \
-                AmpRecorder(tmp_path / name, model, optimizer=opt, scaler=scaler)
-            for _ in range(5):
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = ((model(x).float() - y) ** 2).mean()
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad()
-                rec.step(loss)
-            rec.close()
-            runs.append(rec)
+        runs = [train(copy.deepcopy(template), [(x, y)] * 5, lr=1e-2, recorder=make,
+                      scaler={"init_scale": 2.0 ** 8, "growth_interval": 1}).rec  # a new scale every step
+                for make in (FloorSentinel, recorder_at(tmp_path / name))]
         floor_facts = runs[0].facts
         steps = amp_postmortem.load_run(tmp_path / name).steps.sort_values("step")
         assert len(floor_facts) == len(steps) == 5
