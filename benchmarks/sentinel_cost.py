@@ -17,9 +17,10 @@ resist that noise: the median paired ratio of its steps that took the step
 facts only, plus each other kind of step (sampled at the cheap tier, at the
 full tier, re-executed) at its mean ratio to plain's median step, weighted
 by its rate in a long run (the schedule's periods; re-executions at their
-share of this run). A run shorter than the full tier's period asks for
-three full-tier steps (`request_full`) to measure it; the defaults' rounds
-reach the cheap tier's period once.
+share of this run). A run shorter than a sampled tier's period measures
+it anyway: three rounds ask for the full tier (`request_full`) and four
+more are cheap-tier steps (a schedule with the default periods that adds
+them), spread over the run.
 
 Jobs:
 - `launch`: the launch-bound proxy (`common.deep_narrow`: 48 residual blocks
@@ -132,10 +133,25 @@ def _job(name: str, smoke: bool):
             lambda out, y: nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten()))
 
 
+def _Measured(cheap_steps):
+    """The default schedule (`RecordSchedule()`'s periods), with the cheap
+    tier also at `cheap_steps`: a run shorter than the cheap tier's period
+    still measures that tier (weighted at the period's rate, not these
+    steps')."""
+    from recorders.schedule import CHEAP, RecordSchedule
+
+    class Measured(RecordSchedule):
+        def tier(self, step):
+            tier = super().tier(step)
+            return CHEAP if tier is None and step in cheap_steps else tier
+
+    return Measured()
+
+
 class _Runner:
     """One variant's copy of the job, stepped once a call."""
 
-    def __init__(self, variant, template, make_opt, dtype, scaler, loss_fn, run_dir, diverging):
+    def __init__(self, variant, template, make_opt, dtype, scaler, loss_fn, run_dir, diverging, cheap_steps=()):
         import torch
         from recorders import AmpRecorder
         self.variant = variant
@@ -154,10 +170,11 @@ class _Runner:
         elif variant == "floor":
             from sentinel_floor import FloorSentinel
             self.floor = FloorSentinel(self.model, self.opt, self.scaler)
-        elif variant in ("default", "every_step"):
-            mode = "every_step" if variant == "every_step" else None
-            self.rec = AmpRecorder(run_dir, self.model, optimizer=self.opt, scaler=self.scaler,
-                                   **({"mode": mode} if mode else {"mode": "sentinel"}))
+        elif variant == "every_step":
+            self.rec = AmpRecorder(run_dir, self.model, optimizer=self.opt, scaler=self.scaler, mode="every_step")
+        elif variant == "default":
+            self.rec = AmpRecorder(run_dir, self.model, optimizer=self.opt, scaler=self.scaler, mode="sentinel",
+                                   schedule=_Measured(cheap_steps) if cheap_steps else None)
 
     def step(self, x, y, force_full: bool = False) -> float:
         import torch
@@ -215,17 +232,21 @@ def measure(job: str, *, rounds: int, warmup: int, smoke: bool, seed: int = 0, c
         throwaway = copy.deepcopy(template)
         made = [v for v in VARIANTS for _ in range(copies)]
         rng.shuffle(made)
+        # A run shorter than a sampled tier's period still measures it: a
+        # few rounds spread over the run ask for it (`request_full`, a
+        # schedule that adds cheap steps), each weighted at its period's rate.
+        from recorders.schedule import RecordSchedule
+        periods = RecordSchedule()
+        forced = set() if rounds >= periods.full_every else {warmup + rounds * k // 8 for k in (2, 4, 6)}
+        cheap = set() if rounds >= periods.cheap_every else {warmup + rounds * k // 8 for k in (1, 3, 5, 7)}
         for v in made:
             runners[v].append(_Runner(v, template, make_opt, dtype, scaler, loss_fn,
-                                      Path(tmp) / f"{v}{len(runners[v])}", job == "diverging"))
+                                      Path(tmp) / f"{v}{len(runners[v])}", job == "diverging", cheap_steps=cheap))
         del throwaway
         order = [(v, c) for v in VARIANTS for c in range(copies)]
         per_round, kinds = [], []
         default = runners["default"][0]
         schedule = default.rec.schedule
-        # A run shorter than the full tier's period still measures it: a
-        # few rounds ask for it (`request_full`), spread over the run.
-        forced = set() if rounds >= schedule.full_every else {warmup + rounds * k // 4 for k in (1, 2, 3)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for r in range(warmup + rounds):

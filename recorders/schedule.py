@@ -30,13 +30,17 @@ FULL = "full"
 # The options of `RecordSchedule.every_step()` (`AmpRecorder(mode="every_step")`).
 EVERY_STEP = {"cheap_every": 1, "full_every": 100, "full_after_event": 20}
 # The sentinel's periods. A sampled step registers every watched module's
-# hooks and writes their rows: 2.2x a small MLP's step and 4.5x the
-# launch-bound proxy's at the cheap tier, 4x and 15x at the full tier
-# (benchmarks/sentinel_cost.py). Every 250th and 2500th step keeps that
-# under 2% of a launch-bound job and 0.6% of the MLP's; a week-long job
-# still gets thousands of sampled steps, and the failing step is seen in
-# full anyway (re-executed).
-CHEAP_EVERY, FULL_EVERY = 250, 2500
+# hooks and writes their rows: 3.1x the launch-bound proxy's step at the
+# cheap tier and 10x at the full tier, 4.6x and 6.6x the diverging job's
+# (benchmarks/sentinel_cost.py, AMD EPYC, benchmarks/RESULTS.md). At every
+# 250th and 2500th step that was 1.1 points of the launch-bound job and 1.5
+# of the diverging one: with the design's own floor at 1.035-1.04 there, the
+# 1.05 target had no room left for any bookkeeping. Every 1000th and 10000th
+# step costs a quarter of that; a week-long job still gets hundreds of
+# sampled steps (a 2 steps/s job: one every 8 minutes), every statement on
+# them says how old it is, and the failing step is seen in full anyway
+# (re-executed).
+CHEAP_EVERY, FULL_EVERY = 1000, 10000
 MODES = ("sentinel", "every_step")
 
 # What `note_event` may be told (a step can be several at once).

@@ -29,7 +29,7 @@ def _tiers(run) -> str:
 
 # ------------------------------------------------------------ each part alone
 def test_the_parts_defaults_are_the_documented_defaults_of_the_flat_keywords():
-    assert RecordSchedule().config() == {"cheap_every": 250, "full_every": 2500, "full_after_event": 0}
+    assert RecordSchedule().config() == {"cheap_every": 1000, "full_every": 10000, "full_after_event": 0}
     assert RecordSchedule.every_step().config() == {"cheap_every": 1, "full_every": 100, "full_after_event": 20}
     assert parts_from_flat({"full_every": 7}, mode="every_step").schedule.config() == {
         "cheap_every": 1, "full_every": 7, "full_after_event": 20}

@@ -204,7 +204,7 @@ def test_every_step_mode_and_the_env_variable(tmp_path, monkeypatch):
     rec.close()
     monkeypatch.delenv("AMP_POSTMORTEM_MODE")
     rec = AmpRecorder(tmp_path / "c", model)
-    assert (rec.schedule.cheap_every, rec.schedule.full_every, rec.mode) == (250, 2500, "sentinel")
+    assert (rec.schedule.cheap_every, rec.schedule.full_every, rec.mode) == (1000, 10000, "sentinel")
     rec.close()
     from recorders.errors import OptionError
     with pytest.raises(OptionError, match="mode="):
