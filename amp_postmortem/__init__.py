@@ -212,7 +212,8 @@ def scale(run, *, rank: int | None = None, engine: str = "local", scheduler: str
 def ranges(run, *, rank: int | None = None, window: int = 1000, engine: str = "local",
            scheduler: str | None = None, progress=None):
     """float16 headroom, trend and underflow per layer over the last
-    `window` steps (0: the whole run) (`amp-postmortem ranges`)."""
+    `window` recorded steps, those with module rows (0: the whole run)
+    (`amp-postmortem ranges`)."""
     from .analyses.ranges import layer_ranges
     r = load_run(run, rank=rank, engine=engine, scheduler=scheduler, progress=progress)
     with _engine_of(r):

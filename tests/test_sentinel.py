@@ -245,6 +245,22 @@ def test_every_sample_run_gets_the_same_answers_in_both_modes(sample_runs_both_w
         _lead(sentinel) == _lead(every)
 
 
+def test_the_ranges_window_counts_the_steps_sampled_not_step_numbers(tmp_path):
+    """A sentinel run has module rows on one step in `cheap_every`: the
+    window of `ranges` (and so of `summary`) is its last N such steps, so
+    headroom trends stay measurable at the sampling's resolution."""
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    train(TinyNet(), batches(60), recorder=recorder_at(run, schedule=RecordSchedule(cheap_every=10, full_every=0)))
+    sampled = ap.load_run(run).steps.query("tensor_rows > 0")["step"].tolist()
+    assert sampled == list(range(0, 60, 10))
+    report = ap.ranges(run, window=5).to_dict()
+    assert report["first_step"] == sampled[-5] == 10 and report["last_step"] == 59
+    assert any(r["headroom_trend_per_kstep"] is not None for r in report["layers"])  # five points: a trend
+    assert ap.ranges(run, window=6).to_dict()["first_step"] == 0  # no more than six: the whole run
+    # Counted in step numbers, the last five steps (55-59) held no row at all.
+
+
 def test_the_trigger_tells_a_probe_a_collapse_and_a_failure_apart():
     from recorders.reexecute import ReexecuteTrigger, StepFacts
     trigger = ReexecuteTrigger(ReexecutePolicy(min_interval=5))

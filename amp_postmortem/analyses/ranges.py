@@ -130,12 +130,25 @@ _INTERMEDIATE_READ = ["step", "name", "kind", "op", "op_index", "source", "dtype
                       "inf_count"]
 
 
+def window_start(run: Run, window: int) -> int | None:
+    """The first step of the last `window` recorded steps (those with module
+    rows on any rank), None when the run has no more: the whole run. A
+    sentinel run has rows on one step in `cheap_every` (and the re-executed
+    ones), so a window counted in step numbers would hold one sampled step
+    or none, and no trend; an every-step run's window is its last `window`
+    steps either way."""
+    steps = run.step_series().steps
+    recorded = steps["step"][steps["recorded_any"]] if "recorded_any" in steps else steps["step"]
+    return int(recorded.iloc[-window]) if len(recorded) > window else None
+
+
 def layer_ranges(run: Run, *, window: int | None = WINDOW) -> RangesReport:
-    """Headroom, trend, forecast and underflow per layer over the last `window` steps (None: all)."""
+    """Headroom, trend, forecast and underflow per layer over the last
+    `window` recorded steps (`window_start`; None or 0: all)."""
     last = run.last_step
     if last is None:
         return RangesReport(layers=_empty(), first_step=None, last_step=None, intermediates=_empty_intermediates())
-    lo = None if not window else max(run.first_step, last - int(window) + 1)
+    lo = None if not window else window_start(run, int(window))
     lo_step = run.first_step if lo is None else lo
     per_step = reduce_window(run, lo)
     if per_step is None:

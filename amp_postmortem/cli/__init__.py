@@ -154,7 +154,8 @@ def scale(run, **options):
 @main.command()
 @run_options
 @click.option("--window", type=click.IntRange(min=0), default=api_default(api.ranges, "window"), show_default=True,
-              help="Analyse the last N recorded steps (0: the whole run).")
+              help="Analyse the last N recorded steps: those with module rows (a sentinel run's sampled "
+                   "and re-executed steps; 0: the whole run).")
 @engine_options
 @output_options(csv=True)
 def ranges(run, **options):

@@ -4,7 +4,7 @@
 At 1,000 ranks the steps table is millions of rows, but those analyses ask
 only, per step: the lowest rank's values (the loss-scale series, the loss)
 and whether any rank skipped the step, saw a NaN/Inf loss, applied
-non-finite gradients or recorded tensor rows on a clean step. That is a
+non-finite gradients or recorded tensor rows (on a clean step). That is a
 reduction that merges exactly, in any grouping: `shard_partial` (one steps
 shard's rows in, one row per step out, plus each rank's last step) runs
 wherever the engine reads the shard, and `merge` combines partials. The
@@ -31,7 +31,7 @@ READ_COLUMNS = ["step", "rank", "loss", "loss_scale_before", "loss_scale", "skip
 LOWEST_COLUMNS = ["rank", "loss", "loss_scale_before", "loss_scale", "skipped"]
 # True when any rank's row of the step is (as `steps.groupby("step").any()`).
 ANY_COLUMNS = ["skipped_any", "loss_nonfinite_any", "applied_nonfinite_any", "clean_recorded_any",
-               "sharded_grad_any"]
+               "recorded_any", "sharded_grad_any"]
 # The first non-null `loss_scale_before` in rank order (`groupby("step").first()`).
 FIRST_SCALE = "loss_scale_before_first"
 _FIRST_SCALE_RANK = "_first_scale_rank"
@@ -61,7 +61,7 @@ class StepSeries:
     flags `skipped_any`, `loss_nonfinite_any` (NaN/Inf loss),
     `applied_nonfinite_any` (non-finite parameter gradients on a step not
     skipped), `clean_recorded_any` (not skipped, with tensor rows),
-    `sharded_grad_any`; `loss_scale_before_first` (the first non-null in
+    `recorded_any` (with tensor rows), `sharded_grad_any`; `loss_scale_before_first` (the first non-null in
     rank order). `rank_last_steps`: {rank: its last recorded step}."""
     steps: pd.DataFrame
     rank_last_steps: dict
@@ -120,12 +120,14 @@ def finish(partial: SeriesPartial) -> StepSeries:
 def _partial(t: pa.Table) -> SeriesPartial:
     skipped = pc.fill_null(t.column("skipped"), False)
     clean = pc.invert(skipped)
+    recorded = pc.greater(pc.fill_null(t.column("tensor_rows"), 0), 0)
     sq = t.column("sharded_grad_sqsum")
     flags = {
         "skipped_any": skipped,
         "loss_nonfinite_any": t.column("loss_nonfinite"),
         "applied_nonfinite_any": pc.and_(pc.greater(pc.fill_null(t.column("nonfinite_param_grads"), 0), 0), clean),
-        "clean_recorded_any": pc.and_(pc.greater(pc.fill_null(t.column("tensor_rows"), 0), 0), clean),
+        "clean_recorded_any": pc.and_(recorded, clean),
+        "recorded_any": recorded,
         "sharded_grad_any": pc.fill_null(pc.invert(pc.is_nan(sq)), False),
     }
     scale = t.column("loss_scale_before")
