@@ -61,7 +61,7 @@ def gpt_batch(step: int):
     return idx, torch.roll(idx, 1, dims=1)
 
 
-def record_gpt(path, *, amp: bool, steps: int = GPT_STEPS, lr: float = GPT_LR):
+def record_gpt(path, *, amp: bool, steps: int = GPT_STEPS, lr: float = GPT_LR, recorder_options=None):
     from tiny_models import recorder_at, train
     model = tied_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -76,7 +76,8 @@ def record_gpt(path, *, amp: bool, steps: int = GPT_STEPS, lr: float = GPT_LR):
         scaler.unscale_(opt)
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
-    rec = train(model, [gpt_batch(step) for step in range(steps)], recorder=recorder_at(path, full_every=1),
+    options = recorder_options or {"full_every": 1}
+    rec = train(model, [gpt_batch(step) for step in range(steps)], recorder=recorder_at(path, **options),
                 optimizer=opt, scaler=scaler if amp else None, dtype=torch.float16 if amp else None,
                 loss_fn=cross_entropy, before_update=clip, close=False).rec
     rec.flush()

@@ -52,6 +52,29 @@ def test_summary_names_the_evidence_and_the_training_remedies(diverging):
     assert "keep_fp32(" not in f.message
 
 
+def test_growth_is_read_over_the_steps_sampled_when_the_window_holds_too_few(tmp_path, monkeypatch):
+    """A sentinel run samples one step in `cheap_every`: a window of the last
+    WINDOW steps holds one sampled step or none. Here the same diverging job
+    sampled every third step (rows at 0, 3, 6 and at the re-executed
+    steps), with a window of four steps (4-7, whose loss rose 2.9 times: one
+    sampled step, 6): growth is read from the first of the last four steps
+    with rows."""
+    from amp_postmortem.analyses import instability
+    from recorders.schedule import RecordSchedule
+    run = load_run(runs.record_gpt(tmp_path / "sampled", amp=True, recorder_options={
+        "mode": "sentinel", "schedule": RecordSchedule(cheap_every=3, full_every=0)}))
+    sampled = [s for s in sorted(set(run.steps.query("tensor_rows > 0")["step"])) if s < 8]
+    assert {0, 3, 6} <= set(sampled) and not {4, 5, 7} & set(sampled)
+    monkeypatch.setattr(instability, "WINDOW", 4)
+    rep = find_instability(run)
+    assert rep.failure_step == 8 and (rep.from_step, rep.to_step) == (4, 7) and rep.loss_rise["ratio"] >= 2
+    top = rep.growth[0]
+    assert rep.unstable and (top["name"], top["kind"], top["to_step"]) == ("proj", "activation", 6)
+    assert top["from_step"] == sampled[max(0, len(sampled) - 4)] < 4
+    monkeypatch.setattr(instability, "MIN_GROWTH_STEPS", 1)  # the window's one sampled step alone: no growth
+    assert not find_instability(run).unstable
+
+
 def test_precision_jobs_are_not_instability():
     for run in (runs.fp32_module_run(), runs.lower_scale_run()):
         assert not find_instability(load_run(run)).unstable

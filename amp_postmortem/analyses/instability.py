@@ -15,7 +15,10 @@ forward or loss was non-finite; the whole run when none was):
 - `growth`: activations or weights grew: a layer's largest value (`absmax`
   of its `activation` rows, of its parameters' `param` rows) rose by at
   least `GROWTH_BITS` bits (a factor 8) from the first of those steps to
-  the last, and still stood at its peak (within a factor 2) at the end.
+  the last, and still stood at its peak (within a factor 2) at the end;
+  where fewer than `MIN_GROWTH_STEPS` of those steps have module rows (a
+  sentinel run samples one step in `cheap_every`), from the first of the
+  last `MIN_GROWTH_STEPS` that have.
   The weight that grew most names the layer whose updates grew.
 
 `find_instability` reports instability when the run failed and both hold
@@ -51,6 +54,10 @@ GROWTH_BITS = 3.0            # a factor 8 from the first step looked at to the l
 PEAK_SLACK_BITS = 1.0        # still within a factor 2 of its peak at the end
 LATE_LOSSES = 3
 WINDOW = 1000                # the recorded steps before the failure looked at
+# Growth is read over at least this many steps with module rows, from before
+# the window when it holds fewer: a sentinel run samples one step in
+# `cheap_every` (1000), so its last WINDOW steps hold one sampled step or none.
+MIN_GROWTH_STEPS = 4
 
 
 @dataclass
@@ -101,7 +108,7 @@ def find_instability(run: Run) -> InstabilityReport:
     if fail is None or rise is None or rise["ratio"] < LOSS_RISE:
         # Not unstable whatever grew: skip the scan of every layer's rows.
         return InstabilityReport(False, fail, lo, hi, rise)
-    growth = _growth(run, lo, hi)
+    growth = _growth(run, _growth_start(s, lo, hi), hi)
     rose = rise is not None and rise["ratio"] >= LOSS_RISE
     grew = [g for g in growth if g["bits"] >= GROWTH_BITS]
     weights = [g for g in grew if g["kind"] == "param"]
@@ -133,6 +140,17 @@ def _loss_rise(before: pd.DataFrame) -> dict | None:
     to = float(late["loss"].mean())
     return {"from_loss": float(low["loss"]), "from_step": int(low["step"]), "to_loss": to,
             "to_step": int(late["step"].iloc[-1]), "ratio": to / float(low["loss"])}
+
+
+def _growth_start(series: pd.DataFrame, lo: int, hi: int) -> int:
+    """Where growth is read from: `lo`, or the first of the last
+    `MIN_GROWTH_STEPS` steps with module rows up to `hi` when that lies
+    before it (the step series' `recorded_any`)."""
+    if "recorded_any" not in series:
+        return lo
+    recorded = series["step"][series["recorded_any"] & (series["step"] <= hi)]
+    k = min(MIN_GROWTH_STEPS, len(recorded))
+    return min(lo, int(recorded.iloc[-k])) if k else lo
 
 
 def _growth(run: Run, lo: int, hi: int) -> list:
