@@ -58,6 +58,9 @@ class MicroBatchLosses:
         through the scaler, its loss passed to `rec.step()`) in a few lines:
         this runs every step."""
         back = self._backpropagated
+        if not back and not self._returned:  # nothing captured (a loss the model did not return, no scaler)
+            return explicit, (_DTYPE_NAMES.get(explicit.dtype) or str(explicit.dtype).removeprefix("torch.")
+                              if isinstance(explicit, torch.Tensor) else None)
         if len(back) == 1 and not self._returned and type(explicit) is torch.Tensor:
             t = back[0]
             self._backpropagated = []

@@ -49,6 +49,8 @@ def find_loss(output):
     elements (nanoGPT's `(logits, loss)`). None when there is none, or
     several and none first: which one is trained on is not the outputs' to
     say (a replay takes a loss_fn)."""
+    if type(output) is torch.Tensor:  # the usual forward hook's case: no attribute or container to look at
+        return output if output.dim() == 0 and output.is_floating_point() else None
     if _is_loss(output):
         return output
     if isinstance(output, Mapping):
