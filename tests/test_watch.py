@@ -226,6 +226,44 @@ def test_a_moving_condition_is_one_finding_an_event_is_keyed_by_its_step():
 
 
 
+def test_a_file_removed_under_the_analysis_is_read_again_at_once(overflow_run, tmp_path, monkeypatch):
+    """The job publishes a pair and removes the journal an analysis had
+    listed: that analysis fails (`cannot be read`), and the run's files have
+    changed since, so the watcher reads it again at once, counting no error.
+    Three such looks in a row under load ended a watch with exit 2."""
+    import shutil
+
+    from amp_postmortem.analyses import watch as watch_mod
+    from amp_postmortem.errors import CorruptRunError
+    run = tmp_path / "run"
+    shutil.copytree(overflow_run, run)
+    real, calls = watch_mod.summarize, []
+    gone = CorruptRunError(f"{run}/rank=0/journal/tensors/part-000002.arrows: cannot be read "
+                           f"(No such file or directory)")
+
+    def racing(r, **kw):
+        calls.append(1)
+        if len(calls) == 1:  # the job moves on while this analysis reads
+            later = time.time_ns() + 10 ** 9
+            os.utime(run / "rank=0" / "manifest.json", ns=(later, later))
+            raise gone
+        return real(r, **kw)
+    monkeypatch.setattr(watch_mod, "summarize", racing)
+    watcher = RunWatcher(run, fail_on=None)
+    first = watcher.poll()  # a closed run: an error that stands is final (exit 2)
+    assert len(calls) == 2 and watcher._errors == 0
+    assert [e.finding.kind for e in first.events[:-1]] == ["nonfinite"]
+
+    def failing(r, **kw):
+        calls.append(1)
+        raise gone
+    calls.clear()
+    monkeypatch.setattr(watch_mod, "summarize", failing)
+    with pytest.raises(CorruptRunError):  # nothing moved: the error stands, read once
+        RunWatcher(run, fail_on=None).poll()
+    assert len(calls) == 1
+
+
 def test_a_change_with_no_step_gone_wrong_waits_for_the_rejudge(running_run):
     run = running_run
     watcher = RunWatcher(run)

@@ -93,6 +93,7 @@ _REJUDGE_SHARE = 20  # at most ~5% of the time analysing
 # A run being written changes under the reader (a journal removed as its
 # pair is published): an error is believed after this many looks in a row.
 _RETRIES = 3
+_RACES = 3  # immediate re-reads of a local run whose files changed during an analysis (`_moved`)
 _WATCHED_DIRS = (f"{schema.JOURNAL_DIR}/{schema.STEPS_DIR}", f"{schema.JOURNAL_DIR}/{schema.TENSORS_DIR}",
                  schema.STEPS_DIR, schema.TENSORS_DIR, schema.INDEX_DIR)
 
@@ -231,7 +232,7 @@ class RunWatcher:
             end = WatchEnd(Outcome.JOB_GONE, self.last_step, ranks=gone)
         return Poll(events + ([end] if end else []), self.last_step)
 
-    def _analyse(self, fingerprint: tuple, must: bool) -> list | None:
+    def _analyse(self, fingerprint: tuple, must: bool, raced: int = 0) -> list | None:
         """The new findings; None when the run could not be read this time
         (read again at the next look, or, when the job has written no step
         yet, once its files changed)."""
@@ -259,6 +260,8 @@ class RunWatcher:
                 raise
             return None
         except (OSError, pa.ArrowException) as exc:
+            if self._moved(fingerprint, raced):
+                return self._analyse(self._files(self.path), must, raced + 1)
             self._errors += 1
             if must or self._errors >= _RETRIES:
                 if self.remote:
@@ -266,6 +269,8 @@ class RunWatcher:
                 raise
             return None
         except PostmortemError:
+            if self._moved(fingerprint, raced):
+                return self._analyse(self._files(self.path), must, raced + 1)
             self._errors += 1
             if must or self._errors >= _RETRIES:
                 raise
@@ -282,6 +287,15 @@ class RunWatcher:
             self.seen.add(key)
             out.append(FindingSeen(f, now, self.fails(f)))
         return out
+
+    def _moved(self, fingerprint: tuple, raced: int) -> bool:
+        """A local run's files changed while it was analysed: the job
+        published a pair and removed the journal this analysis had listed
+        (`cannot be read (No such file or directory)`), so it is read again
+        at once (`_RACES` times at most), no error counted. Under load an
+        analysis can outlast a shard's steps, and three such looks in a row
+        ended the watch with exit 2."""
+        return not self.remote and raced < _RACES and self._files(self.path) != fingerprint
 
     def _look(self):
         """The run as it is now: the local directory, or a new shallow view
