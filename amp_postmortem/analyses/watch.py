@@ -260,8 +260,8 @@ class RunWatcher:
                 raise
             return None
         except (OSError, pa.ArrowException) as exc:
-            if self._moved(fingerprint, raced):
-                return self._analyse(self._files(self.path), must, raced + 1)
+            if (moved := self._moved(fingerprint, raced)) is not None:
+                return self._analyse(moved, must, raced + 1)
             self._errors += 1
             if must or self._errors >= _RETRIES:
                 if self.remote:
@@ -269,8 +269,8 @@ class RunWatcher:
                 raise
             return None
         except PostmortemError:
-            if self._moved(fingerprint, raced):
-                return self._analyse(self._files(self.path), must, raced + 1)
+            if (moved := self._moved(fingerprint, raced)) is not None:
+                return self._analyse(moved, must, raced + 1)
             self._errors += 1
             if must or self._errors >= _RETRIES:
                 raise
@@ -288,14 +288,17 @@ class RunWatcher:
             out.append(FindingSeen(f, now, self.fails(f)))
         return out
 
-    def _moved(self, fingerprint: tuple, raced: int) -> bool:
-        """A local run's files changed while it was analysed: the job
-        published a pair and removed the journal this analysis had listed
-        (`cannot be read (No such file or directory)`), so it is read again
-        at once (`_RACES` times at most), no error counted. Under load an
-        analysis can outlast a shard's steps, and three such looks in a row
-        ended the watch with exit 2."""
-        return not self.remote and raced < _RACES and self._files(self.path) != fingerprint
+    def _moved(self, fingerprint: tuple, raced: int) -> tuple | None:
+        """The files of a local run that changed while it was analysed (None:
+        unchanged, a store, or `_RACES` re-reads done): the job published a
+        pair and removed the journal this analysis had listed (`cannot be
+        read (No such file or directory)`), so it is read again at once, no
+        error counted. Under load an analysis can outlast a shard's steps,
+        and three such looks in a row ended the watch with exit 2."""
+        if self.remote or raced >= _RACES:
+            return None
+        now = self._files(self.path)
+        return now if now != fingerprint else None
 
     def _look(self):
         """The run as it is now: the local directory, or a new shallow view
