@@ -47,6 +47,7 @@ import pyarrow.compute as pc
 from recorders.format import plain, schema
 
 from ..reading.loader import Run
+from ..reading.step_series import recorded_steps
 from ..names import display_name as _display
 
 LOSS_RISE = 2.0              # the late loss at least twice the lowest before it
@@ -146,9 +147,8 @@ def _growth_start(series: pd.DataFrame, lo: int, hi: int) -> int:
     """Where growth is read from: `lo`, or the first of the last
     `MIN_GROWTH_STEPS` steps with module rows up to `hi` when that lies
     before it (the step series' `recorded_any`)."""
-    if "recorded_any" not in series:
-        return lo
-    recorded = series["step"][series["recorded_any"] & (series["step"] <= hi)]
+    recorded = recorded_steps(series)
+    recorded = recorded[recorded <= hi]
     k = min(MIN_GROWTH_STEPS, len(recorded))
     return min(lo, int(recorded.iloc[-k])) if k else lo
 

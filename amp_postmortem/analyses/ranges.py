@@ -94,6 +94,7 @@ import pandas as pd
 from recorders.format import schema
 
 from ..reading.loader import Run
+from ..reading.step_series import recorded_steps
 from .range_limits import (DTYPE_LIMITS, FALLBACK_DTYPE, FORECAST_HORIZON, FORECAST_IMMINENT, FORECAST_RISK_BITS,
                            OVERFLOW_RISK_BITS, UNDERFLOW_SHARE, range_dtype)
 from .ranges_report import RangesReport, lapsed_words, recent_words, sampled_values
@@ -137,8 +138,7 @@ def window_start(run: Run, window: int) -> int | None:
     ones), so a window counted in step numbers would hold one sampled step
     or none, and no trend; an every-step run's window is its last `window`
     steps either way."""
-    steps = run.step_series().steps
-    recorded = steps["step"][steps["recorded_any"]] if "recorded_any" in steps else steps["step"]
+    recorded = recorded_steps(run.step_series().steps)
     return int(recorded.iloc[-window]) if len(recorded) > window else None
 
 

@@ -71,6 +71,13 @@ class StepSeries:
         return bool(self.steps["sharded_grad_any"].any())
 
 
+def recorded_steps(steps: pd.DataFrame) -> pd.Series:
+    """The steps of a series (`StepSeries.steps`) with module rows on any
+    rank (`recorded_any`), ascending: a sentinel run's sampled and
+    re-executed steps, an every-step run's every step."""
+    return steps["step"][steps["recorded_any"]]
+
+
 def shard_partial(rows: pa.Table) -> SeriesPartial:
     """The map: a steps shard's rows (`READ_COLUMNS`) to its partial."""
     loss = rows.column("loss")
