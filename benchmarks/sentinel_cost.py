@@ -235,10 +235,9 @@ def measure(job: str, *, rounds: int, warmup: int, smoke: bool, seed: int = 0, c
         # A run shorter than a sampled tier's period still measures it: a
         # few rounds spread over the run ask for it (`request_full`, a
         # schedule that adds cheap steps), each weighted at its period's rate.
-        from recorders.schedule import RecordSchedule
-        periods = RecordSchedule()
-        forced = set() if rounds >= periods.full_every else {warmup + rounds * k // 8 for k in (2, 4, 6)}
-        cheap = set() if rounds >= periods.cheap_every else {warmup + rounds * k // 8 for k in (1, 3, 5, 7)}
+        from recorders.schedule import CHEAP_EVERY, FULL_EVERY
+        forced = set() if rounds >= FULL_EVERY else {warmup + rounds * k // 8 for k in (2, 4, 6)}
+        cheap = set() if rounds >= CHEAP_EVERY else {warmup + rounds * k // 8 for k in (1, 3, 5, 7)}
         for v in made:
             runners[v].append(_Runner(v, template, make_opt, dtype, scaler, loss_fn,
                                       Path(tmp) / f"{v}{len(runners[v])}", job == "diverging", cheap_steps=cheap))
