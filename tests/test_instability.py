@@ -52,7 +52,15 @@ def test_summary_names_the_evidence_and_the_training_remedies(diverging):
     assert "keep_fp32(" not in f.message
 
 
-def test_growth_is_read_over_the_steps_sampled_when_the_window_holds_too_few(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def sampled_diverging(tmp_path_factory):
+    """The diverging job in sentinel mode, sampled every third step."""
+    from recorders.schedule import RecordSchedule
+    return load_run(runs.record_gpt(tmp_path_factory.mktemp("runs") / "sampled", amp=True, recorder_options={
+        "mode": "sentinel", "schedule": RecordSchedule(cheap_every=3, full_every=0)}))
+
+
+def test_growth_is_read_over_the_steps_sampled_when_the_window_holds_too_few(sampled_diverging, monkeypatch):
     """A sentinel run samples one step in `cheap_every`: a window of the last
     WINDOW steps holds one sampled step or none. Here the same diverging job
     sampled every third step (rows at 0, 3, 6 and at the re-executed
@@ -60,9 +68,7 @@ def test_growth_is_read_over_the_steps_sampled_when_the_window_holds_too_few(tmp
     sampled step, 6): growth is read from the first of the last four steps
     with rows."""
     from amp_postmortem.analyses import instability
-    from recorders.schedule import RecordSchedule
-    run = load_run(runs.record_gpt(tmp_path / "sampled", amp=True, recorder_options={
-        "mode": "sentinel", "schedule": RecordSchedule(cheap_every=3, full_every=0)}))
+    run = sampled_diverging
     sampled = [s for s in sorted(set(run.steps.query("tensor_rows > 0")["step"])) if s < 8]
     assert {0, 3, 6} <= set(sampled) and not {4, 5, 7} & set(sampled)
     monkeypatch.setattr(instability, "WINDOW", 4)
@@ -73,6 +79,27 @@ def test_growth_is_read_over_the_steps_sampled_when_the_window_holds_too_few(tmp
     assert top["from_step"] == sampled[max(0, len(sampled) - 4)] < 4
     monkeypatch.setattr(instability, "MIN_GROWTH_STEPS", 1)  # the window's one sampled step alone: no growth
     assert not find_instability(run).unstable
+
+
+def test_replay_evidence_reads_the_recorded_steps_before_the_failure(sampled_diverging, monkeypatch):
+    """The float64 replay's "growing values" hint compares with the last
+    WINDOW steps that have rows, not the last WINDOW step numbers (one
+    sampled step or none in a sentinel run): with a window of four, the
+    value it grew from is the first of the four sampled steps before step
+    8, not step 6, the one sampled step among 4-7."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from amp_postmortem.analyses import instability
+    run = sampled_diverging
+    before = [s for s in sorted(set(run.steps.query("tensor_rows > 0")["step"])) if s < 8]
+    monkeypatch.setattr(instability, "WINDOW", 4)
+    reference = SimpleNamespace(calls={0: SimpleNamespace(name="proj", outputs=[torch.full((2,), 1e6)])})
+    said = instability.replay_evidence(run, reference, 8)
+    first = before[max(0, len(before) - 4)]
+    assert first < 4 and said is not None and f"at step {first} (growing values" in said
+    assert "proj reaches 1e+06 > 65504" in said
 
 
 def test_precision_jobs_are_not_instability():

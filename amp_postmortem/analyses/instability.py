@@ -153,6 +153,17 @@ def _growth_start(series: pd.DataFrame, lo: int, hi: int) -> int:
     return min(lo, int(recorded.iloc[-k])) if k else lo
 
 
+def _recorded_window_start(run: Run, step: int) -> int:
+    """The first of the last `WINDOW` steps with module rows before `step`
+    (`step - WINDOW` when none: the range is then empty anyway): a sentinel
+    run's last WINDOW step numbers hold one sampled step or none, too few
+    to see a value grow."""
+    recorded = recorded_steps(run.step_series().steps)
+    recorded = recorded[recorded < step]
+    return int(recorded.iloc[-WINDOW]) if len(recorded) >= WINDOW else (
+        int(recorded.iloc[0]) if len(recorded) else step - WINDOW)
+
+
 def _growth(run: Run, lo: int, hi: int) -> list:
     """Per (layer, activation | param): growth in bits from `lo` to `hi`,
     largest first; only layers still near their peak at the end."""
@@ -262,7 +273,7 @@ def replay_evidence(run: Run, reference, step: int) -> str | None:
     if worst <= schema.FP16_MAX or worst_name is None:
         return None
     rows = run.scan_tensors(["step", "name", "kind", "absmax"], kinds=["activation"],
-                            step_range=(step - WINDOW, step - 1), label="reading recorded ranges")
+                            step_range=(_recorded_window_start(run, step), step - 1), label="reading recorded ranges")
     rows = rows[(rows["name"] == worst_name) & (rows["absmax"] > 0)].sort_values("step")
     if rows.empty or float(rows["absmax"].iloc[-1]) >= worst:
         return None
