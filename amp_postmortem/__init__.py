@@ -464,16 +464,20 @@ def export_wandb(run, *, project: str | None = None, offline: bool = False, dire
 
 
 # ------------------------------------------------------------ recording
-def record(command, *, run=None, mode: str | None = None, include=(), exclude=(), options=None) -> int:
+def record(command, *, run=None, mode: str | None = None, include=(), exclude=(), options=None,
+           loss: str | None = None) -> int:
     """Run a training script with an `AmpRecorder` attached to the model,
     optimizer and GradScaler it builds (`amp-postmortem record -- python
     train.py ARGS`), no edit to it; the script's exit code. `command`:
     `["python", "train.py", *args]` (or `-m module`); `run`: the run
     directory (default `runs/<script>-<time>`); `mode`, `include`,
-    `exclude`, `options` (`{keyword: literal}`): `AmpRecorder`'s keywords.
-    See `record_script.py` and `recorders/attach.py`."""
+    `exclude`, `options` (`{keyword: literal}`): `AmpRecorder`'s keywords;
+    `loss`: the loss the loop computes outside the model (`criterion`, a
+    name at the script's top level, or `package.module:function`), its
+    `loss_fn`. See `record_script.py` and `recorders/attach.py`."""
     from .record_script import record as run_recorded
-    return run_recorded(command, run=run, mode=mode, include=include, exclude=exclude, options=options)
+    return run_recorded(command, run=run, mode=mode, include=include, exclude=exclude, options=options,
+                        loss=loss)
 
 
 # ----------------------------------------------------------------- helpers

@@ -38,23 +38,46 @@ class RecordError(PostmortemError):
     """A command `record` cannot run, or an option it cannot pass on."""
 
 
-def record(command, *, run=None, mode: str | None = None, include=(), exclude=(), options=None) -> int:
+def record(command, *, run=None, mode: str | None = None, include=(), exclude=(), options=None,
+           loss: str | None = None) -> int:
     """Run `command` (`["python", "train.py", ...]`, `["python", "-m",
     "pkg.train", ...]` or `["train.py", ...]`) with an `AmpRecorder`
     attached to what it builds, recording into `run` (default
     `runs/<script>-<YYYYmmdd-HHMMSS>`); its exit code. `mode`, `include`,
     `exclude` and `options` (`{keyword: value}`, Python literals) are
     `AmpRecorder`'s keywords; `mode` None leaves `$AMP_POSTMORTEM_MODE`,
-    else "sentinel". A bad option is refused before the script runs (exit
-    code 2, one `Error:` line from the child)."""
+    else "sentinel". `loss`: the loss the loop computes outside the model,
+    `AmpRecorder`'s `loss_fn` (`loss_spec`), found when the recorder
+    attaches (`recorders/attach.py`). A bad option is refused before the
+    script runs (exit code 2, one `Error:` line from the child)."""
     flags, target = script_target(list(command))
+    if loss is not None:
+        loss_spec(loss)
     recorder_options = dict(options or {})
     for name, value in (("mode", mode), ("include", tuple(include)), ("exclude", tuple(exclude))):
         if value:
             recorder_options[name] = value
     config = json.dumps({"run": str(run if run is not None else default_run(target)),
-                         "options": {k: literal(k, v) for k, v in recorder_options.items()}})
+                         "options": {k: literal(k, v) for k, v in recorder_options.items()},
+                         **({"loss": loss} if loss is not None else {})})
     return run_child([sys.executable, *flags, "-m", "recorders.attach", config, *target])
+
+
+_NAME = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
+LOSS_SPEC = re.compile(rf"({_NAME}:)?{_NAME}$")
+
+
+def loss_spec(text: str) -> tuple[str | None, str]:
+    """`--loss`: (module or None, attribute path). `criterion` (or
+    `losses.criterion`) names an object at the script's top level, looked up
+    when the recorder attaches; `package.module:function` one of an
+    importable module. The script's own names only: no file path (the
+    script is already running, and importing it again would run it twice)."""
+    if not LOSS_SPEC.match(text) or text.partition(":")[0].endswith(".py") and ":" in text:
+        raise RecordError(f"--loss {text!r}: a name at the script's top level (criterion) or "
+                          f"package.module:function")
+    module, _, attr = text.rpartition(":")
+    return module or None, attr
 
 
 def script_target(command: list[str]) -> tuple[list[str], list[str]]:

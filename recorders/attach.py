@@ -20,6 +20,11 @@ How the objects are found:
   the Trainer's constructor adds the framework's callback; the plain-loop
   search is then off.
 One line on stderr says what was attached, or why nothing was.
+
+`record --loss NAME` (a loop whose loss is computed outside the model):
+the object NAME at the script's top level (or `package.module:function`)
+when the recorder is built is its `loss_fn` (`recorder_options`); one more
+line says what was found, or why the run has no loss window.
 """
 from __future__ import annotations
 
@@ -57,10 +62,11 @@ class ScriptRecording:
     import patches, the step wrapper) and the recorders it starts; `close()`
     closes the recorders and undoes the rest."""
 
-    def __init__(self, run_dir, options: dict, *, report=say):
+    def __init__(self, run_dir, options: dict, *, report=say, loss: str | None = None):
         self.run_dir = str(run_dir)
         self.options = dict(options)
         self.report = report
+        self.loss = loss  # `record --loss`: found when the recorder attaches (`recorder_options`)
         self.recorders: list[AmpRecorder] = []
         self.framework: str | None = None  # the Trainer that owns the loop, once one is built
         self.outcome: str | None = None    # "recording" or "refused", once decided
@@ -127,7 +133,7 @@ class ScriptRecording:
         try:
             objects = self._choose()
             recorder = AmpRecorder(self.run_dir, objects.model, optimizer=objects.optimizer,
-                                   scaler=objects.scaler, **self.options)
+                                   scaler=objects.scaler, **self.recorder_options())
         except AttachRefused as exc:
             self.refuse(str(exc))
             return
@@ -136,6 +142,20 @@ class ScriptRecording:
             return
         where = self._close_steps(recorder, objects)
         self.started(recorder, objects.describe(), where)
+
+    def recorder_options(self) -> dict:
+        """The recorder's keywords: the options, and `loss_fn` when `--loss`
+        names an object that exists now (one line says what was found, or
+        why the run records no loss window)."""
+        if self.loss is None or "loss_fn" in self.options:
+            return self.options
+        fn, why = find_loss(self.loss)
+        if fn is None:
+            self.report(f"--loss {self.loss}: {why}; recording without the loss window (name the loss at "
+                        f"the script's top level, or pass loss_fn to AmpRecorder in the script)")
+            return self.options
+        self.report(f"loss {self.loss}: {describe_loss(fn)}, kept in a window of steps (loss_fn)")
+        return dict(self.options, loss_fn=fn)
 
     def _choose(self):
         # Collected first: a model or optimizer that is garbage in a
@@ -254,6 +274,38 @@ class PatchingLoader(importlib.abc.Loader):
         return getattr(self.loader, name)
 
 
+# ------------------------------------------------------------------ --loss
+def find_loss(spec: str):
+    """(the object `record --loss` names, None) or (None, why not).
+    `criterion` or `a.b`: the running script's top level (`__main__`, what
+    it has defined when the recorder attaches); `package.module:function`:
+    that module, imported as the script would import it. Both are the
+    user's own command line, never a run's data."""
+    module_name, _, path = spec.rpartition(":")
+    if module_name:
+        try:
+            obj = importlib.import_module(module_name)
+        except ImportError as exc:
+            return None, f"cannot import {module_name} ({exc})"
+    else:
+        obj = sys.modules.get("__main__")
+    for i, part in enumerate(path.split(".")):
+        if not hasattr(obj, part):
+            where = f"module {module_name}" if module_name else "the script's top level"
+            return None, (f"no {'.'.join(path.split('.')[:i + 1])} in {where} when the recorder attached"
+                          + ("" if module_name else " (a function's local cannot be named)"))
+        obj = getattr(obj, part)
+    if not callable(obj):
+        return None, f"{path} is a {type(obj).__name__}, not a loss function or module"
+    return obj, None
+
+
+def describe_loss(fn) -> str:
+    if isinstance(fn, torch.nn.Module):
+        return f"the module {type(fn).__name__}"
+    return f"the function {getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
+
+
 # --------------------------------------------------------------- the process
 def option_problem(options: dict) -> str | None:
     """Why `options` are no `AmpRecorder` keywords with valid values (one
@@ -293,8 +345,8 @@ def _exit_on_sigterm() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m recorders.attach CONFIG TARGET...`: CONFIG is JSON
-    `{"run": DIR, "options": {KEY: repr(VALUE)}}`, TARGET `script ARGS` or
-    `-m module ARGS`."""
+    `{"run": DIR, "options": {KEY: repr(VALUE)}, "loss": SPEC (optional)}`,
+    TARGET `script ARGS` or `-m module ARGS`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     config, target = json.loads(argv[0]), argv[1:]
     options = {key: ast.literal_eval(text) for key, text in config["options"].items()}
@@ -306,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"Error: {problem}", file=sys.stderr, flush=True)
         return 2
-    session = ScriptRecording(config["run"], options)
+    session = ScriptRecording(config["run"], options, loss=config.get("loss"))
     session.install()
     _exit_on_sigterm()
     try:

@@ -129,6 +129,44 @@ print("fitted")
 """
 
 
+# The loss outside the model (`loss = criterion(model(x), y)`), a forward
+# that float16 cannot hold at step 6 (inputs 1e6x): the failure a window
+# re-runs in float32.
+OUTSIDE_LOSS = """
+import sys
+import torch
+from torch import nn
+
+criterion = nn.MSELoss()
+
+
+def mse(pred, target):
+    return nn.functional.mse_loss(pred, target)
+
+
+def main(loss):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for step in range(10):
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        if step == 6:
+            x = x * 1e6
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+            value = criterion(out, y) if loss == "criterion" else mse(out, y)
+        scaler.scale(value).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    print("trained")
+
+
+main(sys.argv[1])
+"""
+
+
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("AMP_POSTMORTEM_MODE", None)
@@ -212,6 +250,37 @@ def test_lightning_trainer(tmp_path):
     assert (facts["status"], facts["steps"], facts["model_class"]) == ("closed", 3, "__main__.Regression")
 
 
+@pytest.mark.parametrize("spec, loop, name, seen", [
+    ("criterion", "criterion", "torch.nn.modules.loss.MSELoss", "the module MSELoss"),
+    ("mse", "function", "__main__.mse", "the function mse"),
+])
+def test_a_loss_outside_the_model_is_named_on_the_command_line(tmp_path, spec, loop, name, seen):
+    """`record --loss NAME`: the script's own loss, found at its top level
+    when the recorder attaches, is the recorder's `loss_fn` (no edit to the
+    script): the failure's window keeps the loss calls, so the float32
+    re-run has its loss."""
+    code, stdout, stderr = record(tmp_path, OUTSIDE_LOSS, loop,
+                                  record_options=("--run", "r", "--loss", spec, "--mode", "every_step"))
+    assert (code, stdout) == (0, "trained\n"), stderr
+    lines = said(stderr)
+    assert lines[0] == f"loss {spec}: {seen}, kept in a window of steps (loss_fn)", lines
+    assert lines[1].startswith("recording r: model Sequential")
+    (window,) = (tmp_path / "r" / "windows").glob("step=*/rank=0/window.json")
+    meta = json.loads(window.read_text())
+    assert meta["trigger_step"] == 6 and meta["loss"]["name"] == name and meta["loss"]["kept"] > 0
+
+
+def test_a_loss_it_cannot_find_is_one_line_and_the_script_is_recorded_without_it(tmp_path):
+    code, stdout, stderr = record(tmp_path, OUTSIDE_LOSS, "criterion", record_options=("--run", "r", "--loss",
+                                                                                       "criterion.typo"))
+    assert (code, stdout) == (0, "trained\n"), stderr
+    lines = said(stderr)
+    assert lines[0] == ("--loss criterion.typo: no criterion.typo in the script's top level when the recorder "
+                        "attached (a function's local cannot be named); recording without the loss window (name "
+                        "the loss at the script's top level, or pass loss_fn to AmpRecorder in the script)")
+    assert lines[1].startswith("recording r: ") and not (tmp_path / "r" / "windows").exists()
+
+
 @pytest.mark.parametrize("record_options, command, error", [
     ((), ("python", "missing.py"), "Error: script not found: missing.py"),
     ((), ("torchrun", "train.py"), "Error: 'torchrun' is not a Python script or interpreter: record runs Python "
@@ -220,6 +289,9 @@ def test_lightning_trainer(tmp_path):
                                        "(switches -B, -E, -O, -OO, -W, -X, -q, -s, -u)"),
     (("--option", "window_steps"), ("python", "train.py"),
      "Error: --option 'window_steps' is not KEY=VALUE (e.g. --option window_steps=16)"),
+    (("--loss", "train.py:criterion"), ("python", "train.py"),
+     "Error: --loss 'train.py:criterion': a name at the script's top level (criterion) or "
+     "package.module:function"),
 ])
 def test_a_command_it_cannot_run_is_one_error_line_and_exit_2(tmp_path, record_options, command, error):
     (tmp_path / "train.py").write_text("print('ran')\n")

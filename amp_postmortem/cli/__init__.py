@@ -289,6 +289,10 @@ def _recorder_options(ctx, param, value):
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE", callback=_recorder_options,
               help="Any other AmpRecorder keyword, VALUE a Python literal (repeatable): "
                    "--option window_steps=16 --option full_every=10.")
+@click.option("--loss", default=None, metavar="NAME",
+              help="The loss the loop computes outside the model (loss = NAME(model(x), y)): a name at the "
+                   "script's top level, or package.module:function; recorded as AmpRecorder's loss_fn "
+                   "(a 16-step window: summary and recommend can then re-run the failure in float32).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(**options):
     """Run a training script with the recorder attached, no edit to it:
@@ -301,6 +305,7 @@ def record(**options):
     \b
         amp-postmortem record -- python train.py --lr 3e-4
         amp-postmortem record --run runs/exp1 --mode every_step -- python -m mypkg.train
+        amp-postmortem record --loss criterion -- python train.py
     """
     click.get_current_context().exit(api.record(**options))
 

@@ -67,7 +67,7 @@ def hf_callback(session):
             session.started(self.recorder, describe(model, inner, getattr(optimizer, "scaler", None)),
                             "at the Trainer's on_optimizer_step")
 
-    return RecordCallback(session.run_dir, **session.options)
+    return RecordCallback(session.run_dir, **session.recorder_options())
 
 
 def lightning_callback(session):
@@ -86,4 +86,4 @@ def lightning_callback(session):
                             describe(pl_module, optimizers[0], getattr(trainer.precision_plugin, "scaler", None)),
                             "at on_train_batch_end once the global step moved")
 
-    return RecordCallback(session.run_dir, **session.options)
+    return RecordCallback(session.run_dir, **session.recorder_options())
