@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 
 import pandas as pd
 import pytest
@@ -116,13 +115,14 @@ def _train(layout, rank, run=None):
     return losses, norms, weights
 
 
-def _worker(rank, world, root, port):
+def _worker(rank, world, root, store):
     import torch.distributed as dist
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     os.environ.pop("AMP_POSTMORTEM_RUN_ID", None)
     os.environ.pop("TORCHELASTIC_RUN_ID", None)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file rendezvous, not a TCP port picked free and then bound by the
+    # ranks: another test's server (xdist's other worker) could take it in
+    # between.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     out = {}
     for layout in LAYOUTS:
         plain_losses, plain_norms, plain_weights = _train(layout, rank)
@@ -265,10 +265,8 @@ def distributed_runs(tmp_path_factory):
     """One spawn of 2 gloo ranks training every distributed layout."""
     import torch.multiprocessing as mp
     root = tmp_path_factory.mktemp("distributed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, str(root), port), nprocs=2, join=True)
+    store = tmp_path_factory.mktemp("rendezvous") / "store"
+    mp.spawn(_worker, args=(2, str(root), str(store)), nprocs=2, join=True)
     results = [json.loads((root / f"result-{r}.json").read_text()) for r in (0, 1)]
     return root, results
 

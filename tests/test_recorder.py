@@ -293,25 +293,20 @@ def test_sigkill_leaves_every_completed_shard_readable(tmp_path):
     assert not list(run.rglob("*.parquet.tmp")) or all(p.name.startswith(".") for p in run.rglob("*.tmp"))
 
 
-def _ddp_worker(rank, world, run, port):
+def _ddp_worker(rank, world, run, store):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file rendezvous: no free port to race another test for.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
     train(DDP(TinyNet()), batches(3, seed=rank), recorder=recorder_at(run, run_id="ddp-test"))
     dist.destroy_process_group()
 
 
 def test_ddp_with_two_ranks_writes_one_partition_per_rank(tmp_path):
-    import socket
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     run = tmp_path / "run"
-    mp.spawn(_ddp_worker, args=(2, str(run), port), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, str(run), str(tmp_path / "store")), nprocs=2, join=True)
     for rank in (0, 1):
         steps = read(run, "steps", rank)
         assert steps["rank"].unique().tolist() == [rank]
