@@ -103,8 +103,8 @@ def undetermined(run, failure_step: int | None, *, rank: int | None = None, mode
                        f"`amp-postmortem summary {target} --model {model_words}`, or by {compare}")
         else:
             command = (f"recording again with AmpRecorder(..., window_steps={DEFAULT_WINDOW_STEPS}) (a loop that "
-                       f"computes its loss outside the model: AmpRecorder(..., loss_fn=criterion), which keeps "
-                       f"the targets too) and running `amp-postmortem summary {target} --model {model_words}`, "
+                       f"computes its loss outside the model: AmpRecorder(..., loss_fn=criterion), or `amp-postmortem "
+                       f"record --loss criterion -- python train.py`, which keep the targets too) and running `amp-postmortem summary {target} --model {model_words}`, "
                        f"or by {compare}")
         return PrecisionVerdict(Verdict.UNDETERMINED, Basis.NO_WINDOW, failure_step, command=command, why=why)
     first, last = span["first_step"], span["last_step"]
