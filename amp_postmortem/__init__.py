@@ -85,15 +85,18 @@ def summary(run, *, rank: int | None = None, window: int = 1000, engine: str = "
     (`whatif/flush.py`: `step`'s bundle, else the one `replay` takes).
     Without it nothing is replayed, the verdict is undetermined, no remedy
     verified, and such zeros stay undetermined."""
-    from .analyses.summary import summarize
+    from .analyses.summary import summary_parts
     r = load_run(_replayable(run, model), rank=rank, engine=engine, scheduler=scheduler, progress=progress)
     with _engine_of(r):
         spec = model if isinstance(model, str) else None
-        report = summarize(r, window=window, model_spec=spec)
+        parts = summary_parts(r, window=window, model_spec=spec)
+        report = parts.summary()
         if model is not None and _zeros_undetermined(report):
             replayed = _replay_zeros(r, model, step, rank, device, policy, loss_fn, report)
             if replayed is not None:
-                report = summarize(r, window=window, model_spec=spec, replayed_zeros=replayed)
+                # The underflow findings again, with the replay's zeros: the
+                # other analyses are read once.
+                report = parts.summary(replayed)
         failing = next((f for f in report.findings if f.kind == "nonfinite"), None)
         if failing is not None:
             origin = (failing.evidence.get("origin") or {})

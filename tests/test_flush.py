@@ -100,13 +100,20 @@ def test_a_grad_scaler_leaves_only_structural_zeros():
     assert truth[name][1] > 0.5 and abs(z.layers[name].structural_share - truth[name][1]) < 0.05
 
 
-def test_summary_reads_the_zeros_from_a_replay_where_the_rows_cannot(unscaled_truth):
+def test_summary_reads_the_zeros_from_a_replay_where_the_rows_cannot(unscaled_truth, monkeypatch):
+    from amp_postmortem.analyses import summary as summary_module
     path = str(runs.unscaled_bundle_run())
     alone = next(f for f in ap.summary(path).findings if f.kind == "unscaled_fp16_backward")
     assert alone.evidence["zeros_basis"] == "undetermined" and alone.evidence["replayed_zeros"] is None
     assert "undetermined" in alone.message and "--model SPEC" in alone.message
+    # With the replay's zeros only the underflow findings are made again:
+    # the run's other analyses are read once.
+    reads = []
+    counted = summary_module.find_nans
+    monkeypatch.setattr(summary_module, "find_nans", lambda run: reads.append(1) or counted(run))
     told = next(f for f in ap.summary(path, model=runs.bert_classifier).findings
                 if f.kind == "unscaled_fp16_backward")
+    assert len(reads) == 1
     assert told.evidence["zeros_basis"] in ("replay", "recorded")
     assert told.evidence["replayed_zeros"]["step"] == runs.BUNDLE_STEP
     # The headline and the layers named first lose the most signal by the truth.

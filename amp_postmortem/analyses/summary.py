@@ -236,6 +236,53 @@ def summarize(run: Run, *, window: int | None = None, model_spec: str | None = N
     Each `_*_finding` decides on the analyses' typed results whether its
     finding applies; the words of every finding are made in one place
     below (`# words`)."""
+    return summary_parts(run, window=window, model_spec=model_spec).summary(replayed_zeros)
+
+
+@dataclass
+class SummaryParts:
+    """What `summarize` reads of a run, once: the API builds the summary
+    from it again with a replay's zeros (`summary(replayed_zeros)`) without
+    reading the run's other analyses a second time."""
+    run: Run
+    ranges: object
+    target: str
+    model_spec: str | None
+    nans: object
+    scale: object
+    per_step: pd.DataFrame
+    skipped: set
+    verdict: object
+    reductions: object
+    before: list      # the findings before the underflow ones, as `summarize` orders them
+    after: list       # the findings after them
+    saved: tuple      # (bundles, windows, choice)
+
+    def summary(self, replayed_zeros=None) -> Summary:
+        run, target, model_spec = self.run, self.target, self.model_spec
+        found = [*self.before, *_underflow_findings(run, self.ranges, target, replayed_zeros), *self.after]
+        findings: list[Finding] = [f for f in found if f is not None]
+        bundles, windows, choice = self.saved
+        replay = replay_command(target, choice, model_spec)
+        findings = [_with_replay(f, bundles, target, model_spec) for f in findings]
+        if all(f.severity == "info" for f in findings):  # a lapsed underflow is no ailment
+            findings.append(Finding("healthy", "info", run.last_step, None, _healthy_words(self.scale),
+                                    f"amp-postmortem ranges {target}", {"scale_status": self.scale.status.value}))
+
+        # Most severe first; among equals the cause before its consequences
+        # (a NaN forward before the backoffs it triggers), then by step.
+        findings.sort(key=_finding_order)
+        facts = _facts(run, self.nans, self.scale, self.skipped)
+        facts.update(_program_facts(self.reductions))
+        failure = next((f for f in findings if f.severity == "critical" and f.step is not None), None)
+        facts.update(_losses(self.per_step, failure.step if failure else None))
+        return Summary(run=facts, findings=findings, precision_verdict=self.verdict, bundles=bundles,
+                       windows=windows, bundle_choice=choice, replay_command=replay)
+
+
+def summary_parts(run: Run, *, window: int | None = None, model_spec: str | None = None) -> SummaryParts:
+    """The analyses `summarize` reads, every finding but the underflow ones
+    (which a replay's zeros may decide: `SummaryParts.summary`)."""
     nans = find_nans(run)
     scale = scale_dynamics(run)
     ranges = layer_ranges(run, window=WINDOW if window is None else window)
@@ -246,34 +293,18 @@ def summarize(run: Run, *, window: int | None = None, model_spec: str | None = N
     verdict = undetermined(run, unstable.failure_step) if unstable.failure_step is not None else None
     disabled = _disabled_ranks(run)
     reductions = find_fp16_reductions(run)
-    found = [_nonfinite_finding(nans, applied_nonfinite_steps(run), target),
-             instability_finding(unstable, verdict, target) if unstable.unstable else None,
-             _scale_finding(scale, target),
-             *_underflow_findings(run, ranges, target, replayed_zeros),
-             _overflow_risk_finding(run, ranges, target),
+    before = [_nonfinite_finding(nans, applied_nonfinite_steps(run), target),
+              instability_finding(unstable, verdict, target) if unstable.unstable else None,
+              _scale_finding(scale, target)]
+    after = [_overflow_risk_finding(run, ranges, target),
              _dtype_policy_finding(run),
              _loss_scaling_finding(run),
              *_fp16_reduction_findings(reductions),
              _lost_updates_finding(run, target),
              _disabled_finding(run, disabled),
              _not_closed_finding(run, disabled)]
-    findings: list[Finding] = [f for f in found if f is not None]
-    bundles, windows, choice = _saved(run)
-    replay = replay_command(target, choice, model_spec)
-    findings = [_with_replay(f, bundles, target, model_spec) for f in findings]
-    if all(f.severity == "info" for f in findings):  # a lapsed underflow is no ailment
-        findings.append(Finding("healthy", "info", run.last_step, None, _healthy_words(scale),
-                                f"amp-postmortem ranges {target}", {"scale_status": scale.status.value}))
-
-    # Most severe first; among equals the cause before its consequences
-    # (a NaN forward before the backoffs it triggers), then by step.
-    findings.sort(key=_finding_order)
-    facts = _facts(run, nans, scale, skipped)
-    facts.update(_program_facts(reductions))
-    failure = next((f for f in findings if f.severity == "critical" and f.step is not None), None)
-    facts.update(_losses(per_step, failure.step if failure else None))
-    return Summary(run=facts, findings=findings, precision_verdict=verdict, bundles=bundles,
-                   windows=windows, bundle_choice=choice, replay_command=replay)
+    return SummaryParts(run, ranges, target, model_spec, nans, scale, per_step, skipped, verdict, reductions,
+                        before, after, _saved(run))
 
 
 def _nonfinite_finding(nans, applied_bad: list, target: str) -> Finding | None:
