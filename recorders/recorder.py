@@ -174,7 +174,7 @@ class AmpRecorder:
         if policy is not None:
             self.sentinel = StepSentinel(policy, Reexecutor(model, self.hooks, self.bundles, refuse=refuse,
                                                             eager_when_compiled=self.stance.eager_full_steps),
-                                         scaler=scaler, optimizer=optimizer, losses=self.losses,
+                                         scaler=scaler, optimizer=optimizer, losses=self.losses, rows=self.rows,
                                          scale_floor=parts.bundle_policy.min_loss_scale)
         if self.stance.compiled:
             self.manifest.set_compiled(self.stance.info())

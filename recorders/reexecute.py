@@ -29,11 +29,19 @@ What is held, and so what can be re-executed:
   step of such a job, one set of the parameters, a second while the writer
   decides); without them the step is refused (`Refusal.WEIGHTS_NOT_HELD`);
 - a device job's loss and gradient counts are device values that
-  `rec.step()` never reads (that would synchronise): there only a skipped
-  step (a host value; its scaler synchronised already, so its loss is read
-  too) asks for a re-execution; an event the step facts show on
-  the writer thread (a bf16 job's NaN loss) has the schedule record the
-  next step in full instead (`RecordSchedule.note_event`);
+  `rec.step()` never reads (that would synchronise). With a scaler, a
+  skipped step (a host value: its scaler synchronised already, so its loss
+  is read too) is re-executed at once. Without one (a bf16 job), each
+  step's row waits one step (`StepSentinel.hand_over`): at the next
+  `rec.step()` its facts' asynchronous copy is on the host (its CUDA event
+  done: no wait) and is judged as a CPU step's facts are, the step
+  re-executed from the weights held before its update (`snapshot_params`
+  keeps two sets: the step's and the next one's). A device more than a
+  step behind leaves the row undecided (`StepSentinel.undecided`); the
+  writer thread's look at its facts still has the schedule record the
+  next step in full (`RecordSchedule.note_event`). A scaled job's finite
+  events on a device (a spike, a NaN loss with finite gradients) are not
+  re-executed;
 - DDP and FSDP: never in the job (its backward would issue collectives the
   other ranks do not join): the saved bundle and the offline `replay` stand
   for it (`Refusal.DISTRIBUTED`);
@@ -170,6 +178,16 @@ class Outcome:
 
 
 _NO_EVENT = Decision()  # never changed: the answer of most steps, made once
+
+
+class _Deferred:
+    """A step whose facts were device values: what packing its row again
+    with a re-execution takes (`StepSentinel.hand_over`)."""
+
+    __slots__ = ("state", "loss_t", "compiled", "pending")
+
+    def __init__(self, state, loss_t, compiled):
+        self.state, self.loss_t, self.compiled, self.pending = state, loss_t, compiled, None
 
 
 class ReexecuteTrigger:
@@ -452,13 +470,20 @@ class StepSentinel:
     re-execution's forward handed the loss tap."""
 
     def __init__(self, policy: ReexecutePolicy, reexecutor: Reexecutor, *, scaler, optimizer, losses,
-                 scale_floor: float | None = None):
+                 scale_floor: float | None = None, rows=None):
         self.trigger = ReexecuteTrigger(policy)
         self.reexecutor = reexecutor
         self.scaler = scaler if scaler_enabled(scaler) else None
         self.has_scaler = self.scaler is not None and optimizer is not None
         self.losses = losses
         self.scale_floor = scale_floor
+        # A job without a scaler whose facts are device values: each such
+        # step's row waits one step (`hand_over`), until its facts' copy is
+        # on the host, and is then judged as a CPU step's is at once.
+        self.rows = rows  # the recorder's `StepRows` (None: nothing waits)
+        self._deferring: _Deferred | None = None  # the step `close_step` just left undecided
+        self._waiting: _Deferred | None = None    # the one whose row waits
+        self.undecided = 0  # rows handed on undecided: their copy was not on the host a step later
 
     @property
     def capped(self) -> int:
@@ -469,6 +494,7 @@ class StepSentinel:
         the cap says no; whether the step is clean). `scale_before`: the loss
         scale the step's backward used (a device tensor, or a float: the
         host value `StepRows` read, or a scaler's initial scale)."""
+        self._deferring = None  # set below for this step only: never a stale one for `hand_over`
         if finished.record:
             return None, False  # sampled: its rows are there
         scale = scale_before if isinstance(scale_before, torch.Tensor) or (
@@ -477,6 +503,8 @@ class StepSentinel:
                    and (finished.micro_batches or finished.backward_passes) > 0)
         facts = host_facts(finished, loss_t, skipped=skipped, scale=scale)
         if facts is None:
+            if self.rows is not None and self.scaler is None:
+                self._deferring = _Deferred(finished, loss_t, compiled)
             return None, False
         decision = self.trigger.decide(facts)
         if decision.kind is None or decision.capped:
@@ -484,6 +512,68 @@ class StepSentinel:
         outcome = self.reexecutor.run(finished.step_id, decision.kind, scale=scale, compiled=compiled)
         self.losses.take()  # what the re-execution's forward handed the loss tap
         return outcome, False
+
+    def hand_over(self, pending) -> list:
+        """The rows to hand to the writer now, in step order, for the
+        packed row `pending` of the step just closed: the waiting step's
+        (judged on its facts, now host values, and re-executed when they
+        show an event), then `pending` unless it waits in turn (a step
+        `close_step` left undecided). Training thread, `rec.step()`."""
+        out = []
+        if self._waiting is not None:
+            waited, self._waiting = self._waiting, None
+            out.append(self._settle(waited, wait=False))
+        deferred, self._deferring = self._deferring, None
+        if deferred is not None:  # `pending` is that step's row: packed after `close_step` left it undecided
+            deferred.pending = pending
+            self._waiting = deferred
+        else:
+            out.append(pending)
+        return out
+
+    @property
+    def waits(self) -> bool:
+        """A step's row waits, or the step just closed will (`hand_over`)."""
+        return self._waiting is not None or self._deferring is not None
+
+    def release(self, judge: bool = True) -> list:
+        """The waiting step's row (`flush()`, `close()`): judged, its copy
+        waited for; with `judge` False (recording is off) as packed."""
+        waited, self._waiting = self._waiting, None
+        if waited is None:
+            return []
+        return [self._settle(waited, wait=True) if judge else waited.pending]
+
+    def _settle(self, d: "_Deferred", *, wait: bool):
+        """`d`'s row: as packed, or packed again with the re-execution its
+        facts asked for (the rows of that step, in full, checked against
+        its facts, as a CPU job's step has them at its own `rec.step()`)."""
+        p = d.pending
+        if p.event is not None:
+            if wait:
+                p.event.synchronize()
+            elif not p.event.query():
+                self.undecided += 1  # the device is more than a step behind: not read (no sync)
+                return p
+        scalars = self.rows.scalars(p)
+        sq, count, loss = scalars.get("grad_sqsum"), scalars.get("grad_nonfinite"), scalars.get("loss")
+        facts = StepFacts(p.step, loss=float(loss) if loss is not None else None,
+                          grad_norm=None if sq is None else math.sqrt(sq) if sq >= 0 else math.nan,
+                          nonfinite_grads=int(count) if count is not None else None)
+        decision = self.trigger.decide(facts)
+        if decision.kind is None:
+            self.reexecutor.bundles.judged_clean(p.step)  # its weight copy serves the next step
+        if decision.kind is None or decision.capped:
+            return p
+        outcome = self.reexecutor.run(p.step, decision.kind, scale=None, compiled=d.compiled)
+        self.losses.take()  # what the re-execution's forward handed the loss tap
+        again = self.rows.pack(d.state, p.step, d.loss_t, d.loss_t, loss_dtype=p.loss_dtype,
+                               graph_slots=self.reexecutor.hooks.graph, reexecution=outcome)
+        # As the step was closed, not as it is now (a scheduler moved the lr since).
+        again.wall_time, again.lr, again.stepped = p.wall_time, p.lr, p.stepped
+        if "loss" in p.host_scalars:  # a host value (a float passed to rec.step()): as recorded
+            again.host_scalars["loss"] = p.host_scalars["loss"]
+        return again
 
     def _above_floor(self, before=None) -> bool:
         """The scaler's scale is at least `scale_floor` after the update.

@@ -95,6 +95,16 @@ class RunWriter:
             self.dropped_steps += 1
 
     def submit_step(self, pending, clean: bool) -> None:
+        sentinel = self.sentinel
+        if sentinel is not None and sentinel.waits:
+            # A step whose facts are device values waits a step for them
+            # (`StepSentinel.hand_over`); never a clean one.
+            for p in sentinel.hand_over(pending):
+                self._submit_step(p, clean and p is pending)
+            return
+        self._submit_step(pending, clean)
+
+    def _submit_step(self, pending, clean: bool) -> None:
         if not clean:
             self.submit(functools.partial(self.write_step, pending))
             return
@@ -118,10 +128,25 @@ class RunWriter:
         if batch and not self.thread.submit(functools.partial(self.write_steps, batch)):
             self.dropped_steps += len(batch)
 
+    def _release_waiting(self) -> None:
+        """The row of a step that waits for its device facts (`StepSentinel`),
+        judged now: flush and close wait for its copy. Once recording is
+        off (the guard), it goes as it was packed: nothing is re-executed."""
+        if self.sentinel is None or not self.sentinel.waits:
+            return
+        try:
+            waiting = self.sentinel.release(judge=self.guard.enabled)
+        except Exception as exc:  # noqa: BLE001 - recording off (the writer then skips its jobs), training on
+            self.guard.fail(exc)
+            return
+        for p in waiting:
+            self._submit_step(p, False)
+
     def flush(self) -> None:
         """`rec.flush()`: the held steps, then (with `on_event`) the callbacks
         of their events (at most `FLUSH_WAIT_S`: a hung callback never holds
         the training longer), then a shard and the manifest; blocks."""
+        self._release_waiting()
         self.release_held()
         if self.events is not None:
             self.thread.barrier()
@@ -134,6 +159,7 @@ class RunWriter:
         every rolled pair on disk (the writer skips its jobs once recording
         is off: a pair rolled before stays to be written)."""
         if self.thread.alive:
+            self._release_waiting()
             self.release_held()
         if self.events is not None:
             self.thread.barrier()

@@ -214,21 +214,16 @@ class StepRows:
         return p
 
     # -------------------------------------------------------- writer thread
-    def rows(self, p: PendingStep) -> tuple[dict, dict | None, dict]:
-        """(the steps-table row, the tensor columns or None, the step's
-        host-side summary: step, skipped, loss, loss_scale,
-        loss_scale_before, growth_tracker, nonfinite_rows, columns)."""
-        if p.event is not None:
-            p.event.synchronize()
-        values = p.packed.numpy() if p.packed is not None else np.empty(0)
-        n = len(p.meta)
-        if p.host_rows is not None:
-            rows = np.asarray(p.host_rows, dtype=np.float64).reshape(n, p.width) if n \
-                else np.empty((0, p.width))
-            offset = 0  # `packed` holds the device scalars only
-        else:
-            rows = values[: n * p.width].reshape(n, p.width) if n else np.empty((0, p.width))
-            offset = n * p.width
+    def scalars(self, p: PendingStep, values=None) -> dict:
+        """The step's scalar facts as host values (loss, loss scale, the
+        gradients' square sum and non-finite count, ...): the writer's, and
+        the sentinel's for a step whose facts were device values once their
+        copy reached the host (`p.event` done: no wait). `values`: the
+        packed copy as a numpy array, when read already."""
+        if values is None:
+            values = p.packed.numpy() if p.packed is not None else np.empty(0)
+        # `packed` holds the device scalars after the rows, if any are there.
+        offset = 0 if p.host_rows is not None else len(p.meta) * p.width
         scalars = {k: float(v) if isinstance(v, torch.Tensor) and v.dim() == 0 else v
                    for k, v in p.host_scalars.items()}
         for k, length in p.dev_scalar_keys:
@@ -247,6 +242,22 @@ class StepRows:
                 scalars[prefix + "grad_sqsum"], scalars[prefix + "grad_nonfinite"] = sq, count
                 if not prefix:
                     scalars["nonfinite_grad_positions"] = bad
+        return scalars
+
+    def rows(self, p: PendingStep) -> tuple[dict, dict | None, dict]:
+        """(the steps-table row, the tensor columns or None, the step's
+        host-side summary: step, skipped, loss, loss_scale,
+        loss_scale_before, growth_tracker, nonfinite_rows, columns)."""
+        if p.event is not None:
+            p.event.synchronize()
+        values = p.packed.numpy() if p.packed is not None else np.empty(0)
+        n = len(p.meta)
+        if p.host_rows is not None:
+            rows = np.asarray(p.host_rows, dtype=np.float64).reshape(n, p.width) if n \
+                else np.empty((0, p.width))
+        else:
+            rows = values[: n * p.width].reshape(n, p.width) if n else np.empty((0, p.width))
+        scalars = self.scalars(p, values)
         meta, micro_batches, autocast = p.meta, p.micro_batches, None
         if p.graph_slots is not None:
             block = values[len(values) - p.graph_size:]

@@ -162,6 +162,83 @@ def test_without_a_scaler_the_step_is_reexecuted_from_the_held_weights(tmp_path)
     assert _origins(tmp_path / "sentinel") == _origins(tmp_path / "every_step")
 
 
+def test_device_facts_are_judged_a_step_later_and_the_step_reexecuted(tmp_path, monkeypatch):
+    """A GPU job without a scaler: its loss and gradient counts are device
+    values `rec.step()` never reads. Here the CPU's host facts are withheld
+    (`host_facts` says None, as for device tensors): each step's row waits
+    one step, until its copy is on the host, and is judged then; the NaN
+    step is re-executed from the weights held before its update (the
+    optimizer has since stepped twice), exactly, and the answers are
+    every-step recording's. Training is untouched."""
+    from recorders import reexecute
+    monkeypatch.setattr(reexecute, "host_facts", lambda st, loss_t, *, skipped, scale=None: None)
+
+    def plant(step, model, x):
+        if step == 4:
+            x[0, 0, 0] = float("nan")
+    results = []
+    for mode in ("sentinel", "every_step"):
+        torch.manual_seed(0)
+        t = train(TinyNet(), batches(8), recorder=recorder_at(tmp_path / mode, mode=mode), on_step=plant,
+                  dtype=torch.bfloat16, scaler=None)
+        results.append(t.params)
+    assert all(torch.allclose(x, y, equal_nan=True, rtol=0, atol=0) for x, y in zip(*results))
+    entry = _manifest(tmp_path / "sentinel")["reexecutions"][0]
+    assert (entry["step"], entry["kind"], entry["check"]) == (4, "nonfinite_loss", "exact")
+    steps = ap.load_run(tmp_path / "sentinel").steps.set_index("step")
+    assert steps.loc[4, "reexecuted"] and steps.loc[4, "reexecution"] == "exact"
+    assert steps.index.tolist() == list(range(8))  # every row written, in order, the waiting one too
+    assert _origins(tmp_path / "sentinel") == _origins(tmp_path / "every_step")
+
+
+def test_a_step_judged_clean_a_step_later_gives_its_weight_copy_back_at_once(tmp_path, monkeypatch):
+    """Two sets of the weights are kept (`snapshot_params`): a step whose
+    row waited for its device facts and showed no event gives its set back
+    when judged, not when the writer thread's decision is applied, so the
+    next step's snapshot never waits on the writer (here its decisions are
+    never applied after the first, sampled, step)."""
+    from recorders import reexecute
+    monkeypatch.setattr(reexecute, "host_facts", lambda st, loss_t, *, skipped, scale=None: None)
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = AmpRecorder(tmp_path / "run", model, optimizer=opt, snapshot_params=True)
+    pool = rec.bundles._param_pool
+    held = []
+    for step, (x, y) in enumerate(batches(6)):
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        rec.step()
+        if step == 0:  # sampled, decided by the writer: let it go, then no decision again
+            rec.flush()
+            monkeypatch.setattr(rec.bundles, "_service", lambda: None)
+        held.append(pool.allocated - len(pool.free))
+    rec.close()
+    # The step just closed holds one set (the judged one gave its own back),
+    # and every step had one to take (else two held, the writer's decisions
+    # not applied, and a step without weights).
+    assert held[1:] == [1, 1, 1, 1, 1] and pool.allocated == 2
+
+
+def test_a_step_whose_copy_is_not_on_the_host_a_step_later_goes_undecided():
+    """The device more than a step behind: the waiting row is handed on as
+    packed (no wait, no re-execution), and counted."""
+    from recorders.reexecute import ReexecutePolicy, StepSentinel, _Deferred
+
+    class Pending:
+        def __init__(self, step, done):
+            self.step, self.event = step, type("Event", (), {"query": lambda self: done})()
+
+    sentinel = StepSentinel(ReexecutePolicy(), None, scaler=None, optimizer=None, losses=None, rows=object())
+    first, second = Pending(3, done=False), Pending(4, done=False)
+    sentinel._deferring = _Deferred(type("St", (), {"step_id": 3})(), None, False)
+    assert sentinel.hand_over(first) == [] and sentinel.waits
+    sentinel._deferring = _Deferred(type("St", (), {"step_id": 4})(), None, False)
+    assert sentinel.hand_over(second) == [first] and sentinel.undecided == 1
+    assert sentinel.release(judge=False) == [second] and not sentinel.waits
+
+
 def test_reexecutions_are_capped_on_a_diverging_job(tmp_path):
     def plant(step, model, x):
         x.mul_(1e6 if step >= 2 else 1.0)  # every step from 2 overflows

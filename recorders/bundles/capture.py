@@ -94,7 +94,10 @@ class BundleCapture:
         # The writer decides one step late, later when it lags (on a CPU job
         # it shares the cores with the training): hold undecided steps a
         # little longer there, where they live in host memory.
-        self._hold_limit = self.hold_steps + (8 if self._host_memory else 0)
+        # A device job without a scaler: a step's row waits one step for its
+        # facts (`reexecute.StepSentinel.hand_over`), so the writer's
+        # decision comes a step later: one step more.
+        self._hold_limit = self.hold_steps + (8 if self._host_memory else 0 if has_scaler else 1)
         self._buffer_pool = None
         if inv.buffers and inv.buffer_bytes() <= policy.snapshot_buffers_bytes:
             # One set per capture that can be held, plus the current one and
@@ -252,6 +255,18 @@ class BundleCapture:
         if cap is not None and cap.step == step:
             return cap
         return self._held.get(step)
+
+    def judged_clean(self, step: int) -> None:
+        """A held step whose device facts, judged a step late
+        (`reexecute.StepSentinel`), showed no event: its pooled weight copy
+        goes back now, for the next steps' snapshots, as a clean step's does
+        at its end (a later "yes" of the writer's copies the weights then,
+        and says so)."""
+        cap = self._held.get(step)
+        if cap is not None and cap.params_pooled and cap.params is not None and not cap.explicit \
+                and step not in self.steps:
+            self._param_pool.give(cap.params)
+            cap.params, cap.params_pooled = None, False
 
     def unchanged(self, cap) -> bool:
         """The weights are still those of `cap`'s forward (`_unchanged`)."""
