@@ -27,6 +27,12 @@ Peak GPU memory: each variant alone for a few steps after
 `torch.cuda.reset_peak_memory_stats()`; the recorder's share is the
 difference to the baseline.
 
+bf16 without a scaler (`bf16_deferred`): the GPT trained in bfloat16, no
+GradScaler, a NaN planted in the logits of one step: every `rec.step()`
+but the one that judges it (a step later, where the re-execution may
+synchronise) under sync debug mode "error"; the NaN step must be
+re-executed in the job and reproduce (`StepSentinel.hand_over`).
+
 Launch-bound (`launch_bound` in the JSON): the deep, narrow model of
 `recorder_hot_path.py` (`common.deep_narrow`: 48 residual blocks of width
 16, 242 modules, batch 8, SGD, fp16 autocast + GradScaler), baseline and
@@ -123,6 +129,52 @@ class LaunchJob:
         if self.rec is not None:
             self.rec.step(loss)
         return loss
+
+
+def bf16_deferred_check(size, seed, run_dir, steps: int = 8, nan_at: int = 4) -> dict:
+    """A bf16 job without a scaler (the GPT, AdamW): every `rec.step()`
+    but the one after the planted NaN (step `nan_at`, where the waiting
+    step's facts ask for a re-execution) runs under sync debug mode
+    "error"; the NaN step must be re-executed in the job, a step later,
+    and reproduce (`exact` or `close`: the re-execution runs the same
+    kernels). Counts the rows that went undecided (the device more than a
+    step behind: not read, no re-execution)."""
+    import json as _json
+
+    import torch
+    import torch.nn.functional as F
+    from recorders import AmpRecorder
+    torch.manual_seed(seed)
+    model = common.gpt_of(size).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rec = AmpRecorder(run_dir / "bf16-deferred", model, optimizer=opt)
+    raised = None
+    for step, batch in enumerate(_batches(steps, size, seed)):
+        debug = step != nan_at + 1  # the event step's re-execution may synchronise
+        try:
+            torch.cuda.set_sync_debug_mode("error" if debug else 0)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(batch[:, :-1])
+                if step == nan_at:
+                    logits = logits * float("nan")
+                loss = F.cross_entropy(logits.float().reshape(-1, size["vocab"]), batch[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec.step(loss)
+        except RuntimeError as exc:  # a synchronising call outside the recorder
+            raised = f"step {step}: {exc}"
+            break
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    enabled, undecided = rec.enabled, rec.sentinel.undecided if rec.sentinel is not None else None
+    rec.close()
+    manifest = _json.loads((run_dir / "bf16-deferred" / "rank=0" / "manifest.json").read_text())
+    entries = [e for e in manifest.get("reexecutions", []) if e.get("step") == nan_at]
+    check = entries[0].get("check") if entries else None
+    return {"nan_at": nan_at, "recorder_enabled": enabled, "raised": raised, "undecided_rows": undecided,
+            "reexecution_check": check, "disabled_reason": manifest.get("disabled_reason"),
+            "passed": enabled and raised is None and check in ("exact", "close")}
 
 
 def launch_bound(size, steps, warmup, seed, run_dir) -> dict:
@@ -275,6 +327,7 @@ def main(argv=None) -> int:
             if j.rec is not None:
                 j.rec.close()
                 result.setdefault("recorder_enabled_at_close", {})[j.variant] = j.rec.enabled
+        result["bf16_deferred"] = bf16_deferred_check(size, args.seed, Path(tmp))
         if args.launch_steps > 0:
             result["launch_bound"] = launch_bound(LAUNCH_SMOKE if args.smoke else LAUNCH_FULL, args.launch_steps,
                                                   args.warmup, args.seed, Path(tmp))
@@ -284,6 +337,10 @@ def main(argv=None) -> int:
              "sync_error_mode": result["sync_debug_error_mode"].get(v, {}).get("passed"),
              "peak_mib": result["memory"]["peak_allocated_mib"][v]} for v in VARIANTS]
     common.print_table(rows, ["variant", "median_ms", "ratio", "added_syncs", "sync_error_mode", "peak_mib"])
+    bf = result["bf16_deferred"]
+    print(f"\nbf16 without a scaler: NaN at step {bf['nan_at']} re-executed a step later: "
+          f"{bf['reexecution_check']}; undecided rows {bf['undecided_rows']}; passed {bf['passed']}",
+          file=sys.stderr)
     if "launch_bound" in result:
         lb = result["launch_bound"]
         print(f"\nlaunch-bound: {lb['watched_modules']} modules "
