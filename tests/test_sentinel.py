@@ -144,34 +144,19 @@ def test_a_batchnorm_cnn_is_reexecuted_with_its_running_statistics_restored(tmp_
     assert _origins(tmp_path / "sentinel")["forward"]["step"] == 5
 
 
-def test_without_a_scaler_the_step_is_reexecuted_from_the_held_weights(tmp_path):
+@pytest.mark.parametrize("facts", ["host", "device"])
+def test_without_a_scaler_the_step_is_reexecuted_from_the_held_weights(tmp_path, monkeypatch, facts):
     """No scaler: the optimizer applied the NaN before the event is known;
-    the re-execution runs on the weights held before the update."""
-    def plant(step, model, x):
-        if step == 4:
-            x[0, 0, 0] = float("nan")
-    results = []
-    for mode in ("sentinel", "every_step"):
-        torch.manual_seed(0)
-        t = train(TinyNet(), batches(8), recorder=recorder_at(tmp_path / mode, mode=mode), on_step=plant,
-                  dtype=torch.bfloat16, scaler=None)
-        results.append(t.params)
-    assert all(torch.allclose(x, y, equal_nan=True, rtol=0, atol=0) for x, y in zip(*results))
-    entry = _manifest(tmp_path / "sentinel")["reexecutions"][0]
-    assert (entry["step"], entry["kind"], entry["check"]) == (4, "nonfinite_loss", "exact")
-    assert _origins(tmp_path / "sentinel") == _origins(tmp_path / "every_step")
-
-
-def test_device_facts_are_judged_a_step_later_and_the_step_reexecuted(tmp_path, monkeypatch):
-    """A GPU job without a scaler: its loss and gradient counts are device
-    values `rec.step()` never reads. Here the CPU's host facts are withheld
+    the re-execution runs on the weights held before the update, exactly,
+    and the answers are every-step recording's; training is untouched.
+    `device`: a GPU job's loss and gradient counts are device values
+    `rec.step()` never reads; here the CPU's host facts are withheld
     (`host_facts` says None, as for device tensors): each step's row waits
-    one step, until its copy is on the host, and is judged then; the NaN
-    step is re-executed from the weights held before its update (the
-    optimizer has since stepped twice), exactly, and the answers are
-    every-step recording's. Training is untouched."""
-    from recorders import reexecute
-    monkeypatch.setattr(reexecute, "host_facts", lambda st, loss_t, *, skipped, scale=None: None)
+    one step, until its copy is on the host, and is judged then (the
+    optimizer has by then stepped twice since the NaN step's forward)."""
+    if facts == "device":
+        from recorders import reexecute
+        monkeypatch.setattr(reexecute, "host_facts", lambda st, loss_t, *, skipped, scale=None: None)
 
     def plant(step, model, x):
         if step == 4:
@@ -187,7 +172,7 @@ def test_device_facts_are_judged_a_step_later_and_the_step_reexecuted(tmp_path, 
     assert (entry["step"], entry["kind"], entry["check"]) == (4, "nonfinite_loss", "exact")
     steps = ap.load_run(tmp_path / "sentinel").steps.set_index("step")
     assert steps.loc[4, "reexecuted"] and steps.loc[4, "reexecution"] == "exact"
-    assert steps.index.tolist() == list(range(8))  # every row written, in order, the waiting one too
+    assert steps.index.tolist() == list(range(8))  # every row written, in order, a waiting one too
     assert _origins(tmp_path / "sentinel") == _origins(tmp_path / "every_step")
 
 
