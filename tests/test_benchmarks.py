@@ -241,10 +241,10 @@ def test_sentinel_cost_smoke_measures_every_job_and_variant_and_changes_no_bit(t
         assert job["target"]["default_at_most"] > 1 and isinstance(job["target"]["met"], bool)
 
 
-def test_xp_recorder_cost_smoke_measures_keras_tf_with_its_probe_and_flax(tmp_path):
+def test_xp_recorder_cost_smoke_measures_keras_tf_with_its_probe(tmp_path):
     """One child process (Keras on TensorFlow: its four variants, the
-    probe's difference); Flax in this process (jax is imported by the
-    suite anyway). Keras on JAX shares the Keras child's code."""
+    probe's difference). Keras on JAX shares the Keras child's code; Flax
+    is the next test (two tests: xdist's two workers run them at once)."""
     import math
 
     import xp_recorder_cost
@@ -257,6 +257,11 @@ def test_xp_recorder_cost_smoke_measures_keras_tf_with_its_probe_and_flax(tmp_pa
     assert all(v["steps"] == 3 and v["median_ms"] > 0 for v in keras_tf["variants"].values())
     assert keras_tf["tiers"]["full"] == {"full": 5}  # every step of the run, warm-up included
     assert math.isfinite(keras_tf["probe"]["ms_per_step"])
+
+
+def test_xp_recorder_cost_smoke_measures_flax():
+    """Flax in this process (jax is imported by the suite anyway)."""
+    import xp_recorder_cost
     flax = xp_recorder_cost._flax_child(rounds=2, warmup=1, smoke=True, seed=0)
     assert set(flax["variants"]) == set(xp_recorder_cost.VARIANTS["flax"])
     assert flax["tiers"]["full"] == {"full": 3} and flax["tiers"]["default"]["full"] >= 1
