@@ -536,15 +536,17 @@ class StepSentinel:
         """A step's row waits, or the step just closed will (`hand_over`)."""
         return self._waiting is not None or self._deferring is not None
 
-    def release(self, judge: bool = True) -> list:
+    def release(self, judge: bool = True, reexecute: bool = True) -> list:
         """The waiting step's row (`flush()`, `close()`): judged, its copy
-        waited for; with `judge` False (recording is off) as packed."""
+        waited for; with `judge` False (recording is off) as packed; with
+        `reexecute` False (`close()`: the hooks are gone) judged but not
+        re-executed."""
         waited, self._waiting = self._waiting, None
         if waited is None:
             return []
-        return [self._settle(waited, wait=True) if judge else waited.pending]
+        return [self._settle(waited, wait=True, reexecute=reexecute) if judge else waited.pending]
 
-    def _settle(self, d: "_Deferred", *, wait: bool):
+    def _settle(self, d: "_Deferred", *, wait: bool, reexecute: bool = True):
         """`d`'s row: as packed, or packed again with the re-execution its
         facts asked for (the rows of that step, in full, checked against
         its facts, as a CPU job's step has them at its own `rec.step()`)."""
@@ -563,7 +565,7 @@ class StepSentinel:
         decision = self.trigger.decide(facts)
         if decision.kind is None:
             self.reexecutor.bundles.judged_clean(p.step)  # its weight copy serves the next step
-        if decision.kind is None or decision.capped:
+        if decision.kind is None or decision.capped or not reexecute:
             return p
         outcome = self.reexecutor.run(p.step, decision.kind, scale=None, compiled=d.compiled)
         self.losses.take()  # what the re-execution's forward handed the loss tap

@@ -128,14 +128,15 @@ class RunWriter:
         if batch and not self.thread.submit(functools.partial(self.write_steps, batch)):
             self.dropped_steps += len(batch)
 
-    def _release_waiting(self) -> None:
+    def _release_waiting(self, reexecute: bool = True) -> None:
         """The row of a step that waits for its device facts (`StepSentinel`),
         judged now: flush and close wait for its copy. Once recording is
-        off (the guard), it goes as it was packed: nothing is re-executed."""
+        off (the guard), it goes as it was packed; at close (`reexecute`
+        False: the recorder's hooks are gone) nothing is re-executed."""
         if self.sentinel is None or not self.sentinel.waits:
             return
         try:
-            waiting = self.sentinel.release(judge=self.guard.enabled)
+            waiting = self.sentinel.release(judge=self.guard.enabled, reexecute=reexecute)
         except Exception as exc:  # noqa: BLE001 - recording off (the writer then skips its jobs), training on
             self.guard.fail(exc)
             return
@@ -159,7 +160,7 @@ class RunWriter:
         every rolled pair on disk (the writer skips its jobs once recording
         is off: a pair rolled before stays to be written)."""
         if self.thread.alive:
-            self._release_waiting()
+            self._release_waiting(reexecute=False)
             self.release_held()
         if self.events is not None:
             self.thread.barrier()

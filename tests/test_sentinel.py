@@ -206,6 +206,36 @@ def test_a_step_judged_clean_a_step_later_gives_its_weight_copy_back_at_once(tmp
     assert held[1:] == [1, 1, 1, 1, 1] and pool.allocated == 2
 
 
+@pytest.mark.parametrize("flush", [True, False])
+def test_the_last_steps_waiting_row_is_judged_at_flush_and_written_at_close(tmp_path, monkeypatch, flush):
+    """Device facts withheld, a NaN in the last step's input: `flush()`
+    judges the waiting row and re-executes the step (the job goes on);
+    `close()` writes it judged but not re-executed (the hooks are gone)."""
+    from recorders import reexecute
+    monkeypatch.setattr(reexecute, "host_facts", lambda st, loss_t, *, skipped, scale=None: None)
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = AmpRecorder(tmp_path / "run", model, optimizer=opt)
+    data = batches(4)
+    for step, (x, y) in enumerate(data):
+        if step == len(data) - 1:
+            x = x.clone()
+            x[0, 0, 0] = float("nan")
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        rec.step()
+    if flush:
+        rec.flush()
+    rec.close()
+    steps = ap.load_run(tmp_path / "run").steps.set_index("step")
+    assert steps.index.tolist() == [0, 1, 2, 3]
+    assert bool(steps.loc[3, "reexecuted"]) is flush
+    said = steps.loc[3, "reexecution"]
+    assert said == "exact" if flush else said is None or said != said  # null: not re-executed
+
+
 def test_a_step_whose_copy_is_not_on_the_host_a_step_later_goes_undecided():
     """The device more than a step behind: the waiting row is handed on as
     packed (no wait, no re-execution), and counted."""
