@@ -151,7 +151,8 @@ def _Measured(cheap_steps):
 class _Runner:
     """One variant's copy of the job, stepped once a call."""
 
-    def __init__(self, variant, template, make_opt, dtype, scaler, loss_fn, run_dir, diverging, cheap_steps=()):
+    def __init__(self, variant, template, make_opt, dtype, scaler, loss_fn, run_dir, diverging, cheap_steps=(),
+                 options=None):
         import torch
         from recorders import AmpRecorder
         self.variant = variant
@@ -167,14 +168,15 @@ class _Runner:
                 self.handles.append(m.register_forward_hook(lambda *a: None))
             for p in self.model.parameters():
                 self.handles.append(p.register_post_accumulate_grad_hook(lambda p: None))
-        elif variant == "floor":
-            from sentinel_floor import FloorSentinel
-            self.floor = FloorSentinel(self.model, self.opt, self.scaler)
+        elif variant in ("floor", "facts_floor"):
+            from sentinel_floor import FactsFloor, FloorSentinel
+            self.floor = (FloorSentinel if variant == "floor" else FactsFloor)(self.model, self.opt, self.scaler)
         elif variant == "every_step":
             self.rec = AmpRecorder(run_dir, self.model, optimizer=self.opt, scaler=self.scaler, mode="every_step")
         elif variant == "default":
+            options = dict({"schedule": _Measured(cheap_steps) if cheap_steps else None}, **(options or {}))
             self.rec = AmpRecorder(run_dir, self.model, optimizer=self.opt, scaler=self.scaler, mode="sentinel",
-                                   schedule=_Measured(cheap_steps) if cheap_steps else None)
+                                   **options)
 
     def step(self, x, y, force_full: bool = False) -> float:
         import torch

@@ -94,3 +94,87 @@ class FloorSentinel:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+class FactsFloor(FloorSentinel):
+    """The floor plus the rest of the default's work on a facts-only step,
+    written as compactly as it goes: the loss taken from the model's
+    output when it returns one (`find_loss`, the no-scaler job's tap), the
+    event rules (a non-finite loss or gradient norm, a loss or norm spike
+    against running means; a copy of the weights before the update when
+    the gradients already show one), the learning rate, and one row per
+    step handed to a writer thread in blocks of 64, which makes an Arrow
+    table of them. What it lacks against the product: micro-batch and
+    wrapper cases, the held steps' bookkeeping for late decisions, the
+    journal, the guards. `sentinel_parts.py` times it beside the default:
+    the distance between them is what the product's way of doing the same
+    work costs (2026-12-06: all of the default's distance to the floor)."""
+
+    BLOCK = 64
+
+    def __init__(self, model, optimizer, scaler=None):
+        import queue
+        import threading
+
+        from recorders.format.tensors import find_loss
+        super().__init__(model, optimizer, scaler)
+        self.optimizer, self._find_loss = optimizer, find_loss
+        self._handles.append(model.register_forward_hook(self._tap))
+        self.tapped = None
+        self.rows: list[tuple] = []
+        self.events = self.step_id = 0
+        self._loss_mean = self._sq_mean = None
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, daemon=True, name="facts-floor-writer")
+        self._thread.start()
+
+    def _tap(self, module, args, out):
+        if torch.is_grad_enabled():
+            loss = self._find_loss(out)
+            if loss is not None and loss.requires_grad:
+                self.tapped = loss
+
+    def _opt_pre(self, optimizer, args, kwargs):
+        held = self._held
+        if held is not None:
+            held[6] = True
+            sq = held[5][1] if held[5] is not None else math.nan
+            if not math.isfinite(sq) or (self._sq_mean is not None and sq > 100 * self._sq_mean):
+                held.append([p.detach().clone() for p in self.params])  # the weights of the event's forward
+
+    def step(self, loss) -> None:
+        held, self._held = self._held, None
+        scale, self._scale = self._scale, self.scaler.get_scale() if self.scaler is not None else 1.0
+        sq = held[5][1] if held is not None and held[5] is not None else math.nan
+        norm = math.sqrt(sq) / scale if scale else math.nan
+        value = loss.item()
+        event = not (math.isfinite(value) and math.isfinite(norm))
+        mean = self._loss_mean
+        if mean is not None and math.isfinite(value) and value > 4 * mean:
+            event = True
+        if math.isfinite(value):
+            self._loss_mean = value if mean is None else 0.9 * mean + 0.1 * value
+        if math.isfinite(sq):
+            self._sq_mean = sq if self._sq_mean is None else 0.9 * self._sq_mean + 0.1 * sq
+        self.events += event
+        self.rows.append((self.step_id, value, scale, norm, held is not None and held[6],
+                          self.optimizer.param_groups[0]["lr"], 1, event))
+        self.step_id += 1
+        self.tapped = None
+        if len(self.rows) >= self.BLOCK:
+            self._queue.put(self.rows)
+            self.rows = []
+
+    def _write(self) -> None:
+        import pyarrow as pa
+        names = ("step", "loss", "loss_scale", "grad_norm", "stepped", "lr", "micro_batches", "event")
+        while True:
+            rows = self._queue.get()
+            if rows is None:
+                return
+            pa.table({n: [r[i] for r in rows] for i, n in enumerate(names)})
+
+    def close(self) -> None:
+        super().close()
+        self._queue.put(None)
+        self._thread.join()

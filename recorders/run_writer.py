@@ -38,7 +38,14 @@ from .step_rows import step_events
 from .writer import Publisher, ShardWriter
 
 HOLD_BACK_STEPS = 32
-HOLD_BACK_S = 0.25
+# At most this long (and a quarter of `durable_interval_s`, the loss a node
+# failure may cost: a killed job loses the held steps too). Each hand-over
+# cost ~0.4 ms of the launch-bound proxy's training thread (the writer's
+# wake-up and GIL hand-offs, whatever the steps it carries): at 0.25 s the
+# benchmark's interleaved copies, a step each 0.1-0.2 s, paid it every two
+# steps (2 points of the default's cost); a lone job at 8 ms a step hands
+# over by the count.
+HOLD_BACK_S = 1.0
 
 
 class RunWriter:
@@ -84,6 +91,7 @@ class RunWriter:
         self._journaled_first_step = False  # the manifest rewritten after it (see write_step)
         self._held_back: list = []
         self._held_back_since = 0.0
+        self._hold_back_s = min(HOLD_BACK_S, writing.durable_interval_s / 4)
         self._due = False  # the held steps are to go at the next backward pass's start
 
     # ------------------------------------------------------ training thread
@@ -114,7 +122,7 @@ class RunWriter:
         held.append(pending)
         if self._due:
             self.release_held()  # due since the last step, and no backward pass began since
-        elif len(held) >= HOLD_BACK_STEPS or time.monotonic() - self._held_back_since >= HOLD_BACK_S:
+        elif len(held) >= HOLD_BACK_STEPS or time.monotonic() - self._held_back_since >= self._hold_back_s:
             self._due = True
 
     def on_backward_start(self) -> None:

@@ -296,3 +296,33 @@ def test_sentinel_floor_takes_the_facts_the_default_records(tmp_path, sentinel_m
             assert loss == pytest.approx(row["loss"], rel=1e-6)
             assert scale == row["loss_scale_before"] and stepped
             assert norm == pytest.approx(row["grad_norm"], rel=1e-4)
+
+
+def test_facts_floor_takes_the_defaults_facts_and_sentinel_parts_times_every_variant(tmp_path):
+    """`FactsFloor` (the floor with the default's other facts work, written
+    compactly) keeps the floor's facts and adds a row per step, handed to
+    its writer thread in blocks, flagging an overflowing step as an event;
+    `sentinel_parts.py` runs its variants (parts of the default turned
+    off included) and writes its figures with the CPU model."""
+    import sentinel_parts
+    from common import deep_narrow
+    from sentinel_floor import FactsFloor
+    from tiny_models import train
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    batches = [(x, y)] * 4 + [(x * 1e30, y)]  # the fifth step's gradients overflow
+    facts = train(deep_narrow(4, 8), batches, lr=1e-2, recorder=FactsFloor,
+                  scaler={"init_scale": 2.0 ** 8}).rec
+    assert [r[0] for r in facts.rows] == [0, 1, 2, 3, 4] and all(r[3] > 0 for r in facts.rows[:4])
+    assert [r[-1] for r in facts.rows] == [False] * 4 + [True] and facts.events == 1
+    assert all(r[5] == pytest.approx(1e-2) for r in facts.rows)  # the learning rate
+    out = tmp_path / "parts.json"
+    variants = "floor,facts_floor,default,default-bundles-reexecute-loss_tap-writer"
+    assert sentinel_parts.main(["--smoke", "--variants", variants, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["cpu_model"]
+    assert list(doc["result"]["variants"]) == ["plain"] + variants.split(",")
+    assert all(v["paired"] > 0 for v in doc["result"]["variants"].values())
+    with pytest.raises(SystemExit):
+        sentinel_parts.main(["--smoke", "--variants", "default-nothing"])

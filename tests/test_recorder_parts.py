@@ -181,6 +181,17 @@ def test_the_recorder_only_assembles_its_parts():
 
 
 # ------------------------------------------------------------ the writer side
+def test_clean_steps_are_held_back_at_most_a_quarter_of_the_durable_interval(tmp_path):
+    """A killed job loses its held-back steps: they wait at most a second,
+    and never more than a quarter of what the journal promises to lose."""
+    import recorders.run_writer as rw
+    from recorders.options import WriterOptions
+    for durable, held in ((5.0, rw.HOLD_BACK_S), (0.4, 0.1)):
+        rec = AmpRecorder(tmp_path / str(durable), TinyNet(), writer=WriterOptions(durable_interval_s=durable))
+        assert rec.run_writer._hold_back_s == pytest.approx(held) and held <= 1.0
+        rec.close()
+
+
 def test_held_clean_steps_go_to_the_writer_when_a_backward_pass_begins(tmp_path, monkeypatch, sentinel_mode):
     """Clean steps are handed over in batches; a due batch goes when the
     next backward pass begins (the training thread is then inside the
