@@ -509,9 +509,7 @@ class StepSentinel:
         decision = self.trigger.decide(facts)
         if decision.kind is None or decision.capped:
             return None, decision.kind is None and self._above_floor(scale)
-        outcome = self.reexecutor.run(finished.step_id, decision.kind, scale=scale, compiled=compiled)
-        self.losses.take()  # what the re-execution's forward handed the loss tap
-        return outcome, False
+        return self._reexecute(finished.step_id, decision.kind, scale, compiled), False
 
     def hand_over(self, pending) -> list:
         """The rows to hand to the writer now, in step order, for the
@@ -567,8 +565,7 @@ class StepSentinel:
             self.reexecutor.bundles.judged_clean(p.step)  # its weight copy serves the next step
         if decision.kind is None or decision.capped or not reexecute:
             return p
-        outcome = self.reexecutor.run(p.step, decision.kind, scale=None, compiled=d.compiled)
-        self.losses.take()  # what the re-execution's forward handed the loss tap
+        outcome = self._reexecute(p.step, decision.kind, None, d.compiled)
         again = self.rows.pack(d.state, p.step, d.loss_t, d.loss_t, loss_dtype=p.loss_dtype,
                                graph_slots=self.reexecutor.hooks.graph, reexecution=outcome)
         # As the step was closed, not as it is now (a scheduler moved the lr since).
@@ -576,6 +573,11 @@ class StepSentinel:
         if "loss" in p.host_scalars:  # a host value (a float passed to rec.step()): as recorded
             again.host_scalars["loss"] = p.host_scalars["loss"]
         return again
+
+    def _reexecute(self, step: int, kind: str, scale, compiled: bool) -> Outcome:
+        outcome = self.reexecutor.run(step, kind, scale=scale, compiled=compiled)
+        self.losses.take()  # what the re-execution's forward handed the loss tap
+        return outcome
 
     def _above_floor(self, before=None) -> bool:
         """The scaler's scale is at least `scale_floor` after the update.

@@ -229,6 +229,36 @@ def test_a_recorded_step_makes_no_closures_for_the_garbage_collector(tmp_path):
     assert recorded == plain
 
 
+def test_a_sampled_steps_gradient_hooks_leave_nothing_on_the_parameters(tmp_path):
+    """The gradient rows of a sampled step come from hooks on the
+    parameters' AccumulateGrad nodes, which torch frees with the step's
+    graphs: a tensor's own post-accumulate-grad hook would stay on it for
+    good (torch calls its emptied dict on every later backward, for every
+    parameter). The rows are there, in backward order, micro-batches
+    accumulated; the steps after carry no hook of the recorder's."""
+    import amp_postmortem
+    from tiny_models import TinyNet, batches
+    torch.manual_seed(0)
+    model = TinyNet()
+    seen = []
+    trained = train(model, batches(8), recorder=recorder_at(tmp_path / "run", full_every=4), accumulate=2,
+                    scaler=None, dtype=None,
+                    after_backward=lambda step, mb, rec: seen.append(
+                        [p._post_accumulate_grad_hooks for p in model.parameters()]))
+    assert trained.rec is not None and all(h is None for hooks in seen for h in hooks)
+    rows = amp_postmortem.load_run(tmp_path / "run").scan_tensors(["step", "name", "kind", "order", "absmax"],
+                                                                  steps=[0])
+    grads = rows[rows["kind"] == "param_grad"].set_index("name")
+    assert set(grads.index) == {n for n, _ in model.named_parameters()}
+    assert grads["order"].is_unique  # the order the gradients were made in
+    torch.manual_seed(0)
+    again = TinyNet()
+    for x, y in batches(2):  # the first step by hand: its gradients, both micro-batches accumulated
+        (torch.nn.functional.mse_loss(again(x), y) / 2).backward()
+    for name, p in again.named_parameters():
+        assert grads.loc[name, "absmax"] == pytest.approx(p.grad.abs().max().item(), rel=1e-5)
+
+
 class FailsOnce(nn.Module):
     """Raises in its forward on one call, after its first layer ran (the
     loop catches it and moves on, as a job skipping a bad batch does)."""

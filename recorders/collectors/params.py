@@ -82,7 +82,7 @@ class ParamGradCollector:
                 # code: dynamo would otherwise compile one frame per shape.
                 self._hooks.append((p, eager(guard(hook, traced=False))))
         for p, hook in self._hooks:
-            handles.append(p.register_post_accumulate_grad_hook(hook))
+            handles.append(_accumulator_hook(p, hook))
 
     def scale_tensor(self):
         if self.scale_override is not None:
@@ -311,6 +311,42 @@ def _process_group() -> bool:
     """`torch.distributed.is_initialized()` in one attribute read (a
     function call through the package costs ~3 us cold, on every step)."""
     return _GroupMember is not None and _GroupMember.WORLD is not None
+
+
+def _accumulator_hook(p, hook):
+    """`hook(p)` after each accumulation into `p.grad`, for as long as the
+    returned handle is held. A plain parameter's hook goes on its
+    AccumulateGrad node, which torch frees when no graph holds it: once the
+    handle lets go, the next step's node has none. A tensor's own
+    post-accumulate-grad hook never leaves it: torch keeps calling its
+    emptied dict on every backward, for every parameter that ever had one
+    (taking the GIL each time: 2.5% of the launch-bound proxy's step, its
+    288 parameters hooked once by the first full-tier step)."""
+    if type(p) in PLAIN_TENSORS and p.is_leaf:
+        try:
+            with torch.enable_grad():
+                node = p.view_as(p).grad_fn
+            acc = node.next_functions[0][0] if node is not None and node.next_functions else None
+        except RuntimeError:  # inference mode
+            acc = None
+        if acc is not None and type(acc).__name__ == "AccumulateGrad":
+            return _NodeHook(acc, acc.register_hook(lambda grad_inputs, grad_outputs: hook(p)))
+    return p.register_post_accumulate_grad_hook(hook)
+
+
+class _NodeHook:
+    """The handle of `_accumulator_hook`'s node hook: holds the node (so that
+    every graph of the step accumulates through it) until removed."""
+
+    __slots__ = ("node", "handle")
+
+    def __init__(self, node, handle):
+        self.node, self.handle = node, handle
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+        self.node = self.handle = None
 
 
 class _BackwardEnd:
