@@ -80,13 +80,19 @@ class FloorSentinel:
         if self._held is not None:
             self._held[6] = True
 
-    def step(self, loss) -> None:
+    def _close(self):
+        """(what was held of the step, the loss scale its backward used, the
+        gradients' square sum, the unscaled gradient norm)."""
         held, self._held = self._held, None
         # The scale this step's backward used: the one read at the last step
         # (the scaler's update has changed it since).
         scale, self._scale = self._scale, self.scaler.get_scale() if self.scaler is not None else 1.0
         sq = held[5][1] if held is not None and held[5] is not None else math.nan
         norm = math.sqrt(sq) / scale if scale else math.nan  # a diverging job drives its scale to 0
+        return held, scale, sq, norm
+
+    def step(self, loss) -> None:
+        held, scale, _, norm = self._close()
         self.facts.append((loss.item(), scale, held is not None and held[6], norm))
         if len(self.facts) >= 1000:  # the product hands its rows to a writer: none kept here
             self.facts.clear()
@@ -143,10 +149,7 @@ class FactsFloor(FloorSentinel):
                 held.append([p.detach().clone() for p in self.params])  # the weights of the event's forward
 
     def step(self, loss) -> None:
-        held, self._held = self._held, None
-        scale, self._scale = self._scale, self.scaler.get_scale() if self.scaler is not None else 1.0
-        sq = held[5][1] if held is not None and held[5] is not None else math.nan
-        norm = math.sqrt(sq) / scale if scale else math.nan
+        held, scale, sq, norm = self._close()
         value = loss.item()
         event = not (math.isfinite(value) and math.isfinite(norm))
         mean = self._loss_mean

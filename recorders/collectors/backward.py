@@ -13,10 +13,9 @@ import weakref
 
 import torch
 
-from .state import Shared
+from .state import ACCUMULATE_GRAD, Shared
 
 # The node that accumulates into a leaf's `.grad`: where a walk ends.
-_ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
 
 
 def input_edges(tensors) -> dict:
@@ -158,7 +157,7 @@ class BackwardCollector:
                     follow(*edge)
                 continue
             for slot, (nxt, nr) in enumerate(node.next_functions):
-                if nxt is not None and type(nxt) is not _ACCUMULATE_GRAD:
+                if nxt is not None and type(nxt) is not ACCUMULATE_GRAD:
                     follow(node, slot, nxt, nr)
         if exits is not None:
             st.walks[roots[0]] = (boundary, exits)
@@ -372,7 +371,7 @@ def _build_plan(roots, keys, boundary):
             edges.append((node, slots))
         root_idx, path = paths[node]
         for slot, (nxt, nr) in enumerate(node.next_functions):
-            if nxt is None or type(nxt) is _ACCUMULATE_GRAD or (nxt, nr) in keys or nxt in paths:
+            if nxt is None or type(nxt) is ACCUMULATE_GRAD or (nxt, nr) in keys or nxt in paths:
                 continue
             if nxt._sequence_nr() > boundary:  # created inside the module's call
                 paths[nxt] = (root_idx, path + ((slot, type(nxt)),))

@@ -10,7 +10,7 @@ import torch
 
 from ..layout import PLAIN_TENSORS, local
 from .grad_norms import GRAD, NormPlan, cpu_norms, grad_norms, settle
-from .state import Shared, dtype_name, eager
+from .state import ACCUMULATE_GRAD, Shared, dtype_name, eager
 
 
 class ParamGradCollector:
@@ -329,7 +329,7 @@ def _accumulator_hook(p, hook):
             acc = node.next_functions[0][0] if node is not None and node.next_functions else None
         except RuntimeError:  # inference mode
             acc = None
-        if acc is not None and type(acc).__name__ == "AccumulateGrad":
+        if acc is not None and type(acc) is ACCUMULATE_GRAD:
             return _NodeHook(acc, acc.register_hook(lambda grad_inputs, grad_outputs: hook(p)))
     return p.register_post_accumulate_grad_hook(hook)
 

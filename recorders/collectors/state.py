@@ -142,6 +142,10 @@ def in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
+# The node that accumulates a leaf's gradient (its type: torch has no Python name for it).
+ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
+
+
 def eager(fn):
     """`fn` run eagerly even when called from compiled code (a compiled
     function that calls `.backward()` would otherwise compile the hook's
