@@ -480,3 +480,31 @@ def test_a_clean_step_lets_its_output_gradients_go_and_an_asked_for_one_keeps_th
     bundle = load_bundle(find_bundle(run, 3))
     assert "grad_outputs_released" not in bundle.meta
     assert all(g is not None for grads in bundle.grad_outputs for g in grads)
+
+
+@pytest.mark.parametrize("job_disabled", [False, True])
+def test_the_cyclic_collector_is_paused_for_a_reexecution_only(tmp_path, monkeypatch, job_disabled):
+    """The re-execution's short-lived objects set off no collection of the
+    whole process (`reexecute._cycles_collected_after`); the job's own
+    setting is what it finds after, whatever it was."""
+    import gc
+
+    from recorders import reexecute
+    seen = []
+    run = reexecute.Reexecutor._run
+
+    def watched(self, *args):
+        seen.append(gc.isenabled())
+        return run(self, *args)
+    monkeypatch.setattr(reexecute.Reexecutor, "_run", watched)
+    after = []
+    if job_disabled:
+        gc.disable()
+    try:
+        torch.manual_seed(0)
+        train(BoomNet(), batches(10, d_in=4, d_out=1, shape=(16,)), recorder=recorder_at(tmp_path / "run"),
+              on_step=_overflow, scaler={"init_scale": 2.0 ** 8}, after_step=lambda step, rec: after.append(gc.isenabled()))
+    finally:
+        gc.enable()
+    assert seen == [False]  # the failing step, re-executed with the collector paused
+    assert after == [not job_disabled] * 10

@@ -291,6 +291,7 @@ class ParamGradCollector:
             scale = getattr(optimizer, "grad_scale", None)
             self._measure_grad_norm(st, scale if isinstance(scale, torch.Tensor) else None)
         if st.record:
+            self.shared.flush_full()  # the full tier's rows, read below
             clean = self._clean_on_host(st)
         else:
             # Not sampled: no rows, only the gradient facts. On the CPU

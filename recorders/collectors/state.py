@@ -16,6 +16,7 @@ from types import MappingProxyType
 import torch
 
 from ..layout import PLAIN_TENSORS, local
+from ..full_stage import FullRow, FullStage, resolve
 from ..staged_stats import StatsStage
 from ..stats import cheap_host_stats, row_stats
 
@@ -171,7 +172,8 @@ class Shared:
     backward hooks set anew for every module call, as one small object.
     `stage`: where the cheap tier's statistics of small device tensors wait
     to be reduced together (`staged_stats`), flushed at each step's end
-    (`flush_stage`)."""
+    (`flush_stage`); `full_stage`: the same for the full tier's rows of
+    small CPU tensors (`full_stage`)."""
 
     def __init__(self, *, near_overflow: float, guard, guard_call, bundles):
         self.state = StepState(0, False, False)
@@ -181,6 +183,7 @@ class Shared:
         self.guard_call = guard_call
         self.bundles = bundles
         self.stage = StatsStage()
+        self.full_stage = FullStage(near_overflow)
 
     def add_row(self, st, name, kind, phase, order, call, t, stats, inputs=None) -> int:
         """Append a row for tensor `t`; `inputs`: the rows whose NaN/Inf
@@ -197,7 +200,7 @@ class Shared:
         st.meta.append((name, kind, phase, order, call, dtype, numel, inputs))
         rows = st.stats
         rows.append(stats)
-        if st.device is None and type(stats) is not tuple:
+        if st.device is None and type(stats) is not tuple and type(stats) is not FullRow:
             st.device = stats.device
         return len(rows) - 1
 
@@ -207,10 +210,17 @@ class Shared:
             values = cheap_host_stats(t)
             if values is not None:
                 return values
-        if not st.full and kw.keys() <= _STAGED_OPTIONS:
-            staged = self.stage.put(t, kw.get("scale") if kw.get("unscale") else None)
-            if staged is not None:
-                return staged
+        if kw.keys() <= _STAGED_OPTIONS and (not kw or kw.get("unscale")):
+            scale = kw.get("scale")
+            if st.full:
+                if type(t) in PLAIN_TENSORS and t.is_cpu:
+                    staged = self.full_stage.put(t, scale)
+                    if staged is not None:
+                        return staged
+            else:
+                staged = self.stage.put(t, scale)
+                if staged is not None:
+                    return staged
         return row_stats(t, full=st.full, near_overflow=self.near_overflow, **kw)
 
     def count_stats(self, st, t):
@@ -221,8 +231,19 @@ class Shared:
         return row_stats(t, full=False, near_overflow=self.near_overflow)
 
     def flush_stage(self) -> None:
-        """Give every staged row of the step its values (device work)."""
+        """Give every staged row of the step its values (device work;
+        the full tier's, host values in their places in the step's rows)."""
         self.stage.flush()
+        self.flush_full()
+
+    def flush_full(self) -> None:
+        """The full tier's staged rows, their values in their places in
+        the step's rows (host work; before anything reads those rows)."""
+        stage = self.full_stage
+        stage.flush()
+        if stage.unresolved:
+            stage.unresolved = False
+            resolve(self.state)
 
     @staticmethod
     def note_producer(st, t, row):
