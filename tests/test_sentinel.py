@@ -508,3 +508,22 @@ def test_the_cyclic_collector_is_paused_for_a_reexecution_only(tmp_path, monkeyp
         gc.enable()
     assert seen == [False]  # the failing step, re-executed with the collector paused
     assert after == [not job_disabled] * 10
+
+
+def test_a_weight_written_in_place_after_the_forward_refuses_the_reexecution(tmp_path):
+    """The skipped step's weights are the live ones only while no parameter
+    was written since its forward (`BundleCapture`'s version sum): one
+    write, even of the same values, and the re-execution is refused, never
+    run on other weights and called a mismatch."""
+    torch.manual_seed(0)
+    model = BoomNet()
+    last = list(model.parameters())[-1]
+
+    def write(step, micro_batch, rec):
+        if step == 7:
+            with torch.no_grad():
+                last.mul_(1.0)  # the same values, a new version
+    train(model, batches(10, d_in=4, d_out=1, shape=(16,)), recorder=recorder_at(tmp_path / "run"),
+          on_step=_overflow, scaler={"init_scale": 2.0 ** 8}, after_backward=write)
+    entries = _manifest(tmp_path / "run")["reexecutions"]
+    assert [(e["step"], e["check"], e.get("reason")) for e in entries] == [(7, "refused", "weights_not_held")]

@@ -175,7 +175,11 @@ class BundleCapture:
     def _new_capture(self, step: int, autocast: dict | None) -> StepCapture:
         cap = StepCapture(step)
         inv = self.inventory
-        cap.param_versions, cap.buffer_versions = inv.param_versions(), inv.buffer_versions()
+        # Read here, not at the last step's end where the update has just
+        # touched every counter (a third of the cost): a loop may write the
+        # weights between steps (a planted fault, a reload), and the step's
+        # re-execution then runs on the weights its forward used.
+        cap.param_version_sum, cap.buffer_versions = inv.param_version_sum(), inv.buffer_versions()
         cap.opt_steps = self._opt_steps
         if self._buffer_pool is not None:
             cap.buffers = self._buffer_pool.take()
@@ -224,10 +228,10 @@ class BundleCapture:
             # Only the steps held since the last optimizer step (skipped
             # ones) can still have the weights of their forward: the others
             # are not looked at (a CPU job holds ten, every step).
-            versions = self.inventory.param_versions()  # read once, for every such step
+            versions = self.inventory.param_version_sum()  # read once, for every such step
             for cap in self._awaiting_copy:
                 if (self._held.get(cap.step) is cap and cap.params is None and cap.opt_steps == self._opt_steps
-                        and cap.param_versions == versions):
+                        and cap.param_version_sum == versions):
                     self._secure(cap, clone_now(self.inventory.params), "copy_before_next_update")
             self._awaiting_copy = []
         cap = self._current
@@ -279,7 +283,7 @@ class BundleCapture:
     def _unchanged(self, cap) -> bool:
         """No optimizer step and no in-place write on any parameter since the
         capture's forward (version counters live on the host)."""
-        return cap.opt_steps == self._opt_steps and cap.param_versions == self.inventory.param_versions()
+        return cap.opt_steps == self._opt_steps and cap.param_version_sum == self.inventory.param_version_sum()
 
     def on_step_end(self, step: int, *, loss, stepped: bool | None, clean: bool = False) -> None:
         """`clean`: the step's host facts showed no event (its decision may
