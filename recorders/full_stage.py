@@ -32,7 +32,7 @@ import weakref
 import torch
 
 from .format import schema
-from .stats import _SQUARES_SAFE, _thresholds, row_stats
+from .stats import SQUARES_SAFE, fp16_thresholds, row_stats
 
 STAGED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A row's float32 sum runs on one thread below torch's grain size (32,768
@@ -132,7 +132,7 @@ class FullStage:
         squares = (x * x).sum(dim=1).tolist()
         rms = torch.tensor([s / n for s in squares], dtype=torch.float64).sqrt().tolist()
         a = x.abs_()  # x is ours; the sums are taken
-        normal, sub, over = _thresholds(scale, torch.float32, self.near_overflow)
+        normal, sub, over = fp16_thresholds(scale, torch.float32, self.near_overflow)
         zeros = (a == 0).sum(dim=1).tolist()
         below_normal = (a < normal).sum(dim=1).tolist()
         below_sub = (a < sub).sum(dim=1).tolist()
@@ -142,7 +142,7 @@ class FullStage:
         for i, (row, copy, _) in enumerate(members):
             mn, mx = lo[i], hi[i]
             top = max(abs(mn), abs(mx))
-            if not (math.isfinite(mn) and math.isfinite(mx)) or top * top * n > _SQUARES_SAFE:
+            if not (math.isfinite(mn) and math.isfinite(mx)) or top * top * n > SQUARES_SAFE:
                 row.value = self._alone(copy, scale)  # NaN/Inf, or squares to divide first
                 continue
             mean, r, absmax = sums[i] * 1.0 / n, rms[i] * 1.0, top

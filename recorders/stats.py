@@ -268,7 +268,7 @@ def _full_stats(d, finite_abs, top, inv, scale, near_overflow):
     mx = torch.where(fin, x, -inf_t).amax().to(torch.float64)
     top = top.to(work)  # exact: a value of d
     one = torch.ones((), dtype=work, device=x.device)
-    top = torch.where(top.to(torch.float64) ** 2 * n > _SQUARES_SAFE, top, one)
+    top = torch.where(top.to(torch.float64) ** 2 * n > SQUARES_SAFE, top, one)
     mean, rms = _mean_rms(xf, top, n_fin, scratch=True)
     # No finite value: min/max would be +-inf; report NaN (null) instead.
     nan_t = torch.full((), math.nan, dtype=torch.float64, device=x.device)
@@ -277,7 +277,7 @@ def _full_stats(d, finite_abs, top, inv, scale, near_overflow):
     sample = share_sample(d)
     m = sample.numel()
     a = share_sample(finite_abs).to(work)
-    normal, sub, over = _thresholds(scale, work, near_overflow)
+    normal, sub, over = fp16_thresholds(scale, work, near_overflow)
     nonzero = a > 0
     zero = (sample == 0).sum().to(torch.float64) / m
     below_normal = (nonzero & (a < normal)).sum().to(torch.float64) / m
@@ -291,14 +291,14 @@ def _full_stats(d, finite_abs, top, inv, scale, near_overflow):
 
 # n * absmax**2 at most this: the float32 sums of x and x**2 cannot overflow
 # (float32 ends near 2**128), so x is summed as it is.
-_SQUARES_SAFE = 2.0 ** 120
+SQUARES_SAFE = 2.0 ** 120
 
 
 def _mean_rms(x, top, n, *, scratch: bool, divide: bool = True):
     """Mean and root mean square of `x` (finite values only; `n` of them,
     an int or a float64 0-d tensor), from sums in the working dtype over
     `x / top`, `top` a 0-d tensor of it: 1 when the squares cannot overflow
-    (`_SQUARES_SAFE`), else the largest magnitude. float32 sums cost a tenth of
+    (`SQUARES_SAFE`), else the largest magnitude. float32 sums cost a tenth of
     float64 ones on the CPU (converting every value), which made the full
     tier cost more than the step. `scratch`: `x` is a temporary of the
     caller's that may be overwritten (a large buffer fewer: allocating them
@@ -375,7 +375,7 @@ _ITEM_BYTES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.floa
 
 
 # ------------------------------------------------------------ host fast path
-def _thresholds(scale, work, near_overflow):
+def fp16_thresholds(scale, work, near_overflow):
     """The float16 normal, subnormal and near-overflow limits, in the units
     of the tensor: |g/scale| < t  <=>  |g| < t*scale for a scaled gradient."""
     normal, sub, over = schema.FP16_MIN_NORMAL, schema.FP16_MIN_SUBNORMAL, near_overflow
@@ -430,10 +430,10 @@ def _host_stats(d, full, scale, near_overflow):
         x = _scratch.like(d, work) if d.is_contiguous() else None
         x = d.to(work) if x is None else x.copy_(d)
     n = d.numel()
-    big = absmax_w * absmax_w * n > _SQUARES_SAFE
+    big = absmax_w * absmax_w * n > SQUARES_SAFE
     top = torch.tensor(absmax_w, dtype=work) if big else None
     mean, rms = _host_mean_rms(x, top, n, scratch=x is not d, divide=big or not x.is_contiguous())
-    normal, sub, over = _thresholds(scale, work, near_overflow)
+    normal, sub, over = fp16_thresholds(scale, work, near_overflow)
     a = share_sample(d).to(work).abs()  # x is overwritten; upcasting is exact
     m = a.numel()
     absmin = float(a.amin())

@@ -347,7 +347,7 @@ RECORDERS = REPO / "recorders"
 RECORDER_LAYERS = [  # each imports only from its own layer and the ones before it
     {"format"},                                                                 # the run format, both sides' one import
     {"errors", "unwrap", "fp32", "attach_choice"},                              # pure helpers
-    {"layout", "aggregate", "stats", "staged_stats", "xp_stats", "loss_tap", "schedule", "events",
+    {"layout", "aggregate", "stats", "staged_stats", "full_stage", "xp_stats", "loss_tap", "schedule", "events",
      "guard", "stance", "survey"},  # a tensor's and a step's values
     {"durable", "index", "journal", "writer", "writer_thread", "event_thread", "lease", "status_slot", "storage"},  # threads, files, stores
     {"manifest", "run_id", "step_rows", "graph_rows", "host_run", "rank_files", "run_writer", "host_bundle"},  # the job described, rows
