@@ -15,7 +15,7 @@ from recorders import stats
 from recorders.collectors.state import StepState
 from recorders.full_stage import MAX_NUMEL, FullRow, FullStage, resolve
 from recorders.format import schema
-from tiny_models import BoomNet, TinyNet, batches, recorder_at, train
+from tiny_models import BoomNet, TinyNet, planted_job, recorder_at, same_rows, train
 
 
 def _same(row: FullRow, ref: torch.Tensor) -> bool:
@@ -147,15 +147,7 @@ def test_a_job_recorded_through_the_stage_writes_the_per_tensor_rows(tmp_path, m
     sentinel), a GradScaler (unscaled parameter gradients), two
     micro-batches a step, a NaN/Inf planted in the forward or the backward:
     the rows written through the stage are the per-tensor path's."""
-    d_in = 4 if model is BoomNet else 8
-    d_out = 1 if model is BoomNet else 4
-    data = batches(8, d_in=d_in, d_out=d_out)
-
-    def on_step(step, m, _x):
-        if plant == "forward":
-            m.block.boom.gain = 1e6 if step == 2 else 1.0  # float16 overflow at step 2
-        elif plant == "backward":
-            m.amp.gain = math.nan if step == 1 else 1.0
+    data, on_step = planted_job(model, plant)
 
     staged = {"count": 0}
     original = FullStage.put
@@ -174,11 +166,7 @@ def test_a_job_recorded_through_the_stage_writes_the_per_tensor_rows(tmp_path, m
         assert runs[path].rec.enabled
     assert staged["count"] > 2 * len(data)  # the full tier's rows went through the stage
     per_tensor, through = _rows(tmp_path / "per_tensor"), _rows(tmp_path / "staged")
-    assert len(per_tensor) == len(through) > 0
     assert (through["share_sample_size"] > 0).any()  # full-tier rows among them
-    for col in per_tensor.columns:
-        a, b = per_tensor[col], through[col]
-        same = (a == b) | (a.isna() & b.isna())
-        assert same.all(), (col, per_tensor[~same].head(), through[~same].head())
+    same_rows(per_tensor, through)
     if plant:
         assert (through["nan_count"] + through["inf_count"]).sum() > 0

@@ -16,7 +16,7 @@ import amp_postmortem
 from recorders import AmpRecorder
 from recorders.staged_stats import StagedRow, StatsStage
 from recorders.stats import _device_stats
-from tiny_models import BoomNet, TinyNet, batches, train
+from tiny_models import BoomNet, TinyNet, planted_job, same_rows, train
 
 
 def _same(a, b) -> bool:
@@ -141,15 +141,7 @@ def test_a_job_recorded_through_the_stage_writes_the_host_paths_rows(tmp_path, m
     micro-batches a step, a NaN/Inf planted in the forward or the backward:
     the same rows, values and counts as the host path's, and the training
     untouched."""
-    d_in = 4 if model is BoomNet else 8
-    d_out = 1 if model is BoomNet else 4
-    data = batches(8, d_in=d_in, d_out=d_out)
-
-    def on_step(step, m, _x):
-        if plant == "forward":
-            m.block.boom.gain = 1e6 if step == 2 else 1.0  # float16 overflow at step 2
-        elif plant == "backward":
-            m.amp.gain = math.nan if step == 1 else 1.0
+    data, on_step = planted_job(model, plant)
 
     runs = {}
     for path, make in (("host", _host), ("staged", _staged_on_cpu)):
@@ -161,10 +153,6 @@ def test_a_job_recorded_through_the_stage_writes_the_host_paths_rows(tmp_path, m
     assert runs["staged"].losses == runs["host"].losses or all(
         a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(runs["staged"].losses, runs["host"].losses))
     host, staged = _rows(tmp_path / "host"), _rows(tmp_path / "staged")
-    assert len(host) == len(staged) > 0
-    for col in host.columns:
-        a, b = host[col], staged[col]
-        same = (a == b) | (a.isna() & b.isna())
-        assert same.all(), (col, host[~same].head(), staged[~same].head())
+    same_rows(host, staged)
     if plant:
         assert (staged["nan_count"] + staged["inf_count"]).sum() > 0

@@ -8,6 +8,7 @@ runs in a worker or a script of its own) keeps its loop and says why."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 
 import torch
@@ -382,3 +383,26 @@ def train(model, data, *, recorder=None, dtype=torch.float16, scaler=True, accum
     if rec and close:
         rec.close()
     return Trained(losses, scales, [p.detach().clone() for p in model.parameters()], rec)
+
+
+def planted_job(model, plant: str | None):
+    """(data, on_step) for `train`: `model` (TinyNet or BoomNet) with a
+    float16 overflow planted in the forward at step 2 (`plant="forward"`,
+    BoomNet) or a NaN in the backward at step 1 (`"backward"`), or none."""
+    d_in = 4 if model is BoomNet else 8
+    d_out = 1 if model is BoomNet else 4
+
+    def on_step(step, m, _x):
+        if plant == "forward":
+            m.block.boom.gain = 1e6 if step == 2 else 1.0
+        elif plant == "backward":
+            m.amp.gain = math.nan if step == 1 else 1.0
+    return batches(8, d_in=d_in, d_out=d_out), on_step
+
+
+def same_rows(a, b) -> None:
+    """Two runs' row frames equal, value for value (NaN equal to NaN)."""
+    assert len(a) == len(b) > 0
+    for col in a.columns:
+        same = (a[col] == b[col]) | (a[col].isna() & b[col].isna())
+        assert same.all(), (col, a[~same].head(), b[~same].head())
