@@ -20,8 +20,9 @@ tensors against the definitions). A row holding a NaN or an Inf, or whose
 squares could overflow float32, is summarised alone by the general path,
 from its copy; so is a group of one.
 
-Not staged (the caller takes the per-tensor path): float64, empty,
-non-contiguous and larger tensors (arithmetic there outweighs dispatch),
+Not staged (the caller takes the per-tensor path): device tensors,
+DTensors and other tensor subclasses, float64, empty, non-contiguous and
+larger tensors (arithmetic there outweighs dispatch),
 inference tensors, and options other than a loss scale to divide by.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ import weakref
 import torch
 
 from .format import schema
+from .layout import PLAIN_TENSORS
 from .stats import SQUARES_SAFE, fp16_thresholds, row_stats
 
 STAGED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -71,8 +73,9 @@ class FullStage:
         """Stage the full statistics of the CPU tensor `t` (`scale`: a CPU
         loss-scale tensor the values are divided by); None when `t` is not
         staged (see the module's docstring)."""
-        if t.dtype not in STAGED_DTYPES or scale is not None and not scale.is_cpu:
-            return None
+        if (type(t) not in PLAIN_TENSORS or t.dtype not in STAGED_DTYPES or not t.is_cpu
+                or scale is not None and not scale.is_cpu):
+            return None  # a device tensor's values would be read back (a sync); a DTensor is its shard's
         n = t.numel()
         if n == 0 or n > MAX_NUMEL or not t.is_contiguous():
             return None

@@ -100,6 +100,11 @@ def test_tensors_the_stage_leaves_to_the_per_tensor_path():
     assert stage.put(torch.empty(0)) is None
     assert stage.put(torch.randn(MAX_NUMEL + 1)) is None
     assert stage.put(torch.randn(8, 6)[:, ::2]) is None  # not contiguous
+    assert stage.put(torch.empty(4, device="meta")) is None  # not on the CPU: its values would be read back
+
+    class Sub(torch.Tensor):
+        pass
+    assert stage.put(torch.randn(4).as_subclass(Sub)) is None  # a subclass (a DTensor): its own rules
     with torch.inference_mode():
         inference = torch.randn(4)
     assert stage.put(inference) is None

@@ -212,15 +212,9 @@ class Shared:
                 return values
         if kw.keys() <= _STAGED_OPTIONS and (not kw or kw.get("unscale")):
             scale = kw.get("scale")
-            if st.full:
-                if type(t) in PLAIN_TENSORS and t.is_cpu:
-                    staged = self.full_stage.put(t, scale)
-                    if staged is not None:
-                        return staged
-            else:
-                staged = self.stage.put(t, scale)
-                if staged is not None:
-                    return staged
+            staged = (self.full_stage if st.full else self.stage).put(t, scale)
+            if staged is not None:
+                return staged
         return row_stats(t, full=st.full, near_overflow=self.near_overflow, **kw)
 
     def count_stats(self, st, t):
