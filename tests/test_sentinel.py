@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import amp_postmortem as ap
-from conftest import _collapse, _input_nan, _overflow, generate_short_sample_runs, record_run
+from conftest import OVERFLOW_STEP, _collapse, _input_nan, _overflow, generate_short_sample_runs, record_run
 from recorders import AmpRecorder
 from recorders.reexecute import ReexecutePolicy
 from recorders.schedule import RecordSchedule
@@ -503,7 +503,8 @@ def test_the_cyclic_collector_is_paused_for_a_reexecution_only(tmp_path, monkeyp
     try:
         torch.manual_seed(0)
         train(BoomNet(), batches(10, d_in=4, d_out=1, shape=(16,)), recorder=recorder_at(tmp_path / "run"),
-              on_step=_overflow, scaler={"init_scale": 2.0 ** 8}, after_step=lambda step, rec: after.append(gc.isenabled()))
+              on_step=_overflow, scaler={"init_scale": 2.0 ** 8},
+              after_step=lambda step, rec: after.append(gc.isenabled()))
     finally:
         gc.enable()
     assert seen == [False]  # the failing step, re-executed with the collector paused
@@ -520,10 +521,11 @@ def test_a_weight_written_in_place_after_the_forward_refuses_the_reexecution(tmp
     last = list(model.parameters())[-1]
 
     def write(step, micro_batch, rec):
-        if step == 7:
+        if step == OVERFLOW_STEP:
             with torch.no_grad():
                 last.mul_(1.0)  # the same values, a new version
     train(model, batches(10, d_in=4, d_out=1, shape=(16,)), recorder=recorder_at(tmp_path / "run"),
           on_step=_overflow, scaler={"init_scale": 2.0 ** 8}, after_backward=write)
     entries = _manifest(tmp_path / "run")["reexecutions"]
-    assert [(e["step"], e["check"], e.get("reason")) for e in entries] == [(7, "refused", "weights_not_held")]
+    assert [(e["step"], e["check"], e.get("reason")) for e in entries] == [
+        (OVERFLOW_STEP, "refused", "weights_not_held")]
