@@ -8,8 +8,10 @@ memory moved the launch-bound step by up to 6% (the first copy made ran
 slowest), which one copy per variant turned into a variant's cost. Every
 round steps every copy once on the same batch, in a shuffled order, so
 that drifts of a shared machine hit all alike; a variant's step of the
-round is the mean of its copies'. Figures are medians after warm-up; `paired`
-is the median of per-round ratios to the plain step of the same round;
+round is the mean of its copies'. Each copy holds its last loss until its
+next forward, as a training loop's `loss` variable does. Figures are
+medians after warm-up; `paired` is the median of per-round ratios to the
+plain step of the same round;
 `whole_run` is the sum of a variant's step times over plain's (every step
 counted, and every slow round of a shared machine too). `judged`, the
 figure set against the target, is the default's whole-run ratio built to
@@ -161,6 +163,7 @@ class _Runner:
         self.scaler = torch.amp.GradScaler("cpu") if scaler else None
         self.dtype, self.loss_fn, self.diverging = dtype, loss_fn, diverging
         self.rec, self.floor, self.handles, self.losses, self.times = None, None, [], [], []
+        self.last_loss = None
         self.step_no = 0
         self.kinds = []  # per step: "facts" (the step facts only), "cheap", "full", "reexecuted"
         if variant == "noop_hooks":
@@ -191,6 +194,12 @@ class _Runner:
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=self.dtype or torch.float16, enabled=self.dtype is not None):
             loss = self.loss_fn(self.model(x), y)
+        # The last step's loss, and its graph, go now, as a loop's `loss`
+        # variable is rebound after the next forward: the graphs then hand
+        # the parameters' AccumulateGrad nodes on from step to step, so a
+        # hook ever left on one costs every later step (freed at the
+        # function's return, as before 2026-12-06, they never did).
+        self.last_loss = loss
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         if self.scaler:
             self.scaler.step(self.opt)

@@ -97,6 +97,7 @@ class TrainingHooks:
                                         max_ops=probe.max_ops_per_call)
         self.sentinel = SentinelHooks(self.shared, model=model, params=self.params, on_backward_start=on_backward_start)
         self.sampled_hooks = bool(sampled_hooks)
+        self.params.by_producers = self.sampled_hooks  # see ParamGradCollector.hook_producers
         self.handles: list = []  # the hooks of every step (the root's, the optimizer's)
         self.step_handles: list = []  # the collectors' hooks
         self.attached = False  # the collectors' hooks are registered
@@ -165,6 +166,10 @@ class TrainingHooks:
         """From now on the collectors' hooks stay registered (a model found
         compiled: its graphs guard on the hooks they were traced with)."""
         self.sampled_hooks = False
+        if self.params.by_producers:
+            self.params.by_producers = False
+            if self.attached:  # this step's plain parameters waited for the graph: hooked now
+                self.params.hook_waiting()
         if self.registered:
             self.attach()
 

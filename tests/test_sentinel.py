@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -121,6 +122,59 @@ def test_steps_not_sampled_carry_no_module_hook(tmp_path):
     steps = ap.load_run(tmp_path / "run").steps
     assert [t if isinstance(t, str) else None for t in steps["tier"]] == ["cheap", None, None, "cheap", None, None]
     assert steps["grad_norm"].notna().all() and (steps["nonfinite_param_grads"] == 0).all()
+
+
+def _param_grad_rows(run, monkeypatch, by_producers: bool, hooked: list):
+    """TinyNet plus a temperature only the loss uses, two micro-batches a
+    step, the full tier at steps 0 and 3, trained through `train` (whose
+    `for` loop holds each loss until the next forward: the graphs hand the
+    parameters' AccumulateGrad nodes on); `hooked`: the parameters the
+    AccumulateGrad hooks were put on."""
+    import recorders.collectors.params as params_mod
+    from recorders.hooks import TrainingHooks
+
+    real_hook, real_init = params_mod._accumulator_hook, TrainingHooks.__init__
+
+    def counting(p, hook):
+        hooked.append(p)
+        return real_hook(p, hook)
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.params.by_producers = by_producers and self.sampled_hooks
+
+    monkeypatch.setattr(params_mod, "_accumulator_hook", counting)
+    monkeypatch.setattr(TrainingHooks, "__init__", init)
+    torch.manual_seed(0)
+    model = TinyNet()
+    model.temp = nn.Parameter(torch.tensor(0.5))
+
+    def loss_fn(m, x, y, step, accumulate):
+        return ((m(x).float() * m.temp - y) ** 2).mean() / accumulate
+    train(model, batches(12), accumulate=2, loss_fn=loss_fn,
+          recorder=recorder_at(run, schedule=RecordSchedule(cheap_every=3, full_every=3)))
+    monkeypatch.undo()
+    rows = ap.load_run(run).scan_tensors(kinds=["param_grad"])
+    return model, rows.drop(columns=[c for c in rows.columns if "time" in c]).sort_values(["step", "order"])
+
+
+def test_sampled_steps_find_parameter_gradients_in_the_graph_not_on_their_accumulators(tmp_path, monkeypatch):
+    """A hook on a parameter's AccumulateGrad node outlives its removal in
+    torch (the node keeps calling an emptied dict), and a loop that holds
+    its loss until the next forward hands that node from graph to graph:
+    every later backward paid for it. Sampled steps hook the nodes of
+    their own graph instead: the same rows, in the same order."""
+    hooked: list = []
+    model, rows = _param_grad_rows(tmp_path / "graph", monkeypatch, True, hooked)
+    # Only the temperature, which the model's graph does not reach, kept
+    # the AccumulateGrad hook (once a sampled step).
+    assert {id(p) for p in hooked} == {id(model.temp)} and len(hooked) == 2
+    before: list = []
+    other, want = _param_grad_rows(tmp_path / "accumulators", monkeypatch, False, before)
+    assert {id(p) for p in before} == {id(p) for p in other.parameters()}  # as before: every one
+    assert sorted(set(rows["step"])) == [0, 3] and "temp" in set(rows["name"])
+    assert len(rows) == 2 * len(list(model.parameters()))
+    pd.testing.assert_frame_equal(rows.reset_index(drop=True), want.reset_index(drop=True))
 
 
 def test_a_batchnorm_cnn_is_reexecuted_with_its_running_statistics_restored(tmp_path):

@@ -34,7 +34,13 @@ class ParamGradCollector:
         self._sharded = set(sharded)
         self._late_grads = set(late_grads)
         self._late_params: list = []
-        self._hooks = None  # (parameter, its guarded hook), built at the first register
+        self._hooks = None  # (name, parameter, its guarded hook), built at the first register
+        # Sampled hooks (`TrainingHooks.sampled_hooks`): a plain parameter's
+        # gradient is noted by the nodes of the step's own graph that hand
+        # it its gradient (`hook_producers`), not by its AccumulateGrad node.
+        self.by_producers = False
+        self._targets: dict = {}  # id(parameter) -> (name, parameter, hook): found from the graph
+        self._step_handles: list | None = None  # the hooks' handles of the step (TrainingHooks.step_handles)
         self._flat_views = list(flat_views)
         # The gradients the norm and the non-finite count are taken over:
         # the watched parameters', hooked or not (a step that is not
@@ -68,8 +74,9 @@ class ParamGradCollector:
                 eager(self.shared.guard(self._on_opt_pre, traced=False))))
 
     def register(self, handles: list) -> None:
-        """A post-accumulate-grad hook per watched parameter (sampled steps;
-        built once, registered on every sampled step)."""
+        """A post-accumulate-grad hook per watched parameter (built once,
+        registered on every sampled step); with `by_producers`, a plain
+        parameter's waits for the forward's graph (`hook_producers`)."""
         if self._hooks is None:
             guard = self.shared.guard
             self._hooks, self._late_params = [], []
@@ -80,9 +87,81 @@ class ParamGradCollector:
                     continue
                 # Run eagerly even when the backward runs inside compiled
                 # code: dynamo would otherwise compile one frame per shape.
-                self._hooks.append((p, eager(guard(hook, traced=False))))
-        for p, hook in self._hooks:
-            handles.append(_accumulator_hook(p, hook))
+                self._hooks.append((pname, p, eager(guard(hook, traced=False))))
+            self._targets = {id(p): entry for entry in self._hooks
+                             for p in entry[1:2] if type(p) in PLAIN_TENSORS and p.is_leaf}
+        self._step_handles = handles
+        for _, p, hook in self._hooks:
+            if not (self.by_producers and id(p) in self._targets):
+                handles.append(_accumulator_hook(p, hook))
+
+    def hook_waiting(self) -> None:
+        """The AccumulateGrad hooks `register` left to `hook_producers`,
+        registered now (`by_producers` turned off while attached)."""
+        for _, p, hook in self._hooks or ():
+            if id(p) in self._targets:
+                self._step_handles.append(_accumulator_hook(p, hook))
+
+    def hook_producers(self, st, outputs) -> None:
+        """A sampled step's forward has made `outputs` (the root's floating
+        outputs): hook the nodes of their graph that hand a watched plain
+        parameter its gradient. A hook on the parameter's AccumulateGrad
+        node would outlive the step: torch keeps a node's C++ hook after
+        its Python hook is removed, and a loop that holds its loss until
+        the next forward (as `for` loops do) hands that node from graph to
+        graph, so every later backward took the GIL and wrapped every
+        gradient for an empty dict (4.7% of the launch-bound proxy's step,
+        for good, after the first full-tier step). These nodes die with
+        the step's graph. The order is noted when the gradient is made (the
+        node runs right before the accumulation, which autograd runs
+        first), the statistics are taken from `p.grad` when the backward
+        pass ends (`_on_backward_end`): the accumulated value, as the
+        AccumulateGrad hook read it last. A parameter the graph does not
+        reach (used in a reentrant checkpoint's region, or by the loss
+        outside the model) keeps the AccumulateGrad hook."""
+        targets = self._targets
+        if not targets or self._step_handles is None:
+            return
+        found: dict = {}  # node -> [(slot, name, parameter)]
+        hit = set()
+        seen = set()
+        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            for slot, (nxt, _) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                if type(nxt) is ACCUMULATE_GRAD:
+                    entry = targets.get(id(nxt.variable))
+                    if entry is not None:
+                        found.setdefault(node, []).append((slot, entry[0], entry[1]))
+                        hit.add(id(entry[1]))
+                elif nxt not in seen:
+                    todo.append(nxt)
+        handles, guard_call = self._step_handles, self.shared.guard_call
+        for node, slots in found.items():
+            handles.append(node.register_hook(guard_call(self._note_producers, st, tuple(slots))))
+        if not st.producers_walked:  # the step's first forward: the others' parameters as before
+            st.producers_walked = True
+            for key, (_, p, hook) in targets.items():
+                if key not in hit:
+                    handles.append(_accumulator_hook(p, hook))
+
+    def _note_producers(self, st, slots, grad_inputs, grad_outputs) -> None:
+        shared = self.shared
+        if shared.state is not st or shared.paused or not st.record:
+            return
+        grads = st.param_grads
+        for slot, pname, p in slots:
+            if pname not in grads and slot < len(grad_inputs) and grad_inputs[slot] is not None:
+                grads[pname] = [st.bwd_order, None, None, None, None]  # its statistics at the pass's end
+                st.bwd_order += 1
+                st.noted_grads[pname] = p
+        self.await_backward_end(st)
+        st.forward_open = False
 
     def scale_tensor(self):
         if self.scale_override is not None:
@@ -95,7 +174,8 @@ class ParamGradCollector:
     def end_step(self, st) -> None:
         append_row = self.shared.append_row
         for pname, (order, s, _, dtype, numel) in st.param_grads.items():
-            append_row(st, pname, "param_grad", "backward", order, 0, dtype, numel, s)
+            if s is not None:  # None: noted (`hook_producers`), no gradient read since
+                append_row(st, pname, "param_grad", "backward", order, 0, dtype, numel, s)
 
     def _make_param_hook(self, pname, registered):
         ref = weakref.ref(registered)
@@ -169,6 +249,10 @@ class ParamGradCollector:
                 hook(p)
             for pname, view in self._grad_views:
                 g = view.grad()
+                if g is not None:
+                    self._record_grad(st, pname, g)
+            for pname, p in st.noted_grads.items():  # `hook_producers`: accumulated by now
+                g = p.grad
                 if g is not None:
                     self._record_grad(st, pname, g)
         self._measure_grad_norm(st, self.scale_tensor())

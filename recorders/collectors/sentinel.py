@@ -67,7 +67,14 @@ class SentinelHooks:
     def _on_root_post(self, module, args, kwargs, output):
         shared = self.shared
         st = shared.state
-        if (st.record or not st.in_forward or shared.paused or module is not self._root_ref()
+        if st.record:
+            # A sampled step (or a re-execution): the collectors record it;
+            # its parameters' gradients are found from this forward's graph.
+            if (self.params.by_producers and not shared.paused and module is self._root_ref()
+                    and torch.is_grad_enabled() and not in_backward()):
+                self.params.hook_producers(st, [t for t in float_tensors(output) if t.requires_grad])
+            return
+        if ( not st.in_forward or shared.paused or module is not self._root_ref()
                 or not torch.is_grad_enabled() or in_backward()):
             return
         st.in_forward = 0

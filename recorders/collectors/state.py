@@ -81,7 +81,9 @@ class StepState:
     # these empty, read-only ones (a write raises, and the guard says so),
     # until `containers()` (a step raised to the full tier) makes its own.
     meta = stats = contexts = param_values = ()
-    calls = stacks = recompute_stacks = param_grads = producers = walks = node_watches = MappingProxyType({})
+    calls = stacks = recompute_stacks = param_grads = producers = walks = node_watches = noted_grads = \
+        MappingProxyType({})
+    producers_walked = False  # a forward's graph was searched for parameters' gradients (`hook_producers`)
 
     def __init__(self, step_id: int, record: bool, full: bool):
         self.step_id = step_id
@@ -108,6 +110,9 @@ class StepState:
         # one forward: calls sharing a node share its hooks.
         self.node_watches: dict = {}
         self.param_values: list[tuple] = []
+        # name -> parameter whose gradient the step's graph hands it
+        # (ParamGradCollector.hook_producers): read when a backward pass ends.
+        self.noted_grads: dict = {}
 
 
 class TensorInfo:
