@@ -124,12 +124,13 @@ def test_steps_not_sampled_carry_no_module_hook(tmp_path):
     assert steps["grad_norm"].notna().all() and (steps["nonfinite_param_grads"] == 0).all()
 
 
-def _param_grad_rows(run, monkeypatch, by_producers: bool, hooked: list):
+def _param_grad_rows(run, monkeypatch, by_producers: bool, hooked: list, group: bool = False):
     """TinyNet plus a temperature only the loss uses, two micro-batches a
     step, the full tier at steps 0 and 3, trained through `train` (whose
     `for` loop holds each loss until the next forward: the graphs hand the
     parameters' AccumulateGrad nodes on); `hooked`: the parameters the
-    AccumulateGrad hooks were put on."""
+    AccumulateGrad hooks were put on; `group`: as if a process group were
+    initialised."""
     import recorders.collectors.params as params_mod
     from recorders.hooks import TrainingHooks
 
@@ -145,6 +146,8 @@ def _param_grad_rows(run, monkeypatch, by_producers: bool, hooked: list):
 
     monkeypatch.setattr(params_mod, "_accumulator_hook", counting)
     monkeypatch.setattr(TrainingHooks, "__init__", init)
+    if group:
+        monkeypatch.setattr(params_mod, "_process_group", lambda: True)
     torch.manual_seed(0)
     model = TinyNet()
     model.temp = nn.Parameter(torch.tensor(0.5))
@@ -175,6 +178,12 @@ def test_sampled_steps_find_parameter_gradients_in_the_graph_not_on_their_accumu
     assert sorted(set(rows["step"])) == [0, 3] and "temp" in set(rows["name"])
     assert len(rows) == 2 * len(list(model.parameters()))
     pd.testing.assert_frame_equal(rows.reset_index(drop=True), want.reset_index(drop=True))
+    # With a process group, a collective may rewrite `p.grad` before the
+    # backward ends (DDP's averaged buckets): every parameter keeps the
+    # AccumulateGrad hook, whose rows are the local gradients.
+    grouped: list = []
+    third, _ = _param_grad_rows(tmp_path / "group", monkeypatch, True, grouped, group=True)
+    assert {id(p) for p in grouped} == {id(p) for p in third.parameters()}
 
 
 def test_a_batchnorm_cnn_is_reexecuted_with_its_running_statistics_restored(tmp_path):

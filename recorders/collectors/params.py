@@ -118,9 +118,19 @@ class ParamGradCollector:
         pass ends (`_on_backward_end`): the accumulated value, as the
         AccumulateGrad hook read it last. A parameter the graph does not
         reach (used in a reentrant checkpoint's region, or by the loss
-        outside the model) keeps the AccumulateGrad hook."""
+        outside the model), and every parameter of a job with a process
+        group, keep the AccumulateGrad hook."""
         targets = self._targets
         if not targets or self._step_handles is None:
+            return
+        if self._sharded or self._late_grads or self._flat_views or _process_group():
+            # A collective may rewrite `p.grad` before the pass ends (DDP
+            # copies its averaged buckets back): the rows stay the local
+            # gradients, read as they are accumulated.
+            if not st.producers_walked:
+                st.producers_walked = True
+                for _, p, hook in targets.values():
+                    self._step_handles.append(_accumulator_hook(p, hook))
             return
         found: dict = {}  # node -> [(slot, name, parameter)]
         hit = set()
