@@ -88,8 +88,8 @@ class ParamGradCollector:
                 # Run eagerly even when the backward runs inside compiled
                 # code: dynamo would otherwise compile one frame per shape.
                 self._hooks.append((pname, p, eager(guard(hook, traced=False))))
-            self._targets = {id(p): entry for entry in self._hooks
-                             for p in entry[1:2] if type(p) in PLAIN_TENSORS and p.is_leaf}
+            self._targets = {id(entry[1]): entry for entry in self._hooks
+                             if type(entry[1]) in PLAIN_TENSORS and entry[1].is_leaf}
         self._step_handles = handles
         for _, p, hook in self._hooks:
             if not (self.by_producers and id(p) in self._targets):

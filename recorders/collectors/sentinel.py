@@ -9,8 +9,10 @@ outputs when the backward begins (one tensor hook per floating output), and
 from that first gradient the end of the backward pass, where the gradient
 facts are taken (`ParamGradCollector.await_backward_end`).
 
-On sampled steps these hooks do nothing: the full set (`ForwardCollector`
-and the others, registered for that step) records the step as before.
+On sampled steps the full set (`ForwardCollector` and the others,
+registered for that step) records the step as before; the root's forward
+hook only hands the forward's outputs to `ParamGradCollector.hook_producers`
+(the parameters' gradients, found in that step's graph).
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ class SentinelHooks:
                     and torch.is_grad_enabled() and not in_backward()):
                 self.params.hook_producers(st, [t for t in float_tensors(output) if t.requires_grad])
             return
-        if ( not st.in_forward or shared.paused or module is not self._root_ref()
+        if (not st.in_forward or shared.paused or module is not self._root_ref()
                 or not torch.is_grad_enabled() or in_backward()):
             return
         st.in_forward = 0
