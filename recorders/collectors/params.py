@@ -127,30 +127,9 @@ class ParamGradCollector:
             # A collective may rewrite `p.grad` before the pass ends (DDP
             # copies its averaged buckets back): the rows stay the local
             # gradients, read as they are accumulated.
-            if not st.producers_walked:
-                st.producers_walked = True
-                for _, p, hook in targets.values():
-                    self._step_handles.append(_accumulator_hook(p, hook))
-            return
-        found: dict = {}  # node -> [(slot, name, parameter)]
-        hit = set()
-        seen = set()
-        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        while todo:
-            node = todo.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            for slot, (nxt, _) in enumerate(node.next_functions):
-                if nxt is None:
-                    continue
-                if type(nxt) is ACCUMULATE_GRAD:
-                    entry = targets.get(id(nxt.variable))
-                    if entry is not None:
-                        found.setdefault(node, []).append((slot, entry[0], entry[1]))
-                        hit.add(id(entry[1]))
-                elif nxt not in seen:
-                    todo.append(nxt)
+            found, hit = {}, ()
+        else:
+            found, hit = _producers(outputs, targets)
         handles, guard_call = self._step_handles, self.shared.guard_call
         for node, slots in found.items():
             handles.append(node.register_hook(guard_call(self._note_producers, st, tuple(slots))))
@@ -406,6 +385,32 @@ def _process_group() -> bool:
     """`torch.distributed.is_initialized()` in one attribute read (a
     function call through the package costs ~3 us cold, on every step)."""
     return _GroupMember is not None and _GroupMember.WORLD is not None
+
+
+def _producers(outputs, targets: dict) -> tuple[dict, set]:
+    """The nodes of `outputs`' graph that hand a parameter of `targets`
+    (id -> (name, parameter, hook)) its gradient: ({node: [(slot, name,
+    parameter)]}, the ids of the parameters found)."""
+    found: dict = {}
+    hit = set()
+    seen = set()
+    todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for slot, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            if type(nxt) is ACCUMULATE_GRAD:
+                entry = targets.get(id(nxt.variable))
+                if entry is not None:
+                    found.setdefault(node, []).append((slot, entry[0], entry[1]))
+                    hit.add(id(entry[1]))
+            elif nxt not in seen:
+                todo.append(nxt)
+    return found, hit
 
 
 def _accumulator_hook(p, hook):
