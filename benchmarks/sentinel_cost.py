@@ -9,7 +9,11 @@ slowest), which one copy per variant turned into a variant's cost. Every
 round steps every copy once on the same batch, in a shuffled order, so
 that drifts of a shared machine hit all alike; a variant's step of the
 round is the mean of its copies'. Each copy holds its last loss until its
-next forward, as a training loop's `loss` variable does. Figures are
+next forward, as a training loop's `loss` variable does. Each recorder's
+writer runs on a lone job's clock: its intervals in seconds (the held
+steps' hand-over, the journal's fsync, the shard's roll) are scaled by the
+runners of a round (`lone_job_clock`; until 2026-12-06 23:40 UTC a copy handed its
+steps over ~5x as often as a lone job does). Figures are
 medians after warm-up; `paired` is the median of per-round ratios to the
 plain step of the same round;
 `whole_run` is the sum of a variant's step times over plain's (every step
@@ -150,13 +154,40 @@ def _Measured(cheap_steps):
     return Measured()
 
 
+def lone_job_clock(interleaved: int) -> dict:
+    """The recorder's options that give a copy stepped once a round among
+    `interleaved` runners the clock of a job running alone (with
+    `_Runner`'s scaling of the hold-back, the one interval no option sets).
+
+    The recorder's writer acts on wall time as well as on steps: held clean
+    steps go to its thread after 32 steps or 1 s (`run_writer.HOLD_BACK_S`),
+    the journal is fsynced every 5 s, a shard written every 60 s. A copy
+    here sees a round's time pass between two of its steps, `interleaved`
+    times a lone job's step or more: it handed its steps over every ~6
+    steps where a lone job of its speed does every 32, each hand-over
+    ~0.4 ms of its training thread (the writer's wake-up and GIL
+    hand-offs): 0.7-1.1 points of the launch-bound job's ratio that no job
+    running alone pays (2026-12-06, `sentinel_parts.py` with and without
+    the time limit). Each interval scaled by `interleaved` (a lower bound of
+    the round's time over the copy's own step) gives the copy a lone job's
+    steps per hand-over, fsync and shard, or fewer."""
+    if interleaved <= 1:
+        return {}
+    from recorders.options import WriterOptions
+    w = WriterOptions()
+    return {"writer": WriterOptions(steps_per_shard=w.steps_per_shard, max_queue=w.max_queue,
+                                    flush_interval_s=w.flush_interval_s * interleaved,
+                                    durable_interval_s=w.durable_interval_s * interleaved)}
+
+
 class _Runner:
     """One variant's copy of the job, stepped once a call."""
 
     def __init__(self, variant, template, make_opt, dtype, scaler, loss_fn, run_dir, diverging, cheap_steps=(),
-                 options=None):
+                 options=None, interleaved: int = 1):
         import torch
         from recorders import AmpRecorder
+        options = dict(lone_job_clock(interleaved), **(options or {}))
         self.variant = variant
         self.model = copy.deepcopy(template)
         self.opt = make_opt(self.model.parameters())
@@ -175,11 +206,14 @@ class _Runner:
             from sentinel_floor import FactsFloor, FloorSentinel
             self.floor = (FloorSentinel if variant == "floor" else FactsFloor)(self.model, self.opt, self.scaler)
         elif variant == "every_step":
-            self.rec = AmpRecorder(run_dir, self.model, optimizer=self.opt, scaler=self.scaler, mode="every_step")
+            self.rec = AmpRecorder(run_dir, self.model, optimizer=self.opt, scaler=self.scaler, mode="every_step",
+                                   **options)
         elif variant == "default":
-            options = dict({"schedule": _Measured(cheap_steps) if cheap_steps else None}, **(options or {}))
+            options = dict({"schedule": _Measured(cheap_steps) if cheap_steps else None}, **options)
             self.rec = AmpRecorder(run_dir, self.model, optimizer=self.opt, scaler=self.scaler, mode="sentinel",
                                    **options)
+        if self.rec is not None and interleaved > 1:
+            self.rec.run_writer._hold_back_s *= interleaved  # see lone_job_clock
 
     def step(self, x, y, force_full: bool = False) -> float:
         import torch
@@ -251,7 +285,8 @@ def measure(job: str, *, rounds: int, warmup: int, smoke: bool, seed: int = 0, c
         cheap = set() if rounds >= CHEAP_EVERY else {warmup + rounds * k // 8 for k in (1, 3, 5, 7)}
         for v in made:
             runners[v].append(_Runner(v, template, make_opt, dtype, scaler, loss_fn,
-                                      Path(tmp) / f"{v}{len(runners[v])}", job == "diverging", cheap_steps=cheap))
+                                      Path(tmp) / f"{v}{len(runners[v])}", job == "diverging", cheap_steps=cheap,
+                                      interleaved=len(made)))
         del throwaway
         order = [(v, c) for v in VARIANTS for c in range(copies)]
         per_round, kinds = [], []

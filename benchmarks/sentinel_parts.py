@@ -10,7 +10,8 @@ takes facts-only steps (`RecordSchedule(cheap_every=10**9, full_every=0)`:
 no sampled tier, and no re-execution on a job without events), `--copies`
 copies each (3), made in a shuffled order, stepped once a round in a
 shuffled order; a variant's figure is the median over rounds of its mean
-step's ratio to plain's in the same round (paired).
+step's ratio to plain's in the same round (paired). Each recorder runs on a
+lone job's clock (`sentinel_cost.lone_job_clock`).
 
 Variants (`--variants`, comma-separated; plain always first):
 - `plain`, `floor` (`sentinel_floor.FloorSentinel`), `facts_floor`
@@ -45,7 +46,7 @@ DEFAULT_VARIANTS = "plain,floor,facts_floor,default,default-bundles-reexecute-lo
 PARTS = {"bundles": {"bundles": False}, "reexecute": {"reexecute": False}, "loss_tap": {"capture_loss": False}}
 
 
-def _variant(name: str, template, make_opt, dtype, scaler, loss_fn, run_dir, diverging):
+def _variant(name: str, template, make_opt, dtype, scaler, loss_fn, run_dir, diverging, interleaved: int = 1):
     from recorders.schedule import RecordSchedule
     base, *off = name.split("-")
     unknown = [p for p in off if p not in PARTS and p != "writer"]
@@ -55,7 +56,7 @@ def _variant(name: str, template, make_opt, dtype, scaler, loss_fn, run_dir, div
     for part in off:
         options.update(PARTS.get(part, {}))
     runner = _Runner(base, template, make_opt, dtype, scaler, loss_fn, run_dir, diverging,
-                     options=options if base == "default" else None)
+                     options=options if base == "default" else None, interleaved=interleaved)
     if "writer" in off:
         runner.rec.run_writer.submit_step = lambda pending, clean: None
     return runner
@@ -73,7 +74,7 @@ def measure(job: str, variants: list[str], *, rounds: int, warmup: int, copies: 
         warnings.simplefilter("ignore")
         for v in made:
             runners[v].append(_variant(v, template, make_opt, dtype, scaler, loss_fn,
-                                       Path(tmp) / f"{v}{len(runners[v])}", job == "diverging"))
+                                       Path(tmp) / f"{v}{len(runners[v])}", job == "diverging", len(made)))
         order = [(v, c) for v in variants for c in range(copies)]
         for r in range(warmup + rounds):
             rng.shuffle(order)

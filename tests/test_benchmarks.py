@@ -241,6 +241,26 @@ def test_sentinel_cost_smoke_measures_every_job_and_variant_and_changes_no_bit(t
         assert job["target"]["default_at_most"] > 1 and isinstance(job["target"]["met"], bool)
 
 
+def test_sentinel_cost_copies_run_their_writers_on_a_lone_jobs_clock(tmp_path):
+    """A copy stepped once a round among 15 runners sees 15 steps' time pass
+    between two of its own: its writer's intervals in seconds are scaled by
+    that, so that it hands over, fsyncs and rolls per step as a lone job."""
+    import sentinel_cost
+    from recorders import run_writer
+    from recorders.options import WriterOptions
+    template, make_opt, dtype, scaler, _, loss_fn = sentinel_cost._job("mlp", True)
+    for interleaved in (1, 15):
+        for variant in ("default", "every_step"):
+            r = sentinel_cost._Runner(variant, template, make_opt, dtype, scaler, loss_fn,
+                                      tmp_path / f"{variant}{interleaved}", False, interleaved=interleaved)
+            w = r.rec.run_writer
+            assert w._hold_back_s == pytest.approx(run_writer.HOLD_BACK_S * interleaved)
+            assert w.flush_interval_s == pytest.approx(WriterOptions().flush_interval_s * interleaved)
+            assert w.shards.journal.durable_interval_s == pytest.approx(
+                WriterOptions().durable_interval_s * interleaved)
+            r.close()
+
+
 def test_xp_recorder_cost_smoke_measures_keras_tf_with_its_probe(tmp_path):
     """One child process (Keras on TensorFlow: its four variants, the
     probe's difference). Keras on JAX shares the Keras child's code; Flax
