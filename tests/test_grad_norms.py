@@ -1,11 +1,13 @@
 """`NormPlan`: the CPU's grouped gradient norms equal the per-tensor loop's,
 in the gradients' own order, and give way to the loop on what the plan did
 not foresee."""
+import math
+
 import pytest
 import torch
 
 from recorders.collectors.grad_norms import (BIG_NUMEL, MIN_GROUP, NormPlan, big_positions, cpu_norms, grad_norms,
-                                             settle)
+                                             settle, square_sum)
 
 
 def _params(shapes, dtype=torch.float32):
@@ -71,6 +73,20 @@ def test_a_float32_overflow_is_taken_again_in_float64():
     norms, sq = settle(plan.norms(), plan.grad_at)
     assert norms.dtype == torch.float64 and torch.isfinite(norms).all() and sq == float((norms ** 2).sum())
     assert _in_params_order(plan, norms)[1].item() == pytest.approx(1e30 * 8, rel=1e-6)
+
+
+def test_norms_whose_squares_overflow_float32_are_summed_in_float64():
+    """Finite float32 norms of ~1e20: their square sum (a float32 dot
+    product) overflows, the float64 one does not; a NaN stays NaN."""
+    params = _params([(4,)] * MIN_GROUP)
+    grads = _grads(params)
+    grads[2].fill_(1e20)  # a norm of 2e20: finite in float32, its square is not
+    plan = NormPlan(params)
+    norms, sq = settle(plan.norms(), plan.grad_at)
+    assert torch.isfinite(norms).all() and math.isfinite(sq)
+    assert sq == pytest.approx(float((norms.double() ** 2).sum()), rel=1e-6) and sq > 4e40
+    assert square_sum(torch.tensor([3.0, 4.0])) == 25.0
+    assert math.isnan(square_sum(torch.tensor([1.0, float("nan")])))
 
 
 def test_big_gradients_are_taken_by_dot_in_their_place():

@@ -3,13 +3,12 @@ each backward pass ends, and the optimizer's pre-step hook."""
 from __future__ import annotations
 
 import math
-import operator
 import weakref
 
 import torch
 
 from ..layout import PLAIN_TENSORS, local
-from .grad_norms import GRAD, NormPlan, cpu_norms, grad_norms, settle
+from .grad_norms import GRAD, NormPlan, cpu_norms, grad_norms, settle, square_sum
 from .state import ACCUMULATE_GRAD, Shared, dtype_name, eager
 
 
@@ -275,8 +274,7 @@ class ParamGradCollector:
                         # One reduction, one read, the square sum in C
                         # (the usual small model: no group, no big matrix).
                         norms = torch.stack(torch._foreach_norm(list(map(GRAD, self._grad_tensors)), 2))
-                        values = norms.tolist()
-                        sq = sum(map(operator.mul, values, values))
+                        sq = square_sum(norms)
                         if math.isfinite(sq):
                             st.grad_norms, st.grad_norm_names, st.grad_scale, st.grad_sq_host = norms, names, scale, sq
                             return
