@@ -95,7 +95,7 @@ def square_sum(norms: torch.Tensor) -> float:
     norms into Python floats and summing them there, on the launch-bound
     proxy's 288). A float32 sum overflows (Inf) from norms of ~1e19:
     `settle` then sums them again in float64; NaN stays NaN."""
-    return torch.dot(norms, norms).item() if norms.dim() == 1 else float((norms * norms).sum())
+    return torch.dot(norms, norms).item()
 
 
 def big_positions(params: list, work: torch.dtype) -> frozenset:

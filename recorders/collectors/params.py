@@ -8,7 +8,7 @@ import weakref
 import torch
 
 from ..layout import PLAIN_TENSORS, local
-from .grad_norms import GRAD, NormPlan, cpu_norms, grad_norms, settle, square_sum
+from .grad_norms import GRAD, NormPlan, cpu_norms, grad_norms, settle
 from .state import ACCUMULATE_GRAD, Shared, dtype_name, eager
 
 
@@ -245,6 +245,10 @@ class ParamGradCollector:
                     self._record_grad(st, pname, g)
         self._measure_grad_norm(st, self.scale_tensor())
 
+    def _grad_at(self, i: int):
+        """The gradient of the `i`-th plain parameter (`settle`'s float64 retake)."""
+        return self._grad_tensors[i].grad
+
     def _measure_grad_norm(self, st, scale) -> None:
         """Square sums of this rank's gradients (local shards), unscaled
         with `scale` (None: already unscaled); every micro-batch's backward
@@ -273,12 +277,8 @@ class ParamGradCollector:
                     if plan.simple:
                         # One reduction, one read, the square sum in C
                         # (the usual small model: no group, no big matrix).
-                        norms = torch.stack(torch._foreach_norm(list(map(GRAD, self._grad_tensors)), 2))
-                        sq = square_sum(norms)
-                        if math.isfinite(sq):
-                            st.grad_norms, st.grad_norm_names, st.grad_scale, st.grad_sq_host = norms, names, scale, sq
-                            return
-                        norms, st.grad_sq_host = settle(norms, lambda i: self._grad_tensors[i].grad)
+                        norms, st.grad_sq_host = settle(
+                            torch.stack(torch._foreach_norm(list(map(GRAD, self._grad_tensors)), 2)), self._grad_at)
                     elif plan.useful:
                         # In the plan's order, names alike: no list of
                         # every gradient, no reordering of the norms.
