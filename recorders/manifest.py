@@ -78,12 +78,13 @@ class RunManifest:
         self.set_bundles(saved, missed)
         self.write()
 
-    def note_reexecution(self, entry: dict, capped: int) -> None:
-        """A re-execution's entry (`step_rows.reexecution_check`), and how
-        many events the cap left without one so far."""
+    def note_reexecution(self, entry: dict | None, gaps: dict) -> None:
+        """A re-execution's entry (`step_rows.reexecution_check`), and the
+        steps left without one so far (`StepSentinel.gaps`: the events the
+        cap left, the steps whose device facts were not judged in the job)."""
         if entry is not None:
             self.data.setdefault("reexecutions", []).append(plain(entry, keep_nonfinite=True))
-        self.data["reexecutions_capped"] = int(capped)
+        self.data.update(gaps)
 
     def set_lost_updates(self, report: dict | None) -> None:
         """`collectors.updates.LostUpdates.report()`: absent when no parameter is held in low precision."""

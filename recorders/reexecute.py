@@ -74,6 +74,10 @@ from .stats import float_tensors, grad_facts
 KINDS = ("skipped", "growth_probe", "scale_collapse", "nonfinite_loss", "nonfinite_gradient", "spike")
 # A skip at a scale this many times below the largest seen is a collapse's.
 COLLAPSE_FACTOR = 16.0
+# Steps named per kind of gap in the manifest (capped events, undecided
+# steps): the first ones, which are the ones a post-mortem asks about; the
+# counts go on.
+NOTED_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,7 @@ class ReexecuteTrigger:
         self.last: dict[str, int] = {}
         self.count = 0
         self.capped = 0
+        self.capped_steps: list[int] = []  # the first `NOTED_STEPS` of them (the manifest's)
         self._losses = _Recent(policy.spike_window, policy.spike_factor)
         self._norms = _Recent(policy.spike_window, policy.spike_factor)
         self._prev_scale: float | None = None
@@ -217,6 +222,8 @@ class ReexecuteTrigger:
         if self.count >= self.policy.max_reexecutions or (
                 last is not None and facts.step - last < self.policy.min_interval):
             self.capped += 1
+            if len(self.capped_steps) < NOTED_STEPS:
+                self.capped_steps.append(facts.step)
             return Decision(kind, capped=True)
         self.last[kind] = facts.step
         self.count += 1
@@ -506,10 +513,21 @@ class StepSentinel:
         self._deferring: _Deferred | None = None  # the step `close_step` just left undecided
         self._waiting: _Deferred | None = None    # the one whose row waits
         self.undecided = 0  # rows handed on undecided: their copy was not on the host a step later
+        self.undecided_steps: list[int] = []  # the first `NOTED_STEPS` of them (the manifest's)
 
     @property
     def capped(self) -> int:
         return self.trigger.capped
+
+    def gaps(self) -> dict:
+        """Events left without a re-execution and steps not judged in the job,
+        for the manifest (`RunManifest.note_reexecution`): counts and the
+        first `NOTED_STEPS` steps of each, so that the analyzer can say why a
+        failing step has no rows."""
+        return {"reexecutions_capped": self.trigger.capped,
+                "reexecutions_capped_steps": list(self.trigger.capped_steps),
+                "reexecutions_undecided": self.undecided,
+                "reexecutions_undecided_steps": list(self.undecided_steps)}
 
     def close_step(self, finished, loss_t, *, scale_before, compiled: bool) -> tuple[Outcome | None, bool]:
         """(the re-execution's `Outcome`, or None when none is asked for or
@@ -576,6 +594,8 @@ class StepSentinel:
                 p.event.synchronize()
             elif not p.event.query():
                 self.undecided += 1  # the device is more than a step behind: not read (no sync)
+                if len(self.undecided_steps) < NOTED_STEPS:
+                    self.undecided_steps.append(p.step)
                 return p
         scalars = self.rows.scalars(p)
         sq, count, loss = scalars.get("grad_sqsum"), scalars.get("grad_nonfinite"), scalars.get("loss")

@@ -196,8 +196,9 @@ class RunWriter:
         if self.update_counts is not None:
             summary["lost_updates"] = self.update_counts(pending.step)
         self.bundles.on_step_summary(summary)
-        if self.sentinel is not None and (summary.get("reexecution") is not None or self.sentinel.capped):
-            self.manifest.note_reexecution(summary.get("reexecution"), self.sentinel.capped)
+        if self.sentinel is not None and (summary.get("reexecution") is not None or self.sentinel.capped
+                                          or self.sentinel.undecided):
+            self.manifest.note_reexecution(summary.get("reexecution"), self.sentinel.gaps())
         graph_autocast = summary.get("graph_autocast")
         if graph_autocast is not None and not self.manifest.autocast_enabled():
             # The root's forward ran in a compiled graph: no eager hook

@@ -315,6 +315,9 @@ def test_a_step_whose_copy_is_not_on_the_host_a_step_later_goes_undecided():
     sentinel._deferring = _Deferred(type("St", (), {"step_id": 4})(), None, False)
     assert sentinel.hand_over(second) == [first] and sentinel.undecided == 1
     assert sentinel.release(judge=False) == [second] and not sentinel.waits
+    # The manifest names it: the analyzer says why the step has no rows.
+    gaps = sentinel.gaps()
+    assert (gaps["reexecutions_undecided"], gaps["reexecutions_undecided_steps"]) == (1, [3])
 
 
 def test_reexecutions_are_capped_on_a_diverging_job(tmp_path):
@@ -329,6 +332,28 @@ def test_reexecutions_are_capped_on_a_diverging_job(tmp_path):
     assert [(e["step"], e["kind"]) for e in m["reexecutions"]] == [
         (2, "nonfinite_loss"), (12, "nonfinite_loss"), (22, "nonfinite_loss")]
     assert m["reexecutions_capped"] == 30 - 2 - 3
+    # The first capped events by step (the counts go on past them).
+    assert m["reexecutions_capped_steps"] == [*range(3, 12), *range(13, 20)]
+    assert m["reexecutions_undecided"] == 0 and m["reexecutions_undecided_steps"] == []
+
+
+def test_a_failing_step_the_cap_left_says_so(tmp_path):
+    """No re-execution allowed at all: the first NaN step has its facts
+    only, and `nans` and `summary` say it was the cap, not an unknown."""
+    def plant(step, model, x):
+        x.mul_(1e6 if step >= 4 else 1.0)
+    torch.manual_seed(0)
+    train(TinyNet(), batches(12), recorder=recorder_at(tmp_path / "run", reexecute=ReexecutePolicy(max_reexecutions=0)),
+          on_step=plant, scaler={"init_scale": 2.0 ** 8})
+    m = _manifest(tmp_path / "run")
+    assert "reexecutions" not in m and m["reexecutions_capped_steps"][0] == 4
+    nans = ap.nans(tmp_path / "run")
+    assert nans.to_dict()["first_unrecorded_loss_step_why"] == {"why": "capped", "reason": None,
+                                                               "capped": m["reexecutions_capped"], "undecided": 0}
+    assert any("re-execution cap" in line for line in nans.lines())
+    lead = ap.summary(tmp_path / "run").to_dict()["findings"][0]
+    assert lead["step"] == 4 and "re-execution cap" in lead["message"]
+    assert lead["evidence"]["not_reexecuted"]["why"] == "capped"
 
 
 def test_a_failing_step_without_rows_is_critical_with_its_layer_undetermined(tmp_path):
@@ -348,6 +373,7 @@ def test_a_failing_step_without_rows_is_critical_with_its_layer_undetermined(tmp
     assert _lead(tmp_path / "run") == ("nonfinite", "critical", 7, None)
     lead = ap.summary(tmp_path / "run").to_dict()["findings"][0]
     assert "undetermined" in lead["message"] and "not re-executed" in lead["message"]
+    assert "re-executes no step" in lead["message"] and lead["evidence"]["not_reexecuted"]["why"] == "off"
 
 
 def test_every_step_mode_and_the_env_variable(tmp_path, monkeypatch):
@@ -592,3 +618,8 @@ def test_a_weight_written_in_place_after_the_forward_refuses_the_reexecution(tmp
     entries = _manifest(tmp_path / "run")["reexecutions"]
     assert [(e["step"], e["check"], e.get("reason")) for e in entries] == [
         (OVERFLOW_STEP, "refused", "weights_not_held")]
+    nans = ap.nans(tmp_path / "run").to_dict()
+    assert nans["first_unrecorded_loss_step"] == OVERFLOW_STEP
+    assert (nans["first_unrecorded_loss_step_why"]["why"], nans["first_unrecorded_loss_step_why"]["reason"]) == (
+        "refused", "weights_not_held")
+    assert "refused (weights_not_held)" in ap.summary(tmp_path / "run").to_dict()["findings"][0]["message"]

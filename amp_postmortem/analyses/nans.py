@@ -152,6 +152,8 @@ class NanReport(CommandResult):
     # neither sampled nor re-executed. The first failure may be among them,
     # where no row can name its layer.
     unrecorded_loss_steps: list[int] = field(default_factory=list)
+    # Why the first of them has no re-executed rows (`no_rerun`), or None.
+    unrecorded_why: dict | None = None
 
     def document(self) -> dict:
         layers = [{k: plain(v) for k, v in row.items()} for row in self.layers.to_dict("records")]
@@ -175,6 +177,7 @@ class NanReport(CommandResult):
             "op_origin": self.op_origin,
             "unrecorded_loss_steps": len(self.unrecorded_loss_steps),
             "first_unrecorded_loss_step": self.unrecorded_loss_steps[0] if self.unrecorded_loss_steps else None,
+            "first_unrecorded_loss_step_why": self.unrecorded_why,
         }
 
     # Readable at the prompt and in Jupyter (display.py).
@@ -198,8 +201,9 @@ class NanReport(CommandResult):
         unrecorded = ([f"non-finite loss at step {self.unrecorded_loss_steps[0]}"
                        + (f" (and {len(self.unrecorded_loss_steps) - 1} more step(s) before any recorded NaN/Inf)"
                           if len(self.unrecorded_loss_steps) > 1 else "")
-                       + ": no per-layer row was recorded there (not sampled, not re-executed), so its origin "
-                         "is undetermined"] if self.unrecorded_loss_steps else [])
+                       + ": no per-layer row was recorded there (not sampled, not re-executed: "
+                       + (no_rerun_words(self.unrecorded_why) if self.unrecorded_why else "reason unknown")
+                       + "), so its origin is undetermined"] if self.unrecorded_loss_steps else [])
         if self.first_nonfinite_step is None:
             return unrecorded + ["No NaN/Inf in any recorded tensor."]
         out = list(unrecorded)
@@ -321,7 +325,7 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
     fwd = origins["forward"]
     unrecorded = unrecorded_steps(run, [s for s in facts.nonfinite_loss_steps if fwd is None or s < fwd.step])
     return NanReport(
-        unrecorded_loss_steps=unrecorded,
+        unrecorded_loss_steps=unrecorded, unrecorded_why=no_rerun(run, unrecorded[0]) if unrecorded else None,
         origin=origin, origins=origins, layers=layers[LAYER_COLUMNS], backward_scaler_handled=handled,
         backward_calibration=handled and origins["backward"].step in calibration_steps(run),
         has_scaler=run.scaler is not None,
@@ -344,6 +348,61 @@ def unrecorded_steps(run: Run, steps: list[int], limit: int = 64) -> list[int]:
         return []
     rows = table[table["step"].isin(steps)].groupby("step")["tensor_rows"].sum()
     return [s for s in steps if int(rows.get(s, 0) or 0) == 0]
+
+
+class NoRerun(str, Enum):
+    """Why a step the sentinel did not sample has no re-executed rows, as
+    the run's manifests say (`reexecutions`, `reexecutions_capped_steps`,
+    `reexecutions_undecided_steps`)."""
+    OFF = "off"                # the recorder re-executes nothing (bundles=False, reexecute=False)
+    REFUSED = "refused"        # the event's re-execution was refused: the entry's reason
+    CAPPED = "capped"          # the re-execution cap left the event without one
+    UNDECIDED = "undecided"    # its device facts were not on the host a step later: not judged in the job
+    NOT_RECORDED = "not_recorded"  # the run does not say (older runs; a step past the noted ones)
+
+
+def no_rerun(run: Run, step: int) -> dict:
+    """`{"why": a `NoRerun` value, "reason": the refusal's reason or None, "capped":
+    events capped in the run, "undecided": steps not judged}` for `step`,
+    read from every rank's manifest."""
+    manifests = [run.manifest, *getattr(run, "rank_manifests", {}).values()]
+    capped = max((int(m.get("reexecutions_capped") or 0) for m in manifests), default=0)
+    undecided = max((int(m.get("reexecutions_undecided") or 0) for m in manifests), default=0)
+    out = {"why": NoRerun.NOT_RECORDED.value, "reason": None, "capped": capped, "undecided": undecided}
+    options = run.manifest.get("recorder") if isinstance(run.manifest.get("recorder"), dict) else {}
+    if "reexecute" in options:  # absent: a run from before the sentinel
+        policy = options["reexecute"]
+        if policy is None:
+            return dict(out, why=NoRerun.OFF.value)
+        if isinstance(policy, dict) and policy.get("refused"):  # the job's layout refuses all (DDP/FSDP)
+            return dict(out, why=NoRerun.REFUSED.value, reason=policy["refused"])
+    for m in manifests:
+        for entry in m.get("reexecutions") or []:
+            if isinstance(entry, dict) and entry.get("step") == step and entry.get("check") == "refused":
+                return dict(out, why=NoRerun.REFUSED.value, reason=entry.get("reason"))
+    for key, why in (("reexecutions_capped_steps", NoRerun.CAPPED),
+                     ("reexecutions_undecided_steps", NoRerun.UNDECIDED)):
+        if any(step in (m.get(key) or []) for m in manifests):
+            return dict(out, why=why.value)
+    return out
+
+
+def no_rerun_words(gap: dict) -> str:
+    """Why a step has no re-executed rows, for `NanReport.lines` and the summary."""
+    why = NoRerun(gap["why"])
+    if why is NoRerun.OFF:
+        return "the recorder re-executes no step (AmpRecorder(bundles=False) or reexecute=False)"
+    if why is NoRerun.REFUSED:
+        return f"its re-execution was refused ({gap['reason'] or 'no reason recorded'})"
+    if why is NoRerun.CAPPED:
+        return (f"the re-execution cap left its event without one ({gap['capped']} event(s) in the run; "
+                f"AmpRecorder(reexecute=ReexecutePolicy(...)) sets the cap)")
+    if why is NoRerun.UNDECIDED:
+        return ("its device facts were not on the host a step later, so the job did not judge it "
+                f"({gap['undecided']} such step(s))")
+    return "the run does not say why it was not re-executed" + (
+        f" ({gap['capped']} event(s) capped, {gap['undecided']} step(s) not judged in the job)"
+        if gap["capped"] or gap["undecided"] else "")
 
 
 def applied_nonfinite_steps(run: Run) -> list[int]:

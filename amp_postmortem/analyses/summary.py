@@ -79,7 +79,7 @@ from .fp16_reductions import Program, find_fp16_reductions
 from .loss_scaling import AppliedBy, Basis, ScalingMistake, loss_scaling_mistake
 from .instability import find_instability
 from .precision_verdict import Verdict, undetermined
-from .nans import applied_nonfinite_steps, basis_words, find_nans
+from .nans import applied_nonfinite_steps, basis_words, find_nans, no_rerun_words
 from .ranges import DTYPE_LIMITS, WINDOW, lapsed_words, layer_ranges, recent_words, sampled_values
 from .scale import ScaleStatus, scale_dynamics, underflow_phrase
 from .update_remedies import Verification, check_line, unchecked
@@ -318,6 +318,7 @@ def _nonfinite_finding(nans, applied_bad: list, target: str) -> Finding | None:
                        f"amp-postmortem nans {target}",
                        {"origin": None, "unrecorded_loss_steps": len(nans.unrecorded_loss_steps),
                         "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
+                        "not_reexecuted": nans.unrecorded_why,
                         "first_recorded_origin": fwd.to_dict() if fwd else None})
     if fwd is not None:
         # The finding's layer: the origin when its step decides it, else
@@ -620,8 +621,9 @@ def _unrecorded_words(first: int, fwd, nans) -> str:
     later = (f"; the first recorded NaN/Inf, at step {fwd.step}, is in {_display(fwd.name)} ({fwd.kind}), "
              f"which may only show what step {first} left behind" if fwd is not None else
              "; no recorded row holds a NaN/Inf")
+    why = no_rerun_words(nans.unrecorded_why) if nans.unrecorded_why else "reason unknown"
     return (f"the loss turned non-finite at step {first}, a step that recorded no per-layer row (not sampled, and "
-            f"not re-executed: the manifest's reexecutions say why, or its cap was reached): which layer made it "
+            f"not re-executed: {why}): which layer made it "
             f"is undetermined{later}; the loss was NaN/Inf in {len(nans.nonfinite_loss_steps)} step(s). "
             f"AmpRecorder(mode=\"every_step\") records every step's rows")
 
