@@ -209,6 +209,7 @@ class GeneralDevicePath:
     `device_general`."""
 
     on_cpu = True
+    rows = ()  # staged rows: never any (`Shared.flush_stage` tests them)
 
     def put(self, t, scale=None):
         import torch

@@ -61,7 +61,7 @@ class FullStage:
 
     def __init__(self, near_overflow: float):
         self.near_overflow = near_overflow
-        self._rows: list = []  # (FullRow, float32 copy, loss scale or None)
+        self.rows: list = []  # (FullRow, float32 copy, loss scale or None)
         self._held = 0
         self._recent: dict = {}  # id(tensor) -> (weakref, version, scale, row): a tensor seen twice
         self.staged = 0  # rows staged so far (tests, benchmarks)
@@ -91,7 +91,7 @@ class FullStage:
             self.flush()
         d = t.detach() if t.requires_grad else t
         row = FullRow()
-        self._rows.append((row, d.to(torch.float32, copy=True).view(-1), scale))
+        self.rows.append((row, d.to(torch.float32, copy=True).view(-1), scale))
         self._held += n
         self.staged += 1
         self.unresolved = True
@@ -105,10 +105,10 @@ class FullStage:
 
     def flush(self) -> bool:
         """Give every staged row its values; whether there were any."""
-        rows = self._rows
+        rows = self.rows
         if not rows:
             return False
-        self._rows, self._held, self._recent = [], 0, {}
+        self.rows, self._held, self._recent = [], 0, {}
         groups: dict = {}
         for row, x, scale in rows:
             groups.setdefault((x.numel(), id(scale)), []).append((row, x, scale))

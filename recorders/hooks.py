@@ -136,12 +136,16 @@ class TrainingHooks:
         """Start collecting the step `step_id` at `tier` ('full', 'cheap' or
         None: not recorded)."""
         self.shared.state = StepState(step_id, tier is not None, tier == "full")
-        self.updates.begin_step(step_id)
-        self.graph.set_gate(tier is not None and not self.shared.paused)
+        # Tests written out, not calls: this runs at every step's end.
+        if self.updates.params:  # its hooks exist only then
+            self.updates.begin_step(step_id)
+        gate = tier is not None and not self.shared.paused
+        if gate is not self.graph.gate_on:
+            self.graph.set_gate(gate)
         if self.registered and self.sampled_hooks:
             if tier is not None:
                 self.attach()
-            else:
+            elif self.attached:
                 self.detach()
 
     def raise_to_full(self) -> bool:

@@ -74,7 +74,7 @@ class StatsStage:
         self._device = None
         self._buffer = None
         self._views: dict = {}  # (start, shape) -> the buffer's view there
-        self._rows: list[StagedRow] = []
+        self.rows: list[StagedRow] = []
         self._offsets: list[int] = [0]  # where each staged row starts, and the end of the last
         self._scaled: list[bool] = []
         self._scale = None  # the loss-scale tensor of this flush's scaled rows
@@ -122,7 +122,7 @@ class StatsStage:
         dst.copy_(d.detach() if d.requires_grad else d)
         row = StagedRow(device)
         self.staged += 1
-        self._rows.append(row)
+        self.rows.append(row)
         self._offsets.append(start + n)
         self._scaled.append(scale is not None)
         if scale is not None:
@@ -135,11 +135,11 @@ class StatsStage:
 
     def flush(self) -> None:
         """Reduce the staged rows and set their values (device work only)."""
-        rows = self._rows
+        rows = self.rows
         if not rows:
             return
         starts, scaled, scale = self._offsets, self._scaled, self._scale
-        self._rows, self._offsets, self._scaled, self._scale = [], [0], [], None
+        self.rows, self._offsets, self._scaled, self._scale = [], [0], [], None
         self._recent = {}
         device = self._device
         mask = self._const(device, torch.bool, scaled) if scale is not None else None

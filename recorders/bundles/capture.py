@@ -47,10 +47,12 @@ from ..stats import iter_tensors
 from ..format.tensor_codec import clone_tree, encode_inputs
 from .decisions import BundleDecisions
 from .directory import precision_flags
-from .held import ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now, rng_state
+from .held import VERSION, ModelInventory, MicroBatch, PendingBundle, SnapshotPool, StepCapture, clone_now, rng_state
 from .policy import BundlePolicy
 from .triggers import BundleTriggers
 from .window import WindowCapture
+
+_PLAIN = frozenset(PLAIN_TENSORS)  # a forward's arguments all of these: held as they are
 
 
 class BundleCapture:
@@ -157,8 +159,8 @@ class BundleCapture:
         if self.clone_inputs:
             args, kwargs = clone_tree(args), clone_tree(kwargs)
         rng = rng_state()
-        if not kwargs and all(type(a) in PLAIN_TENSORS for a in args):  # model(x, y): no tree to walk
-            versions = [(t, t._version) for t in args]
+        if not kwargs and _PLAIN.issuperset(map(type, args)):  # model(x, y): no tree to walk (mapped in C)
+            versions = list(zip(args, map(VERSION, args)))
         else:
             versions = [(t, t._version) for t in iter_tensors((args, kwargs))]
         self._current.micro_batches.append(MicroBatch(args, kwargs, versions, rng))
@@ -179,7 +181,8 @@ class BundleCapture:
         # touched every counter (a third of the cost): a loop may write the
         # weights between steps (a planted fault, a reload), and the step's
         # re-execution then runs on the weights its forward used.
-        cap.param_version_sum, cap.buffer_versions = inv.param_version_sum(), inv.buffer_versions()
+        cap.param_version_sum = inv.param_version_sum()
+        cap.buffer_versions = inv.buffer_versions() if inv.buffers else []  # no buffers: no call
         cap.opt_steps = self._opt_steps
         if self._buffer_pool is not None:
             cap.buffers = self._buffer_pool.take()
@@ -221,7 +224,8 @@ class BundleCapture:
         copied (a bundle of such a step says `copy_after_update`)."""
         if not self.enabled:
             return
-        self._service()
+        if self.decisions.decided or self._unposted or self.window is not None:  # `_service`'s test, no call
+            self._service()
         # The weights are about to change: held, undecided steps whose
         # weights are still those of their forward (skipped steps) get a copy.
         if self._awaiting_copy:
@@ -248,7 +252,7 @@ class BundleCapture:
             opt = self.optimizer
             if opt is not None:  # as this step used them: a scheduler may change them later
                 # Shallow copies ("params" dropped when a bundle is made).
-                cap.optimizer_groups = [dict(g) for g in opt.param_groups]
+                cap.optimizer_groups = list(map(dict, opt.param_groups))
         if self.window is not None:
             self.window.on_pre_step()
         self._opt_steps += 1
@@ -352,7 +356,8 @@ class BundleCapture:
                     self._evict()
         if self.window is not None:
             self.window.on_step_end(step, stepped)
-        self._service()
+        if self.decisions.decided or self._unposted or self.window is not None:  # `_service`'s test
+            self._service()
 
     def _evict(self) -> None:
         """More steps held than `hold_steps`: the writer fell behind; give up
@@ -393,7 +398,7 @@ class BundleCapture:
 
     def _service(self) -> None:
         """Apply the writer thread's decisions."""
-        if not (self.decisions.pending or self._unposted or self.window is not None):
+        if not (self.decisions.decided or self._unposted or self.window is not None):
             return  # most calls: nothing decided since the last
         decided = self.decisions.take()
         if self.window is not None:

@@ -38,7 +38,10 @@ class BundleDecisions:
         self._on_change = on_change
         # shared with the training thread, under the lock
         self._lock = threading.Lock()
-        self._decisions: dict[int, dict | None] = {}
+        # step -> order (None: no), made here, taken by `take`; the training
+        # thread tests it without the lock at every step (one reference,
+        # atomic under the GIL: a decision landing meanwhile waits a step).
+        self.decided: dict[int, dict | None] = {}
         self._explicit: dict[int, list[str]] = {}
         self._no_loss: set[int] = set()
         # writer thread only
@@ -58,19 +61,14 @@ class BundleDecisions:
             if no_loss:
                 self._no_loss.add(step)
 
-    @property
-    def pending(self) -> bool:
-        """Decisions wait to be taken (read without the lock: see `take`)."""
-        return bool(self._decisions)
-
     def take(self) -> dict[int, dict | None]:
         """The decisions made since the last call: step -> order (None: no)."""
-        if not self._decisions:
+        if not self.decided:
             # Read without the lock (one reference, atomic under the GIL): a
             # decision that lands meanwhile is taken at the next call.
             return _NONE
         with self._lock:
-            decisions, self._decisions = self._decisions, {}
+            decisions, self.decided = self.decided, {}
         return decisions
 
     # -------------------------------------------------------- writer thread
@@ -91,7 +89,7 @@ class BundleDecisions:
                      "growth_tracker_after": summary.get("growth_tracker"),
                      "summary": {k: summary.get(k) for k in ("loss", "loss_scale", "loss_scale_before", "skipped")}}
         with self._lock:
-            self._decisions[step] = order
+            self.decided[step] = order
 
     def miss(self, step, reasons, why, refund=False) -> None:
         if refund:

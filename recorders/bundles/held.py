@@ -17,7 +17,7 @@ from ..layout import (PLAIN_TENSORS, all_module_names, canonical_modules, fsdp1_
                       local_value, shard_placements, unwrap, user_class, version_of)
 from ..format.plain import plain
 
-_VERSION = operator.attrgetter("_version")
+VERSION = operator.attrgetter("_version")  # a tensor's version counter, read in C over many
 
 
 class ModelInventory:
@@ -136,11 +136,11 @@ class ModelInventory:
         if self._plain_params is None:
             self._plain_params = all(isinstance(p, torch.Tensor) for p in self.params)
         if self._plain_params:
-            return sum(map(_VERSION, self.params))  # in C: read every step
+            return sum(map(VERSION, self.params))  # in C: read every step
         return sum(version_of(p) for p in self.params)
 
     def buffer_versions(self) -> list[int]:
-        return list(map(_VERSION, self.buffers))
+        return list(map(VERSION, self.buffers))
 
 
 def _raw_prefix(model) -> str:

@@ -242,6 +242,7 @@ class GraphStats:
         # between) would make autograd refuse the backward (version check).
         self._gates = (torch.zeros((), dtype=torch.float64, device=self.device),
                        torch.ones((), dtype=torch.float64, device=self.device))
+        self.gate_on = True  # which of them `gate` is (read at every step's start: `TrainingHooks.begin_step`)
         self.gate = self._gates[1]
         self.ran = False  # a traced hook ran since the last `take`
 
@@ -252,7 +253,8 @@ class GraphStats:
 
     # ------------------------------------------------------------- host
     def set_gate(self, on: bool) -> None:
-        self.gate = self._gates[bool(on)]
+        self.gate_on = bool(on)
+        self.gate = self._gates[self.gate_on]
 
     def take(self):
         """The values written since the last take (one flat tensor on the

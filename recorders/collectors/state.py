@@ -231,9 +231,14 @@ class Shared:
 
     def flush_stage(self) -> None:
         """Give every staged row of the step its values (device work;
-        the full tier's, host values in their places in the step's rows)."""
-        self.stage.flush()
-        self.flush_full()
+        the full tier's, host values in their places in the step's rows).
+        Tested here, not in each stage: a step not sampled has none, and
+        this runs at every step's end."""
+        if self.stage.rows:
+            self.stage.flush()
+        full = self.full_stage
+        if full.rows or full.unresolved:
+            self.flush_full()
 
     def flush_full(self) -> None:
         """The full tier's staged rows, their values in their places in
