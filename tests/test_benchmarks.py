@@ -346,3 +346,15 @@ def test_facts_floor_takes_the_defaults_facts_and_sentinel_parts_times_every_var
     assert all(v["paired"] > 0 for v in doc["result"]["variants"].values())
     with pytest.raises(SystemExit):
         sentinel_parts.main(["--smoke", "--variants", "default-nothing"])
+
+
+def test_step_instructions_smoke_runs_every_variant_and_reads_callgrind_totals(tmp_path):
+    """`step_instructions.py` (callgrind's count of the training thread's
+    instructions a step) runs each variant's loop without valgrind, refuses
+    an unknown variant with exit 2, and reads a callgrind file's total."""
+    import step_instructions
+    assert step_instructions.main(["--smoke"]) == 0
+    assert step_instructions.main(["--smoke", "--variants", "plain,typo"]) == 2
+    f = tmp_path / "callgrind.default.out-01"
+    f.write_text("version: 1\ncreator: callgrind-3.19.0\nevents: Ir\nsummary: 0\nfn=(1) main\n0 5\ntotals: 123456\n")
+    assert step_instructions._totals(f) == 123456
