@@ -289,9 +289,7 @@ def _full_stats(d, finite_abs, top, inv, scale, near_overflow):
     return [mn, mx, mean, rms, zero, below_normal, below_sub, near, size]
 
 
-# n * absmax**2 at most this: the float32 sums of x and x**2 cannot overflow
-# (float32 ends near 2**128), so x is summed as it is.
-SQUARES_SAFE = 2.0 ** 120
+SQUARES_SAFE = schema.SQUARES_SAFE  # no sum of squares below it can overflow float32
 
 
 def _mean_rms(x, top, n, *, scratch: bool, divide: bool = True):

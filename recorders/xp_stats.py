@@ -29,9 +29,7 @@ from .format import schema
 
 CHEAP_WIDTH = 5
 FULL_WIDTH = CHEAP_WIDTH + len(schema.FULL_STATS) - len(schema.CHEAP_STATS)
-# n * absmax**2 at most this: float32 sums of x and x**2 cannot overflow
-# (stats.py's rule).
-SQUARES_SAFE = 2.0 ** 120
+SQUARES_SAFE = schema.SQUARES_SAFE  # stats.py's rule
 
 
 def share_sample(flat, n: int | None, xp, cast):

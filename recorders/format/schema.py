@@ -78,6 +78,10 @@ WINDOW_PREDICTION_KEY = "amp_postmortem.prediction"
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 6.103515625e-05  # 2**-14
 FP16_MIN_SUBNORMAL = 5.960464477539063e-08  # 2**-24
+# n * absmax**2 at most this: the float32 sums of x and x**2 cannot overflow
+# (float32 ends near 2**128), so x is summed as it is, unscaled (`stats.py`,
+# `xp_stats.py`: one rule for every framework's statistics).
+SQUARES_SAFE = 2.0 ** 120
 
 # The full tier's threshold shares are counted on at most this many values
 # per tensor (an evenly strided sample, the same positions every step).
