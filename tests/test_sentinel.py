@@ -623,3 +623,21 @@ def test_a_weight_written_in_place_after_the_forward_refuses_the_reexecution(tmp
     assert (nans["first_unrecorded_loss_step_why"]["why"], nans["first_unrecorded_loss_step_why"]["reason"]) == (
         "refused", "weights_not_held")
     assert "refused (weights_not_held)" in ap.summary(tmp_path / "run").to_dict()["findings"][0]["message"]
+
+
+def test_why_a_step_was_not_reexecuted_reads_odd_manifests_as_unknown():
+    """`no_rerun` on manifests it cannot read (hand-edited, older): not
+    recorded, never an exception."""
+    from amp_postmortem.analyses.nans import no_rerun
+
+    class Run:
+        rank_manifests = {1: "not a manifest"}
+
+        def __init__(self, manifest):
+            self.manifest = manifest
+    odd = {"recorder": {"reexecute": {"refused": None}}, "reexecutions": "x", "reexecutions_capped": "3",
+           "reexecutions_capped_steps": 7, "reexecutions_undecided": True}
+    assert no_rerun(Run(odd), 7) == {"why": "not_recorded", "reason": None, "capped": 0, "undecided": 0}
+    assert no_rerun(Run({}), 7)["why"] == "not_recorded"
+    assert no_rerun(Run({"recorder": {"reexecute": None}}), 7)["why"] == "off"
+    assert no_rerun(Run({"reexecutions_capped": 2, "reexecutions_capped_steps": [5, 7]}), 7)["why"] == "capped"

@@ -365,9 +365,9 @@ def no_rerun(run: Run, step: int) -> dict:
     """`{"why": a `NoRerun` value, "reason": the refusal's reason or None, "capped":
     events capped in the run, "undecided": steps not judged}` for `step`,
     read from every rank's manifest."""
-    manifests = [run.manifest, *getattr(run, "rank_manifests", {}).values()]
-    capped = max((int(m.get("reexecutions_capped") or 0) for m in manifests), default=0)
-    undecided = max((int(m.get("reexecutions_undecided") or 0) for m in manifests), default=0)
+    manifests = [m for m in (run.manifest, *getattr(run, "rank_manifests", {}).values()) if isinstance(m, dict)]
+    capped = max((_count(m.get("reexecutions_capped")) for m in manifests), default=0)
+    undecided = max((_count(m.get("reexecutions_undecided")) for m in manifests), default=0)
     out = {"why": NoRerun.NOT_RECORDED.value, "reason": None, "capped": capped, "undecided": undecided}
     options = run.manifest.get("recorder") if isinstance(run.manifest.get("recorder"), dict) else {}
     if "reexecute" in options:  # absent: a run from before the sentinel
@@ -377,14 +377,24 @@ def no_rerun(run: Run, step: int) -> dict:
         if isinstance(policy, dict) and policy.get("refused"):  # the job's layout refuses all (DDP/FSDP)
             return dict(out, why=NoRerun.REFUSED.value, reason=policy["refused"])
     for m in manifests:
-        for entry in m.get("reexecutions") or []:
+        for entry in _listed(m.get("reexecutions")):
             if isinstance(entry, dict) and entry.get("step") == step and entry.get("check") == "refused":
                 return dict(out, why=NoRerun.REFUSED.value, reason=entry.get("reason"))
     for key, why in (("reexecutions_capped_steps", NoRerun.CAPPED),
                      ("reexecutions_undecided_steps", NoRerun.UNDECIDED)):
-        if any(step in (m.get(key) or []) for m in manifests):
+        if any(step in _listed(m.get(key)) for m in manifests):
             return dict(out, why=why.value)
     return out
+
+
+def _count(value) -> int:
+    """A manifest count; anything else (a hand-edited file) counts nothing."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _listed(value) -> list:
+    """A manifest list; anything else reads as empty."""
+    return value if isinstance(value, list) else []
 
 
 def no_rerun_words(gap: dict) -> str:
