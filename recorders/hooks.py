@@ -140,7 +140,7 @@ class TrainingHooks:
         if self.updates.params:  # its hooks exist only then
             self.updates.begin_step(step_id)
         gate = tier is not None and not self.shared.paused
-        if gate is not self.graph.gate_on:
+        if gate != self.graph.gate_on:
             self.graph.set_gate(gate)
         if self.registered and self.sampled_hooks:
             if tier is not None:

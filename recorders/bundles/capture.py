@@ -224,8 +224,7 @@ class BundleCapture:
         copied (a bundle of such a step says `copy_after_update`)."""
         if not self.enabled:
             return
-        if self.decisions.decided or self._unposted or self.window is not None:  # `_service`'s test, no call
-            self._service()
+        self._service()
         # The weights are about to change: held, undecided steps whose
         # weights are still those of their forward (skipped steps) get a copy.
         if self._awaiting_copy:
@@ -356,8 +355,7 @@ class BundleCapture:
                     self._evict()
         if self.window is not None:
             self.window.on_step_end(step, stepped)
-        if self.decisions.decided or self._unposted or self.window is not None:  # `_service`'s test
-            self._service()
+        self._service()
 
     def _evict(self) -> None:
         """More steps held than `hold_steps`: the writer fell behind; give up

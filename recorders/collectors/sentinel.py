@@ -22,11 +22,7 @@ import torch
 
 from ..stats import float_tensors
 from .autocast import read_autocast
-from .state import Shared
-
-# `state.in_backward` in C (its Python frame cost as much as the test, twice
-# a step): inside a backward pass (a checkpoint's recomputation) when not -1.
-_graph_task = torch._C._current_graph_task_id
+from .state import Shared, in_backward
 
 
 class SentinelHooks:
@@ -61,7 +57,7 @@ class SentinelHooks:
         # Not on a sampled step (the collectors record it), nor in a
         # checkpoint's recomputation or an evaluation pass.
         if (st.record or st.in_forward or shared.paused or module is not self._root_ref()
-                or not torch.is_grad_enabled() or _graph_task() != -1):
+                or not torch.is_grad_enabled() or in_backward()):
             return
         st.in_forward = 1
         if not st.micro_batches:
@@ -77,11 +73,11 @@ class SentinelHooks:
             # A sampled step (or a re-execution): the collectors record it;
             # its parameters' gradients are found from this forward's graph.
             if (self.params.by_producers and not shared.paused and module is self._root_ref()
-                    and torch.is_grad_enabled() and _graph_task() == -1):
+                    and torch.is_grad_enabled() and not in_backward()):
                 self.params.hook_producers(st, [t for t in float_tensors(output) if t.requires_grad])
             return
         if (not st.in_forward or shared.paused or module is not self._root_ref()
-                or not torch.is_grad_enabled() or _graph_task() != -1):
+                or not torch.is_grad_enabled() or in_backward()):
             return
         st.in_forward = 0
         if type(output) is torch.Tensor:  # the usual model: no walk of an output tree
