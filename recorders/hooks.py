@@ -214,6 +214,7 @@ class TrainingHooks:
         finished step's state. `loss`: the detached loss tensor or None."""
         shared = self.shared
         st = shared.state
+        st.grads_read = None  # the optimizer has stepped: the gradients go with the loop's
         if self.autocast_watch.children_ran:
             self.autocast_watch.end_step()
         if not (st.record or st.contexts or st.param_grads or st.param_values):

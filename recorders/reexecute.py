@@ -52,11 +52,12 @@ What is held, and so what can be re-executed:
 """
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left as _bisect_left, insort as _insort
 import contextlib
 import enum
 import gc
 import math
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -149,6 +150,9 @@ class Refusal(enum.Enum):
     FAILED = "failed"                      # the re-execution raised (restored; recording goes on)
 
 
+_new_tuple = tuple.__new__
+
+
 class StepFacts(NamedTuple):
     """A step's facts as host values (None: unknown); `loss_scale`: the
     scale its backward used. A tuple: made on every step, in one call."""
@@ -212,6 +216,20 @@ class ReexecuteTrigger:
         self._max_scale: float | None = None
 
     def decide(self, facts: StepFacts) -> Decision:
+        # The usual step first, in one test (this runs on every step): a
+        # step taken, no non-finite gradient, a loss and a norm under their
+        # spike bounds, which are finite (`_Recent`): a NaN or an Inf fails.
+        loss, norm = facts.loss, facts.grad_norm
+        if (not facts.skipped and not facts.nonfinite_grads and loss is not None and norm is not None
+                and abs(loss) <= self._losses.limit and abs(norm) <= self._norms.limit):
+            scale = facts.loss_scale
+            if scale is not None:  # as `_remember`
+                self._prev_scale = scale
+                if self._max_scale is None or scale > self._max_scale:
+                    self._max_scale = scale
+            self._losses.add(loss)
+            self._norms.add(norm)
+            return _NO_EVENT
         kind = self._event(facts)
         self._remember(facts)
         if kind is None:
@@ -278,9 +296,10 @@ def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
         unscale = float(scale) if scale is not None and st.grad_scale is not None else None
         if unscale is None or unscale:
             sq = sq / unscale / unscale if unscale else sq
-            return StepFacts(st.step_id, loss=loss_t.item() if loss_t is not None and loss_t.numel() == 1 else None,
-                             grad_norm=math.sqrt(sq), nonfinite_grads=0,
-                             loss_scale=float(scale) if scale is not None else None)
+            # Made in C (the named tuple's `__new__` is a Python call).
+            return _new_tuple(StepFacts, (st.step_id, False, float(scale) if scale is not None else None,
+                                          loss_t.item() if loss_t is not None and loss_t.numel() == 1 else None,
+                                          math.sqrt(sq), 0))
     norms, sqsum = st.grad_norms, st.grad_sqsum
     scale_tensor = isinstance(scale, torch.Tensor)
     # Attribute tests, not a loop: this runs on every step.
@@ -307,11 +326,16 @@ def host_facts(st, loss_t, *, skipped: bool, scale=None) -> StepFacts | None:
     return StepFacts(st.step_id, loss=loss, grad_norm=norm, nonfinite_grads=count, loss_scale=scale_value)
 
 
+# The bound of a series without a spike rule yet: the largest float, so
+# that `abs(value) <= limit` also says the value is finite.
+_NO_LIMIT = sys.float_info.max
+
+
 class _Recent:
     """The last `size` finite values of a series, kept sorted as they come,
     and the spike rule's bound on the next value: `factor` times their
     median once there are 10 of them and the median is positive (else
-    infinite: no spike). Made when a value is added, so that the rule
+    none: the largest float). Made when a value is added, so that the rule
     reads one number every step."""
 
     __slots__ = ("order", "ranked", "factor", "limit")
@@ -320,17 +344,18 @@ class _Recent:
         self.order: deque = deque(maxlen=size)
         self.ranked: list = []
         self.factor = factor
-        self.limit = math.inf
+        self.limit = _NO_LIMIT
 
     def add(self, value: float) -> None:
         order, ranked = self.order, self.ranked
         if len(order) == order.maxlen:
-            del ranked[bisect.bisect_left(ranked, order[0])]
+            del ranked[_bisect_left(ranked, order[0])]
         order.append(value)
-        bisect.insort(ranked, value)
-        if len(ranked) >= 10:
-            median = ranked[len(ranked) // 2]
-            self.limit = self.factor * median if median > 0 else math.inf
+        _insort(ranked, value)
+        n = len(ranked)
+        if n >= 10:
+            median = ranked[n // 2]
+            self.limit = min(self.factor * median, _NO_LIMIT) if median > 0 else _NO_LIMIT
 
 
 @contextlib.contextmanager
@@ -537,7 +562,7 @@ class StepSentinel:
         self._deferring = None  # set below for this step only: never a stale one for `hand_over`
         if finished.record:
             return None, False  # sampled: its rows are there
-        scale = scale_before if isinstance(scale_before, torch.Tensor) or (
+        scale = None if scale_before is None else scale_before if isinstance(scale_before, torch.Tensor) or (
             isinstance(scale_before, float) and math.isfinite(scale_before)) else None
         skipped = (self.has_scaler and finished.stepped is False
                    and (finished.micro_batches or finished.backward_passes) > 0)
@@ -547,8 +572,10 @@ class StepSentinel:
                 self._deferring = _Deferred(finished, loss_t, compiled)
             return None, False
         decision = self.trigger.decide(facts)
-        if decision.kind is None or decision.capped:
-            return None, decision.kind is None and self._above_floor(scale)
+        if decision is _NO_EVENT:
+            return None, self.scaler is None or self._above_floor(scale)
+        if decision.capped:
+            return None, False
         return self._reexecute(finished.step_id, decision.kind, scale, compiled), False
 
     def hand_over(self, pending) -> list:

@@ -70,8 +70,12 @@ def _put_vector(host: dict, dev: list, keys: list, key: str, value) -> None:
         dev.append(value.detach().reshape(-1).to(torch.float64))
 
 def _put_grad_facts(host: dict, dev: list, keys: list, prefix: str, state) -> None:
-    if state.grad_norms is not None:
-        _put_vector(host, dev, keys, prefix + "grad_norms", state.grad_norms)
+    norms = state.grad_norms
+    if norms is not None:
+        if norms.is_cpu and not norms.requires_grad:  # the usual CPU step: `_put_vector`'s first case
+            host[prefix + "grad_norms"] = norms
+        else:
+            _put_vector(host, dev, keys, prefix + "grad_norms", norms)
         host[prefix + "grad_unscale"] = state.grad_scale is not None
         sq = state.grad_sq_host
         if sq is not None and math.isfinite(sq):
@@ -138,7 +142,8 @@ class StepRows:
                 p.graph_slots, p.graph_size = graph_slots, graph.numel()
         optimizer = self.optimizer
         if optimizer is not None:
-            p.lr = [host_float(g.get("lr")) for g in optimizer.param_groups]
+            # A float as it is (the usual lr): no call a group.
+            p.lr = [lr if type(lr := g.get("lr")) is float else host_float(lr) for g in optimizer.param_groups]
             p.stepped = facts.stepped
         host, dev, keys = {}, [], []  # keys: (key, 0 for a scalar, else the vector's length), in dev's order
         if loss_t is not None and loss_t.numel() == 1:

@@ -459,6 +459,55 @@ def test_the_trigger_tells_a_probe_a_collapse_and_a_failure_apart():
     assert trigger.decide(StepFacts(13, skipped=True, loss=float("nan"), loss_scale=16.0)).kind == "nonfinite_loss"
 
 
+def test_the_quiet_steps_test_judges_as_the_rules_do():
+    """`decide`'s test for the usual step (one condition) against the rules
+    it stands for: a NaN or an Inf loss or norm is never quiet nor
+    remembered, a spike still fires once ten values give a median, and the
+    scales of quiet steps are remembered for a later skip's judgement."""
+    from recorders.reexecute import ReexecuteTrigger, StepFacts
+    nan, inf = float("nan"), float("inf")
+    trigger = ReexecuteTrigger(ReexecutePolicy(min_interval=1))
+    for step in range(12):
+        assert trigger.decide(StepFacts(step, loss=1.0, grad_norm=2.0, nonfinite_grads=0, loss_scale=1024.0)).kind is None
+    assert trigger.decide(StepFacts(12, loss=inf, grad_norm=2.0, nonfinite_grads=0)).kind == "nonfinite_loss"
+    assert trigger.decide(StepFacts(13, loss=nan, grad_norm=2.0)).kind == "nonfinite_loss"
+    # An Inf norm with no count (a device job's row): no event, and not remembered.
+    assert trigger.decide(StepFacts(14, loss=1.0, grad_norm=inf)).kind is None
+    assert trigger.decide(StepFacts(15, loss=1.0, grad_norm=nan)).kind is None
+    assert trigger._norms.limit == 20.0 and inf not in trigger._norms.ranked
+    assert trigger.decide(StepFacts(16, loss=1.0, grad_norm=21.0, nonfinite_grads=0)).kind == "spike"
+    assert trigger.decide(StepFacts(17, loss=11.0, grad_norm=2.0, nonfinite_grads=0)).kind == "spike"
+    assert trigger.decide(StepFacts(18, loss=1.0, grad_norm=2.0, nonfinite_grads=3)).kind == "nonfinite_gradient"
+    # The scale quiet steps saw (1024): a skip at 64 is a collapse.
+    assert trigger.decide(StepFacts(19, skipped=True, loss=1.0, loss_scale=64.0)).kind == "scale_collapse"
+    fresh = ReexecuteTrigger(ReexecutePolicy())
+    assert fresh.decide(StepFacts(0, loss=1e300, grad_norm=1e300, nonfinite_grads=0)).kind is None  # no bound yet
+
+
+def test_the_gradients_the_norms_read_live_to_the_step_end_and_no_longer(tmp_path):
+    """The gradients the facts-only step's norms read stay referenced until
+    `rec.step()` (the optimizer then finds their Python objects made), and
+    not past it: a loop that frees its gradients frees them then."""
+    import weakref
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    rec = AmpRecorder(tmp_path / "run", model, optimizer=opt)
+    x = torch.randn(4, 8)
+    for step in range(3):
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step:  # a step not sampled (step 0 is the full tier's)
+            assert all(g() is not None for g in grads)  # kept by the step's state
+        rec.step(loss)
+        del loss
+        assert all(g() is None for g in grads)
+    rec.close()
+
+
 class _Drifting(nn.Module):
     """A module whose output depends on how often it ran: a re-execution
     cannot reproduce its step (as nondeterministic kernels or a faulty

@@ -163,21 +163,27 @@ class NormPlan:
         # gradient as it is (`ParamGradCollector`'s few-line path).
         self.simple = not self.useful and self.uniform and not self.big
 
-    def norms(self) -> torch.Tensor | None:
+    def norms(self, read: list | None = None) -> torch.Tensor | None:
         """The norms of the parameters' gradients in the plan's order
         (`order`): each group's, then the rest's, read off the parameters
         group by group (no list of them all). Raises on gradients the plan
-        did not foresee (missing, sparse)."""
+        did not foresee (missing, sparse). `read`: a list that gets the
+        lists of gradients read (`ParamGradCollector` keeps them)."""
         if not self.useful:
             return None
         work = self.work
         parts = []
         for params in self.group_params:
-            rows = torch.cat(list(map(GRAD, params))).reshape(len(params), -1)
+            grads = list(map(GRAD, params))
+            if read is not None:
+                read.append(grads)
+            rows = torch.cat(grads).reshape(len(params), -1)
             parts.append(torch.linalg.vector_norm(rows, dim=1, dtype=work if rows.dtype != work else None))
         if self.rest:
-            parts.append(torch.stack(_foreach_norms(list(map(GRAD, self.rest_params)), work, self.rest_uniform,
-                                                    self.rest_big)))
+            grads = list(map(GRAD, self.rest_params))
+            if read is not None:
+                read.append(grads)
+            parts.append(torch.stack(_foreach_norms(grads, work, self.rest_uniform, self.rest_big)))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def in_order(self, items: list) -> list:

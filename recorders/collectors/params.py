@@ -274,19 +274,26 @@ class ParamGradCollector:
                     if plan is None:
                         plan = self._norm_plan = NormPlan(self._grad_tensors)
                         self._plan_names = plan.in_order(names)
+                    # The gradients read are kept with the step (`grads_read`)
+                    # until it ends: the optimizer's step then finds each
+                    # one's Python object made, where it made them again
+                    # (one object per gradient and step, made and freed
+                    # twice). They die with the step's state: no longer
+                    # than to `rec.step()`, as a loop's gradients live.
                     if plan.simple:
                         # One reduction, one read, the square sum in C
                         # (the usual small model: no group, no big matrix).
-                        norms, st.grad_sq_host = settle(
-                            torch.stack(torch._foreach_norm(list(map(GRAD, self._grad_tensors)), 2)), self._grad_at)
+                        st.grads_read = grads = list(map(GRAD, self._grad_tensors))
+                        norms, st.grad_sq_host = settle(torch.stack(torch._foreach_norm(grads, 2)), self._grad_at)
                     elif plan.useful:
                         # In the plan's order, names alike: no list of
                         # every gradient, no reordering of the norms.
-                        norms, st.grad_sq_host = settle(plan.norms(), plan.grad_at)
+                        st.grads_read = read = []
+                        norms, st.grad_sq_host = settle(plan.norms(read), plan.grad_at)
                         names = self._plan_names
                     else:
-                        norms, st.grad_sq_host = cpu_norms(list(map(GRAD, self._grad_tensors)),
-                                                           plan.work, plan.uniform, plan.big)
+                        st.grads_read = grads = list(map(GRAD, self._grad_tensors))
+                        norms, st.grad_sq_host = cpu_norms(grads, plan.work, plan.uniform, plan.big)
                 else:
                     norms = grad_norms(list(map(GRAD, self._grad_tensors)), on_host=False)
             except (TypeError, RuntimeError, AttributeError):

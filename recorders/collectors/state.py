@@ -84,6 +84,7 @@ class StepState:
     calls = stacks = recompute_stacks = param_grads = producers = walks = node_watches = noted_grads = \
         MappingProxyType({})
     producers_walked = False  # a forward's graph was searched for parameters' gradients (`hook_producers`)
+    grads_read = None  # the CPU gradients the norms read (`ParamGradCollector._measure_grad_norm`)
 
     def __init__(self, step_id: int, record: bool, full: bool):
         self.step_id = step_id
