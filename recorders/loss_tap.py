@@ -47,6 +47,11 @@ class MicroBatchLosses:
         if _usable(loss):
             self._returned.append(loss.detach())
 
+    @property
+    def captured(self) -> bool:
+        """A loss of the current step was captured (`close_step` combines them)."""
+        return bool(self._backpropagated or self._returned)
+
     def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         taken = self._backpropagated, self._returned
         self._backpropagated, self._returned = [], []

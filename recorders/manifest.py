@@ -126,6 +126,10 @@ def bare_manifest(run_dir: Path, rank: int, world_size: int, run_id: str | None)
         "rank": rank, "world_size": world_size})
 
 
+# What a bundle.json says of the job (`BundleCapture`'s run_info): keys of `describe_job`'s.
+RUN_INFO = ("run_id", "rank", "world_size", "package_version", "device_type", "device_name", "scaler")
+
+
 def describe_job(*, run_id: str, rank: int, world_size: int, model: torch.nn.Module, optimizer, scaler,
                  recorder_options: dict, survey=None, module_names: dict | None = None,
                  watched: list[str] | None = None, params: list | None = None, model_class: type | None = None,

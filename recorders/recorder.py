@@ -24,9 +24,10 @@ from .hooks import TrainingHooks
 from .layout import fsdp1_sharded_params, is_compiled
 from .lease import LeaseHeldError
 from .loss_tap import MicroBatchLosses, loss_tap_for
-from .manifest import RunManifest, bare_manifest, describe_job, distributed_rank_world
+from .manifest import RUN_INFO, RunManifest, bare_manifest, describe_job, distributed_rank_world
 from .options import StorageOptions, WriterOptions, parts_from_flat, probe_targets, recorded_options
 from .format.plain import plain
+from .quiet_step import QuietStep
 from .rank_files import RankFiles
 from .reexecute import Reexecutor, Refusal, StepSentinel, reexecute_policy
 from .run_writer import RunWriter, write_stop
@@ -38,8 +39,6 @@ from .unwrap import unwrap_optimizer, unwrap_scaler
 from .writer_thread import WriterThread
 
 MODE_ENV = "AMP_POSTMORTEM_MODE"
-# What a bundle.json says of the job (`BundleCapture`'s run_info).
-RUN_INFO = ("run_id", "rank", "world_size", "package_version", "device_type", "device_name", "scaler")
 
 
 class AmpRecorder:
@@ -57,8 +56,7 @@ class AmpRecorder:
             checkpoint wrappers); names and class are the unwrapped model's.
         optimizer: its optimizer (wrappers unwrapped): learning rates, the
             skip flag (its pre-step hook), the weights a bundle holds.
-        scaler: the `GradScaler`, or an object holding one in `_scaler`,
-            `scaler` or `grad_scaler`; any other is refused with a warning.
+        scaler: the `GradScaler`, or an object holding one in `_scaler`, `scaler` or `grad_scaler` (else refused).
         schedule: the `RecordSchedule` (default: the `mode`'s).
         bundles: the `BundlePolicy` (True: the default; False: none, no re-execution).
         storage: the `StorageOptions` of a URI run.
@@ -78,9 +76,8 @@ class AmpRecorder:
         compiled_rows: a compiled model's cheap rows computed in its graph (`recorders.stance`).
         probe: the op probe: module name patterns or a `ProbeOptions`.
         reexecute: re-execute a failing step in the job: True, a `ReexecutePolicy` or False.
-        mode: `"sentinel"` (default: step facts every step, module rows on
-            sampled steps, the failing step re-executed) or `"every_step"`
-            (every module's rows every step); None: `$AMP_POSTMORTEM_MODE`.
+        mode: `"sentinel"` (default: step facts every step, module rows on sampled steps, the
+            failing step re-executed) or `"every_step"` (every module's rows every step); None: `$AMP_POSTMORTEM_MODE`.
         flat: the flat keywords of earlier versions (`recorders.options.FLAT_OPTIONS`).
     """
 
@@ -109,7 +106,7 @@ class AmpRecorder:
                                     compiled=is_compiled(model), guard=self.guard)
         self.rank, self.world_size, self.run_id = int(rank or 0), int(world_size or 1), run_id
         self.files = self.manifest = self.hooks = self.writer = self.run_writer = self.bundles = None
-        self.shards = self.events = self.sentinel = self.loss_tap = None
+        self.shards = self.events = self.sentinel = self.loss_tap = self.quiet = None
         self.losses = MicroBatchLosses()
         try:
             self._build(run_dir, rank=rank, world_size=world_size, near_overflow=near_overflow)
@@ -187,6 +184,7 @@ class AmpRecorder:
             # A step that lost most of its updates freezes a window (bundles.triggers).
             update_counts=self.hooks.updates.watch_steps() if self.bundles.window is not None else None)
         self.shards = self.run_writer.shards
+        self.quiet = QuietStep.of(self)  # the usual step's end in one pass (None: a scaler's job)
         if self.files.uploader is not None:
             self.manifest.set_storage(self.run_location)
         self.manifest.write()
@@ -257,6 +255,9 @@ class AmpRecorder:
 
     def _step(self, loss, step):
         step_id = self._step_counter if step is None else int(step)
+        if self.quiet is not None and self.quiet.close(loss, step_id):
+            self._step_counter = step_id + 1
+            return
         loss, dtype = self.losses.close_step(loss)
         loss_t = (loss.detach() if loss.requires_grad else loss) if isinstance(loss, torch.Tensor) else None
         stance = self.stance
@@ -301,8 +302,7 @@ class AmpRecorder:
             self.schedule.request(current + 1, current=current)
 
     def paused(self):
-        """A context manager: forward/backward passes inside are not
-        recorded (e.g. an eval pass with gradients enabled)."""
+        """A context manager: passes inside are not recorded (an eval pass with gradients enabled, say)."""
         return self.hooks.pausing(self) if self.hooks is not None else contextlib.nullcontext(self)
 
     def flush(self) -> None:

@@ -216,19 +216,8 @@ class ReexecuteTrigger:
         self._max_scale: float | None = None
 
     def decide(self, facts: StepFacts) -> Decision:
-        # The usual step first, in one test (this runs on every step): a
-        # step taken, no non-finite gradient, a loss and a norm under their
-        # spike bounds, which are finite (`_Recent`): a NaN or an Inf fails.
-        loss, norm = facts.loss, facts.grad_norm
-        if (not facts.skipped and not facts.nonfinite_grads and loss is not None and norm is not None
-                and abs(loss) <= self._losses.limit and abs(norm) <= self._norms.limit):
-            scale = facts.loss_scale
-            if scale is not None:  # as `_remember`
-                self._prev_scale = scale
-                if self._max_scale is None or scale > self._max_scale:
-                    self._max_scale = scale
-            self._losses.add(loss)
-            self._norms.add(norm)
+        if not facts.skipped and not facts.nonfinite_grads and self.quiet(facts.loss, facts.grad_norm,
+                                                                           facts.loss_scale):
             return _NO_EVENT
         kind = self._event(facts)
         self._remember(facts)
@@ -246,6 +235,22 @@ class ReexecuteTrigger:
         self.last[kind] = facts.step
         self.count += 1
         return Decision(kind)
+
+    def quiet(self, loss, norm, scale) -> bool:
+        """The facts of a step taken without a non-finite gradient show no
+        event: a loss and a gradient norm under their spike bounds, which
+        are finite (`_Recent`), so a NaN or an Inf fails. Then they are
+        remembered, as `_remember` does (the usual step, in one test: this
+        runs on every step); else nothing is."""
+        if loss is None or norm is None or not (abs(loss) <= self._losses.limit and abs(norm) <= self._norms.limit):
+            return False
+        if scale is not None:
+            self._prev_scale = scale
+            if self._max_scale is None or scale > self._max_scale:
+                self._max_scale = scale
+        self._losses.add(loss)
+        self._norms.add(norm)
+        return True
 
     def _event(self, f: StepFacts) -> str | None:
         if f.loss is not None and not math.isfinite(f.loss):

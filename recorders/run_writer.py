@@ -108,11 +108,12 @@ class RunWriter:
             # A step whose facts are device values waits a step for them
             # (`StepSentinel.hand_over`); never a clean one.
             for p in sentinel.hand_over(pending):
-                self._submit_step(p, clean and p is pending)
+                self.queue_step(p, clean and p is pending)
             return
-        self._submit_step(pending, clean)
+        self.queue_step(pending, clean)
 
-    def _submit_step(self, pending, clean: bool) -> None:
+    def queue_step(self, pending, clean: bool) -> None:
+        """`pending` to the writer: a clean step with the held ones, any other at once."""
         if not clean:
             self.submit(functools.partial(self.write_step, pending))
             return
@@ -149,7 +150,7 @@ class RunWriter:
             self.guard.fail(exc)
             return
         for p in waiting:
-            self._submit_step(p, False)
+            self.queue_step(p, False)
 
     def flush(self) -> None:
         """`rec.flush()`: the held steps, then (with `on_event`) the callbacks

@@ -111,6 +111,32 @@ class StepRows:
         return float(getattr(self.scaler, "_init_scale", math.nan))
 
     # ------------------------------------------------------ training thread
+    def _begin(self, st, step_id: int, loss_dtype: str | None) -> PendingStep:
+        """A step's `PendingStep` with what every step's row has: `st` the
+        hooks' finished state (the step's facts)."""
+        p = PendingStep()
+        p.step, p.wall_time, p.loss_dtype = step_id, time.time(), loss_dtype
+        # A model compiled after the recorder was attached runs no forward
+        # hook: its micro-batches are counted by their backward passes.
+        p.micro_batches = st.micro_batches or st.backward_passes
+        p.norm_names = st.grad_norm_names
+        optimizer = self.optimizer
+        if optimizer is not None:
+            # A float as it is (the usual lr): no call a group.
+            p.lr = [lr if type(lr := g.get("lr")) is float else host_float(lr) for g in optimizer.param_groups]
+            p.stepped = st.stepped
+        return p
+
+    def pack_host(self, st, step_id: int, loss_t, loss_dtype: str) -> PendingStep:
+        """`pack` of a step `quiet_step.QuietStep` closes: not sampled, no
+        scaler, every fact a host value (the CPU), `loss_t` a CPU scalar,
+        no re-execution; the same row (tests compare the two ways)."""
+        p = self._begin(st, step_id, loss_dtype)
+        host, dev, keys = {"loss": loss_t}, [], []
+        _put_grad_facts(host, dev, keys, "", st)
+        p.host_scalars, p.dev_scalar_keys, p.host_rows = host, keys, st.stats
+        return p
+
     def pack(self, st, step_id: int, loss, loss_t, loss_dtype: str | None = None,
              graph_slots: list | None = None, reexecution=None) -> PendingStep:
         """`st`: the hooks' finished StepState; `loss`: as passed to
@@ -120,13 +146,8 @@ class StepRows:
         values `st.graph_values` holds when a compiled graph wrote them;
         `reexecution`: the step's `reexecute.Outcome` (None: none was
         asked), whose re-executed state gives the step's rows."""
-        p = PendingStep()
         facts = st
-        p.step, p.wall_time, p.loss_dtype = step_id, time.time(), loss_dtype
-        # A model compiled after the recorder was attached runs no forward
-        # hook: its micro-batches are counted by their backward passes.
-        p.micro_batches = facts.micro_batches or facts.backward_passes
-        p.norm_names = facts.grad_norm_names
+        p = self._begin(facts, step_id, loss_dtype)
         if reexecution is not None:
             p.reexecution = reexecution
             if reexecution.state is not None:
@@ -140,11 +161,6 @@ class StepRows:
                 p.width = FULL_WIDTH
             if graph is not None:
                 p.graph_slots, p.graph_size = graph_slots, graph.numel()
-        optimizer = self.optimizer
-        if optimizer is not None:
-            # A float as it is (the usual lr): no call a group.
-            p.lr = [lr if type(lr := g.get("lr")) is float else host_float(lr) for g in optimizer.param_groups]
-            p.stepped = facts.stepped
         host, dev, keys = {}, [], []  # keys: (key, 0 for a scalar, else the vector's length), in dev's order
         if loss_t is not None and loss_t.numel() == 1:
             if loss_t.is_cpu:

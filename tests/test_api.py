@@ -351,7 +351,7 @@ RECORDER_LAYERS = [  # each imports only from its own layer and the ones before 
      "guard", "stance", "survey"},  # a tensor's and a step's values
     {"durable", "index", "journal", "writer", "writer_thread", "event_thread", "lease", "status_slot", "storage"},  # threads, files, stores
     {"manifest", "run_id", "step_rows", "graph_rows", "host_run", "rank_files", "run_writer", "host_bundle"},  # the job described, rows
-    {"collectors", "hooks", "bundles", "reexecute"},                            # the parts on the training path
+    {"collectors", "hooks", "bundles", "reexecute", "quiet_step"},              # the parts on the training path
     {"options"},                                                                # the parts a user passes in
     {"recorder"},                                                               # AmpRecorder assembles them
     {"integrations", "jax_grad_tap", "jax_program", "keras_recorder", "keras_loss_scaling", "flax_recorder", "attach"},  # the frameworks' glue and recorders

@@ -690,3 +690,55 @@ def test_why_a_step_was_not_reexecuted_reads_odd_manifests_as_unknown():
     assert no_rerun(Run({}), 7)["why"] == "not_recorded"
     assert no_rerun(Run({"recorder": {"reexecute": None}}), 7)["why"] == "off"
     assert no_rerun(Run({"reexecutions_capped": 2, "reexecutions_capped_steps": [5, 7]}), 7)["why"] == "capped"
+
+
+@pytest.mark.parametrize("job", ["events", "micro_batches", "float32_no_loss"])
+def test_the_quiet_steps_rows_are_the_general_paths(tmp_path, job):
+    """`QuietStep` closes the usual step of a job without a scaler in one
+    pass; the general path closes every other one and stays the reference:
+    the same job recorded both ways writes the same rows (its wall clock
+    aside) and the same re-executions, and the one pass did close most of
+    its steps."""
+    closed = []
+
+    def recorder(run, quiet: bool):
+        def make(model, opt, sc):
+            rec = AmpRecorder(run, model, optimizer=opt, scaler=sc, schedule=RecordSchedule(cheap_every=7, full_every=0))
+            if not quiet:
+                rec.quiet = None
+            elif rec.quiet is not None:
+                close = rec.quiet.close
+                rec.quiet.close = lambda loss, step: close(loss, step) and (closed.append(step) or True)
+            return rec
+        return make
+
+    def fault(step, model, x):
+        if job == "events":  # a spike, then a NaN in the input: events the general path judges
+            x.mul_(1e3 if step == 14 else 1.0)
+            if step == 20:
+                x[0, 0] = float("nan")
+
+    options = dict(events=dict(dtype=torch.bfloat16), micro_batches=dict(dtype=torch.bfloat16, accumulate=2),
+                   float32_no_loss=dict(dtype=None, pass_loss=False))[job]
+    runs = {}
+    for quiet in (False, True):
+        torch.manual_seed(0)
+        run = tmp_path / f"run_{quiet}"
+        train(TinyNet(), batches(24 * options.get("accumulate", 1)), recorder=recorder(run, quiet), scaler=None,
+              lr=1e-3, on_step=fault, **options)
+        runs[quiet] = run
+    slow, fast = (ap.load_run(runs[q]).steps.drop(columns=["wall_time"]) for q in (False, True))
+    pd.testing.assert_frame_equal(slow, fast)
+    assert _manifest(runs[False]).get("reexecutions") == _manifest(runs[True]).get("reexecutions")
+    if job == "float32_no_loss":
+        assert closed == []  # no loss passed: the general path's
+    else:
+        # Sampled steps (0, 7, ...) are the general path's, and so are the
+        # events: the faults begin at step 14 (the spike, whose weights then
+        # diverge, and the NaN).
+        assert [s for s in closed if s < 14] == [s for s in range(14) if s % 7]
+        if job == "events":
+            events = {e["step"] for e in _manifest(runs[True])["reexecutions"]}
+            assert events and min(events) >= 14 and not events & set(closed)
+        else:
+            assert closed == [s for s in range(24) if s % 7]

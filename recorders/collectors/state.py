@@ -230,6 +230,12 @@ class Shared:
             return self.stats(st, t)  # the cheap tier's row: host path, stage or general path
         return row_stats(t, full=False, near_overflow=self.near_overflow)
 
+    @property
+    def staged(self) -> bool:
+        """A row of the step waits in a stage for its values (`flush_stage`)."""
+        full = self.full_stage
+        return bool(self.stage.rows or full.rows or full.unresolved)
+
     def flush_stage(self) -> None:
         """Give every staged row of the step its values (device work;
         the full tier's, host values in their places in the step's rows).
