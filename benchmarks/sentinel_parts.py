@@ -58,7 +58,8 @@ def _variant(name: str, template, make_opt, dtype, scaler, loss_fn, run_dir, div
     runner = _Runner(base, template, make_opt, dtype, scaler, loss_fn, run_dir, diverging,
                      options=options if base == "default" else None, interleaved=interleaved)
     if "writer" in off:
-        runner.rec.run_writer.submit_step = lambda pending, clean: None
+        # Both ways a step reaches the writer (`QuietStep` queues the usual one).
+        runner.rec.run_writer.submit_step = runner.rec.run_writer.queue_step = lambda pending, clean: None
     return runner
 
 

@@ -52,12 +52,12 @@ What is held, and so what can be re-executed:
 """
 from __future__ import annotations
 
-from bisect import bisect_left as _bisect_left, insort as _insort
 import contextlib
 import enum
 import gc
 import math
 import sys
+from bisect import bisect_left as _bisect_left, insort as _insort
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple

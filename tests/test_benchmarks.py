@@ -1,6 +1,7 @@
 """The benchmarks, at a tiny size: they keep working. Not timed tests: the
 figures live in benchmarks/RESULTS.md, measured on a stated machine."""
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -239,6 +240,21 @@ def test_sentinel_cost_smoke_measures_every_job_and_variant_and_changes_no_bit(t
         assert set(job["variants"]) == set(sentinel_cost.VARIANTS)
         assert all(v["same_bits"] for v in job["variants"].values())  # recording changes no bit
         assert job["target"]["default_at_most"] > 1 and isinstance(job["target"]["met"], bool)
+
+
+def test_sentinel_cost_repeats_report_medians_and_the_judged_range(tmp_path, capsys):
+    import sentinel_cost
+    out = tmp_path / "sentinel.json"
+    assert sentinel_cost.main(["--smoke", "--jobs", "launch", "--repeats", "3", "--json", str(out)]) == 0
+    job = json.loads(out.read_text())["jobs"]["launch"]
+    runs = job["repeats"]
+    assert len(runs) == 3 and set(job["variants"]) == set(sentinel_cost.VARIANTS)
+    paired = sorted(r["variants"]["default"]["paired"] for r in runs)
+    assert job["variants"]["default"]["paired"] == paired[1] and job["variants"]["plain"]["paired"] == 1.0
+    # Four rounds measure no sampled tier: the judged figure is NaN (no claim), in every repeat.
+    assert all(math.isnan(r["target"]["judged"]) for r in runs) and math.isnan(job["target"]["judged"])
+    assert len(job["target"]["judged_range"]) == 2 and job["target"]["met"] is False
+    assert "the median of 3 repeats" in capsys.readouterr().out
 
 
 def test_sentinel_cost_copies_run_their_writers_on_a_lone_jobs_clock(tmp_path):

@@ -468,7 +468,8 @@ def test_the_quiet_steps_test_judges_as_the_rules_do():
     nan, inf = float("nan"), float("inf")
     trigger = ReexecuteTrigger(ReexecutePolicy(min_interval=1))
     for step in range(12):
-        assert trigger.decide(StepFacts(step, loss=1.0, grad_norm=2.0, nonfinite_grads=0, loss_scale=1024.0)).kind is None
+        facts = StepFacts(step, loss=1.0, grad_norm=2.0, nonfinite_grads=0, loss_scale=1024.0)
+        assert trigger.decide(facts).kind is None
     assert trigger.decide(StepFacts(12, loss=inf, grad_norm=2.0, nonfinite_grads=0)).kind == "nonfinite_loss"
     assert trigger.decide(StepFacts(13, loss=nan, grad_norm=2.0)).kind == "nonfinite_loss"
     # An Inf norm with no count (a device job's row): no event, and not remembered.
@@ -703,7 +704,8 @@ def test_the_quiet_steps_rows_are_the_general_paths(tmp_path, job):
 
     def recorder(run, quiet: bool):
         def make(model, opt, sc):
-            rec = AmpRecorder(run, model, optimizer=opt, scaler=sc, schedule=RecordSchedule(cheap_every=7, full_every=0))
+            rec = AmpRecorder(run, model, optimizer=opt, scaler=sc,
+                              schedule=RecordSchedule(cheap_every=7, full_every=0))
             if not quiet:
                 rec.quiet = None
             elif rec.quiet is not None:
