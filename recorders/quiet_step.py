@@ -60,6 +60,7 @@ class QuietStep:
             return False
         # No event: the trigger's own test, which remembers the values only
         # when it passes (a NaN, an Inf or a spike leaves them to `decide`).
+        # The loss is a CPU tensor here: its read waits for no device.
         if not self.trigger.quiet(loss.item(), math.sqrt(st.grad_sq_host), None):
             return False
         st.grads_read = None  # as `TrainingHooks.end_step`: the gradients go with the loop's
