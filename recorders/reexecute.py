@@ -438,6 +438,7 @@ class Reexecutor:
         out = Outcome(cap.step, kind)
         bundles.enabled = False  # the capture must not take the re-execution for a new step
         hooks.params.scale_override = scale
+        done = False
         try:
             saved.swap_in()
             hooks.shared.state = st
@@ -461,7 +462,14 @@ class Reexecutor:
             out.state = st
             if losses and len(losses) == len(cap.micro_batches):
                 out.loss = torch.stack([l.float() for l in losses]).mean()
+            done = True
         finally:
+            if not done:
+                # A re-execution that raised left rows in the stages: they
+                # take their values now, into its own state (dropped), not
+                # at the next step's end, into that step's.
+                with contextlib.suppress(Exception):
+                    hooks.shared.flush_stage()
             hooks.params.scale_override = None
             hooks.shared.state = prior_state
             if not was_attached:

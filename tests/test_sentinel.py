@@ -537,6 +537,47 @@ def test_a_step_the_reexecution_cannot_reproduce_is_said_to_differ(tmp_path):
     assert steps.loc[12, "reexecution"] == "differs" and bool(steps.loc[12, "reexecuted"])
 
 
+class _FailsOnReexecution(nn.Module):
+    """Raises in the second forward of a batch scaled up 1000-fold (the
+    first is the training's, the second the step's re-execution), after its
+    first layer ran: that layer's full-tier rows are staged by then."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.spiked = 0
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if x.abs().max() > 100:
+            self.spiked += 1
+            if self.spiked == 2:
+                raise RuntimeError("planted failure in the re-execution")
+        return self.fc2(h)
+
+
+def test_a_reexecution_that_raises_leaves_no_row_staged_for_the_next_step(tmp_path):
+    """A spike at step 12 is re-executed, and the re-execution raises after
+    `fc1`'s rows were staged. The step says `failed`, training goes on, and
+    nothing of the aborted run stays staged (its rows took their values
+    into its own state, not the next step's)."""
+    torch.manual_seed(0)
+    staged_after = {}
+
+    def after_step(step, rec):
+        staged_after[step] = rec.hooks.shared.staged
+
+    train(_FailsOnReexecution(), batches(16), recorder=recorder_at(tmp_path / "run", snapshot_params=True),
+          scaler=None, dtype=None, lr=1e-4, on_step=lambda step, model, x: x.mul_(1e3 if step == 12 else 1.0),
+          after_step=after_step)
+    entry = _manifest(tmp_path / "run")["reexecutions"][0]
+    assert (entry["step"], entry["kind"], entry["check"], entry["reason"]) == (12, "spike", "refused", "failed")
+    assert "planted failure" in entry.get("detail", "")
+    assert staged_after[12] is False and not any(staged_after.values())
+    steps = ap.load_run(tmp_path / "run").steps
+    assert steps["step"].tolist() == list(range(16))
+
+
 class _TiedLM(nn.Module):
     """A language model whose output layer shares the embedding's weight."""
 
