@@ -70,12 +70,8 @@ def _put_vector(host: dict, dev: list, keys: list, key: str, value) -> None:
         dev.append(value.detach().reshape(-1).to(torch.float64))
 
 def _put_grad_facts(host: dict, dev: list, keys: list, prefix: str, state) -> None:
-    norms = state.grad_norms
-    if norms is not None:
-        if norms.is_cpu and not norms.requires_grad:  # the usual CPU step: `_put_vector`'s first case
-            host[prefix + "grad_norms"] = norms
-        else:
-            _put_vector(host, dev, keys, prefix + "grad_norms", norms)
+    if state.grad_norms is not None:
+        _put_vector(host, dev, keys, prefix + "grad_norms", state.grad_norms)
         host[prefix + "grad_unscale"] = state.grad_scale is not None
         sq = state.grad_sq_host
         if sq is not None and math.isfinite(sq):
