@@ -9,10 +9,17 @@ failed), and returns the file that took it.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 
 import torch
+
+try:  # dynamo's per-code switch: this frame and every frame it calls run uncompiled
+    from torch._C._dynamo.eval_frame import (_FrameAction, _FrameExecStrategy,
+                                             set_code_exec_strategy as _set_code_strategy)
+except ImportError:  # a torch without it: `torch.compiler.disable`'s wrapper
+    _set_code_strategy = None
 
 
 class FailureGuard:
@@ -90,6 +97,57 @@ class FailureGuard:
         if not self.warned:
             self.warned = True
             warnings.warn(f"amp-postmortem: {message}", RuntimeWarning, stacklevel=4)
+
+
+def eager_hook(wrap, fn):
+    """A hook under the guard whose `wrap` (`FailureGuard.wrap`) is given,
+    that runs eagerly even when called from compiled code (a compiled
+    function that steps the optimizer or calls `.backward()` would otherwise
+    trace it, or compile its frames once per parameter shape).
+
+    `torch.compiler.disable`'s wrapper did so at ~90 bytecodes and two
+    switches of the frame evaluator a call, on every step's optimizer hook
+    (a tenth of a point of the launch-bound proxy's ratio). `_EagerHook`'s
+    `__call__` is marked once, as torch marks its own disabled wrappers:
+    dynamo neither traces nor compiles it nor any frame it calls, and a
+    compiled caller breaks its graph there, as for `disable`. Where torch
+    lacks the switch (or `wrap` is not a guard's), the wrapper as before,
+    and only once dynamo is loaded: a job that never compiles must not pay
+    its import (seconds)."""
+    guard = getattr(wrap, "__self__", None)
+    if _set_code_strategy is not None and isinstance(guard, FailureGuard):
+        return _EagerHook(guard, fn)
+    hook = wrap(fn, traced=False)
+    return torch.compiler.disable(hook) if "torch._dynamo" in sys.modules else hook
+
+
+class _EagerHook:
+    """`FailureGuard.wrap(fn, traced=False)` as one object whose call dynamo
+    skips, with every frame under it (`eager_hook`)."""
+
+    __slots__ = ("guard", "fn", "__wrapped__")
+
+    def __init__(self, guard, fn):
+        self.guard = guard
+        self.fn = fn
+        self.__wrapped__ = fn
+
+    def __call__(self, *args, **kwargs):
+        if self.guard.enabled:
+            try:
+                self.fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the training must go on
+                self.guard.fail(exc)
+        return None
+
+
+if _set_code_strategy is not None:
+    # Inlined from a traced frame, a function so marked breaks the graph
+    # (dynamo's "Skip inlining torch.compiler.disable()'d function"); run,
+    # its frame and the frames it calls are skipped (SKIP, SKIP).
+    _EagerHook.__call__._torchdynamo_disable = True
+    _set_code_strategy(_EagerHook.__call__.__code__,
+                       _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
 
 
 class _GuardedCall:

@@ -11,9 +11,10 @@ micro-batch makes the step's loss NaN. Two taps feed it:
   every loop that uses a GradScaler (plain, Accelerate, Trainer, Lightning
   16-mixed) passes its loss through it, after any accumulation division. A
   disabled scaler still passes it through (nanoGPT's bf16 path).
-- `OutputLossTap`: a forward hook on the model that takes the loss a model
-  returns (Hugging Face models called with `labels=`; a `(logits, loss)`
-  tuple), for jobs without a scaler. Which output is the loss is
+- `OutputLossTap`: takes the loss a model returns (Hugging Face models
+  called with `labels=`; a `(logits, loss)` tuple) after the root's
+  forward, for jobs without a scaler (the recorder's root forward hook
+  carries it). Which output is the loss is
   `find_loss`, the rule the replay uses too.
 
 Frameworks that hand the loss to a hook (Lightning's `on_before_backward`)
@@ -22,7 +23,6 @@ call `AmpRecorder.add_loss`.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
@@ -173,24 +173,32 @@ class ScaleTap:
 
 
 class OutputLossTap:
-    """Takes the loss among a model's outputs (`find_loss`) in a forward
-    hook, when it carries a gradient: a loss without one trains nothing (a
-    frozen model's pass, a value the model detached for logging)."""
+    """Takes the loss among a model's outputs (`find_loss`) after the
+    model's forward, when it carries a gradient: a loss without one trains
+    nothing (a frozen model's pass, a value the model detached for logging).
 
-    def __init__(self, module: torch.nn.Module, losses: MicroBatchLosses, active):
-        # A deepcopy of the model (an EMA copy) carries this hook too.
-        ref = weakref.ref(module)
+    Carried by the recorder's own forward hook on the root
+    (`collectors.sentinel.SentinelHooks`, which runs on every step and
+    already tests what the tap tests: the root's call, grad mode, not
+    paused, recording on): a forward hook of its own made torch's
+    `_call_impl` walk one more hook and called three frames a step
+    (a point of the launch-bound proxy's ratio, `benchmarks/RESULTS.md`,
+    2026-12-07). Traced by dynamo inside a compiled model as before (the
+    carrier's hook calls `take` there)."""
 
-        def hook(mod, args, output):
-            if mod is ref() and active():
-                loss = find_loss(output)
-                if loss is not None and loss.requires_grad:
-                    losses.add_returned(loss)
+    def __init__(self, carrier, losses: MicroBatchLosses):
+        self._carrier = carrier
+        self.losses = losses
+        carrier.tap = self
 
-        self._handle = module.register_forward_hook(hook)
+    def take(self, output) -> None:
+        loss = find_loss(output)
+        if loss is not None and loss.requires_grad:
+            self.losses.add_returned(loss)
 
     def remove(self) -> None:
-        self._handle.remove()
+        if self._carrier.tap is self:
+            self._carrier.tap = None
 
 
 def _tensors(outputs):
@@ -201,11 +209,12 @@ def _tensors(outputs):
             yield from _tensors(o)
 
 
-def loss_tap_for(model, scaler, losses: MicroBatchLosses, active):
+def loss_tap_for(carrier, scaler, losses: MicroBatchLosses, active):
     """The tap a job gets: any scaler object, enabled or not, sees the loss
     as backpropagated (nanoGPT scales through a disabled one under bf16);
     without one, the model may return its loss (Hugging Face models with
-    `labels=`), taken in grad mode only."""
+    `labels=`), taken in grad mode only by `carrier`'s root forward hook
+    (`OutputLossTap`). `active()`: the scaler's tap records."""
     if scaler is not None and callable(getattr(scaler, "scale", None)):
         return ScaleTap(scaler, losses, active)
-    return OutputLossTap(model, losses, lambda: active() and torch.is_grad_enabled())
+    return OutputLossTap(carrier, losses)

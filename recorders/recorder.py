@@ -189,10 +189,10 @@ class AmpRecorder:
             self.manifest.set_storage(self.run_location)
         self.manifest.write()
         self.writer.start()
+        if self.capture_loss:  # before the hooks: the root's forward hook carries the no-scaler job's tap
+            self.loss_tap = loss_tap_for(self.hooks.sentinel, scaler, self.losses, lambda: self.guard.enabled and not self.hooks.paused)
         self.hooks.register()
         self.stance.register_hooks(model)
-        if self.capture_loss:
-            self.loss_tap = loss_tap_for(model, scaler, self.losses, lambda: self.guard.enabled and not self.hooks.paused)
         self.stance.enter_tier(self.schedule.tier(0))
 
     def _unhook(self) -> None:

@@ -505,3 +505,86 @@ def test_in_graph_statistics_trace_symbolic_and_data_dependent_sizes(dynamic):
         assert row[NAN] == 0 and row[INF] == 1 and total == 1
         assert row[NUMEL] == y.numel()
         assert row[ABSMAX] == y[torch.isfinite(y)].abs().max().double()
+
+
+def test_the_optimizer_hook_runs_eagerly_inside_a_compiled_training_step(tmp_path):
+    """A loop that compiles its whole step, the optimizer's included: the
+    recorder's optimizer hook is never traced (it would run as a graph's
+    constant-folded body, `is_compiling()` True) nor compiled; the step
+    breaks its graph there (as at a `torch.compiler.disable`d function) and
+    runs the hook eagerly, once a step, and every step's facts have their
+    gradient norm. The per-call wrapper of `torch.compiler.disable` is gone
+    from that hook (`guard.eager_hook`)."""
+    from recorders.collectors.params import ParamGradCollector
+    from recorders.guard import _EagerHook
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = TinyNet(blocks=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen = []
+    original = ParamGradCollector._on_opt_pre
+
+    def spy(self, *args):
+        seen.append(torch.compiler.is_compiling())
+        return original(self, *args)
+
+    ParamGradCollector._on_opt_pre = spy
+    try:
+        rec = AmpRecorder(tmp_path / "run", model, optimizer=opt)
+        (hook,) = [h for h in opt._optimizer_step_pre_hooks.values() if isinstance(h, _EagerHook)]
+
+        @torch.compile(backend="eager")
+        def step(x, y):
+            loss = ((model(x).float() - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        for i, (x, y) in enumerate(batches(4)):
+            rec.step(step(x, y))
+        rec.close()
+    finally:
+        ParamGradCollector._on_opt_pre = original
+    assert seen == [False] * 4
+    assert counters["graph_break"]  # the step's graph breaks at the hook
+    steps = amp_postmortem.load_run(tmp_path / "run").steps
+    assert steps["skipped"].tolist() == [False] * 4
+    assert steps["grad_norm"].notna().all() and (steps["grad_norm"] > 0).all()
+
+
+@pytest.mark.parametrize("attach", ["before", "after"])
+def test_a_compiled_model_that_returns_its_loss_has_it_captured(tmp_path, attach):
+    """No scaler, `rec.step()` without a loss: the loss the model returns is
+    the step's, taken by the tap the root's forward hook carries
+    (`loss_tap.OutputLossTap`); attached before compiling, that hook is
+    traced, and the tap goes into the graph's side effects."""
+    class ReturnsLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, y):
+            return ((self.lin(x) - y) ** 2).mean()
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ReturnsLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = AmpRecorder(tmp_path / "run", model, optimizer=opt) if attach == "before" else None
+    compiled = torch.compile(model, backend="aot_eager")
+    if rec is None:
+        rec = AmpRecorder(tmp_path / "run", compiled, optimizer=opt)
+    losses = []
+    for x, y in batches(4, d_in=4, d_out=1, shape=(8,)):
+        loss = compiled(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        rec.step()
+    rec.close()
+    recorded = amp_postmortem.load_run(tmp_path / "run").steps["loss"].tolist()
+    assert recorded == pytest.approx(losses, rel=1e-6)

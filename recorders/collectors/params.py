@@ -9,7 +9,8 @@ import torch
 
 from ..layout import PLAIN_TENSORS, local
 from .grad_norms import GRAD, NormPlan, cpu_norms, grad_norms, settle
-from .state import ACCUMULATE_GRAD, Shared, dtype_name, eager
+from ..guard import eager_hook
+from .state import ACCUMULATE_GRAD, Shared, dtype_name
 
 
 class ParamGradCollector:
@@ -69,8 +70,7 @@ class ParamGradCollector:
     def register_step_hook(self, handles: list) -> None:
         """The optimizer's pre-step hook: on every step, sampled or not."""
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
-            handles.append(self.optimizer.register_step_pre_hook(
-                eager(self.shared.guard(self._on_opt_pre, traced=False))))
+            handles.append(self.optimizer.register_step_pre_hook(eager_hook(self.shared.guard, self._on_opt_pre)))
 
     def register(self, handles: list) -> None:
         """A post-accumulate-grad hook per watched parameter (built once,
@@ -86,7 +86,7 @@ class ParamGradCollector:
                     continue
                 # Run eagerly even when the backward runs inside compiled
                 # code: dynamo would otherwise compile one frame per shape.
-                self._hooks.append((pname, p, eager(guard(hook, traced=False))))
+                self._hooks.append((pname, p, eager_hook(guard, hook)))
             self._targets = {id(entry[1]): entry for entry in self._hooks
                              if type(entry[1]) in PLAIN_TENSORS and entry[1].is_leaf}
         self._step_handles = handles

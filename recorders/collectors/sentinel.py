@@ -38,6 +38,7 @@ class SentinelHooks:
         self.on_backward_start = on_backward_start or _nothing
         self._root_ref = weakref.ref(model)
         self._autocast = None  # as the current step's first forward saw it
+        self.tap = None  # the no-scaler job's `loss_tap.OutputLossTap`, carried by the root's forward hook
         self.guard = shared.guard.__self__  # the FailureGuard (`_OutputGrad` checks it itself)
 
     def register(self, handles: list) -> None:
@@ -47,7 +48,8 @@ class SentinelHooks:
         # gradient facts.
         guard = self.shared.guard
         handles.append(self.model.register_forward_pre_hook(guard(self._on_root_pre), with_kwargs=True))
-        handles.append(self.model.register_forward_hook(guard(self._on_root_post), with_kwargs=True))
+        handles.append(self.model.register_forward_hook(guard(self._on_root_post, in_graph=self._traced_post),
+                                                        with_kwargs=True))
 
     # The two hooks below run on every step: their tests are written out in
     # one condition each (a helper call per hook cost as much as the rest).
@@ -72,14 +74,19 @@ class SentinelHooks:
         if st.record:
             # A sampled step (or a re-execution): the collectors record it;
             # its parameters' gradients are found from this forward's graph.
-            if (self.params.by_producers and not shared.paused and module is self._root_ref()
-                    and torch.is_grad_enabled() and not in_backward()):
-                self.params.hook_producers(st, [t for t in float_tensors(output) if t.requires_grad])
+            if (not shared.paused and module is self._root_ref() and torch.is_grad_enabled()
+                    and not in_backward()):
+                if self.tap is not None:
+                    self.tap.take(output)
+                if self.params.by_producers:
+                    self.params.hook_producers(st, [t for t in float_tensors(output) if t.requires_grad])
             return
         if (not st.in_forward or shared.paused or module is not self._root_ref()
                 or not torch.is_grad_enabled() or in_backward()):
             return
         st.in_forward = 0
+        if self.tap is not None:
+            self.tap.take(output)
         if type(output) is torch.Tensor:  # the usual model: no walk of an output tree
             outs = (output,) if output.requires_grad and output.is_floating_point() and output.numel() else ()
         else:
@@ -92,6 +99,14 @@ class SentinelHooks:
                 # The gradient its node receives is what reaches the output
                 # (a node pre-hook: a third of `Tensor.register_hook`'s cost).
                 node.register_prehook(_OutputGrad(self, st, micro_batch, idx, t.output_nr))
+
+    def _traced_post(self, module, args, kwargs, output):
+        """The root's forward hook while dynamo traces it (a model compiled
+        after the recorder attached): the loss tap only, taken into the
+        graph's side effects as a hook of its own was."""
+        tap = self.tap
+        if tap is not None and not self.shared.paused and module is self._root_ref() and torch.is_grad_enabled():
+            tap.take(output)
 
     def on_output_grad(self, st, micro_batch: int, idx: int, grad) -> None:
         """The gradient reaching output `idx` of the root's call (micro-batch

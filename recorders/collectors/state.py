@@ -9,7 +9,6 @@ its own statistics.
 """
 from __future__ import annotations
 
-import sys
 import weakref
 from types import MappingProxyType
 
@@ -151,16 +150,6 @@ def in_backward() -> bool:
 
 # The node that accumulates a leaf's gradient (its type: torch has no Python name for it).
 ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
-
-
-def eager(fn):
-    """`fn` run eagerly even when called from compiled code (a compiled
-    function that calls `.backward()` would otherwise compile the hook's
-    frame once per parameter shape). Only when dynamo is already loaded: a
-    job that never compiles must not pay its import (seconds)."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.disable(fn)
-    return fn
 
 
 # The keywords of `Shared.stats` the stage serves (a gradient unscaled by the

@@ -29,7 +29,8 @@ import threading
 
 import torch
 
-from .state import dtype_name, eager
+from ..guard import eager_hook
+from .state import dtype_name
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MAX_POINTS = 128
@@ -62,8 +63,8 @@ class LostUpdates:
         if not self.params or self.optimizer is None or not hasattr(self.optimizer, "register_step_post_hook"):
             return
         guard = self.guard
-        handles.append(self.optimizer.register_step_pre_hook(eager(guard(self._pre, traced=False))))
-        handles.append(self.optimizer.register_step_post_hook(eager(guard(self._post, traced=False))))
+        handles.append(self.optimizer.register_step_pre_hook(eager_hook(guard, self._pre)))
+        handles.append(self.optimizer.register_step_post_hook(eager_hook(guard, self._post)))
 
     def watch_steps(self):
         """Keep each measured step's counts for the writer thread; returns
