@@ -259,6 +259,54 @@ def test_a_sampled_steps_gradient_hooks_leave_nothing_on_the_parameters(tmp_path
         assert grads.loc[name, "absmax"] == pytest.approx(p.grad.abs().max().item(), rel=1e-5)
 
 
+class ReturnsItsWeight(nn.Module):
+    """A module whose output is a leaf: its own parameter (a learned
+    positional table handed on as it is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self):
+        return self.table
+
+
+class UsesATable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos = ReturnsItsWeight()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(x + self.pos())
+
+
+def test_a_leaf_a_module_returns_carries_no_hook_after_its_step(tmp_path):
+    """The gradient reaching a watched module's output that is a leaf (a
+    parameter it returns) is taken by a hook on the tensor, which outlives
+    the step: it goes at the step's end. It stayed, one more per sampled
+    step, each called by every later backward and holding its step's call
+    context. The module's `grad_output` row is there on every step."""
+    import amp_postmortem
+    model = UsesATable()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks_after = []
+    g = torch.Generator().manual_seed(1)
+    with AmpRecorder(tmp_path / "run", model, optimizer=opt, full_every=1) as rec:
+        for _ in range(4):
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+            hooks_after.append(len(model.pos.table._backward_hooks or {}))
+    assert hooks_after == [0, 0, 0, 0]
+    rows = amp_postmortem.load_run(tmp_path / "run").scan_tensors(["step", "name", "kind"])
+    outs = rows[(rows["name"] == "pos") & (rows["kind"] == "grad_output")]
+    assert sorted(outs["step"]) == [0, 1, 2, 3]
+
+
 class FailsOnce(nn.Module):
     """Raises in its forward on one call, after its first layer ran (the
     loop catches it and moves on, as a job skipping a bad batch does)."""

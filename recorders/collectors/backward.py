@@ -61,8 +61,9 @@ class BackwardCollector:
         roots = []
         for idx, t in enumerate(outs):
             node = t.grad_fn
-            if node is None:  # a leaf the module returns: no node to hook
-                t.register_hook(self.shared.guard_call(self._grad_output_hook, ctx, idx))
+            if node is None:  # a leaf the module returns: no node to hook, a hook on the tensor for the step
+                self.shared.state.leaf_hooks.append(
+                    t.register_hook(self.shared.guard_call(self._grad_output_hook, ctx, idx)))
                 continue
             roots.append(node)
             watch = watches.get(node)
@@ -74,7 +75,12 @@ class BackwardCollector:
 
     def end_step(self, st) -> None:
         """Gradients still awaited (an input whose other contributions
-        never came) are summed as they are."""
+        never came) are summed as they are; the hooks put on leaves go
+        (each sampled step's stayed on the tensor for good: a parameter a
+        module returns carried one more each time, every backward called
+        them all, and each held its step's call context)."""
+        for handle in st.leaf_hooks:
+            handle.remove()
         for ctx in st.contexts:
             for input_idx in list(ctx.pending):
                 self._finish_grad_input(st, ctx, input_idx)

@@ -79,7 +79,7 @@ class StepState:
     # A step not recorded (most steps) gathers no rows: its containers are
     # these empty, read-only ones (a write raises, and the guard says so),
     # until `containers()` (a step raised to the full tier) makes its own.
-    meta = stats = contexts = param_values = ()
+    meta = stats = contexts = param_values = leaf_hooks = ()
     calls = stacks = recompute_stacks = param_grads = producers = walks = node_watches = noted_grads = \
         MappingProxyType({})
     producers_walked = False  # a forward's graph was searched for parameters' gradients (`hook_producers`)
@@ -110,6 +110,10 @@ class StepState:
         # one forward: calls sharing a node share its hooks.
         self.node_watches: dict = {}
         self.param_values: list[tuple] = []
+        # The gradient hooks put on leaf tensors a watched module returned
+        # (a parameter, an input): a leaf outlives the step, and so would
+        # they (`BackwardCollector.end_step` removes them).
+        self.leaf_hooks: list = []
         # name -> parameter whose gradient the step's graph hands it
         # (ParamGradCollector.hook_producers): read when a backward pass ends.
         self.noted_grads: dict = {}
