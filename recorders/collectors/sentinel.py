@@ -105,7 +105,8 @@ class SentinelHooks:
         after the recorder attached): the loss tap only, taken into the
         graph's side effects as a hook of its own was."""
         tap = self.tap
-        if tap is not None and not self.shared.paused and module is self._root_ref() and torch.is_grad_enabled():
+        if (tap is not None and self.guard.enabled and not self.shared.paused and module is self._root_ref()
+                and torch.is_grad_enabled()):
             tap.take(output)
 
     def on_output_grad(self, st, micro_batch: int, idx: int, grad) -> None:
