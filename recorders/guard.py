@@ -107,7 +107,8 @@ def eager_hook(wrap, fn):
 
     `torch.compiler.disable`'s wrapper did so at ~90 bytecodes and two
     switches of the frame evaluator a call, on every step's optimizer hook
-    (a tenth of a point of the launch-bound proxy's ratio). `_EagerHook`'s
+    (a tenth of a point of the launch-bound proxy's ratio by the bytecode
+    figure of `benchmarks/RESULTS.md`; too little for a run to resolve). `_EagerHook`'s
     `__call__` is marked once, as torch marks its own disabled wrappers:
     dynamo neither traces nor compiles it nor any frame it calls, and a
     compiled caller breaks its graph there, as for `disable`. Where torch

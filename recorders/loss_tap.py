@@ -181,10 +181,11 @@ class OutputLossTap:
     (`collectors.sentinel.SentinelHooks`, which runs on every step and
     already tests what the tap tests: the root's call, grad mode, not
     paused, recording on): a forward hook of its own made torch's
-    `_call_impl` walk one more hook and called three frames a step
-    (a point of the launch-bound proxy's ratio, `benchmarks/RESULTS.md`,
-    2026-12-07). Traced by dynamo inside a compiled model as before (the
-    carrier's hook calls `take` there)."""
+    `_call_impl` walk one more hook and called three frames a step (its
+    removal read -1.2 points of the launch-bound proxy's ratio in one run,
+    within a run's spread: `benchmarks/RESULTS.md`, 2026-12-07). Traced by
+    dynamo inside a compiled model as before (the carrier's hook calls
+    `take` there)."""
 
     def __init__(self, carrier, losses: MicroBatchLosses):
         self._carrier = carrier
