@@ -242,7 +242,11 @@ class AmpRecorder:
             self._unhook()
         else:
             try:
-                self._step(loss, step)
+                step_id = self._step_counter if step is None else int(step)
+                if self.quiet is not None and self.quiet.close(loss, step_id):  # the usual step: no frame more
+                    self._step_counter = step_id + 1
+                else:
+                    self._step(loss, step_id)
             except Exception as exc:  # noqa: BLE001
                 self.guard.fail(exc)
                 self._unhook()
@@ -253,11 +257,7 @@ class AmpRecorder:
             if bundle:
                 self.save_bundle()
 
-    def _step(self, loss, step):
-        step_id = self._step_counter if step is None else int(step)
-        if self.quiet is not None and self.quiet.close(loss, step_id):
-            self._step_counter = step_id + 1
-            return
+    def _step(self, loss, step_id: int):
         loss, dtype = self.losses.close_step(loss)
         loss_t = (loss.detach() if loss.requires_grad else loss) if isinstance(loss, torch.Tensor) else None
         stance = self.stance

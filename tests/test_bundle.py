@@ -213,6 +213,35 @@ def test_bf16_without_a_scaler_saves_the_weights_before_the_update(tmp_path):
     assert math.isnan(replay(b, boom=math.nan).item())
 
 
+@pytest.mark.parametrize("when", ["before_forward", "after_backward"])
+def test_a_weight_written_after_the_forward_makes_the_bundle_inexact(when, tmp_path):
+    """The weights a bundle holds are those of its step's forward only if no
+    parameter was written since: a loop's write before the forward (a
+    reload, a planted fault) is what the forward used; one after the
+    backward, before the update, is not, and the bundle says so."""
+    run = tmp_path / "run"
+
+    def poke(step, model):
+        if step == 3:
+            with torch.no_grad():
+                model.body.head.weight[0, 0] += 1.0
+
+    def on_step(step, model, x):
+        model.body.boom.gain = math.nan if step == 3 else 1.0
+        if when == "before_forward":
+            poke(step, model)
+
+    def loss_fn(model, x, y, step, accumulate):
+        return model(x, target=y, opts={"weights": (torch.ones(4), "w"), "gain": 1.0})
+
+    train_loop(LossNet(), batches(5), recorder=recorder_at(run), dtype=torch.bfloat16, scaler=False,
+               loss_fn=loss_fn, on_step=on_step,
+               before_update=poke if when == "after_backward" else None)
+    b = load_bundle(run, step=3)
+    assert b.meta["params"]["source"] == "pre_step_snapshot"
+    assert b.meta["params"]["exact"] is (when == "before_forward")
+
+
 def test_clean_cpu_steps_copy_no_weights_and_the_nonfinite_step_still_does(tmp_path, monkeypatch):
     # Without a scaler the weights are copied before each update that may
     # need a bundle; on the CPU a step whose statistics are all finite cannot.
