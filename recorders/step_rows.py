@@ -118,8 +118,12 @@ class StepRows:
         p.norm_names = st.grad_norm_names
         optimizer = self.optimizer
         if optimizer is not None:
-            # A float as it is (the usual lr): no call a group.
-            p.lr = [lr if type(lr := g.get("lr")) is float else host_float(lr) for g in optimizer.param_groups]
+            groups = optimizer.param_groups
+            lr = groups[0].get("lr") if len(groups) == 1 else None
+            # A float as it is (the usual lr): no call a group, and one
+            # group's (the usual optimizer) without a comprehension's frame.
+            p.lr = [lr] if type(lr) is float else [
+                lr if type(lr := g.get("lr")) is float else host_float(lr) for g in groups]
             p.stepped = st.stepped
         return p
 
@@ -127,20 +131,9 @@ class StepRows:
         """`pack` of a step `quiet_step.QuietStep` closes: not sampled, no
         scaler, its gradient norms and their finite square sum host values
         (the CPU), `loss_t` a CPU scalar, no re-execution; the same row
-        (tests compare the two ways), written out in one frame: `_begin`'s
-        and `_put_grad_facts`' calls were a third of it."""
-        p = PendingStep()
-        p.step, p.wall_time, p.loss_dtype = step_id, time.time(), loss_dtype
-        p.micro_batches = st.micro_batches or st.backward_passes
-        p.norm_names = st.grad_norm_names
-        optimizer = self.optimizer
-        if optimizer is not None:
-            groups = optimizer.param_groups
-            lr = groups[0].get("lr") if len(groups) == 1 else None
-            # One group's float (the usual optimizer): no comprehension's frame.
-            p.lr = [lr] if type(lr) is float else [
-                lr if type(lr := g.get("lr")) is float else host_float(lr) for g in groups]
-            p.stepped = st.stepped
+        (tests compare the two ways); the gradient facts written out
+        (`_put_grad_facts`' call and its tests were a third of it)."""
+        p = self._begin(st, step_id, loss_dtype)
         p.host_scalars = {"loss": loss_t, "grad_norms": st.grad_norms, "grad_unscale": False,
                           "grad_sq_host": st.grad_sq_host}
         p.dev_scalar_keys, p.host_rows = (), st.stats
