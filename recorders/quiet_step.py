@@ -67,16 +67,11 @@ class QuietStep:
                 or bundles.window is not None or bundles._request_pending or step_id in bundles.steps
                 or (cap is not None and cap.explicit)):
             return False
-        # No event: the trigger's own test (`ReexecuteTrigger.quiet`, no
-        # scale on this path), which remembers the values only when it
-        # passes (a NaN, an Inf or a spike leaves them to `decide`). The
-        # loss is a CPU tensor here: its read waits for no device.
-        value, norm = loss.item(), math.sqrt(st.grad_sq_host)
-        losses_seen, norms_seen = self.trigger._losses, self.trigger._norms
-        if not (abs(value) <= losses_seen.limit and norm <= norms_seen.limit):
+        # No event: the trigger's own test, which remembers the values only
+        # when it passes (a NaN, an Inf or a spike leaves them to `decide`).
+        # The loss is a CPU tensor here: its read waits for no device.
+        if not self.trigger.quiet(loss.item(), math.sqrt(st.grad_sq_host), None):
             return False
-        losses_seen.add(value)
-        norms_seen.add(norm)
         st.grads_read = None  # as `TrainingHooks.end_step`: the gradients go with the loop's
         loss_t = loss.detach() if loss.requires_grad else loss
         self.run_writer.queue_step(self.rows.pack_host(st, step_id, loss_t, dtype_name(loss.dtype)), True)
