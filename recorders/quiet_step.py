@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .collectors.state import StepState, dtype_name
+from .collectors.state import dtype_name
 
 
 class QuietStep:
@@ -45,27 +45,19 @@ class QuietStep:
     def close(self, loss, step_id: int) -> bool:
         """Close step `step_id` and begin the next when it is a quiet step
         (True); else change nothing (False): the general path closes it."""
-        hooks, shared, bundles = self.hooks, self.shared, self.bundles
+        hooks, shared = self.hooks, self.shared
         st = shared.state
-        cap = bundles._current
-        losses, sentinel, full = self.losses, self.sentinel, shared.full_stage
         # What the general path would find, tested first, in one condition:
         # a step not sampled (whose containers are read-only and empty), no
-        # staged row, every gradient fact a host value taken with the norms,
-        # the loss a CPU scalar passed as it is (none captured), nothing
-        # deferred, no compiled graph, no bundle asked for, no window open.
-        # The parts' own state read here, not through their properties: a
-        # call each, on every step.
+        # row of any stage, every gradient fact a host value taken with the
+        # norms, the loss a CPU scalar passed as it is (none captured),
+        # nothing deferred, no compiled graph.
         if (st.record or st.device is not None or st.grad_sq_host is None or st.grad_norms is None
                 or st.grad_sqsum is not None or st.grad_nonfinite is not None or st.grad_scale is not None
                 or st.sharded_sqsum is not None or st.graph_values is not None
                 or type(loss) is not torch.Tensor or not loss.is_cpu or loss.numel() != 1
-                or losses._backpropagated or losses._returned or sentinel._waiting is not None
-                or sentinel._deferring is not None or self.stance.compiled
-                or hooks.autocast_watch.children_ran or hooks.graph.ran
-                or shared.stage.rows or full.rows or full.unresolved
-                or bundles.window is not None or bundles._request_pending or step_id in bundles.steps
-                or (cap is not None and cap.explicit)):
+                or self.losses.captured or self.sentinel.waits or self.stance.compiled
+                or hooks.autocast_watch.children_ran or hooks.graph.ran or shared.staged):
             return False
         # No event: the trigger's own test, which remembers the values only
         # when it passes (a NaN, an Inf or a spike leaves them to `decide`).
@@ -74,19 +66,8 @@ class QuietStep:
             return False
         st.grads_read = None  # as `TrainingHooks.end_step`: the gradients go with the loop's
         loss_t = loss.detach() if loss.requires_grad else loss
-        self.run_writer.queue_step(self.rows.pack_host(st, step_id, loss_t, dtype_name(loss.dtype)), True)
-        # `BundleCapture.on_step_end` of a clean step asked for by nothing
-        # with no window: the writer's decision is "no", the capture goes.
-        if bundles.enabled:
-            bundles._current = None
-            if cap is not None and (cap.params_pooled or cap.buffers is not None):
-                bundles._release(cap)
-            if bundles.decisions.decided or bundles._unposted:
-                bundles._service()
-        step_id += 1
-        tier = self.schedule.tier(step_id)
-        if tier is None and not hooks.attached and not hooks.updates.params and not hooks.graph.gate_on:
-            shared.state = StepState(step_id, False, False)  # `TrainingHooks.begin_step`'s usual case
-        else:
-            hooks.begin_step(step_id, tier)
+        pending = self.rows.pack_host(st, step_id, loss_t, dtype_name(loss.dtype))
+        self.bundles.on_step_end(step_id, loss=loss_t, stepped=pending.stepped, clean=True)
+        self.run_writer.queue_step(pending, True)
+        hooks.begin_step(step_id + 1, self.schedule.tier(step_id + 1))
         return True

@@ -131,12 +131,11 @@ class StepRows:
         """`pack` of a step `quiet_step.QuietStep` closes: not sampled, no
         scaler, its gradient norms and their finite square sum host values
         (the CPU), `loss_t` a CPU scalar, no re-execution; the same row
-        (tests compare the two ways); the gradient facts written out
-        (`_put_grad_facts`' call and its tests were a third of it)."""
+        (tests compare the two ways)."""
         p = self._begin(st, step_id, loss_dtype)
-        p.host_scalars = {"loss": loss_t, "grad_norms": st.grad_norms, "grad_unscale": False,
-                          "grad_sq_host": st.grad_sq_host}
-        p.dev_scalar_keys, p.host_rows = (), st.stats
+        host, dev, keys = {"loss": loss_t}, [], []
+        _put_grad_facts(host, dev, keys, "", st)
+        p.host_scalars, p.dev_scalar_keys, p.host_rows = host, keys, st.stats
         return p
 
     def pack(self, st, step_id: int, loss, loss_t, loss_dtype: str | None = None,
