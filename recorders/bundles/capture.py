@@ -118,11 +118,6 @@ class BundleCapture:
         self._triggers = triggers
         self._window_events: dict = {}
         self._current: StepCapture | None = None
-        # The parameters' version sum is read at micro-batch 0's forward end
-        # for plain parameters (`on_model_outputs`); sharded ones (FSDP's
-        # flat views, DTensors), whose forward writes their unsharded
-        # storage, at its start.
-        self._versions_after_forward = all(type(p) in PLAIN_TENSORS for p in inv.params)
         self._held: OrderedDict[int, StepCapture] = OrderedDict()
         self._awaiting_copy: list[StepCapture] = []  # held with no optimizer step since their forward
         self._evicted: set[int] = set()
@@ -182,12 +177,11 @@ class BundleCapture:
     def _new_capture(self, step: int, autocast: dict | None) -> StepCapture:
         cap = StepCapture(step)
         inv = self.inventory
-        # Not at the last step's end: a loop may write the weights between
-        # steps (a planted fault, a reload), and the step's re-execution
-        # then runs on the weights its forward used. Plain parameters' at
-        # the forward's end (`on_model_outputs`), the others' here.
-        if not self._versions_after_forward:
-            cap.param_version_sum = inv.param_version_sum()
+        # Read here, not at the last step's end where the update has just
+        # touched every counter (a third of the cost): a loop may write the
+        # weights between steps (a planted fault, a reload), and the step's
+        # re-execution then runs on the weights its forward used.
+        cap.param_version_sum = inv.param_version_sum()
         cap.buffer_versions = inv.buffer_versions() if inv.buffers else []  # no buffers: no call
         cap.opt_steps = self._opt_steps
         if self._buffer_pool is not None:
@@ -217,15 +211,6 @@ class BundleCapture:
         cap = self._current
         if self.enabled and cap is not None and micro_batch < len(cap.micro_batches):
             cap.micro_batches[micro_batch].outputs = count
-            if cap.param_version_sum is None:
-                # Read after the forward, not before it: the forward has
-                # just read the counters of the weights it saved for the
-                # backward, where before it every one of the 288 of the
-                # launch-bound proxy was three cold pointer reads (80 us of
-                # its step in situ, 37 here). A write during the forward
-                # itself goes unseen; autograd refuses one to a weight the
-                # forward saved, at the backward.
-                cap.param_version_sum = self.inventory.param_version_sum()
 
     def on_model_output_grad(self, micro_batch: int, index: int, grad) -> None:
         cap = self._current
