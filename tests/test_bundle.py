@@ -213,8 +213,9 @@ def test_bf16_without_a_scaler_saves_the_weights_before_the_update(tmp_path):
     assert math.isnan(replay(b, boom=math.nan).item())
 
 
+@pytest.mark.parametrize("mode", ["every_step", "sentinel"])
 @pytest.mark.parametrize("when", ["before_forward", "after_backward"])
-def test_a_weight_written_after_the_forward_makes_the_bundle_inexact(when, tmp_path):
+def test_a_weight_written_after_the_forward_makes_the_bundle_inexact(when, mode, tmp_path, monkeypatch):
     """The weights a bundle holds are those of its step's forward only if no
     parameter was written since: a loop's write before the forward (a
     reload, a planted fault) is what the forward used; one after the
@@ -234,12 +235,43 @@ def test_a_weight_written_after_the_forward_makes_the_bundle_inexact(when, tmp_p
     def loss_fn(model, x, y, step, accumulate):
         return model(x, target=y, opts={"weights": (torch.ones(4), "w"), "gain": 1.0})
 
+    monkeypatch.setenv("AMP_POSTMORTEM_MODE", mode)
     train_loop(LossNet(), batches(5), recorder=recorder_at(run), dtype=torch.bfloat16, scaler=False,
                loss_fn=loss_fn, on_step=on_step,
                before_update=poke if when == "after_backward" else None)
     b = load_bundle(run, step=3)
     assert b.meta["params"]["source"] == "pre_step_snapshot"
     assert b.meta["params"]["exact"] is (when == "before_forward")
+
+
+@pytest.mark.parametrize("mode", ["every_step", "sentinel"])
+@pytest.mark.parametrize("grads", ["backward", "by_hand"])
+def test_a_step_named_up_front_holds_the_weights_its_forward_used(grads, mode, tmp_path):
+    """A step named in `bundle_steps` keeps the copy of its weights taken
+    before the update, clean facts or not (a clean step's pooled copy went
+    back at its close, and its bundle said `copy_after_update`). The weights
+    are judged by the parameters' version counters, read when the step's
+    backward ends, or, with gradients set by hand (no backward pass), at the
+    optimizer's pre-step hook: exact either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    rec = AmpRecorder(run, model, optimizer=opt, bundle_steps=[2], mode=mode)
+    for step in range(4):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        if grads == "backward":
+            loss.backward()
+        else:
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.01)
+        opt.step()
+        opt.zero_grad()
+        rec.step(loss)
+    rec.close()
+    b = load_bundle(run, step=2)
+    assert b.meta["params"]["source"] == "pre_step_snapshot"
+    assert b.meta["params"]["exact"] is True
 
 
 def test_clean_cpu_steps_copy_no_weights_and_the_nonfinite_step_still_does(tmp_path, monkeypatch):

@@ -314,11 +314,11 @@ class BundleCapture:
         elif cap is not None:
             cap.step, cap.stepped, cap.clean = step, stepped, clean
             if clean:
-                if cap.params_pooled and cap.params is not None:
+                if cap.params_pooled and cap.params is not None and not explicit:
                     # Its decision comes late (handed over with others) and
                     # is a "no" but for a rare trigger: the pooled copy goes
                     # back now, for the next steps (a later "yes" copies the
-                    # weights then, and says so).
+                    # weights then, and says so). A step asked for keeps it.
                     self._param_pool.give(cap.params)
                     cap.params, cap.params_pooled = None, False
                 if not explicit:
