@@ -4,10 +4,11 @@ What happens around step N (training thread unless said otherwise):
 
 - first forward of N (`on_micro_batch_start`, micro-batch 0): a new capture
   holds references to the inputs, the RNG states, the version counters of
-  parameters and buffers and (when small) a device-side copy of the buffers;
-  every further micro-batch adds its inputs and RNG states;
+  buffers and (when small) a device-side copy of the buffers; every further
+  micro-batch adds its inputs and RNG states;
 - backward: references to the gradients reaching the model's outputs (the
-  scaled values that travelled);
+  scaled values that travelled); at the end of the step's first backward
+  pass, the sum of the parameters' version counters (`on_backward_end`);
 - optimizer pre-step: a device-side copy of the parameters, taken into
   preallocated buffers, when there is no GradScaler (or N was asked for up
   front), so the bundle holds the weights the forward used (on the CPU,
@@ -177,11 +178,8 @@ class BundleCapture:
     def _new_capture(self, step: int, autocast: dict | None) -> StepCapture:
         cap = StepCapture(step)
         inv = self.inventory
-        # Read here, not at the last step's end where the update has just
-        # touched every counter (a third of the cost): a loop may write the
-        # weights between steps (a planted fault, a reload), and the step's
-        # re-execution then runs on the weights its forward used.
-        cap.param_version_sum = inv.param_version_sum()
+        # The parameters' version sum is not read here but when the step's
+        # first backward pass ends (`on_backward_end`).
         cap.buffer_versions = inv.buffer_versions() if inv.buffers else []  # no buffers: no call
         cap.opt_steps = self._opt_steps
         if self._buffer_pool is not None:
@@ -217,6 +215,22 @@ class BundleCapture:
         if self.enabled and cap is not None and micro_batch < len(cap.micro_batches):
             cap.micro_batches[micro_batch].grads[index] = grad
 
+    def on_backward_end(self) -> None:
+        """The step's backward pass has ended and its gradients were read
+        (`ParamGradCollector`): the parameters' version sum the step's
+        weights are judged by (`_unchanged`), taken at the first pass's end.
+        Not at the forward's start: there it touched every parameter's
+        counter out of the caches, ~65 us of the launch-bound proxy's
+        8 ms step, where after the gradients' read it costs ~20
+        (`benchmarks/RESULTS.md`, 2026-12-07 15:30). What that leaves
+        unseen: an in-place write inside the forward, after a parameter's
+        use, where the backward does not use it (where it does, autograd
+        raises); a write before the forward (a planted fault, a reload)
+        gives weights the forward used, and one from here on is seen."""
+        cap = self._current
+        if self.enabled and cap is not None and cap.param_version_sum is None:
+            cap.param_version_sum = self.inventory.param_version_sum()
+
     def on_optimizer_pre_step(self, clean_on_host: bool = False) -> None:
         """`clean_on_host`: the step's statistics so far are host values
         without a NaN or an Inf, so no automatic trigger but a non-finite
@@ -238,6 +252,10 @@ class BundleCapture:
                     self._secure(cap, clone_now(self.inventory.params), "copy_before_next_update")
             self._awaiting_copy = []
         cap = self._current
+        if cap is not None and cap.param_version_sum is None:
+            # No backward pass was seen ending (gradients set by hand, a
+            # compiled backward): the weights as the update finds them.
+            cap.param_version_sum = self.inventory.param_version_sum()
         if cap is not None and cap.params is None:
             wanted = cap.explicit or cap.step in self.steps
             # `snapshot_params=True` (not "auto"): every step, clean or not (a
@@ -286,7 +304,10 @@ class BundleCapture:
     def _unchanged(self, cap) -> bool:
         """No optimizer step and no in-place write on any parameter since the
         capture's forward (version counters live on the host)."""
-        return cap.opt_steps == self._opt_steps and cap.param_version_sum == self.inventory.param_version_sum()
+        # None: neither a backward's end nor an optimizer step was seen
+        # since the forward: undetermined, so not unchanged.
+        return (cap.opt_steps == self._opt_steps and cap.param_version_sum is not None
+                and cap.param_version_sum == self.inventory.param_version_sum())
 
     def on_step_end(self, step: int, *, loss, stepped: bool | None, clean: bool = False) -> None:
         """`clean`: the step's host facts showed no event (its decision may

@@ -244,6 +244,7 @@ class ParamGradCollector:
                 if g is not None:
                     self._record_grad(st, pname, g)
         self._measure_grad_norm(st, self.scale_tensor())
+        self.shared.bundles.on_backward_end()  # after the read above: the parameters are in the caches
 
     def _grad_at(self, i: int):
         """The gradient of the `i`-th plain parameter (`settle`'s float64 retake)."""
