@@ -222,7 +222,7 @@ class BundleCapture:
         Not at the forward's start: there it touched every parameter's
         counter out of the caches, ~65 us of the launch-bound proxy's
         8 ms step, where after the gradients' read it costs ~20
-        (`benchmarks/RESULTS.md`, 2026-12-07 15:30). What that leaves
+        (`benchmarks/RESULTS.md`, 2026-12-07 15:00). What that leaves
         unseen: an in-place write inside the forward, after a parameter's
         use, where the backward does not use it (where it does, autograd
         raises); a write before the forward (a planted fault, a reload)
@@ -302,8 +302,9 @@ class BundleCapture:
         cap.params_exact = self._unchanged(cap)
 
     def _unchanged(self, cap) -> bool:
-        """No optimizer step and no in-place write on any parameter since the
-        capture's forward (version counters live on the host)."""
+        """No optimizer step since the capture's forward and no in-place write
+        on any parameter since its backward's end (version counters live on
+        the host; see `on_backward_end`)."""
         # None: neither a backward's end nor an optimizer step was seen
         # since the forward: undetermined, so not unchanged.
         return (cap.opt_steps == self._opt_steps and cap.param_version_sum is not None
