@@ -215,7 +215,7 @@ def test_bf16_without_a_scaler_saves_the_weights_before_the_update(tmp_path):
 
 @pytest.mark.parametrize("mode", ["every_step", "sentinel"])
 @pytest.mark.parametrize("when", ["before_forward", "after_backward"])
-def test_a_weight_written_after_the_forward_makes_the_bundle_inexact(when, mode, tmp_path, monkeypatch):
+def test_a_weight_written_after_the_forward_makes_the_bundle_inexact(when, mode, tmp_path):
     """The weights a bundle holds are those of its step's forward only if no
     parameter was written since: a loop's write before the forward (a
     reload, a planted fault) is what the forward used; one after the
@@ -235,8 +235,7 @@ def test_a_weight_written_after_the_forward_makes_the_bundle_inexact(when, mode,
     def loss_fn(model, x, y, step, accumulate):
         return model(x, target=y, opts={"weights": (torch.ones(4), "w"), "gain": 1.0})
 
-    monkeypatch.setenv("AMP_POSTMORTEM_MODE", mode)
-    train_loop(LossNet(), batches(5), recorder=recorder_at(run), dtype=torch.bfloat16, scaler=False,
+    train_loop(LossNet(), batches(5), recorder=recorder_at(run, mode=mode), dtype=torch.bfloat16, scaler=False,
                loss_fn=loss_fn, on_step=on_step,
                before_update=poke if when == "after_backward" else None)
     b = load_bundle(run, step=3)
