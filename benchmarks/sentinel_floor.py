@@ -15,11 +15,13 @@ What it does a step, as the default's hooks do on a step not sampled:
 - its forward hook puts a pre-hook on the output's autograd node, which
   holds the gradient reaching the output and queues a callback for the
   end of the backward pass;
-- that callback takes every gradient's norm in the product's way
-  (`NormPlan` on the CPU: small gradients of one shape concatenated; one
-  `_foreach_norm` and one read otherwise) and their square sum, then the
-  sum of the parameters' version counters (the product's place for it
-  since 2026-12-07: read in the pre-hook, it cost ~65 us more);
+- that callback takes the gradients' square sum in the product's way
+  (`NormPlan.facts` on the CPU: small gradients of one shape concatenated,
+  one norm a group, each gradient's norm only when the sum is not finite;
+  one `_foreach_norm` and one read otherwise), then the sum of the
+  parameters' version counters where the product reads it (a scaler's
+  job, or gradients not finite: on a clean step without a scaler the
+  optimizer's step changes the weights anyway);
 - the optimizer's pre-step hook notes that the step stepped;
 - `step(loss)` reads the loss and the scaler's scale (host values on the
   CPU) and keeps one tuple.
@@ -74,10 +76,12 @@ class FloorSentinel:
     def _backward_end(self):
         plan = self._plan
         if plan.useful:
-            self._held[5] = settle(plan.norms(), plan.grad_at)
+            self._held[5] = plan.facts()  # (None, the square sum) of finite gradients, as the product
         else:
             self._held[5] = cpu_norms(list(map(GRAD, self.params)), plan.work, plan.uniform, plan.big)
-        if self._held[3] is None:  # the first backward pass's end
+        # The version sum where the product needs it (`BundleCapture._judged`):
+        # a scaler's job (a skip keeps the weights) or gradients not finite.
+        if self._held[3] is None and (self.scaler is not None or not math.isfinite(self._held[5][1])):
             self._held[3] = sum(map(_VERSION, self.params))
 
     def _opt_pre(self, optimizer, args, kwargs):

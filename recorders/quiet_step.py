@@ -50,9 +50,9 @@ class QuietStep:
         # What the general path would find, tested first, in one condition:
         # a step not sampled (whose containers are read-only and empty), no
         # row of any stage, every gradient fact a host value taken with the
-        # norms, the loss a CPU scalar passed as it is (none captured),
+        # gradients, the loss a CPU scalar passed as it is (none captured),
         # nothing deferred, no compiled graph.
-        if (st.record or st.device is not None or st.grad_sq_host is None or st.grad_norms is None
+        if (st.record or st.device is not None or st.grad_sq_host is None
                 or st.grad_sqsum is not None or st.grad_nonfinite is not None or st.grad_scale is not None
                 or st.sharded_sqsum is not None or st.graph_values is not None
                 or type(loss) is not torch.Tensor or not loss.is_cpu or loss.numel() != 1

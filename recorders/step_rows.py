@@ -70,13 +70,15 @@ def _put_vector(host: dict, dev: list, keys: list, key: str, value) -> None:
         dev.append(value.detach().reshape(-1).to(torch.float64))
 
 def _put_grad_facts(host: dict, dev: list, keys: list, prefix: str, state) -> None:
-    if state.grad_norms is not None:
-        _put_vector(host, dev, keys, prefix + "grad_norms", state.grad_norms)
+    sq = state.grad_sq_host
+    if state.grad_norms is not None or sq is not None:
+        if state.grad_norms is not None:
+            _put_vector(host, dev, keys, prefix + "grad_norms", state.grad_norms)
         host[prefix + "grad_unscale"] = state.grad_scale is not None
-        sq = state.grad_sq_host
         if sq is not None and math.isfinite(sq):
-            # Their square sum, taken with them (the CPU): the writer
-            # needs the norms only when one is not finite.
+            # The square sum, taken with the gradients (the CPU): the
+            # writer needs each one's norm only when one is not finite
+            # (then taken with it: `NormPlan.facts`).
             host[prefix + "grad_sq_host"] = sq
     if state.grad_sqsum is not None:
         _put(host, dev, keys, prefix + "grad_sqsum", state.grad_sqsum)
@@ -253,14 +255,16 @@ class StepRows:
             offset += max(1, length)
         for prefix in ("", "reexec_"):
             norms = scalars.pop(prefix + "grad_norms", None)
-            if norms is not None:
+            sq = scalars.pop(prefix + "grad_sq_host", None)
+            if norms is not None or sq is not None:
                 before = scalars.get("loss_scale_before")
                 unscale = before if scalars.get(prefix + "grad_unscale") else None
-                sq = scalars.pop(prefix + "grad_sq_host", None)
                 if sq is not None and (unscale is None or (unscale and math.isfinite(unscale))):
                     sq, count, bad = (sq / unscale / unscale if unscale else sq), 0, []  # as `host_facts`
-                else:
+                elif norms is not None:
                     sq, count, bad = grad_facts(norms, unscale)
+                else:  # a square sum without norms, the scale 0 or Inf since: not unscaled, not guessed
+                    continue
                 scalars[prefix + "grad_sqsum"], scalars[prefix + "grad_nonfinite"] = sq, count
                 if not prefix:
                     scalars["nonfinite_grad_positions"] = bad

@@ -273,6 +273,36 @@ def test_a_step_named_up_front_holds_the_weights_its_forward_used(grads, mode, t
     assert b.meta["params"]["exact"] is True
 
 
+@pytest.mark.parametrize("write", [True, False])
+def test_a_clean_step_asked_for_after_its_backward_is_never_judged_exact(write, tmp_path):
+    """A clean step of a job without a scaler is not judged by its
+    weights' version counters at its backward's end (the update follows and
+    changes them anyway: `BundleCapture._judged`). A bundle asked for once
+    that backward has ended holds the weights taken before the update, and
+    says they are not known to be the forward's, whether a write came in
+    between (then they are not) or not: never wrongly exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    rec = AmpRecorder(run, model, optimizer=opt, mode="sentinel")
+    for step in range(4):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        if step == 2:
+            if write:
+                with torch.no_grad():
+                    model[0].weight[0, 0] += 1.0
+            rec.save_bundle()
+        opt.step()
+        opt.zero_grad()
+        rec.step(loss)
+    rec.close()
+    b = load_bundle(run, step=2)
+    assert b.meta["params"]["source"] == "pre_step_snapshot"
+    assert b.meta["params"]["exact"] is False
+
+
 def test_clean_cpu_steps_copy_no_weights_and_the_nonfinite_step_still_does(tmp_path, monkeypatch):
     # Without a scaler the weights are copied before each update that may
     # need a bundle; on the CPU a step whose statistics are all finite cannot.

@@ -137,6 +137,70 @@ def test_float64_and_half_gradients():
     torch.testing.assert_close(norms, torch.stack([torch.linalg.vector_norm(g.float()) for g in hgrads]))
 
 
+@pytest.mark.parametrize("fault", [None, "nan", "inf", "float32_overflow", "half"])
+def test_facts_give_the_square_sum_alone_when_finite_and_the_norms_otherwise(fault):
+    """`NormPlan.facts`: finite gradients give (None, their square sum),
+    one norm a group; a NaN, an Inf or a square sum past float32's range
+    gives the norms and sum `settle(norms())` gives, in the plan's order."""
+    dtype = torch.float16 if fault == "half" else torch.float32
+    params = _params([(8, 8)] * (MIN_GROUP + 1) + [(4,)] * MIN_GROUP + [(3, 5)], dtype=dtype)
+    grads = _grads(params, scale=1000.0 if fault == "half" else 1.0)
+    if fault == "nan":
+        grads[2][1, 1] = float("nan")
+    elif fault == "inf":
+        grads[-1][0, 0] = float("inf")
+    elif fault == "float32_overflow":
+        grads[MIN_GROUP + 2].fill_(1e20)  # norms of 2e20: finite, their squares are not in float32
+    plan = NormPlan(params)
+    read = []
+    norms, sq = plan.facts(read)
+    assert [g for group in read for g in group] == [params[i].grad for i in plan.order]
+    want_norms, want_sq = settle(plan.norms(), plan.grad_at)
+    if fault in (None, "half", "float32_overflow"):
+        exact = sum(float(torch.linalg.vector_norm(g.double())) ** 2 for g in grads)
+        assert sq == pytest.approx(exact, rel=1e-5) and sq == pytest.approx(want_sq, rel=1e-5)
+    if fault in (None, "half"):
+        assert norms is None
+    else:
+        torch.testing.assert_close(norms, want_norms, equal_nan=True)
+        assert sq == want_sq or (math.isnan(sq) and math.isnan(want_sq))
+
+
+def test_the_recorder_names_a_nonfinite_gradient_with_and_without_the_plan(tmp_path, monkeypatch):
+    """A planted Inf weight: the steps from then on count the same
+    non-finite gradients whether the plan (square sums, norms only then)
+    or the per-tensor loop took them."""
+    from recorders import AmpRecorder
+    import amp_postmortem as ap
+
+    def run(name, plan_on):
+        if not plan_on:
+            monkeypatch.setattr("recorders.collectors.grad_norms.MIN_GROUP", 10 ** 9)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        rec = AmpRecorder(tmp_path / name, model, optimizer=opt, mode="sentinel")
+        for step in range(5):
+            if step == 3:
+                with torch.no_grad():
+                    model[4].weight[0, 0] = float("inf")
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+        rec.close()
+        monkeypatch.undo()
+        return ap.load_run(tmp_path / name).steps
+
+    with_plan, without = run("plan", True), run("loop", False)
+    counts = with_plan["nonfinite_param_grads"].tolist()
+    assert counts[:3] == [0, 0, 0] and all(c > 0 for c in counts[3:])
+    assert counts == without["nonfinite_param_grads"].tolist()
+    norms = with_plan["grad_norm"].tolist()
+    assert all(math.isfinite(v) for v in norms[:3]) and not any(math.isfinite(v) for v in norms[3:])
+
+
 def test_the_recorder_takes_the_same_facts_with_and_without_the_plan(tmp_path, monkeypatch):
     """A deep narrow model (the plan's case) records the gradient norm the
     per-tensor loop gives."""

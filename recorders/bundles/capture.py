@@ -116,6 +116,10 @@ class BundleCapture:
                                         run_info=dict(run_info, has_scaler=has_scaler), post=self._post,
                                         loss_fn=policy.loss_fn)
             triggers.watch_window = True  # the writer notes the events that open a window
+        # A held step's weights can be judged unchanged since its forward
+        # only where no optimizer step followed it: a scaler's skip, or a
+        # copy taken whatever the step (`_judged`).
+        self._unstepped_kept = has_scaler or self._always_snapshot or self.window is not None
         self._triggers = triggers
         self._window_events: dict = {}
         self._current: StepCapture | None = None
@@ -215,21 +219,39 @@ class BundleCapture:
         if self.enabled and cap is not None and micro_batch < len(cap.micro_batches):
             cap.micro_batches[micro_batch].grads[index] = grad
 
-    def on_backward_end(self) -> None:
+    def on_backward_end(self, clean: bool = False) -> None:
         """The step's backward pass has ended and its gradients were read
-        (`ParamGradCollector`): the parameters' version sum the step's
-        weights are judged by (`_unchanged`), taken at the first pass's end.
-        Not at the forward's start: there it touched every parameter's
-        counter out of the caches, ~65 us of the launch-bound proxy's
-        8 ms step, where after the gradients' read it costs ~20
-        (`benchmarks/RESULTS.md`, 2026-12-07 15:00). What that leaves
-        unseen: an in-place write inside the forward, after a parameter's
-        use, where the backward does not use it (where it does, autograd
-        raises); a write before the forward (a planted fault, a reload)
-        gives weights the forward used, and one from here on is seen."""
+        (`ParamGradCollector`; `clean`: their square sum is a finite host
+        value): the parameters' version sum the step's weights are judged
+        by (`_unchanged`), taken at the first pass's end where it can be
+        needed (`_judged`). Not at the forward's start: there it touched
+        every parameter's counter out of the caches, ~65 us of the
+        launch-bound proxy's 8 ms step, where after the gradients' read it
+        costs ~20 (`benchmarks/RESULTS.md`, 2026-12-07 15:00). What that
+        leaves unseen: an in-place write inside the forward, after a
+        parameter's use, where the backward does not use it (where it does,
+        autograd raises); a write before the forward (a planted fault, a
+        reload) gives weights the forward used, and one from here on is seen."""
         cap = self._current
-        if self.enabled and cap is not None and cap.param_version_sum is None:
-            cap.param_version_sum = self.inventory.param_version_sum()
+        if self.enabled and cap is not None and cap.param_version_sum is None and not cap.versions_skipped:
+            if self._judged(cap, clean):
+                cap.param_version_sum = self.inventory.param_version_sum()
+            else:
+                cap.versions_skipped = True  # asked for later, its weights are not judged exact
+
+    def _judged(self, cap, clean: bool) -> bool:
+        """`cap`'s weights may yet be judged by their version sum: its
+        gradients are not clean (a copy before the update is taken, or a
+        scaler skips), a bundle of it is asked for, or the job keeps
+        unstepped steps' weights (`_unstepped_kept`). Otherwise the
+        optimizer steps next (its pre-step hook counts it), after which
+        `_unchanged` is False whatever the sum: on a clean step of a job
+        without a scaler the 288 counters of the launch-bound proxy, ~45
+        us of its cold step, are not read. Such a step's weights are never
+        judged exact after (`versions_skipped`): a bundle asked for it once
+        its backward ended, or a loop that skips `optimizer.step()` itself,
+        gets them as they are then, said not exact, never wrongly exact."""
+        return not clean or self._unstepped_kept or bool(cap.explicit) or cap.step in self.steps
 
     def on_optimizer_pre_step(self, clean_on_host: bool = False) -> None:
         """`clean_on_host`: the step's statistics so far are host values
@@ -252,9 +274,11 @@ class BundleCapture:
                     self._secure(cap, clone_now(self.inventory.params), "copy_before_next_update")
             self._awaiting_copy = []
         cap = self._current
-        if cap is not None and cap.param_version_sum is None:
+        if (cap is not None and cap.param_version_sum is None and not cap.versions_skipped
+                and self._judged(cap, clean_on_host)):
             # No backward pass was seen ending (gradients set by hand, a
-            # compiled backward): the weights as the update finds them.
+            # compiled backward), or a clean one whose step is now judged
+            # (a bundle asked for since): the weights as the update finds them.
             cap.param_version_sum = self.inventory.param_version_sum()
         if cap is not None and cap.params is None:
             wanted = cap.explicit or cap.step in self.steps
@@ -306,7 +330,8 @@ class BundleCapture:
         on any parameter since its backward's end (version counters live on
         the host; see `on_backward_end`)."""
         # None: neither a backward's end nor an optimizer step was seen
-        # since the forward: undetermined, so not unchanged.
+        # since the forward, or not read at a clean one (`_judged`):
+        # undetermined, so not unchanged.
         return (cap.opt_steps == self._opt_steps and cap.param_version_sum is not None
                 and cap.param_version_sum == self.inventory.param_version_sum())
 

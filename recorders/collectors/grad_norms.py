@@ -186,6 +186,50 @@ class NormPlan:
             parts.append(torch.stack(_foreach_norms(grads, work, self.rest_uniform, self.rest_big)))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
+    def facts(self, read: list | None = None) -> tuple[torch.Tensor | None, float]:
+        """(None, the gradients' square sum) when that sum is finite; else
+        (the norms in the plan's order, their square sum) as
+        `settle(self.norms(read), self.grad_at)` gives them.
+
+        A step whose gradients are all finite needs only their square sum
+        (the norms name the NaN/Inf ones): one norm of each group's
+        concatenation, not one per row. On the launch-bound proxy's 288
+        gradients the per-row norms, their concatenation and the dot product
+        of them cost ~55 us of a cold step, the two whole-group norms ~15.
+        The concatenations are kept for the norms when the sum is not
+        finite (a NaN or Inf among the gradients, or a float32 square sum
+        that overflowed: `settle` retakes it in float64)."""
+        if not self.useful:
+            raise ValueError("no group: the caller takes the norms itself")
+        work = self.work
+        flats = []
+        sq = 0.0
+        for params in self.group_params:
+            grads = list(map(GRAD, params))
+            if read is not None:
+                read.append(grads)
+            flat = torch.cat(grads)
+            flats.append(flat)
+            # The norm, not a dot product: accumulated past float32's range
+            # of squares; squared here in float64.
+            norm = torch.linalg.vector_norm(flat, dtype=work if flat.dtype != work else None).item()
+            sq += norm * norm
+        rest = None
+        if self.rest:
+            grads = list(map(GRAD, self.rest_params))
+            if read is not None:
+                read.append(grads)
+            rest = torch.stack(_foreach_norms(grads, work, self.rest_uniform, self.rest_big))
+            sq += square_sum(rest)
+        if math.isfinite(sq):
+            return None, sq
+        parts = [torch.linalg.vector_norm(flat.reshape(len(params), -1), dim=1,
+                                          dtype=work if flat.dtype != work else None)
+                 for flat, params in zip(flats, self.group_params)]
+        if rest is not None:
+            parts.append(rest)
+        return settle(torch.cat(parts) if len(parts) > 1 else parts[0], self.grad_at)
+
     def in_order(self, items: list) -> list:
         """`items` (one per parameter) in the plan's order."""
         return [items[i] for i in self.order]

@@ -244,7 +244,8 @@ class ParamGradCollector:
                 if g is not None:
                     self._record_grad(st, pname, g)
         self._measure_grad_norm(st, self.scale_tensor())
-        self.shared.bundles.on_backward_end()  # after the read above: the parameters are in the caches
+        sq = st.grad_sq_host  # after the read above: the parameters are in the caches
+        self.shared.bundles.on_backward_end(clean=not st.record and sq is not None and math.isfinite(sq))
 
     def _grad_at(self, i: int):
         """The gradient of the `i`-th plain parameter (`settle`'s float64 retake)."""
@@ -290,8 +291,18 @@ class ParamGradCollector:
                         # In the plan's order, names alike: no list of
                         # every gradient, no reordering of the norms.
                         st.grads_read = read = []
-                        norms, st.grad_sq_host = settle(plan.norms(read), plan.grad_at)
                         names = self._plan_names
+                        if scale is None or _unscales(scale):
+                            # Finite gradients: their square sum, no norm
+                            # a gradient (`NormPlan.facts`); the writer and
+                            # the sentinel need the norms only for a NaN/Inf.
+                            norms, st.grad_sq_host = plan.facts(read)
+                            if norms is None:
+                                st.grad_norms = st.grad_norm_names = None
+                                st.grad_scale = scale
+                                return
+                        else:  # a scale of 0 or Inf: each norm unscaled (`grad_facts`)
+                            norms, st.grad_sq_host = settle(plan.norms(read), plan.grad_at)
                     else:
                         st.grads_read = grads = list(map(GRAD, self._grad_tensors))
                         norms, st.grad_sq_host = cpu_norms(grads, plan.work, plan.uniform, plan.big)
@@ -363,7 +374,7 @@ class ParamGradCollector:
     def _on_opt_pre(self, optimizer, args, kwargs):
         st = self.shared.state
         st.stepped = True
-        if st.grad_sqsum is None and st.grad_norms is None:
+        if st.grad_sqsum is None and st.grad_norms is None and st.grad_sq_host is None:
             # No backward pass was seen ending (gradients set by hand, say):
             # the gradients as the optimizer gets them. A fused optimizer
             # stepped by GradScaler gets them still scaled, with the scale.
@@ -382,6 +393,15 @@ class ParamGradCollector:
                 norms = st.grad_norms if st.grad_norms is not None else st.grad_sqsum
                 clean = norms is not None and norms.is_cpu and bool(torch.isfinite(norms).all())
         self.shared.bundles.on_optimizer_pre_step(clean_on_host=clean)
+
+
+def _unscales(scale) -> bool:
+    """A CPU loss scale the gradients' square sum can be divided by (not 0,
+    NaN or Inf): the norms of each gradient are not needed to unscale it."""
+    if not isinstance(scale, torch.Tensor) or not scale.is_cpu or scale.numel() != 1:
+        return False
+    value = scale.item()
+    return value != 0 and math.isfinite(value)
 
 
 _GroupMember = torch.distributed.distributed_c10d.GroupMember if torch.distributed.is_available() else None
