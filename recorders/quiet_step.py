@@ -61,13 +61,15 @@ class QuietStep:
             return False
         # No event: the trigger's own test, which remembers the values only
         # when it passes (a NaN, an Inf or a spike leaves them to `decide`).
-        # The loss is a CPU tensor here: its read waits for no device.
-        if not self.trigger.quiet(loss.item(), math.sqrt(st.grad_sq_host), None):
+        # The loss is a CPU tensor here: its read waits for no device. The
+        # value read goes on as it is (the row's loss: no detached tensor
+        # made here and freed on the writer thread).
+        value = loss.item()
+        if not self.trigger.quiet(value, math.sqrt(st.grad_sq_host), None):
             return False
         st.grads_read = None  # as `TrainingHooks.end_step`: the gradients go with the loop's
-        loss_t = loss.detach() if loss.requires_grad else loss
-        pending = self.rows.pack_host(st, step_id, loss_t, dtype_name(loss.dtype))
-        self.bundles.on_step_end(step_id, loss=loss_t, stepped=pending.stepped, clean=True)
+        pending = self.rows.pack_host(st, step_id, value, dtype_name(loss.dtype))
+        self.bundles.on_step_end(step_id, loss=value, stepped=pending.stepped, clean=True)
         self.run_writer.queue_step(pending, True)
         hooks.begin_step(step_id + 1, self.schedule.tier(step_id + 1))
         return True

@@ -129,13 +129,13 @@ class StepRows:
             p.stepped = st.stepped
         return p
 
-    def pack_host(self, st, step_id: int, loss_t, loss_dtype: str) -> PendingStep:
+    def pack_host(self, st, step_id: int, loss: float, loss_dtype: str) -> PendingStep:
         """`pack` of a step `quiet_step.QuietStep` closes: not sampled, no
-        scaler, its gradient norms and their finite square sum host values
-        (the CPU), `loss_t` a CPU scalar, no re-execution; the same row
+        scaler, its gradients' finite square sum a host value (the CPU),
+        `loss` the value of a CPU scalar loss, no re-execution; the same row
         (tests compare the two ways)."""
         p = self._begin(st, step_id, loss_dtype)
-        host, dev, keys = {"loss": loss_t}, [], []
+        host, dev, keys = {"loss": loss}, [], []
         _put_grad_facts(host, dev, keys, "", st)
         p.host_scalars, p.dev_scalar_keys, p.host_rows = host, keys, st.stats
         return p

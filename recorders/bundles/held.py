@@ -154,7 +154,7 @@ def _raw_prefix(model) -> str:
 def rng_state() -> dict:
     """The RNG states a step's forward starts from: the CPU's and, once CUDA
     is initialised, every device's (host-side generator state: no sync)."""
-    rng = {"cpu": torch.get_rng_state()}
+    rng = {"cpu": torch.default_generator.get_state()}  # `torch.get_rng_state()` without its frame
     if torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return rng

@@ -10,7 +10,7 @@ import torch
 from ..layout import PLAIN_TENSORS, local
 from .grad_norms import GRAD, NormPlan, cpu_norms, grad_norms, settle
 from ..guard import eager_hook
-from .state import ACCUMULATE_GRAD, Shared, dtype_name
+from .state import ACCUMULATE_GRAD, Shared, _graph_task_id, dtype_name
 
 
 class ParamGradCollector:
@@ -58,7 +58,8 @@ class ParamGradCollector:
         self.scale_override = None
         self._norm_plan = None  # grad_norms.NormPlan of the plain gradients, at the first backward
         self._plan_names = None  # their names in the plan's order
-        self._guarded_end = self._guarded_queue = None  # the backward end's callbacks, guarded
+        # The backward end's callbacks, guarded, and the engine's queue (read once).
+        self._guarded_end = self._guarded_queue = self._queue_callback = None
         # The recorder's FailureGuard behind `shared.guard` (its `wrap`), for
         # the callback that checks it itself (None: a guard of another kind).
         self._failure_guard = getattr(shared.guard, "__self__", None)
@@ -205,18 +206,18 @@ class ParamGradCollector:
         per backward pass, from its first hook; the callback queues the
         measurement once more so that it runs after the callbacks that
         DDP and FSDP queue during the same pass."""
-        try:
-            task = torch._C._current_graph_task_id()
-        except AttributeError:
+        if _graph_task_id is None:  # an older torch: no pass to wait for
             return
+        task = _graph_task_id()
         if task == -1 or st.backward_task == task:
             return
         st.backward_task = task
-        engine = torch.autograd.Variable._execution_engine
         if self._guarded_end is None:  # built once: a wrapper per step cost as much as the rest of the hook
+            engine = torch.autograd.Variable._execution_engine
             guard = self.shared.guard
             self._guarded_end = guard(self._on_backward_end, traced=False)
             self._guarded_queue = guard(engine.queue_callback, traced=False)
+            self._queue_callback = engine.queue_callback
         end = _BackwardEnd(self, st)
         # The callbacks the measurement must follow are those of collective
         # wrappers (DDP, FSDP, DeepSpeed), which need a process group: in a
@@ -224,7 +225,7 @@ class ParamGradCollector:
         # the engine into Python a step spared). Read every pass: a group
         # may be made after the recorder.
         end.queued = not (self._sharded or self._late_grads or self._flat_views or _process_group())
-        engine.queue_callback(end)
+        self._queue_callback(end)
 
     def _on_backward_end(self, st) -> None:
         shared = self.shared
