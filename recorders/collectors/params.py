@@ -278,11 +278,12 @@ class ParamGradCollector:
                         plan = self._norm_plan = NormPlan(self._grad_tensors)
                         self._plan_names = plan.in_order(names)
                     # The gradients read are kept with the step (`grads_read`)
-                    # until it ends: the optimizer's step then finds each
-                    # one's Python object made, where it made them again
-                    # (one object per gradient and step, made and freed
-                    # twice). They die with the step's state: no longer
-                    # than to `rec.step()`, as a loop's gradients live.
+                    # until it ends: letting them go at once cost 1.35 points
+                    # of the launch-bound proxy (RESULTS.md, 2026-12-07
+                    # 17:05; why is not established: torch keeps each one's
+                    # Python object while the gradient lives either way).
+                    # They die with the step's state: no longer than to
+                    # `rec.step()`, as a loop's gradients live.
                     if plan.simple:
                         # One reduction, one read, the square sum in C
                         # (the usual small model: no group, no big matrix).
