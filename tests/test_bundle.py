@@ -243,6 +243,29 @@ def test_a_weight_written_after_the_forward_makes_the_bundle_inexact(when, mode,
     assert b.meta["params"]["exact"] is (when == "before_forward")
 
 
+def _four_steps(run, *, grads_by_hand: bool = False, after_grads=None, **options) -> None:
+    """A small MLP without a scaler trained 4 steps under
+    `AmpRecorder(run, ..., **options)`, its gradients from a backward pass
+    or set by hand; `after_grads(step, model, rec)` runs before each update."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = AmpRecorder(run, model, optimizer=opt, **options)
+    for step in range(4):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        if grads_by_hand:
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.01)
+        else:
+            loss.backward()
+        if after_grads is not None:
+            after_grads(step, model, rec)
+        opt.step()
+        opt.zero_grad()
+        rec.step(loss)
+    rec.close()
+
+
 @pytest.mark.parametrize("mode", ["every_step", "sentinel"])
 @pytest.mark.parametrize("grads", ["backward", "by_hand"])
 def test_a_step_named_up_front_holds_the_weights_its_forward_used(grads, mode, tmp_path):
@@ -252,22 +275,8 @@ def test_a_step_named_up_front_holds_the_weights_its_forward_used(grads, mode, t
     are judged by the parameters' version counters, read when the step's
     backward ends, or, with gradients set by hand (no backward pass), at the
     optimizer's pre-step hook: exact either way."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run = tmp_path / "run"
-    rec = AmpRecorder(run, model, optimizer=opt, bundle_steps=[2], mode=mode)
-    for step in range(4):
-        loss = model(torch.randn(8, 4)).pow(2).mean()
-        if grads == "backward":
-            loss.backward()
-        else:
-            for p in model.parameters():
-                p.grad = torch.full_like(p, 0.01)
-        opt.step()
-        opt.zero_grad()
-        rec.step(loss)
-    rec.close()
+    _four_steps(run, grads_by_hand=grads == "by_hand", bundle_steps=[2], mode=mode)
     b = load_bundle(run, step=2)
     assert b.meta["params"]["source"] == "pre_step_snapshot"
     assert b.meta["params"]["exact"] is True
@@ -281,23 +290,15 @@ def test_a_clean_step_asked_for_after_its_backward_is_never_judged_exact(write, 
     that backward has ended holds the weights taken before the update, and
     says they are not known to be the forward's, whether a write came in
     between (then they are not) or not: never wrongly exact."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    run = tmp_path / "run"
-    rec = AmpRecorder(run, model, optimizer=opt, mode="sentinel")
-    for step in range(4):
-        loss = model(torch.randn(8, 4)).pow(2).mean()
-        loss.backward()
+    def after_grads(step, model, rec):
         if step == 2:
             if write:
                 with torch.no_grad():
                     model[0].weight[0, 0] += 1.0
             rec.save_bundle()
-        opt.step()
-        opt.zero_grad()
-        rec.step(loss)
-    rec.close()
+
+    run = tmp_path / "run"
+    _four_steps(run, after_grads=after_grads, mode="sentinel")
     b = load_bundle(run, step=2)
     assert b.meta["params"]["source"] == "pre_step_snapshot"
     assert b.meta["params"]["exact"] is False

@@ -166,34 +166,39 @@ def test_facts_give_the_square_sum_alone_when_finite_and_the_norms_otherwise(fau
         assert sq == want_sq or (math.isnan(sq) and math.isnan(want_sq))
 
 
+def _recorded_steps(tmp_path, monkeypatch, name: str, plan_on: bool, inf_at: int | None = None):
+    """The steps table of a deep narrow model (the plan's case) trained 5
+    steps, its gradients taken by the plan or (`plan_on` False: no group
+    is worth one) the per-tensor loop; an Inf weight planted at `inf_at`."""
+    from recorders import AmpRecorder
+    import amp_postmortem as ap
+
+    if not plan_on:
+        monkeypatch.setattr("recorders.collectors.grad_norms.MIN_GROUP", 10 ** 9)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    rec = AmpRecorder(tmp_path / name, model, optimizer=opt, mode="sentinel")
+    for step in range(5):
+        if step == inf_at:
+            with torch.no_grad():
+                model[4].weight[0, 0] = float("inf")
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rec.step(loss)
+    rec.close()
+    monkeypatch.undo()
+    return ap.load_run(tmp_path / name).steps
+
+
 def test_the_recorder_names_a_nonfinite_gradient_with_and_without_the_plan(tmp_path, monkeypatch):
     """A planted Inf weight: the steps from then on count the same
     non-finite gradients whether the plan (square sums, norms only then)
     or the per-tensor loop took them."""
-    from recorders import AmpRecorder
-    import amp_postmortem as ap
-
-    def run(name, plan_on):
-        if not plan_on:
-            monkeypatch.setattr("recorders.collectors.grad_norms.MIN_GROUP", 10 ** 9)
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        rec = AmpRecorder(tmp_path / name, model, optimizer=opt, mode="sentinel")
-        for step in range(5):
-            if step == 3:
-                with torch.no_grad():
-                    model[4].weight[0, 0] = float("inf")
-            loss = model(torch.randn(4, 8)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            rec.step(loss)
-        rec.close()
-        monkeypatch.undo()
-        return ap.load_run(tmp_path / name).steps
-
-    with_plan, without = run("plan", True), run("loop", False)
+    with_plan = _recorded_steps(tmp_path, monkeypatch, "plan", True, inf_at=3)
+    without = _recorded_steps(tmp_path, monkeypatch, "loop", False, inf_at=3)
     counts = with_plan["nonfinite_param_grads"].tolist()
     assert counts[:3] == [0, 0, 0] and all(c > 0 for c in counts[3:])
     assert counts == without["nonfinite_param_grads"].tolist()
@@ -204,27 +209,7 @@ def test_the_recorder_names_a_nonfinite_gradient_with_and_without_the_plan(tmp_p
 def test_the_recorder_takes_the_same_facts_with_and_without_the_plan(tmp_path, monkeypatch):
     """A deep narrow model (the plan's case) records the gradient norm the
     per-tensor loop gives."""
-    from recorders import AmpRecorder
-    import amp_postmortem as ap
-
-    def run(name, plan_on):
-        if not plan_on:
-            # No group is worth a plan: the per-tensor loop.
-            monkeypatch.setattr("recorders.collectors.grad_norms.MIN_GROUP", 10 ** 9)
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        rec = AmpRecorder(tmp_path / name, model, optimizer=opt, mode="sentinel")
-        for _ in range(5):
-            loss = model(torch.randn(4, 8)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            rec.step(loss)
-        rec.close()
-        monkeypatch.undo()
-        return ap.load_run(tmp_path / name).steps["grad_norm"].tolist()
-
-    with_plan, without = run("plan", True), run("loop", False)
+    with_plan = _recorded_steps(tmp_path, monkeypatch, "plan", True)["grad_norm"].tolist()
+    without = _recorded_steps(tmp_path, monkeypatch, "loop", False)["grad_norm"].tolist()
     assert with_plan == pytest.approx(without, rel=1e-5)
     assert all(v > 0 for v in with_plan)
