@@ -10,7 +10,7 @@ import torch
 from ..layout import PLAIN_TENSORS, local
 from .grad_norms import GRAD, NormPlan, cpu_norms, grad_norms, settle
 from ..guard import eager_hook
-from .state import ACCUMULATE_GRAD, Shared, _graph_task_id, dtype_name
+from .state import ACCUMULATE_GRAD, GRAPH_TASK_ID, Shared, dtype_name
 
 
 class ParamGradCollector:
@@ -206,9 +206,9 @@ class ParamGradCollector:
         per backward pass, from its first hook; the callback queues the
         measurement once more so that it runs after the callbacks that
         DDP and FSDP queue during the same pass."""
-        if _graph_task_id is None:  # an older torch: no pass to wait for
+        if GRAPH_TASK_ID is None:  # an older torch: no pass to wait for
             return
-        task = _graph_task_id()
+        task = GRAPH_TASK_ID()
         if task == -1 or st.backward_task == task:
             return
         st.backward_task = task

@@ -142,14 +142,15 @@ def dtype_name(dtype) -> str:
     return name
 
 
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+# The autograd graph task running on this thread (-1: none), or None on a torch without it.
+GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 
 
 def in_backward() -> bool:
     """Inside a backward pass (activation checkpointing re-runs forwards
     there). An older torch without the call: False (record recomputations
     too)."""
-    return _graph_task_id is not None and _graph_task_id() != -1
+    return GRAPH_TASK_ID is not None and GRAPH_TASK_ID() != -1
 
 
 # The node that accumulates a leaf's gradient (its type: torch has no Python name for it).
