@@ -8,7 +8,10 @@ dispatch and setup each: 0.43 ms a step for the 288 gradients of a model of
 48 narrow blocks, more than the rest of the step facts together. There,
 `NormPlan` concatenates the small gradients of one shape (a copy of a few
 KiB each costs less than one dispatch) and reduces each row of the result:
-two operations for a whole group, whatever its size.
+two operations for a whole group, whatever its size. A step whose
+gradients are all finite needs only their square sum: `NormPlan.facts`
+reduces each group whole and takes the rows only when the sum is not
+finite.
 """
 from __future__ import annotations
 
