@@ -233,11 +233,21 @@ class BundleCapture:
         autograd raises); a write before the forward (a planted fault, a
         reload) gives weights the forward used, and one from here on is seen."""
         cap = self._current
-        if self.enabled and cap is not None and cap.param_version_sum is None and not cap.versions_skipped:
+        if self.enabled and cap is not None:
+            self._take_versions(cap, clean)
+
+    def _take_versions(self, cap, clean: bool) -> None:
+        """Read `cap`'s version sum once, where it can be judged by it
+        (`_judged`); else mark it never judged exact."""
+        if cap.param_version_sum is None and not cap.versions_skipped:
             if self._judged(cap, clean):
                 cap.param_version_sum = self.inventory.param_version_sum()
             else:
                 cap.versions_skipped = True  # asked for later, its weights are not judged exact
+
+    def _asked(self, cap) -> bool:
+        """A bundle of `cap`'s step is asked for (`save_bundle()`, `bundle_steps`)."""
+        return bool(cap.explicit) or cap.step in self.steps
 
     def _judged(self, cap, clean: bool) -> bool:
         """`cap`'s weights may yet be judged by their version sum: its
@@ -251,7 +261,7 @@ class BundleCapture:
         judged exact after (`versions_skipped`): a bundle asked for it once
         its backward ended, or a loop that skips `optimizer.step()` itself,
         gets them as they are then, said not exact, never wrongly exact."""
-        return not clean or self._unstepped_kept or bool(cap.explicit) or cap.step in self.steps
+        return not clean or self._unstepped_kept or self._asked(cap)
 
     def on_optimizer_pre_step(self, clean_on_host: bool = False) -> None:
         """`clean_on_host`: the step's statistics so far are host values
@@ -274,14 +284,12 @@ class BundleCapture:
                     self._secure(cap, clone_now(self.inventory.params), "copy_before_next_update")
             self._awaiting_copy = []
         cap = self._current
-        if (cap is not None and cap.param_version_sum is None and not cap.versions_skipped
-                and self._judged(cap, clean_on_host)):
+        if cap is not None:
             # No backward pass was seen ending (gradients set by hand, a
-            # compiled backward), or a clean one whose step is now judged
-            # (a bundle asked for since): the weights as the update finds them.
-            cap.param_version_sum = self.inventory.param_version_sum()
+            # compiled backward): the weights as the update finds them.
+            self._take_versions(cap, clean_on_host)
         if cap is not None and cap.params is None:
-            wanted = cap.explicit or cap.step in self.steps
+            wanted = self._asked(cap)
             # `snapshot_params=True` (not "auto"): every step, clean or not (a
             # re-execution of a finite event, a loss spike, needs them too).
             snap = self._param_pool.take() if self._param_pool is not None and (
