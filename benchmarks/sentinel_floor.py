@@ -79,7 +79,7 @@ class FloorSentinel:
             self._held[5] = plan.facts()  # (None, the square sum) of finite gradients, as the product
         else:
             self._held[5] = cpu_norms(list(map(GRAD, self.params)), plan.work, plan.uniform, plan.big)
-        # The version sum where the product needs it (`BundleCapture._judged`):
+        # The version sum where the product needs it (`BundleCapture._take_versions`):
         # a scaler's job (a skip keeps the weights) or gradients not finite.
         if self._held[3] is None and (self.scaler is not None or not math.isfinite(self._held[5][1])):
             self._held[3] = sum(map(_VERSION, self.params))

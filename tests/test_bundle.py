@@ -286,7 +286,7 @@ def test_a_step_named_up_front_holds_the_weights_its_forward_used(grads, mode, t
 def test_a_clean_step_asked_for_after_its_backward_is_never_judged_exact(write, tmp_path):
     """A clean step of a job without a scaler is not judged by its
     weights' version counters at its backward's end (the update follows and
-    changes them anyway: `BundleCapture._judged`). A bundle asked for once
+    changes them anyway: `BundleCapture._take_versions`). A bundle asked for once
     that backward has ended holds the weights taken before the update, and
     says they are not known to be the forward's, whether a write came in
     between (then they are not) or not: never wrongly exact."""

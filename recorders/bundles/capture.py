@@ -118,7 +118,7 @@ class BundleCapture:
             triggers.watch_window = True  # the writer notes the events that open a window
         # A held step's weights can be judged unchanged since its forward
         # only where no optimizer step followed it: a scaler's skip, or a
-        # copy taken whatever the step (`_judged`).
+        # copy taken whatever the step (`_take_versions`).
         self._unstepped_kept = has_scaler or self._always_snapshot or self.window is not None
         self._triggers = triggers
         self._window_events: dict = {}
@@ -224,7 +224,7 @@ class BundleCapture:
         (`ParamGradCollector`; `clean`: their square sum is a finite host
         value): the parameters' version sum the step's weights are judged
         by (`_unchanged`), taken at the first pass's end where it can be
-        needed (`_judged`). Not at the forward's start: there it touched
+        needed (`_take_versions`). Not at the forward's start: there it touched
         every parameter's counter out of the caches, ~65 us of the
         launch-bound proxy's 8 ms step, where after the gradients' read it
         costs ~20 (`benchmarks/RESULTS.md`, 2026-12-07 15:00). What that
@@ -233,35 +233,31 @@ class BundleCapture:
         autograd raises); a write before the forward (a planted fault, a
         reload) gives weights the forward used, and one from here on is seen."""
         cap = self._current
-        if self.enabled and cap is not None:
+        if self.enabled and cap is not None and cap.param_version_sum is None and not cap.versions_skipped:
             self._take_versions(cap, clean)
 
     def _take_versions(self, cap, clean: bool) -> None:
-        """Read `cap`'s version sum once, where it can be judged by it
-        (`_judged`); else mark it never judged exact."""
-        if cap.param_version_sum is None and not cap.versions_skipped:
-            if self._judged(cap, clean):
-                cap.param_version_sum = self.inventory.param_version_sum()
-            else:
-                cap.versions_skipped = True  # asked for later, its weights are not judged exact
+        """Read `cap`'s version sum once (the caller tests that it is not
+        yet read nor marked), where its weights may yet be judged by it:
+        its gradients are not clean (a copy before the update is taken, or
+        a scaler skips), a bundle of it is asked for (`_asked`), or the job
+        keeps unstepped steps' weights (`_unstepped_kept`). Otherwise the
+        optimizer steps next (its pre-step hook counts it), after which
+        `_unchanged` is False whatever the sum: on a clean step of a job
+        without a scaler the 288 counters of the launch-bound proxy, ~45
+        us of its cold step, are not read. Such a step is marked
+        `versions_skipped`: its weights are never judged exact after (a
+        bundle asked for it once its backward ended, or a loop that skips
+        `optimizer.step()` itself, gets them as they are then, said not
+        exact, never wrongly exact)."""
+        if not clean or self._unstepped_kept or self._asked(cap):
+            cap.param_version_sum = self.inventory.param_version_sum()
+        else:
+            cap.versions_skipped = True
 
     def _asked(self, cap) -> bool:
         """A bundle of `cap`'s step is asked for (`save_bundle()`, `bundle_steps`)."""
         return bool(cap.explicit) or cap.step in self.steps
-
-    def _judged(self, cap, clean: bool) -> bool:
-        """`cap`'s weights may yet be judged by their version sum: its
-        gradients are not clean (a copy before the update is taken, or a
-        scaler skips), a bundle of it is asked for, or the job keeps
-        unstepped steps' weights (`_unstepped_kept`). Otherwise the
-        optimizer steps next (its pre-step hook counts it), after which
-        `_unchanged` is False whatever the sum: on a clean step of a job
-        without a scaler the 288 counters of the launch-bound proxy, ~45
-        us of its cold step, are not read. Such a step's weights are never
-        judged exact after (`versions_skipped`): a bundle asked for it once
-        its backward ended, or a loop that skips `optimizer.step()` itself,
-        gets them as they are then, said not exact, never wrongly exact."""
-        return not clean or self._unstepped_kept or self._asked(cap)
 
     def on_optimizer_pre_step(self, clean_on_host: bool = False) -> None:
         """`clean_on_host`: the step's statistics so far are host values
@@ -270,7 +266,8 @@ class BundleCapture:
         copied (a bundle of such a step says `copy_after_update`)."""
         if not self.enabled:
             return
-        self._service()
+        if self.decisions.decided or self._unposted or self.window is not None:  # `_service`'s test: most steps, none
+            self._service()
         # The weights are about to change: held, undecided steps whose
         # weights are still those of their forward (skipped steps) get a copy.
         if self._awaiting_copy:
@@ -284,7 +281,7 @@ class BundleCapture:
                     self._secure(cap, clone_now(self.inventory.params), "copy_before_next_update")
             self._awaiting_copy = []
         cap = self._current
-        if cap is not None:
+        if cap is not None and cap.param_version_sum is None and not cap.versions_skipped:
             # No backward pass was seen ending (gradients set by hand, a
             # compiled backward): the weights as the update finds them.
             self._take_versions(cap, clean_on_host)
@@ -338,7 +335,7 @@ class BundleCapture:
         on any parameter since its backward's end (version counters live on
         the host; see `on_backward_end`)."""
         # None: neither a backward's end nor an optimizer step was seen
-        # since the forward, or not read at a clean one (`_judged`):
+        # since the forward, or not read at a clean one (`_take_versions`):
         # undetermined, so not unchanged.
         return (cap.opt_steps == self._opt_steps and cap.param_version_sum is not None
                 and cap.param_version_sum == self.inventory.param_version_sum())
@@ -410,7 +407,8 @@ class BundleCapture:
                     self._evict()
         if self.window is not None:
             self.window.on_step_end(step, stepped)
-        self._service()
+        if self.decisions.decided or self._unposted or self.window is not None:  # `_service`'s test: most steps, none
+            self._service()
 
     def _evict(self) -> None:
         """More steps held than `hold_steps`: the writer fell behind; give up

@@ -195,7 +195,7 @@ class StepCapture:
     precision = None
     autocast = None
     param_version_sum = None
-    versions_skipped = False  # not read at a clean backward's end (`BundleCapture._judged`): never judged exact
+    versions_skipped = False  # not read at a clean backward's end (`BundleCapture._take_versions`): never judged exact
     buffer_versions = None
     opt_steps = 0
 

@@ -218,7 +218,8 @@ class ParamGradCollector:
             self._guarded_end = guard(self._on_backward_end, traced=False)
             self._guarded_queue = guard(engine.queue_callback, traced=False)
             self._queue_callback = engine.queue_callback
-        end = _BackwardEnd(self, st)
+        end = _BackwardEnd()  # its slots set here: no `__init__` frame, every pass
+        end.collector, end.st = self, st
         # The callbacks the measurement must follow are those of collective
         # wrappers (DDP, FSDP, DeepSpeed), which need a process group: in a
         # job without one the callback measures at once (a second trip from
@@ -244,7 +245,9 @@ class ParamGradCollector:
                 g = p.grad
                 if g is not None:
                     self._record_grad(st, pname, g)
-        self._measure_grad_norm(st, self.scale_tensor())
+        # `scale_tensor()` without its frame where there is no scaler (every step)
+        self._measure_grad_norm(st, self.scale_tensor() if self.scaler is not None or self.scale_override is not None
+                                else None)
         sq = st.grad_sq_host  # after the read above: the parameters are in the caches
         self.shared.bundles.on_backward_end(clean=not st.record and sq is not None and math.isfinite(sq))
 
@@ -406,13 +409,21 @@ def _unscales(scale) -> bool:
     return value != 0 and math.isfinite(value)
 
 
-_GroupMember = torch.distributed.distributed_c10d.GroupMember if torch.distributed.is_available() else None
+_C10D = torch.distributed.distributed_c10d if torch.distributed.is_available() else None
+# torch's `_World`, when it holds the default group in a plain attribute
+# (`_default_pg`): read there, not through `GroupMember.WORLD`'s two
+# properties (two frames on every backward pass). Any other (another torch,
+# a replaced `_world`) is asked through `GroupMember.WORLD`.
+_WORLD_TYPE = type(_C10D._world) if _C10D is not None and "_default_pg" in vars(_C10D._world) else None
 
 
 def _process_group() -> bool:
-    """`torch.distributed.is_initialized()` in one attribute read (a
-    function call through the package costs ~3 us cold, on every step)."""
-    return _GroupMember is not None and _GroupMember.WORLD is not None
+    """`torch.distributed.is_initialized()` in attribute reads (a function
+    call through the package costs ~3 us cold, on every step)."""
+    if _C10D is None:
+        return False
+    world = _C10D._world
+    return (world._default_pg if type(world) is _WORLD_TYPE else _C10D.GroupMember.WORLD) is not None
 
 
 def _producers(outputs, targets: dict) -> tuple[dict, set]:
@@ -485,9 +496,6 @@ class _BackwardEnd:
     recording off)."""
 
     __slots__ = ("collector", "st", "queued")
-
-    def __init__(self, collector, st):
-        self.collector, self.st, self.queued = collector, st, False
 
     def __call__(self):
         collector = self.collector
