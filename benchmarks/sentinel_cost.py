@@ -189,6 +189,13 @@ def lone_job_clock(interleaved: int) -> dict:
                                     durable_interval_s=w.durable_interval_s * interleaved)}
 
 
+# The parts of a step `_Runner.step` times: the forward and the loss (the
+# root's forward hooks), the backward (the output gradient's hook, the
+# gradient facts at its end), the optimizer's step (its pre-step hook), and
+# `zero_grad()` with the step's close (`rec.step()`).
+SEGMENTS = ("forward", "backward", "optimizer", "step_end")
+
+
 class _Runner:
     """One variant's copy of the job, stepped once a call."""
 
@@ -203,6 +210,7 @@ class _Runner:
         self.scaler = torch.amp.GradScaler("cpu") if scaler else None
         self.dtype, self.loss_fn, self.diverging = dtype, loss_fn, diverging
         self.rec, self.floor, self.handles, self.losses, self.times = None, None, [], [], []
+        self.segments: list[tuple] = []  # per step: seconds in `SEGMENTS` (`sentinel_parts.py --segments`)
         self.last_loss = None
         self.step_no = 0
         self.kinds = []  # per step: "facts" (the step facts only), "cheap", "full", "reexecuted"
@@ -234,9 +242,11 @@ class _Runner:
                 rec.request_full()
             kind = "full" if force_full else rec.schedule.tier(self.step_no) or "facts"
             reexecuted = rec.sentinel.trigger.count if rec.sentinel is not None else 0
-        t0 = time.perf_counter()
+        clock = time.perf_counter
+        t0 = clock()
         with torch.autocast("cpu", dtype=self.dtype or torch.float16, enabled=self.dtype is not None):
             loss = self.loss_fn(self.model(x), y)
+        t1 = clock()
         # The last step's loss, and its graph, go now, as a loop's `loss`
         # variable is rebound after the next forward: the graphs then hand
         # the parameters' AccumulateGrad nodes on from step to step, so a
@@ -244,17 +254,21 @@ class _Runner:
         # function's return, as before 2026-12-06, they never did).
         self.last_loss = loss
         (self.scaler.scale(loss) if self.scaler else loss).backward()
+        t2 = clock()
         if self.scaler:
             self.scaler.step(self.opt)
             self.scaler.update()
         else:
             self.opt.step()
+        t3 = clock()
         self.opt.zero_grad()
         if self.rec is not None:
             self.rec.step(loss)
         elif self.floor is not None:
             self.floor.step(loss)
-        dt = time.perf_counter() - t0
+        t4 = clock()
+        dt = t4 - t0
+        self.segments.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
         self.losses.append(loss.detach().float().item())
         if rec is not None:
             if rec.sentinel is not None and rec.sentinel.trigger.count != reexecuted:

@@ -13,6 +13,11 @@ shuffled order; a variant's figure is the median over rounds of its mean
 step's ratio to plain's in the same round (paired). Each recorder runs on a
 lone job's clock (`sentinel_cost.lone_job_clock`).
 
+`--segments` splits each step as `sentinel_cost.SEGMENTS` (the forward
+with the loss, the backward, the optimizer's step, `zero_grad()` with
+`rec.step()`) and prints each part's paired excess over plain's, in
+microseconds: which hooks a variant's distance is in.
+
 Variants (`--variants`, comma-separated; plain always first):
 - `plain`, `floor` (`sentinel_floor.FloorSentinel`), `facts_floor`
   (`sentinel_floor.FactsFloor`: the floor plus the loss tap, the event
@@ -24,6 +29,8 @@ Variants (`--variants`, comma-separated; plain always first):
   writer thread), e.g. `default-bundles-loss_tap`.
 
     python benchmarks/sentinel_parts.py                          # launch-bound, ~1 min on 2 cores
+    python benchmarks/sentinel_parts.py --segments --variants plain,floor,facts_floor,default
+                                          # and where each variant's excess lies in the step
     python benchmarks/sentinel_parts.py --job diverging --variants plain,floor,facts_floor,default
     python benchmarks/sentinel_parts.py --smoke                  # seconds; CI keeps it working
 """
@@ -40,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import machine_info, median, print_table, write_json  # noqa: E402
-from sentinel_cost import JOBS, _job, _Runner  # noqa: E402
+from sentinel_cost import JOBS, SEGMENTS, _job, _Runner  # noqa: E402
 
 DEFAULT_VARIANTS = "plain,floor,facts_floor,default,default-bundles-reexecute-loss_tap-writer"
 PARTS = {"bundles": {"bundles": False}, "reexecute": {"reexecute": False}, "loss_tap": {"capture_loss": False}}
@@ -70,7 +77,7 @@ def measure(job: str, variants: list[str], *, rounds: int, warmup: int, copies: 
     made = [v for v in variants for _ in range(copies)]
     rng.shuffle(made)
     runners: dict[str, list] = {v: [] for v in variants}
-    per_round = []
+    per_round, seg_rounds = [], []
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for v in made:
@@ -80,16 +87,25 @@ def measure(job: str, variants: list[str], *, rounds: int, warmup: int, copies: 
         for r in range(warmup + rounds):
             rng.shuffle(order)
             times = dict.fromkeys(variants, 0.0)
+            segs = {v: [0.0] * len(SEGMENTS) for v in variants}
             for v, c in order:
-                times[v] += runners[v][c].step(x, y) / copies
+                runner = runners[v][c]
+                times[v] += runner.step(x, y) / copies
+                for i, t in enumerate(runner.segments[-1]):
+                    segs[v][i] += t / copies
             if r >= warmup:
                 per_round.append(times)
+                seg_rounds.append(segs)
         for rs in runners.values():
             for runner in rs:
                 runner.close()
-    return {"job": job, "rounds": rounds, "copies": copies, "variants": {
+    # Each part's excess over plain's in the same round (paired), median
+    # over rounds, in microseconds: where a variant's distance lies.
+    return {"job": job, "rounds": rounds, "copies": copies, "segments": list(SEGMENTS), "variants": {
         v: {"median_ms": median([t[v] for t in per_round]) * 1e3,
-            "paired": median([t[v] / t["plain"] for t in per_round])} for v in variants}}
+            "paired": median([t[v] / t["plain"] for t in per_round]),
+            "segments_us": {name: median([(s[v][i] - s["plain"][i]) * 1e6 for s in seg_rounds])
+                            for i, name in enumerate(SEGMENTS)}} for v in variants}}
 
 
 def main(argv=None) -> int:
@@ -99,6 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--copies", type=int, default=3)
+    ap.add_argument("--segments", action="store_true",
+                    help="also each part of the step's excess over plain's (us): forward, backward, optimizer, "
+                         "step end")
     ap.add_argument("--smoke", action="store_true", help="tiny model, a few rounds: checks that it runs")
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args(argv)
@@ -108,8 +127,12 @@ def main(argv=None) -> int:
     machine = machine_info()
     print(f"# {args.job}: {rounds} rounds, {copies} copies a variant; {machine.get('cpu_model')}, "
           f"load {machine.get('loadavg_1m')}", file=sys.stderr)
-    print_table([{"variant": v, "median ms": r["median_ms"], "paired ratio to plain": r["paired"]}
-                 for v, r in res["variants"].items()], ["variant", "median ms", "paired ratio to plain"])
+    columns = ["variant", "median ms", "paired ratio to plain"]
+    if args.segments:
+        columns += [f"{name} +us" for name in SEGMENTS]
+    print_table([{"variant": v, "median ms": r["median_ms"], "paired ratio to plain": r["paired"],
+                  **{f"{name} +us": r["segments_us"][name] for name in SEGMENTS}}
+                 for v, r in res["variants"].items()], columns)
     write_json({"machine": machine, "result": res}, args.json)
     return 0
 

@@ -355,11 +355,16 @@ def test_facts_floor_takes_the_defaults_facts_and_sentinel_parts_times_every_var
     assert all(r[5] == pytest.approx(1e-2) for r in facts.rows)  # the learning rate
     out = tmp_path / "parts.json"
     variants = "floor,facts_floor,default,default-bundles-reexecute-loss_tap-writer"
-    assert sentinel_parts.main(["--smoke", "--variants", variants, "--json", str(out)]) == 0
+    assert sentinel_parts.main(["--smoke", "--segments", "--variants", variants, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["machine"]["cpu_model"]
     assert list(doc["result"]["variants"]) == ["plain"] + variants.split(",")
     assert all(v["paired"] > 0 for v in doc["result"]["variants"].values())
+    # Each part of the step, paired with plain's: plain's own excess is nil.
+    segments = doc["result"]["segments"]
+    assert segments == ["forward", "backward", "optimizer", "step_end"]
+    assert all(list(v["segments_us"]) == segments for v in doc["result"]["variants"].values())
+    assert all(t == 0 for t in doc["result"]["variants"]["plain"]["segments_us"].values())
     with pytest.raises(SystemExit):
         sentinel_parts.main(["--smoke", "--variants", "default-nothing"])
 
