@@ -233,12 +233,11 @@ class BundleCapture:
         autograd raises); a write before the forward (a planted fault, a
         reload) gives weights the forward used, and one from here on is seen."""
         cap = self._current
-        if self.enabled and cap is not None and cap.param_version_sum is None and not cap.versions_skipped:
+        if self.enabled and cap is not None:
             self._take_versions(cap, clean)
 
     def _take_versions(self, cap, clean: bool) -> None:
-        """Read `cap`'s version sum once (the caller tests that it is not
-        yet read nor marked), where its weights may yet be judged by it:
+        """Read `cap`'s version sum once, where its weights may yet be judged by it:
         its gradients are not clean (a copy before the update is taken, or
         a scaler skips), a bundle of it is asked for (`_asked`), or the job
         keeps unstepped steps' weights (`_unstepped_kept`). Otherwise the
@@ -250,6 +249,8 @@ class BundleCapture:
         bundle asked for it once its backward ended, or a loop that skips
         `optimizer.step()` itself, gets them as they are then, said not
         exact, never wrongly exact)."""
+        if cap.param_version_sum is not None or cap.versions_skipped:
+            return  # read or marked already
         if not clean or self._unstepped_kept or self._asked(cap):
             cap.param_version_sum = self.inventory.param_version_sum()
         else:
@@ -266,8 +267,7 @@ class BundleCapture:
         copied (a bundle of such a step says `copy_after_update`)."""
         if not self.enabled:
             return
-        if self.decisions.decided or self._unposted or self.window is not None:  # `_service`'s test: most steps, none
-            self._service()
+        self._service()
         # The weights are about to change: held, undecided steps whose
         # weights are still those of their forward (skipped steps) get a copy.
         if self._awaiting_copy:
@@ -281,7 +281,7 @@ class BundleCapture:
                     self._secure(cap, clone_now(self.inventory.params), "copy_before_next_update")
             self._awaiting_copy = []
         cap = self._current
-        if cap is not None and cap.param_version_sum is None and not cap.versions_skipped:
+        if cap is not None:
             # No backward pass was seen ending (gradients set by hand, a
             # compiled backward): the weights as the update finds them.
             self._take_versions(cap, clean_on_host)
@@ -407,8 +407,7 @@ class BundleCapture:
                     self._evict()
         if self.window is not None:
             self.window.on_step_end(step, stepped)
-        if self.decisions.decided or self._unposted or self.window is not None:  # `_service`'s test: most steps, none
-            self._service()
+        self._service()
 
     def _evict(self) -> None:
         """More steps held than `hold_steps`: the writer fell behind; give up

@@ -245,9 +245,7 @@ class ParamGradCollector:
                 g = p.grad
                 if g is not None:
                     self._record_grad(st, pname, g)
-        # `scale_tensor()` without its frame where there is no scaler (every step)
-        self._measure_grad_norm(st, self.scale_tensor() if self.scaler is not None or self.scale_override is not None
-                                else None)
+        self._measure_grad_norm(st, self.scale_tensor())
         sq = st.grad_sq_host  # after the read above: the parameters are in the caches
         self.shared.bundles.on_backward_end(clean=not st.record and sq is not None and math.isfinite(sq))
 
