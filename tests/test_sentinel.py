@@ -6,6 +6,7 @@ summary's lead finding) and the training's numbers must be the same."""
 from __future__ import annotations
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -785,3 +786,39 @@ def test_the_quiet_steps_rows_are_the_general_paths(tmp_path, job):
             assert events and min(events) >= 14 and not events & set(closed)
         else:
             assert closed == [s for s in range(24) if s % 7]
+
+
+def test_the_spike_bound_decides_as_the_median_rule_and_sorts_rarely(monkeypatch):
+    """`_Recent.within(a)` is `a <= factor * median of the last `size`
+    values` (no bound before 10 of them, nor with a median <= 0; NaN and
+    Inf never within), step by step, against the rule computed directly on
+    series with spikes, zeros and negative values; it sorts the window
+    only when its last sorted copy cannot decide, far less than once a step
+    on a steady series."""
+    import random
+
+    from recorders.reexecute import _NO_LIMIT, _Recent
+    rng = random.Random(0)
+    for _ in range(60):
+        size, factor = rng.choice([10, 11, 50]), rng.choice([10.0, 2.0, 1.2])
+        recent, window = _Recent(size, factor), []
+        for _ in range(250):
+            ranked = sorted(window)
+            median = ranked[len(ranked) // 2] if len(ranked) >= 10 else 0.0
+            limit = min(factor * median, _NO_LIMIT) if median > 0 else _NO_LIMIT
+            v = rng.gauss(1.0, 0.3) if rng.random() < 0.8 else rng.choice(
+                [rng.uniform(-5, 5), 0.0, -1.0, 1e3 * rng.random(), 1e300])
+            for probe in (abs(v), abs(v) * 1.5, limit, limit * 1.0000001, math.inf, math.nan):
+                assert recent.within(probe) == (probe <= limit)
+            if rng.random() < 0.1:
+                assert recent.limit == limit
+            recent.add(v)
+            window = (window + [v])[-size:]
+    rebuilds = []
+    monkeypatch.setattr(_Recent, "_rebuild", lambda self, _f=_Recent._rebuild: (rebuilds.append(1), _f(self))[1])
+    steady = _Recent(50, 10.0)
+    for _ in range(1000):
+        v = rng.gauss(1.0, 0.1)
+        assert steady.within(v)
+        steady.add(v)
+    assert len(rebuilds) < 100
