@@ -180,8 +180,7 @@ class NormPlan:
             grads = list(map(GRAD, params))
             if read is not None:
                 read.append(grads)
-            rows = torch.cat(grads).reshape(len(params), -1)
-            parts.append(torch.linalg.vector_norm(rows, dim=1, dtype=work if rows.dtype != work else None))
+            parts.append(_row_norms(torch.cat(grads), len(params), work))
         if self.rest:
             grads = list(map(GRAD, self.rest_params))
             if read is not None:
@@ -226,9 +225,7 @@ class NormPlan:
             sq += square_sum(rest)
         if math.isfinite(sq):
             return None, sq
-        parts = [torch.linalg.vector_norm(flat.reshape(len(params), -1), dim=1,
-                                          dtype=work if flat.dtype != work else None)
-                 for flat, params in zip(flats, self.group_params)]
+        parts = [_row_norms(flat, len(params), work) for flat, params in zip(flats, self.group_params)]
         if rest is not None:
             parts.append(rest)
         return settle(torch.cat(parts) if len(parts) > 1 else parts[0], self.grad_at)
@@ -240,3 +237,10 @@ class NormPlan:
     def grad_at(self, i: int):
         """The gradient of the `i`-th norm in the plan's order."""
         return self.ordered_params[i].grad
+
+
+def _row_norms(flat: torch.Tensor, rows: int, work: torch.dtype) -> torch.Tensor:
+    """The norm of each of the `rows` equal parts of a group's
+    concatenation `flat` (one gradient each), taken in `work`."""
+    return torch.linalg.vector_norm(flat.reshape(rows, -1), dim=1, dtype=work if flat.dtype != work else None)
+

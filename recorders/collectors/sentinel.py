@@ -22,7 +22,7 @@ import torch
 
 from ..stats import float_tensors
 from .autocast import read_autocast
-from .state import GRAPH_TASK_ID, Shared
+from .state import Shared, in_backward
 
 
 class SentinelHooks:
@@ -68,7 +68,7 @@ class SentinelHooks:
             # Not on a sampled step (the collectors record it), nor in a
             # checkpoint's recomputation or an evaluation pass.
             if (st.record or st.in_forward or shared.paused or module is not self._root_ref()
-                    or not torch.is_grad_enabled() or _task_id() != -1):
+                    or not torch.is_grad_enabled() or in_backward()):
                 return None
             st.in_forward = 1
             if not st.micro_batches:
@@ -92,7 +92,7 @@ class SentinelHooks:
                 self._sampled_post(shared, st, module, output)
                 return None
             if (not st.in_forward or shared.paused or module is not self._root_ref()
-                    or not torch.is_grad_enabled() or _task_id() != -1):
+                    or not torch.is_grad_enabled() or in_backward()):
                 return None
             st.in_forward = 0
             if self.tap is not None:
@@ -118,7 +118,7 @@ class SentinelHooks:
         the collectors record it; its parameters' gradients are found from
         this forward's graph."""
         if (not shared.paused and module is self._root_ref() and torch.is_grad_enabled()
-                and _task_id() == -1):
+                and not in_backward()):
             if self.tap is not None:
                 self.tap.take(output)
             if self.params.by_producers:
@@ -135,16 +135,6 @@ class SentinelHooks:
 
 def _nothing() -> None:
     return None
-
-
-def _no_task() -> int:
-    return -1
-
-
-# The autograd graph task on this thread (-1: none, so not inside a
-# backward pass, where checkpointing re-runs forwards): `in_backward`
-# without its frame, twice a step.
-_task_id = GRAPH_TASK_ID if GRAPH_TASK_ID is not None else _no_task
 
 
 class _OutputGrad:
