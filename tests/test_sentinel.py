@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -536,6 +537,15 @@ def test_a_step_the_reexecution_cannot_reproduce_is_said_to_differ(tmp_path):
     assert entry["recorded"]["grad_sqsum"] != entry["reexecuted"]["grad_sqsum"]
     steps = ap.load_run(tmp_path / "run").steps.set_index("step")
     assert steps.loc[12, "reexecution"] == "differs" and bool(steps.loc[12, "reexecuted"])
+    # The mismatch is a finding of its own, and `nans` says those rows are no evidence.
+    found = {f["kind"]: f for f in ap.summary(tmp_path / "run").to_dict()["findings"]}
+    differs = found["reexecution_differs"]
+    assert (differs["severity"], differs["step"]) == ("warning", 12)
+    assert [(m["step"], m["kind"]) for m in differs["evidence"]["mismatches"]] == [(12, "spike")]
+    assert "healthy" not in found
+    nans = ap.nans(tmp_path / "run")
+    assert nans.to_dict()["reexecution_differs_steps"] == [12]
+    assert any("did not reproduce" in line for line in nans.lines())
 
 
 class _FailsOnReexecution(nn.Module):
@@ -822,3 +832,95 @@ def test_the_spike_bound_decides_as_the_median_rule_and_sorts_rarely(monkeypatch
         assert steady.within(v)
         steady.add(v)
     assert len(rebuilds) < 100
+
+
+APPLIED_AT = 4  # the step whose backward makes non-finite gradients; no scaler skips it
+
+
+def _unscaled_job(run, mode, *, steps=8, during_reexecution=None):
+    """BoomNet in bfloat16 without a scaler: at APPLIED_AT `amp` turns the
+    gradient passing back into Inf/NaN, SGD applies it, and from the next
+    step every forward is NaN (the weights are). `during_reexecution(rec,
+    step)`: called inside each re-execution's forward."""
+    import recorders.reexecute as reexecute
+    torch.manual_seed(0)
+    model = BoomNet()
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(steps)]
+    box = {}
+
+    def recorder(model, opt, scaler):
+        box["rec"] = AmpRecorder(run, model, optimizer=opt, scaler=scaler, mode=mode, hold_steps=steps + 8)
+        return box["rec"]
+
+    def plant(step, model, x):
+        model.amp.gain = math.inf if step == APPLIED_AT else 1.0
+
+    find_loss = reexecute.find_loss
+    if during_reexecution is not None:
+        def spy(output):
+            rec = box["rec"]
+            during_reexecution(rec, rec.hooks.shared.state.step_id)
+            return find_loss(output)
+        reexecute.find_loss = spy
+    try:
+        train(model, data, recorder=recorder, scaler=None, dtype=torch.bfloat16, lr=0.01, on_step=plant,
+              loss_fn=lambda m, x, y, step, accumulate: ((m(x).float() - y) ** 2).mean())
+    finally:
+        reexecute.find_loss = find_loss
+    return run
+
+
+def test_a_forward_on_weights_an_applied_update_made_nonfinite_names_that_update(tmp_path):
+    """The loss turns NaN one step after the gradients did: the forward's
+    first NaN is in the first layer, whose weights the update made NaN/Inf.
+    That layer is where they were first used, not an origin; the failure is
+    the update's, born in `amp`'s backward, in both modes."""
+    answers = []
+    for mode in ("sentinel", "every_step"):
+        run = _unscaled_job(tmp_path / mode, mode)
+        nans = ap.nans(run).to_dict()
+        fwd, bwd = nans["origins"]["forward"], nans["origins"]["backward"]
+        assert (bwd["name"], bwd["kind"], bwd["step"], bwd["certain"]) == ("amp", "grad_input", APPLIED_AT, True)
+        assert (fwd["name"], fwd["step"], fwd["basis"], fwd["certain"]) == ("inp", APPLIED_AT + 1,
+                                                                           "nonfinite_weights", False)
+        assert nans["weights_nonfinite_from"] == APPLIED_AT
+        table = ap.nans(run).table()
+        forward = table[table["phase"] == "forward"]
+        assert "ORIGIN" not in set(forward["role"])
+        assert forward.iloc[0][["role", "name"]].tolist() == ["weights", "inp"]
+        lead = ap.summary(run).to_dict()["findings"][0]
+        assert (lead["kind"], lead["severity"], lead["step"], lead["layer"]) == ("nonfinite", "critical",
+                                                                                 APPLIED_AT, "amp")
+        assert "first in inp, the first layer to use them" in lead["message"]
+        assert lead["evidence"]["forward_origin"]["basis"] == "nonfinite_weights"
+        answers.append((_origins(run), _lead(run)))
+    assert answers[0] == answers[1]
+
+
+def test_a_forward_origin_after_a_finite_update_keeps_its_rule(tmp_path):
+    """A layer that makes a NaN from finite weights after an update that
+    applied non-finite gradients elsewhere (its own were finite there)
+    stays the origin: the weights' rows decide, not the step order."""
+    from amp_postmortem.analyses.nans import Origin, OriginBasis, updated_weights_origin
+    run = ap.load_run(_unscaled_job(tmp_path / "run", "every_step"))
+    head = Origin("head", "forward", "activation", APPLIED_AT + 1, 0, 9, "head")
+    assert updated_weights_origin(run, head) is None  # head's gradients were finite at APPLIED_AT
+    inp = Origin("inp", "forward", "activation", APPLIED_AT + 1, 0, 1, "inp")
+    assert updated_weights_origin(run, inp) == (replace(inp, basis=OriginBasis.WEIGHTS), APPLIED_AT)
+    early = Origin("inp", "forward", "activation", APPLIED_AT, 0, 1, "inp")
+    assert updated_weights_origin(run, early) is None  # no update before its step
+
+
+def test_a_step_written_during_a_later_reexecution_keeps_its_bundle(tmp_path):
+    """The writer decides a step's bundle while the training thread may be
+    re-executing a later one: the decision stands (it was dropped, and the
+    failing step's bundle lost, when the writer read the capture's switch
+    that a re-execution turns off)."""
+    def drain(rec, step):
+        if step == APPLIED_AT + 1:
+            rec.run_writer.thread.barrier()  # APPLIED_AT's row is written now, mid re-execution
+    run = _unscaled_job(tmp_path / "run", "sentinel", during_reexecution=drain)
+    bundles = {b["step"]: b["reasons"] for b in _manifest(run)["bundles"]}
+    assert bundles[APPLIED_AT] == ["nonfinite_tensor"]
+    assert bundles[APPLIED_AT + 1] == ["nonfinite_loss"]

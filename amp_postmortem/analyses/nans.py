@@ -37,6 +37,14 @@ would decide were not recorded on that step, or made inside a module whose
 watched submodules have no row there. For the last two the first later
 step whose rows decide it names the layer (`later_origins`), evidence of
 that step, not of the first.
+
+A forward origin whose step ran after an update that applied non-finite
+gradients (no loss scaler skipped it) is where those weights were first
+used, not where the NaN/Inf was made: when its own parameters' rows show
+it (their gradients non-finite at that update, or their values at its
+step), its basis is `nonfinite_weights`, and the update's backward origin
+is the failure; when that update recorded no rows, whether its weights
+were among them is undetermined (`after_nonfinite_update`).
 """
 from __future__ import annotations
 
@@ -53,6 +61,7 @@ from ..reading.loader import Run
 from ..op_words import run_op_origin_line
 from ..display import report_html, report_repr
 from ..result import CommandResult
+from .reexecution import reexecution_mismatches
 
 LAYER_KINDS = ("input", "activation", "loss", "grad_output", "grad_input", "param_grad")
 _COLUMNS = ["step", "rank", "name", "kind", "phase", "order", "call", "nan_count", "inf_count",
@@ -67,6 +76,12 @@ class OriginBasis(str, Enum):
     FIRST_ROW = "first_row"    # no row met the rule: the first non-finite row is named
     UNRECORDED = "unrecorded"  # the rows that would decide were not recorded on that step
     WITHIN = "within"          # made inside this module; its watched submodules have no row there
+    # Its own weights were NaN/Inf, made so by an earlier update that applied
+    # non-finite gradients: the row shows where they were first used.
+    WEIGHTS = "nonfinite_weights"
+    # Its step ran after such an update, which recorded no rows: whether its
+    # weights were among those it made non-finite is undetermined.
+    AFTER_UPDATE = "after_nonfinite_update"
 
 
 # Kinds whose presence in a step decides the rules (`coverage`).
@@ -114,7 +129,7 @@ class Origin:
     @property
     def undetermined(self) -> bool:
         """Its step lacked the rows that decide it: the row named is no origin."""
-        return self.basis in (OriginBasis.UNRECORDED, OriginBasis.WITHIN)
+        return self.basis in (OriginBasis.UNRECORDED, OriginBasis.WITHIN, OriginBasis.AFTER_UPDATE)
 
 
 def _uncertain(o: Origin, basis: OriginBasis) -> Origin:
@@ -145,7 +160,8 @@ class NanReport(CommandResult):
     later_origins: dict = field(default_factory=dict)
     compiled_without_rows: bool = False  # a compiled model, no module rows in its graph
     # The step whose optimizer update applied non-finite gradients, when
-    # it leaves the later steps' rows unable to decide (None: it did not).
+    # it leaves the later steps' rows unable to decide, or when the forward
+    # origin's step ran on the weights it made (None: neither).
     weights_nonfinite_from: int | None = None
     # Steps with a NaN/Inf loss, before the forward origin's (every one when
     # there is none), that recorded no per-layer row: a sentinel's steps
@@ -154,6 +170,9 @@ class NanReport(CommandResult):
     unrecorded_loss_steps: list[int] = field(default_factory=list)
     # Why the first of them has no re-executed rows (`no_rerun`), or None.
     unrecorded_why: dict | None = None
+    # Steps whose rows come from a re-execution that did not reproduce them
+    # (`reexecution.reexecution_mismatches`): no evidence of the step as it ran.
+    differs_steps: list[int] = field(default_factory=list)
 
     def document(self) -> dict:
         layers = [{k: plain(v) for k, v in row.items()} for row in self.layers.to_dict("records")]
@@ -178,6 +197,7 @@ class NanReport(CommandResult):
             "unrecorded_loss_steps": len(self.unrecorded_loss_steps),
             "first_unrecorded_loss_step": self.unrecorded_loss_steps[0] if self.unrecorded_loss_steps else None,
             "first_unrecorded_loss_step_why": self.unrecorded_why,
+            "reexecution_differs_steps": list(self.differs_steps),
         }
 
     # Readable at the prompt and in Jupyter (display.py).
@@ -187,9 +207,14 @@ class NanReport(CommandResult):
     def table(self) -> pd.DataFrame:
         t = self.layers.copy()
         role = np.where(t["origin"], "ORIGIN", "propagated").astype(object)
-        # The first row of a step without the rows that decide: neither.
+        # The first row of a step without the rows that decide: neither;
+        # a layer that ran on non-finite weights: where they were first used.
         for o in self.origins.values():
-            if o is not None and o.undetermined:
+            if o is not None and o.basis is OriginBasis.WEIGHTS:
+                key = _origin_row(o, self.origins)
+                hit = (t["name"] == key[0]) & (t["kind"] == key[1]) & (t["first_step"] == o.step)
+                role[hit.to_numpy()] = "weights"
+            elif o is not None and o.undetermined:
                 key = _origin_row(o, self.origins)
                 if key is not None:
                     hit = (t["name"] == key[0]) & (t["kind"] == key[1]) & (t["first_step"] == o.step)
@@ -205,7 +230,7 @@ class NanReport(CommandResult):
                        + (no_rerun_words(self.unrecorded_why) if self.unrecorded_why else "reason unknown")
                        + "), so its origin is undetermined"] if self.unrecorded_loss_steps else [])
         if self.first_nonfinite_step is None:
-            return unrecorded + ["No NaN/Inf in any recorded tensor."]
+            return unrecorded + ["No NaN/Inf in any recorded tensor."] + self._differs_lines()
         out = list(unrecorded)
         for phase in ("forward", "backward"):
             o = self.origins.get(phase)
@@ -236,7 +261,14 @@ class NanReport(CommandResult):
                        f"first at step {self.nonfinite_loss_steps[0]}")
         if self.op_origin is not None:
             out.append(run_op_origin_line(self.op_origin))
-        return out
+        return out + self._differs_lines()
+
+    def _differs_lines(self) -> list[str]:
+        if not self.differs_steps:
+            return []
+        steps = ", ".join(map(str, self.differs_steps[:8])) + (" ..." if len(self.differs_steps) > 8 else "")
+        return [f"the rows of step(s) {steps} come from a re-execution that did not reproduce the step "
+                f"(summary: reexecution_differs): no evidence of the step as it ran"]
 
 
 def basis_words(o: Origin, later: Origin | None, compiled_without_rows: bool,
@@ -245,6 +277,12 @@ def basis_words(o: Origin, later: Origin | None, compiled_without_rows: bool,
     brackets (`NanReport.lines`, the summary's finding)."""
     if o.basis is OriginBasis.FIRST_ROW:
         return "[no row met the rule: first non-finite row shown]"
+    if o.basis is OriginBasis.WEIGHTS:
+        return (f"[its weights were NaN/Inf: step {weights_nonfinite_from}'s update applied non-finite gradients "
+                f"to them (nothing skipped that step); the first layer to use them, not where the NaN/Inf was made]")
+    if o.basis is OriginBasis.AFTER_UPDATE:
+        return (f"[step {weights_nonfinite_from}'s update applied non-finite gradients and recorded no "
+                f"per-layer row: whether this layer's weights were among those it made NaN/Inf is undetermined]")
     what = ("made inside it; which of its modules made it is undetermined: their rows were not recorded "
             "on this step" if o.basis is OriginBasis.WITHIN else
             "the first non-finite row recorded; the layer that made it is undetermined: the rows that "
@@ -297,6 +335,10 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
                     corrupted = applied[0] if corrupted is None else min(corrupted, applied[0])
                 else:
                     later[phase] = o2
+    weights = updated_weights_origin(run, origins["forward"])
+    if weights is not None:
+        origins["forward"], step = weights
+        corrupted = step if corrupted is None else min(corrupted, step)
     candidates = [o for o in origins.values() if o is not None]
     facts = run.step_facts(from_step, to_step)
     if origins["backward"] is not None:
@@ -315,7 +357,7 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
     layers["origin"] = False
     # ORIGIN marks a certain origin's row: a first row named for want of
     # rows that decide is no origin, the later step's layer is.
-    for o in [o for o in candidates if not o.undetermined] + \
+    for o in [o for o in candidates if not o.undetermined and o.basis is not OriginBasis.WEIGHTS] + \
             [o for o in later.values() if o is not None]:
         key = _origin_row(o, origins)
         if key is not None:
@@ -333,7 +375,45 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
         nonfinite_loss_steps=facts.nonfinite_loss_steps, skipped_steps=facts.skipped_steps,
         shards_scanned=len(set(run.scanned_files)), shards_total=len(run.tensor_shards),
         later_origins=later, compiled_without_rows=compiled_without_rows(run), weights_nonfinite_from=corrupted,
+        differs_steps=sorted({m.step for m in reexecution_mismatches(run)}),
     )
+
+
+# At most this many updates that applied non-finite gradients are read for
+# a forward origin's weights (the first ones: the weights stay non-finite after).
+_APPLIED_READ = 16
+
+
+def updated_weights_origin(run: Run, o: Origin | None) -> tuple[Origin, int] | None:
+    """(the forward origin `o` rebased, the update's step) when `o` is a
+    layer whose step ran after an optimizer update that applied non-finite
+    gradients; None otherwise (its weights cannot have come from such an
+    update, or its own parameters' rows show them finite there).
+
+    Its own parameters (`<o.name>.<param>`) decide: a non-finite gradient
+    at one of those updates, or a non-finite value recorded at its step,
+    makes it `WEIGHTS`; none, where such an update recorded rows, leaves
+    the rule's answer (its weights finite there, the layer's arithmetic
+    made it); no rows at those updates and none at its step: `AFTER_UPDATE`."""
+    if o is None or o.kind != "activation" or not o.certain or not o.name:
+        return None
+    applied = [s for s in applied_nonfinite_steps(run) if s < o.step][:_APPLIED_READ]
+    if not applied:
+        return None
+    own = [(int(step), kind) for df in run.iter_tensor_frames(
+               ["step", "rank", "name", "kind"], steps=[*applied, o.step], kinds=("param_grad", "param"),
+               nonfinite_only=True, label="reading the weights' rows")
+           for step, rank, name, kind in zip(df["step"], df["rank"], df["name"], df["kind"])
+           if rank == o.rank and name.rpartition(".")[0] == o.name]
+    grads = [step for step, kind in own if kind == "param_grad" and step in applied]
+    if grads:
+        return replace(o, basis=OriginBasis.WEIGHTS), min(grads)
+    if (o.step, "param") in own:
+        return replace(o, basis=OriginBasis.WEIGHTS), applied[0]
+    s = run.step_series().steps
+    if s.loc[s["step"].isin(applied), "recorded_any"].any():
+        return None  # the update recorded rows, and its own gradients were finite there
+    return replace(o, basis=OriginBasis.AFTER_UPDATE), applied[0]
 
 
 def unrecorded_steps(run: Run, steps: list[int], limit: int = 64) -> list[int]:

@@ -53,6 +53,10 @@ Findings (kind, severity):
   remedies, each with its check (`update_remedies`): not verified here; a
   re-run of the saved window with each, given a model
   (`apply_update_checks`, `whatif/update_trials.py`).
+- `reexecution_differs` (warning): a step the sentinel re-executed did not
+  reproduce what it recorded (`reexecution`): its rows are not those of
+  the step as it ran, so what they show is no evidence of it; the events,
+  the recorded and re-executed counts, and how to see the step as it ran.
 - `recording_disabled` (error): the recorder stopped part-way (a full disk,
   an internal error) and said so in its status slot or manifest.
 - `recording_not_closed` (warning): a recorder ended without closing and
@@ -79,7 +83,8 @@ from .fp16_reductions import Program, find_fp16_reductions
 from .loss_scaling import AppliedBy, Basis, ScalingMistake, loss_scaling_mistake
 from .instability import find_instability
 from .precision_verdict import Verdict, undetermined
-from .nans import applied_nonfinite_steps, basis_words, find_nans, no_rerun_words
+from .nans import OriginBasis, applied_nonfinite_steps, basis_words, find_nans, no_rerun_words
+from .reexecution import reexecution_mismatches
 from .ranges import DTYPE_LIMITS, WINDOW, lapsed_words, layer_ranges, recent_words, sampled_values
 from .scale import ScaleStatus, scale_dynamics, underflow_phrase
 from .update_remedies import Verification, check_line, unchecked
@@ -301,6 +306,7 @@ def summary_parts(run: Run, *, window: int | None = None, model_spec: str | None
              _loss_scaling_finding(run),
              *_fp16_reduction_findings(reductions),
              _lost_updates_finding(run, target),
+             _reexecution_finding(run),
              _disabled_finding(run, disabled),
              _not_closed_finding(run, disabled)]
     return SummaryParts(run, ranges, target, model_spec, nans, scale, per_step, skipped, verdict, reductions,
@@ -320,6 +326,10 @@ def _nonfinite_finding(nans, applied_bad: list, target: str) -> Finding | None:
                         "nonfinite_loss_steps": len(nans.nonfinite_loss_steps),
                         "not_reexecuted": nans.unrecorded_why,
                         "first_recorded_origin": fwd.to_dict() if fwd else None})
+    if fwd is not None and applied_bad and applied_bad[0] < fwd.step:
+        # The update came first: the forward's NaN/Inf is what it left in
+        # the weights (`OriginBasis.WEIGHTS`), or followed it.
+        return _applied_finding(nans, applied_bad, target, fwd)
     if fwd is not None:
         # The finding's layer: the origin when its step decides it, else
         # the later step's that does, else none (undetermined).
@@ -332,11 +342,21 @@ def _nonfinite_finding(nans, applied_bad: list, target: str) -> Finding | None:
                         "later_origin": later.to_dict() if later else None})
     if not applied_bad:
         return None
+    return _applied_finding(nans, applied_bad, target, None)
+
+
+def _applied_finding(nans, applied_bad: list, target: str, fwd) -> Finding:
+    """Non-finite gradients the optimizer applied, first at `applied_bad[0]`
+    (born in the backward origin of that step, where one is certain), and
+    `fwd`, the forward origin of a later step, or None."""
     bwd = nans.origins.get("backward")
     where = bwd if bwd is not None and bwd.step == applied_bad[0] and not bwd.undetermined else None
     return Finding("nonfinite", "critical", applied_bad[0], where.name if where else None,
-                   _applied_nonfinite_words(applied_bad, where), f"amp-postmortem nans {target}",
-                   {"applied_steps": len(applied_bad), "origin": where.to_dict() if where else None})
+                   _applied_nonfinite_words(applied_bad, where) + (_after_update_words(fwd, nans) if fwd else ""),
+                   f"amp-postmortem nans {target}",
+                   {"applied_steps": len(applied_bad), "origin": where.to_dict() if where else None,
+                    "forward_origin": fwd.to_dict() if fwd else None,
+                    "nonfinite_loss_steps": len(nans.nonfinite_loss_steps)})
 
 
 def _saved(run: Run) -> tuple[list, list, object]:
@@ -562,6 +582,17 @@ def _overflow_risk_finding(run: Run, ranges, target: str) -> Finding | None:
          "measured_step": int(worst["step"]), "forecast_step": forecast, "forecast_projected": beyond})
 
 
+def _reexecution_finding(run: Run) -> Finding | None:
+    mismatches = reexecution_mismatches(run)
+    if not mismatches:
+        return None
+    first = mismatches[0]
+    return Finding(
+        "reexecution_differs", "warning", first.step, None, _reexecution_words(mismatches),
+        'record the job with AmpRecorder(mode="every_step") to see the failing step as it ran',
+        {"mismatches": [m.to_dict() for m in mismatches]})
+
+
 def _disabled_finding(run: Run, disabled: dict) -> Finding | None:
     """The steps after a recorder's failure are absent: no finding above covers them."""
     if not disabled:
@@ -631,6 +662,35 @@ def _unrecorded_words(first: int, fwd, nans) -> str:
 def _applied_nonfinite_words(applied_bad: list, where) -> str:
     return (f"non-finite gradients were applied by the optimizer in {len(applied_bad)} step(s), first at "
             f"step {applied_bad[0]}" + (f" (born in {_display(where.name)}, {where.kind})" if where else ""))
+
+
+def _after_update_words(fwd, nans) -> str:
+    if fwd.basis is OriginBasis.WEIGHTS:
+        then = (f"it made weights NaN/Inf, and the forward pass turned non-finite at step {fwd.step}, first in "
+                f"{_display(fwd.name)}, the first layer to use them")
+    elif fwd.undetermined:
+        then = (f"the forward pass turned non-finite at step {fwd.step}, first recorded in {_display(fwd.name)} "
+                + basis_words(fwd, nans.later_origins.get("forward"), nans.compiled_without_rows,
+                              nans.weights_nonfinite_from))
+    else:
+        then = f"the forward pass turned non-finite later, at step {fwd.step}, first made by {_display(fwd.name)}"
+    loss = (f"; the loss was NaN/Inf in {len(nans.nonfinite_loss_steps)} step(s)"
+            if nans.nonfinite_loss_steps else "")
+    return f"; {then}{loss}"
+
+
+def _reexecution_words(mismatches: list) -> str:
+    first = mismatches[0]
+    counts = ""
+    if first.recorded_nonfinite is not None and first.reexecuted_nonfinite is not None:
+        counts = (f" ({first.recorded_nonfinite} NaN/Inf parameter gradient(s) recorded, "
+                  f"{first.reexecuted_nonfinite} in the re-execution)")
+    more = f", and {len(mismatches) - 1} more step(s)" if len(mismatches) > 1 else ""
+    return (f"the re-execution of step {first.step} ({first.kind}) did not reproduce it{counts}{more}: the rows "
+            f"written for it are not those of the step as it ran, so what they show is no evidence of it; the "
+            f"step depends on something its held state does not carry (a module that changes from call to call, "
+            f"state the loop changes between micro-batches), on kernels nondeterministic beyond rounding, or on "
+            f"a faulty device")
 
 
 def _collapse_words(scale) -> str:

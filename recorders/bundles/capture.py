@@ -77,7 +77,12 @@ class BundleCapture:
         has_scaler = scaler_enabled(scaler)
         self.model = model
         self.optimizer = optimizer
-        self.enabled = bool(enabled)
+        # `enabled` is the training thread's switch (a re-execution turns it
+        # off for its forward); the writer thread decides on every step's
+        # summary whenever bundles are on (`decides`): read there, the
+        # switch dropped the decisions of steps written during a
+        # re-execution, whose held captures then stayed until close.
+        self.enabled = self.decides = bool(enabled)
         self.policy = policy
         triggers = BundleTriggers(policy.triggers, has_scaler=has_scaler, max_bundles=policy.max_bundles,
                                   min_loss_scale=policy.min_loss_scale, settle_steps=policy.settle_steps)
@@ -547,7 +552,7 @@ class BundleCapture:
 
     def on_step_summary(self, summary: dict) -> None:
         """Writer thread: a recorded step's host-side summary."""
-        if self.enabled:
+        if self.decides:
             self.decisions.on_step_summary(summary)
 
     def close(self, *, write_decided: bool) -> None:
