@@ -27,7 +27,7 @@ DEVICES = ("cpu", "cuda")
 # What `summary` can find, in the order it ranks findings of equal severity
 # (a cause before its consequences); `--fail-on` takes these.
 FINDING_KINDS = ("nonfinite", "training_instability", "scale_collapse", "stuck_low_scale", "unscaled_fp16_backward",
-                 "loss_scaling_mistake", "fp16_reduction_overflow", "fp16_reduction_risk", "grad_underflow", "dtype_policy_mismatch", "lost_updates", "overflow_risk", "underflow_lapsed", "grad_subnormal", "reexecution_differs", "recording_disabled", "recording_not_closed", "healthy")
+                 "loss_scaling_mistake", "fp16_reduction_overflow", "fp16_reduction_risk", "grad_underflow", "zero_gradients", "dtype_policy_mismatch", "lost_updates", "overflow_risk", "underflow_lapsed", "grad_subnormal", "reexecution_differs", "recording_disabled", "recording_not_closed", "healthy")
 
 
 class Word(str, enum.Enum):

@@ -80,6 +80,16 @@ def test_collapse_onset_and_drivers_match(tmp_path):
     # every-step run, the re-executed ones (the first, then the cap's) in the
     # sentinel's; the lead driver is the same.
     assert a["drivers"][0] == b["drivers"][0] == "amp"
+    # Each says how many skipped steps its ranking rests on: every one in
+    # the every-step run, the re-executed ones in the sentinel's, and the
+    # summary qualifies only the sentinel's.
+    assert b["driver_recorded_steps"] == b["driver_candidate_steps"] > 0
+    assert 0 < a["driver_recorded_steps"] < a["driver_candidate_steps"] == b["driver_candidate_steps"]
+    words = {mode: next(f["message"] for f in ap.summary(run).to_dict()["findings"] if f["kind"] == "scale_collapse")
+             for mode, run in (("sentinel", sentinel), ("every", every))}
+    assert f"read from the {a['driver_recorded_steps']} of its {a['driver_candidate_steps']} skipped steps" \
+        in words["sentinel"]
+    assert "read from the" not in words["every"]
 
 
 def test_the_failing_step_is_reexecuted_exactly_and_training_is_untouched(tmp_path):

@@ -171,3 +171,36 @@ def test_a_damaged_bundles_folder_is_a_warning_not_an_error(overflow_run, copy_r
     doc = json.loads(result.stdout)
     assert doc["bundles"] == [] and doc["replay_command"] is None
     assert any(w.startswith("the replay bundles cannot be listed: ") for w in doc["warnings"])
+
+
+def test_a_float16_gradient_flushed_whole_is_a_warning_in_both_modes(tmp_path, monkeypatch):
+    """`amp` scales the gradient passing back by 1e-9 in a float16 backward
+    without a loss scale: every value below it is flushed, so no underflow
+    share or headroom can be read. Not "healthy": the layers it reaches
+    are named, their zeros said undetermined, in both recorder modes."""
+    import torch
+    from tiny_models import BoomNet, recorder_at, train
+
+    def plant(step, model, x):
+        model.amp.gain = 1e-9
+
+    found = []
+    for mode in ("sentinel", "every_step"):
+        monkeypatch.delenv("AMP_POSTMORTEM_MODE", raising=False)
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(0)
+        data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(6)]
+        train(BoomNet(), data, recorder=recorder_at(tmp_path / mode, mode=mode), scaler=None, on_step=plant)
+        findings = summarize(load_run(tmp_path / mode)).to_dict()["findings"]
+        assert "healthy" not in [f["kind"] for f in findings]
+        zero = next(f for f in findings if f["kind"] == "zero_gradients")
+        assert zero["severity"] == "warning" and zero["evidence"]["scaled"] is False
+        assert {"block", "block.fc", "inp"} <= set(zero["evidence"]["layers"])
+        assert "head" not in zero["evidence"]["layers"]  # above `amp`: its gradient is not flushed
+        assert "undetermined" in zero["message"]
+        found.append((zero["layer"], zero["evidence"]["layers"]))
+    assert found[0] == found[1]
+
+
+def test_a_healthy_run_has_no_zero_gradients_finding(healthy_run):
+    assert "zero_gradients" not in _kinds(summarize(load_run(healthy_run)))

@@ -122,6 +122,10 @@ class ScaleReport(CommandResult):
     projected_underflow_step: int | None = None   # future crossing; None when already below
     underflow_reached_step: int | None = None     # already below since this step; None when not yet
     driver_steps: dict = field(default_factory=dict)  # layer -> number of skipped steps it drove
+    # The skipped steps the drivers were read from, and how many of them
+    # recorded per-layer rows (a sentinel's: those re-executed or sampled).
+    driver_candidate_steps: int = 0
+    driver_recorded_steps: int = 0
 
     def document(self) -> dict:
         return plain(dict(asdict(self), status=self.status.value))
@@ -237,7 +241,8 @@ def scale_dynamics(run: Run) -> ScaleReport:
                              f"{calib} calibration skip(s); scale now {after[-1]:.3g}")
         driver_from = int(x[0])
 
-    report.drivers, report.driver_steps = _drivers(run, series, skipped, steps, driver_from)
+    (report.drivers, report.driver_steps, report.driver_candidate_steps,
+     report.driver_recorded_steps) = _drivers(run, series, skipped, steps, driver_from)
     return report
 
 
@@ -439,13 +444,19 @@ def underflow_phrase(report: ScaleReport, lead: str = "") -> str:
     return ""
 
 
-def _drivers(run: Run, series, skipped, steps, from_step) -> tuple[list[str], dict]:
+def _drivers(run: Run, series, skipped, steps, from_step) -> tuple[list[str], dict, int, int]:
+    """(the layers whose overflows drove the skips from `from_step`, most
+    first; the skipped steps each drove; the skipped steps read; how many of
+    them recorded per-layer rows: a sentinel's others have none, so its
+    ranking rests on fewer steps than an every-step run's)."""
     picked = [int(s) for s, k in zip(steps, skipped) if k and s >= from_step]
     if not picked:
         picked = [int(s) for s, k in zip(steps, skipped) if k]
     picked = picked[-MAX_DRIVER_STEPS:]
     if not picked:
-        return [], {}
+        return [], {}, 0, 0
+    table = run.step_series().steps
+    recorded = int(table.loc[table["step"].isin(picked), "recorded_any"].sum())
     cols = ["step", "rank", "name", "kind", "phase", "order", "call", "nan_count", "inf_count",
             "input_nonfinite"]
     rows = run.scan_tensors(cols, steps=picked, nonfinite_only=True, label="reading skipped steps")
@@ -456,4 +467,4 @@ def _drivers(run: Run, series, skipped, steps, from_step) -> tuple[list[str], di
     for o in attribute_shared_all(run, origins).values():
         counts[o.name] = counts.get(o.name, 0) + 1
     ordered = sorted(counts, key=lambda k: -counts[k])  # stable: first seen wins ties
-    return ordered, {k: counts[k] for k in ordered}
+    return ordered, {k: counts[k] for k in ordered}, len(picked), recorded

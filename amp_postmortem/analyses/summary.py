@@ -40,6 +40,13 @@ Findings (kind, severity):
   the cause of what `grad_underflow` would report, which it replaces;
   names the layers that lose the most signal (`unscaled.find_unscaled`)
   and gives the GradScaler lines.
+- `zero_gradients` (warning): the float16 gradient reaching some layers was
+  zero in every value measured, with no underflow share to read (`ranges`:
+  `zeros` undetermined, absmax 0): flushed whole by underflow, or zero in
+  any precision; undetermined from the rows, and no update reaches their
+  parameters through it either way. Said, not
+  "healthy": a float16 backward whose loss scale is absent or too small
+  can flush a whole gradient, which no share or headroom shows.
 - `grad_subnormal` (info): the underflowing gradients are subnormal, not
   flushed (`unscaled.only_subnormal`): values kept with fewer bits; said,
   never warned of.
@@ -89,6 +96,7 @@ from .ranges import DTYPE_LIMITS, WINDOW, lapsed_words, layer_ranges, recent_wor
 from .scale import ScaleStatus, scale_dynamics, underflow_phrase
 from .update_remedies import Verification, check_line, unchecked
 from .updates import UpdateRemedy, lost_updates, param_dtype, param_dtypes
+from .underflow import Zeros
 from .unscaled import ScaleAbsence, ZerosBasis, find_unscaled, layer_losses, only_subnormal, zeros_basis
 from ..display import report_html, report_repr
 from ..op_words import run_op_origin_line
@@ -306,6 +314,7 @@ def summary_parts(run: Run, *, window: int | None = None, model_spec: str | None
              _loss_scaling_finding(run),
              *_fp16_reduction_findings(reductions),
              _lost_updates_finding(run, target),
+             _zero_gradients_finding(run, ranges, target),
              _reexecution_finding(run),
              _disabled_finding(run, disabled),
              _not_closed_finding(run, disabled)]
@@ -582,6 +591,24 @@ def _overflow_risk_finding(run: Run, ranges, target: str) -> Finding | None:
          "measured_step": int(worst["step"]), "forecast_step": forecast, "forecast_projected": beyond})
 
 
+def _zero_gradients_finding(run: Run, ranges, target: str) -> Finding | None:
+    """`zero_gradients`: float16 gradients reaching a layer, zero in every
+    value at the last step measured (their zeros undetermined, no absmax)."""
+    t = ranges.layers
+    if not len(t):
+        return None
+    zero = t[(t["kind"] == "grad_output") & (t["range_dtype"] == "float16") & (t["zeros"] == Zeros.UNDETERMINED.value)
+             & (t["absmax"].fillna(-1) == 0) & (t["name"] != "")]
+    if not len(zero):
+        return None
+    first = zero.iloc[0]
+    scaled = run.scaler is not None
+    return Finding(
+        "zero_gradients", "warning", int(first["step"]), str(first["name"]),
+        _zero_gradients_words(zero, scaled), f"amp-postmortem ranges {target}",
+        {"layers": [str(n) for n in zero["name"]], "scaled": scaled, "measured_step": int(first["step"])})
+
+
 def _reexecution_finding(run: Run) -> Finding | None:
     mismatches = reexecution_mismatches(run)
     if not mismatches:
@@ -679,6 +706,16 @@ def _after_update_words(fwd, nans) -> str:
     return f"; {then}{loss}"
 
 
+def _zero_gradients_words(zero, scaled: bool) -> str:
+    names = ", ".join(_display(n) for n in zero["name"].head(5)) + (", ..." if len(zero) > 5 else "")
+    scale = ("" if scaled else "; the float16 backward ran without a loss scale (a GradScaler lifts small "
+             "gradients above float16's flush edge)")
+    return (f"the float16 gradient reaching {len(zero)} layer(s) ({names}) was zero in every value at step "
+            f"{int(zero.iloc[0]['step'])}, the last step measured: flushed whole by underflow, or zero in any "
+            f"precision (a dead activation, a detached path): undetermined from the rows, and no update reaches "
+            f"their parameters through it either way{scale}")
+
+
 def _reexecution_words(mismatches: list) -> str:
     first = mismatches[0]
     counts = ""
@@ -693,11 +730,20 @@ def _reexecution_words(mismatches: list) -> str:
             f"a faulty device")
 
 
+def _driver_basis(scale) -> str:
+    """How many skipped steps the drivers rest on, when some recorded no
+    rows (a sentinel's run: the steps it re-executed); nothing otherwise."""
+    n, of = scale.driver_recorded_steps, scale.driver_candidate_steps
+    if not scale.drivers or n >= of:
+        return ""
+    return f" (read from the {n} of its {of} skipped steps that recorded per-layer rows)"
+
+
 def _collapse_words(scale) -> str:
     drivers = ", ".join(_display(d) for d in scale.drivers[:3]) or "undetermined"
     return (f"the loss scale collapses from step {scale.onset_step}: {scale.halvings_per_kstep:.3g} halvings "
             f"per 1000 steps, now {scale.final_scale:.3g}; skip rate {_pct(scale.skip_rate_before_onset)} "
-            f"before, {_pct(scale.skip_rate_after_onset)} after; overflows born in {drivers}"
+            f"before, {_pct(scale.skip_rate_after_onset)} after; overflows born in {drivers}{_driver_basis(scale)}"
             + underflow_phrase(scale, "; "))
 
 
