@@ -558,6 +558,48 @@ def test_a_step_the_reexecution_cannot_reproduce_is_said_to_differ(tmp_path):
     assert any("did not reproduce" in line for line in nans.lines())
 
 
+class _NanOnReexecution(nn.Module):
+    """Makes a NaN in `mid` on the second forward of a batch scaled up
+    1000-fold (the training's forward is the first, the step's
+    re-execution the second): a NaN the step as it ran never had."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.mid, self.fc2 = nn.Linear(8, 8), _Poison(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(self.mid(self.fc1(x), x.abs().max() > 100))
+
+
+class _Poison(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.spiked = 0
+
+    def forward(self, h, spiked):
+        if spiked:
+            self.spiked += 1
+            if self.spiked == 2:
+                return h * float("nan")
+        return h
+
+
+def test_a_nan_only_the_reexecution_made_is_no_failure_of_the_training(tmp_path):
+    """A loss spike (a finite event) whose re-execution makes a NaN the step
+    never had: `nans` calls that origin not reproduced, the summary names
+    the mismatch and no non-finite failure."""
+    torch.manual_seed(0)
+    train(_NanOnReexecution(), batches(14), recorder=recorder_at(tmp_path / "run", snapshot_params=True),
+          scaler=None, dtype=None, lr=1e-4, on_step=lambda step, model, x: x.mul_(1e3 if step == 12 else 1.0))
+    entry = _manifest(tmp_path / "run")["reexecutions"][0]
+    assert (entry["step"], entry["kind"], entry["check"]) == (12, "spike", "differs")
+    fwd = ap.nans(tmp_path / "run").to_dict()["origins"]["forward"]
+    assert (fwd["name"], fwd["step"], fwd["basis"], fwd["certain"]) == ("mid", 12, "not_reproduced", False)
+    assert any("did not reproduce the step" in line for line in ap.nans(tmp_path / "run").lines())
+    kinds = [f["kind"] for f in ap.summary(tmp_path / "run").to_dict()["findings"]]
+    assert "reexecution_differs" in kinds and "nonfinite" not in kinds
+
+
 class _FailsOnReexecution(nn.Module):
     """Raises in the second forward of a batch scaled up 1000-fold (the
     first is the training's, the second the step's re-execution), after its

@@ -82,6 +82,9 @@ class OriginBasis(str, Enum):
     # Its step ran after such an update, which recorded no rows: whether its
     # weights were among those it made non-finite is undetermined.
     AFTER_UPDATE = "after_nonfinite_update"
+    # Its step's rows come from a re-execution that did not reproduce the
+    # step (`reexecution`): no evidence of the step as it ran.
+    NOT_REPRODUCED = "not_reproduced"
 
 
 # Kinds whose presence in a step decides the rules (`coverage`).
@@ -129,7 +132,8 @@ class Origin:
     @property
     def undetermined(self) -> bool:
         """Its step lacked the rows that decide it: the row named is no origin."""
-        return self.basis in (OriginBasis.UNRECORDED, OriginBasis.WITHIN, OriginBasis.AFTER_UPDATE)
+        return self.basis in (OriginBasis.UNRECORDED, OriginBasis.WITHIN, OriginBasis.AFTER_UPDATE,
+                              OriginBasis.NOT_REPRODUCED)
 
 
 def _uncertain(o: Origin, basis: OriginBasis) -> Origin:
@@ -280,6 +284,10 @@ def basis_words(o: Origin, later: Origin | None, compiled_without_rows: bool,
     if o.basis is OriginBasis.WEIGHTS:
         return (f"[its weights were NaN/Inf: step {weights_nonfinite_from}'s update applied non-finite gradients "
                 f"to them (nothing skipped that step); the first layer to use them, not where the NaN/Inf was made]")
+    if o.basis is OriginBasis.NOT_REPRODUCED:
+        return ("[the rows of its step come from a re-execution that did not reproduce the step: no evidence of "
+                "the step as it ran" + (f"; step {later.step}, the first later step whose module rows decide it, "
+                                        f"names {_display(later.name)} ({later.kind})]" if later is not None else "]"))
     if o.basis is OriginBasis.AFTER_UPDATE:
         return (f"[step {weights_nonfinite_from}'s update applied non-finite gradients and recorded no "
                 f"per-layer row: whether this layer's weights were among those it made NaN/Inf is undetermined]")
@@ -317,8 +325,13 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
     below = watched_below(run)
     covered: dict = {}  # the steps' coverage, read once for both phases
 
+    differs = {(m.step, m.rank) for m in reexecution_mismatches(run)}
+
     def origin_of(phase, rows):
-        return origins_of(run, {0: rows}, phase, below, covered)[0]
+        o = origins_of(run, {0: rows}, phase, below, covered)[0]
+        if o is not None and (o.step, o.rank) in differs:
+            return _uncertain(o, OriginBasis.NOT_REPRODUCED)  # rows of a re-execution that did not reproduce it
+        return o
 
     for phase in origins:
         if firsts[phase] is not None:
@@ -375,7 +388,7 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
         nonfinite_loss_steps=facts.nonfinite_loss_steps, skipped_steps=facts.skipped_steps,
         shards_scanned=len(set(run.scanned_files)), shards_total=len(run.tensor_shards),
         later_origins=later, compiled_without_rows=compiled_without_rows(run), weights_nonfinite_from=corrupted,
-        differs_steps=sorted({m.step for m in reexecution_mismatches(run)}),
+        differs_steps=sorted({step for step, _ in differs}),
     )
 
 

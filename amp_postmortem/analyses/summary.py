@@ -327,6 +327,11 @@ def _nonfinite_finding(nans, applied_bad: list, target: str) -> Finding | None:
     optimizer applied; a non-finite loss on a step that recorded no row
     (before any recorded NaN/Inf) leads, with its layer undetermined."""
     fwd = nans.origins.get("forward")
+    if (fwd is not None and fwd.basis is OriginBasis.NOT_REPRODUCED and nans.later_origins.get("forward") is None
+            and not nans.nonfinite_loss_steps):
+        # A NaN/Inf only the re-execution made, the step's recorded facts
+        # finite: `reexecution_differs` says so; no failure of the training.
+        fwd = None
     if nans.unrecorded_loss_steps:
         first = nans.unrecorded_loss_steps[0]
         return Finding("nonfinite", "critical", first, None, _unrecorded_words(first, fwd, nans),

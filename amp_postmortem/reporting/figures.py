@@ -15,7 +15,8 @@ from .data import Heatmap, ReportData, Spread
 from ..analyses.nans import OriginBasis
 from ..names import display_name
 
-_UNDETERMINED = (OriginBasis.UNRECORDED.value, OriginBasis.WITHIN.value, OriginBasis.AFTER_UPDATE.value)
+_UNDETERMINED = (OriginBasis.UNRECORDED.value, OriginBasis.WITHIN.value, OriginBasis.AFTER_UPDATE.value,
+                 OriginBasis.NOT_REPRODUCED.value)
 
 LOW_RANGE_BITS = 64.0   # headroom below this: a float16/float8 tensor (float16 spans about 2^40)
 COLORS = {"loss": "#1f77b4", "scale": "#2ca02c", "skipped": "#ff7f0e", "nonfinite": "#d62728",
