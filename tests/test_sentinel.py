@@ -976,3 +976,22 @@ def test_a_step_written_during_a_later_reexecution_keeps_its_bundle(tmp_path):
     bundles = {b["step"]: b["reasons"] for b in _manifest(run)["bundles"]}
     assert bundles[APPLIED_AT] == ["nonfinite_tensor"]
     assert bundles[APPLIED_AT + 1] == ["nonfinite_loss"]
+
+
+def test_a_layer_on_a_tied_weight_an_update_poisoned_is_found_by_its_other_name(tmp_path):
+    """A tied weight's rows carry its first name (`emb.weight`); the output
+    layer that shares it (`out.weight`) ran on the same poisoned weight."""
+    from amp_postmortem.analyses.nans import Origin, OriginBasis, updated_weights_origin
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 32, (4, 8), generator=gen), torch.randint(0, 32, (4, 8), generator=gen))
+            for _ in range(6)]
+
+    def loss(model, x, y, step, accumulate):
+        return _tied_loss(model, x, y, step, accumulate) * (math.inf if step == 3 else 1.0)
+
+    train(_TiedLM(), data, recorder=recorder_at(tmp_path / "run", mode="every_step"), loss_fn=loss,
+          scaler=None, dtype=torch.bfloat16, lr=0.01)
+    run = ap.load_run(tmp_path / "run")
+    out = Origin("out", "forward", "activation", 4, 0, 3, "out")
+    assert updated_weights_origin(run, out) == (replace(out, basis=OriginBasis.WEIGHTS), 3)

@@ -403,7 +403,8 @@ def updated_weights_origin(run: Run, o: Origin | None) -> tuple[Origin, int] | N
     gradients; None otherwise (its weights cannot have come from such an
     update, or its own parameters' rows show them finite there).
 
-    Its own parameters (`<o.name>.<param>`) decide: a non-finite gradient
+    Its own parameters (`<o.name>.<param>`, a tied one by any of its
+    names) decide: a non-finite gradient
     at one of those updates, or a non-finite value recorded at its step,
     makes it `WEIGHTS`; none, where such an update recorded rows, leaves
     the rule's answer (its weights finite there, the layer's arithmetic
@@ -413,11 +414,15 @@ def updated_weights_origin(run: Run, o: Origin | None) -> tuple[Origin, int] | N
     applied = [s for s in applied_nonfinite_steps(run) if s < o.step][:_APPLIED_READ]
     if not applied:
         return None
+    aliases = tied_aliases(run)  # a tied weight's rows carry its first name only
+
+    def owned(name: str) -> bool:
+        return any(n.rpartition(".")[0] == o.name for n in (name, *aliases.get(name, ())))
     own = [(int(step), kind) for df in run.iter_tensor_frames(
                ["step", "rank", "name", "kind"], steps=[*applied, o.step], kinds=("param_grad", "param"),
                nonfinite_only=True, label="reading the weights' rows")
            for step, rank, name, kind in zip(df["step"], df["rank"], df["name"], df["kind"])
-           if rank == o.rank and name.rpartition(".")[0] == o.name]
+           if rank == o.rank and owned(name)]
     grads = [step for step, kind in own if kind == "param_grad" and step in applied]
     if grads:
         return replace(o, basis=OriginBasis.WEIGHTS), min(grads)
