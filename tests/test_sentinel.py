@@ -995,3 +995,33 @@ def test_a_layer_on_a_tied_weight_an_update_poisoned_is_found_by_its_other_name(
     run = ap.load_run(tmp_path / "run")
     out = Origin("out", "forward", "activation", 4, 0, 3, "out")
     assert updated_weights_origin(run, out) == (replace(out, basis=OriginBasis.WEIGHTS), 3)
+
+
+def test_a_layer_whose_restored_weights_are_finite_keeps_its_rule(tmp_path):
+    """The update of step 2 applies non-finite gradients; the loop restores
+    the weights before step 3 (as a job that reloads its checkpoint does);
+    at step 6 `inp` overflows float16 from a finite input. The re-executed
+    step's weight rows show them finite: `inp` made it, an origin."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(8)]
+    saved = {}
+
+    def plant(step, model, x):
+        model.amp.gain = math.inf if step == 2 else 1.0
+        if step == 2:
+            saved.update({k: v.clone() for k, v in model.state_dict().items()})
+        if step == 3:
+            model.load_state_dict(saved)
+        if step == 6:
+            x.mul_(1e6)
+
+    train(BoomNet(), data, recorder=recorder_at(tmp_path / "run", mode="sentinel"), scaler=None, on_step=plant,
+          lr=0.01, loss_fn=lambda m, x, y, step, accumulate: ((m(x).float() - y) ** 2).mean())
+    nans = ap.nans(tmp_path / "run").to_dict()
+    fwd, bwd = nans["origins"]["forward"], nans["origins"]["backward"]
+    assert (fwd["name"], fwd["step"], fwd["basis"]) == ("inp", 6, "rule")
+    assert (bwd["name"], bwd["step"]) == ("amp", 2)
+    lead = ap.summary(tmp_path / "run").to_dict()["findings"][0]
+    assert (lead["step"], lead["layer"]) == (2, "amp")  # the update came first
+    assert "first made by inp" in lead["message"]

@@ -401,14 +401,15 @@ def updated_weights_origin(run: Run, o: Origin | None) -> tuple[Origin, int] | N
     """(the forward origin `o` rebased, the update's step) when `o` is a
     layer whose step ran after an optimizer update that applied non-finite
     gradients; None otherwise (its weights cannot have come from such an
-    update, or its own parameters' rows show them finite there).
+    update, or its own parameters' rows show them finite).
 
     Its own parameters (`<o.name>.<param>`, a tied one by any of its
-    names) decide: a non-finite gradient
-    at one of those updates, or a non-finite value recorded at its step,
-    makes it `WEIGHTS`; none, where such an update recorded rows, leaves
-    the rule's answer (its weights finite there, the layer's arithmetic
-    made it); no rows at those updates and none at its step: `AFTER_UPDATE`."""
+    names) decide. Their values recorded at its step (a re-executed or
+    full-tier step's `param` rows) say it directly: non-finite makes it
+    `WEIGHTS`, finite leaves the rule's answer (a job that restored its
+    weights). Else their gradients at those updates: a non-finite one makes
+    it `WEIGHTS`; none, where such an update recorded rows, leaves the
+    rule's answer; no rows there at all: `AFTER_UPDATE`."""
     if o is None or o.kind != "activation" or not o.certain or not o.name:
         return None
     applied = [s for s in applied_nonfinite_steps(run) if s < o.step][:_APPLIED_READ]
@@ -418,16 +419,19 @@ def updated_weights_origin(run: Run, o: Origin | None) -> tuple[Origin, int] | N
 
     def owned(name: str) -> bool:
         return any(n.rpartition(".")[0] == o.name for n in (name, *aliases.get(name, ())))
-    own = [(int(step), kind) for df in run.iter_tensor_frames(
-               ["step", "rank", "name", "kind"], steps=[*applied, o.step], kinds=("param_grad", "param"),
-               nonfinite_only=True, label="reading the weights' rows")
-           for step, rank, name, kind in zip(df["step"], df["rank"], df["name"], df["kind"])
-           if rank == o.rank and owned(name)]
-    grads = [step for step, kind in own if kind == "param_grad" and step in applied]
+    values = [bad for df in run.iter_tensor_frames(
+                  ["rank", "name", "nan_count", "inf_count"], steps=[o.step], kinds=("param",),
+                  label="reading the weights' rows")
+              for rank, name, bad in zip(df["rank"], df["name"], df["nan_count"] + df["inf_count"])
+              if rank == o.rank and owned(name)]
+    if values:
+        return (replace(o, basis=OriginBasis.WEIGHTS), applied[0]) if any(v > 0 for v in values) else None
+    grads = [int(step) for df in run.iter_tensor_frames(
+                 ["step", "rank", "name"], steps=applied, kinds=("param_grad",), nonfinite_only=True,
+                 label="reading the weights' rows")
+             for step, rank, name in zip(df["step"], df["rank"], df["name"]) if rank == o.rank and owned(name)]
     if grads:
         return replace(o, basis=OriginBasis.WEIGHTS), min(grads)
-    if (o.step, "param") in own:
-        return replace(o, basis=OriginBasis.WEIGHTS), applied[0]
     s = run.step_series().steps
     if s.loc[s["step"].isin(applied), "recorded_any"].any():
         return None  # the update recorded rows, and its own gradients were finite there
