@@ -41,10 +41,11 @@ that step, not of the first.
 A forward origin whose step ran after an update that applied non-finite
 gradients (no loss scaler skipped it) is where those weights were first
 used, not where the NaN/Inf was made: when its own parameters' rows show
-it (their gradients non-finite at that update, or their values at its
-step), its basis is `nonfinite_weights`, and the update's backward origin
-is the failure; when that update recorded no rows, whether its weights
-were among them is undetermined (`after_nonfinite_update`).
+it (their values at its step where recorded, else their gradients at that
+update), its basis is `nonfinite_weights`, and the update's backward origin
+is the failure; values recorded finite (weights the job restored) keep the
+rule's origin; when that update recorded no rows, whether its weights were
+among them is undetermined (`after_nonfinite_update`).
 """
 from __future__ import annotations
 
@@ -282,8 +283,8 @@ def basis_words(o: Origin, later: Origin | None, compiled_without_rows: bool,
     if o.basis is OriginBasis.FIRST_ROW:
         return "[no row met the rule: first non-finite row shown]"
     if o.basis is OriginBasis.WEIGHTS:
-        return (f"[its weights were NaN/Inf: step {weights_nonfinite_from}'s update applied non-finite gradients "
-                f"to them (nothing skipped that step); the first layer to use them, not where the NaN/Inf was made]")
+        return (f"[its weights were NaN/Inf after step {weights_nonfinite_from}'s update, which applied non-finite "
+                f"gradients (nothing skipped that step): the first layer to use them, not where the NaN/Inf was made]")
     if o.basis is OriginBasis.NOT_REPRODUCED:
         return ("[the rows of its step come from a re-execution that did not reproduce the step: no evidence of "
                 "the step as it ran" + (f"; step {later.step}, the first later step whose module rows decide it, "

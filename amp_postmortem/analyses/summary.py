@@ -44,9 +44,9 @@ Findings (kind, severity):
   zero in every value measured, with no underflow share to read (`ranges`:
   `zeros` undetermined, absmax 0): flushed whole by underflow, or zero in
   any precision; undetermined from the rows, and no update reaches their
-  parameters through it either way. Said, not
-  "healthy": a float16 backward whose loss scale is absent or too small
-  can flush a whole gradient, which no share or headroom shows.
+  parameters through it either way. Said, not "healthy": a float16
+  backward whose loss scale is absent or too small can flush a whole
+  gradient, which no share or headroom shows.
 - `grad_subnormal` (info): the underflowing gradients are subnormal, not
   flushed (`unscaled.only_subnormal`): values kept with fewer bits; said,
   never warned of.
