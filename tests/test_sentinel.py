@@ -19,7 +19,7 @@ from conftest import OVERFLOW_STEP, _collapse, _input_nan, _overflow, generate_s
 from recorders import AmpRecorder
 from recorders.reexecute import ReexecutePolicy
 from recorders.schedule import RecordSchedule
-from tiny_models import BoomNet, ConvBN, TinyNet, batches, recorder_at, train
+from tiny_models import Boom, BoomNet, ConvBN, TinyNet, batches, recorder_at, train
 
 pytestmark = pytest.mark.usefixtures("sentinel_mode")
 
@@ -1025,3 +1025,76 @@ def test_a_layer_whose_restored_weights_are_finite_keeps_its_rule(tmp_path):
     lead = ap.summary(tmp_path / "run").to_dict()["findings"][0]
     assert (lead["step"], lead["layer"]) == (2, "amp")  # the update came first
     assert "first made by inp" in lead["message"]
+
+
+class _Layouts(nn.Module):
+    """One small model in the layouts a loop may use: a dropout, a
+    checkpointed block, a frozen first layer, a dict output with the loss,
+    keyword inputs. `fault` multiplies by `gain` (a planted Inf/NaN)."""
+
+    def __init__(self, layout: str):
+        super().__init__()
+        self.layout = layout
+        self.inp, self.mid, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.drop = nn.Dropout(0.3 if layout == "dropout" else 0.0)
+        self.fault = Boom()
+        if layout == "frozen":
+            self.inp.requires_grad_(False)
+
+    def _body(self, h):
+        return self.fault(torch.relu(self.mid(h)))
+
+    def forward(self, x=None, y=None):
+        h = self.drop(torch.relu(self.inp(x)))
+        if self.layout == "checkpoint":
+            import torch.utils.checkpoint as checkpoint
+            h = checkpoint.checkpoint(self._body, h, use_reentrant=False)
+        else:
+            h = self._body(h)
+        out = self.head(h)
+        if self.layout == "dict":
+            return {"loss": ((out.float() - y) ** 2).mean(), "logits": out}
+        return out
+
+
+def _layouts_loss(model, x, y, step, accumulate):
+    if model.layout == "dict":
+        return model(x=x, y=y)["loss"] / accumulate
+    return ((model(x=x).float() - y) ** 2).mean() / accumulate
+
+
+LAYOUTS = {  # (layout, autocast dtype, scaler, accumulate, the planted fault's step, what it plants)
+    "dropout_fp16": ("dropout", torch.float16, True, 1, 5, 1e6),
+    "checkpoint_fp16": ("checkpoint", torch.float16, True, 1, 4, 1e6),
+    "frozen_bf16": ("frozen", torch.bfloat16, False, 1, 4, math.nan),
+    "dict_bf16": ("dict", torch.bfloat16, False, 1, 3, math.nan),
+    "accumulate_fp16": ("plain", torch.float16, True, 2, 3, 1e6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_loop_layouts_give_the_same_answers_in_both_modes(tmp_path, name):
+    """More of the patterns a user's loop takes (dropout, whose mask the
+    re-execution must draw again; a checkpointed block; a frozen layer;
+    the loss inside the model's dict output; gradient accumulation): the
+    same origin, step and lead in both modes, and the origin is the layer
+    the fault was planted in."""
+    layout, dtype, scaler, accumulate, at, gain = LAYOUTS[name]
+    answers = []
+    for mode in ("sentinel", "every_step"):
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(0)
+        data = [(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen))
+                for _ in range(8 * accumulate)]
+
+        def plant(step, model, x):
+            model.fault.gain = gain if step == at else 1.0
+
+        train(_Layouts(layout), data, recorder=recorder_at(tmp_path / mode, mode=mode), dtype=dtype,
+              scaler={"init_scale": 2.0 ** 8} if scaler else None, accumulate=accumulate, lr=0.01,
+              on_step=plant, loss_fn=_layouts_loss)
+        answers.append((_origins(tmp_path / mode), _lead(tmp_path / mode)))
+    assert answers[0] == answers[1]
+    origins, lead = answers[0]
+    assert (origins["forward"]["name"], origins["forward"]["step"]) == ("fault", at)
+    assert lead[:3] == ("nonfinite", "critical", at)
