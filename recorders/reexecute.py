@@ -27,7 +27,11 @@ What is held, and so what can be re-executed:
   is known, so the weights of the step's forward are those
   `BundlePolicy.snapshot_params` copies before each update ("auto": every
   step of such a job, one set of the parameters, a second while the writer
-  decides); without them the step is refused (`Refusal.WEIGHTS_NOT_HELD`);
+  decides; on the CPU only for a step whose gradients are not finite or
+  whose gradient norm breaks the spike bound, which the optimizer's
+  pre-step hook asks, `ReexecuteTrigger.norm_within`); without them the
+  step is refused (`Refusal.WEIGHTS_NOT_HELD`: a loss spike with an
+  ordinary gradient norm);
 - a device job's loss and gradient counts are device values that
   `rec.step()` never reads (that would synchronise). With a scaler, a
   skipped step (a host value: its scaler synchronised already, so its loss
@@ -240,7 +244,13 @@ class ReexecuteTrigger:
         are finite (`_Recent`), so a NaN or an Inf fails. Then they are
         remembered, as `_remember` does (the usual step, in one test: this
         runs on every step); else nothing is."""
-        if loss is None or norm is None or not (self._losses.within(abs(loss)) and self._norms.within(abs(norm))):
+        losses, norms = self._losses, self._norms
+        if loss is None or norm is None:
+            return False
+        loss_abs, norm_abs = abs(loss), abs(norm)
+        # Each bound's one comparison first (`_Recent.fast`), `within` where it cannot decide.
+        if not ((loss_abs <= losses.fast or losses.within(loss_abs))
+                and (norm_abs <= norms.fast or norms.within(norm_abs))):
             return False
         if scale is not None:
             self._prev_scale = scale
@@ -249,6 +259,12 @@ class ReexecuteTrigger:
         self._losses.add(loss)
         self._norms.add(norm)
         return True
+
+    def norm_within(self, norm: float) -> bool:
+        """A gradient norm under the spike bound (`quiet`'s test of it):
+        asked before the update, where a spike's weights can still be held."""
+        norms = self._norms
+        return norm <= norms.fast or norms.within(norm)
 
     def _event(self, f: StepFacts) -> str | None:
         if f.loss is not None and not math.isfinite(f.loss):
@@ -353,7 +369,7 @@ class _Recent:
     step's close, ~18 us of the launch-bound proxy's cold step; this way
     the close reads 3-9 us less (`benchmarks/RESULTS.md`, 2026-12-07)."""
 
-    __slots__ = ("values", "pos", "size", "factor", "ranked", "added", "_limit")
+    __slots__ = ("values", "pos", "size", "factor", "ranked", "added", "_limit", "bounds", "fast")
 
     def __init__(self, size: int, factor: float):
         self.values: list = []  # the last `size` values, in a ring from `pos`
@@ -363,6 +379,12 @@ class _Recent:
         self.ranked: list = []  # the values sorted, as at the last `_rebuild`
         self.added = 0  # values added since
         self._limit = _NO_LIMIT
+        # bounds[k]: the bound after k values added since the last rebuild
+        # (the exact limit at 0, then the rank bound; -1 where there is
+        # none), made with the sorted copy; `fast` is the current one: the
+        # usual step's test is one comparison, `within` decides the rest.
+        self.bounds = [_NO_LIMIT]
+        self.fast = _NO_LIMIT
 
     def add(self, value: float) -> None:
         values = self.values
@@ -372,7 +394,9 @@ class _Recent:
             pos = self.pos
             values[pos] = value  # the oldest goes
             self.pos = pos + 1 if pos + 1 < self.size else 0
-        self.added += 1
+        k = self.added = self.added + 1
+        bounds = self.bounds
+        self.fast = bounds[k] if k < len(bounds) else -1.0
 
     @property
     def limit(self) -> float:
@@ -383,23 +407,24 @@ class _Recent:
 
     def within(self, magnitude: float) -> bool:
         """`magnitude <= self.limit` (False for NaN and Inf)."""
-        k = self.added
-        if k:
-            ranked = self.ranked
-            n = len(ranked)
-            if n >= 10 and n // 2 >= k and self.factor > 0:
-                low = ranked[n // 2 - k]  # the median now is at least this
-                if low > 0 and magnitude <= min(self.factor * low, _NO_LIMIT):
-                    return True
+        if magnitude <= self.fast:
+            return True
+        if self.added:  # the rank bound could not decide: the exact limit
             self._rebuild()
-        return magnitude <= self._limit
+            return magnitude <= self._limit
+        return False  # `fast` was the exact limit
 
     def _rebuild(self) -> None:
         ranked = self.ranked = sorted(self.values)
         self.added = 0
-        n = len(ranked)
+        n, factor = len(ranked), self.factor
         median = ranked[n // 2] if n >= 10 else 0.0
-        self._limit = min(self.factor * median, _NO_LIMIT) if median > 0 else _NO_LIMIT
+        self._limit = min(factor * median, _NO_LIMIT) if median > 0 else _NO_LIMIT
+        # After k values added the median is at least the value k ranks
+        # below this one (see the class's docstring).
+        ranks = [ranked[n // 2 - k] for k in range(1, n // 2 + 1)] if n >= 10 and factor > 0 else []
+        self.bounds = [self._limit] + [min(factor * low, _NO_LIMIT) if low > 0 else -1.0 for low in ranks]
+        self.fast = self._limit
 
 
 @contextlib.contextmanager
@@ -581,6 +606,12 @@ class StepSentinel:
         self.reexecutor = reexecutor
         self.scaler = scaler if scaler_enabled(scaler) else None
         self.has_scaler = self.scaler is not None and optimizer is not None
+        # A job whose update follows every step (no scaler to skip it) has
+        # stepped when a gradient-norm spike is judged: the optimizer's
+        # pre-step hook asks the spike bound, so that the weights of such a
+        # step's forward are copied while they still are (`BundleCapture`).
+        if reexecutor is not None:
+            reexecutor.hooks.params.norm_within = None if self.has_scaler else self.trigger.norm_within
         self.losses = losses
         self.scale_floor = scale_floor
         # A job without a scaler whose facts are device values: each such

@@ -870,6 +870,7 @@ def test_the_spike_bound_decides_as_the_median_rule_and_sorts_rarely(monkeypatch
             limit = min(factor * median, _NO_LIMIT) if median > 0 else _NO_LIMIT
             v = rng.gauss(1.0, 0.3) if rng.random() < 0.8 else rng.choice(
                 [rng.uniform(-5, 5), 0.0, -1.0, 1e3 * rng.random(), 1e300])
+            assert recent.fast <= limit  # the one-comparison bound never admits a spike
             for probe in (abs(v), abs(v) * 1.5, limit, limit * 1.0000001, math.inf, math.nan):
                 assert recent.within(probe) == (probe <= limit)
             if rng.random() < 0.1:
@@ -1098,3 +1099,28 @@ def test_loop_layouts_give_the_same_answers_in_both_modes(tmp_path, name):
     origins, lead = answers[0]
     assert (origins["forward"]["name"], origins["forward"]["step"]) == ("fault", at)
     assert lead[:3] == ("nonfinite", "critical", at)
+
+
+def test_a_gradient_norm_spike_without_a_scaler_is_reexecuted_from_the_weights_of_its_forward(tmp_path):
+    """A job whose update follows every step has stepped when a spike is
+    judged at `rec.step()`: the optimizer's pre-step hook asks the spike
+    bound, and the weights of a step whose gradient norm breaks it are
+    copied before the update. The spike is re-executed exactly (it was
+    refused `weights_not_held`), and the training's numbers are untouched."""
+    def spike(step, model, x):
+        if step == 20:
+            x.mul_(100.0)
+
+    runs = {}
+    for recorded in (True, False):
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(0)
+        data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(26)]
+        runs[recorded] = train(BoomNet(), data, recorder=recorder_at(tmp_path / "run", mode="sentinel")
+                               if recorded else None, scaler=None, dtype=torch.bfloat16, lr=1e-3, on_step=spike)
+    entry = next(e for e in _manifest(tmp_path / "run")["reexecutions"] if e["step"] == 20)
+    assert (entry["kind"], entry["check"]) == ("spike", "exact")
+    steps = ap.load_run(tmp_path / "run").steps.set_index("step")
+    assert bool(steps.loc[20, "reexecuted"]) and steps.loc[20, "tensor_rows"] > 0
+    assert runs[True].losses == runs[False].losses
+    assert all(torch.equal(a, b) for a, b in zip(runs[True].params, runs[False].params))

@@ -253,9 +253,12 @@ class BundleCapture:
         `versions_skipped`: its weights are never judged exact after (a
         bundle asked for it once its backward ended, or a loop that skips
         `optimizer.step()` itself, gets them as they are then, said not
-        exact, never wrongly exact)."""
-        if cap.param_version_sum is not None or cap.versions_skipped:
-            return  # read or marked already
+        exact, never wrongly exact), unless the optimizer's pre-step hook
+        finds it not clean after all (a gradient-norm spike, which the
+        backward's end does not judge): the sum is read there, before the
+        update, with the copy of the weights taken then."""
+        if cap.param_version_sum is not None or (cap.versions_skipped and clean):
+            return  # read, or marked and still clean
         if not clean or self._unstepped_kept or self._asked(cap):
             cap.param_version_sum = self.inventory.param_version_sum()
         else:
@@ -267,9 +270,10 @@ class BundleCapture:
 
     def on_optimizer_pre_step(self, clean_on_host: bool = False) -> None:
         """`clean_on_host`: the step's statistics so far are host values
-        without a NaN or an Inf, so no automatic trigger but a non-finite
-        loss with finite gradients can ask for it: its weights are not
-        copied (a bundle of such a step says `copy_after_update`)."""
+        without a NaN or an Inf (and, judged by the sentinel, a gradient
+        norm under its spike bound), so no automatic trigger but the loss
+        can ask for it: its weights are not copied (a bundle of such a step
+        says `copy_after_update`)."""
         if not self.enabled:
             return
         self._service()

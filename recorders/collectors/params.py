@@ -64,6 +64,9 @@ class ParamGradCollector:
         # the callback that checks it itself (None: a guard of another kind).
         self._failure_guard = getattr(shared.guard, "__self__", None)
         self._no_grad = torch.no_grad()  # reusable: entered and left by the training thread only
+        # The sentinel's test of a gradient norm against its spike bound, in
+        # a job whose update follows every step (`StepSentinel`); None: none.
+        self.norm_within = None
 
     def _watched(self, pname: str) -> bool:
         return pname.rpartition(".")[0] in self._watched_modules or self._watch_param(pname)
@@ -389,9 +392,14 @@ class ParamGradCollector:
         else:
             # Not sampled: no rows, only the gradient facts. On the CPU
             # they are host values (read without a sync): finite gradients
-            # leave a non-finite loss as the only trigger (as above).
+            # under the spike bound leave the loss as the only trigger.
             if st.grad_sq_host is not None:
-                clean = math.isfinite(st.grad_sq_host)  # read when the norms were taken
+                sq = st.grad_sq_host  # read when the norms were taken
+                clean = math.isfinite(sq)
+                if clean and st.grad_scale is None and self.norm_within is not None:
+                    # A norm spike is an event too (the sentinel's bound): its
+                    # weights are copied before this update changes them.
+                    clean = self.norm_within(math.sqrt(sq))
             else:
                 norms = st.grad_norms if st.grad_norms is not None else st.grad_sqsum
                 clean = norms is not None and norms.is_cpu and bool(torch.isfinite(norms).all())
