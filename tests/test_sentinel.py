@@ -955,14 +955,53 @@ def test_a_forward_origin_after_a_finite_update_keeps_its_rule(tmp_path):
     """A layer that makes a NaN from finite weights after an update that
     applied non-finite gradients elsewhere (its own were finite there)
     stays the origin: the weights' rows decide, not the step order."""
-    from amp_postmortem.analyses.nans import Origin, OriginBasis, updated_weights_origin
+    from amp_postmortem.analyses.nans import Origin, OriginBasis, weights_origin
     run = ap.load_run(_unscaled_job(tmp_path / "run", "every_step"))
     head = Origin("head", "forward", "activation", APPLIED_AT + 1, 0, 9, "head")
-    assert updated_weights_origin(run, head) is None  # head's gradients were finite at APPLIED_AT
+    assert weights_origin(run, head) is None  # head's gradients were finite at APPLIED_AT
     inp = Origin("inp", "forward", "activation", APPLIED_AT + 1, 0, 1, "inp")
-    assert updated_weights_origin(run, inp) == (replace(inp, basis=OriginBasis.WEIGHTS), APPLIED_AT)
+    assert weights_origin(run, inp) == (replace(inp, basis=OriginBasis.WEIGHTS), APPLIED_AT)
     early = Origin("inp", "forward", "activation", APPLIED_AT, 0, 1, "inp")
-    assert updated_weights_origin(run, early) is None  # no update before its step
+    assert weights_origin(run, early) is None  # no update before its step
+
+
+@pytest.mark.parametrize("dtype, scaled", [(torch.bfloat16, False), (torch.float16, True)])
+def test_a_weight_made_nonfinite_outside_the_optimizer_is_no_origin_where_its_rows_show_it(tmp_path, dtype,
+                                                                                            scaled):
+    """A NaN written into `head`'s weight before step 3's forward (a bad
+    load, an in-place write: no update made it). Both modes name `head`,
+    step 3, the activation. The sentinel's re-execution recorded the
+    step's weight rows: there `head` is where NaN weights were first used,
+    not their maker, and nothing names an update; every-step mode, without
+    weight rows on that step, keeps the rule's answer."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(6)]
+
+    def plant(step, model, x):
+        if step == 3:
+            with torch.no_grad():
+                model.head.weight[0, 0] = math.nan
+
+    answers = []
+    for mode in ("sentinel", "every_step"):
+        run = tmp_path / mode
+        train(BoomNet(), data, recorder=recorder_at(run, mode=mode), on_step=plant, dtype=dtype, lr=0.01,
+              scaler={"init_scale": 2.0 ** 8} if scaled else None,
+              loss_fn=lambda m, x, y, step, accumulate: ((m(x).float() - y) ** 2).mean())
+        nans = ap.nans(run).to_dict()
+        fwd = nans["origins"]["forward"]
+        assert (fwd["name"], fwd["kind"], fwd["step"]) == ("head", "activation", 3)
+        lead = ap.summary(run).to_dict()["findings"][0]
+        assert (lead["kind"], lead["step"], lead["layer"]) == ("nonfinite", 3, "head")
+        if mode == "sentinel":
+            assert (fwd["basis"], nans["weights_nonfinite_from"]) == ("nonfinite_weights", None)
+            assert "its own weights were already NaN/Inf" in lead["message"]
+            assert "first made by" not in lead["message"] and "update applied" not in lead["message"]
+            table = ap.nans(run).table()
+            assert table[table["phase"] == "forward"].iloc[0][["role", "name"]].tolist() == ["weights", "head"]
+        answers.append((_origins(run), _lead(run)))
+    assert answers[0] == answers[1]
 
 
 def test_a_step_written_during_a_later_reexecution_keeps_its_bundle(tmp_path):
@@ -982,7 +1021,7 @@ def test_a_step_written_during_a_later_reexecution_keeps_its_bundle(tmp_path):
 def test_a_layer_on_a_tied_weight_an_update_poisoned_is_found_by_its_other_name(tmp_path):
     """A tied weight's rows carry its first name (`emb.weight`); the output
     layer that shares it (`out.weight`) ran on the same poisoned weight."""
-    from amp_postmortem.analyses.nans import Origin, OriginBasis, updated_weights_origin
+    from amp_postmortem.analyses.nans import Origin, OriginBasis, weights_origin
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     data = [(torch.randint(0, 32, (4, 8), generator=gen), torch.randint(0, 32, (4, 8), generator=gen))
@@ -995,7 +1034,7 @@ def test_a_layer_on_a_tied_weight_an_update_poisoned_is_found_by_its_other_name(
           scaler=None, dtype=torch.bfloat16, lr=0.01)
     run = ap.load_run(tmp_path / "run")
     out = Origin("out", "forward", "activation", 4, 0, 3, "out")
-    assert updated_weights_origin(run, out) == (replace(out, basis=OriginBasis.WEIGHTS), 3)
+    assert weights_origin(run, out) == (replace(out, basis=OriginBasis.WEIGHTS), 3)
 
 
 def test_a_layer_whose_restored_weights_are_finite_keeps_its_rule(tmp_path):

@@ -77,8 +77,10 @@ class OriginBasis(str, Enum):
     FIRST_ROW = "first_row"    # no row met the rule: the first non-finite row is named
     UNRECORDED = "unrecorded"  # the rows that would decide were not recorded on that step
     WITHIN = "within"          # made inside this module; its watched submodules have no row there
-    # Its own weights were NaN/Inf, made so by an earlier update that applied
-    # non-finite gradients: the row shows where they were first used.
+    # Its own weights were NaN/Inf when its step ran (made so by an earlier
+    # update that applied non-finite gradients, or by anything else its
+    # parameter rows at that step show): the row shows where they were
+    # first used.
     WEIGHTS = "nonfinite_weights"
     # Its step ran after such an update, which recorded no rows: whether its
     # weights were among those it made non-finite is undetermined.
@@ -283,6 +285,13 @@ def basis_words(o: Origin, later: Origin | None, compiled_without_rows: bool,
     if o.basis is OriginBasis.FIRST_ROW:
         return "[no row met the rule: first non-finite row shown]"
     if o.basis is OriginBasis.WEIGHTS:
+        if weights_nonfinite_from is None or weights_nonfinite_from >= o.step:
+            # Its parameter rows at its step show them non-finite, and no
+            # earlier update applied non-finite gradients: something else did.
+            return ("[its own weights were already NaN/Inf when this step ran (their rows at this step): the "
+                    "first layer to use them, not where the NaN/Inf was made; no update before it applied "
+                    "non-finite gradients, so they were made so outside the optimizer's step (a load, an "
+                    "in-place write) or by an update that overflowed them]")
         return (f"[its weights were NaN/Inf after step {weights_nonfinite_from}'s update, which applied non-finite "
                 f"gradients (nothing skipped that step): the first layer to use them, not where the NaN/Inf was made]")
     if o.basis is OriginBasis.NOT_REPRODUCED:
@@ -349,10 +358,11 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
                     corrupted = applied[0] if corrupted is None else min(corrupted, applied[0])
                 else:
                     later[phase] = o2
-    weights = updated_weights_origin(run, origins["forward"])
+    weights = weights_origin(run, origins["forward"])
     if weights is not None:
         origins["forward"], step = weights
-        corrupted = step if corrupted is None else min(corrupted, step)
+        if step is not None:
+            corrupted = step if corrupted is None else min(corrupted, step)
     candidates = [o for o in origins.values() if o is not None]
     facts = run.step_facts(from_step, to_step)
     if origins["backward"] is not None:
@@ -398,24 +408,26 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
 _APPLIED_READ = 16
 
 
-def updated_weights_origin(run: Run, o: Origin | None) -> tuple[Origin, int] | None:
-    """(the forward origin `o` rebased, the update's step) when `o` is a
-    layer whose step ran after an optimizer update that applied non-finite
-    gradients; None otherwise (its weights cannot have come from such an
-    update, or its own parameters' rows show them finite).
+def weights_origin(run: Run, o: Origin | None) -> tuple[Origin, int | None] | None:
+    """(the forward origin `o` rebased on `WEIGHTS`, the step of the update
+    that made its weights NaN/Inf, or None when no update that applied
+    non-finite gradients came before it) when `o` is a layer whose own
+    weights were non-finite when its step ran; None otherwise (nothing
+    shows them non-finite: the rule's answer stands).
 
     Its own parameters (`<o.name>.<param>`, a tied one by any of its
     names) decide. Their values recorded at its step (a re-executed or
-    full-tier step's `param` rows) say it directly: non-finite makes it
-    `WEIGHTS`, finite leaves the rule's answer (a job that restored its
-    weights). Else their gradients at those updates: a non-finite one makes
-    it `WEIGHTS`; none, where such an update recorded rows, leaves the
-    rule's answer; no rows there at all: `AFTER_UPDATE`."""
+    full-tier step's `param` rows) say it directly, whatever made them so
+    (an update, a load, an in-place write): non-finite makes it `WEIGHTS`,
+    finite leaves the rule's answer (a job that restored its weights).
+    Without such rows, only a step that ran after an update applying
+    non-finite gradients is in question: their gradients at those updates
+    decide (a non-finite one makes it `WEIGHTS`; none, where such an update
+    recorded rows, leaves the rule's answer); no rows there at all:
+    `AFTER_UPDATE`."""
     if o is None or o.kind != "activation" or not o.certain or not o.name:
         return None
     applied = [s for s in applied_nonfinite_steps(run) if s < o.step][:_APPLIED_READ]
-    if not applied:
-        return None
     aliases = tied_aliases(run)  # a tied weight's rows carry its first name only
 
     def owned(name: str) -> bool:
@@ -426,7 +438,11 @@ def updated_weights_origin(run: Run, o: Origin | None) -> tuple[Origin, int] | N
               for rank, name, bad in zip(df["rank"], df["name"], df["nan_count"] + df["inf_count"])
               if rank == o.rank and owned(name)]
     if values:
-        return (replace(o, basis=OriginBasis.WEIGHTS), applied[0]) if any(v > 0 for v in values) else None
+        if not any(v > 0 for v in values):
+            return None
+        return replace(o, basis=OriginBasis.WEIGHTS), (applied[0] if applied else None)
+    if not applied:
+        return None
     grads = [int(step) for df in run.iter_tensor_frames(
                  ["step", "rank", "name"], steps=applied, kinds=("param_grad",), nonfinite_only=True,
                  label="reading the weights' rows")

@@ -671,8 +671,11 @@ def saved_words(bundles: list, windows: list) -> str:
 
 
 def _forward_nonfinite_words(fwd, nans) -> str:
-    made = "first recorded in" if fwd.undetermined else "first made by"
-    why = "" if not fwd.undetermined else " " + basis_words(
+    # A layer whose own weights were already NaN/Inf is where they were
+    # first used (`OriginBasis.WEIGHTS`): no maker, and the brackets say why.
+    made = ("first recorded in" if fwd.undetermined else
+            "first in" if fwd.basis is OriginBasis.WEIGHTS else "first made by")
+    why = "" if fwd.certain else " " + basis_words(
         fwd, nans.later_origins.get("forward"), nans.compiled_without_rows, nans.weights_nonfinite_from)
     return (f"the forward pass turned non-finite at step {fwd.step}: {made} "
             f"{_display(fwd.name)} ({fwd.kind}, rank {fwd.rank}){why}"
