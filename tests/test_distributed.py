@@ -520,7 +520,8 @@ def summary_verdict(run):
 def test_fix_scale_window_and_recommend_run_on_a_sharded_step(distributed_runs):
     """The what-ifs on the reassembled step as on an eager one: the planted
     Inf is in the weights, so float64 fails too and no precision remedy is
-    offered; recommend says to check the data."""
+    offered; recommend says to restore the weights, naming the planted one
+    (read from the reassembled bundle)."""
     root, _ = distributed_runs
     run, model = str(root / "fsdp1_flat_bundles"), f"{__file__}:ShardNet"
     at = ["--step", str(BUNDLE_STEP), "--rank", "1", "--model", model, "--json"]
@@ -534,7 +535,8 @@ def test_fix_scale_window_and_recommend_run_on_a_sharded_step(distributed_runs):
     advice = CliRunner().invoke(main, ["recommend", run, "--model", model, "--json"])
     assert advice.exit_code == 0, advice.output
     advice = json.loads(advice.stdout)
-    assert advice["step"] == BUNDLE_STEP and [r["kind"] for r in advice["recommendations"]] == ["check_data"]
+    assert advice["step"] == BUNDLE_STEP and [(r["kind"], r["data"]) for r in advice["recommendations"]] == [
+        ("check_weights", {"step": BUNDLE_STEP, "params": [PLANTED]})]
 
 
 def test_a_missing_ranks_bundle_is_named_in_one_line_exit_2(distributed_runs, tmp_path):

@@ -1000,6 +1000,13 @@ def test_a_weight_made_nonfinite_outside_the_optimizer_is_no_origin_where_its_ro
             assert "first made by" not in lead["message"] and "update applied" not in lead["message"]
             table = ap.nans(run).table()
             assert table[table["phase"] == "forward"].iloc[0][["role", "name"]].tolist() == ["weights", "head"]
+            # No keep_fp32 of a layer whose weights were NaN already: restore them.
+            recs = ap.recommend(run).to_dict()["recommendations"]
+            assert [(r["kind"], r["data"]) for r in recs] == [("check_weights", {"step": 3, "modules": ["head"]})]
+        # The bundle of step 3 holds the weights the forward used: read, in both modes.
+        recs = ap.recommend(run, model=BoomNet).to_dict()["recommendations"]
+        assert [(r["kind"], r["data"], r["verified"]) for r in recs] == [
+            ("check_weights", {"step": 3, "params": ["head.weight"]}, True)]
         answers.append((_origins(run), _lead(run)))
     assert answers[0] == answers[1]
 

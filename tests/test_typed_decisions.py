@@ -220,7 +220,7 @@ def test_the_enums_keep_their_json_strings():
     from amp_postmortem.analyses.scale import ScaleStatus
     from amp_postmortem.whatif.scale_result import ScalePosition
     assert {s.value for s in ScaleStatus} == {"no_scaler", "collapse", "stuck_low", "growth_blocked", "healthy"}
-    assert [k.value for k in ORDER] == ["check_data", "training_instability", "keep_fp32", "add_grad_scaler",
+    assert [k.value for k in ORDER] == ["check_data", "check_weights", "training_instability", "keep_fp32", "add_grad_scaler",
                                         "gradient_drift",
                                         "use_bf16", "scaler_settings", "fp32_master_weights",
                                         "larger_learning_rate", "stochastic_rounding", "avoid_mixed_precision",
@@ -369,9 +369,10 @@ def test_recommend_decides_the_recorded_origin_as_an_enum():
     from amp_postmortem.advice.decisions import RecordedOrigin, recorded_origin
     from amp_postmortem.advice.words import recorded_check_data_recommendation, recorded_keep_fp32_recommendation
 
-    def fwd(layer):
-        return SimpleNamespace(layer=layer, step=7, message="m")
+    def fwd(layer, basis="rule"):
+        return SimpleNamespace(layer=layer, step=7, message="m", evidence={"origin": {"basis": basis}})
     assert recorded_origin(None) is None
+    assert recorded_origin(fwd("blocks.0.attn", "nonfinite_weights")) is RecordedOrigin.WEIGHTS
     assert recorded_origin(fwd("<input>")) is RecordedOrigin.INPUT
     assert recorded_origin(fwd("blocks.0.attn")) is RecordedOrigin.MODULE
     assert recorded_origin(fwd("<loss>")) is RecordedOrigin.OTHER

@@ -4,6 +4,10 @@ From the recorded run alone (`summary`'s findings and the loss-scale window
 estimated from the recorded statistics; `keep_fp32`, `scaler_settings` and
 `gradient_drift` are then marked not `verified`, with `why`):
 - `check_data`: the forward origin is the model's input (`<input>`);
+- `check_weights`: the forward origin is a layer whose own weights were
+  already NaN/Inf when its step ran (its `param` rows there, `nans`'
+  `nonfinite_weights`): the only recommendation, since no precision
+  setting or loss scale makes those weights finite;
 - `training_instability`: `summary` found it: the only recommendation
   (learning rate, warm-up, clipping, the layer whose weights grew), since
   keep_fp32 or a loss scale would only postpone the failure;
@@ -25,6 +29,9 @@ until every saved step a scale can save is finite) (`step`, else
 `pick_bundle`: the earliest bundle saved for nonfinite_loss or
 nonfinite_tensor, else request or step_list, else scale_low, else skipped or
 nonfinite_gradient):
+- `check_weights`: the bundle's weights hold a NaN/Inf (the parameters
+  named): the only recommendation, verified by reading them (every replay
+  of the step runs on them);
 - `check_data`: the float64 replay is non-finite too, or a few samples of
   the batch fail alone (`bisect`): no precision setting is the fix;
 - `keep_fp32`: the smallest set of modules whose float32 execution makes the

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from recorders.format import schema
 
+from ..analyses.nans import OriginBasis
 from ..reading.loader import Run
 from ..names import BackwardStart
 
@@ -40,6 +41,7 @@ def unscaled_finding(summary):
 class RecordedOrigin(enum.Enum):
     """Where the recorded forward overflow was born, as the advice reads it."""
     INPUT = "input"                # the batch (`<input>`): check_data
+    WEIGHTS = "weights"            # a layer on weights already NaN/Inf (`OriginBasis.WEIGHTS`): check_weights
     MODULE = "module"              # a module: a keep_fp32 candidate
     OTHER = "other"                # no module (the loss, the root): nothing to keep in float32
 
@@ -48,6 +50,8 @@ def recorded_origin(fwd) -> RecordedOrigin | None:
     """None without a forward origin."""
     if fwd is None:
         return None
+    if (fwd.evidence.get("origin") or {}).get("basis") == OriginBasis.WEIGHTS.value:
+        return RecordedOrigin.WEIGHTS
     if fwd.layer == schema.INPUT_NAME:
         return RecordedOrigin.INPUT
     if fwd.layer and not fwd.layer.startswith("<"):

@@ -15,6 +15,7 @@ class RecommendationKind(Word):
     """What a recommendation recommends (the module's doc), in the order
     they are listed; `value` is the `--json` "kind"."""
     CHECK_DATA = "check_data"
+    CHECK_WEIGHTS = "check_weights"
     TRAINING_INSTABILITY = "training_instability"
     KEEP_FP32 = "keep_fp32"
     ADD_GRAD_SCALER = "add_grad_scaler"

@@ -7,8 +7,9 @@ from ..reading.loader import Run
 from .decisions import (RecordedOrigin, decide_recorded_scale, forward_finding, recorded_origin,
                         unscaled_finding)
 from .recommendation import Recommendation, RecommendationKind, Source
-from .words import (add_grad_scaler_recommendation, instability_recommendation, recorded_check_data_recommendation,
-                    recorded_keep_fp32_recommendation, recorded_scale_recommendation)
+from .words import (add_grad_scaler_recommendation, check_weights_recommendation, instability_recommendation,
+                    recorded_check_data_recommendation, recorded_keep_fp32_recommendation,
+                    recorded_scale_recommendation)
 
 
 def recorded_recommendations(run: Run, summary) -> list:
@@ -35,6 +36,12 @@ def _recorded_advice(run: Run, summary) -> list:
     if "training_instability" in summary.kinds() and origin is not RecordedOrigin.INPUT:
         from ..analyses.instability import find_instability
         return [instability_recommendation(find_instability(run), Source.RECORDED)]
+    if origin is RecordedOrigin.WEIGHTS:
+        # The layer ran on weights already NaN/Inf: keeping it in float32
+        # or another loss scale leaves them so; the scale's skips from
+        # then on are their consequence. The one recommendation.
+        return [check_weights_recommendation(fwd.step, [fwd.layer], [f"step {fwd.step}: {fwd.message}"],
+                                             Source.RECORDED)]
     recs = []
     if origin is RecordedOrigin.INPUT:
         recs.append(recorded_check_data_recommendation(fwd))

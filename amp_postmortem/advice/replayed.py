@@ -10,7 +10,7 @@ from .decisions import (SCALE_FINDINGS, KeepFp32, ScaleAdvice, decide_bf16, deci
                         decide_scale_advice, forward_step, no_fp16_config, unscaled_finding, window_drift)
 from .recommendation import Recommendation, RecommendationKind, Source
 from .words import (add_grad_scaler_recommendation, avoid_recommendation, bf16_recommendation,
-                    check_data_recommendation, drift_recommendation, fix_lines, instability_recommendation,
+                    check_data_recommendation, check_weights_recommendation, drift_recommendation, fix_lines, instability_recommendation,
                     keep_fp32_recommendation, no_change_recommendation, scaler_settings_recommendation,
                     substitute_caveat)
 
@@ -32,6 +32,19 @@ def bundle_to_replay(run: Run, step, rank, notes) -> tuple[int, int | None] | No
     return s, (rank if rank is not None else r)
 
 
+def nonfinite_params(params: dict) -> list:
+    """The names of the floating parameters holding a NaN/Inf (a tied
+    parameter under its first name)."""
+    seen, out = set(), []
+    for name, t in params.items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if t.is_floating_point() and not bool(t.isfinite().all()):
+            out.append(name)
+    return out
+
+
 def replayed_recommendations(run, step, rank, model, device, policy, loss_fn, progress, notes, summary,
                              loss=None) -> list:
     """The replayed recommendations: each remedy decided on typed outcomes
@@ -48,6 +61,14 @@ def replayed_recommendations(run, step, rank, model, device, policy, loss_fn, pr
     p = prepare(run.path, step, rank=rank, model=model, device=device, policy=policy, loss_fn=loss_fn,
                 keep_inputs=True)
     notes.extend(p.notes)
+    bad = nonfinite_params(p.bundle.params)
+    if bad:
+        # Every replay of the step runs on them: none can decide a remedy.
+        return [check_weights_recommendation(
+            step, bad, [f"the bundle of step {step} holds NaN/Inf in {len(bad)} of its "
+                        f"{len(p.bundle.meta['params']['names'])} weights as the step's forward used them"
+                        + ("" if p.bundle.exact else " (not exact: as held when the step was saved)")],
+            Source.REPLAY, verified=True, modules=False)]
     recs = []
     baseline = p.trial()
     fix = find_fix(None, prepared=p, progress=progress, model=model, device=device, policy=policy,

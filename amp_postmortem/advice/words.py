@@ -36,6 +36,21 @@ def recorded_check_data_recommendation(fwd) -> Recommendation:
         [f"step {fwd.step}: {fwd.message}"], Source.RECORDED, data={"step": fwd.step})
 
 
+def check_weights_recommendation(step: int, names: list, evidence: list, source, *, verified: bool = False,
+                                 modules: bool = True) -> Recommendation:
+    """The weights `names` (modules', or parameters' when `modules` is
+    False) were NaN/Inf before step `step` ran: no precision setting or
+    loss scale makes that step finite."""
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    whose = f"the weights of {shown}" if modules else shown
+    return Recommendation(
+        RecommendationKind.CHECK_WEIGHTS,
+        f"restore the weights from before step {step} and find what made {whose} NaN/Inf (an update that applied "
+        f"non-finite gradients or overflowed them, a load, an in-place write): they were already non-finite when the step ran, so no "
+        f"precision setting or loss scale saves it",
+        evidence, source, data={"step": step, ("modules" if modules else "params"): list(names)}, verified=verified)
+
+
 def recorded_keep_fp32_recommendation(fwd, path) -> Recommendation:
     return Recommendation(
         RecommendationKind.KEEP_FP32, f"candidate: keep {fwd.layer} in float32; confirm with "
