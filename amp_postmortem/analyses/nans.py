@@ -290,8 +290,8 @@ def basis_words(o: Origin, later: Origin | None, compiled_without_rows: bool,
             # earlier update applied non-finite gradients: something else did.
             return ("[its own weights were already NaN/Inf when this step ran (their rows at this step): the "
                     "first layer to use them, not where the NaN/Inf was made; no update before it applied "
-                    "non-finite gradients, so they were made so outside the optimizer's step (a load, an "
-                    "in-place write) or by an update that overflowed them]")
+                    "non-finite gradients, so something else made them so (an update from non-finite "
+                    "optimizer state or one that overflowed them, a load, an in-place write)]")
         return (f"[its weights were NaN/Inf after step {weights_nonfinite_from}'s update, which applied non-finite "
                 f"gradients (nothing skipped that step): the first layer to use them, not where the NaN/Inf was made]")
     if o.basis is OriginBasis.NOT_REPRODUCED:
