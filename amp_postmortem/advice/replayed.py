@@ -32,19 +32,6 @@ def bundle_to_replay(run: Run, step, rank, notes) -> tuple[int, int | None] | No
     return s, (rank if rank is not None else r)
 
 
-def nonfinite_params(params: dict) -> list:
-    """The names of the floating parameters holding a NaN/Inf (a tied
-    parameter under its first name)."""
-    seen, out = set(), []
-    for name, t in params.items():
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        if t.is_floating_point() and not bool(t.isfinite().all()):
-            out.append(name)
-    return out
-
-
 def replayed_recommendations(run, step, rank, model, device, policy, loss_fn, progress, notes, summary,
                              loss=None) -> list:
     """The replayed recommendations: each remedy decided on typed outcomes
@@ -61,7 +48,7 @@ def replayed_recommendations(run, step, rank, model, device, policy, loss_fn, pr
     p = prepare(run.path, step, rank=rank, model=model, device=device, policy=policy, loss_fn=loss_fn,
                 keep_inputs=True)
     notes.extend(p.notes)
-    bad = nonfinite_params(p.bundle.params)
+    bad = p.bundle.nonfinite_params()
     if bad:
         # Every replay of the step runs on them: none can decide a remedy.
         return [check_weights_recommendation(

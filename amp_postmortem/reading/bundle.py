@@ -74,6 +74,17 @@ class Bundle:
         """Parameters and buffers by qualified name, for `load_state_dict(strict=True)`."""
         return {**self.params, **self.buffers}
 
+    def nonfinite_params(self) -> list:
+        """The names of the floating parameters holding a NaN/Inf, in the
+        bundle's order (a tied parameter under its first name)."""
+        seen, out = set(), []
+        for name, t in self.params.items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                if t.is_floating_point() and not bool(t.isfinite().all()):
+                    out.append(name)
+        return out
+
 
 def find_bundle(run_dir, step: int, rank: int | None = None) -> Path:
     """The bundle directory of `step` (and `rank`; default: the lowest rank

@@ -418,8 +418,11 @@ def _notes(bundle, reference, runs, primary, device, same_device) -> list:
     notes = []
     bad = _reference_nonfinite_calls(reference)
     if bad:
-        notes.append(f"the float64 reference itself is non-finite (first at {bad[0]}): "
-                     "not a precision problem; check the data and the model")
+        weights = bundle.nonfinite_params()
+        notes.append(f"the float64 reference itself is non-finite (first at {bad[0]}): not a precision problem; "
+                     + (f"the step ran on weights already NaN/Inf ({', '.join(weights[:5])}"
+                        f"{', ...' if len(weights) > 5 else ''} in the bundle): restore them and find what made "
+                        f"them so (`recommend`: check_weights)" if weights else "check the data and the model"))
     notes.extend(f"the {p} replay raised {r.error}" for p, r in runs.items() if r.error)
     meta = bundle.meta if isinstance(bundle.meta, dict) else {}
     inexact = [what for what, key in (("weights", "params"), ("buffers", "buffers"))
