@@ -77,6 +77,10 @@ def run_op_origin_line(origin: dict) -> str:
     head = f"op origin (replay of step {origin['step']}, rank {origin['rank']}: {why}, {fidelity})"
     if origin["status"] == "found":
         return f"{head}: {op_origin_text(origin['op'])}"
+    weights = origin.get("nonfinite_weights") or []
+    if weights:
+        return (f"{head}: none: the step ran on weights already NaN/Inf in the bundle "
+                f"({', '.join(weights[:5])}{', ...' if len(weights) > 5 else ''}), which no op of the step made")
     culprit = origin.get("culprit")
     if culprit is None:
         return f"{head}: none (no module's own arithmetic is broken in the {origin.get('precision')} replay)"

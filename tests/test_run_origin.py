@@ -82,7 +82,8 @@ def test_a_run_without_bundles_says_so(tmp_path):
     shutil.rmtree(run / "bundles")
     doc = json.loads(invoke("nans", run, "--model", MODEL, "--json").stdout)
     assert doc["op_origin"] == {"status": "no_bundle", "step": None, "rank": None, "chosen_by": None,
-                                "precision": None, "reproduced": None, "culprit": None, "op": None}
+                                "precision": None, "reproduced": None, "culprit": None, "op": None,
+                                "nonfinite_weights": []}
     assert "op origin: not found: the run saved no replay bundle" in invoke("nans", run, "--model", MODEL).output
 
 

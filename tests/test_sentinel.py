@@ -1007,9 +1007,11 @@ def test_a_weight_made_nonfinite_outside_the_optimizer_is_no_origin_where_its_ro
         recs = ap.recommend(run, model=BoomNet).to_dict()["recommendations"]
         assert [(r["kind"], r["data"], r["verified"]) for r in recs] == [
             ("check_weights", {"step": 3, "params": ["head.weight"]}, True)]
-        if mode == "every_step":  # and the replay of that bundle names them
+        if mode == "every_step":  # and the replay of that bundle names them, as the op origin does
             notes = ap.replay(run, step=3, model=BoomNet).to_dict()["notes"]
             assert any("the step ran on weights already NaN/Inf (head.weight in the bundle)" in n for n in notes)
+            op = ap.nans(run, model=BoomNet).to_dict()["op_origin"]
+            assert (op["status"], op["step"], op["nonfinite_weights"]) == ("no_op", 3, ["head.weight"])
         answers.append((_origins(run), _lead(run)))
     assert answers[0] == answers[1]
 

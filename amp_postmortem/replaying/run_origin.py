@@ -38,11 +38,12 @@ class RunOpOrigin:
     reproduced: bool | None = None
     culprit: dict | None = None    # replay's culprit
     op: dict | None = None         # op_trace.OpRecord.to_dict()
+    nonfinite_weights: tuple = ()  # the bundle's parameters holding NaN/Inf: the step ran on them
 
     def to_dict(self) -> dict:
         return {"status": self.status.value, "step": self.step, "rank": self.rank, "chosen_by": self.chosen_by,
                 "precision": self.precision, "reproduced": self.reproduced, "culprit": self.culprit,
-                "op": self.op}
+                "op": self.op, "nonfinite_weights": list(self.nonfinite_weights)}
 
 
 def op_origin_of_run(run, *, model, step: int | None = None, rank: int | None = None,
@@ -68,4 +69,5 @@ def op_origin_of_run(run, *, model, step: int | None = None, rank: int | None = 
                     precisions=(precision,))
     return RunOpOrigin(OpOriginStatus.FOUND if result.op_origin else OpOriginStatus.NO_OP, step=bundle.step,
                        rank=bundle.rank, chosen_by=chosen, precision=precision, reproduced=result.reproduced,
-                       culprit=result.culprit, op=result.op_origin)
+                       culprit=result.culprit, op=result.op_origin,
+                       nonfinite_weights=tuple(bundle.nonfinite_params()))
