@@ -462,9 +462,11 @@ class Reexecutor:
         self.eager_when_compiled = eager_when_compiled
         self.inventory = bundles.inventory
 
-    def run(self, step: int, kind: str, *, scale, compiled: bool) -> Outcome:
+    def run(self, step: int, kind: str, *, scale, compiled: bool, loss=None) -> Outcome:
         """Re-execute the held step `step` (`scale`: the loss scale its
-        backward used, None without a scaler). A compiled model's runs
+        backward used, None without a scaler; `loss`: the loss tensor the
+        step passed to `rec.step()`, detached, or None: its `<loss>` row, as
+        every-step recording writes it, whether or not the model computes it). A compiled model's runs
         eagerly (`torch.compiler.set_stance("force_eager")`: its graphs are
         neither dropped nor recompiled), so that every module's hooks fire;
         its rounding is then eager's, not the compiler's (`Outcome.eager`)."""
@@ -487,13 +489,13 @@ class Reexecutor:
         try:
             with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext(), \
                     _cycles_collected_after():
-                out = self._run(cap, kind, weights, scale)
+                out = self._run(cap, kind, weights, scale, loss)
             out.eager = compiled
             return out
         except Exception as exc:  # noqa: BLE001 - restored; the training goes on
             return Outcome(step, kind, Refusal.FAILED, detail=f"{type(exc).__name__}: {exc}")
 
-    def _run(self, cap, kind, weights, scale) -> Outcome:
+    def _run(self, cap, kind, weights, scale, step_loss=None) -> Outcome:
         hooks, bundles, model = self.hooks, self.bundles, self.model
         params = list(model.parameters())
         saved = _Saved(model, params, self.inventory.buffers, weights, self.inventory.params)
@@ -522,7 +524,7 @@ class Reexecutor:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
                     out.backward = True
                 del output, outs, pairs
-            hooks.end_step(None)
+            hooks.end_step(step_loss)
             out.state = st
             if losses and len(losses) == len(cap.micro_batches):
                 out.loss = torch.stack([l.float() for l in losses]).mean()
@@ -659,7 +661,7 @@ class StepSentinel:
             return None, self.scaler is None or self._above_floor(scale)
         if decision.capped:
             return None, False
-        return self._reexecute(finished.step_id, decision.kind, scale, compiled), False
+        return self._reexecute(finished.step_id, decision.kind, scale, compiled, loss_t), False
 
     def hand_over(self, pending) -> list:
         """The rows to hand to the writer now, in step order, for the
@@ -717,7 +719,7 @@ class StepSentinel:
             self.reexecutor.bundles.judged_clean(p.step)  # its weight copy serves the next step
         if decision.kind is None or decision.capped or not reexecute:
             return p
-        outcome = self._reexecute(p.step, decision.kind, None, d.compiled)
+        outcome = self._reexecute(p.step, decision.kind, None, d.compiled, d.loss_t)
         again = self.rows.pack(d.state, p.step, d.loss_t, d.loss_t, loss_dtype=p.loss_dtype,
                                graph_slots=self.reexecutor.hooks.graph, reexecution=outcome)
         # As the step was closed, not as it is now (a scheduler moved the lr since).
@@ -726,8 +728,8 @@ class StepSentinel:
             again.host_scalars["loss"] = p.host_scalars["loss"]
         return again
 
-    def _reexecute(self, step: int, kind: str, scale, compiled: bool) -> Outcome:
-        outcome = self.reexecutor.run(step, kind, scale=scale, compiled=compiled)
+    def _reexecute(self, step: int, kind: str, scale, compiled: bool, loss=None) -> Outcome:
+        outcome = self.reexecutor.run(step, kind, scale=scale, compiled=compiled, loss=loss)
         self.losses.take()  # what the re-execution's forward handed the loss tap
         return outcome
 

@@ -1016,6 +1016,57 @@ def test_a_weight_made_nonfinite_outside_the_optimizer_is_no_origin_where_its_ro
     assert answers[0] == answers[1]
 
 
+def test_nonfinite_gradients_on_steps_without_rows_leave_the_backward_origin_undetermined(tmp_path):
+    """Gradients that went Inf at APPLIED_AT on a step that recorded no
+    row (re-execution off): `nans` must not say every backward tensor was
+    finite; the step facts show them, so the backward origin is
+    undetermined, with the step and why it has no rows."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(6)]
+
+    def plant(step, model, x):
+        model.amp.gain = math.inf if step == APPLIED_AT else 1.0
+
+    run = tmp_path / "run"
+    train(BoomNet(), data, recorder=recorder_at(run, mode="sentinel", reexecute=False), on_step=plant,
+          dtype=torch.bfloat16, scaler=None, lr=0.01,
+          loss_fn=lambda m, x, y, step, accumulate: ((m(x).float() - y) ** 2).mean())
+    report = ap.nans(run)
+    doc = report.to_dict()
+    assert doc["origins"]["backward"] is None
+    assert doc["first_unrecorded_gradient_step"] == APPLIED_AT and doc["unrecorded_gradient_steps"] >= 1
+    assert doc["first_unrecorded_gradient_step_why"]["why"] == "off"
+    line = next(x for x in report.lines() if x.startswith("backward origin"))
+    assert line.startswith(f"backward origin: undetermined: the gradients were NaN/Inf at step {APPLIED_AT}")
+    assert "every backward tensor finite" not in line
+
+
+def test_a_loss_made_nonfinite_outside_the_model_is_the_origin_in_both_modes(tmp_path):
+    """The loop's loss (computed outside the model) is Inf at step 3, the
+    model's outputs finite. Every-step recording writes the step's `<loss>`
+    row from the loss passed to `rec.step()`; the re-execution writes the
+    same row (it wrote none: the sentinel named no origin there, and led
+    with a later step)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(6)]
+
+    def loss(m, x, y, step, accumulate):
+        return ((m(x).float() - y) ** 2).mean() * (math.inf if step == 3 else 1.0)
+
+    answers = []
+    for mode in ("sentinel", "every_step"):
+        run = tmp_path / mode
+        train(BoomNet(), data, recorder=recorder_at(run, mode=mode), loss_fn=loss, scaler=None,
+              dtype=torch.bfloat16, lr=0.01)
+        fwd = ap.nans(run).to_dict()["origins"]["forward"]
+        assert (fwd["name"], fwd["kind"], fwd["step"]) == ("<loss>", "loss", 3)
+        assert _lead(run)[:3] == ("nonfinite", "critical", 3)
+        answers.append((_origins(run), _lead(run)))
+    assert answers[0] == answers[1]
+
+
 def test_a_step_written_during_a_later_reexecution_keeps_its_bundle(tmp_path):
     """The writer decides a step's bundle while the training thread may be
     re-executing a later one: the decision stands (it was dropped, and the
@@ -1152,12 +1203,24 @@ def test_loop_layouts_give_the_same_answers_in_both_modes(tmp_path, name):
     assert lead[:3] == ("nonfinite", "critical", at)
 
 
-def test_a_gradient_norm_spike_without_a_scaler_is_reexecuted_from_the_weights_of_its_forward(tmp_path):
+class _WithUnused(BoomNet):
+    """A parameter the forward never uses (an idle head): it gets no
+    gradient, so the gradient facts are read parameter by parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("net", [BoomNet, _WithUnused])
+def test_a_gradient_norm_spike_without_a_scaler_is_reexecuted_from_the_weights_of_its_forward(tmp_path, net):
     """A job whose update follows every step has stepped when a spike is
     judged at `rec.step()`: the optimizer's pre-step hook asks the spike
     bound, and the weights of a step whose gradient norm breaks it are
     copied before the update. The spike is re-executed exactly (it was
-    refused `weights_not_held`), and the training's numbers are untouched."""
+    refused `weights_not_held`), and the training's numbers are untouched;
+    so too where a parameter without a gradient makes the facts be read
+    one gradient at a time (there the bound was not asked)."""
     def spike(step, model, x):
         if step == 20:
             x.mul_(100.0)
@@ -1167,7 +1230,7 @@ def test_a_gradient_norm_spike_without_a_scaler_is_reexecuted_from_the_weights_o
         torch.manual_seed(0)
         gen = torch.Generator().manual_seed(0)
         data = [(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(26)]
-        runs[recorded] = train(BoomNet(), data, recorder=recorder_at(tmp_path / "run", mode="sentinel")
+        runs[recorded] = train(net(), data, recorder=recorder_at(tmp_path / "run", mode="sentinel")
                                if recorded else None, scaler=None, dtype=torch.bfloat16, lr=1e-3, on_step=spike)
     entry = next(e for e in _manifest(tmp_path / "run")["reexecutions"] if e["step"] == 20)
     assert (entry["kind"], entry["check"]) == ("spike", "exact")

@@ -180,6 +180,11 @@ class NanReport(CommandResult):
     # Steps whose rows come from a re-execution that did not reproduce them
     # (`reexecution.reexecution_mismatches`): no evidence of the step as it ran.
     differs_steps: list[int] = field(default_factory=list)
+    # Steps whose step facts show NaN/Inf gradients, before the backward
+    # origin's (every one when there is none), that recorded no per-layer
+    # row, and why the first of them has none (`no_rerun`), or None.
+    unrecorded_grad_steps: list[int] = field(default_factory=list)
+    unrecorded_grad_why: dict | None = None
 
     def document(self) -> dict:
         layers = [{k: plain(v) for k, v in row.items()} for row in self.layers.to_dict("records")]
@@ -204,6 +209,9 @@ class NanReport(CommandResult):
             "unrecorded_loss_steps": len(self.unrecorded_loss_steps),
             "first_unrecorded_loss_step": self.unrecorded_loss_steps[0] if self.unrecorded_loss_steps else None,
             "first_unrecorded_loss_step_why": self.unrecorded_why,
+            "unrecorded_gradient_steps": len(self.unrecorded_grad_steps),
+            "first_unrecorded_gradient_step": self.unrecorded_grad_steps[0] if self.unrecorded_grad_steps else None,
+            "first_unrecorded_gradient_step_why": self.unrecorded_grad_why,
             "reexecution_differs_steps": list(self.differs_steps),
         }
 
@@ -237,12 +245,14 @@ class NanReport(CommandResult):
                        + (no_rerun_words(self.unrecorded_why) if self.unrecorded_why else "reason unknown")
                        + "), so its origin is undetermined"] if self.unrecorded_loss_steps else [])
         if self.first_nonfinite_step is None:
-            return unrecorded + ["No NaN/Inf in any recorded tensor."] + self._differs_lines()
+            grads = [self._no_backward_origin()] if self.unrecorded_grad_steps else []
+            return unrecorded + grads + ["No NaN/Inf in any recorded tensor."] + self._differs_lines()
         out = list(unrecorded)
         for phase in ("forward", "backward"):
             o = self.origins.get(phase)
             if o is None:
-                out.append(f"{phase} origin: none (every {phase} tensor finite)")
+                out.append(self._no_backward_origin() if phase == "backward" and self.unrecorded_grad_steps
+                           else f"{phase} origin: none (every {phase} tensor finite)")
                 continue
             where = _display(o.name) + (f" ({o.tensor})" if o.tensor not in (o.name, "") and not o.aliases
                                         else "")
@@ -269,6 +279,15 @@ class NanReport(CommandResult):
         if self.op_origin is not None:
             out.append(run_op_origin_line(self.op_origin))
         return out + self._differs_lines()
+
+    def _no_backward_origin(self) -> str:
+        """No recorded backward row holds a NaN/Inf, but the step facts show
+        NaN/Inf gradients on steps that recorded none."""
+        steps = self.unrecorded_grad_steps
+        more = f" (and {len(steps) - 1} more step(s))" if len(steps) > 1 else ""
+        why = no_rerun_words(self.unrecorded_grad_why) if self.unrecorded_grad_why else "reason unknown"
+        return (f"backward origin: undetermined: the gradients were NaN/Inf at step {steps[0]}{more} (the step "
+                f"facts), which recorded no per-layer row (not sampled, not re-executed: {why})")
 
     def _differs_lines(self) -> list[str]:
         if not self.differs_steps:
@@ -388,8 +407,10 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
             hit = (layers["name"] == key[0]) & (layers["kind"] == key[1]) & (layers["first_step"] == o.step)
             layers.loc[hit, "origin"] = True
 
-    fwd = origins["forward"]
+    fwd, bwd = origins["forward"], origins["backward"]
     unrecorded = unrecorded_steps(run, [s for s in facts.nonfinite_loss_steps if fwd is None or s < fwd.step])
+    grads = unrecorded_steps(run, [s for s in nonfinite_gradient_steps(run, from_step, to_step)
+                                   if bwd is None or s < bwd.step])
     return NanReport(
         unrecorded_loss_steps=unrecorded, unrecorded_why=no_rerun(run, unrecorded[0]) if unrecorded else None,
         origin=origin, origins=origins, layers=layers[LAYER_COLUMNS], backward_scaler_handled=handled,
@@ -400,7 +421,26 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
         shards_scanned=len(set(run.scanned_files)), shards_total=len(run.tensor_shards),
         later_origins=later, compiled_without_rows=compiled_without_rows(run), weights_nonfinite_from=corrupted,
         differs_steps=sorted({step for step, _ in differs}),
+        unrecorded_grad_steps=grads, unrecorded_grad_why=no_rerun(run, grads[0]) if grads else None,
     )
+
+
+def nonfinite_gradient_steps(run: Run, from_step: int | None = None, to_step: int | None = None) -> list[int]:
+    """The steps whose step facts count NaN/Inf gradients on any rank (or
+    whose gradient norm is NaN/Inf), ascending, within the range."""
+    s = run.steps
+    if s.empty or "grad_norm" not in s.columns:
+        return []
+    norm = pd.to_numeric(s["grad_norm"], errors="coerce")
+    bad = norm.notna() & ~np.isfinite(norm.to_numpy(dtype=float, na_value=0.0))
+    if "nonfinite_param_grads" in s.columns:
+        bad |= pd.to_numeric(s["nonfinite_param_grads"], errors="coerce").fillna(0).to_numpy() > 0
+    steps = s.loc[bad, "step"]
+    if from_step is not None:
+        steps = steps[steps >= from_step]
+    if to_step is not None:
+        steps = steps[steps <= to_step]
+    return sorted({int(v) for v in steps})
 
 
 # At most this many updates that applied non-finite gradients are read for

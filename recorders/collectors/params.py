@@ -403,6 +403,13 @@ class ParamGradCollector:
             else:
                 norms = st.grad_norms if st.grad_norms is not None else st.grad_sqsum
                 clean = norms is not None and norms.is_cpu and bool(torch.isfinite(norms).all())
+                if clean and st.grad_scale is None and self.norm_within is not None:
+                    # The same bound where the gradients were read one by one
+                    # (a parameter without a gradient, say): the square sum
+                    # of their norms, or the sum taken, on the host.
+                    sq = (float(st.grad_sqsum) if norms is st.grad_sqsum
+                          else float(norms.double().square().sum()))
+                    clean = math.isfinite(sq) and self.norm_within(math.sqrt(sq))
         self.shared.bundles.on_optimizer_pre_step(clean_on_host=clean)
 
 
