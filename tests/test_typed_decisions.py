@@ -220,7 +220,8 @@ def test_the_enums_keep_their_json_strings():
     from amp_postmortem.analyses.scale import ScaleStatus
     from amp_postmortem.whatif.scale_result import ScalePosition
     assert {s.value for s in ScaleStatus} == {"no_scaler", "collapse", "stuck_low", "growth_blocked", "healthy"}
-    assert [k.value for k in ORDER] == ["check_data", "check_weights", "training_instability", "keep_fp32", "add_grad_scaler",
+    assert [k.value for k in ORDER] == ["check_data", "check_weights", "training_instability", "keep_fp32",
+                                        "add_grad_scaler",
                                         "gradient_drift",
                                         "use_bf16", "scaler_settings", "fp32_master_weights",
                                         "larger_learning_rate", "stochastic_rounding", "avoid_mixed_precision",

@@ -10,8 +10,8 @@ from .decisions import (SCALE_FINDINGS, KeepFp32, ScaleAdvice, decide_bf16, deci
                         decide_scale_advice, forward_step, no_fp16_config, unscaled_finding, window_drift)
 from .recommendation import Recommendation, RecommendationKind, Source
 from .words import (add_grad_scaler_recommendation, avoid_recommendation, bf16_recommendation,
-                    check_data_recommendation, check_weights_recommendation, drift_recommendation, fix_lines, instability_recommendation,
-                    keep_fp32_recommendation, no_change_recommendation, scaler_settings_recommendation,
+                    check_data_recommendation, check_weights_recommendation, drift_recommendation, fix_lines,
+                    instability_recommendation, keep_fp32_recommendation, no_change_recommendation, scaler_settings_recommendation,
                     substitute_caveat)
 
 COMMAND = "recommend"  # the command the window checks are made for (named where they say how to add --loss)

@@ -45,9 +45,9 @@ def check_weights_recommendation(step: int, names: list, evidence: list, source,
     whose = f"the weights of {shown}" if modules else shown
     return Recommendation(
         RecommendationKind.CHECK_WEIGHTS,
-        f"restore the weights from before step {step} and find what made {whose} NaN/Inf (an update from non-finite "
-        f"gradients or optimizer state or one that overflowed them, a load, an in-place write): they were already non-finite when the step ran, so no "
-        f"precision setting or loss scale saves it",
+        f"restore the weights from before step {step} and find what made {whose} NaN/Inf (an update from "
+        f"non-finite gradients or optimizer state or one that overflowed them, a load, an in-place write): they "
+        f"were already non-finite when the step ran, so no precision setting or loss scale saves it",
         evidence, source, data={"step": step, ("modules" if modules else "params"): list(names)}, verified=verified)
 
 

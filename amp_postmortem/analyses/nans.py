@@ -426,21 +426,15 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
 
 
 def nonfinite_gradient_steps(run: Run, from_step: int | None = None, to_step: int | None = None) -> list[int]:
-    """The steps whose step facts count NaN/Inf gradients on any rank (or
-    whose gradient norm is NaN/Inf), ascending, within the range."""
-    s = run.steps
-    if s.empty or "grad_norm" not in s.columns:
-        return []
-    norm = pd.to_numeric(s["grad_norm"], errors="coerce")
-    bad = norm.notna() & ~np.isfinite(norm.to_numpy(dtype=float, na_value=0.0))
-    if "nonfinite_param_grads" in s.columns:
-        bad |= pd.to_numeric(s["nonfinite_param_grads"], errors="coerce").fillna(0).to_numpy() > 0
-    steps = s.loc[bad, "step"]
+    """Steps whose step facts count NaN/Inf parameter gradients on any rank
+    (skipped or not), ascending, within the range."""
+    s = run.step_series().steps
+    s = s[s["nonfinite_grads_any"]]
     if from_step is not None:
-        steps = steps[steps >= from_step]
+        s = s[s["step"] >= from_step]
     if to_step is not None:
-        steps = steps[steps <= to_step]
-    return sorted({int(v) for v in steps})
+        s = s[s["step"] <= to_step]
+    return sorted(int(v) for v in s["step"])
 
 
 # At most this many updates that applied non-finite gradients are read for

@@ -30,8 +30,8 @@ READ_COLUMNS = ["step", "rank", "loss", "loss_scale_before", "loss_scale", "skip
 # The lowest rank's row of each step (as `steps.drop_duplicates("step")`).
 LOWEST_COLUMNS = ["rank", "loss", "loss_scale_before", "loss_scale", "skipped"]
 # True when any rank's row of the step is (as `steps.groupby("step").any()`).
-ANY_COLUMNS = ["skipped_any", "loss_nonfinite_any", "applied_nonfinite_any", "clean_recorded_any",
-               "recorded_any", "sharded_grad_any"]
+ANY_COLUMNS = ["skipped_any", "loss_nonfinite_any", "applied_nonfinite_any", "nonfinite_grads_any",
+               "clean_recorded_any", "recorded_any", "sharded_grad_any"]
 # The first non-null `loss_scale_before` in rank order (`groupby("step").first()`).
 FIRST_SCALE = "loss_scale_before_first"
 _FIRST_SCALE_RANK = "_first_scale_rank"
@@ -60,7 +60,8 @@ class StepSeries:
     `rank`, `loss`, `loss_scale_before`, `loss_scale`, `skipped`; the any-rank
     flags `skipped_any`, `loss_nonfinite_any` (NaN/Inf loss),
     `applied_nonfinite_any` (non-finite parameter gradients on a step not
-    skipped), `clean_recorded_any` (not skipped, with tensor rows),
+    skipped), `nonfinite_grads_any` (non-finite parameter gradients, skipped
+    or not), `clean_recorded_any` (not skipped, with tensor rows),
     `recorded_any` (with tensor rows), `sharded_grad_any`; `loss_scale_before_first` (the first non-null in
     rank order). `rank_last_steps`: {rank: its last recorded step}."""
     steps: pd.DataFrame
@@ -129,10 +130,12 @@ def _partial(t: pa.Table) -> SeriesPartial:
     clean = pc.invert(skipped)
     recorded = pc.greater(pc.fill_null(t.column("tensor_rows"), 0), 0)
     sq = t.column("sharded_grad_sqsum")
+    bad_grads = pc.greater(pc.fill_null(t.column("nonfinite_param_grads"), 0), 0)
     flags = {
         "skipped_any": skipped,
         "loss_nonfinite_any": t.column("loss_nonfinite"),
-        "applied_nonfinite_any": pc.and_(pc.greater(pc.fill_null(t.column("nonfinite_param_grads"), 0), 0), clean),
+        "applied_nonfinite_any": pc.and_(bad_grads, clean),
+        "nonfinite_grads_any": bad_grads,
         "clean_recorded_any": pc.and_(recorded, clean),
         "recorded_any": recorded,
         "sharded_grad_any": pc.fill_null(pc.invert(pc.is_nan(sq)), False),
