@@ -341,8 +341,16 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
     run.scanned_files.clear()
     # A sharded parameter's gradient: one row per step, whichever ranks
     # hold its non-finite values (the lowest of them names the rank).
-    for rows in run.iter_tensor_frames(_COLUMNS, nonfinite_only=True, kinds=LAYER_KINDS,
+    # The weights' non-finite rows come in the same read (`weights_origin`
+    # asks for them at the forward origin's step): no shard opened twice.
+    bad_weights = set()  # (step, rank, name) of `param` rows holding a NaN/Inf
+    for rows in run.iter_tensor_frames(_COLUMNS, nonfinite_only=True, kinds=LAYER_KINDS + ("param",),
                                        step_range=(from_step, to_step), label="scanning for NaN/Inf"):
+        weights = (rows["kind"] == "param").to_numpy()
+        if weights.any():
+            bad_weights.update(zip(rows["step"][weights].tolist(), rows["rank"][weights].tolist(),
+                                   rows["name"][weights].tolist()))
+            rows = rows[~weights]
         if len(rows):
             acc.add(rows)
 
@@ -377,7 +385,7 @@ def find_nans(run: Run, *, from_step: int | None = None, to_step: int | None = N
                     corrupted = applied[0] if corrupted is None else min(corrupted, applied[0])
                 else:
                     later[phase] = o2
-    weights = weights_origin(run, origins["forward"])
+    weights = weights_origin(run, origins["forward"], bad_weights)
     if weights is not None:
         origins["forward"], step = weights
         if step is not None:
@@ -442,7 +450,7 @@ def nonfinite_gradient_steps(run: Run, from_step: int | None = None, to_step: in
 _APPLIED_READ = 16
 
 
-def weights_origin(run: Run, o: Origin | None) -> tuple[Origin, int | None] | None:
+def weights_origin(run: Run, o: Origin | None, bad_weights: set | None = None) -> tuple[Origin, int | None] | None:
     """(the forward origin `o` rebased on `WEIGHTS`, the step of the update
     that made its weights NaN/Inf, or None when no update that applied
     non-finite gradients came before it) when `o` is a layer whose own
@@ -458,7 +466,9 @@ def weights_origin(run: Run, o: Origin | None) -> tuple[Origin, int | None] | No
     non-finite gradients is in question: their gradients at those updates
     decide (a non-finite one makes it `WEIGHTS`; none, where such an update
     recorded rows, leaves the rule's answer); no rows there at all:
-    `AFTER_UPDATE`."""
+    `AFTER_UPDATE`. `bad_weights`: the (step, rank, name) of the run's
+    `param` rows holding a NaN/Inf, when the caller has read them (`find_nans`'
+    scan); else they are read here."""
     if o is None or o.kind != "activation" or not o.certain or not o.name:
         return None
     applied = [s for s in applied_nonfinite_steps(run) if s < o.step][:_APPLIED_READ]
@@ -466,11 +476,16 @@ def weights_origin(run: Run, o: Origin | None) -> tuple[Origin, int | None] | No
 
     def owned(name: str) -> bool:
         return any(n.rpartition(".")[0] == o.name for n in (name, *aliases.get(name, ())))
-    values = [bad for df in run.iter_tensor_frames(
-                  ["rank", "name", "nan_count", "inf_count"], steps=[o.step], kinds=("param",),
-                  label="reading the weights' rows")
-              for rank, name, bad in zip(df["rank"], df["name"], df["nan_count"] + df["inf_count"])
-              if rank == o.rank and owned(name)]
+    if not applied and bad_weights is not None:
+        # Without an earlier update in question only a non-finite weight
+        # row can change the answer, and the caller's scan holds those.
+        values = [1 for step, rank, name in bad_weights if step == o.step and rank == o.rank and owned(name)]
+    else:
+        values = [bad for df in run.iter_tensor_frames(
+                      ["rank", "name", "nan_count", "inf_count"], steps=[o.step], kinds=("param",),
+                      nonfinite_only=not applied, label="reading the weights' rows")
+                  for rank, name, bad in zip(df["rank"], df["name"], df["nan_count"] + df["inf_count"])
+                  if rank == o.rank and owned(name)]
     if values:
         if not any(v > 0 for v in values):
             return None
